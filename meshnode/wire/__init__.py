@@ -1,0 +1,1 @@
+"""Sans-IO wire pieces: framing, tensor bundle codec, chunk planning, flow control."""

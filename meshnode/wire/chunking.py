@@ -1,0 +1,97 @@
+"""Prefill chunk planning: token-aligned chunks with a bounded token count.
+
+A long prompt is split before the first forward pass so that the activation
+crossing each boundary stays bounded whatever the prompt length. A split never
+falls mid-token; when the per-token activation size is known the bound also
+keeps each chunk's bundle under the negotiated ``max_chunk_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshnode.wire.pb import shard
+
+DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 128
+# Room for the envelope, tensor header and protobuf tags around the payload.
+CHUNK_OVERHEAD_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    index: int
+    count: int
+    first_position: int
+    token_count: int
+
+    @property
+    def final(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def end_position(self) -> int:
+        return self.first_position + self.token_count
+
+    def chunk_info(self) -> shard.ChunkInfo:
+        return shard.ChunkInfo(chunk_index=self.index, chunk_count=self.count, final_chunk=self.final)
+
+    def position_span(self) -> shard.PositionSpan:
+        return shard.PositionSpan(first_position=self.first_position, token_count=self.token_count)
+
+
+def tokens_per_chunk(
+    max_prefill_chunk_tokens: int = DEFAULT_MAX_PREFILL_CHUNK_TOKENS,
+    *,
+    bytes_per_token: int | None = None,
+    max_chunk_bytes: int | None = None,
+) -> int:
+    """The largest token count a chunk may carry under both bounds."""
+    if max_prefill_chunk_tokens <= 0:
+        raise ValueError("max_prefill_chunk_tokens must be positive")
+    bound = max_prefill_chunk_tokens
+    if bytes_per_token is not None and max_chunk_bytes is not None:
+        by_bytes = (max_chunk_bytes - CHUNK_OVERHEAD_BYTES) // bytes_per_token
+        if by_bytes < 1:
+            raise ValueError(
+                f"one token ({bytes_per_token} bytes) does not fit max_chunk_bytes={max_chunk_bytes}"
+            )
+        bound = min(bound, by_bytes)
+    return bound
+
+
+def plan_prefill_chunks(
+    n_tokens: int,
+    *,
+    first_position: int = 0,
+    max_prefill_chunk_tokens: int = DEFAULT_MAX_PREFILL_CHUNK_TOKENS,
+    bytes_per_token: int | None = None,
+    max_chunk_bytes: int | None = None,
+) -> list[PrefillChunk]:
+    """Split ``n_tokens`` starting at ``first_position`` into bounded chunks.
+
+    Chunks are as even as possible (sizes differ by at most one token) so no
+    tail chunk of one token costs a whole extra round trip of latency.
+    """
+    if n_tokens <= 0:
+        raise ValueError("a prefill needs at least one token")
+    bound = tokens_per_chunk(
+        max_prefill_chunk_tokens, bytes_per_token=bytes_per_token, max_chunk_bytes=max_chunk_bytes
+    )
+    count = -(-n_tokens // bound)
+    base, extra = divmod(n_tokens, count)
+    chunks: list[PrefillChunk] = []
+    position = first_position
+    for index in range(count):
+        size = base + (1 if index < extra else 0)
+        chunks.append(PrefillChunk(index=index, count=count, first_position=position, token_count=size))
+        position += size
+    return chunks
+
+
+__all__ = [
+    "CHUNK_OVERHEAD_BYTES",
+    "DEFAULT_MAX_PREFILL_CHUNK_TOKENS",
+    "PrefillChunk",
+    "plan_prefill_chunks",
+    "tokens_per_chunk",
+]

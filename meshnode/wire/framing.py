@@ -1,0 +1,227 @@
+"""mesh-llm/1 stream framing, sans-IO.
+
+A stream opener writes one stream-type byte, then frames
+``[4-byte little-endian length][body]``. Replies on the same stream are frames
+without a type byte. Frames are capped at :data:`MAX_FRAME_BYTES`: a decoder
+refuses an oversized length as soon as it has the 4 length bytes, before it
+buffers any of the body, and an encoder refuses before producing any byte.
+
+The decoder takes byte chunks split anywhere (QUIC delivers whatever it has)
+and yields whole frames; the async helpers at the bottom read from any object
+with ``readexactly`` so the cap holds on the blocking path too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from enum import IntEnum
+from typing import Protocol
+
+from meshnode.wire.errors import FrameTooLarge, FramingError, TruncatedFrame, UnknownStreamType
+
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+LENGTH_PREFIX_BYTES = 4
+NODE_PROTOCOL_GENERATION = 1
+ALPN = "mesh-llm/1"
+
+_LENGTH = struct.Struct("<I")
+
+
+class StreamType(IntEnum):
+    """First byte of every stream (or relay channel)."""
+
+    GOSSIP = 0x01
+    ROUTE_REQUEST = 0x05
+    PEER_DOWN = 0x06
+    PEER_LEAVING = 0x07
+    SUBPROTOCOL = 0x0D
+    # Liveness probe used to confirm a PeerDown report before acting on it.
+    PROBE = 0x0E
+    # Shard data plane: one long-lived session stream per route session seam.
+    SHARD_SESSION = 0x20
+    # Unary shard calls, one request and one response on a fresh stream each.
+    SHARD_CAPABILITY = 0x21
+    SHARD_HEALTH = 0x22
+    SHARD_RELEASE = 0x23
+    SHARD_CANCEL = 0x24
+
+
+def parse_stream_type(value: int) -> StreamType:
+    try:
+        return StreamType(value)
+    except ValueError:
+        raise UnknownStreamType(value) from None
+
+
+def frame_header(length: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Length prefix for a body of ``length`` bytes; refuses oversize first."""
+    if length > max_frame_bytes:
+        raise FrameTooLarge(length, max_frame_bytes)
+    return _LENGTH.pack(length)
+
+
+def encode_frame(body: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    return frame_header(len(body), max_frame_bytes) + body
+
+
+def encode_stream_open(
+    stream_type: StreamType, body: bytes | None = None, max_frame_bytes: int = MAX_FRAME_BYTES
+) -> bytes:
+    """The type byte, followed by the first frame when ``body`` is given."""
+    prefix = bytes((int(stream_type),))
+    if body is None:
+        return prefix
+    return prefix + encode_frame(body, max_frame_bytes)
+
+
+class FrameDecoder:
+    """Incremental decoder for one direction of one stream.
+
+    ``expect_stream_type`` is true on the accepting side of a stream, whose first
+    byte names the stream type. After any error the decoder stays failed: the
+    stream is no longer in sync and must be closed.
+    """
+
+    _TYPE, _HEADER, _BODY, _FAILED = range(4)
+
+    def __init__(self, *, expect_stream_type: bool, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.stream_type: StreamType | None = None
+        self._state = self._TYPE if expect_stream_type else self._HEADER
+        self._header = bytearray()
+        self._body: bytearray | None = None
+        self._body_filled = 0
+        self._error: FramingError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for an incomplete frame (never more than one frame's worth)."""
+        return len(self._header) + self._body_filled
+
+    @property
+    def at_frame_boundary(self) -> bool:
+        return self._state == self._HEADER and not self._header
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._feed(memoryview(data).cast("B"))
+        except FramingError as exc:
+            self._fail(exc)
+            raise
+
+    def end_of_stream(self) -> None:
+        """The peer finished sending; refuse if that was mid-frame."""
+        if self._error is not None:
+            raise self._error
+        if self._state == self._TYPE:
+            self._fail(TruncatedFrame(0, 1))
+        elif self._state == self._BODY:
+            assert self._body is not None
+            self._fail(TruncatedFrame(self._body_filled, len(self._body)))
+        elif self._header:
+            self._fail(TruncatedFrame(len(self._header), LENGTH_PREFIX_BYTES))
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, exc: FramingError) -> None:
+        self._error = exc
+        self._state = self._FAILED
+        self._header.clear()
+        self._body = None
+        self._body_filled = 0
+
+    def _feed(self, view: memoryview) -> list[bytes]:
+        frames: list[bytes] = []
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._state == self._TYPE:
+                self.stream_type = parse_stream_type(view[pos])
+                pos += 1
+                self._state = self._HEADER
+            elif self._state == self._HEADER:
+                take = min(LENGTH_PREFIX_BYTES - len(self._header), end - pos)
+                self._header += view[pos : pos + take]
+                pos += take
+                if len(self._header) < LENGTH_PREFIX_BYTES:
+                    break
+                (length,) = _LENGTH.unpack(self._header)
+                self._header.clear()
+                if length > self.max_frame_bytes:
+                    raise FrameTooLarge(length, self.max_frame_bytes)
+                if end - pos >= length:
+                    # Whole body already here: one copy, no intermediate buffer.
+                    frames.append(bytes(view[pos : pos + length]))
+                    pos += length
+                else:
+                    # Length validated above, so this allocation is bounded by the cap.
+                    self._body = bytearray(length)
+                    self._body_filled = 0
+                    self._state = self._BODY
+            else:
+                assert self._body is not None
+                take = min(len(self._body) - self._body_filled, end - pos)
+                self._body[self._body_filled : self._body_filled + take] = view[pos : pos + take]
+                self._body_filled += take
+                pos += take
+                if self._body_filled == len(self._body):
+                    frames.append(bytes(self._body))
+                    self._body = None
+                    self._body_filled = 0
+                    self._state = self._HEADER
+        return frames
+
+
+class ExactReader(Protocol):
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+async def read_stream_type(reader: ExactReader) -> StreamType:
+    try:
+        first = await reader.readexactly(1)
+    except asyncio.IncompleteReadError:
+        raise TruncatedFrame(0, 1) from None
+    return parse_stream_type(first[0])
+
+
+async def read_frame(reader: ExactReader, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
+    """Read one frame; ``None`` on a clean end of stream at a frame boundary.
+
+    Reads the 4 length bytes, refuses an oversized length, and only then asks the
+    reader for the body, so an oversized prefix costs 4 bytes, not the body.
+    """
+    try:
+        header = await reader.readexactly(LENGTH_PREFIX_BYTES)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise TruncatedFrame(len(exc.partial), LENGTH_PREFIX_BYTES) from None
+    (length,) = _LENGTH.unpack(header)
+    if length > max_frame_bytes:
+        raise FrameTooLarge(length, max_frame_bytes)
+    if length == 0:
+        return b""
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise TruncatedFrame(len(exc.partial), length) from None
+
+
+__all__ = [
+    "ALPN",
+    "LENGTH_PREFIX_BYTES",
+    "MAX_FRAME_BYTES",
+    "NODE_PROTOCOL_GENERATION",
+    "ExactReader",
+    "FrameDecoder",
+    "FramingError",
+    "StreamType",
+    "encode_frame",
+    "encode_stream_open",
+    "frame_header",
+    "parse_stream_type",
+    "read_frame",
+    "read_stream_type",
+]

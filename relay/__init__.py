@@ -1,0 +1,1 @@
+"""The meshnode relay: forwards opaque frames between mesh members that cannot dial each other."""
