@@ -1,0 +1,292 @@
+"""The project-owned ``ShardEngine`` contract.
+
+A shard engine executes a contiguous layer range ``[layer_start, layer_end)`` of
+one model for many route sessions. Protocol code talks to engines only through
+this module's plain types: nothing here imports protobuf, grpc or ctypes, so the
+fake engine and the llama.cpp engine are interchangeable behind the data plane.
+
+Inputs and outputs:
+
+- a head shard (``layer_start == 0``) takes token ids; every other shard takes a
+  float32 hidden state ``[n_tokens, hidden_size]``;
+- a non-tail shard returns the float32 residual stream after its last layer;
+- a tail shard (``layer_end == total_layers``) returns a sampled token id for the
+  last position when asked to sample, never raw logits on the normal path
+  (``want_logits`` exists for parity checks and diagnostics).
+
+Cache rules (``CacheExpectation`` in the schema): a prefill at position 0 starts
+fresh session state; any other step must find the session cache holding exactly
+the expected number of tokens, or it fails with ``CACHE_MISS`` carrying the
+actual length. A step is never silently run without its cache.
+
+Engines are synchronous and not re-entrant; callers run them on one worker
+thread. ``cancel`` and ``CancelToken.cancel`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+
+class EngineErrorKind(Enum):
+    CACHE_MISS = "cache_miss"
+    EPOCH_STALE = "epoch_stale"
+    CANCELLED = "cancelled"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    INVALID_REQUEST = "invalid_request"
+    NOT_LOADED = "not_loaded"
+    UNSUPPORTED_MODEL = "unsupported_model"
+    INTERNAL = "internal"
+
+
+class EngineError(Exception):
+    """A typed engine refusal. ``detail`` is safe to show an operator or a peer."""
+
+    def __init__(self, kind: EngineErrorKind, detail: str, *, actual_past_len: int = 0) -> None:
+        super().__init__(f"{kind.value}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.actual_past_len = actual_past_len
+
+
+class CancelToken:
+    """Thread-safe flag an engine polls to abandon a running step."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass(frozen=True, order=True)
+class SessionKey:
+    """One isolated cache: a route session at one route epoch."""
+
+    session_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Tail-side sampling. ``temperature == 0`` is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    model_path: str
+    layer_start: int = 0
+    # Exclusive; ``None`` means through the last layer.
+    layer_end: int | None = None
+    n_ctx: int = 4096
+    n_seq_max: int = 4
+    n_batch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    # Idle sessions are dropped after this long even without a release.
+    session_ttl_s: float = 600.0
+    # Where derived artifacts (GGUF slices) are cached; ``None`` picks a default.
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineFingerprint:
+    model_artifact_digest: str
+    runtime_recipe_digest: str
+    recipe_id: str = ""
+    recipe_version: str = ""
+    catalogue_version: str = ""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    fingerprint: EngineFingerprint
+    model_name: str
+    architecture: str
+    total_layers: int
+    layer_start: int
+    layer_end: int
+    hidden_size: int
+    vocab_size: int
+    max_sessions: int
+    max_context_tokens: int
+    backend: str
+    device: str
+
+    @property
+    def is_head(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.layer_end == self.total_layers
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One prefill chunk or decode step for one session.
+
+    Exactly one of ``token_ids`` (head) and ``hidden`` (non-head) is set.
+    ``first_position`` is the absolute position of the first token; for a
+    prefill it is also the cache expectation (0 = start fresh), for a decode
+    ``expected_past_len`` is.
+    """
+
+    session: SessionKey
+    first_position: int
+    token_ids: tuple[int, ...] | None = None
+    hidden: np.ndarray | None = None
+    expected_past_len: int | None = None
+    # Tail only: sample a token for the last position with these parameters.
+    sampling: SamplingParams | None = None
+    # Tail only: also return the last position's logits (parity checks, diagnostics).
+    want_logits: bool = False
+    # Tail only: how many tokens this session has sampled before, so a seeded
+    # sampler draws the same token for the same step after a retry or replay.
+    sample_index: int = 0
+    work_id: str = ""
+    cancel_token: CancelToken | None = None
+
+    def __post_init__(self) -> None:
+        if (self.token_ids is None) == (self.hidden is None):
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, "exactly one of token_ids and hidden")
+        if self.first_position < 0:
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, "negative position")
+        if self.n_tokens < 1:
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, "a step needs at least one token")
+
+    @property
+    def n_tokens(self) -> int:
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        assert self.hidden is not None
+        return int(self.hidden.shape[0]) if self.hidden.ndim == 2 else 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    # Tokens the session cache holds for this shard's range after the step.
+    past_len: int
+    # True when existing session state was continued rather than started fresh.
+    cache_hit: bool
+    # Non-tail: float32 [n_tokens, hidden_size] after this shard's last layer.
+    hidden: np.ndarray | None = None
+    # Tail, when sampling was requested.
+    token_id: int | None = None
+    # Tail, when want_logits: float32 [vocab_size] for the last position.
+    logits: np.ndarray | None = None
+    execution_nanos: int = 0
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    loaded: bool
+    active_sessions: int
+    kv_tokens_used: int
+    kv_tokens_capacity: int
+    resident_bytes: int
+    detail: str = ""
+
+    @property
+    def kv_pressure(self) -> float:
+        if self.kv_tokens_capacity <= 0:
+            return 0.0
+        return min(1.0, self.kv_tokens_used / self.kv_tokens_capacity)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+
+# Counter names every engine reports (others may be added).
+METRIC_PREFILL_STEPS = "prefill_steps"
+METRIC_DECODE_STEPS = "decode_steps"
+METRIC_TOKENS_PROCESSED = "tokens_processed"
+METRIC_CACHE_MISSES = "cache_misses"
+METRIC_SESSIONS_OPENED = "sessions_opened"
+METRIC_SESSIONS_RELEASED = "sessions_released"
+METRIC_SESSIONS_EVICTED = "sessions_evicted"
+METRIC_SESSIONS_CANCELLED = "sessions_cancelled"
+METRIC_STEPS_CANCELLED = "steps_cancelled"
+METRIC_ERRORS = "errors"
+
+
+class ShardEngine(ABC):
+    @abstractmethod
+    def load(self, request: LoadRequest) -> EngineCapabilities:
+        """Load the layer range; raise ``UNSUPPORTED_MODEL`` for what it cannot run."""
+
+    @abstractmethod
+    def capabilities(self) -> EngineCapabilities:
+        """What is loaded; ``NOT_LOADED`` before ``load``."""
+
+    @abstractmethod
+    def prefill(self, request: StepRequest) -> StepResult:
+        """Run a prefill chunk: fresh state at position 0, else continue at ``first_position``."""
+
+    @abstractmethod
+    def decode(self, request: StepRequest) -> StepResult:
+        """Run one token whose session cache must hold ``expected_past_len`` tokens."""
+
+    @abstractmethod
+    def cancel(self, session: SessionKey) -> int:
+        """Cancel the session: abandon its running step and refuse further steps
+        until a new prefill at position 0. Returns the number of units abandoned."""
+
+    @abstractmethod
+    def release(self, session: SessionKey) -> bool:
+        """Drop the session's state. Idempotent: ``False`` when there was none."""
+
+    @abstractmethod
+    def health(self) -> EngineHealth: ...
+
+    @abstractmethod
+    def metrics(self) -> EngineMetrics: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to free by default
+        """Free native resources."""
+
+
+__all__ = [
+    "GREEDY",
+    "CancelToken",
+    "EngineCapabilities",
+    "EngineError",
+    "EngineErrorKind",
+    "EngineFingerprint",
+    "EngineHealth",
+    "EngineMetrics",
+    "LoadRequest",
+    "SamplingParams",
+    "SessionKey",
+    "ShardEngine",
+    "StepRequest",
+    "StepResult",
+]
