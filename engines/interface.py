@@ -160,6 +160,10 @@ class StepRequest:
     token_ids: tuple[int, ...] | None = None
     hidden: np.ndarray | None = None
     expected_past_len: int | None = None
+    # Where execution starts when a route's shard ranges overlap: the previous hop
+    # already applied the layers below it. ``None`` means the loaded ``layer_start``;
+    # re-applying a layer would silently corrupt the activation.
+    effective_start_layer: int | None = None
     # Tail only: sample a token for the last position with these parameters.
     sampling: SamplingParams | None = None
     # Tail only: also return the last position's logits (parity checks, diagnostics).
