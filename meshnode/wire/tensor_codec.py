@@ -21,12 +21,14 @@ bit patterns; :func:`float32_to_bfloat16_bits` converts with round-to-nearest-ev
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import google_crc32c
 import numpy as np
 import zstandard
+from google.protobuf.message import DecodeError
 
+from meshnode.wire import protowire
+from meshnode.wire.crc32c import Buffer, crc32c
 from meshnode.wire.errors import PayloadCorrupt
 from meshnode.wire.pb import shard
 
@@ -105,8 +107,8 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
-def crc32c_checksum(data: bytes) -> shard.Checksum:
-    value = google_crc32c.value(data)
+def crc32c_checksum(data: Buffer) -> shard.Checksum:
+    value = crc32c(data)
     return shard.Checksum(algorithm=shard.CHECKSUM_ALGORITHM_CRC32C, value=value.to_bytes(4, "big"))
 
 
@@ -182,144 +184,336 @@ def encode_bundle(tensors: Iterable[shard.NamedTensor]) -> shard.TensorBundle:
 
 # ---------------------------------------------------------------------------
 # Decode
+#
+# Two front ends share one validator: ``decode_tensor``/``decode_bundle`` take
+# parsed protobuf objects; ``decode_tensor_bytes``/``decode_bundle_bytes`` read
+# the serialized message with ``protowire`` so payloads stay zero-copy views of
+# the received frame (the hot path).
 # ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Fragment:
+    index: int = 0
+    count: int = 0
+    offset: int = 0
+    payload: Buffer = b""
+
+
+@dataclass
+class _TensorParts:
+    """The fields of one ``NamedTensor``, however they were read."""
+
+    name: str = ""
+    shape: list[int] = field(default_factory=list)
+    dtype: int = 0
+    byte_order: int = 0
+    total_bytes: int = 0
+    compression: int = 0
+    checksum_algorithm: int = 0
+    checksum_value: bytes = b""
+    fragments: list[_Fragment] = field(default_factory=list)
+
+
+def _parts_from_pb(tensor: shard.NamedTensor) -> _TensorParts:
+    return _TensorParts(
+        name=tensor.name,
+        shape=list(tensor.shape),
+        dtype=tensor.dtype,
+        byte_order=tensor.byte_order,
+        total_bytes=tensor.total_bytes,
+        compression=tensor.compression,
+        checksum_algorithm=tensor.checksum.algorithm,
+        checksum_value=tensor.checksum.value,
+        fragments=[
+            _Fragment(f.fragment_index, f.fragment_count, f.byte_offset, f.payload) for f in tensor.fragments
+        ],
+    )
+
+
+_U32 = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+
+
+def _fragment_from_wire(view: memoryview) -> _Fragment:
+    fragment = _Fragment()
+    for number, wire_type, value in protowire.iter_fields(view):
+        if wire_type == protowire.VARINT:
+            if number == 1:
+                fragment.index = value & _U32  # type: ignore[operator]
+            elif number == 2:
+                fragment.count = value & _U32  # type: ignore[operator]
+            elif number == 3:
+                fragment.offset = value & _U64  # type: ignore[operator]
+        elif wire_type == protowire.LENGTH_DELIMITED and number == 4:
+            fragment.payload = value  # type: ignore[assignment]
+    return fragment
+
+
+def _parts_from_wire(view: memoryview, limits: DecodeLimits) -> _TensorParts:
+    """Read a serialized ``NamedTensor`` the way the protobuf runtime would:
+    last value wins, repeated fields append, a known field with an unexpected
+    wire type is an unknown field, repeated messages merge."""
+    parts = _TensorParts()
+    for number, wire_type, value in protowire.iter_fields(view):
+        if wire_type == protowire.VARINT:
+            if number == 2:
+                parts.shape.append(protowire.as_int64(value))  # type: ignore[arg-type]
+                _check_rank(parts, limits)
+            elif number in _TENSOR_ENUM_FIELDS:
+                setattr(parts, _TENSOR_ENUM_FIELDS[number], protowire.as_int64(value) & _U32)  # type: ignore[arg-type]
+            elif number == 5:
+                parts.total_bytes = value & _U64  # type: ignore[operator]
+        elif wire_type == protowire.LENGTH_DELIMITED:
+            assert isinstance(value, memoryview)
+            if number == 1:
+                try:
+                    parts.name = str(value, "utf-8")
+                except UnicodeDecodeError:
+                    raise PayloadCorrupt("tensor name is not UTF-8") from None
+            elif number == 2:
+                for packed in protowire.packed_varints(value):
+                    parts.shape.append(protowire.as_int64(packed))
+                    _check_rank(parts, limits)
+            elif number == 7:
+                for sub_number, sub_type, sub_value in protowire.iter_fields(value):
+                    if sub_number == 1 and sub_type == protowire.VARINT:
+                        parts.checksum_algorithm = protowire.as_int64(sub_value) & _U32  # type: ignore[arg-type]
+                    elif sub_number == 2 and sub_type == protowire.LENGTH_DELIMITED:
+                        parts.checksum_value = bytes(sub_value)  # type: ignore[arg-type]
+            elif number == 8:
+                if len(parts.fragments) >= limits.max_fragments:
+                    raise PayloadCorrupt(f"tensor {parts.name!r}: more than {limits.max_fragments} fragments")
+                parts.fragments.append(_fragment_from_wire(value))
+    return parts
+
+
+def _check_rank(parts: _TensorParts, limits: DecodeLimits) -> None:
+    if len(parts.shape) > limits.max_rank:
+        raise PayloadCorrupt(f"tensor {parts.name!r}: rank {len(parts.shape)} over {limits.max_rank}")
+
+
+# Enum fields of NamedTensor: an open proto3 enum keeps its int32 value.
+_TENSOR_ENUM_FIELDS = {3: "dtype", 4: "byte_order", 6: "compression"}
+
+
+def _as_signed32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _enum_name(enum: object, value: int) -> str:
     try:
-        return enum.Name(value)  # type: ignore[attr-defined]
+        return enum.Name(_as_signed32(value))  # type: ignore[attr-defined]
     except ValueError:
-        return str(value)
+        return str(_as_signed32(value))
 
 
-def _check_header(tensor: shard.NamedTensor, limits: DecodeLimits) -> np.dtype:
-    if not tensor.name or len(tensor.name) > limits.max_name_length:
+def _check_header(parts: _TensorParts, limits: DecodeLimits) -> np.dtype:
+    if not parts.name or len(parts.name) > limits.max_name_length:
         raise PayloadCorrupt("tensor name is empty or too long")
-    np_dtype = NUMPY_DTYPES.get(tensor.dtype)
+    name = parts.name
+    np_dtype = NUMPY_DTYPES.get(parts.dtype)
     if np_dtype is None:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: dtype {_enum_name(shard.DType, tensor.dtype)} refused")
-    if tensor.byte_order != shard.BYTE_ORDER_LITTLE_ENDIAN:
+        raise PayloadCorrupt(f"tensor {name!r}: dtype {_enum_name(shard.DType, parts.dtype)} refused")
+    if parts.byte_order != shard.BYTE_ORDER_LITTLE_ENDIAN:
         raise PayloadCorrupt(
-            f"tensor {tensor.name!r}: byte order {_enum_name(shard.ByteOrder, tensor.byte_order)} refused"
+            f"tensor {name!r}: byte order {_enum_name(shard.ByteOrder, parts.byte_order)} refused"
         )
-    if tensor.compression not in (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD):
+    if parts.compression not in (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD):
         raise PayloadCorrupt(
-            f"tensor {tensor.name!r}: compression {_enum_name(shard.Compression, tensor.compression)} refused"
+            f"tensor {name!r}: compression {_enum_name(shard.Compression, parts.compression)} refused"
         )
-    if len(tensor.shape) > limits.max_rank:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: rank {len(tensor.shape)} over {limits.max_rank}")
+    _check_rank(parts, limits)
     elements = 1
-    for dim in tensor.shape:
+    for dim in parts.shape:
         if dim < 0:
-            raise PayloadCorrupt(f"tensor {tensor.name!r}: negative dimension")
+            raise PayloadCorrupt(f"tensor {name!r}: negative dimension")
         elements *= dim
-    if elements * np_dtype.itemsize != tensor.total_bytes:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: shape does not match total_bytes")
-    if tensor.total_bytes > limits.max_tensor_bytes:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: {tensor.total_bytes} bytes over budget")
-    checksum = tensor.checksum
-    if checksum.algorithm == shard.CHECKSUM_ALGORITHM_CRC32C:
-        if len(checksum.value) != 4:
-            raise PayloadCorrupt(f"tensor {tensor.name!r}: CRC32C value must be 4 bytes")
-    elif checksum.algorithm == shard.CHECKSUM_ALGORITHM_NONE and not limits.require_checksum:
-        pass
-    else:
+    if elements * np_dtype.itemsize != parts.total_bytes:
+        raise PayloadCorrupt(f"tensor {name!r}: shape does not match total_bytes")
+    if parts.total_bytes > limits.max_tensor_bytes:
+        raise PayloadCorrupt(f"tensor {name!r}: {parts.total_bytes} bytes over budget")
+    if parts.checksum_algorithm == shard.CHECKSUM_ALGORITHM_CRC32C:
+        if len(parts.checksum_value) != 4:
+            raise PayloadCorrupt(f"tensor {name!r}: CRC32C value must be 4 bytes")
+    elif parts.checksum_algorithm != shard.CHECKSUM_ALGORITHM_NONE or limits.require_checksum:
         raise PayloadCorrupt(
-            f"tensor {tensor.name!r}: checksum "
-            f"{_enum_name(shard.ChecksumAlgorithm, checksum.algorithm)} refused"
+            f"tensor {name!r}: checksum {_enum_name(shard.ChecksumAlgorithm, parts.checksum_algorithm)} refused"
         )
     return np_dtype
 
 
-def _wire_body_limit(tensor: shard.NamedTensor) -> int:
-    if tensor.compression == shard.COMPRESSION_NONE:
-        return tensor.total_bytes
+def _wire_body_limit(parts: _TensorParts) -> int:
+    if parts.compression == shard.COMPRESSION_NONE:
+        return parts.total_bytes
     # ZSTD_COMPRESSBOUND: the largest frame zstd can emit for this input.
-    size = tensor.total_bytes
+    size = parts.total_bytes
     margin = ((128 * 1024 - size) >> 11) if size < 128 * 1024 else 0
     return size + (size >> 8) + margin + 64
 
 
-def _assemble_wire_body(tensor: shard.NamedTensor, limits: DecodeLimits) -> bytes:
-    """Prove the fragments tile the wire body exactly and return it."""
-    fragments = tensor.fragments
+def _assemble_wire_body(parts: _TensorParts, limits: DecodeLimits) -> Buffer:
+    """Prove the fragments tile the wire body exactly and return it.
+
+    A single fragment is returned as is (no copy); several are copied once into
+    one buffer in offset order, whatever order they arrived in.
+    """
+    name, fragments = parts.name, parts.fragments
     count = len(fragments)
     if count == 0 or count > limits.max_fragments:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: {count} fragments")
+        raise PayloadCorrupt(f"tensor {name!r}: {count} fragments")
+    limit = _wire_body_limit(parts)
     if count == 1:
         only = fragments[0]
-        if only.fragment_index != 0 or only.fragment_count != 1 or only.byte_offset != 0:
-            raise PayloadCorrupt(f"tensor {tensor.name!r}: fragment does not start the body")
-        body = only.payload
+        if only.index != 0 or only.count != 1 or only.offset != 0:
+            raise PayloadCorrupt(f"tensor {name!r}: fragment does not start the body")
+        body: Buffer = only.payload
     else:
-        ordered = sorted(fragments, key=lambda f: f.byte_offset)
-        limit = _wire_body_limit(tensor)
+        ordered = sorted(fragments, key=lambda f: f.offset)
         expected_offset = 0
         for position, fragment in enumerate(ordered):
-            if fragment.fragment_count != count or fragment.fragment_index != position:
-                raise PayloadCorrupt(f"tensor {tensor.name!r}: fragment indices do not match offsets")
-            if fragment.byte_offset != expected_offset:
-                kind = "hole" if fragment.byte_offset > expected_offset else "overlap"
-                raise PayloadCorrupt(f"tensor {tensor.name!r}: fragments leave a {kind}")
+            if fragment.count != count or fragment.index != position:
+                raise PayloadCorrupt(f"tensor {name!r}: fragment indices do not match offsets")
+            if fragment.offset != expected_offset:
+                kind = "hole" if fragment.offset > expected_offset else "overlap"
+                raise PayloadCorrupt(f"tensor {name!r}: fragments leave a {kind}")
             expected_offset += len(fragment.payload)
             if expected_offset > limit:
-                raise PayloadCorrupt(f"tensor {tensor.name!r}: fragments exceed the body size")
-        body = b"".join(f.payload for f in ordered)
-    if tensor.compression == shard.COMPRESSION_NONE and len(body) != tensor.total_bytes:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: fragments do not cover total_bytes")
-    if len(body) > _wire_body_limit(tensor):
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: compressed body larger than possible")
+                raise PayloadCorrupt(f"tensor {name!r}: fragments exceed the body size")
+        # Sized from the proven extent, which is within the budget checked above.
+        assembled = bytearray(expected_offset)
+        for fragment in ordered:
+            assembled[fragment.offset : fragment.offset + len(fragment.payload)] = fragment.payload
+        body = assembled
+    if parts.compression == shard.COMPRESSION_NONE and len(body) != parts.total_bytes:
+        raise PayloadCorrupt(f"tensor {name!r}: fragments do not cover total_bytes")
+    if len(body) > limit:
+        raise PayloadCorrupt(f"tensor {name!r}: compressed body larger than possible")
     return body
 
 
-def _decompress(tensor: shard.NamedTensor, body: bytes, limits: DecodeLimits) -> bytes:
+def _decompress(parts: _TensorParts, body: Buffer, limits: DecodeLimits) -> bytes:
+    name = parts.name
     try:
         declared = zstandard.frame_content_size(body)
     except zstandard.ZstdError:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: not a zstd frame") from None
-    if declared != tensor.total_bytes:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: zstd frame does not declare total_bytes")
+        raise PayloadCorrupt(f"tensor {name!r}: not a zstd frame") from None
+    if declared != parts.total_bytes:
+        raise PayloadCorrupt(f"tensor {name!r}: zstd frame does not declare total_bytes")
     decompressor = zstandard.ZstdDecompressor(max_window_size=limits.max_zstd_window).decompressobj()
     try:
         # The declared size is enforced by zstd itself: a frame that expands past
         # it fails instead of growing the output.
         raw = decompressor.decompress(body)
     except zstandard.ZstdError:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: zstd frame is corrupt or over the window") from None
-    if not decompressor.eof or decompressor.unused_data or len(raw) != tensor.total_bytes:
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: zstd frame has the wrong extent")
+        raise PayloadCorrupt(f"tensor {name!r}: zstd frame is corrupt or over the window") from None
+    if not decompressor.eof or decompressor.unused_data or len(raw) != parts.total_bytes:
+        raise PayloadCorrupt(f"tensor {name!r}: zstd frame has the wrong extent")
     return raw
 
 
-def decode_tensor(tensor: shard.NamedTensor, limits: DecodeLimits = DEFAULT_LIMITS) -> WireTensor:
-    np_dtype = _check_header(tensor, limits)
-    body = _assemble_wire_body(tensor, limits)
-    raw = _decompress(tensor, body, limits) if tensor.compression == shard.COMPRESSION_ZSTD else body
-    checksum = tensor.checksum
-    if checksum.algorithm == shard.CHECKSUM_ALGORITHM_CRC32C and google_crc32c.value(raw) != int.from_bytes(
-        checksum.value, "big"
+def _decode_parts(parts: _TensorParts, limits: DecodeLimits) -> WireTensor:
+    np_dtype = _check_header(parts, limits)
+    body = _assemble_wire_body(parts, limits)
+    raw = _decompress(parts, body, limits) if parts.compression == shard.COMPRESSION_ZSTD else body
+    if parts.checksum_algorithm == shard.CHECKSUM_ALGORITHM_CRC32C and crc32c(raw) != int.from_bytes(
+        parts.checksum_value, "big"
     ):
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: checksum mismatch")
+        raise PayloadCorrupt(f"tensor {parts.name!r}: checksum mismatch")
     array = np.frombuffer(raw, dtype=np_dtype)
-    if tensor.dtype == shard.DTYPE_BOOL and array.size and raw.translate(None, b"\x00\x01"):
-        raise PayloadCorrupt(f"tensor {tensor.name!r}: bool payload holds values other than 0 and 1")
-    return WireTensor(name=tensor.name, dtype=tensor.dtype, array=array.reshape(tuple(tensor.shape)))
+    if parts.dtype == shard.DTYPE_BOOL and array.size and np.any(array.view(np.uint8) > 1):
+        raise PayloadCorrupt(f"tensor {parts.name!r}: bool payload holds values other than 0 and 1")
+    return WireTensor(name=parts.name, dtype=parts.dtype, array=array.reshape(tuple(parts.shape)))
+
+
+def decode_tensor(tensor: shard.NamedTensor, limits: DecodeLimits = DEFAULT_LIMITS) -> WireTensor:
+    return _decode_parts(_parts_from_pb(tensor), limits)
+
+
+# Below this size the protobuf runtime's C parser beats the zero-copy reader:
+# the copies it makes cost less than reading fields in Python.
+ZERO_COPY_THRESHOLD_BYTES = 64 * 1024
+
+
+def _use_zero_copy(data: Buffer, zero_copy: bool | None) -> bool:
+    return len(data) >= ZERO_COPY_THRESHOLD_BYTES if zero_copy is None else zero_copy
+
+
+def decode_tensor_bytes(
+    data: Buffer, limits: DecodeLimits = DEFAULT_LIMITS, *, zero_copy: bool | None = None
+) -> WireTensor:
+    """Decode a serialized ``NamedTensor``; the array may be a read-only view of ``data``.
+
+    ``zero_copy`` picks the reader; ``None`` picks by size (see ZERO_COPY_THRESHOLD_BYTES).
+    """
+    if not _use_zero_copy(data, zero_copy):
+        try:
+            tensor = shard.NamedTensor.FromString(bytes(data))
+        except DecodeError:
+            raise PayloadCorrupt("tensor message is malformed") from None
+        return decode_tensor(tensor, limits)
+    try:
+        parts = _parts_from_wire(memoryview(data).cast("B"), limits)
+    except protowire.WireFormatError as exc:
+        raise PayloadCorrupt(f"tensor message is malformed: {exc}") from None
+    return _decode_parts(parts, limits)
+
+
+def _check_bundle_budget(version: int, sizes: list[int], limits: DecodeLimits) -> None:
+    if version != BUNDLE_VERSION:
+        raise PayloadCorrupt(f"bundle version {version} refused")
+    if len(sizes) > limits.max_tensors:
+        raise PayloadCorrupt(f"bundle holds {len(sizes)} tensors, over {limits.max_tensors}")
+    if sum(sizes) > limits.max_bundle_bytes:
+        raise PayloadCorrupt(f"bundle of {sum(sizes)} bytes over budget")
+
+
+def _collect(tensors: Iterable[WireTensor]) -> dict[str, WireTensor]:
+    decoded: dict[str, WireTensor] = {}
+    for tensor in tensors:
+        if tensor.name in decoded:
+            raise PayloadCorrupt(f"bundle names tensor {tensor.name!r} twice")
+        decoded[tensor.name] = tensor
+    return decoded
 
 
 def decode_bundle(bundle: shard.TensorBundle, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, WireTensor]:
-    if bundle.bundle_version != BUNDLE_VERSION:
-        raise PayloadCorrupt(f"bundle version {bundle.bundle_version} refused")
-    if len(bundle.tensors) > limits.max_tensors:
-        raise PayloadCorrupt(f"bundle holds {len(bundle.tensors)} tensors, over {limits.max_tensors}")
-    total = sum(t.total_bytes for t in bundle.tensors)
-    if total > limits.max_bundle_bytes:
-        raise PayloadCorrupt(f"bundle of {total} bytes over budget")
-    decoded: dict[str, WireTensor] = {}
-    for tensor in bundle.tensors:
-        if tensor.name in decoded:
-            raise PayloadCorrupt(f"bundle names tensor {tensor.name!r} twice")
-        decoded[tensor.name] = decode_tensor(tensor, limits)
-    return decoded
+    _check_bundle_budget(bundle.bundle_version, [t.total_bytes for t in bundle.tensors], limits)
+    return _collect(decode_tensor(t, limits) for t in bundle.tensors)
+
+
+def decode_bundle_bytes(
+    data: Buffer, limits: DecodeLimits = DEFAULT_LIMITS, *, zero_copy: bool | None = None
+) -> dict[str, WireTensor]:
+    """Decode a serialized ``TensorBundle``; arrays may be read-only views of ``data``.
+
+    ``zero_copy`` picks the reader; ``None`` picks by size (see ZERO_COPY_THRESHOLD_BYTES).
+    """
+    if not _use_zero_copy(data, zero_copy):
+        try:
+            bundle = shard.TensorBundle.FromString(bytes(data))
+        except DecodeError:
+            raise PayloadCorrupt("bundle message is malformed") from None
+        return decode_bundle(bundle, limits)
+    return _decode_bundle_zero_copy(data, limits)
+
+
+def _decode_bundle_zero_copy(data: Buffer, limits: DecodeLimits) -> dict[str, WireTensor]:
+    try:
+        version = 0
+        tensor_views: list[memoryview] = []
+        for number, wire_type, value in protowire.iter_fields(memoryview(data).cast("B")):
+            if number == 1 and wire_type == protowire.VARINT:
+                version = value & _U32  # type: ignore[operator]
+            elif number == 2 and wire_type == protowire.LENGTH_DELIMITED:
+                if len(tensor_views) >= limits.max_tensors:
+                    raise PayloadCorrupt(f"bundle holds more than {limits.max_tensors} tensors")
+                tensor_views.append(value)  # type: ignore[arg-type]
+        parts = [_parts_from_wire(view, limits) for view in tensor_views]
+    except protowire.WireFormatError as exc:
+        raise PayloadCorrupt(f"bundle message is malformed: {exc}") from None
+    _check_bundle_budget(version, [p.total_bytes for p in parts], limits)
+    return _collect(_decode_parts(p, limits) for p in parts)
 
 
 __all__ = [
@@ -331,7 +525,9 @@ __all__ = [
     "bfloat16_bits_to_float32",
     "crc32c_checksum",
     "decode_bundle",
+    "decode_bundle_bytes",
     "decode_tensor",
+    "decode_tensor_bytes",
     "encode_bundle",
     "encode_float_tensor",
     "encode_tensor",

@@ -1,0 +1,53 @@
+"""CRC32C (Castagnoli) over any buffer, without copying it.
+
+google-crc32c's Python wrapper only accepts ``bytes`` objects (its C code parses
+``y#``), so checksumming a slice of a received frame would first copy the slice.
+The hardware-accelerated C library the wheel bundles exports
+``crc32c_extend(crc, data, length)``; calling it on the buffer's address keeps
+verification zero-copy. Where that library cannot be located the Python API is
+used with a copy — same result, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _load_library() -> ctypes.CDLL | None:
+    package_dir = Path(google_crc32c.__file__).resolve().parent
+    candidates = sorted((package_dir.parent / "google_crc32c.libs").glob("libcrc32c*"))
+    system = ctypes.util.find_library("crc32c")
+    if system:
+        candidates.append(Path(system))
+    for candidate in candidates:
+        try:
+            library = ctypes.CDLL(str(candidate))
+            extend = library.crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        extend.restype = ctypes.c_uint32
+        return library
+    return None
+
+
+_LIBRARY = _load_library()
+
+
+def crc32c(data: Buffer, crc: int = 0) -> int:
+    """CRC32C of ``data``, continuing from ``crc`` (0 starts a new checksum)."""
+    if _LIBRARY is None:
+        return google_crc32c.extend(crc, bytes(data))
+    view = np.frombuffer(data, dtype=np.uint8)
+    return int(_LIBRARY.crc32c_extend(crc, view.ctypes.data, view.size))
+
+
+def zero_copy_available() -> bool:
+    return _LIBRARY is not None
