@@ -1,0 +1,182 @@
+"""Route planning: pick a chain of shards that covers every layer of a model.
+
+Pure and deterministic. The input is what gossip says each peer serves; the
+output is an ordered list of hops, each told where to start executing
+(``effective_start_layer``) so that overlapping ranges never apply a layer
+twice. Among the chains that cover ``[0, total_layers)`` the cheapest wins,
+where a hop costs a fixed per-hop overhead plus its round-trip time plus a
+load penalty: fewer, closer, idler hops first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from meshnode.wire.errors import MeshnodeError
+
+# A hop costs at least this much (ms) even on loopback: serialization, a
+# network round trip, Python on both ends. It makes fewer hops win ties.
+HOP_OVERHEAD_MS = 2.0
+# Load penalty (ms) for a fully loaded peer (active sessions == capacity).
+FULL_LOAD_PENALTY_MS = 50.0
+
+
+class NoRouteError(MeshnodeError):
+    """No chain of compatible shards covers the model."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The exact model a route must run: both fingerprint digests and the layer count."""
+
+    model_artifact_digest: str
+    runtime_recipe_digest: str
+    total_layers: int
+
+
+@dataclass(frozen=True)
+class ShardCandidate:
+    node_id: bytes
+    model_name: str
+    model: ModelIdentity
+    start_layer: int
+    end_layer: int
+    rtt_ms: float = 0.0
+    active_sessions: int = 0
+    max_sessions: int = 0
+    accepting: bool = True
+
+    @property
+    def load(self) -> float:
+        if self.max_sessions <= 0:
+            return 0.0
+        return min(1.0, self.active_sessions / self.max_sessions)
+
+    @property
+    def cost_ms(self) -> float:
+        return HOP_OVERHEAD_MS + max(0.0, self.rtt_ms) + FULL_LOAD_PENALTY_MS * self.load
+
+
+@dataclass(frozen=True)
+class Hop:
+    node_id: bytes
+    start_layer: int
+    end_layer: int
+    effective_start_layer: int
+
+
+@dataclass(frozen=True)
+class Route:
+    model: ModelIdentity
+    model_name: str
+    hops: tuple[Hop, ...]
+
+    @property
+    def node_ids(self) -> tuple[bytes, ...]:
+        return tuple(hop.node_id for hop in self.hops)
+
+
+def models_available(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity, set[str]]:
+    """Every model some peer serves, with the names it is announced under."""
+    models: dict[ModelIdentity, set[str]] = {}
+    for candidate in candidates:
+        models.setdefault(candidate.model, set()).add(candidate.model_name)
+    return models
+
+
+def resolve_model(candidates: Iterable[ShardCandidate], requested: str) -> ModelIdentity:
+    """Find the model a request names, by announced name or by artifact digest.
+
+    A name served under two different fingerprints is ambiguous unless exactly
+    one of them can be routed; callers pass only candidates they can use.
+    """
+    pool = list(candidates)
+    matches = [
+        model
+        for model, names in models_available(pool).items()
+        if requested in names or requested == model.model_artifact_digest
+    ]
+    if not matches:
+        known = sorted({name for names in models_available(pool).values() for name in names})
+        raise NoRouteError(f"no peer serves model {requested!r} (served: {', '.join(known) or 'none'})")
+    routable = [model for model in matches if _cheapest_chain(pool, model) is not None]
+    if len(routable) == 1:
+        return routable[0]
+    if not routable:
+        return matches[0]
+    raise NoRouteError(f"model {requested!r} is served under {len(routable)} different fingerprints")
+
+
+def plan_route(
+    candidates: Iterable[ShardCandidate],
+    model: ModelIdentity,
+    *,
+    exclude: frozenset[bytes] = frozenset(),
+) -> Route:
+    """The cheapest chain covering ``[0, model.total_layers)``, or :class:`NoRouteError`."""
+    pool = [c for c in candidates if c.node_id not in exclude]
+    chain = _cheapest_chain(pool, model)
+    if chain is None:
+        raise NoRouteError(_explain_gap(pool, model))
+    hops: list[Hop] = []
+    position = 0
+    for candidate in chain:
+        hops.append(Hop(candidate.node_id, candidate.start_layer, candidate.end_layer, position))
+        position = candidate.end_layer
+    name = chain[0].model_name
+    return Route(model=model, model_name=name, hops=tuple(hops))
+
+
+def _usable(candidates: Iterable[ShardCandidate], model: ModelIdentity) -> list[ShardCandidate]:
+    return [
+        c
+        for c in candidates
+        if c.model == model and c.accepting and 0 <= c.start_layer < c.end_layer <= model.total_layers
+    ]
+
+
+def _cheapest_chain(candidates: list[ShardCandidate], model: ModelIdentity) -> list[ShardCandidate] | None:
+    """Dijkstra over layer positions: a shard moves the route from any position
+    inside its range to its end. Ties break on node id, so plans are stable."""
+    usable = sorted(_usable(candidates, model), key=lambda c: (c.start_layer, c.end_layer, c.node_id))
+    goal = model.total_layers
+    best: dict[int, tuple[float, int, tuple[bytes, ...]]] = {0: (0.0, 0, ())}
+    chains: dict[int, list[ShardCandidate]] = {0: []}
+    frontier: list[tuple[float, int, tuple[bytes, ...], int]] = [(0.0, 0, (), 0)]
+    while frontier:
+        cost, hop_count, ids, position = heapq.heappop(frontier)
+        if (cost, hop_count, ids) != best.get(position):
+            continue
+        if position == goal:
+            return chains[position]
+        for candidate in usable:
+            if not candidate.start_layer <= position < candidate.end_layer:
+                continue
+            key = (cost + candidate.cost_ms, hop_count + 1, (*ids, candidate.node_id))
+            end = candidate.end_layer
+            if end not in best or key < best[end]:
+                best[end] = key
+                chains[end] = [*chains[position], candidate]
+                heapq.heappush(frontier, (*key, end))
+    return None
+
+
+def _explain_gap(candidates: list[ShardCandidate], model: ModelIdentity) -> str:
+    usable = _usable(candidates, model)
+    reach = 0
+    changed = True
+    while changed:
+        changed = False
+        for c in usable:
+            if c.start_layer <= reach < c.end_layer:
+                reach = c.end_layer
+                changed = True
+    served = ", ".join(
+        f"[{c.start_layer},{c.end_layer})" for c in sorted(usable, key=lambda c: c.start_layer)
+    )
+    return (
+        f"no route covers layers [{reach}, {model.total_layers}) of the model "
+        f"(usable shards: {served or 'none'})"
+    )

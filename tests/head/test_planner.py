@@ -1,0 +1,81 @@
+import pytest
+
+from meshnode.head.planner import (
+    ModelIdentity,
+    NoRouteError,
+    ShardCandidate,
+    plan_route,
+    resolve_model,
+)
+
+GEMMA = ModelIdentity("sha256:aa", "sha256:r1", 18)
+OTHER_RECIPE = ModelIdentity("sha256:aa", "sha256:r2", 18)
+
+
+def shard(name: str, start: int, end: int, model: ModelIdentity = GEMMA, **kwargs) -> ShardCandidate:
+    return ShardCandidate(name.encode().ljust(32, b"\0"), "gemma-3-270m", model, start, end, **kwargs)
+
+
+def names(route) -> list[str]:
+    return [hop.node_id.rstrip(b"\0").decode() for hop in route.hops]
+
+
+def test_exact_tiling_in_layer_order():
+    route = plan_route([shard("c", 12, 18), shard("a", 0, 6), shard("b", 6, 12)], GEMMA)
+    assert names(route) == ["a", "b", "c"]
+    assert [h.effective_start_layer for h in route.hops] == [0, 6, 12]
+
+
+def test_overlapping_ranges_start_where_the_previous_hop_stopped():
+    route = plan_route([shard("a", 0, 10), shard("b", 6, 18)], GEMMA)
+    assert names(route) == ["a", "b"]
+    assert [(h.start_layer, h.effective_start_layer) for h in route.hops] == [(0, 0), (6, 10)]
+
+
+def test_a_whole_model_node_is_one_hop():
+    route = plan_route([shard("a", 0, 9), shard("b", 9, 18), shard("solo", 0, 18)], GEMMA)
+    assert names(route) == ["solo"]
+
+
+def test_lower_latency_and_load_win():
+    fast = [shard("a", 0, 9), shard("slow", 9, 18, rtt_ms=40), shard("fast", 9, 18, rtt_ms=1)]
+    assert names(plan_route(fast, GEMMA)) == ["a", "fast"]
+    busy = [shard("a", 0, 9), shard("busy", 9, 18, active_sessions=4, max_sessions=4), shard("idle", 9, 18)]
+    assert names(plan_route(busy, GEMMA)) == ["a", "idle"]
+
+
+def test_excluded_and_draining_nodes_are_skipped():
+    pool = [shard("a", 0, 9), shard("b", 9, 18), shard("b2", 9, 18, rtt_ms=5)]
+    assert names(plan_route(pool, GEMMA, exclude=frozenset({pool[1].node_id}))) == ["a", "b2"]
+    draining = [shard("a", 0, 9), shard("b", 9, 18, accepting=False), shard("b2", 9, 18, rtt_ms=5)]
+    assert names(plan_route(draining, GEMMA)) == ["a", "b2"]
+
+
+def test_mismatched_fingerprints_never_mix():
+    pool = [shard("a", 0, 9), shard("b", 9, 18, model=OTHER_RECIPE)]
+    with pytest.raises(NoRouteError, match=r"layers \[9, 18\)"):
+        plan_route(pool, GEMMA)
+
+
+def test_gap_is_explained():
+    with pytest.raises(NoRouteError) as info:
+        plan_route([shard("a", 0, 6), shard("c", 12, 18)], GEMMA)
+    assert "layers [6, 18)" in str(info.value)
+    assert "[0,6), [12,18)" in str(info.value)
+
+
+def test_plans_are_deterministic_under_ties():
+    pool = [shard("a", 0, 9), shard("z", 9, 18), shard("m", 9, 18)]
+    assert names(plan_route(pool, GEMMA)) == ["a", "m"]
+    assert names(plan_route(list(reversed(pool)), GEMMA)) == ["a", "m"]
+
+
+def test_resolve_by_name_or_digest_and_prefer_the_routable_fingerprint():
+    pool = [shard("a", 0, 9), shard("b", 9, 18), shard("x", 0, 9, model=OTHER_RECIPE)]
+    assert resolve_model(pool, "gemma-3-270m") == GEMMA
+    assert resolve_model(pool, "sha256:aa") == GEMMA
+    with pytest.raises(NoRouteError, match="no peer serves model 'llama'"):
+        resolve_model(pool, "llama")
+    both = [*pool, shard("y", 9, 18, model=OTHER_RECIPE)]
+    with pytest.raises(NoRouteError, match="2 different fingerprints"):
+        resolve_model(both, "gemma-3-270m")
