@@ -1,0 +1,1 @@
+"""HTTP APIs served by a node."""

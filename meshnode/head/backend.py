@@ -1,0 +1,60 @@
+"""What the HTTP API needs from a model: a tokenizer and a token stream.
+
+The API never sees routes, shards or sessions. A backend turns a prompt into
+tokens and streams generated token ids; closing the stream (``aclose``) must
+cancel the generation everywhere it runs, which is how a client that hangs up
+stops work on every hop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from engines.interface import SamplingParams
+from meshnode.wire.errors import MeshnodeError
+
+
+class UnknownModel(MeshnodeError):
+    def __init__(self, model: str, available: Sequence[str]) -> None:
+        super().__init__(f"model {model!r} is not served here (available: {', '.join(available) or 'none'})")
+        self.model = model
+
+
+class GenerationFailed(MeshnodeError):
+    """Generation could not run or complete (no route, every retry failed).
+
+    The message is safe to show a client.
+    """
+
+
+class IncrementalDetokenizer(Protocol):
+    def feed(self, token_id: int) -> str:
+        """Text completed by this token (possibly empty while a UTF-8 sequence is open)."""
+        ...
+
+    def flush(self) -> str: ...
+
+
+class PromptTokenizer(Protocol):
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def is_end_of_generation(self, token_id: int) -> bool: ...
+
+    def detokenizer(self) -> IncrementalDetokenizer: ...
+
+
+class GenerationBackend(Protocol):
+    def model_names(self) -> list[str]: ...
+
+    def tokenizer(self, model: str) -> PromptTokenizer:
+        """Raises :class:`UnknownModel`."""
+        ...
+
+    def generate(
+        self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
+    ) -> AsyncIterator[int]:
+        """Generated token ids, at most ``max_tokens``; raises :class:`GenerationFailed`."""
+        ...

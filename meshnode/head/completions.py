@@ -1,0 +1,84 @@
+"""One completion: tokens in, text deltas and a final tally out.
+
+Turns a backend's token stream into what an OpenAI-style client expects:
+incremental UTF-8-safe text, stop strings honoured (and generation stopped
+early), end-of-generation tokens, ``max_tokens`` and usage counts. The token
+stream is always closed when the completion ends for any reason — including
+the consumer going away — so the backend cancels its work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from engines.interface import SamplingParams
+from meshnode.head.backend import GenerationBackend
+from meshnode.head.stop_strings import StopMatcher
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    text: str
+    # "stop" (end-of-generation token or stop string) or "length" (max_tokens).
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+async def run_completion(
+    backend: GenerationBackend, request: CompletionRequest
+) -> AsyncIterator[TextDelta | CompletionResult]:
+    """Yields text deltas, then exactly one :class:`CompletionResult`."""
+    tokenizer = backend.tokenizer(request.model)
+    detokenizer = tokenizer.detokenizer()
+    matcher = StopMatcher(request.stop)
+    pieces: list[str] = []
+    generated = 0
+    finish_reason = "length"
+    tokens = backend.generate(request.model, request.prompt_tokens, request.sampling, request.max_tokens)
+    try:
+        async for token_id in tokens:
+            generated += 1
+            if tokenizer.is_end_of_generation(token_id):
+                finish_reason = "stop"
+                break
+            text = matcher.feed(detokenizer.feed(token_id))
+            if text:
+                pieces.append(text)
+                yield TextDelta(text)
+            if matcher.stopped:
+                finish_reason = "stop"
+                break
+    finally:
+        await tokens.aclose()  # type: ignore[attr-defined]
+    if not matcher.stopped:
+        tail = matcher.feed(detokenizer.flush()) + matcher.flush()
+        if matcher.stopped:
+            finish_reason = "stop"
+        if tail:
+            pieces.append(tail)
+            yield TextDelta(tail)
+    yield CompletionResult("".join(pieces), finish_reason, len(request.prompt_tokens), generated)

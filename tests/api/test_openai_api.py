@@ -1,0 +1,239 @@
+"""The OpenAI-compatible API over a scripted backend (the real chain is tested in tests/head)."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+
+import aiohttp
+import openai
+import pytest
+
+from engines.interface import SamplingParams
+from meshnode.api.openai_api import start_api_server
+from meshnode.head.backend import GenerationFailed, UnknownModel
+
+EOS = 0
+
+
+class CharDetokenizer:
+    def feed(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+class CharTokenizer:
+    def encode_prompt(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.encode_prompt("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return token_id == EOS
+
+    def detokenizer(self) -> CharDetokenizer:
+        return CharDetokenizer()
+
+
+class ScriptedBackend:
+    """Generates a fixed reply, one character per token, with a pause per token."""
+
+    def __init__(
+        self, reply: str = "Hello, mesh!", *, delay: float = 0.0, fail: bool = False, eos: bool = True
+    ):
+        self.reply = reply
+        self.delay = delay
+        self.fail = fail
+        self.eos = eos
+        self.calls: list[tuple[list[int], SamplingParams, int]] = []
+        self.closed = asyncio.Event()
+        self.tokens_sent = 0
+
+    def model_names(self) -> list[str]:
+        return ["tiny"]
+
+    def tokenizer(self, model: str) -> CharTokenizer:
+        if model != "tiny":
+            raise UnknownModel(model, ["tiny"])
+        return CharTokenizer()
+
+    async def generate(
+        self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
+    ) -> AsyncIterator[int]:
+        self.calls.append((list(prompt_tokens), sampling, max_tokens))
+        if self.fail:
+            raise GenerationFailed("no route covers layers [2, 4) of the model")
+        try:
+            tokens = [ord(c) for c in self.reply] + ([EOS] if self.eos else [])
+            for token in tokens[:max_tokens]:
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                self.tokens_sent += 1
+                yield token
+        finally:
+            self.closed.set()
+
+
+@pytest.fixture
+async def serve():
+    runners = []
+
+    async def start(backend):
+        runner, port = await start_api_server(backend, "127.0.0.1", 0)
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def post(url, body):
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_models_and_plain_completion(serve):
+    backend = ScriptedBackend()
+    base = await serve(backend)
+    async with aiohttp.ClientSession() as session, session.get(f"{base}/v1/models") as response:
+        assert [m["id"] for m in (await response.json())["data"]] == ["tiny"]
+    status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 50})
+    assert status == 200
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "Hello, mesh!"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 13, "total_tokens": 15}
+    assert backend.calls[0][0] == [ord("H"), ord("i")]
+
+
+async def test_length_limit_stop_strings_and_sampling_settings(serve):
+    backend = ScriptedBackend()
+    base = await serve(backend)
+    _, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5})
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("Hello", "length")
+    _, body = await post(
+        f"{base}/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "x",
+            "stop": [", m"],
+            "temperature": 0,
+            "top_k": 3,
+            "top_p": 0.5,
+            "seed": 9,
+        },
+    )
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("Hello", "stop")
+    assert backend.calls[-1][1] == SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=9)
+    assert backend.closed.is_set()
+
+
+async def test_chat_streaming_events(serve):
+    base = await serve(ScriptedBackend("Hi!"))
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{base}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await r.read()).decode()
+    events = [line.removeprefix("data: ") for line in raw.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hi!"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+async def test_the_official_openai_client_works_unchanged(serve):
+    base = await serve(ScriptedBackend("Hello there"))
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+    try:
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0
+        )
+        assert reply.choices[0].message.content == "Hello there"
+        assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == "Hello there"
+        completion = await client.completions.create(model="tiny", prompt="hey", max_tokens=5)
+        assert completion.choices[0].text == "Hello"
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": "tiny", "prompt": "x", "temperature": 3}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": 5}, 400, "prompt"),
+        ({"model": "other", "prompt": "x"}, 404, "model"),
+    ],
+)
+async def test_bad_requests_name_the_parameter(serve, body, status, param):
+    base = await serve(ScriptedBackend())
+    got_status, got = await post(f"{base}/v1/completions", body)
+    assert got_status == status
+    assert got["error"]["param"] == param
+
+
+async def test_chat_validation_and_invalid_json(serve):
+    base = await serve(ScriptedBackend())
+    status, body = await post(f"{base}/v1/chat/completions", {"model": "tiny", "messages": []})
+    assert (status, body["error"]["param"]) == (400, "messages")
+    status, body = await post(f"{base}/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x"}]})
+    assert (status, body["error"]["param"]) == (400, "messages[0].role")
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", data=b"{nope") as r:
+        assert r.status == 400
+        assert "not valid JSON" in (await r.json())["error"]["message"]
+
+
+async def test_generation_failure_is_a_503_with_the_reason(serve):
+    base = await serve(ScriptedBackend(fail=True))
+    status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert status == 503
+    assert "no route" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_closes_the_token_stream(serve, stream):
+    backend = ScriptedBackend("x" * 400, delay=0.02, eos=False)
+    base = await serve(backend)
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 400, "stream": stream}
+    session = aiohttp.ClientSession()
+    try:
+        if stream:
+            response = await session.post(f"{base}/v1/completions", json=body)
+            await response.content.readline()
+            response.close()
+        else:
+            # The reply only starts when the whole completion is done: hang up while waiting.
+            waiting = asyncio.create_task(session.post(f"{base}/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+    finally:
+        await session.close()
+    await asyncio.wait_for(backend.closed.wait(), timeout=5)
+    assert backend.tokens_sent < 400
