@@ -33,7 +33,10 @@ from meshnode.wire.errors import PayloadCorrupt
 from meshnode.wire.pb import shard
 
 BUNDLE_VERSION = 1
-DEFAULT_FRAGMENT_BYTES = 1024 * 1024
+# Fragments are bounded by the negotiated max_chunk_bytes (a chunk message must
+# fit one frame); by default a tensor that fits a frame is a single fragment,
+# which a receiver verifies and reads in place without assembling a copy.
+DEFAULT_FRAGMENT_BYTES = 8 * 1024 * 1024
 ZSTD_LEVEL = 1
 
 # Wire dtype -> numpy dtype of its little-endian representation.
@@ -192,7 +195,7 @@ def encode_bundle(tensors: Iterable[shard.NamedTensor]) -> shard.TensorBundle:
 # ---------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Fragment:
     index: int = 0
     count: int = 0
@@ -200,7 +203,7 @@ class _Fragment:
     payload: Buffer = b""
 
 
-@dataclass
+@dataclass(slots=True)
 class _TensorParts:
     """The fields of one ``NamedTensor``, however they were read."""
 
@@ -250,51 +253,58 @@ def _fragment_from_wire(view: memoryview) -> _Fragment:
     return fragment
 
 
+def _enum_value(value: int) -> int:
+    # An open proto3 enum is an int32 carried as a (possibly 10-byte) varint.
+    return value & _U32
+
+
 def _parts_from_wire(view: memoryview, limits: DecodeLimits) -> _TensorParts:
     """Read a serialized ``NamedTensor`` the way the protobuf runtime would:
     last value wins, repeated fields append, a known field with an unexpected
     wire type is an unknown field, repeated messages merge."""
     parts = _TensorParts()
+    shape = parts.shape
     for number, wire_type, value in protowire.iter_fields(view):
         if wire_type == protowire.VARINT:
+            assert isinstance(value, int)
             if number == 2:
-                parts.shape.append(protowire.as_int64(value))  # type: ignore[arg-type]
+                shape.append(value if value < 1 << 63 else protowire.as_int64(value))
                 _check_rank(parts, limits)
-            elif number in _TENSOR_ENUM_FIELDS:
-                setattr(parts, _TENSOR_ENUM_FIELDS[number], protowire.as_int64(value) & _U32)  # type: ignore[arg-type]
+            elif number == 3:
+                parts.dtype = _enum_value(value)
+            elif number == 4:
+                parts.byte_order = _enum_value(value)
             elif number == 5:
-                parts.total_bytes = value & _U64  # type: ignore[operator]
+                parts.total_bytes = value & _U64
+            elif number == 6:
+                parts.compression = _enum_value(value)
         elif wire_type == protowire.LENGTH_DELIMITED:
             assert isinstance(value, memoryview)
-            if number == 1:
+            if number == 8:
+                if len(parts.fragments) >= limits.max_fragments:
+                    raise PayloadCorrupt(f"tensor {parts.name!r}: more than {limits.max_fragments} fragments")
+                parts.fragments.append(_fragment_from_wire(value))
+            elif number == 1:
                 try:
                     parts.name = str(value, "utf-8")
                 except UnicodeDecodeError:
                     raise PayloadCorrupt("tensor name is not UTF-8") from None
             elif number == 2:
                 for packed in protowire.packed_varints(value):
-                    parts.shape.append(protowire.as_int64(packed))
+                    shape.append(protowire.as_int64(packed))
                     _check_rank(parts, limits)
             elif number == 7:
                 for sub_number, sub_type, sub_value in protowire.iter_fields(value):
                     if sub_number == 1 and sub_type == protowire.VARINT:
-                        parts.checksum_algorithm = protowire.as_int64(sub_value) & _U32  # type: ignore[arg-type]
+                        parts.checksum_algorithm = _enum_value(sub_value)  # type: ignore[arg-type]
                     elif sub_number == 2 and sub_type == protowire.LENGTH_DELIMITED:
                         parts.checksum_value = bytes(sub_value)  # type: ignore[arg-type]
-            elif number == 8:
-                if len(parts.fragments) >= limits.max_fragments:
-                    raise PayloadCorrupt(f"tensor {parts.name!r}: more than {limits.max_fragments} fragments")
-                parts.fragments.append(_fragment_from_wire(value))
     return parts
 
 
 def _check_rank(parts: _TensorParts, limits: DecodeLimits) -> None:
     if len(parts.shape) > limits.max_rank:
         raise PayloadCorrupt(f"tensor {parts.name!r}: rank {len(parts.shape)} over {limits.max_rank}")
-
-
-# Enum fields of NamedTensor: an open proto3 enum keeps its int32 value.
-_TENSOR_ENUM_FIELDS = {3: "dtype", 4: "byte_order", 6: "compression"}
 
 
 def _as_signed32(value: int) -> int:
@@ -380,11 +390,13 @@ def _assemble_wire_body(parts: _TensorParts, limits: DecodeLimits) -> Buffer:
             expected_offset += len(fragment.payload)
             if expected_offset > limit:
                 raise PayloadCorrupt(f"tensor {name!r}: fragments exceed the body size")
-        # Sized from the proven extent, which is within the budget checked above.
-        assembled = bytearray(expected_offset)
+        # Sized from the proven extent, which is within the budget checked above;
+        # every byte is overwritten, so skip zero-filling it.
+        assembled = np.empty(expected_offset, dtype=np.uint8)
         for fragment in ordered:
-            assembled[fragment.offset : fragment.offset + len(fragment.payload)] = fragment.payload
-        body = assembled
+            size = len(fragment.payload)
+            assembled[fragment.offset : fragment.offset + size] = np.frombuffer(fragment.payload, np.uint8)
+        body = memoryview(assembled)
     if parts.compression == shard.COMPRESSION_NONE and len(body) != parts.total_bytes:
         raise PayloadCorrupt(f"tensor {name!r}: fragments do not cover total_bytes")
     if len(body) > limit:
