@@ -1,0 +1,64 @@
+"""SHA-256 of large files, remembered by (path, size, mtime) so a restart does not re-hash them."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from engines.cache import cache_root, write_bytes_atomically
+
+_BLOCK = 1 << 20
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        while block := source.read(_BLOCK):
+            digest.update(block)
+            if progress is not None:
+                progress(len(block))
+    return digest.hexdigest()
+
+
+def _record_path(path: Path, cache_dir: Path | None) -> Path:
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return (cache_dir or cache_root()) / "digests" / f"{key}.json"
+
+
+def _identity(path: Path) -> dict[str, object]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def remembered_sha256(path: Path, cache_dir: Path | None = None) -> str | None:
+    """The digest recorded for this exact file version, or ``None``."""
+    try:
+        record = json.loads(_record_path(path, cache_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or {k: record.get(k) for k in ("path", "size", "mtime_ns")} != _identity(
+        path
+    ):
+        return None
+    digest = record.get("sha256")
+    return digest if isinstance(digest, str) and len(digest) == 64 else None
+
+
+def remember_sha256(path: Path, digest: str, cache_dir: Path | None = None) -> None:
+    record = {**_identity(path), "sha256": digest}
+    write_bytes_atomically(_record_path(path, cache_dir), json.dumps(record).encode())
+
+
+def cached_sha256(path: Path, cache_dir: Path | None = None) -> str:
+    """``sha256_file`` that reuses the recorded digest while the file's size and mtime are unchanged."""
+    path = Path(path)
+    if (known := remembered_sha256(path, cache_dir)) is not None:
+        return known
+    digest = sha256_file(path)
+    # An unwritable cache costs a re-hash next time, nothing more.
+    with contextlib.suppress(OSError):
+        remember_sha256(path, digest, cache_dir)
+    return digest

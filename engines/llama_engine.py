@@ -1,0 +1,209 @@
+"""The llama.cpp shard engine: one GGUF layer range, many route sessions.
+
+Each session is one llama sequence (``seq_id`` = its table slot) in the runtime for its
+start layer: the loaded range's runtime, or, for a route whose ranges overlap
+(``effective_start_layer``), a lazily built slice ``[effective_start, layer_end)`` kept
+in a small LRU of extra runtimes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from engines.cache import cache_root
+from engines.file_digest import cached_sha256
+from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+from engines.gguf_info import ModelInfo, model_info
+from engines.interface import (
+    EngineCapabilities,
+    EngineError,
+    EngineErrorKind,
+    EngineFingerprint,
+    LoadRequest,
+)
+from engines.llama_lib import ensure_llama_backend, llama_cpp_version
+from engines.llama_runtime import LlamaRuntime
+from engines.session_table import Session
+from engines.sessioned_engine import ForwardOutput, SessionedEngine
+from engines.slicing import SLICE_RECIPE_VERSION, check_sliceable, ensure_slice, plan_slice
+
+RECIPE_ID = "llama.cpp-layer-range"
+# Extra start-layer runtimes kept loaded for overlapping routes.
+DEFAULT_MAX_EXTRA_RUNTIMES = 2
+
+
+def runtime_recipe(backend: str) -> dict[str, object]:
+    """Everything besides the weights that changes this engine's numbers."""
+    return {
+        "recipe": RECIPE_ID,
+        "llama_cpp_python": llama_cpp_version(),
+        "backend": backend,
+        "slice_recipe_version": SLICE_RECIPE_VERSION,
+        "boundary_dtype": "float32",
+        "non_tail_output": "l_out of the last layer, passthrough layer appended",
+        "kv_cache": "f16, one stream per sequence, full-size SWA",
+    }
+
+
+def runtime_recipe_digest(backend: str) -> str:
+    return hashlib.sha256(json.dumps(runtime_recipe(backend), sort_keys=True).encode()).hexdigest()
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class LlamaShardEngine(SessionedEngine):
+    def __init__(
+        self,
+        *,
+        max_extra_runtimes: int = DEFAULT_MAX_EXTRA_RUNTIMES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(clock=clock)
+        self._max_extra_runtimes = max_extra_runtimes
+        self._request: LoadRequest | None = None
+        self._gguf: GGUFFile | None = None
+        self._info: ModelInfo | None = None
+        self._source_digest = ""
+        self._cache_dir = cache_root()
+        self._layer_start = 0
+        self._layer_end = 0
+        self._main: LlamaRuntime | None = None
+        # Runtimes for other start layers, least recently used first.
+        self._extra: OrderedDict[int, LlamaRuntime] = OrderedDict()
+
+    # --- loading ---
+
+    def _load_backend(self, request: LoadRequest) -> tuple[EngineCapabilities, int]:
+        path = Path(request.model_path)
+        if not path.is_file():
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, f"model file {path} does not exist")
+        try:
+            gguf = read_gguf(path)
+            info = model_info(gguf)
+        except GGUFFormatError as error:
+            raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"cannot read {path}: {error}") from error
+        check_sliceable(gguf)
+        layer_end = info.n_layers if request.layer_end is None else request.layer_end
+        plan_slice(info.n_layers, request.layer_start, layer_end)  # validates the range
+        ensure_llama_backend()
+
+        self._request, self._gguf, self._info = request, gguf, info
+        self._cache_dir = Path(request.cache_dir) if request.cache_dir else cache_root()
+        self._source_digest = cached_sha256(path, self._cache_dir)
+        self._layer_start, self._layer_end = request.layer_start, layer_end
+        self._main = self._build_runtime(request.layer_start)
+
+        offload = request.n_gpu_layers > 0 and bool(llama_cpp.llama_supports_gpu_offload())
+        backend = "gpu" if offload else "cpu"
+        caps = EngineCapabilities(
+            fingerprint=EngineFingerprint(
+                model_artifact_digest=self._source_digest,
+                runtime_recipe_digest=runtime_recipe_digest(backend),
+                recipe_id=RECIPE_ID,
+                recipe_version=f"llama-cpp-python {llama_cpp_version()}, slice recipe {SLICE_RECIPE_VERSION}",
+            ),
+            model_name=info.name,
+            architecture=info.architecture,
+            total_layers=info.n_layers,
+            layer_start=request.layer_start,
+            layer_end=layer_end,
+            hidden_size=info.hidden_size,
+            vocab_size=self._main.n_vocab,
+            max_sessions=request.n_seq_max,
+            max_context_tokens=self._main.n_ctx_seq,
+            backend=f"llama.cpp ({llama_cpp_version()})",
+            device=backend,
+        )
+        return caps, self._main.n_ctx_seq
+
+    def _build_runtime(self, start_layer: int) -> LlamaRuntime:
+        assert self._request is not None and self._gguf is not None and self._info is not None
+        request, total = self._request, self._info.n_layers
+        plan = plan_slice(total, start_layer, self._layer_end)
+        if plan is None:
+            path, capture_layer = self._gguf.path, None
+        else:
+            path = ensure_slice(self._gguf, self._source_digest, plan, self._cache_dir)
+            capture_layer = plan.last_real_layer if plan.passthrough else None
+        return LlamaRuntime(
+            path,
+            n_ctx=request.n_ctx,
+            n_seq_max=request.n_seq_max,
+            n_batch=request.n_batch,
+            n_threads=request.n_threads or _default_threads(),
+            n_gpu_layers=request.n_gpu_layers,
+            takes_embeddings=start_layer > 0,
+            capture_layer=capture_layer,
+        )
+
+    def _runtime(self, start_layer: int) -> LlamaRuntime:
+        if start_layer == self._layer_start:
+            assert self._main is not None
+            return self._main
+        runtime = self._extra.get(start_layer)
+        if runtime is not None:
+            self._extra.move_to_end(start_layer)
+            return runtime
+        if self._max_extra_runtimes < 1:
+            raise EngineError(
+                EngineErrorKind.RESOURCE_EXHAUSTED, "this engine serves no effective start layer but its own"
+            )
+        while len(self._extra) >= self._max_extra_runtimes:
+            evicted_start, evicted = self._extra.popitem(last=False)
+            self._discard_sessions_starting_at(evicted_start)
+            evicted.close()
+        runtime = self._build_runtime(start_layer)
+        self._extra[start_layer] = runtime
+        return runtime
+
+    def _close_backend(self) -> None:
+        for runtime in self._extra.values():
+            runtime.close()
+        self._extra.clear()
+        if self._main is not None:
+            self._main.close()
+            self._main = None
+
+    # --- stepping ---
+
+    def _forward(
+        self,
+        session: Session,
+        first_position: int,
+        inputs: np.ndarray,
+        want_logits: bool,
+        should_abort: Callable[[], bool],
+    ) -> ForwardOutput:
+        runtime = self._runtime(session.start_layer)
+        hidden = runtime.run(
+            session.slot, first_position, inputs, want_logits=want_logits, should_abort=should_abort
+        )
+        if runtime.captures:
+            return ForwardOutput(hidden=hidden)
+        return ForwardOutput(logits=runtime.last_logits() if want_logits else None)
+
+    def _truncate(self, session: Session, length: int) -> None:
+        if session.start_layer == self._layer_start:
+            runtime = self._main
+        else:
+            runtime = self._extra.get(session.start_layer)
+        if runtime is not None:
+            runtime.truncate(session.slot, length)
+
+    def _resident_bytes(self) -> int:
+        runtimes = [self._main, *self._extra.values()] if self._main is not None else []
+        return sum(runtime.resident_bytes() for runtime in runtimes)

@@ -1,0 +1,61 @@
+"""Process-wide llama.cpp setup and the few ggml functions llama_cpp does not bind."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import llama_cpp
+from llama_cpp import _ggml
+
+_log = logging.getLogger("engines.llama_cpp")
+
+_libggml = _ggml.libggml
+ggml_get_name = _libggml.ggml_get_name
+ggml_get_name.argtypes = [ctypes.c_void_p]
+ggml_get_name.restype = ctypes.c_char_p
+ggml_nbytes = _libggml.ggml_nbytes
+ggml_nbytes.argtypes = [ctypes.c_void_p]
+ggml_nbytes.restype = ctypes.c_size_t
+ggml_backend_tensor_get = _libggml.ggml_backend_tensor_get
+ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+ggml_backend_tensor_get.restype = None
+
+# ggml_log_level in the bundled ggml.h: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (llama_cpp's
+# own _logger still assumes the older numbering).
+_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+
+
+# Warnings this project causes on purpose (the full-size SWA cache) or that a model ships with.
+_EXPECTED_WARNINGS = (b"using full-size SWA cache", b"control-looking token")
+
+
+@llama_cpp.llama_log_callback
+def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs every tensor and hyperparameter at load; only warnings and errors are news.
+    python_level = _LOG_LEVELS.get(level)
+    if python_level is None or not text:
+        return
+    if python_level == logging.WARNING and any(marker in text for marker in _EXPECTED_WARNINGS):
+        python_level = logging.DEBUG
+    _log.log(python_level, "%s", text.decode("utf-8", "replace").rstrip())
+
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def ensure_llama_backend() -> None:
+    """Initialise the llama.cpp backend once per process and route its logs to ``logging``."""
+    global _initialized
+    with _init_lock:
+        if _initialized:
+            return
+        llama_cpp.llama_log_set(_forward_log, None)
+        llama_cpp.llama_backend_init()
+        _initialized = True
+
+
+def llama_cpp_version() -> str:
+    return str(llama_cpp.__version__)

@@ -1,0 +1,245 @@
+"""One llama.cpp model and context running one GGUF (a slice or the whole model).
+
+The hot path is a prebuilt ``llama_batch`` whose arrays are numpy buffers owned here
+(so nothing handed to C is a temporary), filled in place per step. Non-tail runtimes copy
+the residual stream out of the ``l_out-<last>`` tensor through the scheduler's eval
+callback and request no outputs; the tail requests only the last position's logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from engines.interface import EngineError, EngineErrorKind
+from engines.llama_lib import ensure_llama_backend, ggml_backend_tensor_get, ggml_get_name, ggml_nbytes
+
+# llama_decode return codes (llama.h).
+_DECODE_OK = 0
+_DECODE_NO_KV_SLOT = 1
+_DECODE_ABORTED = 2
+
+_NO_ABORT = llama_cpp.ggml_abort_callback()
+
+
+class LlamaRuntime:
+    """A loaded GGUF with its context and reusable batch buffers.
+
+    ``takes_embeddings`` selects the input: token ids (head) or float32 hidden states fed
+    through ``llama_batch.embd``. ``capture_layer`` (non-tail) names the layer whose
+    ``l_out`` is returned; ``None`` means the runtime is a tail and produces logits.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int,
+        n_threads: int,
+        n_gpu_layers: int,
+        takes_embeddings: bool,
+        capture_layer: int | None,
+    ) -> None:
+        ensure_llama_backend()
+        self.model_path = model_path
+        self.takes_embeddings = takes_embeddings
+        self.captures = capture_layer is not None
+        self._model = None
+        self._ctx = None
+
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
+        if not self._model:
+            raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"llama.cpp could not load {model_path}")
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
+
+        # The eval callback must outlive the context: keep the ctypes wrapper on self.
+        self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+        self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort)
+        self._capture_name = f"l_out-{capture_layer}".encode() if capture_layer is not None else b""
+        self._row_bytes = self.n_embd * 4
+        self._capture_out: np.ndarray | None = None
+        self._capture_rows = 0
+        self._capture_failed = False
+        self._should_abort: Callable[[], bool] | None = None
+
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = n_ctx
+        context_params.n_batch = n_batch
+        # One ubatch per chunk: the captured rows then arrive in one piece per llama_decode.
+        context_params.n_ubatch = n_batch
+        context_params.n_seq_max = n_seq_max
+        # At most one output per batch (the tail's last position); llama.cpp needs >= n_seq_max.
+        context_params.n_outputs_max = n_seq_max
+        context_params.n_threads = n_threads
+        context_params.n_threads_batch = n_threads
+        # A KV stream per sequence keeps each session's cell layout (and so its float
+        # summation order) independent of the other sessions; a full-size SWA cache never
+        # reuses a cell, so rolling a session back to a shorter length is exact.
+        context_params.kv_unified = False
+        context_params.swa_full = True
+        context_params.no_perf = True
+        if self.captures:
+            context_params.cb_eval = self._eval_callback
+        self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
+        if not self._ctx:
+            self.close()
+            raise EngineError(
+                EngineErrorKind.RESOURCE_EXHAUSTED, f"llama.cpp could not create a context for {model_path}"
+            )
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
+        self._build_batch()
+
+    def _build_batch(self) -> None:
+        n = self.n_batch
+        self._tokens = np.zeros(n, dtype=np.int32)
+        self._embd = np.zeros((n, self.n_embd), dtype=np.float32) if self.takes_embeddings else None
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._n_seq_id = np.ones(n, dtype=np.int32)
+        self._seq_ids = np.zeros(n, dtype=np.int32)
+        self._logit_flags = np.zeros(n, dtype=np.int8)
+        int_ptr = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq_ids.ctypes.data
+        self._seq_id_ptrs = (int_ptr * n)(*(ctypes.cast(base + 4 * i, int_ptr) for i in range(n)))
+        batch = llama_cpp.llama_batch()
+        if self._embd is not None:
+            batch.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        else:
+            batch.token = self._tokens.ctypes.data_as(int_ptr)
+        batch.pos = self._pos.ctypes.data_as(int_ptr)
+        batch.n_seq_id = self._n_seq_id.ctypes.data_as(int_ptr)
+        batch.seq_id = ctypes.cast(self._seq_id_ptrs, ctypes.POINTER(int_ptr))
+        batch.logits = self._logit_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = batch
+
+    # --- callbacks (called by llama.cpp on the decoding thread) ---
+
+    def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
+        if ask:
+            return bool(ggml_get_name(tensor) == self._capture_name)
+        # Only tensors we asked for arrive here, after they are computed.
+        out = self._capture_out
+        nbytes = ggml_nbytes(tensor)
+        rows = nbytes // self._row_bytes
+        if out is None or nbytes % self._row_bytes or self._capture_rows + rows > out.shape[0]:
+            self._capture_failed = True
+            return False
+        ggml_backend_tensor_get(tensor, out.ctypes.data + self._capture_rows * self._row_bytes, 0, nbytes)
+        self._capture_rows += rows
+        return True
+
+    def _on_abort(self, _user_data: int) -> bool:
+        check = self._should_abort
+        return check is not None and check()
+
+    # --- stepping ---
+
+    def run(
+        self,
+        seq_id: int,
+        first_position: int,
+        inputs: np.ndarray,
+        *,
+        want_logits: bool,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> np.ndarray | None:
+        """Run ``inputs`` (int32 token ids or float32 [n, n_embd]) for one sequence.
+
+        Returns the captured hidden state [n, n_embd] on a capturing runtime, else ``None``
+        (logits of the last position are then available from ``last_logits``). On any
+        failure the sequence is rolled back to ``first_position`` before the error is raised.
+        """
+        n_tokens = int(inputs.shape[0])
+        out = np.empty((n_tokens, self.n_embd), dtype=np.float32) if self.captures else None
+        self._capture_out, self._capture_rows, self._capture_failed = out, 0, False
+        # A one-token decode is short; polling costs a Python call per graph node, so only
+        # multi-token prefills get the abort callback (callers check before each step).
+        abortable = should_abort is not None and n_tokens > 1
+        if abortable:
+            self._should_abort = should_abort
+            llama_cpp.llama_set_abort_callback(self._ctx, self._abort_callback, None)
+        try:
+            for start in range(0, n_tokens, self.n_batch):
+                count = min(self.n_batch, n_tokens - start)
+                last_chunk = start + count == n_tokens
+                self._fill(
+                    seq_id, first_position + start, inputs[start : start + count], want_logits and last_chunk
+                )
+                status = llama_cpp.llama_decode(self._ctx, self._batch)
+                if status != _DECODE_OK:
+                    self.truncate(seq_id, first_position)
+                    raise _decode_error(status, self.model_path)
+        finally:
+            if abortable:
+                llama_cpp.llama_set_abort_callback(self._ctx, _NO_ABORT, None)
+                self._should_abort = None
+            self._capture_out = None
+        if out is not None and (self._capture_failed or self._capture_rows != n_tokens):
+            self.truncate(seq_id, first_position)
+            raise EngineError(
+                EngineErrorKind.INTERNAL,
+                f"captured {self._capture_rows} of {n_tokens} hidden rows from {self._capture_name.decode()}",
+            )
+        return out
+
+    def _fill(self, seq_id: int, first_position: int, chunk: np.ndarray, logits_for_last: bool) -> None:
+        count = chunk.shape[0]
+        self._batch.n_tokens = count
+        if self._embd is not None:
+            self._embd[:count] = chunk
+        else:
+            self._tokens[:count] = chunk
+        self._pos[:count] = np.arange(first_position, first_position + count, dtype=np.int32)
+        self._seq_ids[:count] = seq_id
+        self._logit_flags[:count] = 0
+        if logits_for_last:
+            self._logit_flags[count - 1] = 1
+
+    def last_logits(self) -> np.ndarray:
+        """A view of the last output row's logits; valid until the next ``run``."""
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+        if not pointer:
+            raise EngineError(EngineErrorKind.INTERNAL, "llama.cpp produced no logits")
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop positions >= ``length`` from the sequence (0 drops it entirely)."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, length, -1)
+
+    def cached_length(self, seq_id: int) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+
+    def resident_bytes(self) -> int:
+        return int(llama_cpp.llama_model_size(self._model)) if self._model else 0
+
+    def close(self) -> None:
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _decode_error(status: int, model_path: Path) -> EngineError:
+    if status == _DECODE_ABORTED:
+        return EngineError(EngineErrorKind.CANCELLED, "step cancelled while running")
+    if status == _DECODE_NO_KV_SLOT:
+        return EngineError(EngineErrorKind.RESOURCE_EXHAUSTED, "no KV cache slot for the batch")
+    return EngineError(
+        EngineErrorKind.INTERNAL, f"llama_decode failed with status {status} ({model_path.name})"
+    )
