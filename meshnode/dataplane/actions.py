@@ -1,0 +1,122 @@
+"""What the worker machine asks its edge to do. Small frozen values; the edge only carries them out.
+
+Engine actions (:class:`RunStep`, :class:`ReleaseEngine`) must run on one engine
+thread in the order they were emitted; :class:`FireCancel` may run anywhere,
+immediately. Everything else is I/O on the stream or next-hop session named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.interface import CancelToken, SessionKey, ShardEngine, StepRequest, StepResult
+from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.wire.pb import shard
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Write ``response`` as one frame on stream ``stream_id``."""
+
+    stream_id: int
+    response: shard.SessionResponse
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStream:
+    """Finish the stream after the frames already sent (a terminal status went first)."""
+
+    stream_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep:
+    """Run one unit on the engine; report with ``ShardWorker.engine_finished(unit_id, ...)``."""
+
+    unit_id: int
+    request: StepRequest
+    decode: bool
+
+    def execute(self, engine: ShardEngine) -> StepResult:
+        return engine.decode(self.request) if self.decode else engine.prefill(self.request)
+
+
+@dataclass(frozen=True, slots=True)
+class FireCancel:
+    """Abandon a running unit (deadline, cancel, release, newer epoch). Safe from any thread."""
+
+    unit_id: int
+    token: CancelToken
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseEngine:
+    """Drop the engine's state for ``session`` (``engine.release``); nothing to report back."""
+
+    session: SessionKey
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardWork:
+    """One unit for the next hop, in the engine's terms; the client encodes it for that hop."""
+
+    step: int
+    work_id: str
+    decode: bool
+    first_position: int
+    # None: a fresh start at position 0; otherwise the cache length the next hop must hold.
+    expected_past_len: int | None
+    chunk_index: int
+    chunk_count: int
+    deadline_unix_nanos: int
+    hidden: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send ``work`` to ``hop`` within ``session``, opening it with ``route`` if needed.
+
+    Report the outcome with ``ShardWorker.downstream_finished(unit_id, ...)``.
+    """
+
+    unit_id: int
+    session: SessionKey
+    hop: dataplane.RouteHop
+    route: dataplane.SessionRoute
+    work: ForwardWork
+
+
+@dataclass(frozen=True, slots=True)
+class CancelDownstream:
+    """Pass a cancel on to the next hop of ``session`` (empty ``work_id``: every unit)."""
+
+    session: SessionKey
+    work_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseDownstream:
+    """Pass a release on to the next hop of ``session`` and drop the client for it."""
+
+    session: SessionKey
+
+
+Action = (
+    Send | CloseStream | RunStep | FireCancel | ReleaseEngine | Forward | CancelDownstream | ReleaseDownstream
+)
+
+__all__ = [
+    "Action",
+    "CancelDownstream",
+    "CloseStream",
+    "FireCancel",
+    "Forward",
+    "ForwardWork",
+    "ReleaseDownstream",
+    "ReleaseEngine",
+    "RunStep",
+    "Send",
+]

@@ -1,0 +1,648 @@
+"""The sender side of the shard session protocol, sans-IO: what a head or a forwarding worker uses.
+
+One :class:`SessionClient` is one route session (at one epoch) toward one peer
+hop. It outlives the streams that carry it: after a transport failure the edge
+calls :meth:`SessionClient.stream_lost`, opens a new stream with
+:meth:`SessionClient.start_stream`, and every unit that was not answered is sent
+again as the very same bytes (same idempotency step, same work id), so the
+worker acknowledges an already-applied step as a duplicate instead of applying
+it twice.
+
+Edge loop::
+
+    write(encode_stream_open(StreamType.SHARD_SESSION, bodies[0]) + encode_frame(bodies[1]))
+        where bodies = client.start_stream()
+    on each frame:      client.receive_frame(body, now_ns)
+    after every call:   for body in client.requests_to_send(): write(encode_frame(body))
+                        for event in client.events(): ...
+    at client.next_timer(): client.tick(now_ns)
+    stream reset/lost:  client.stream_lost(); then start_stream() again, or give up.
+
+:meth:`receive_frame` raises :class:`~meshnode.wire.errors.ShardProtocolError`
+(PAYLOAD_CORRUPT) when the peer breaks the protocol (garbage, an answer for a
+unit never sent): the edge closes that stream and calls :meth:`stream_lost`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from meshnode.dataplane.actions import ForwardWork
+from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
+from meshnode.dataplane.payload import encode_hidden, encode_tokens
+from meshnode.dataplane.route import BOUNDARY_DTYPES
+from meshnode.dataplane.worker import HIGHEST_SCHEMA_VERSION, SUPPORTED_SCHEMA_VERSIONS
+from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.wire.chunking import plan_prefill_chunks
+from meshnode.wire.errors import MeshnodeError, ShardProtocolError
+from meshnode.wire.flow_control import default_flow_control
+from meshnode.wire.pb import shard
+from meshnode.wire.tensor_codec import NUMPY_DTYPES, WireTensor, decode_bundle, encode_bundle
+
+
+class SessionNotReady(MeshnodeError):
+    """The call needs the negotiated limits, and the session is not accepted yet (or has failed)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    # Limits this sender can honour; None: meshnode.wire.flow_control.default_flow_control().
+    proposed_flow_control: shard.FlowControl | None = None
+    # Compressions this sender decodes (NONE is always included).
+    accepted_compression: tuple[int, ...] = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
+    # Streams a unit may be sent on before a transport failure fails it.
+    max_attempts: int = 3
+
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReady:
+    accepted: shard.SessionAccepted
+
+
+@dataclass(frozen=True, slots=True)
+class UnitDone:
+    unit_id: int
+    step: int
+    work_id: str
+    # Result tensors the peer returned (the tail's token, or a hidden state), if any.
+    bundle: shard.TensorBundle | None
+    cache_result: shard.CacheResult
+    duplicate: bool
+    execution_nanos: int
+
+    def tensors(self) -> dict[str, WireTensor]:
+        """Decode (and checksum-verify) the result; PayloadCorrupt if it does not decode."""
+        return {} if self.bundle is None else decode_bundle(self.bundle)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitFailed:
+    unit_id: int
+    step: int
+    work_id: str
+    # ShardProtocolError (the worker, or a local check, refused) or SessionTransportError.
+    error: MeshnodeError
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFailed:
+    """A terminal status: the peer will serve nothing more on this session; every open unit failed."""
+
+    error: ShardProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRefusal:
+    """A non-terminal status not tied to a unit (e.g. a signal the worker refused)."""
+
+    error: ShardProtocolError
+
+
+ClientEvent = SessionReady | UnitDone | UnitFailed | SessionFailed | PeerRefusal
+
+
+# ---------------------------------------------------------------------------- units
+
+
+class _State(Enum):
+    PENDING = "pending"
+    SENT = "sent"
+    # Failed locally (deadline) while the peer still owes an answer that returns its credit.
+    ABANDONED = "abandoned"
+
+
+@dataclass(eq=False)
+class _Unit:
+    id: int
+    step: int
+    work_id: str
+    decode: bool
+    first_position: int
+    token_count: int
+    expected_past_len: int | None
+    chunk_index: int
+    chunk_count: int
+    deadline_ns: int
+    tokens: np.ndarray | None
+    hidden: np.ndarray | None
+    state: _State = _State.PENDING
+    body: bytes | None = None
+    attempts: int = 0
+    result: shard.TensorBundle | None = None
+
+
+class SessionClient:
+    def __init__(
+        self,
+        *,
+        route_session_id: str,
+        route_epoch: int,
+        fingerprint: shard.Fingerprint,
+        shard_range: shard.ShardRange,
+        route: dataplane.SessionRoute,
+        config: ClientConfig | None = None,
+        first_step: int = 1,
+    ) -> None:
+        if first_step < 1:
+            raise ValueError("idempotency steps start at 1")
+        self.route_session_id = route_session_id
+        self.route_epoch = route_epoch
+        self.fingerprint = fingerprint
+        self.shard_range = shard_range
+        self.route = route
+        self.config = config or ClientConfig()
+        self.takes_tokens = shard_range.effective_start_layer == 0
+        self.boundary_dtype = route.boundary_dtype or shard.DTYPE_FLOAT32
+        if self.boundary_dtype not in BOUNDARY_DTYPES:
+            raise ValueError("route boundary dtype must be FLOAT32 or BFLOAT16")
+        self.next_step = first_step
+        self.flow: shard.FlowControl | None = None
+        self.failed: ShardProtocolError | None = None
+        self._accepted = False
+        self._window = 0
+        self._unacked = 0
+        self._send_compression = shard.COMPRESSION_NONE
+        self._pending: deque[_Unit] = deque()
+        self._sent: dict[int, _Unit] = {}
+        self._events: list[ClientEvent] = []
+        self._next_unit_id = 1
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def accepted(self) -> bool:
+        return self._accepted
+
+    @property
+    def window(self) -> int:
+        """Un-acked units the peer currently allows."""
+        return self._window
+
+    @property
+    def unacked(self) -> int:
+        return self._unacked
+
+    @property
+    def pending(self) -> int:
+        """Units waiting for credit (or for the session to open)."""
+        return len(self._pending)
+
+    @property
+    def can_send(self) -> bool:
+        return self._accepted and bool(self._pending) and self._unacked < self._window
+
+    def events(self) -> list[ClientEvent]:
+        """Everything that happened since the last call."""
+        drained, self._events = self._events, []
+        return drained
+
+    # ------------------------------------------------------------------ streams
+
+    def start_stream(self) -> list[bytes]:
+        """Bodies of the first two frames of a new stream: the SessionRoute, then SessionOpen."""
+        if self.failed is not None:
+            raise SessionNotReady("the session failed; open a new one")
+        self._accepted = False
+        self._window = 0
+        self._unacked = 0
+        proposed = self.config.proposed_flow_control or default_flow_control()
+        open_ = shard.SessionOpen(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            route_session_id=self.route_session_id,
+            route_epoch=self.route_epoch,
+            fingerprint=self.fingerprint,
+            shard_range=self.shard_range,
+            proposed_flow_control=proposed,
+            accepted_compression=list(self.config.accepted_compression),  # type: ignore[arg-type]
+        )
+        return [self.route.SerializeToString(), shard.SessionRequest(open=open_).SerializeToString()]
+
+    def stream_lost(self) -> None:
+        """The stream failed before every unit was answered. Unanswered units are queued to be sent
+        again as the same bytes on the next stream, or fail with SessionTransportError once they
+        have been sent ``max_attempts`` times."""
+        self._accepted = False
+        self._window = 0
+        self._unacked = 0
+        retry: list[_Unit] = []
+        for unit in sorted(self._sent.values(), key=lambda u: u.step):
+            if unit.state is _State.ABANDONED:
+                continue
+            if unit.attempts >= self.config.max_attempts:
+                self._fail(
+                    unit,
+                    SessionTransportError(f"stream lost; unit was sent {unit.attempts} times unanswered"),
+                )
+                continue
+            unit.state = _State.PENDING
+            retry.append(unit)
+        self._sent.clear()
+        self._pending.extendleft(reversed(retry))
+
+    # ------------------------------------------------------------------ submitting work
+
+    def submit_prefill(
+        self,
+        inputs: np.ndarray | list[int] | tuple[int, ...],
+        *,
+        first_position: int = 0,
+        deadline_ns: int = 0,
+    ) -> list[int]:
+        """Split a prefill into chunks within the negotiated limits; returns their unit ids.
+
+        ``inputs``: token ids ``[n]`` for a head hop, float32 hidden ``[n, hidden]`` otherwise.
+        ``first_position == 0`` starts fresh state; otherwise the cache must hold exactly
+        ``first_position`` tokens.
+        """
+        flow = self._require_flow()
+        if self.takes_tokens:
+            tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
+            n, bytes_per_token = len(tokens), 4
+            hidden = None
+        else:
+            hidden = np.asarray(inputs, dtype=np.float32)
+            if hidden.ndim != 2:
+                raise ValueError("hidden input must be [n, hidden]")
+            n = hidden.shape[0]
+            bytes_per_token = hidden.shape[1] * NUMPY_DTYPES[self.boundary_dtype].itemsize
+            tokens = None
+        chunks = plan_prefill_chunks(
+            n,
+            first_position=first_position,
+            max_prefill_chunk_tokens=flow.max_prefill_chunk_tokens,
+            bytes_per_token=bytes_per_token,
+            max_chunk_bytes=flow.max_chunk_bytes,
+        )
+        ids = []
+        for chunk in chunks:
+            lo = chunk.first_position - first_position
+            hi = lo + chunk.token_count
+            ids.append(
+                self._add(
+                    decode=False,
+                    first_position=chunk.first_position,
+                    token_count=chunk.token_count,
+                    expected_past_len=None if chunk.first_position == 0 else chunk.first_position,
+                    chunk=(chunk.index, chunk.count),
+                    deadline_ns=deadline_ns,
+                    tokens=None if tokens is None else tokens[lo:hi],
+                    hidden=None if hidden is None else hidden[lo:hi],
+                )
+            )
+        return ids
+
+    def submit_decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> int:
+        """One token at ``position`` (the cache must hold ``position`` tokens): a token id for a head
+        hop, a float32 hidden ``[1, hidden]`` otherwise. Sent as a DecodeStep."""
+        tokens = np.asarray([value], dtype=np.int32) if self.takes_tokens else None
+        hidden = None if self.takes_tokens else np.asarray(value, dtype=np.float32).reshape(1, -1)
+        return self._add(
+            decode=True,
+            first_position=position,
+            token_count=1,
+            expected_past_len=position,
+            chunk=(0, 1),
+            deadline_ns=deadline_ns,
+            tokens=tokens,
+            hidden=hidden,
+        )
+
+    def submit_forward(self, work: ForwardWork) -> int:
+        """A unit a forwarding worker passes on, with the step and work id it arrived with."""
+        hidden = np.asarray(work.hidden, dtype=np.float32)
+        return self._add(
+            decode=work.decode,
+            first_position=work.first_position,
+            token_count=hidden.shape[0],
+            expected_past_len=work.expected_past_len,
+            chunk=(work.chunk_index, work.chunk_count),
+            deadline_ns=work.deadline_unix_nanos,
+            tokens=None,
+            hidden=hidden,
+            step=work.step,
+            work_id=work.work_id,
+        )
+
+    def _add(
+        self,
+        *,
+        decode: bool,
+        first_position: int,
+        token_count: int,
+        expected_past_len: int | None,
+        chunk: tuple[int, int],
+        deadline_ns: int,
+        tokens: np.ndarray | None,
+        hidden: np.ndarray | None,
+        step: int | None = None,
+        work_id: str | None = None,
+    ) -> int:
+        if self.failed is not None:
+            raise SessionNotReady("the session failed; open a new one")
+        if step is None:
+            step = self.next_step
+        self.next_step = max(self.next_step, step + 1)
+        unit = _Unit(
+            id=self._next_unit_id,
+            step=step,
+            work_id=work_id if work_id is not None else f"{self.route_session_id}/{self.route_epoch}/{step}",
+            decode=decode,
+            first_position=first_position,
+            token_count=token_count,
+            expected_past_len=expected_past_len,
+            chunk_index=chunk[0],
+            chunk_count=chunk[1],
+            deadline_ns=deadline_ns,
+            tokens=tokens,
+            hidden=hidden,
+        )
+        self._next_unit_id += 1
+        self._pending.append(unit)
+        return unit.id
+
+    def _require_flow(self) -> shard.FlowControl:
+        if self.failed is not None or self.flow is None:
+            raise SessionNotReady("prefill planning needs the limits negotiated at open")
+        return self.flow
+
+    # ------------------------------------------------------------------ sending
+
+    def requests_to_send(self) -> list[bytes]:
+        """Bodies of the requests the current credit allows, in order; each moves to in flight."""
+        bodies: list[bytes] = []
+        flow = self.flow
+        while self._accepted and self._pending and self._unacked < self._window:
+            assert flow is not None
+            unit = self._pending.popleft()
+            if unit.body is None:
+                unit.body = self._build(unit).SerializeToString()
+            if len(unit.body) > flow.max_chunk_bytes:
+                self._fail(
+                    unit,
+                    refusal(
+                        shard.ERROR_CODE_FLOW_CONTROL_VIOLATION,
+                        f"unit of {len(unit.body)} bytes over the negotiated max_chunk_bytes",
+                    ),
+                )
+                continue
+            unit.state = _State.SENT
+            unit.attempts += 1
+            self._sent[unit.step] = unit
+            self._unacked += 1
+            bodies.append(unit.body)
+        return bodies
+
+    def _input_tensor(self, unit: _Unit) -> shard.NamedTensor:
+        if unit.tokens is not None:
+            return encode_tokens(unit.tokens)
+        assert unit.hidden is not None
+        return encode_hidden(unit.hidden, self.boundary_dtype, self._send_compression)
+
+    def _build(self, unit: _Unit) -> shard.SessionRequest:
+        tensor = self._input_tensor(unit)
+        # Inputs are encoded into the body; drop the arrays so a retry holds only bytes.
+        unit.tokens = unit.hidden = None
+        if unit.decode and unit.token_count == 1:
+            return shard.SessionRequest(
+                decode=shard.DecodeStep(
+                    idempotency_step=unit.step,
+                    position=unit.first_position,
+                    expected_past_len=unit.first_position,
+                    tensor=tensor,
+                    work_id=unit.work_id,
+                    deadline_unix_nanos=unit.deadline_ns,
+                )
+            )
+        fresh = unit.expected_past_len is None
+        envelope = shard.Envelope(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            work_id=unit.work_id,
+            route_session_id=self.route_session_id,
+            route_epoch=self.route_epoch,
+            fingerprint=self.fingerprint,
+            shard_range=self.shard_range,
+            phase=shard.PHASE_DECODE if unit.decode else shard.PHASE_PREFILL,
+            position=shard.PositionSpan(first_position=unit.first_position, token_count=unit.token_count),
+            idempotency_step=unit.step,
+            cache_expectation=shard.CacheExpectation(
+                mode=shard.CACHE_MODE_PREFILL if fresh else shard.CACHE_MODE_DECODE,
+                expected_past_len=0 if fresh else unit.first_position,
+            ),
+            deadline_unix_nanos=unit.deadline_ns,
+            chunk=shard.ChunkInfo(
+                chunk_index=unit.chunk_index,
+                chunk_count=unit.chunk_count,
+                final_chunk=unit.chunk_index == unit.chunk_count - 1,
+            ),
+        )
+        return shard.SessionRequest(
+            chunk=shard.ActivationChunk(envelope=envelope, bundle=encode_bundle([tensor]))
+        )
+
+    # ------------------------------------------------------------------ signals
+
+    def cancel_signal(self, work_id: str = "", reason: str = "") -> bytes:
+        """In-band CancelSignal body (no credit needed). Units not yet sent fail here as CANCELLED;
+        sent ones fail when the worker's CANCELLED statuses arrive."""
+        self._cancel_pending(work_id)
+        signal = shard.CancelSignal(
+            route_session_id=self.route_session_id,
+            route_epoch=self.route_epoch,
+            work_id=work_id,
+            reason=reason,
+        )
+        return shard.SessionRequest(cancel=signal).SerializeToString()
+
+    def cancel_request(self, work_id: str = "", reason: str = "") -> shard.CancelRequest:
+        """The unary Cancel for a fresh SHARD_CANCEL stream, for when this stream is wedged."""
+        self._cancel_pending(work_id)
+        return shard.CancelRequest(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            route_session_id=self.route_session_id,
+            route_epoch=self.route_epoch,
+            work_id=work_id,
+            reason=reason,
+        )
+
+    def release_signal(self, work_id: str = "") -> bytes:
+        signal = shard.ReleaseSignal(
+            route_session_id=self.route_session_id, route_epoch=self.route_epoch, work_id=work_id
+        )
+        return shard.SessionRequest(release=signal).SerializeToString()
+
+    def release_request(self) -> shard.ReleaseRequest:
+        return shard.ReleaseRequest(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            route_session_id=self.route_session_id,
+            route_epoch=self.route_epoch,
+        )
+
+    def _cancel_pending(self, work_id: str) -> None:
+        keep: deque[_Unit] = deque()
+        for unit in self._pending:
+            if not work_id or unit.work_id == work_id:
+                self._fail(unit, refusal(shard.ERROR_CODE_CANCELLED, "cancelled before it was sent"))
+            else:
+                keep.append(unit)
+        self._pending = keep
+
+    # ------------------------------------------------------------------ receiving
+
+    def receive_frame(self, body: bytes, now_ns: int = 0) -> None:
+        response = shard.SessionResponse()
+        try:
+            response.ParseFromString(body)
+        except DecodeError:
+            raise payload_corrupt("response frame is not a well-formed message") from None
+        self.receive(response, now_ns)
+
+    def receive(self, response: shard.SessionResponse, now_ns: int = 0) -> None:
+        kind = response.WhichOneof("kind")
+        if kind == "accepted":
+            self._on_accepted(response.accepted)
+        elif not self._accepted and kind != "status":
+            raise payload_corrupt(f"{kind or 'empty response'} before SessionAccepted")
+        elif kind == "ack":
+            self._on_ack(response.ack)
+        elif kind == "chunk":
+            unit = self._sent.get(response.chunk.envelope.idempotency_step)
+            if unit is None:
+                raise payload_corrupt("result chunk for a unit not in flight")
+            unit.result = response.chunk.bundle
+        elif kind == "status":
+            self._on_status(response.status)
+        elif kind == "flow_control":
+            assert self.flow is not None
+            self._window = min(
+                self._window + response.flow_control.credits_granted, self.flow.max_inflight_chunks
+            )
+        else:
+            raise payload_corrupt("empty response")
+
+    def _on_accepted(self, accepted: shard.SessionAccepted) -> None:
+        if self._accepted:
+            raise payload_corrupt("second SessionAccepted on one stream")
+        fp = accepted.fingerprint
+        mismatch: ShardProtocolError | None = None
+        if accepted.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
+            mismatch = refusal(
+                shard.ERROR_CODE_SCHEMA_UNSUPPORTED, "peer chose an unsupported schema version"
+            )
+        elif (fp.model_artifact_digest, fp.runtime_recipe_digest) != (
+            self.fingerprint.model_artifact_digest,
+            self.fingerprint.runtime_recipe_digest,
+        ):
+            mismatch = refusal(shard.ERROR_CODE_FINGERPRINT_MISMATCH, "peer serves another fingerprint")
+        elif accepted.route_session_id != self.route_session_id or accepted.route_epoch != self.route_epoch:
+            mismatch = payload_corrupt("peer accepted another session")
+        if mismatch is not None:
+            self._fail_session(mismatch)
+            return
+        flow = accepted.flow_control
+        self.flow = flow
+        self._window = min(flow.credits_granted, flow.max_inflight_chunks)
+        self._accepted = True
+        route_compression = self.route.compression or shard.COMPRESSION_NONE
+        self._send_compression = (
+            route_compression
+            if route_compression in accepted.accepted_compression
+            else shard.COMPRESSION_NONE
+        )
+        self._events.append(SessionReady(accepted))
+
+    def _on_ack(self, ack: shard.Ack) -> None:
+        unit = self._sent.pop(ack.idempotency_step, None)
+        if unit is None:
+            raise payload_corrupt("ack for a unit not in flight")
+        self._unacked -= 1
+        if unit.state is _State.ABANDONED:
+            return
+        self._events.append(
+            UnitDone(
+                unit_id=unit.id,
+                step=unit.step,
+                work_id=unit.work_id,
+                bundle=unit.result,
+                cache_result=ack.cache_result,
+                duplicate=ack.duplicate,
+                execution_nanos=ack.execution_nanos,
+            )
+        )
+
+    def _on_status(self, status: shard.ShardStatus) -> None:
+        error = ShardProtocolError.from_pb(status.error)
+        if status.terminal:
+            self._fail_session(error)
+            return
+        unit = self._sent.pop(status.idempotency_step, None) if status.idempotency_step else None
+        if unit is None:
+            if status.idempotency_step:
+                raise payload_corrupt("status for a unit not in flight")
+            self._events.append(PeerRefusal(error))
+            return
+        self._unacked -= 1
+        if unit.state is not _State.ABANDONED:
+            self._fail(unit, error)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now_ns: int) -> None:
+        """Fail units whose deadline passed without an answer (a wedged or dead peer)."""
+        late = [u for u in self._pending if u.deadline_ns and now_ns >= u.deadline_ns]
+        if late:
+            self._pending = deque(u for u in self._pending if u not in late)
+            for unit in late:
+                self._fail(
+                    unit, refusal(shard.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed before sending")
+                )
+        for unit in self._sent.values():
+            if unit.state is _State.SENT and unit.deadline_ns and now_ns >= unit.deadline_ns:
+                unit.state = _State.ABANDONED
+                self._events.append(
+                    UnitFailed(
+                        unit.id, unit.step, unit.work_id, SessionTransportError("no answer by the deadline")
+                    )
+                )
+
+    def next_timer(self) -> int | None:
+        deadlines = [u.deadline_ns for u in self._pending if u.deadline_ns]
+        deadlines.extend(
+            u.deadline_ns for u in self._sent.values() if u.deadline_ns and u.state is _State.SENT
+        )
+        return min(deadlines, default=None)
+
+    # ------------------------------------------------------------------ failures
+
+    def _fail(self, unit: _Unit, error: MeshnodeError) -> None:
+        self._events.append(UnitFailed(unit.id, unit.step, unit.work_id, error))
+
+    def _fail_session(self, error: ShardProtocolError) -> None:
+        self.failed = error
+        self._accepted = False
+        for unit in [*sorted(self._sent.values(), key=lambda u: u.step), *self._pending]:
+            if unit.state is not _State.ABANDONED:
+                self._fail(unit, error)
+        self._sent.clear()
+        self._pending.clear()
+        self._events.append(SessionFailed(error))
+
+
+__all__ = [
+    "ClientConfig",
+    "ClientEvent",
+    "PeerRefusal",
+    "SessionClient",
+    "SessionFailed",
+    "SessionNotReady",
+    "SessionReady",
+    "UnitDone",
+    "UnitFailed",
+]

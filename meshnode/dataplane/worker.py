@@ -1,0 +1,1196 @@
+"""The worker side of the shard session protocol, sans-IO.
+
+One :class:`ShardWorker` per served shard holds the node-wide state: the route
+sessions (by id, at their current epoch) with their idempotency ledgers, the
+unit queue, the single engine slot, and the admission budgets. Streams are
+registered with :meth:`ShardWorker.open_stream`; everything that happens —
+a frame, an engine result, a next-hop result, time passing, a stream closing —
+is one method call that returns the :mod:`~meshnode.dataplane.actions` for the
+edge to carry out. Time is always the ``now_ns`` argument (unix nanoseconds,
+the clock deadlines are written in); nothing here reads a clock or does I/O.
+
+Stream lifecycle: the opener's first frame is a ``SessionRoute``, the second a
+``SessionOpen``; the worker answers ``SessionAccepted`` or a terminal
+``ShardStatus``. Then each ``ActivationChunk``/``DecodeStep`` is one unit that
+takes one credit and is answered exactly once: an optional result ``chunk``
+then an ``Ack``, or a ``ShardStatus``. Both return the credit.
+
+Choices the schema leaves open, made here:
+
+- Work before the open has no credit → FLOW_CONTROL_VIOLATION (terminal); any
+  other message out of place, or bytes that do not parse → PAYLOAD_CORRUPT
+  (terminal). A ``FlowControl`` request is accepted and has no effect: at most
+  one result chunk answers each unit, so results are bounded by the units'
+  own credit.
+- Every flow-control violation (too many un-acked units, a chunk over
+  ``max_chunk_bytes`` or ``max_prefill_chunk_tokens``) is terminal.
+- An envelope naming another session than the stream's → PAYLOAD_CORRUPT.
+- Idempotency rules (gaps → CACHE_MISS) are explained in :mod:`.steps`.
+- Context budget: a unit reaching past ``max_context_tokens`` of one session is
+  RESOURCE_EXHAUSTED with ``retryable = false`` (it can never fit unchanged);
+  the node-wide budgets (sessions, total context tokens, queue depth, draining)
+  are ``retryable = true``.
+- The tail samples with ``sample_index`` = the position of the token being
+  sampled, so a retry or a re-prefill replay draws the same token.
+- Cache mode STATELESS is run as a fresh prefill at position 0 (the state it
+  leaves is released like any other).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from google.protobuf.message import DecodeError
+
+from engines.interface import (
+    CancelToken,
+    EngineCapabilities,
+    EngineError,
+    SessionKey,
+    StepRequest,
+    StepResult,
+)
+from meshnode.dataplane import errors
+from meshnode.dataplane.actions import (
+    Action,
+    CancelDownstream,
+    CloseStream,
+    FireCancel,
+    Forward,
+    ForwardWork,
+    ReleaseDownstream,
+    ReleaseEngine,
+    RunStep,
+    Send,
+)
+from meshnode.dataplane.payload import (
+    HopRole,
+    StepInput,
+    check_result,
+    decode_chunk_input,
+    decode_step_input,
+    encode_hidden,
+    encode_token_result,
+)
+from meshnode.dataplane.route import RoutePlan, validate_route
+from meshnode.dataplane.steps import RecordState, StepLedger, StepRecord, Verdict
+from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.wire.errors import ShardProtocolError
+from meshnode.wire.flow_control import default_flow_control, negotiate_flow_control
+from meshnode.wire.pb import shard
+from meshnode.wire.tensor_codec import encode_bundle
+
+SUPPORTED_SCHEMA_VERSIONS = (shard.SCHEMA_VERSION_1,)
+HIGHEST_SCHEMA_VERSION = max(SUPPORTED_SCHEMA_VERSIONS)
+# Epochs of sessions dropped recently, so a late stream cannot resurrect an old epoch.
+RETIRED_EPOCHS_KEPT = 1024
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # None: the engine's own session limit.
+    max_sessions: int | None = None
+    # Units waiting for the engine, over all sessions.
+    max_queue_depth: int = 64
+    # Sum over sessions of the positions they hold or have queued; None: no node-wide cap.
+    max_total_context_tokens: int | None = None
+    # Local flow-control limits; None: meshnode.wire.flow_control.default_flow_control().
+    flow_control: shard.FlowControl | None = None
+    # Compressions this worker decodes (NONE is always included).
+    accepted_compression: tuple[int, ...] = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
+    # Recently applied steps remembered per session for duplicate replies.
+    replay_window: int = 16
+    # A session with no unit in flight is dropped after this long without traffic.
+    session_idle_ttl_ns: int = 600 * 1_000_000_000
+    max_session_id_length: int = 128
+
+
+@dataclass(frozen=True)
+class DownstreamResult:
+    """What the next hop returned for a forwarded unit: its result tensors, if any."""
+
+    bundle: shard.TensorBundle | None = None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    active_sessions: int
+    queued_units: int
+    running_units: int
+    serving_state: int
+
+
+class _Phase(Enum):
+    AWAIT_ROUTE = "await_route"
+    AWAIT_OPEN = "await_open"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class _Stream:
+    id: int
+    phase: _Phase = _Phase.AWAIT_ROUTE
+    plan: RoutePlan | None = None
+    route_bytes: bytes = b""
+    session_id: str = ""
+    epoch: int = 0
+    shard_range: tuple[int, int, int] = (0, 0, 0)
+    schema_version: int = 0
+    flow: shard.FlowControl | None = None
+    window: int = 0
+    unacked: int = 0
+    result_compression: int = shard.COMPRESSION_NONE
+
+
+@dataclass(eq=False)
+class _Session:
+    session_id: str
+    epoch: int
+    shard_range: tuple[int, int, int]
+    route_bytes: bytes
+    plan: RoutePlan
+    role: HopRole
+    ledger: StepLedger
+    last_active_ns: int
+    # Tokens the engine holds for this session; None when unknown (the engine then decides).
+    past_len: int | None = 0
+    # Highest position admitted since the last fresh start (the context budget's unit).
+    context_tokens: int = 0
+    queue: deque[_Unit] = field(default_factory=deque)
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey(self.session_id, self.epoch)
+
+
+@dataclass(eq=False)
+class _Unit:
+    id: int
+    stream_id: int
+    session: _Session
+    step: int
+    work_id: str
+    decode: bool
+    first_position: int
+    token_count: int
+    # None: a fresh start at position 0.
+    expected_past_len: int | None
+    chunk_index: int
+    chunk_count: int
+    final: bool
+    deadline_ns: int
+    input: StepInput | None
+    token: CancelToken | None = None
+    answered: bool = False
+    record: StepRecord | None = None
+    # Answered from the replay record (a duplicate), not by running the engine.
+    replay: bool = False
+
+    @property
+    def fresh_start(self) -> bool:
+        return self.expected_past_len is None
+
+
+class ShardWorker:
+    """Node-wide session protocol state for one served shard. See the module docstring."""
+
+    def __init__(self, capabilities: EngineCapabilities, config: WorkerConfig | None = None) -> None:
+        self.capabilities = capabilities
+        self.config = config or WorkerConfig()
+        self.local_flow_control = self.config.flow_control or default_flow_control()
+        self.accepted_compression = tuple(sorted({shard.COMPRESSION_NONE, *self.config.accepted_compression}))
+        self.max_sessions = (
+            self.config.max_sessions if self.config.max_sessions is not None else capabilities.max_sessions
+        )
+        self.serving_state: int = shard.SERVING_STATE_SERVING
+        fp = capabilities.fingerprint
+        self._digests = (fp.model_artifact_digest, fp.runtime_recipe_digest)
+        self.fingerprint = shard.Fingerprint(
+            model_artifact_digest=fp.model_artifact_digest,
+            runtime_recipe_digest=fp.runtime_recipe_digest,
+            recipe_id=fp.recipe_id,
+            recipe_version=fp.recipe_version,
+            catalogue_version=fp.catalogue_version,
+        )
+        self._streams: dict[int, _Stream] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._retired_epochs: OrderedDict[str, int] = OrderedDict()
+        # Sessions with queued units, in round-robin order.
+        self._ready: OrderedDict[str, _Session] = OrderedDict()
+        self._queued = 0
+        self._running: _Unit | None = None
+        self._forwarding: dict[int, _Unit] = {}
+        self._followers: dict[int, _Unit] = {}
+        self._next_stream_id = 1
+        self._next_unit_id = 1
+
+    # ------------------------------------------------------------------ public API
+
+    def set_serving_state(self, state: int) -> None:
+        """SERVING accepts new sessions; DRAINING and NOT_SERVING refuse them, existing ones continue."""
+        self.serving_state = state
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            active_sessions=len(self._sessions),
+            queued_units=self._queued,
+            running_units=1 if self._running is not None else 0,
+            serving_state=self.serving_state,
+        )
+
+    def open_stream(self) -> int:
+        """Register an accepted SHARD_SESSION stream (or relay channel); returns its id."""
+        stream_id = self._next_stream_id
+        self._next_stream_id += 1
+        self._streams[stream_id] = _Stream(stream_id)
+        return stream_id
+
+    def receive_frame(self, stream_id: int, body: bytes, now_ns: int) -> list[Action]:
+        """One frame body from the stream: the route first, then SessionRequests."""
+        stream = self._streams[stream_id]
+        out: list[Action] = []
+        if stream.phase is _Phase.CLOSED:
+            return out
+        awaiting_route = stream.phase is _Phase.AWAIT_ROUTE
+        message = dataplane.SessionRoute() if awaiting_route else shard.SessionRequest()
+        try:
+            message.ParseFromString(body)
+        except DecodeError:
+            self._terminate(out, stream, errors.payload_corrupt("frame is not a well-formed message"))
+            return out
+        if isinstance(message, dataplane.SessionRoute):
+            self._on_route(out, stream, message)
+        else:
+            self._on_request(out, stream, message, len(body), now_ns)
+        return out
+
+    def receive(
+        self, stream_id: int, request: shard.SessionRequest, size_bytes: int, now_ns: int
+    ) -> list[Action]:
+        """An already-parsed request (``size_bytes``: its serialized size) after the route."""
+        stream = self._streams[stream_id]
+        out: list[Action] = []
+        if stream.phase is _Phase.AWAIT_ROUTE:
+            self._terminate(out, stream, errors.payload_corrupt("the stream must start with a route"))
+        elif stream.phase is not _Phase.CLOSED:
+            self._on_request(out, stream, request, size_bytes, now_ns)
+        return out
+
+    def receive_route(self, stream_id: int, route: dataplane.SessionRoute) -> list[Action]:
+        stream = self._streams[stream_id]
+        out: list[Action] = []
+        if stream.phase is _Phase.AWAIT_ROUTE:
+            self._on_route(out, stream, route)
+        elif stream.phase is not _Phase.CLOSED:
+            self._terminate(out, stream, errors.payload_corrupt("a stream carries one route"))
+        return out
+
+    def stream_closed(self, stream_id: int, now_ns: int) -> list[Action]:
+        """The transport finished or lost the stream. Its queued units are dropped (never applied);
+        a running or forwarding unit completes and is recorded for a retry on another stream."""
+        stream = self._streams.get(stream_id)
+        out: list[Action] = []
+        if stream is not None:
+            self._drop_stream(stream)
+            del self._streams[stream_id]
+        self._pump(out, now_ns)
+        return out
+
+    def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
+        """Report a RunStep: ``outcome`` is the StepResult, or the exception the engine raised."""
+        unit = self._running
+        if unit is None or unit.id != unit_id:
+            raise KeyError(f"unit {unit_id} is not running")
+        self._running = None
+        out: list[Action] = []
+        session = unit.session
+        live = self._sessions.get(session.session_id) is session
+        if live:
+            session.last_active_ns = now_ns
+        if isinstance(outcome, BaseException):
+            error = errors.from_engine_failure(outcome)
+            if live:
+                is_miss = error.code == shard.ERROR_CODE_CACHE_MISS
+                session.past_len = error.actual_past_len if is_miss else None
+            self._fail(out, unit, error)
+        else:
+            try:
+                sampled = unit.final and session.role.is_tail
+                result = check_result(
+                    outcome,
+                    session.role,
+                    unit.token_count,
+                    sampled=sampled,
+                    want_logits=session.plan.return_logits,
+                )
+            except ShardProtocolError as error:
+                if live:
+                    session.past_len = None
+                self._fail(out, unit, error)
+            else:
+                if live:
+                    self._applied(out, unit, result)
+        self._pump(out, now_ns)
+        return out
+
+    def downstream_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
+        """Report a Forward: a :class:`DownstreamResult`, or the error the next hop's client raised
+        (``ShardProtocolError`` for a refusal, anything else for a transport failure)."""
+        unit = self._forwarding.pop(unit_id)
+        record = unit.record
+        assert record is not None
+        out: list[Action] = []
+        waiting = [unit, *record.followers]
+        for follower in record.followers:
+            self._followers.pop(follower.id, None)
+        record.followers.clear()
+        if isinstance(outcome, DownstreamResult):
+            record.state = RecordState.COMPLETE
+            record.forward = None
+            if outcome.bundle is not None:
+                record.result = self._result_chunk(unit, outcome.bundle)
+            for waiter in waiting:
+                self._succeed(out, waiter, record, duplicate=waiter.replay)
+        else:
+            record.state = RecordState.FORWARD_FAILED
+            error = _downstream_error(outcome)
+            for waiter in waiting:
+                self._fail(out, waiter, error)
+        unit.session.ledger.trim()
+        if self._sessions.get(unit.session.session_id) is unit.session:
+            unit.session.last_active_ns = now_ns
+        self._pump(out, now_ns)
+        return out
+
+    def tick(self, now_ns: int) -> list[Action]:
+        """Expire deadlines and idle sessions at ``now_ns``."""
+        out: list[Action] = []
+        expired = errors.deadline_exceeded
+        running = self._running
+        if running is not None and not running.answered and _passed(running.deadline_ns, now_ns):
+            assert running.token is not None
+            out.append(FireCancel(running.id, running.token))
+            self._fail(out, running, expired())
+        for session in list(self._ready.values()):
+            late = [u for u in session.queue if _passed(u.deadline_ns, now_ns)]
+            if late:
+                self._unqueue(session, late)
+                for unit in late:
+                    self._fail(out, unit, expired())
+        for unit in [*self._forwarding.values(), *self._followers.values()]:
+            if not unit.answered and _passed(unit.deadline_ns, now_ns):
+                self._fail(out, unit, expired())
+        for follower_id in [i for i, u in self._followers.items() if u.answered]:
+            del self._followers[follower_id]
+        ttl = self.config.session_idle_ttl_ns
+        for session in list(self._sessions.values()):
+            if not self._busy(session) and session.last_active_ns + ttl <= now_ns:
+                self._drop_session(out, session)
+        self._pump(out, now_ns)
+        return out
+
+    def next_timer(self) -> int | None:
+        """When :meth:`tick` next has work to do (unix ns), or None."""
+        times = [u.deadline_ns for u in self._units_in_flight() if u.deadline_ns > 0 and not u.answered]
+        ttl = self.config.session_idle_ttl_ns
+        times.extend(s.last_active_ns + ttl for s in self._sessions.values() if not self._busy(s))
+        return min(times, default=None)
+
+    def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> tuple[int, list[Action]]:
+        """Abandon the session's running, queued and forwarding units (only ``work_id`` if given).
+
+        Each gets a CANCELLED status on its stream; returns how many. Nothing at that
+        epoch (unknown session, other epoch) cancels nothing.
+        """
+        out: list[Action] = []
+        session = self._sessions.get(session_id)
+        if session is None or session.epoch != epoch:
+            return 0, out
+        count = self._cancel_units(out, session, work_id, errors.cancelled("cancelled by the peer"))
+        self._pump(out, now_ns)
+        return count, out
+
+    def release(self, session_id: str, epoch: int, now_ns: int) -> tuple[bool, list[Action]]:
+        """Drop the session's state; False (not an error) when there was none at that epoch."""
+        out: list[Action] = []
+        session = self._sessions.get(session_id)
+        if session is None or session.epoch != epoch:
+            return False, out
+        self._cancel_units(out, session, "", errors.cancelled("session released"))
+        self._drop_session(out, session)
+        self._pump(out, now_ns)
+        return True, out
+
+    def session_epoch(self, session_id: str) -> int | None:
+        session = self._sessions.get(session_id)
+        return None if session is None else session.epoch
+
+    # ------------------------------------------------------------------ stream messages
+
+    def _on_route(self, out: list[Action], stream: _Stream, route: dataplane.SessionRoute) -> None:
+        caps = self.capabilities
+        try:
+            stream.plan = validate_route(route, end_layer=caps.layer_end, is_tail=caps.is_tail)
+        except ShardProtocolError as error:
+            self._terminate(out, stream, error)
+            return
+        stream.route_bytes = route.SerializeToString(deterministic=True)
+        stream.phase = _Phase.AWAIT_OPEN
+
+    def _on_request(
+        self, out: list[Action], stream: _Stream, request: shard.SessionRequest, size: int, now_ns: int
+    ) -> None:
+        kind = request.WhichOneof("kind")
+        if kind == "decode" or kind == "chunk":
+            if stream.phase is not _Phase.OPEN:
+                self._terminate(
+                    out, stream, errors.flow_control_violation("work sent before the session opened")
+                )
+            else:
+                self._on_unit(out, stream, request, kind, size, now_ns)
+        elif kind == "open":
+            if stream.phase is _Phase.OPEN:
+                self._terminate(out, stream, errors.payload_corrupt("the session is already open"))
+            else:
+                self._on_open(out, stream, request.open, now_ns)
+        elif stream.phase is not _Phase.OPEN:
+            self._terminate(
+                out, stream, errors.payload_corrupt(f"{kind or 'empty request'} before SessionOpen")
+            )
+        elif kind == "cancel":
+            signal = request.cancel
+            if self._on_signal(out, stream, signal.route_session_id, signal.work_id):
+                out.extend(self.cancel(stream.session_id, signal.route_epoch, signal.work_id, now_ns)[1])
+        elif kind == "release":
+            if self._on_signal(out, stream, request.release.route_session_id, request.release.work_id):
+                out.extend(self.release(stream.session_id, request.release.route_epoch, now_ns)[1])
+        elif kind == "flow_control":
+            pass
+        else:
+            self._terminate(out, stream, errors.payload_corrupt("empty request"))
+
+    def _on_signal(self, out: list[Action], stream: _Stream, session_id: str, work_id: str) -> bool:
+        if session_id == stream.session_id:
+            return True
+        self._status(out, stream, work_id, 0, errors.payload_corrupt("signal names another session"))
+        return False
+
+    def _on_open(self, out: list[Action], stream: _Stream, open_: shard.SessionOpen, now_ns: int) -> None:
+        caps = self.capabilities
+        if open_.schema_version == shard.SCHEMA_VERSION_UNSPECIFIED:
+            self._terminate(
+                out,
+                stream,
+                errors.refusal(shard.ERROR_CODE_SCHEMA_UNSUPPORTED, "schema version is unspecified"),
+            )
+            return
+        fp = open_.fingerprint
+        if (fp.model_artifact_digest, fp.runtime_recipe_digest) != self._digests:
+            self._terminate(
+                out,
+                stream,
+                errors.refusal(
+                    shard.ERROR_CODE_FINGERPRINT_MISMATCH, "fingerprint differs from the served one"
+                ),
+            )
+            return
+        r = open_.shard_range
+        if (
+            r.start_layer != caps.layer_start
+            or r.end_layer != caps.layer_end
+            or not r.start_layer <= r.effective_start_layer < r.end_layer
+        ):
+            self._terminate(
+                out,
+                stream,
+                errors.refusal(
+                    shard.ERROR_CODE_SHARD_RANGE_MISMATCH,
+                    f"this worker serves [{caps.layer_start}, {caps.layer_end}) "
+                    "with an effective start inside it",
+                ),
+            )
+            return
+        session_id = open_.route_session_id
+        # Control characters are refused so that no peer can name a worker-internal scratch session.
+        if (
+            not session_id
+            or len(session_id) > self.config.max_session_id_length
+            or not session_id.isprintable()
+        ):
+            self._terminate(
+                out, stream, errors.payload_corrupt("route session id is empty, too long or not printable")
+            )
+            return
+        stream.session_id = session_id
+        stream.epoch = open_.route_epoch
+        stream.shard_range = (r.start_layer, r.end_layer, r.effective_start_layer)
+        stream.schema_version = min(open_.schema_version, HIGHEST_SCHEMA_VERSION)
+        try:
+            self._session_for(out, stream, open_.route_epoch, now_ns)
+        except ShardProtocolError as error:
+            self._terminate(out, stream, error)
+            return
+        flow = negotiate_flow_control(open_.proposed_flow_control, self.local_flow_control)
+        stream.flow = flow
+        stream.window = flow.credits_granted
+        assert stream.plan is not None
+        initiator = {shard.COMPRESSION_NONE, *open_.accepted_compression}
+        if stream.plan.compression in initiator:
+            stream.result_compression = stream.plan.compression
+        stream.phase = _Phase.OPEN
+        self._send(
+            out,
+            stream,
+            shard.SessionResponse(
+                accepted=shard.SessionAccepted(
+                    schema_version=stream.schema_version,  # type: ignore[arg-type]
+                    route_session_id=session_id,
+                    route_epoch=open_.route_epoch,
+                    flow_control=flow,
+                    accepted_compression=list(self.accepted_compression),  # type: ignore[arg-type]
+                    fingerprint=self.fingerprint,
+                )
+            ),
+        )
+
+    def _on_unit(
+        self,
+        out: list[Action],
+        stream: _Stream,
+        request: shard.SessionRequest,
+        kind: str,
+        size: int,
+        now_ns: int,
+    ) -> None:
+        flow = stream.flow
+        assert flow is not None
+        if size > flow.max_chunk_bytes:
+            self._terminate(
+                out, stream, errors.flow_control_violation(f"unit of {size} bytes over max_chunk_bytes")
+            )
+            return
+        if stream.unacked >= stream.window:
+            self._terminate(
+                out, stream, errors.flow_control_violation(f"more than {stream.window} un-acked units")
+            )
+            return
+        if kind == "chunk" and request.chunk.envelope.position.token_count > flow.max_prefill_chunk_tokens:
+            self._terminate(
+                out, stream, errors.flow_control_violation("chunk carries more than max_prefill_chunk_tokens")
+            )
+            return
+        stream.unacked += 1
+        if kind == "decode":
+            step, work_id = request.decode.idempotency_step, request.decode.work_id
+        else:
+            step, work_id = request.chunk.envelope.idempotency_step, request.chunk.envelope.work_id
+        try:
+            if kind == "decode":
+                unit = self._decode_unit(out, stream, request.decode, now_ns)
+            else:
+                unit = self._chunk_unit(out, stream, request.chunk, now_ns)
+            self._admit(out, unit, now_ns)
+        except ShardProtocolError as error:
+            self._status(out, stream, work_id, step, error)
+            self._credit_returned(out, stream)
+            return
+        self._pump(out, now_ns)
+
+    # ------------------------------------------------------------------ building units
+
+    def _decode_unit(self, out: list[Action], stream: _Stream, step: shard.DecodeStep, now_ns: int) -> _Unit:
+        if step.expected_past_len != step.position:
+            raise errors.payload_corrupt("a decode step's position must equal expected_past_len")
+        session = self._session_for(out, stream, stream.epoch, now_ns)
+        step_input = decode_step_input(step.tensor, session.role, self.accepted_compression)
+        return self._new_unit(
+            stream,
+            session,
+            step=step.idempotency_step,
+            work_id=step.work_id,
+            decode=True,
+            first_position=step.position,
+            token_count=1,
+            expected_past_len=step.expected_past_len,
+            chunk=(0, 1),
+            deadline_ns=step.deadline_unix_nanos,
+            step_input=step_input,
+        )
+
+    def _chunk_unit(
+        self, out: list[Action], stream: _Stream, chunk: shard.ActivationChunk, now_ns: int
+    ) -> _Unit:
+        env = chunk.envelope
+        self._check_identity(stream, env)
+        first, count = env.position.first_position, env.position.token_count
+        expected, decode, chunk_span = _cache_plan(env, first, count)
+        session = self._session_for(out, stream, env.route_epoch, now_ns, defer_switch=True)
+        if session.epoch != env.route_epoch:
+            # A newer epoch: validate the payload against this stream's role before
+            # releasing the old epoch's state for it.
+            role = self._role_for(stream.plan, stream.shard_range)
+            step_input = decode_chunk_input(chunk.bundle, role, count, self.accepted_compression)
+            session = self._session_for(out, stream, env.route_epoch, now_ns)
+        else:
+            step_input = decode_chunk_input(chunk.bundle, session.role, count, self.accepted_compression)
+        stream.epoch = env.route_epoch
+        return self._new_unit(
+            stream,
+            session,
+            step=env.idempotency_step,
+            work_id=env.work_id,
+            decode=decode,
+            first_position=first,
+            token_count=count,
+            expected_past_len=expected,
+            chunk=chunk_span,
+            deadline_ns=env.deadline_unix_nanos,
+            step_input=step_input,
+        )
+
+    def _check_identity(self, stream: _Stream, env: shard.Envelope) -> None:
+        if env.schema_version != stream.schema_version:
+            raise errors.refusal(
+                shard.ERROR_CODE_SCHEMA_UNSUPPORTED, "envelope schema version differs from the negotiated one"
+            )
+        if env.route_session_id != stream.session_id:
+            raise errors.payload_corrupt("envelope names another route session than the stream's")
+        fp = env.fingerprint
+        if (fp.model_artifact_digest, fp.runtime_recipe_digest) != self._digests:
+            raise errors.refusal(
+                shard.ERROR_CODE_FINGERPRINT_MISMATCH, "fingerprint differs from the served one"
+            )
+        r = env.shard_range
+        if (r.start_layer, r.end_layer, r.effective_start_layer) != stream.shard_range:
+            raise errors.refusal(
+                shard.ERROR_CODE_SHARD_RANGE_MISMATCH, "envelope shard range differs from the session's"
+            )
+
+    def _new_unit(
+        self,
+        stream: _Stream,
+        session: _Session,
+        *,
+        step: int,
+        work_id: str,
+        decode: bool,
+        first_position: int,
+        token_count: int,
+        expected_past_len: int | None,
+        chunk: tuple[int, int],
+        deadline_ns: int,
+        step_input: StepInput | None,
+    ) -> _Unit:
+        unit_id = self._next_unit_id
+        self._next_unit_id += 1
+        index, count = chunk
+        return _Unit(
+            id=unit_id,
+            stream_id=stream.id,
+            session=session,
+            step=step,
+            work_id=work_id,
+            decode=decode,
+            first_position=first_position,
+            token_count=token_count,
+            expected_past_len=expected_past_len,
+            chunk_index=index,
+            chunk_count=count,
+            final=index == count - 1,
+            deadline_ns=deadline_ns,
+            input=step_input,
+        )
+
+    # ------------------------------------------------------------------ sessions
+
+    def _role_for(self, plan: RoutePlan | None, shard_range: tuple[int, int, int]) -> HopRole:
+        assert plan is not None
+        caps = self.capabilities
+        return HopRole(
+            takes_tokens=shard_range[2] == 0,
+            is_tail=caps.is_tail,
+            hidden_size=caps.hidden_size,
+            vocab_size=caps.vocab_size,
+            boundary_dtype=plan.boundary_dtype,
+        )
+
+    def _session_for(
+        self, out: list[Action], stream: _Stream, epoch: int, now_ns: int, *, defer_switch: bool = False
+    ) -> _Session:
+        """The session this stream's unit belongs to at ``epoch``: the live one, a fresh one for a
+        newer epoch (the old epoch's state released), or a re-admitted one after a release."""
+        session = self._sessions.get(stream.session_id)
+        floor = session.epoch if session is not None else self._retired_epochs.get(stream.session_id, 0)
+        if epoch < floor:
+            raise errors.epoch_stale(floor)
+        if session is not None and epoch == session.epoch:
+            if (stream.shard_range, stream.route_bytes) != (session.shard_range, session.route_bytes):
+                raise errors.refusal(
+                    shard.ERROR_CODE_SHARD_RANGE_MISMATCH,
+                    "route or range differs from the one this session epoch was opened with",
+                )
+            return session
+        if session is not None:
+            if defer_switch:
+                return session
+            self._cancel_units(out, session, "", errors.epoch_stale(epoch))
+            self._drop_session(out, session)
+        else:
+            self._admit_session()
+        plan = stream.plan
+        assert plan is not None
+        fresh = _Session(
+            session_id=stream.session_id,
+            epoch=epoch,
+            shard_range=stream.shard_range,
+            route_bytes=stream.route_bytes,
+            plan=plan,
+            role=self._role_for(plan, stream.shard_range),
+            ledger=StepLedger(self.config.replay_window),
+            last_active_ns=now_ns,
+        )
+        self._sessions[stream.session_id] = fresh
+        return fresh
+
+    def _admit_session(self) -> None:
+        if self.serving_state != shard.SERVING_STATE_SERVING:
+            raise errors.resource_exhausted("worker is not accepting new sessions")
+        if len(self._sessions) >= self.max_sessions:
+            raise errors.resource_exhausted(f"worker already serves {self.max_sessions} sessions")
+
+    def _drop_session(self, out: list[Action], session: _Session) -> None:
+        """Forget the session (its units already answered) and release its engine and next-hop state."""
+        del self._sessions[session.session_id]
+        self._ready.pop(session.session_id, None)
+        self._queued -= len(session.queue)
+        session.queue.clear()
+        self._retired_epochs[session.session_id] = session.epoch
+        self._retired_epochs.move_to_end(session.session_id)
+        while len(self._retired_epochs) > RETIRED_EPOCHS_KEPT:
+            self._retired_epochs.popitem(last=False)
+        out.append(ReleaseEngine(session.key))
+        if session.plan.next_hop is not None:
+            out.append(ReleaseDownstream(session.key))
+
+    def _busy(self, session: _Session) -> bool:
+        if session.queue or (self._running is not None and self._running.session is session):
+            return True
+        return any(u.session is session for u in self._forwarding.values())
+
+    # ------------------------------------------------------------------ admission and scheduling
+
+    def _admit(self, out: list[Action], unit: _Unit, now_ns: int) -> None:
+        session = unit.session
+        verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=unit.fresh_start)
+        if verdict is Verdict.REPLAY:
+            assert record is not None
+            self._replay(out, unit, record)
+            return
+        if verdict is not Verdict.ADMIT:
+            raise _refusal_for(verdict, session)
+        end = unit.first_position + unit.token_count
+        caps = self.capabilities
+        if end > caps.max_context_tokens:
+            raise errors.resource_exhausted(
+                f"position {end} is past the {caps.max_context_tokens}-token context of a session",
+                retryable=False,
+            )
+        session_tokens = end if unit.fresh_start else max(session.context_tokens, end)
+        limit = self.config.max_total_context_tokens
+        if limit is not None:
+            total = sum(s.context_tokens for s in self._sessions.values())
+            if total - session.context_tokens + session_tokens > limit:
+                raise errors.resource_exhausted(f"worker context budget of {limit} tokens is in use")
+        if self._queued >= self.config.max_queue_depth:
+            raise errors.resource_exhausted(f"worker queue holds {self._queued} units")
+        session.context_tokens = session_tokens
+        session.ledger.admitted(unit.step)
+        session.last_active_ns = now_ns
+        session.queue.append(unit)
+        self._queued += 1
+        if session.session_id not in self._ready:
+            self._ready[session.session_id] = session
+
+    def _pump(self, out: list[Action], now_ns: int) -> None:
+        while self._running is None:
+            unit = self._dequeue()
+            if unit is None:
+                return
+            self._start(out, unit, now_ns)
+
+    def _dequeue(self) -> _Unit | None:
+        # Decode steps go first so a long prefill cannot starve another session's tokens.
+        chosen: _Session | None = None
+        for session in self._ready.values():
+            if session.queue[0].decode:
+                chosen = session
+                break
+            if chosen is None:
+                chosen = session
+        if chosen is None:
+            return None
+        unit = chosen.queue.popleft()
+        self._queued -= 1
+        if chosen.queue:
+            self._ready.move_to_end(chosen.session_id)
+        else:
+            del self._ready[chosen.session_id]
+        return unit
+
+    def _start(self, out: list[Action], unit: _Unit, now_ns: int) -> None:
+        session = unit.session
+        if _passed(unit.deadline_ns, now_ns):
+            self._fail(out, unit, errors.deadline_exceeded())
+            return
+        verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=unit.fresh_start)
+        if verdict is Verdict.REPLAY:
+            assert record is not None
+            self._replay(out, unit, record)
+            return
+        if verdict is not Verdict.ADMIT:
+            self._fail(out, unit, _refusal_for(verdict, session))
+            return
+        if (
+            unit.expected_past_len is not None
+            and session.past_len is not None
+            and session.past_len != unit.expected_past_len
+        ):
+            self._fail(
+                out,
+                unit,
+                errors.cache_miss(
+                    f"session holds {session.past_len} tokens, not {unit.expected_past_len}", session.past_len
+                ),
+            )
+            return
+        assert unit.input is not None
+        token = CancelToken()
+        sample = unit.final and session.role.is_tail
+        try:
+            request = StepRequest(
+                session=session.key,
+                first_position=unit.first_position,
+                token_ids=unit.input.token_ids,
+                hidden=unit.input.hidden,
+                expected_past_len=unit.expected_past_len if unit.decode else None,
+                effective_start_layer=session.shard_range[2],
+                sampling=session.plan.sampling if sample else None,
+                want_logits=sample and session.plan.return_logits,
+                sample_index=unit.first_position + unit.token_count,
+                work_id=unit.work_id,
+                cancel_token=token,
+            )
+        except EngineError as error:
+            self._fail(out, unit, errors.from_engine_failure(error))
+            return
+        unit.token = token
+        unit.input = None
+        self._running = unit
+        out.append(RunStep(unit.id, request, unit.decode))
+
+    # ------------------------------------------------------------------ results
+
+    def _applied(self, out: list[Action], unit: _Unit, result: StepResult) -> None:
+        session = unit.session
+        session.past_len = result.past_len
+        cache = shard.CacheResult(
+            mode=shard.CACHE_MODE_PREFILL if unit.fresh_start else shard.CACHE_MODE_DECODE,
+            past_len=result.past_len,
+            cache_hit=result.cache_hit,
+        )
+        plan = session.plan
+        if plan.next_hop is None:
+            bundle = self._result_bundle(unit, result)
+            record = StepRecord(
+                unit.step,
+                unit.work_id,
+                cache,
+                result.execution_nanos,
+                RecordState.COMPLETE,
+                result=None if bundle is None else self._result_chunk(unit, bundle),
+            )
+            session.ledger.applied(record)
+            self._succeed(out, unit, record, duplicate=False)
+            return
+        assert result.hidden is not None and plan.onward is not None
+        work = ForwardWork(
+            step=unit.step,
+            work_id=unit.work_id,
+            decode=unit.decode,
+            first_position=unit.first_position,
+            expected_past_len=unit.expected_past_len,
+            chunk_index=unit.chunk_index,
+            chunk_count=unit.chunk_count,
+            deadline_unix_nanos=unit.deadline_ns,
+            hidden=result.hidden,
+        )
+        record = StepRecord(
+            unit.step, unit.work_id, cache, result.execution_nanos, RecordState.FORWARDING, forward=work
+        )
+        if unit.answered:
+            # Nobody waits for it (deadline, cancel); a retry of the step re-forwards it.
+            record.state = RecordState.FORWARD_FAILED
+            session.ledger.applied(record)
+            return
+        session.ledger.applied(record)
+        self._forward(out, unit, record, work)
+
+    def _forward(self, out: list[Action], unit: _Unit, record: StepRecord, work: ForwardWork) -> None:
+        plan = unit.session.plan
+        assert plan.next_hop is not None and plan.onward is not None
+        record.state = RecordState.FORWARDING
+        unit.record = record
+        self._forwarding[unit.id] = unit
+        out.append(Forward(unit.id, unit.session.key, plan.next_hop, plan.onward, work))
+
+    def _result_bundle(self, unit: _Unit, result: StepResult) -> shard.TensorBundle | None:
+        role = unit.session.role
+        if role.is_tail:
+            if result.token_id is None:
+                return None
+            logits = result.logits if unit.session.plan.return_logits else None
+            return encode_token_result(int(result.token_id), logits)
+        assert result.hidden is not None
+        stream = self._streams.get(unit.stream_id)
+        compression = stream.result_compression if stream is not None else shard.COMPRESSION_NONE
+        return encode_bundle([encode_hidden(result.hidden, role.boundary_dtype, compression)])
+
+    def _result_chunk(self, unit: _Unit, bundle: shard.TensorBundle) -> shard.SessionResponse:
+        session = unit.session
+        env = shard.Envelope(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            work_id=unit.work_id,
+            route_session_id=session.session_id,
+            route_epoch=session.epoch,
+            phase=shard.PHASE_DECODE if unit.decode else shard.PHASE_PREFILL,
+            position=shard.PositionSpan(first_position=unit.first_position, token_count=unit.token_count),
+            idempotency_step=unit.step,
+        )
+        return shard.SessionResponse(chunk=shard.ActivationChunk(envelope=env, bundle=bundle))
+
+    def _replay(self, out: list[Action], unit: _Unit, record: StepRecord) -> None:
+        """Answer a step that was already applied here, without applying it again."""
+        unit.replay = True
+        unit.input = None
+        if record.state is RecordState.COMPLETE:
+            self._succeed(out, unit, record, duplicate=True)
+        elif record.state is RecordState.FORWARDING:
+            record.followers.append(unit)
+            self._followers[unit.id] = unit
+        else:
+            work = replace(record.forward, deadline_unix_nanos=unit.deadline_ns)
+            record.forward = work
+            self._forward(out, unit, record, work)
+
+    # ------------------------------------------------------------------ answers
+
+    def _succeed(self, out: list[Action], unit: _Unit, record: StepRecord, *, duplicate: bool) -> None:
+        if unit.answered:
+            return
+        unit.answered = True
+        stream = self._streams.get(unit.stream_id)
+        if stream is None or stream.phase is not _Phase.OPEN:
+            return
+        if record.result is not None:
+            out.append(Send(stream.id, record.result))
+        out.append(
+            Send(
+                stream.id,
+                shard.SessionResponse(
+                    ack=shard.Ack(
+                        work_id=unit.work_id,
+                        idempotency_step=unit.step,
+                        cache_result=record.cache_result,
+                        duplicate=duplicate,
+                        execution_nanos=record.execution_nanos,
+                    )
+                ),
+            )
+        )
+        self._credit_returned(out, stream)
+
+    def _fail(self, out: list[Action], unit: _Unit, error: ShardProtocolError) -> None:
+        if unit.answered:
+            return
+        unit.answered = True
+        stream = self._streams.get(unit.stream_id)
+        if stream is None or stream.phase is not _Phase.OPEN:
+            return
+        self._status(out, stream, unit.work_id, unit.step, error)
+        self._credit_returned(out, stream)
+
+    def _status(
+        self,
+        out: list[Action],
+        stream: _Stream,
+        work_id: str,
+        step: int,
+        error: ShardProtocolError,
+        *,
+        terminal: bool = False,
+    ) -> None:
+        self._send(
+            out,
+            stream,
+            shard.SessionResponse(
+                status=shard.ShardStatus(
+                    work_id=work_id,
+                    route_session_id=stream.session_id,
+                    idempotency_step=step,
+                    error=error.to_pb(),
+                    terminal=terminal,
+                )
+            ),
+        )
+
+    def _credit_returned(self, out: list[Action], stream: _Stream) -> None:
+        stream.unacked -= 1
+        flow = stream.flow
+        assert flow is not None
+        # Widen the window toward max_inflight_chunks while the worker has headroom.
+        if stream.window < flow.max_inflight_chunks and self._queued < self.config.max_queue_depth // 2:
+            stream.window += 1
+            self._send(
+                out,
+                stream,
+                shard.SessionResponse(
+                    flow_control=shard.FlowControl(
+                        credits_granted=1,
+                        max_inflight_chunks=flow.max_inflight_chunks,
+                        max_chunk_bytes=flow.max_chunk_bytes,
+                        max_prefill_chunk_tokens=flow.max_prefill_chunk_tokens,
+                    )
+                ),
+            )
+
+    def _send(self, out: list[Action], stream: _Stream, response: shard.SessionResponse) -> None:
+        if stream.phase is not _Phase.CLOSED:
+            out.append(Send(stream.id, response))
+
+    def _terminate(self, out: list[Action], stream: _Stream, error: ShardProtocolError) -> None:
+        self._status(out, stream, "", 0, error, terminal=True)
+        out.append(CloseStream(stream.id, error.code_name))
+        self._drop_stream(stream)
+
+    def _drop_stream(self, stream: _Stream) -> None:
+        stream.phase = _Phase.CLOSED
+        session = self._sessions.get(stream.session_id)
+        if session is not None:
+            mine = [u for u in session.queue if u.stream_id == stream.id]
+            if mine:
+                self._unqueue(session, mine)
+
+    def _unqueue(self, session: _Session, units: list[_Unit]) -> None:
+        gone = {u.id for u in units}
+        session.queue = deque(u for u in session.queue if u.id not in gone)
+        self._queued -= len(gone)
+        if not session.queue:
+            self._ready.pop(session.session_id, None)
+
+    def _cancel_units(
+        self, out: list[Action], session: _Session, work_id: str, error: ShardProtocolError
+    ) -> int:
+        def matches(unit: _Unit) -> bool:
+            return not unit.answered and (not work_id or unit.work_id == work_id)
+
+        count = 0
+        running = self._running
+        if running is not None and running.session is session and matches(running):
+            assert running.token is not None
+            out.append(FireCancel(running.id, running.token))
+            self._fail(out, running, error)
+            count += 1
+        queued = [u for u in session.queue if matches(u)]
+        if queued:
+            self._unqueue(session, queued)
+            for unit in queued:
+                self._fail(out, unit, error)
+            count += len(queued)
+        forwarded = [u for u in self._forwarding.values() if u.session is session and matches(u)]
+        followers = [u for u in self._followers.values() if u.session is session and matches(u)]
+        for unit in [*forwarded, *followers]:
+            self._fail(out, unit, error)
+        count += len(forwarded) + len(followers)
+        if forwarded:
+            out.append(CancelDownstream(session.key, work_id))
+        return count
+
+    def _units_in_flight(self) -> list[_Unit]:
+        units = [u for s in self._ready.values() for u in s.queue]
+        if self._running is not None:
+            units.append(self._running)
+        units.extend(self._forwarding.values())
+        units.extend(self._followers.values())
+        return units
+
+
+def _passed(deadline_ns: int, now_ns: int) -> bool:
+    return deadline_ns != 0 and now_ns >= deadline_ns
+
+
+def _cache_plan(env: shard.Envelope, first: int, count: int) -> tuple[int | None, bool, tuple[int, int]]:
+    """(expected_past_len or None for a fresh start, is_decode, (chunk index, count)) of a chunk."""
+    if count < 1:
+        raise errors.payload_corrupt("a unit carries at least one token position")
+    mode = env.cache_expectation.mode
+    if env.phase == shard.PHASE_PREFILL:
+        info = env.chunk
+        if info.chunk_count < 1 or info.chunk_index >= info.chunk_count:
+            raise errors.payload_corrupt("prefill chunk info is missing or out of range")
+        if info.final_chunk != (info.chunk_index == info.chunk_count - 1):
+            raise errors.payload_corrupt("final_chunk disagrees with the chunk index")
+        span = (info.chunk_index, info.chunk_count)
+        if mode in (shard.CACHE_MODE_PREFILL, shard.CACHE_MODE_STATELESS):
+            if first != 0:
+                raise errors.payload_corrupt("a fresh prefill starts at position 0")
+            return None, False, span
+        if mode == shard.CACHE_MODE_DECODE:
+            if env.cache_expectation.expected_past_len != first:
+                raise errors.payload_corrupt(
+                    "a continued prefill expects the cache to hold its first position"
+                )
+            return first, False, span
+        raise errors.payload_corrupt("envelope has no cache expectation")
+    if env.phase == shard.PHASE_DECODE:
+        if mode != shard.CACHE_MODE_DECODE or count != 1 or env.cache_expectation.expected_past_len != first:
+            raise errors.payload_corrupt("a decode unit is one token continuing the cache at its position")
+        return first, True, (0, 1)
+    raise errors.payload_corrupt("a unit's phase must be PREFILL or DECODE")
+
+
+def _refusal_for(verdict: Verdict, session: _Session) -> ShardProtocolError:
+    actual = session.past_len or 0
+    if verdict is Verdict.UNSET:
+        return errors.payload_corrupt("idempotency_step 0 is unset; steps start at 1")
+    if verdict is Verdict.GAP:
+        return errors.cache_miss(
+            f"step skips ahead of step {session.ledger.highest_admitted}; re-prefill from position 0", actual
+        )
+    if verdict is Verdict.REUSED_STEP:
+        return errors.cache_miss("step was already applied for other work", actual)
+    return errors.cache_miss("the session moved past this step", actual)
+
+
+def _downstream_error(outcome: object) -> ShardProtocolError:
+    if isinstance(outcome, ShardProtocolError):
+        # The next hop's code and retry advice travel on; its detail text does not.
+        return errors.refusal(
+            outcome.code,
+            f"next hop refused: {outcome.code_name}",
+            retryable=outcome.retryable,
+            actual_past_len=outcome.actual_past_len,
+        )
+    return errors.refusal(shard.ERROR_CODE_INTERNAL, "next hop unreachable", retryable=True)
+
+
+__all__ = [
+    "HIGHEST_SCHEMA_VERSION",
+    "SUPPORTED_SCHEMA_VERSIONS",
+    "DownstreamResult",
+    "ShardWorker",
+    "WorkerConfig",
+    "WorkerLoad",
+]
