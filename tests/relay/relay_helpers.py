@@ -1,0 +1,78 @@
+"""Shared test helpers for the relay tests: meshes, members and registration frames."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import (
+    Endpoint,
+    MeshKey,
+    certificate_proof,
+    create_invite,
+    issue_certificate,
+    make_invite_proof,
+)
+from relay import protocol as p
+from relay.protocol import relay
+
+
+@dataclass
+class Member:
+    identity: NodeIdentity
+    proof: membership.MembershipProof | None
+    mesh_id: str
+
+    @property
+    def node_id(self) -> bytes:
+        return self.identity.node_id
+
+
+def new_member(mesh_key: MeshKey) -> Member:
+    identity = NodeIdentity.generate()
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+    )
+    return Member(identity=identity, proof=certificate_proof(certificate), mesh_id=mesh_key.mesh_id)
+
+
+def invited_joiner(
+    mesh_key: MeshKey, *, verifier_id: bytes, ttl_s: float = 3600, now: float | None = None
+) -> Member:
+    """A node holding only an invite, proving it to ``verifier_id``."""
+    issued = time.time() if now is None else now
+    issuer = NodeIdentity.generate()
+    invite = create_invite(
+        mesh_key,
+        issuer_id=issuer.node_id,
+        bootstrap=[Endpoint(id=issuer.node_id, address="198.18.0.1:4433")],
+        relays=[Endpoint(id=verifier_id, address="198.18.0.1:4434")],
+        ttl_s=ttl_s,
+        now=issued,
+    )
+    identity = NodeIdentity.generate()
+    proof = make_invite_proof(invite, joiner_id=identity.node_id, verifier_id=verifier_id)
+    return Member(identity=identity, proof=proof, mesh_id=mesh_key.mesh_id)
+
+
+def register_frame(
+    member: Member,
+    *,
+    relay_id: bytes,
+    challenge: bytes,
+    signer: NodeIdentity | None = None,
+    node_id: bytes | None = None,
+    mesh_id: str | None = None,
+    proof: membership.MembershipProof | bool | None = True,
+) -> bytes:
+    """A RelayRegister frame; the keyword arguments forge parts of it."""
+    claimed = member.node_id if node_id is None else node_id
+    mesh = member.mesh_id if mesh_id is None else mesh_id
+    signature = (signer or member.identity).sign(p.registration_message(relay_id, challenge, claimed, mesh))
+    register = relay.RelayRegister(node_id=claimed, mesh_id=mesh, signature=signature)
+    chosen = member.proof if proof is True else proof
+    if chosen:
+        register.membership_proof.CopyFrom(chosen)
+    return relay.RelayClientMessage(register=register).SerializeToString()
