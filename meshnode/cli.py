@@ -1,0 +1,476 @@
+"""The ``meshnode`` command line.
+
+Subcommands come from modules. Each module in :data:`COMMAND_MODULES` exposes
+``register(subparsers, common)``: it adds its parsers (passing ``parents=[common]``
+gives them ``--data-dir`` and ``--log-level``) and sets ``handler`` with
+``parser.set_defaults(handler=fn)``, where ``fn(args)`` returns an exit code or
+is a coroutine function returning one (run on uvloop when installed). To add a
+subcommand (``relay``, ``generate``, ``demo``, ...), write such a module and add
+its name to :data:`COMMAND_MODULES`.
+
+Exit codes: 0 ok, 1 error, 2 bad input (e.g. an invite refused before dialing),
+3 the mesh refused to admit us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from meshnode import __version__
+from meshnode.identity import (
+    IdentityError,
+    default_data_dir,
+    load_identity,
+    load_or_create_identity,
+    short_id,
+)
+from meshnode.membership.credentials import (
+    Endpoint,
+    MeshKey,
+    check_invite,
+    create_invite,
+    decode_invite_token,
+    encode_invite_token,
+    issue_certificate,
+)
+from meshnode.membership.store import DataDir, MembershipState, StoreError
+from meshnode.mesh.errors import MeshRefusal
+from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_model, query_status, run_node
+from meshnode.transport.addresses import AddressError, parse_host_port
+
+# Modules that add subcommands; see the module docstring.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+INVITE_ENV = "MESHNODE_INVITE"
+log = logging.getLogger("meshnode.cli")
+
+
+class CliError(Exception):
+    """A one-line error for the user; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- argument helpers -------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``24h``, ``7d`` -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    scale = units.get(text[-1:])
+    number = text[:-1] if scale is not None else text
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 30m, 24h)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("duration must be positive")
+    return value
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"layers must be START:END with START < END, got {text!r}")
+    return int(start), int(end)
+
+
+def _address(text: str) -> str:
+    try:
+        parse_host_port(text, allow_zero_port=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _add_node_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("network")
+    group.add_argument(
+        "--listen",
+        type=_address,
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"UDP address for QUIC (default {DEFAULT_LISTEN}; port 0 picks a free port)",
+    )
+    group.add_argument(
+        "--advertise",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="address peers should dial (repeatable; default: the listen address, "
+        "or this host's outbound address when listening on 0.0.0.0)",
+    )
+    group.add_argument(
+        "--not-directly-reachable",
+        action="store_true",
+        help="announce that peers cannot dial us (behind NAT): they use our relays",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", type=Path, metavar="PATH", help="GGUF model this node serves")
+    model.add_argument(
+        "--layers", type=parse_layers, metavar="A:B", help="layer range to serve (default: all)"
+    )
+    timing = parser.add_argument_group("timing (seconds; shorten for tests)")
+    timing.add_argument("--heartbeat-interval", type=_positive, default=5.0, help="gossip period (default 5)")
+    timing.add_argument("--gossip-timeout", type=_positive, default=3.0, help="wait for a gossip reply (3)")
+    timing.add_argument("--probe-timeout", type=_positive, default=3.0, help="wait for a probe echo (3)")
+    timing.add_argument(
+        "--peer-timeout", type=_positive, default=None, help="probe a peer silent this long (4 heartbeats)"
+    )
+    timing.add_argument("--tombstone-ttl", type=_positive, default=60.0, help="remember departed peers (60)")
+
+
+def _node_config(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        listen=args.listen,
+        advertise=list(args.advertise),
+        heartbeat_interval=args.heartbeat_interval,
+        gossip_timeout=args.gossip_timeout,
+        probe_timeout=args.probe_timeout,
+        peer_timeout=args.peer_timeout,
+        tombstone_ttl=args.tombstone_ttl,
+        directly_reachable=not args.not_directly_reachable,
+    )
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+
+
+def _locked_data_dir(args: argparse.Namespace) -> DataDir:
+    data_dir = DataDir(_data_dir(args))
+    try:
+        data_dir.lock()
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+    return data_dir
+
+
+async def _serve(node: Node, args: argparse.Namespace) -> int:
+    if args.model is not None:
+        try:
+            node.set_serving(describe_served_model(args.model, args.layers))
+        except ValueError as exc:
+            raise CliError(str(exc), code=2) from None
+    elif args.layers is not None:
+        raise CliError("--layers needs --model", code=2)
+    return await run_node(node)
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    identity, created = load_or_create_identity(_data_dir(args))
+    verb = "created" if created else "already have"
+    print(f"{verb} node identity {identity.short_id} in {_data_dir(args)}")
+    print(f"node id: {identity.node_id.hex()}")
+    return 0
+
+
+async def cmd_create(args: argparse.Namespace) -> int:
+    data_dir = _locked_data_dir(args)
+    try:
+        identity, _ = load_or_create_identity(data_dir.path)
+        if data_dir.has_membership():
+            raise CliError(f"{data_dir.path} is already a mesh member; use `meshnode start`")
+        mesh_key = MeshKey.generate()
+        certificate = issue_certificate(
+            mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+        )
+        membership = MembershipState(mesh_key=mesh_key, certificate=certificate)
+        data_dir.save_membership(membership)
+        log.info("created mesh %s; run `meshnode invite` to invite other nodes", mesh_key.mesh_id)
+        return await _serve(Node(identity, data_dir, _node_config(args), membership=membership), args)
+    finally:
+        data_dir.unlock()
+
+
+def _read_invite_text(args: argparse.Namespace) -> str:
+    text = args.invite if args.invite is not None else os.environ.get(INVITE_ENV)
+    if text is None:
+        raise CliError(f"join needs an invite: --invite TOKEN, --invite - (stdin) or ${INVITE_ENV}", code=2)
+    return sys.stdin.readline() if text == "-" else text
+
+
+async def cmd_join(args: argparse.Namespace) -> int:
+    try:
+        invite = decode_invite_token(_read_invite_text(args))
+        check_invite(invite, now=time.time())
+    except MeshRefusal as refusal:
+        raise CliError(f"invite refused: {refusal.detail}", code=2) from None
+    data_dir = _locked_data_dir(args)
+    try:
+        identity, _ = load_or_create_identity(data_dir.path)
+        membership = None
+        if data_dir.has_membership():
+            membership = _load_membership(data_dir, identity.node_id)
+            if membership.mesh_id != invite.mesh_id:
+                raise CliError(
+                    f"{data_dir.path} belongs to mesh {membership.mesh_id}; the invite is for mesh "
+                    f"{invite.mesh_id} (use another --data-dir)"
+                )
+            log.info("already a member of mesh %s; starting from stored membership", membership.mesh_id)
+        log.info(
+            "joining mesh %s (invite from %s, %d bootstrap peer(s))",
+            invite.mesh_id,
+            short_id(invite.issuer_id),
+            len(invite.bootstrap),
+        )
+        node = Node(identity, data_dir, _node_config(args), membership=membership, invite=invite)
+        return await _serve(node, args)
+    finally:
+        data_dir.unlock()
+
+
+def _load_membership(data_dir: DataDir, node_id: bytes) -> MembershipState:
+    try:
+        return data_dir.load_membership(node_id)
+    except (StoreError, MeshRefusal) as exc:
+        raise CliError(str(exc)) from None
+
+
+async def cmd_start(args: argparse.Namespace) -> int:
+    data_dir = _locked_data_dir(args)
+    try:
+        try:
+            identity = load_identity(data_dir.path)
+        except IdentityError as exc:
+            raise CliError(str(exc)) from None
+        membership = _load_membership(data_dir, identity.node_id)
+        return await _serve(Node(identity, data_dir, _node_config(args), membership=membership), args)
+    finally:
+        data_dir.unlock()
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    path = _data_dir(args)
+    try:
+        identity = load_identity(path)
+    except IdentityError as exc:
+        raise CliError(str(exc)) from None
+    membership = _load_membership(DataDir(path), identity.node_id)
+    bootstrap = [Endpoint(identity.node_id, address) for address in args.address]
+    if not bootstrap:
+        try:
+            status = query_status(path)
+        except OSError:
+            raise CliError(
+                "the node is not running; start it (the invite carries its address) or pass --address"
+            ) from None
+        bootstrap = [Endpoint(identity.node_id, address) for address in status["node"]["addresses"]]
+        connected = [p for p in status["peers"] if p["link"] and p["addresses"]]
+        bootstrap += [
+            Endpoint(bytes.fromhex(p["id"]), p["addresses"][0]) for p in connected[: args.extra_peers]
+        ]
+    invite = create_invite(
+        membership.mesh_key,
+        issuer_id=identity.node_id,
+        bootstrap=bootstrap,
+        relays=membership.relays,
+        ttl_s=args.ttl,
+        now=time.time(),
+    )
+    expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(invite.expires_unix))
+    print(
+        f"invite for mesh {membership.mesh_id}, valid until {expires}, bootstrap: "
+        + ", ".join(str(e) for e in bootstrap),
+        file=sys.stderr,
+    )
+    print(encode_invite_token(invite))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        status = query_status(_data_dir(args))
+    except OSError:
+        raise CliError(f"no node running on {_data_dir(args)}") from None
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: dict[str, Any]) -> str:
+    node = status["node"]
+    lines = [
+        f"node {node['short_id']}  mesh {node['mesh_id']}  {'member' if node['member'] else 'joining'}",
+        f"  addresses: {', '.join(node['addresses'])}   serving: {_serving_text(node['serving'])}",
+        f"peers ({len(status['peers'])}):",
+    ]
+    for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
+        reach = "direct" if peer["directly_reachable"] else "relay"
+        link = peer["link"] or "no link"
+        lines.append(
+            f"  {peer['short_id']}  {', '.join(peer['addresses']) or '-'}  {reach}  {link}  "
+            f"serving {_serving_text(peer['serving'])}  heard {peer['age_s']:.1f}s ago"
+        )
+    return "\n".join(lines)
+
+
+def _serving_text(serving: dict[str, Any] | None) -> str:
+    if not serving:
+        return "nothing"
+    return (
+        f"{serving['model']} [{serving['start_layer']}:{serving['end_layer']}) of {serving['total_layers']}"
+    )
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+
+def _register_node_commands(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "init",
+        parents=[common],
+        help="create this node's identity key",
+        description="Create the node's Ed25519 "
+        "identity key (mode 0600) in the data directory; does nothing if it exists.",
+    )
+    p.set_defaults(handler=cmd_init)
+
+    p = subparsers.add_parser(
+        "create",
+        parents=[common],
+        help="create a new mesh and run its first node",
+        description="Create a new mesh (a fresh mesh key), make this node its first member and run it.",
+    )
+    _add_node_options(p)
+    p.set_defaults(handler=cmd_create)
+
+    p = subparsers.add_parser(
+        "join",
+        parents=[common],
+        help="join a mesh with an invite and run the node",
+        description="Join a mesh: dial the invite's bootstrap peers, prove the invite, receive a member "
+        "certificate, then keep running. The token is a secret: prefer `--invite -` (stdin) or "
+        f"${INVITE_ENV} over the command line, which other local users can see.",
+    )
+    p.add_argument(
+        "--invite", metavar="TOKEN", help=f"invite token, or - to read it from stdin (or ${INVITE_ENV})"
+    )
+    _add_node_options(p)
+    p.set_defaults(handler=cmd_join)
+
+    p = subparsers.add_parser(
+        "start",
+        parents=[common],
+        help="restart an existing member from its data directory",
+        description="Run a node that is already a mesh member, reconnecting to the peers it knew.",
+    )
+    _add_node_options(p)
+    p.set_defaults(handler=cmd_start)
+
+    p = subparsers.add_parser(
+        "invite",
+        parents=[common],
+        help="print an invite token for this mesh",
+        description="Print an invite token (stdout) for the mesh this data directory belongs to. It names "
+        "the running node (and a few of its peers) as bootstrap peers, pinned by node id.",
+    )
+    p.add_argument(
+        "--ttl", type=parse_duration, default=24 * 3600.0, help="validity, e.g. 30m, 24h (default 24h)"
+    )
+    p.add_argument(
+        "--address",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="bootstrap address of this node (default: ask the running node)",
+    )
+    p.add_argument("--extra-peers", type=int, default=3, help="also list up to N connected peers (default 3)")
+    p.set_defaults(handler=cmd_invite)
+
+    p = subparsers.add_parser(
+        "status",
+        parents=[common],
+        help="show the running node's view of the mesh",
+        description="Ask the node running on the data directory for its peers, ids, addresses, what they "
+        "serve, reachability and how recently each was heard from.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=cmd_status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help=f"node state directory (default ${'MESHNODE_DATA_DIR'} or ~/.local/share/meshnode)",
+    )
+    common.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)"
+    )
+    parser = argparse.ArgumentParser(
+        prog="meshnode",
+        description="Pool machines to run one large language model over a QUIC mesh.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _register_node_commands(subparsers, common)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers, common)
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # aioquic's own loggers are chatty at debug level and say nothing we need.
+    logging.getLogger("quic").setLevel(logging.WARNING)
+
+
+def run_async(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    handler: Callable[[argparse.Namespace], Any] = args.handler
+    try:
+        if inspect.iscoroutinefunction(handler):
+            return run_async(handler(args))
+        return int(handler(args))
+    except CliError as exc:
+        print(f"meshnode {args.command}: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["COMMAND_MODULES", "CliError", "build_parser", "main", "parse_duration", "parse_layers"]

@@ -1,0 +1,140 @@
+"""Serve accepted streams: read the type byte, apply admission, call the registered handler.
+
+Depends only on :class:`~meshnode.transport.base.MeshStream`, so it serves QUIC
+streams and relay channels alike. Every way a stream can fail ends in a reset
+with a ``MeshErrorCode`` (see :func:`~meshnode.mesh.errors.reset_code`), never in
+an exception escaping into the transport; the link stays up.
+
+Handlers are ``async def handler(stream: FramedStream) -> None``. They may raise
+:class:`~meshnode.mesh.errors.MeshRefusal` (the stream is reset with its code),
+``TimeoutError`` (reset as READ_TIMEOUT) or a framing error (FRAME_TOO_LARGE /
+MALFORMED). When a handler returns, the dispatcher finishes the stream if the
+handler did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from meshnode.identity import short_id
+from meshnode.mesh.errors import MeshRefusal, reset_code
+from meshnode.mesh.rules import stream_allowed_before_admission
+from meshnode.transport.base import MeshStream, StreamError
+from meshnode.transport.framed import FramedStream
+from meshnode.wire.errors import FrameTooLarge, FramingError, UnknownStreamType
+from meshnode.wire.framing import StreamType
+from meshnode.wire.pb import mesh
+
+log = logging.getLogger("meshnode.mesh.dispatcher")
+
+# A peer sending garbage must not flood the log: at most this many refusal lines
+# per window, then a count.
+_LOG_BURST = 20
+_LOG_WINDOW_S = 10.0
+
+StreamHandler = Callable[[FramedStream], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class _Registration:
+    handler: StreamHandler
+    before_admission: bool
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        is_admitted: Callable[[bytes], bool],
+        stream_type_timeout: float = 5.0,
+        max_concurrent_streams: int = 1024,
+    ) -> None:
+        self._is_admitted = is_admitted
+        self.stream_type_timeout = stream_type_timeout
+        self._handlers: dict[StreamType, _Registration] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._max_concurrent = max_concurrent_streams
+        self.refusals: dict[str, int] = {}
+        self._log_window_start = 0.0
+        self._log_lines = 0
+        self._log_suppressed = 0
+
+    def register(
+        self, stream_type: StreamType, handler: StreamHandler, *, before_admission: bool = False
+    ) -> None:
+        """Serve ``stream_type`` with ``handler``; only admitted peers unless ``before_admission``."""
+        if before_admission and not stream_allowed_before_admission(stream_type):
+            raise ValueError(f"{stream_type.name} may not be served before admission")
+        if stream_type in self._handlers:
+            raise ValueError(f"a handler for {stream_type.name} is already registered")
+        self._handlers[stream_type] = _Registration(handler, before_admission)
+
+    def accept(self, stream: MeshStream) -> None:
+        """Serve ``stream`` in its own task (call from a transport's ``stream_accepted``)."""
+        if len(self._tasks) >= self._max_concurrent:
+            self._refuse(stream, MeshRefusal(mesh.MESH_ERROR_OVERLOADED, "too many open streams"))
+            return
+        task = asyncio.get_running_loop().create_task(self.serve(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def serve(self, stream: MeshStream) -> None:
+        framed = FramedStream(stream, expect_stream_type=True)
+        try:
+            try:
+                stream_type = await framed.read_stream_type(self.stream_type_timeout)
+            except TimeoutError:
+                raise MeshRefusal(mesh.MESH_ERROR_STREAM_TYPE_TIMEOUT) from None
+            except UnknownStreamType as exc:
+                raise MeshRefusal(mesh.MESH_ERROR_UNKNOWN_STREAM_TYPE, str(exc)) from None
+            registration = self._handlers.get(stream_type)
+            if registration is None:
+                raise MeshRefusal(
+                    mesh.MESH_ERROR_UNKNOWN_STREAM_TYPE, f"{stream_type.name} is not served here"
+                )
+            if not registration.before_admission and not self._is_admitted(stream.peer_id):
+                raise MeshRefusal(mesh.MESH_ERROR_NOT_ADMITTED, f"{stream_type.name} before admission")
+            try:
+                await registration.handler(framed)
+            except TimeoutError:
+                raise MeshRefusal(mesh.MESH_ERROR_READ_TIMEOUT) from None
+            except FrameTooLarge as exc:
+                raise MeshRefusal(mesh.MESH_ERROR_FRAME_TOO_LARGE, str(exc)) from None
+            except FramingError as exc:
+                raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, str(exc)) from None
+            framed.finish()
+        except MeshRefusal as refusal:
+            self._refuse(stream, refusal)
+        except StreamError:
+            pass  # the peer reset the stream or the link went away: nothing to answer
+        except asyncio.CancelledError:
+            stream.reset(reset_code(mesh.MESH_ERROR_INTERNAL))
+            raise
+        except Exception:
+            log.exception("stream handler failed (peer %s)", short_id(stream.peer_id))
+            self._refuse(stream, MeshRefusal(mesh.MESH_ERROR_INTERNAL))
+
+    def _refuse(self, stream: MeshStream, refusal: MeshRefusal) -> None:
+        self.refusals[refusal.code_name] = self.refusals.get(refusal.code_name, 0) + 1
+        stream.reset(refusal.reset_code)
+        now = asyncio.get_running_loop().time()
+        if now - self._log_window_start > _LOG_WINDOW_S:
+            if self._log_suppressed:
+                log.info("refused %d more streams (not logged)", self._log_suppressed)
+            self._log_window_start, self._log_lines, self._log_suppressed = now, 0, 0
+        if self._log_lines < _LOG_BURST:
+            self._log_lines += 1
+            log.info("refused stream from %s: %s", short_id(stream.peer_id), refusal)
+        else:
+            self._log_suppressed += 1
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+__all__ = ["Dispatcher", "StreamHandler"]

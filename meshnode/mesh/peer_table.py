@@ -1,0 +1,130 @@
+"""The node's view of the mesh: one entry per known peer, plus tombstones. Pure; time is a parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from meshnode.mesh.rules import Freshness, MergeAction, resolve_announcement
+from meshnode.wire.pb import mesh
+
+
+def freshness(announcement: mesh.PeerAnnouncement) -> Freshness:
+    return Freshness(announcement.incarnation, announcement.heartbeat_seq)
+
+
+@dataclass
+class PeerEntry:
+    announcement: mesh.PeerAnnouncement
+    first_seen: float
+    # When a fresher announcement of this peer last arrived (from anyone).
+    last_heard: float
+    # When the peer itself last gossiped with us; None if only heard about.
+    last_direct: float | None = None
+
+    @property
+    def peer_id(self) -> bytes:
+        return bytes(self.announcement.endpoint_id)
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    freshness: Freshness
+    expires_at: float
+    reason: str
+
+
+@dataclass
+class MergeReport:
+    added: list[bytes] = field(default_factory=list)
+    updated: list[bytes] = field(default_factory=list)
+    ignored_tombstoned: list[bytes] = field(default_factory=list)
+    ignored_full: list[bytes] = field(default_factory=list)
+
+
+class PeerTable:
+    def __init__(self, self_id: bytes, *, tombstone_ttl: float, max_peers: int = 1024) -> None:
+        self.self_id = self_id
+        self.tombstone_ttl = tombstone_ttl
+        self.max_peers = max_peers
+        self._entries: dict[bytes, PeerEntry] = {}
+        self._tombstones: dict[bytes, Tombstone] = {}
+
+    def __contains__(self, peer_id: bytes) -> bool:
+        return peer_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, peer_id: bytes) -> PeerEntry | None:
+        return self._entries.get(peer_id)
+
+    def entries(self) -> list[PeerEntry]:
+        return list(self._entries.values())
+
+    def peer_ids(self) -> list[bytes]:
+        return list(self._entries)
+
+    def tombstone(self, peer_id: bytes) -> Tombstone | None:
+        return self._tombstones.get(peer_id)
+
+    @property
+    def tombstone_count(self) -> int:
+        return len(self._tombstones)
+
+    def merge(
+        self, announcements: Iterable[mesh.PeerAnnouncement], *, from_peer: bytes, now: float
+    ) -> MergeReport:
+        """Merge gossip received from ``from_peer`` (already validated)."""
+        self.expire_tombstones(now)
+        report = MergeReport()
+        for announcement in announcements:
+            peer_id = bytes(announcement.endpoint_id)
+            entry = self._entries.get(peer_id)
+            tombstone = self._tombstones.get(peer_id)
+            direct = peer_id == from_peer
+            action = resolve_announcement(
+                incoming=freshness(announcement),
+                current=freshness(entry.announcement) if entry else None,
+                tombstone=tombstone.freshness if tombstone else None,
+                is_self=peer_id == self.self_id,
+                direct=direct,
+            )
+            if action is MergeAction.ADD and len(self._entries) >= self.max_peers:
+                report.ignored_full.append(peer_id)
+            elif action is MergeAction.ADD:
+                copy = mesh.PeerAnnouncement()
+                copy.CopyFrom(announcement)
+                self._entries[peer_id] = PeerEntry(copy, first_seen=now, last_heard=now)
+                self._tombstones.pop(peer_id, None)
+                report.added.append(peer_id)
+            elif action is MergeAction.UPDATE:
+                assert entry is not None
+                entry.announcement.CopyFrom(announcement)
+                entry.last_heard = now
+                report.updated.append(peer_id)
+            elif action is MergeAction.IGNORE_TOMBSTONED:
+                report.ignored_tombstoned.append(peer_id)
+            entry = self._entries.get(peer_id)
+            if direct and entry is not None:
+                entry.last_direct = now
+        return report
+
+    def remove(self, peer_id: bytes, *, reason: str, now: float) -> bool:
+        """Drop a peer and tombstone its last known state; false if it was not known."""
+        entry = self._entries.pop(peer_id, None)
+        if entry is None:
+            return False
+        self._tombstones[peer_id] = Tombstone(freshness(entry.announcement), now + self.tombstone_ttl, reason)
+        return True
+
+    def expire_tombstones(self, now: float) -> None:
+        for peer_id in [p for p, t in self._tombstones.items() if t.expires_at <= now]:
+            del self._tombstones[peer_id]
+
+    def stale(self, *, now: float, timeout: float) -> list[bytes]:
+        """Peers with no fresher announcement for ``timeout`` seconds."""
+        return [p for p, e in self._entries.items() if now - e.last_heard > timeout]
+
+
+__all__ = ["MergeReport", "PeerEntry", "PeerTable", "Tombstone", "freshness"]

@@ -1,0 +1,190 @@
+"""The membership protocol as a synchronous state machine (no I/O, time is a parameter).
+
+:class:`MeshState` holds this node's announcement, its peer table, the set of
+admitted peers and its membership credentials. The node runtime feeds it decoded
+frames with the transport-authenticated peer id and sends what it returns:
+
+* ``receive_gossip`` — the accepting side of a GOSSIP stream: validate, admit
+  (verifying the membership proof of a peer not yet admitted, granting a
+  certificate and the mesh key to an invite holder), merge, and build the reply.
+* ``receive_gossip_reply`` — the opening side: the same checks on the reply,
+  and, while joining, taking the grant that makes this node a member.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.membership.credentials import (
+    Invite,
+    VerifiedMembership,
+    certificate_proof,
+    issue_certificate,
+    make_grant,
+    make_invite_proof,
+    open_grant,
+    verify_membership_proof,
+)
+from meshnode.membership.store import MembershipState
+from meshnode.mesh.errors import MeshRefusal, RemoteRefusal
+from meshnode.mesh.peer_table import MergeReport, PeerTable
+from meshnode.mesh.validation import validate_gossip_frame
+from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
+from meshnode.wire.pb import mesh
+
+
+@dataclass(frozen=True)
+class GossipOutcome:
+    reply: mesh.GossipFrame
+    newly_admitted: bool
+    via_invite: bool
+    merged: MergeReport
+
+
+@dataclass(frozen=True)
+class ReplyOutcome:
+    newly_admitted: bool
+    joined: bool
+    merged: MergeReport
+
+
+class MeshState:
+    def __init__(
+        self,
+        *,
+        node_id: bytes,
+        mesh_id: str,
+        local: mesh.PeerAnnouncement,
+        membership: MembershipState | None,
+        invite: Invite | None = None,
+        tombstone_ttl: float = 60.0,
+        max_peers: int = 1024,
+    ) -> None:
+        if membership is None and invite is None:
+            raise ValueError("a node needs either a membership or an invite")
+        self.node_id = node_id
+        self.mesh_id = mesh_id
+        self.local = local
+        self.local.endpoint_id = node_id
+        self.local.mesh_id = mesh_id
+        self.membership = membership
+        self.invite = invite
+        self.table = PeerTable(node_id, tombstone_ttl=tombstone_ttl, max_peers=max_peers)
+        self._admitted: set[bytes] = set()
+
+    @property
+    def is_member(self) -> bool:
+        return self.membership is not None
+
+    def is_admitted(self, peer_id: bytes) -> bool:
+        return peer_id in self._admitted
+
+    def heartbeat(self) -> None:
+        self.local.heartbeat_seq += 1
+
+    def remove_peer(self, peer_id: bytes, *, reason: str, now: float) -> bool:
+        """Drop a peer (left, or confirmed down) and revoke its admission."""
+        self._admitted.discard(peer_id)
+        return self.table.remove(peer_id, reason=reason, now=now)
+
+    # -- frames we send ----------------------------------------------------------
+
+    def our_proof(self, verifier_id: bytes) -> membership.MembershipProof:
+        if self.membership is not None:
+            return certificate_proof(self.membership.certificate)
+        assert self.invite is not None
+        return make_invite_proof(self.invite, joiner_id=self.node_id, verifier_id=verifier_id)
+
+    def gossip_frame(self, verifier_id: bytes) -> mesh.GossipFrame:
+        frame = mesh.GossipFrame(gen=NODE_PROTOCOL_GENERATION, sender_id=self.node_id)
+        frame.peers.append(self.local)
+        frame.peers.extend(entry.announcement for entry in self.table.entries())
+        frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
+        return frame
+
+    def refusal_frame(self, refusal: MeshRefusal) -> mesh.GossipFrame:
+        frame = mesh.GossipFrame(gen=NODE_PROTOCOL_GENERATION, sender_id=self.node_id)
+        frame.refusal.CopyFrom(refusal.to_pb())
+        return frame
+
+    def route_table(self) -> mesh.RouteTable:
+        table = mesh.RouteTable(gen=NODE_PROTOCOL_GENERATION, mesh_id=self.mesh_id)
+        for announcement in [self.local, *(e.announcement for e in self.table.entries())]:
+            entry = table.entries.add(
+                endpoint_id=announcement.endpoint_id, model=announcement.serving.model_name
+            )
+            if announcement.HasField("serving"):
+                entry.serving.CopyFrom(announcement.serving)
+        return table
+
+    # -- frames we receive -------------------------------------------------------
+
+    def receive_gossip(self, frame: mesh.GossipFrame, *, peer_id: bytes, now: float) -> GossipOutcome:
+        own = validate_gossip_frame(frame, peer_id)
+        if frame.HasField("refusal") or frame.HasField("membership_grant"):
+            raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "an opening GossipFrame carries a reply-only field")
+        verified = self._verify_unadmitted(frame, peer_id, now)
+        self._check_mesh(own)
+        grant: membership.MembershipGrant | None = None
+        if verified is not None and verified.via_invite:
+            if self.membership is None:
+                raise MeshRefusal(
+                    mesh.MESH_ERROR_NOT_ADMITTED, "this node is still joining; ask another member"
+                )
+            certificate = issue_certificate(
+                self.membership.mesh_key, node_id=peer_id, issuer_id=self.node_id, now=now
+            )
+            grant = make_grant(self.membership.mesh_key, certificate)
+        self._admitted.add(peer_id)
+        merged = self.table.merge(frame.peers, from_peer=peer_id, now=now)
+        reply = self.gossip_frame(peer_id)
+        if grant is not None:
+            reply.membership_grant.CopyFrom(grant)
+        return GossipOutcome(
+            reply=reply,
+            newly_admitted=verified is not None,
+            via_invite=verified is not None and verified.via_invite,
+            merged=merged,
+        )
+
+    def receive_gossip_reply(self, frame: mesh.GossipFrame, *, peer_id: bytes, now: float) -> ReplyOutcome:
+        if frame.HasField("refusal"):
+            raise RemoteRefusal(frame.refusal.code, frame.refusal.detail)
+        own = validate_gossip_frame(frame, peer_id)
+        verified = self._verify_unadmitted(frame, peer_id, now)
+        if verified is not None and verified.via_invite:
+            raise MeshRefusal(
+                mesh.MESH_ERROR_PROTOCOL, "a member answers with its certificate, not an invite"
+            )
+        self._check_mesh(own)
+        joined = False
+        if frame.HasField("membership_grant") and self.membership is None:
+            mesh_key, certificate = open_grant(
+                frame.membership_grant, mesh_id=self.mesh_id, node_id=self.node_id
+            )
+            relays = self.invite.relays if self.invite is not None else []
+            self.membership = MembershipState(mesh_key=mesh_key, certificate=certificate, relays=relays)
+            joined = True
+        elif self.membership is None:
+            raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "admitted without a membership grant")
+        self._admitted.add(peer_id)
+        merged = self.table.merge(frame.peers, from_peer=peer_id, now=now)
+        return ReplyOutcome(newly_admitted=verified is not None, joined=joined, merged=merged)
+
+    def _verify_unadmitted(
+        self, frame: mesh.GossipFrame, peer_id: bytes, now: float
+    ) -> VerifiedMembership | None:
+        if peer_id in self._admitted:
+            return None
+        proof = frame.membership_proof if frame.HasField("membership_proof") else None
+        return verify_membership_proof(
+            proof, mesh_id=self.mesh_id, verifier_id=self.node_id, authenticated_peer_id=peer_id, now=now
+        )
+
+    def _check_mesh(self, own: mesh.PeerAnnouncement) -> None:
+        if own.mesh_id != self.mesh_id:
+            raise MeshRefusal(mesh.MESH_ERROR_OTHER_MESH, "the sender announces another mesh")
+
+
+__all__ = ["GossipOutcome", "MeshState", "ReplyOutcome"]

@@ -1,0 +1,147 @@
+"""One validator per mesh message, called right after decoding.
+
+Each raises :class:`~meshnode.mesh.errors.MeshRefusal` with the exact code. Size
+limits bound what a peer can make us hold (the 8 MiB frame cap bounds bytes;
+these bound counts and strings so a frame cannot fill the peer table).
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from meshnode.identity import NODE_ID_BYTES
+from meshnode.mesh.errors import MeshRefusal
+from meshnode.transport.addresses import is_valid_address
+from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
+from meshnode.wire.pb import mesh
+
+MAX_PEERS_PER_FRAME = 256
+MAX_ADDRESSES = 8
+MAX_RELAYS = 8
+MAX_SUBPROTOCOLS = 16
+MAX_TEXT = 256
+MAX_NONCE = 32
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(message_type: type[M], data: bytes) -> M:
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"{message_type.__name__} does not decode") from None
+
+
+def check_generation(gen: int, what: str) -> None:
+    if gen != NODE_PROTOCOL_GENERATION:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_BAD_GENERATION, f"{what}.gen is {gen}, expected {NODE_PROTOCOL_GENERATION}"
+        )
+
+
+def check_node_id(value: bytes, what: str) -> None:
+    if len(value) != NODE_ID_BYTES:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"{what} must be {NODE_ID_BYTES} bytes, got {len(value)}"
+        )
+
+
+def check_sender(value: bytes, authenticated_peer_id: bytes, what: str) -> None:
+    check_node_id(value, what)
+    if value != authenticated_peer_id:
+        raise MeshRefusal(mesh.MESH_ERROR_SENDER_MISMATCH, f"{what} is not the authenticated peer")
+
+
+def _check_text(value: str, what: str) -> None:
+    if len(value) > MAX_TEXT:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"{what} longer than {MAX_TEXT} characters")
+
+
+def validate_announcement(announcement: mesh.PeerAnnouncement) -> None:
+    check_node_id(announcement.endpoint_id, "PeerAnnouncement.endpoint_id")
+    if announcement.role == mesh.NODE_ROLE_HOST and not announcement.http_port:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "a HOST announcement needs http_port")
+    if announcement.http_port > 65535:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "http_port out of range")
+    for text, what in (
+        (announcement.version, "version"),
+        (announcement.hostname, "hostname"),
+        (announcement.mesh_id, "mesh_id"),
+        (announcement.serving.model_name, "serving.model_name"),
+    ):
+        _check_text(text, what)
+    if len(announcement.addresses) > MAX_ADDRESSES or len(announcement.relays) > MAX_RELAYS:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "too many addresses or relays")
+    for address in announcement.addresses:
+        if not is_valid_address(address):
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "announced address is not host:port")
+    for relay in announcement.relays:
+        check_node_id(relay.relay_id, "RelayEndpoint.relay_id")
+        if not is_valid_address(relay.address):
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "relay address is not host:port")
+    if len(announcement.subprotocols) > MAX_SUBPROTOCOLS:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "too many subprotocols")
+    if announcement.HasField("serving"):
+        shard_range = announcement.serving.shard_range
+        total = announcement.serving.total_layers
+        if shard_range.start_layer >= shard_range.end_layer or (total and shard_range.end_layer > total):
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "served layer range is empty or past the model")
+
+
+def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes) -> mesh.PeerAnnouncement:
+    """Checks in the seed's order; returns the sender's own announcement."""
+    check_generation(frame.gen, "GossipFrame")
+    check_sender(frame.sender_id, authenticated_peer_id, "GossipFrame.sender_id")
+    if len(frame.peers) > MAX_PEERS_PER_FRAME:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_PEERS_PER_FRAME} peers in one frame")
+    own: mesh.PeerAnnouncement | None = None
+    seen: set[bytes] = set()
+    for announcement in frame.peers:
+        validate_announcement(announcement)
+        if announcement.endpoint_id in seen:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "a peer is announced twice in one frame")
+        seen.add(announcement.endpoint_id)
+        if announcement.endpoint_id == frame.sender_id:
+            own = announcement
+    if own is None:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "GossipFrame lacks the sender's own announcement")
+    return own
+
+
+def validate_route_request(request: mesh.RouteTableRequest, authenticated_peer_id: bytes) -> None:
+    check_generation(request.gen, "RouteTableRequest")
+    if request.requester_id:
+        check_sender(request.requester_id, authenticated_peer_id, "RouteTableRequest.requester_id")
+
+
+def validate_peer_down(report: mesh.PeerDown) -> None:
+    check_generation(report.gen, "PeerDown")
+    check_node_id(report.peer_id, "PeerDown.peer_id")
+
+
+def validate_peer_leaving(notice: mesh.PeerLeaving) -> None:
+    """Structure only; whether it names the sender is :func:`~meshnode.mesh.rules.resolve_peer_leaving`."""
+    check_generation(notice.gen, "PeerLeaving")
+    check_node_id(notice.peer_id, "PeerLeaving.peer_id")
+
+
+def validate_probe(probe: mesh.Probe) -> None:
+    check_generation(probe.gen, "Probe")
+    if len(probe.nonce) > MAX_NONCE:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"Probe.nonce longer than {MAX_NONCE} bytes")
+
+
+__all__ = [
+    "check_generation",
+    "check_node_id",
+    "check_sender",
+    "decode",
+    "validate_announcement",
+    "validate_gossip_frame",
+    "validate_peer_down",
+    "validate_peer_leaving",
+    "validate_probe",
+    "validate_route_request",
+]

@@ -1,0 +1,814 @@
+"""The node runtime: identity + QUIC transport + dispatcher + membership, on asyncio.
+
+Protocol decisions live in :mod:`meshnode.mesh` (pure); this module only moves
+frames between streams and :class:`~meshnode.mesh.state.MeshState`, keeps one
+link per peer, runs the heartbeat/probe timers and serves the status socket.
+
+What later layers use:
+
+* ``node.register_handler(StreamType.X, handler)`` — serve more stream types
+  (admitted peers only); handlers get a :class:`~meshnode.transport.framed.FramedStream`.
+* ``await node.get_link(peer_id)`` — a link to a peer that has admitted us
+  (dials the announced addresses; the relay fallback goes in :meth:`Node._dial`).
+* ``node.set_serving(...)`` / ``set_capacity`` / ``set_load`` — what this node
+  announces; ``node.peers()`` — the peer table.
+* ``await node.shutdown()`` — PeerLeaving to every peer, then close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshnode import __version__
+from meshnode.identity import NodeIdentity, short_id
+from meshnode.membership.credentials import Endpoint, Invite
+from meshnode.membership.store import DataDir, MembershipState
+from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
+from meshnode.mesh.errors import MeshRefusal, RemoteRefusal, refusal_from_reset_code
+from meshnode.mesh.peer_table import MergeReport, PeerEntry
+from meshnode.mesh.rules import (
+    LinkCandidate,
+    PeerDownAction,
+    PeerLeavingAction,
+    keep_new_link,
+    resolve_peer_down,
+    resolve_peer_leaving,
+    stream_allowed_before_admission,
+)
+from meshnode.mesh.state import MeshState
+from meshnode.mesh.validation import (
+    decode,
+    validate_peer_down,
+    validate_peer_leaving,
+    validate_probe,
+    validate_route_request,
+)
+from meshnode.transport.addresses import format_host_port, parse_host_port
+from meshnode.transport.base import MeshStream, PeerLink, StreamError, StreamReset
+from meshnode.transport.framed import FramedStream
+from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
+from meshnode.wire.errors import FramingError
+from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
+from meshnode.wire.pb import mesh, shard
+
+log = logging.getLogger("meshnode.node")
+
+DEFAULT_PORT = 7447
+DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
+_STATUS_REQUEST_LIMIT = 1024
+
+
+class JoinError(Exception):
+    """No bootstrap peer admitted us; the message is the one-line reason."""
+
+
+class PeerUnreachable(ConnectionError):
+    pass
+
+
+@dataclass
+class NodeConfig:
+    listen: str = DEFAULT_LISTEN
+    # Addresses announced to peers; default: the bound address (see Node.addresses).
+    advertise: list[str] = field(default_factory=list)
+    heartbeat_interval: float = 5.0
+    # Wait for a gossip reply / a probe echo.
+    gossip_timeout: float = 3.0
+    probe_timeout: float = 3.0
+    # A peer with no fresher announcement for this long is probed; default 4 heartbeats.
+    peer_timeout: float | None = None
+    tombstone_ttl: float = 60.0
+    connect_timeout: float = 5.0
+    stream_type_timeout: float = 5.0
+    leave_timeout: float = 1.0
+    # Links to one peer that came up this close together are a simultaneous dial.
+    link_race_window: float = 2.0
+    directly_reachable: bool = True
+    role: int = mesh.NODE_ROLE_WORKER
+    http_port: int = 0
+    quic: QuicSettings = field(default_factory=QuicSettings)
+
+    @property
+    def effective_peer_timeout(self) -> float:
+        return self.peer_timeout if self.peer_timeout is not None else 4 * self.heartbeat_interval
+
+
+def model_fingerprint(path: Path) -> shard.Fingerprint:
+    """Identity of a model artifact for announcements.
+
+    TODO(data plane, issue 5): fill from the engine's ``EngineFingerprint`` once the
+    llama.cpp engine computes it; until then peers match on model name and range.
+    """
+    del path
+    return shard.Fingerprint()
+
+
+def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.ServedShard:
+    """What ``--model PATH --layers A:B`` announces: name, layer range and total layers (GGUF header only)."""
+    import gguf  # heavy import, only when a model is given
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read GGUF {path}: {exc}") from None
+    arch_field = reader.get_field("general.architecture")
+    if arch_field is None:
+        raise ValueError(f"{path} has no general.architecture")
+    arch = arch_field.contents()
+    blocks = reader.get_field(f"{arch}.block_count")
+    if blocks is None:
+        raise ValueError(f"{path} has no {arch}.block_count")
+    total = int(blocks.contents())
+    start, end = layers if layers is not None else (0, total)
+    if not 0 <= start < end <= total:
+        raise ValueError(f"layer range {start}:{end} is not within the model's {total} layers")
+    return mesh.ServedShard(
+        model_name=path.stem,
+        fingerprint=model_fingerprint(path),
+        shard_range=shard.ShardRange(start_layer=start, end_layer=end, effective_start_layer=start),
+        total_layers=total,
+    )
+
+
+def _outbound_ip() -> str:
+    """The local address used to reach other hosts (no packet is sent)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: routing lookup only
+        return str(probe.getsockname()[0])
+    return "127.0.0.1"
+
+
+class Node:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        data_dir: DataDir,
+        config: NodeConfig,
+        *,
+        membership: MembershipState | None = None,
+        invite: Invite | None = None,
+    ) -> None:
+        self.identity = identity
+        self.data_dir = data_dir
+        self.config = config
+        mesh_id = membership.mesh_id if membership is not None else invite.mesh_id if invite else ""
+        local = mesh.PeerAnnouncement(
+            role=config.role,  # type: ignore[arg-type]
+            http_port=config.http_port,
+            version=__version__,
+            hostname=socket.gethostname()[:255],
+            directly_reachable=config.directly_reachable,
+            incarnation=time.time_ns(),
+        )
+        self.state = MeshState(
+            node_id=identity.node_id,
+            mesh_id=mesh_id,
+            local=local,
+            membership=membership,
+            invite=invite,
+            tombstone_ttl=config.tombstone_ttl,
+        )
+        if membership is not None:
+            local.relays.extend(
+                mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in membership.relays
+            )
+            self._bootstrap = list(membership.known_peers)
+        else:
+            assert invite is not None
+            local.relays.extend(mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in invite.relays)
+            self._bootstrap = invite.bootstrap
+        self.dispatcher = Dispatcher(
+            is_admitted=self.state.is_admitted, stream_type_timeout=config.stream_type_timeout
+        )
+        self.dispatcher.register(StreamType.GOSSIP, self._serve_gossip, before_admission=True)
+        self.dispatcher.register(StreamType.ROUTE_REQUEST, self._serve_route_request, before_admission=True)
+        self.dispatcher.register(StreamType.PEER_DOWN, self._serve_peer_down)
+        self.dispatcher.register(StreamType.PEER_LEAVING, self._serve_peer_leaving)
+        self.dispatcher.register(StreamType.PROBE, self._serve_probe)
+        self.endpoint: QuicEndpoint | None = None
+        self.started_at = time.time()
+        self.gossip_refusals: dict[str, int] = {}
+        self._links: dict[bytes, PeerLink] = {}
+        self._exchanged: dict[PeerLink, asyncio.Future[None]] = {}
+        self._dials: dict[bytes, asyncio.Task[PeerLink]] = {}
+        self._probing: set[bytes] = set()
+        self._heartbeating: set[bytes] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._status_server: asyncio.Server | None = None
+        self._stopped = False
+
+    # -- identity and announcement -------------------------------------------------
+
+    @property
+    def node_id(self) -> bytes:
+        return self.identity.node_id
+
+    @property
+    def mesh_id(self) -> str:
+        return self.state.mesh_id
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self.state.local.addresses)
+
+    def set_serving(self, serving: mesh.ServedShard | None) -> None:
+        if serving is None:
+            self.state.local.ClearField("serving")
+        else:
+            self.state.local.serving.CopyFrom(serving)
+
+    def set_capacity(self, capacity: mesh.Capacity) -> None:
+        self.state.local.capacity.CopyFrom(capacity)
+
+    def set_load(self, load: mesh.Load) -> None:
+        self.state.local.load.CopyFrom(load)
+
+    def register_handler(
+        self, stream_type: StreamType, handler: StreamHandler, *, before_admission: bool = False
+    ) -> None:
+        self.dispatcher.register(stream_type, handler, before_admission=before_admission)
+
+    def peers(self) -> list[PeerEntry]:
+        return self.state.table.entries()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = parse_host_port(self.config.listen, allow_zero_port=True)
+        self.endpoint = await QuicEndpoint.listen(self.identity, self, host, port, self.config.quic)
+        bound_host, bound_port = self.endpoint.local_address
+        advertise = self.config.advertise or [
+            format_host_port(_outbound_ip() if bound_host in ("0.0.0.0", "::") else bound_host, bound_port)
+        ]
+        self.state.local.ClearField("addresses")
+        self.state.local.addresses.extend(advertise)
+        await self._start_status_server()
+        self._spawn(self._heartbeat_loop())
+        log.info(
+            "node %s listening on %s (QUIC %s), advertising %s; mesh %s",
+            self.identity.short_id,
+            format_host_port(bound_host, bound_port),
+            "mesh-llm/1",
+            ", ".join(advertise),
+            self.mesh_id,
+        )
+
+    async def join(self) -> None:
+        """Invite holder: dial bootstrap peers until one admits us and grants membership."""
+        assert self.state.invite is not None
+        reasons: list[str] = []
+        for endpoint in self.state.invite.bootstrap:
+            try:
+                link = await self._dial_address(endpoint.address, endpoint.id)
+                await self._exchange(link)
+            except RemoteRefusal as refusal:
+                log.warning("bootstrap peer %s refused us: %s", endpoint, refusal.detail)
+                reasons.append(refusal.detail)
+                continue
+            except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+                log.warning("bootstrap peer %s failed: %s", endpoint, exc or type(exc).__name__)
+                reasons.append(f"{endpoint}: {exc or type(exc).__name__}")
+                continue
+            if self.state.is_member:
+                self._save_membership()
+                log.info("joined mesh %s via %s", self.mesh_id, short_id(endpoint.id))
+                return
+        raise JoinError("join refused: " + ("; ".join(reasons) if reasons else "no bootstrap peers"))
+
+    async def reconnect(self) -> int:
+        """Member restart: gossip with the peers we knew; returns how many answered."""
+        if not any(e.id != self.node_id for e in self._bootstrap):
+            return 0
+        results = await asyncio.gather(
+            *(self._bootstrap_one(e) for e in self._bootstrap if e.id != self.node_id), return_exceptions=True
+        )
+        reached = sum(1 for r in results if r is True)
+        log.info("rejoined mesh %s: %d of %d known peers answered", self.mesh_id, reached, len(results))
+        return reached
+
+    async def shutdown(self) -> None:
+        """Announce PeerLeaving to every linked peer, then close everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        links = [link for link in self._links.values() if not link.is_closed]
+        if links:
+            await asyncio.gather(*(self._send_leaving(link) for link in links), return_exceptions=True)
+        if self.state.is_member:
+            self._save_membership()
+        await self.dispatcher.aclose()
+        if self._status_server is not None:
+            self._status_server.close()
+            self.data_dir.control_socket.unlink(missing_ok=True)
+        if self.endpoint is not None:
+            self.endpoint.close()
+            await asyncio.sleep(0)  # let the CONNECTION_CLOSE datagrams go out
+        log.info("node %s stopped", self.identity.short_id)
+
+    # -- links -----------------------------------------------------------------------
+
+    async def get_link(self, peer_id: bytes) -> PeerLink:
+        """A live link to ``peer_id`` on which a gossip exchange (mutual admission) completed."""
+        link = await self._connected_link(peer_id)
+        await self._ensure_exchanged(link)
+        return link
+
+    async def _connected_link(self, peer_id: bytes) -> PeerLink:
+        link = self._links.get(peer_id)
+        if link is not None and not link.is_closed:
+            return link
+        task = self._dials.get(peer_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._dial(peer_id))
+            self._dials[peer_id] = task
+            task.add_done_callback(lambda _t, p=peer_id: self._dials.pop(p, None))
+        return await asyncio.shield(task)
+
+    async def _dial(self, peer_id: bytes) -> PeerLink:
+        entry = self.state.table.get(peer_id)
+        addresses = list(entry.announcement.addresses) if entry is not None else []
+        addresses += [e.address for e in self._bootstrap if e.id == peer_id and e.address not in addresses]
+        # TODO(relay, issue 6): when no address answers (or the peer is not
+        # directly reachable), fall back to the relays it announces.
+        failures = []
+        for address in addresses:
+            try:
+                return await self._dial_address(address, peer_id)
+            except DialError as exc:
+                failures.append(f"{address}: {exc}")
+        raise PeerUnreachable(f"{short_id(peer_id)} unreachable ({'; '.join(failures) or 'no address'})")
+
+    async def _dial_address(self, address: str, peer_id: bytes) -> PeerLink:
+        assert self.endpoint is not None
+        link = await self.endpoint.dial(address, peer_id, timeout=self.config.connect_timeout)
+        # A simultaneous dial may have kept the peer's link instead of ours.
+        current = self._links.get(peer_id)
+        return current if current is not None and not current.is_closed else link
+
+    async def _ensure_exchanged(self, link: PeerLink) -> None:
+        done = self._exchanged.get(link)
+        if done is not None and done.done() and done.exception() is None:
+            return
+        await self._exchange(link)
+
+    def link_established(self, link: PeerLink) -> None:
+        existing = self._links.get(link.peer_id)
+        if existing is not None and existing is not link and not existing.is_closed:
+            keep_new = keep_new_link(
+                self._candidate(existing), self._candidate(link), race_window=self.config.link_race_window
+            )
+            loser = existing if keep_new else link
+            log.debug("two links to %s; closing %s", short_id(link.peer_id), loser.description)
+            if not keep_new:
+                link.close("duplicate link")
+                return
+            self._links[link.peer_id] = link
+            existing.close("replaced by a newer link")
+            return
+        self._links[link.peer_id] = link
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        self.dispatcher.accept(stream)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        if self._links.get(link.peer_id) is link:
+            del self._links[link.peer_id]
+        self._exchanged.pop(link, None)
+
+    def _candidate(self, link: PeerLink) -> LinkCandidate:
+        dialer = self.node_id if link.initiated_locally else link.peer_id
+        return LinkCandidate(dialer_id=dialer, established_at=link.established_at)
+
+    # -- gossip ----------------------------------------------------------------------
+
+    async def _exchange(self, link: PeerLink) -> None:
+        """Send our GossipFrame on a new stream and take the reply (opening side)."""
+        done = asyncio.get_running_loop().create_future()
+        self._exchanged[link] = done
+        try:
+            stream = await link.open_stream(StreamType.GOSSIP)
+            frame = self.state.gossip_frame(link.peer_id)
+            await stream.send_frame(frame.SerializeToString())
+            stream.finish()
+            data = await _recv_or_refusal(stream, self.config.gossip_timeout)
+            if data is None:
+                raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "gossip stream ended without a reply")
+            was_member = self.state.is_member
+            outcome = self.state.receive_gossip_reply(
+                decode(mesh.GossipFrame, data), peer_id=link.peer_id, now=time.time()
+            )
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        except Exception as exc:
+            done.set_exception(exc)
+            done.exception()  # retrieved: callers see `exc` re-raised below
+            raise
+        done.set_result(None)
+        if outcome.joined and not was_member:
+            log.info(
+                "admitted to mesh %s by %s; stored membership certificate",
+                self.mesh_id,
+                short_id(link.peer_id),
+            )
+        if outcome.newly_admitted:
+            log.info("admitted peer %s (member certificate)", short_id(link.peer_id))
+        self._log_merge(outcome.merged, link.peer_id)
+
+    async def _serve_gossip(self, stream: FramedStream) -> None:
+        data = await stream.recv_frame(self.config.gossip_timeout)
+        if data is None:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the GossipFrame")
+        peer_id = stream.peer_id
+        try:
+            outcome = self.state.receive_gossip(
+                decode(mesh.GossipFrame, data), peer_id=peer_id, now=time.time()
+            )
+        except MeshRefusal as refusal:
+            self.gossip_refusals[refusal.code_name] = self.gossip_refusals.get(refusal.code_name, 0) + 1
+            log.info("refused gossip from %s: %s", short_id(peer_id), refusal.detail)
+            await stream.send_frame(self.state.refusal_frame(refusal).SerializeToString())
+            return
+        if outcome.newly_admitted:
+            how = "invite" if outcome.via_invite else "member certificate"
+            log.info("admitted peer %s (%s)", short_id(peer_id), how)
+        self._log_merge(outcome.merged, peer_id)
+        await stream.send_frame(outcome.reply.SerializeToString())
+        link = self._links.get(peer_id)
+        if link is not None and link not in self._exchanged:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            self._exchanged[link] = done
+
+    def _log_merge(self, report: MergeReport, source: bytes) -> None:
+        for peer_id in report.added:
+            how = "" if peer_id == source else f" (via {short_id(source)})"
+            log.info("peer %s joined our view%s", short_id(peer_id), how)
+        if report.ignored_full:
+            log.warning("peer table full: ignored %d announcements", len(report.ignored_full))
+
+    async def _serve_route_request(self, stream: FramedStream) -> None:
+        data = await stream.recv_frame(self.config.gossip_timeout)
+        if data is None:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the RouteTableRequest")
+        validate_route_request(decode(mesh.RouteTableRequest, data), stream.peer_id)
+        await stream.send_frame(self.state.route_table().SerializeToString())
+
+    # -- liveness ----------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        beats = 0
+        while True:
+            await asyncio.sleep(interval)
+            beats += 1
+            self.state.heartbeat()
+            now = time.time()
+            self.state.table.expire_tombstones(now)
+            for peer_id in self.state.table.peer_ids():
+                if peer_id not in self._heartbeating:
+                    self._spawn(self._heartbeat_peer(peer_id))
+            for peer_id in self.state.table.stale(now=now, timeout=self.config.effective_peer_timeout):
+                self._suspect(peer_id, reporter=None)
+            if not len(self.state.table) and self.state.is_member:
+                for endpoint in self._bootstrap:
+                    if endpoint.id != self.node_id and endpoint.id not in self._heartbeating:
+                        self._spawn(self._bootstrap_one(endpoint))
+            if beats % 10 == 0 and self.state.is_member:
+                self._save_membership()
+
+    async def _heartbeat_peer(self, peer_id: bytes) -> None:
+        self._heartbeating.add(peer_id)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout + self.config.gossip_timeout):
+                link = await self._connected_link(peer_id)
+                await self._exchange(link)
+        except RemoteRefusal as refusal:
+            log.info("peer %s refused our heartbeat: %s", short_id(peer_id), refusal.detail)
+        except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+            log.debug("heartbeat to %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
+            self._suspect(peer_id, reporter=None)
+        finally:
+            self._heartbeating.discard(peer_id)
+
+    async def _bootstrap_one(self, endpoint: Endpoint) -> bool:
+        self._heartbeating.add(endpoint.id)
+        try:
+            link = await self._dial_address(endpoint.address, endpoint.id)
+            await self._exchange(link)
+            return True
+        except (DialError, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+            log.debug("known peer %s did not answer: %s", endpoint, exc or type(exc).__name__)
+            return False
+        finally:
+            self._heartbeating.discard(endpoint.id)
+
+    def _suspect(self, peer_id: bytes, *, reporter: bytes | None) -> None:
+        if peer_id in self._probing or peer_id not in self.state.table:
+            return
+        self._probing.add(peer_id)
+        self._spawn(self._confirm_down(peer_id, reporter))
+
+    async def _confirm_down(self, peer_id: bytes, reporter: bytes | None) -> None:
+        try:
+            if await self.probe(peer_id):
+                return
+            why = "unreachable, probe failed" + (f" (reported by {short_id(reporter)})" if reporter else "")
+            if self._drop(peer_id, why, close_link=True) and reporter is None:
+                await self._broadcast_peer_down(peer_id)
+        finally:
+            self._probing.discard(peer_id)
+
+    async def probe(self, peer_id: bytes) -> bool:
+        """True when the peer echoes a PROBE within ``probe_timeout``."""
+        nonce = os.urandom(16)
+        try:
+            async with asyncio.timeout(self.config.probe_timeout):
+                link = await self.get_link(peer_id)
+                stream = await link.open_stream(StreamType.PROBE)
+                await stream.send_frame(
+                    mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
+                )
+                stream.finish()
+                data = await _recv_or_refusal(stream, None)
+        except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError):
+            return False
+        if data is None:
+            return False
+        try:
+            return decode(mesh.Probe, data).nonce == nonce
+        except MeshRefusal:
+            return False
+
+    async def _serve_probe(self, stream: FramedStream) -> None:
+        data = await stream.recv_frame(self.config.probe_timeout)
+        if data is None:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the Probe")
+        probe = decode(mesh.Probe, data)
+        validate_probe(probe)
+        await stream.send_frame(probe.SerializeToString())
+
+    async def _broadcast_peer_down(self, peer_id: bytes) -> None:
+        report = mesh.PeerDown(peer_id=peer_id, gen=NODE_PROTOCOL_GENERATION).SerializeToString()
+
+        async def tell(link: PeerLink) -> None:
+            async with asyncio.timeout(self.config.gossip_timeout):
+                stream = await link.open_stream(StreamType.PEER_DOWN)
+                await stream.send_frame(report)
+                stream.finish()
+                await _recv_or_refusal(stream, None)
+
+        links = [link for pid, link in self._links.items() if pid != peer_id and not link.is_closed]
+        await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
+
+    async def _serve_peer_down(self, stream: FramedStream) -> None:
+        data = await stream.recv_frame(self.config.gossip_timeout)
+        if data is None:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the PeerDown")
+        report = decode(mesh.PeerDown, data)
+        validate_peer_down(report)
+        reported = bytes(report.peer_id)
+        action = resolve_peer_down(
+            reported_id=reported,
+            reporter_id=stream.peer_id,
+            self_id=self.node_id,
+            known=reported in self.state.table,
+        )
+        if action is PeerDownAction.REJECT_SELF_REPORT:
+            raise MeshRefusal(mesh.MESH_ERROR_SELF_REPORT)
+        if action is PeerDownAction.PROBE:
+            log.info("peer %s reports %s down; probing", short_id(stream.peer_id), short_id(reported))
+            self._suspect(reported, reporter=stream.peer_id)
+
+    async def _serve_peer_leaving(self, stream: FramedStream) -> None:
+        data = await stream.recv_frame(self.config.gossip_timeout)
+        if data is None:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the PeerLeaving")
+        notice = decode(mesh.PeerLeaving, data)
+        validate_peer_leaving(notice)
+        action = resolve_peer_leaving(leaving_id=bytes(notice.peer_id), authenticated_peer_id=stream.peer_id)
+        if action is PeerLeavingAction.REJECT_FORGED:
+            log.warning(
+                "rejected forged PeerLeaving from %s naming %s",
+                short_id(stream.peer_id),
+                short_id(bytes(notice.peer_id)),
+            )
+            raise MeshRefusal(mesh.MESH_ERROR_SENDER_MISMATCH, "PeerLeaving names another node")
+        self._drop(stream.peer_id, "left the mesh", close_link=False)
+
+    async def _send_leaving(self, link: PeerLink) -> None:
+        notice = mesh.PeerLeaving(peer_id=self.node_id, gen=NODE_PROTOCOL_GENERATION).SerializeToString()
+        try:
+            async with asyncio.timeout(self.config.leave_timeout):
+                stream = await link.open_stream(StreamType.PEER_LEAVING)
+                await stream.send_frame(notice)
+                stream.finish()
+                await _recv_or_refusal(stream, None)  # the peer finishes once it dropped us
+        except (StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+            log.debug(
+                "PeerLeaving to %s not confirmed: %s", short_id(link.peer_id), exc or type(exc).__name__
+            )
+
+    def _drop(self, peer_id: bytes, reason: str, *, close_link: bool) -> bool:
+        if not self.state.remove_peer(peer_id, reason=reason, now=time.time()):
+            return False
+        log.info("dropped peer %s: %s", short_id(peer_id), reason)
+        link = self._links.get(peer_id)
+        if close_link and link is not None:
+            link.close(f"dropped: {reason}")
+        return True
+
+    # -- persistence and status ---------------------------------------------------------
+
+    def _save_membership(self) -> None:
+        membership = self.state.membership
+        if membership is None:
+            return
+        known = [
+            Endpoint(id=e.peer_id, address=e.announcement.addresses[0])
+            for e in self.state.table.entries()
+            if e.announcement.addresses
+        ]
+        seen = {e.id for e in known}
+        known += [e for e in self._bootstrap if e.id not in seen and e.id != self.node_id]
+        membership.known_peers = known
+        try:
+            if self.data_dir.has_membership():
+                self.data_dir.save_peers(membership)
+            else:
+                self.data_dir.save_membership(membership)
+        except OSError as exc:
+            log.warning("could not save membership state: %s", exc)
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        local = self.state.local
+        return {
+            "node": {
+                "id": self.node_id.hex(),
+                "short_id": self.identity.short_id,
+                "mesh_id": self.mesh_id,
+                "member": self.state.is_member,
+                "addresses": list(local.addresses),
+                "directly_reachable": local.directly_reachable,
+                "incarnation": local.incarnation,
+                "heartbeat_seq": local.heartbeat_seq,
+                "serving": _serving_json(local),
+                "uptime_s": round(now - self.started_at, 3),
+            },
+            "peers": [self._peer_json(entry, now) for entry in self.state.table.entries()],
+            "tombstones": self.state.table.tombstone_count,
+            "refusals": {"streams": dict(self.dispatcher.refusals), "gossip": dict(self.gossip_refusals)},
+        }
+
+    def _peer_json(self, entry: PeerEntry, now: float) -> dict[str, Any]:
+        announcement = entry.announcement
+        link = self._links.get(entry.peer_id)
+        return {
+            "id": entry.peer_id.hex(),
+            "short_id": short_id(entry.peer_id),
+            "role": mesh.NodeRole.Name(announcement.role),
+            "addresses": list(announcement.addresses),
+            "directly_reachable": announcement.directly_reachable,
+            "relays": [{"id": r.relay_id.hex(), "address": r.address} for r in announcement.relays],
+            "serving": _serving_json(announcement),
+            "capacity": {
+                "max_concurrent_sessions": announcement.capacity.max_concurrent_sessions,
+                "max_context_tokens": announcement.capacity.max_context_tokens,
+            },
+            "load": {
+                "active_sessions": announcement.load.active_sessions,
+                "queued_chunks": announcement.load.queued_chunks,
+                "kv_pressure": round(announcement.load.kv_pressure, 4),
+            },
+            "link": link.description if link is not None and not link.is_closed else None,
+            "admitted": self.state.is_admitted(entry.peer_id),
+            "age_s": round(now - entry.last_heard, 3),
+            "last_direct_s": round(now - entry.last_direct, 3) if entry.last_direct is not None else None,
+            "incarnation": announcement.incarnation,
+            "heartbeat_seq": announcement.heartbeat_seq,
+            "version": announcement.version,
+        }
+
+    async def _start_status_server(self) -> None:
+        path = self.data_dir.control_socket
+        path.unlink(missing_ok=True)  # we hold the data-dir lock: a leftover socket is stale
+        self._status_server = await asyncio.start_unix_server(self._serve_status, path=str(path))
+        path.chmod(0o600)
+
+    async def _serve_status(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(2.0):
+                request = (await reader.readline())[:_STATUS_REQUEST_LIMIT].strip()
+            if request == b"status":
+                writer.write(json.dumps(self.status()).encode() + b"\n")
+            else:
+                writer.write(json.dumps({"error": "unknown request"}).encode() + b"\n")
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+
+def _serving_json(announcement: mesh.PeerAnnouncement) -> dict[str, Any] | None:
+    if not announcement.HasField("serving"):
+        return None
+    serving = announcement.serving
+    return {
+        "model": serving.model_name,
+        "start_layer": serving.shard_range.start_layer,
+        "end_layer": serving.shard_range.end_layer,
+        "total_layers": serving.total_layers,
+        "model_digest": serving.fingerprint.model_artifact_digest,
+    }
+
+
+async def _recv_or_refusal(stream: FramedStream, timeout: float | None) -> bytes | None:
+    """Read a reply frame, turning a mesh reset code into the peer's :class:`RemoteRefusal`."""
+    try:
+        return await stream.recv_frame(timeout)
+    except StreamReset as exc:
+        refusal = refusal_from_reset_code(exc.error_code)
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
+def query_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
+    """Ask the node running on ``data_dir`` for its status (used by the CLI)."""
+    path = DataDir(data_dir).control_socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(timeout)
+        client.connect(str(path))
+        client.sendall(b"status\n")
+        chunks = []
+        while chunk := client.recv(65536):
+            chunks.append(chunk)
+    return dict(json.loads(b"".join(chunks)))
+
+
+async def run_node(node: Node, *, on_ready: Callable[[Node], None] | None = None) -> int:
+    """Start, join or reconnect, serve until SIGINT/SIGTERM, then leave cleanly. Returns an exit code."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await node.start()
+        if node.state.is_member:
+            await node.reconnect()
+        else:
+            try:
+                await node.join()
+            except JoinError as exc:
+                log.error("%s", exc)
+                return 3
+        if on_ready is not None:
+            on_ready(node)
+        await stop.wait()
+        log.info("stopping: telling peers we are leaving")
+        return 0
+    finally:
+        await node.shutdown()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+__all__ = [
+    "DEFAULT_LISTEN",
+    "DEFAULT_PORT",
+    "JoinError",
+    "Node",
+    "NodeConfig",
+    "PeerUnreachable",
+    "describe_served_model",
+    "query_status",
+    "run_node",
+    "stream_allowed_before_admission",
+]

@@ -1,0 +1,94 @@
+"""Length-prefixed frames over any :class:`~meshnode.transport.base.MeshStream`.
+
+The byte-level rules (type byte, ``[4-byte LE length][body]``, the 8 MiB cap
+enforced before allocating and before writing) live in
+:mod:`meshnode.wire.framing`; this wrapper only moves bytes between a stream and
+a :class:`~meshnode.wire.framing.FrameDecoder`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING
+
+from meshnode.wire.framing import MAX_FRAME_BYTES, FrameDecoder, StreamType, frame_header
+
+if TYPE_CHECKING:
+    from meshnode.transport.base import MeshStream
+
+READ_CHUNK = 64 * 1024
+# Below this a frame is written with its header in one call (one QUIC frame).
+_COALESCE_BYTES = 64 * 1024
+
+
+class FramedStream:
+    def __init__(
+        self,
+        stream: MeshStream,
+        *,
+        expect_stream_type: bool,
+        stream_type: StreamType | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> None:
+        self.stream = stream
+        self._decoder = FrameDecoder(expect_stream_type=expect_stream_type, max_frame_bytes=max_frame_bytes)
+        self._frames: deque[bytes] = deque()
+        self._eof = False
+        self._stream_type = stream_type
+        self.max_frame_bytes = max_frame_bytes
+
+    @property
+    def peer_id(self) -> bytes:
+        return self.stream.peer_id
+
+    @property
+    def stream_type(self) -> StreamType | None:
+        return self._stream_type if self._stream_type is not None else self._decoder.stream_type
+
+    async def read_stream_type(self, timeout: float | None) -> StreamType:
+        """The opener's type byte (accepting side). Raises ``TimeoutError`` or a framing error."""
+        async with asyncio.timeout(timeout):
+            while self._decoder.stream_type is None:
+                if self._eof:
+                    self._decoder.end_of_stream()  # raises: ended before the type byte
+                await self._fill()
+        return self._decoder.stream_type
+
+    async def recv_frame(self, timeout: float | None = None) -> bytes | None:
+        """The next frame body; ``None`` at a clean end of stream.
+
+        Raises ``TimeoutError``, :class:`~meshnode.wire.errors.FramingError` (oversized
+        prefix, stream ended mid-frame) or a transport ``StreamError``.
+        """
+        async with asyncio.timeout(timeout):
+            while not self._frames:
+                if self._eof:
+                    return None
+                await self._fill()
+        return self._frames.popleft()
+
+    async def send_frame(self, body: bytes) -> None:
+        header = frame_header(len(body), self.max_frame_bytes)  # refuses oversize before any write
+        if len(body) < _COALESCE_BYTES:
+            await self.stream.write(header + body)
+        else:
+            await self.stream.write(header)
+            await self.stream.write(body)
+
+    def finish(self) -> None:
+        self.stream.finish()
+
+    def reset(self, error_code: int) -> None:
+        self.stream.reset(error_code)
+
+    async def _fill(self) -> None:
+        data = await self.stream.read(READ_CHUNK)
+        if not data:
+            self._decoder.end_of_stream()
+            self._eof = True
+            return
+        self._frames.extend(self._decoder.feed(data))
+
+
+__all__ = ["READ_CHUNK", "FramedStream"]

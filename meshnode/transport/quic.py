@@ -1,0 +1,522 @@
+"""QUIC links over one UDP socket: ALPN ``mesh-llm/1``, mutual Ed25519 authentication.
+
+One :class:`QuicEndpoint` owns one UDP socket and serves both directions: it
+accepts connections and dials from the same port (so the address a node
+advertises is the address its dials come from). Datagrams are routed to
+connections by destination connection id, as aioquic's own server does.
+
+Backpressure: ``write`` waits while the stream has more than
+``max_stream_backlog`` or the connection more than ``max_connection_backlog``
+bytes written but not acknowledged; the receiver grants credit only for what its
+application read (see :mod:`meshnode.transport.quic_connection`). Keepalive
+PINGs go out every ``keepalive_interval`` (below the 30 s UDP NAT timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+from typing import cast
+
+from aioquic.buffer import Buffer
+from aioquic.quic import events
+from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+
+from meshnode.identity import NodeIdentity, short_id
+from meshnode.transport.addresses import format_host_port, parse_host_port
+from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
+from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
+from meshnode.wire.framing import ALPN
+
+log = logging.getLogger("meshnode.transport.quic")
+
+_WRITE_CHUNK = 256 * 1024
+# QUIC error code for application-initiated closes that carry a reason phrase.
+_CLOSE_APPLICATION = 0x0
+
+
+@dataclass(frozen=True)
+class QuicSettings:
+    # Receive credit: at most this many unread bytes per stream / per connection.
+    stream_window: int = 1024 * 1024
+    connection_window: int = 4 * 1024 * 1024
+    # Send side: `write` waits while more than this is unacknowledged.
+    max_stream_backlog: int = 1024 * 1024
+    max_connection_backlog: int = 4 * 1024 * 1024
+    idle_timeout: float = 30.0
+    keepalive_interval: float = 10.0
+    handshake_timeout: float = 5.0
+    max_links: int = 256
+    max_datagram_size: int = SMALLEST_MAX_DATAGRAM_SIZE
+
+
+class DialError(ConnectionError):
+    pass
+
+
+class QuicMeshStream(MeshStream):
+    def __init__(self, link: QuicLink, stream_id: int) -> None:
+        self._link = link
+        self._id = stream_id
+        self.peer_id = link.peer_id
+        self.recv = ReceiveBuffer()
+        self.send_error: Exception | None = None
+        self.recv_done = False
+
+    @property
+    def stream_id(self) -> int:
+        return self._id
+
+    async def read(self, max_bytes: int = 65536) -> bytes:
+        data = await self.recv.read(max_bytes)
+        if data:
+            self._link.consumed(self._id, len(data))
+        elif self.recv.at_eof:
+            self._link.maybe_forget(self)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        link = self._link
+        view = memoryview(data)
+        while True:
+            if self.send_error is not None:
+                raise self.send_error
+            if link.is_closed:
+                raise LinkClosed(link.close_reason)
+            if not view:
+                return
+            if (
+                link.quic.send_backlog(self._id) >= link.settings.max_stream_backlog
+                or link.connection_backlog() >= link.settings.max_connection_backlog
+            ):
+                await link.progress.wait()
+                continue
+            chunk, view = view[:_WRITE_CHUNK], view[_WRITE_CHUNK:]
+            link.quic.send_stream_data(self._id, bytes(chunk))
+            link.transmit_soon()
+
+    def finish(self) -> None:
+        if self.send_error is not None or self._link.is_closed:
+            return
+        self.send_error = StreamError("write after finish")
+        self._link.quic.send_stream_data(self._id, b"", end_stream=True)
+        self._link.transmit_soon()
+        self._link.maybe_forget(self)
+
+    def reset(self, error_code: int) -> None:
+        link = self._link
+        if link.is_closed:
+            return
+        if self.send_error is None or not isinstance(self.send_error, StreamReset):
+            # ValueError: already fully acknowledged and discarded, nothing to abort.
+            with contextlib.suppress(ValueError):
+                link.quic.reset_stream(self._id, error_code)
+        if not self.recv_done:
+            # ValueError: the peer never sent on it.
+            with contextlib.suppress(ValueError):
+                link.quic.stop_stream(self._id, error_code)
+        self.send_error = StreamReset(error_code, by_peer=False)
+        link.dropped(self, self.recv.fail(StreamReset(error_code, by_peer=False)))
+        self.recv_done = True
+        link.progress.notify()
+        link.transmit_soon()
+        link.maybe_forget(self)
+
+
+class QuicLink(PeerLink):
+    def __init__(
+        self,
+        endpoint: QuicEndpoint,
+        quic: MeshQuicConnection,
+        *,
+        initiated_locally: bool,
+        expected_peer_id: bytes | None,
+        remote_address: tuple[str, int],
+    ) -> None:
+        self.endpoint = endpoint
+        self.quic = quic
+        self.settings = endpoint.settings
+        self.initiated_locally = initiated_locally
+        self.expected_peer_id = expected_peer_id
+        self.remote_address = remote_address
+        self.peer_id = b""
+        self.established_at = 0.0
+        self.last_received_at = endpoint.loop.time()
+        self.created_at = self.last_received_at
+        self.progress = Progress()
+        self.close_reason = ""
+        self.connected: asyncio.Future[None] = endpoint.loop.create_future()
+        self._closed = asyncio.Event()
+        self._terminated = False
+        self._streams: dict[int, QuicMeshStream] = {}
+        self._highest_peer_stream = -1
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._transmit_handle: asyncio.Handle | None = None
+
+    # -- PeerLink --------------------------------------------------------------
+
+    async def open_raw_stream(self) -> MeshStream:
+        if self.is_closed:
+            raise LinkClosed(self.close_reason)
+        stream_id = self.quic.get_next_available_stream_id()
+        stream = QuicMeshStream(self, stream_id)
+        self._streams[stream_id] = stream
+        return stream
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self, reason: str = "") -> None:
+        if self.is_closed:
+            return
+        self.quic.close(error_code=_CLOSE_APPLICATION, reason_phrase=reason[:100])
+        self.transmit()
+        self._mark_closed(reason or "closed")
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    @property
+    def description(self) -> str:
+        return f"quic {format_host_port(*self.remote_address[:2])}"
+
+    # -- used by streams ------------------------------------------------------
+
+    def connection_backlog(self) -> int:
+        backlog = self.quic.send_backlog
+        return sum(backlog(stream_id) for stream_id in self._streams)
+
+    def consumed(self, stream_id: int, nbytes: int) -> None:
+        if self.quic.note_consumed(stream_id, nbytes):
+            self.transmit_soon()
+
+    def dropped(self, stream: QuicMeshStream, nbytes: int) -> None:
+        if nbytes:
+            self.consumed(stream.stream_id, nbytes)
+
+    def maybe_forget(self, stream: QuicMeshStream) -> None:
+        if stream.send_error is not None and (stream.recv_done and stream.recv.size == 0):
+            self._streams.pop(stream.stream_id, None)
+            self.quic.forget_stream(stream.stream_id)
+
+    def transmit_soon(self) -> None:
+        if self._transmit_handle is None:
+            self._transmit_handle = self.endpoint.loop.call_soon(self.transmit)
+
+    # -- driven by the endpoint -------------------------------------------------
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.last_received_at = self.endpoint.loop.time()
+        self.quic.receive_datagram(data, addr, now=self.last_received_at)
+        self._process_events()
+        self.transmit()
+
+    def transmit(self) -> None:
+        self._transmit_handle = None
+        loop = self.endpoint.loop
+        for data, addr in self.quic.datagrams_to_send(now=loop.time()):
+            self.endpoint.sendto(data, addr)
+        timer_at = self.quic.get_timer()
+        if self._timer is not None and self._timer_at != timer_at:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None and timer_at is not None:
+            self._timer = loop.call_at(timer_at, self._handle_timer)
+        self._timer_at = timer_at
+
+    def ping(self) -> None:
+        self.quic.send_ping(0)
+        self.transmit()
+
+    def _handle_timer(self) -> None:
+        now = max(self._timer_at or 0.0, self.endpoint.loop.time())
+        self._timer = None
+        self._timer_at = None
+        self.quic.handle_timer(now=now)
+        self._process_events()
+        self.transmit()
+
+    def _process_events(self) -> None:
+        event = self.quic.next_event()
+        while event is not None:
+            self._handle_event(event)
+            event = self.quic.next_event()
+        # Acks may have shrunk send backlogs; writers re-check.
+        self.progress.notify()
+
+    def _handle_event(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived):
+            stream = self._stream_for(event.stream_id)
+            if stream is None:
+                return
+            if event.data and stream.recv.error is None:
+                stream.recv.feed(event.data)
+                self.quic.app_unread += len(event.data)
+            if event.end_stream:
+                stream.recv.feed_eof()
+                stream.recv_done = True
+                self.maybe_forget(stream)
+        elif isinstance(event, events.StreamReset):
+            stream = self._stream_for(event.stream_id)
+            if stream is not None:
+                self.dropped(stream, stream.recv.fail(StreamReset(event.error_code)))
+                stream.recv_done = True
+                self.maybe_forget(stream)
+        elif isinstance(event, events.StopSendingReceived):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None and stream.send_error is None:
+                stream.send_error = StreamReset(event.error_code)
+                self.maybe_forget(stream)
+        elif isinstance(event, events.HandshakeCompleted):
+            self._authenticate(event)
+        elif isinstance(event, events.ConnectionIdIssued):
+            self.endpoint.route(event.connection_id, self)
+        elif isinstance(event, events.ConnectionIdRetired):
+            self.endpoint.unroute(event.connection_id)
+        elif isinstance(event, events.ConnectionTerminated):
+            self._terminated = True
+            self._mark_closed(
+                self.close_reason or f"closed by peer: {event.reason_phrase or event.error_code}"
+            )
+            self.endpoint.forget(self)
+
+    def _stream_for(self, stream_id: int) -> QuicMeshStream | None:
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            return stream
+        client_initiated = stream_id & 1 == 0
+        peer_initiated = client_initiated != self.initiated_locally
+        unidirectional = bool(stream_id & 2)
+        if not peer_initiated or stream_id <= self._highest_peer_stream or self.is_closed:
+            return None  # a stream already forgotten, or one we never opened
+        self._highest_peer_stream = stream_id
+        if unidirectional or not self.peer_id:
+            self.quic.stop_stream(stream_id, 0)
+            return None
+        stream = QuicMeshStream(self, stream_id)
+        self._streams[stream_id] = stream
+        self.endpoint.handler.stream_accepted(self, stream)
+        return stream
+
+    def _authenticate(self, event: events.HandshakeCompleted) -> None:
+        peer_key = self.quic.peer_public_key()
+        if event.alpn_protocol != ALPN:
+            self._refuse(f"peer did not negotiate ALPN {ALPN}")
+        elif peer_key is None:
+            self._refuse("peer presented no Ed25519 certificate")
+        elif self.expected_peer_id is not None and peer_key != self.expected_peer_id:
+            self._refuse(
+                f"peer key {short_id(peer_key)} is not the expected node {short_id(self.expected_peer_id)}"
+            )
+        else:
+            self.peer_id = peer_key
+            self.established_at = self.endpoint.loop.time()
+            if not self.connected.done():
+                self.connected.set_result(None)
+            self.endpoint.handler.link_established(self)
+
+    def _refuse(self, reason: str) -> None:
+        log.info("refused QUIC connection from %s: %s", format_host_port(*self.remote_address[:2]), reason)
+        if not self.connected.done():
+            self.connected.set_exception(DialError(reason))
+            self.connected.exception()  # mark retrieved: dials await it, accepts do not
+        self.close(reason)
+
+    def _mark_closed(self, reason: str) -> None:
+        if self.is_closed:
+            if self._terminated:
+                self._cancel_timer()
+            return
+        self.close_reason = reason
+        self._closed.set()
+        for stream in list(self._streams.values()):
+            stream.send_error = stream.send_error or LinkClosed(reason)
+            self.dropped(stream, stream.recv.fail(LinkClosed(reason)))
+            stream.recv_done = True
+        self._streams.clear()
+        self.progress.notify()
+        if not self.connected.done():
+            self.connected.set_exception(DialError(reason))
+            self.connected.exception()
+        if self.peer_id:
+            self.endpoint.handler.link_closed(self, reason)
+        if self._terminated:
+            self._cancel_timer()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class QuicEndpoint(asyncio.DatagramProtocol):
+    """One UDP socket: accepts connections and dials peers."""
+
+    def __init__(self, identity: NodeIdentity, handler: LinkHandler, settings: QuicSettings) -> None:
+        self.identity = identity
+        self.handler = handler
+        self.settings = settings
+        self.loop = asyncio.get_running_loop()
+        certificate = self_signed_certificate(identity)
+        common = {
+            "stream_window": settings.stream_window,
+            "connection_window": settings.connection_window,
+            "idle_timeout": settings.idle_timeout,
+            "max_datagram_size": settings.max_datagram_size,
+        }
+        self._server_config = quic_configuration(identity, certificate, is_client=False, **common)
+        self._client_config = quic_configuration(identity, certificate, is_client=True, **common)
+        self._by_cid: dict[bytes, QuicLink] = {}
+        self._links: set[QuicLink] = set()
+        self._transport: asyncio.DatagramTransport | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._family = socket.AF_INET
+
+    @classmethod
+    async def listen(
+        cls,
+        identity: NodeIdentity,
+        handler: LinkHandler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        settings: QuicSettings | None = None,
+    ) -> QuicEndpoint:
+        endpoint = cls(identity, handler, settings or QuicSettings())
+        loop = asyncio.get_running_loop()
+        await loop.create_datagram_endpoint(lambda: endpoint, local_addr=(host, port))
+        endpoint._housekeeping = loop.create_task(endpoint._housekeep())
+        return endpoint
+
+    @property
+    def local_address(self) -> tuple[str, int]:
+        assert self._transport is not None
+        host, port = self._transport.get_extra_info("sockname")[:2]
+        return host, port
+
+    @property
+    def links(self) -> set[QuicLink]:
+        return set(self._links)
+
+    async def dial(self, address: str, expected_peer_id: bytes, timeout: float | None = None) -> QuicLink:
+        """Connect to ``host:port`` and authenticate it as ``expected_peer_id``."""
+        if self._transport is None or self._transport.is_closing():
+            raise DialError("endpoint closed")
+        host, port = parse_host_port(address)
+        try:
+            infos = await self.loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+        except OSError as exc:
+            raise DialError(f"cannot resolve {address}: {exc.strerror or exc}") from None
+        addr = cast(tuple[str, int], infos[0][4][:2])
+        quic = MeshQuicConnection(
+            configuration=self._client_config,
+            stream_window=self.settings.stream_window,
+            connection_window=self.settings.connection_window,
+        )
+        link = QuicLink(
+            self, quic, initiated_locally=True, expected_peer_id=expected_peer_id, remote_address=addr
+        )
+        self._links.add(link)
+        self.route(quic.host_cid, link)
+        quic.connect(addr, now=self.loop.time())
+        link.transmit()
+        try:
+            await asyncio.wait_for(asyncio.shield(link.connected), timeout or self.settings.handshake_timeout)
+        except TimeoutError:
+            link.close("handshake timed out")
+            raise DialError(f"no QUIC handshake with {address} in time") from None
+        except DialError:
+            raise
+        return link
+
+    def close(self) -> None:
+        for link in list(self._links):
+            link.close("node shutting down")
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        if self._transport is not None:
+            # Let the CONNECTION_CLOSE datagrams queued above leave first.
+            self.loop.call_soon(self._transport.close)
+
+    # -- routing ---------------------------------------------------------------
+
+    def route(self, cid: bytes, link: QuicLink) -> None:
+        self._by_cid[cid] = link
+
+    def unroute(self, cid: bytes) -> None:
+        self._by_cid.pop(cid, None)
+
+    def forget(self, link: QuicLink) -> None:
+        self._links.discard(link)
+        for cid in [cid for cid, owner in self._by_cid.items() if owner is link]:
+            del self._by_cid[cid]
+
+    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.sendto(data, addr)
+
+    # -- asyncio.DatagramProtocol ------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.DatagramTransport, transport)
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            self._family = sock.family
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        try:
+            header = pull_quic_header(
+                Buffer(data=data), host_cid_length=self._server_config.connection_id_length
+            )
+        except ValueError:
+            return
+        link = self._by_cid.get(header.destination_cid)
+        if link is None:
+            if (
+                header.packet_type != QuicPacketType.INITIAL
+                or len(data) < SMALLEST_MAX_DATAGRAM_SIZE
+                or header.version not in self._server_config.supported_versions
+                or len(self._links) >= self.settings.max_links
+            ):
+                return
+            quic = MeshQuicConnection(
+                configuration=self._server_config,
+                original_destination_connection_id=header.destination_cid,
+                stream_window=self.settings.stream_window,
+                connection_window=self.settings.connection_window,
+            )
+            link = QuicLink(
+                self, quic, initiated_locally=False, expected_peer_id=None, remote_address=addr[:2]
+            )
+            self._links.add(link)
+            self.route(header.destination_cid, link)
+            self.route(quic.host_cid, link)
+        link.datagram_received(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors (port unreachable) say nothing reliable; liveness is probed.
+        log.debug("UDP error: %s", exc)
+
+    async def _housekeep(self) -> None:
+        """Keepalive PINGs, and closing handshakes that never finish."""
+        interval = min(self.settings.keepalive_interval, self.settings.handshake_timeout)
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = self.loop.time()
+            for link in list(self._links):
+                if link.is_closed:
+                    continue
+                if not link.peer_id:
+                    if now - link.created_at > self.settings.handshake_timeout:
+                        link.close("handshake timed out")
+                elif now - link.last_received_at >= self.settings.keepalive_interval:
+                    link.ping()
+
+
+__all__ = ["DialError", "QuicEndpoint", "QuicLink", "QuicMeshStream", "QuicSettings"]

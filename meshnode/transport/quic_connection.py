@@ -1,0 +1,172 @@
+"""aioquic configuration and the two behaviours meshnode needs that aioquic lacks.
+
+Everything here that reaches into aioquic's private state is in this module, and
+``tests/mesh/test_quic_transport.py`` pins each behaviour, so an aioquic upgrade
+that moves them fails loudly instead of silently weakening the node:
+
+1. **Mutual authentication.** aioquic only asks for a client certificate when its
+   TLS context's ``_request_client_certificate`` flag is set (it has no public
+   switch and no verification callback). The server sets it; both sides then read
+   the peer certificate's Ed25519 key after the handshake (:meth:`peer_public_key`)
+   and compare it with the node id they expect. TLS itself proved possession of
+   that key (CertificateVerify), so the key *is* the authenticated node id.
+   Session tickets are never configured: a resumed session would skip certificates.
+
+2. **Receive flow control driven by the application.** aioquic doubles a
+   stream's and the connection's receive window whenever half of it is used,
+   whether or not anyone read the data, so a peer can make the receiver buffer
+   without bound. Here credit is granted only for bytes the application consumed:
+   a stream may have at most ``stream_window`` unread bytes, a connection
+   ``connection_window``. Senders then stall in QUIC flow control and their own
+   bounded send backlog (``meshnode.transport.quic``) makes ``write`` wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ssl
+from typing import Any
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.x509.oid import NameOID
+
+from meshnode.identity import NodeIdentity, public_key_bytes
+from meshnode.wire.framing import ALPN
+
+# Certificates are never checked for dates (the key is what is pinned), but a
+# sane validity window keeps generic TLS tooling quiet.
+_CERT_VALIDITY = datetime.timedelta(days=3650)
+
+
+def self_signed_certificate(identity: NodeIdentity) -> x509.Certificate:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"meshnode {identity.short_id}")])
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(identity.private_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + _CERT_VALIDITY)
+        .sign(identity.private_key, algorithm=None)
+    )
+
+
+def quic_configuration(
+    identity: NodeIdentity,
+    certificate: x509.Certificate,
+    *,
+    is_client: bool,
+    stream_window: int,
+    connection_window: int,
+    idle_timeout: float,
+    max_datagram_size: int,
+) -> QuicConfiguration:
+    return QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=[ALPN],
+        certificate=certificate,
+        private_key=identity.private_key,
+        # Chain validation is meaningless for self-signed node keys; the peer's key
+        # is checked against the expected node id after the handshake instead.
+        verify_mode=ssl.CERT_NONE,
+        server_name="meshnode" if is_client else None,
+        idle_timeout=idle_timeout,
+        max_data=connection_window,
+        max_stream_data=stream_window,
+        max_datagram_size=max_datagram_size,
+    )
+
+
+class MeshQuicConnection(QuicConnection):
+    def __init__(self, *, stream_window: int, connection_window: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._stream_window = stream_window
+        self._connection_window = connection_window
+        self._consumed: dict[int, int] = {}
+        # Bytes delivered to the application's stream buffers and not read yet.
+        self.app_unread = 0
+
+    # -- mutual authentication ------------------------------------------------
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        if not self._is_client:
+            self.tls._request_client_certificate = True
+
+    def peer_public_key(self) -> bytes | None:
+        """The raw Ed25519 key of the peer's certificate, or ``None`` (absent / not Ed25519)."""
+        certificate = getattr(self.tls, "_peer_certificate", None)
+        if certificate is None:
+            return None
+        key = certificate.public_key()
+        if not isinstance(key, Ed25519PublicKey):
+            return None
+        return public_key_bytes(key)
+
+    # -- send backlog ---------------------------------------------------------
+
+    def send_backlog(self, stream_id: int) -> int:
+        """Bytes written to ``stream_id`` and not yet acknowledged by the peer."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return 0
+        sender = stream.sender
+        if sender._reset_error_code is not None:
+            return 0
+        return sender._buffer_stop - sender._buffer_start
+
+    # -- application-driven receive credit -------------------------------------
+
+    def note_consumed(self, stream_id: int, nbytes: int) -> bool:
+        """The application read ``nbytes`` from ``stream_id``; true when new credit should be sent now."""
+        self._consumed[stream_id] = self._consumed.get(stream_id, 0) + nbytes
+        self.app_unread -= nbytes
+        stream = self._streams.get(stream_id)
+        if stream is not None and self._stream_credit_due(stream):
+            return True
+        return self._connection_credit_due()
+
+    def forget_stream(self, stream_id: int) -> None:
+        self._consumed.pop(stream_id, None)
+
+    def _stream_credit_due(self, stream: Any) -> bool:
+        target = self._consumed.get(stream.stream_id, 0) + self._stream_window
+        return bool(stream.max_stream_data_local) and (
+            target - stream.max_stream_data_local >= self._stream_window // 4
+        )
+
+    def _connection_credit_due(self) -> bool:
+        limit = self._local_max_data
+        target = limit.used - self.app_unread + self._connection_window
+        return target - limit.value >= self._connection_window // 4
+
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        limit = self._local_max_data
+        if self._connection_credit_due():
+            limit.value = limit.used - self.app_unread + self._connection_window
+        # aioquic doubles MAX_DATA when `used` passes half of it; hide `used` so only
+        # the application-driven credit above applies.
+        used, limit.used = limit.used, 0
+        try:
+            super()._write_connection_limits(builder=builder, space=space)
+        finally:
+            limit.used = used
+
+    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
+        if self._stream_credit_due(stream):
+            stream.max_stream_data_local = self._consumed.get(stream.stream_id, 0) + self._stream_window
+        # Same trick for aioquic's per-stream doubling, keyed on highest_offset.
+        receiver = stream.receiver
+        highest, receiver.highest_offset = receiver.highest_offset, 0
+        try:
+            super()._write_stream_limits(builder=builder, space=space, stream=stream)
+        finally:
+            receiver.highest_offset = highest
+
+
+__all__ = ["MeshQuicConnection", "quic_configuration", "self_signed_certificate"]
