@@ -70,7 +70,9 @@ def test_token_bucket_debt_and_refill() -> None:
     assert bucket.debt_delay(now=0.1) == pytest.approx(0.1)
     assert bucket.debt_delay(now=0.2) == 0
     assert bucket.delay_for(50, now=0.2) == pytest.approx(0.5)
-    assert bucket.delay_for(10_000, now=0.7) == pytest.approx(0, abs=1e-9)  # capped at the burst: a full bucket is enough
+    assert bucket.delay_for(10_000, now=0.7) == pytest.approx(
+        0, abs=1e-9
+    )  # capped at the burst: a full bucket is enough
 
 
 def test_unlimited_bucket_never_delays() -> None:

@@ -1,0 +1,1 @@
+"""The node side of the relay: relay client, sealed relay channels, relayed peer links."""
