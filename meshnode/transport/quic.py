@@ -53,6 +53,8 @@ class QuicSettings:
     handshake_timeout: float = 5.0
     max_links: int = 256
     max_datagram_size: int = SMALLEST_MAX_DATAGRAM_SIZE
+    # Another protocol on the same machinery (the relay uses ``meshnode-relay/1``).
+    alpn: str = ALPN
 
 
 class DialError(ConnectionError):
@@ -307,8 +309,8 @@ class QuicLink(PeerLink):
 
     def _authenticate(self, event: events.HandshakeCompleted) -> None:
         peer_key = self.quic.peer_public_key()
-        if event.alpn_protocol != ALPN:
-            self._refuse(f"peer did not negotiate ALPN {ALPN}")
+        if event.alpn_protocol != self.settings.alpn:
+            self._refuse(f"peer did not negotiate ALPN {self.settings.alpn}")
         elif peer_key is None:
             self._refuse("peer presented no Ed25519 certificate")
         elif self.expected_peer_id is not None and peer_key != self.expected_peer_id:
@@ -370,6 +372,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
             "connection_window": settings.connection_window,
             "idle_timeout": settings.idle_timeout,
             "max_datagram_size": settings.max_datagram_size,
+            "alpn": settings.alpn,
         }
         self._server_config = quic_configuration(identity, certificate, is_client=False, **common)
         self._client_config = quic_configuration(identity, certificate, is_client=True, **common)

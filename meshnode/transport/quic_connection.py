@@ -65,10 +65,11 @@ def quic_configuration(
     connection_window: int,
     idle_timeout: float,
     max_datagram_size: int,
+    alpn: str = ALPN,
 ) -> QuicConfiguration:
     return QuicConfiguration(
         is_client=is_client,
-        alpn_protocols=[ALPN],
+        alpn_protocols=[alpn],
         certificate=certificate,
         private_key=identity.private_key,
         # Chain validation is meaningless for self-signed node keys; the peer's key
