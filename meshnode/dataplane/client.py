@@ -25,7 +25,7 @@ unit never sent): the edge closes that stream and calls :meth:`stream_lost`.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -57,6 +57,8 @@ class ClientConfig:
     accepted_compression: tuple[int, ...] = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
     # Streams a unit may be sent on before a transport failure fails it.
     max_attempts: int = 3
+    # Failed units remembered for retry(), newest kept.
+    retry_memory: int = 64
 
 
 # ---------------------------------------------------------------------------- events
@@ -173,6 +175,7 @@ class SessionClient:
         self._pending: deque[_Unit] = deque()
         self._sent: dict[int, _Unit] = {}
         self._events: list[ClientEvent] = []
+        self._failed: OrderedDict[int, _Unit] = OrderedDict()
         self._next_unit_id = 1
 
     # ------------------------------------------------------------------ state
@@ -367,6 +370,22 @@ class SessionClient:
         self._next_unit_id += 1
         self._pending.append(unit)
         return unit.id
+
+    def retry(self, unit_id: int) -> None:
+        """Send a failed unit again as the same bytes: same idempotency step, same work id.
+
+        For a refusal marked ``retryable`` (or a transport failure): a worker that
+        already applied the step answers it as a duplicate instead of applying it twice.
+        """
+        if self.failed is not None:
+            raise SessionNotReady("the session failed; open a new one")
+        unit = self._failed.pop(unit_id, None)
+        if unit is None:
+            raise KeyError(f"unit {unit_id} has not failed, or was forgotten")
+        unit.state = _State.PENDING
+        unit.result = None
+        unit.attempts = 0
+        self._pending.append(unit)
 
     def _require_flow(self) -> shard.FlowControl:
         if self.failed is not None or self.flow is None:
@@ -623,6 +642,10 @@ class SessionClient:
 
     def _fail(self, unit: _Unit, error: MeshnodeError) -> None:
         self._events.append(UnitFailed(unit.id, unit.step, unit.work_id, error))
+        if unit.body is not None:
+            self._failed[unit.id] = unit
+            while len(self._failed) > self.config.retry_memory:
+                self._failed.popitem(last=False)
 
     def _fail_session(self, error: ShardProtocolError) -> None:
         self.failed = error

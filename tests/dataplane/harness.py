@@ -157,6 +157,10 @@ def only_status(items: list[shard.SessionResponse]) -> shard.ShardStatus:
     return statuses[0]
 
 
+def statuses(items: list[shard.SessionResponse]) -> list[shard.ShardStatus]:
+    return [r.status for r in items if r.WhichOneof("kind") == "status"]
+
+
 def acks(items: list[shard.SessionResponse]) -> list[shard.Ack]:
     return [r.ack for r in items if r.WhichOneof("kind") == "ack"]
 
@@ -344,4 +348,5 @@ __all__ = [
     "responses",
     "result_tokens",
     "srange",
+    "statuses",
 ]

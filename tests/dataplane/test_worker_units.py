@@ -24,6 +24,7 @@ from .harness import (
     responses,
     result_tokens,
     srange,
+    statuses,
 )
 from .tiny_engine import TinyEngine
 
@@ -211,9 +212,9 @@ def test_a_newer_epoch_abandons_the_old_epochs_queued_and_running_units() -> Non
     # Opening epoch 2 (on another stream) moves the session on.
     harness.log.clear()
     harness.open(epoch=2)
-    statuses = [r.status for r in responses(harness.log, old_stream) if r.WhichOneof("kind") == "status"]
-    assert [s.idempotency_step for s in statuses] == [2, 3]
-    assert {s.error.code for s in statuses} == {shard.ERROR_CODE_EPOCH_STALE}
+    stale = statuses(responses(harness.log, old_stream))
+    assert [s.idempotency_step for s in stale] == [2, 3]
+    assert {s.error.code for s in stale} == {shard.ERROR_CODE_EPOCH_STALE}
     assert any(isinstance(a, FireCancel) and a.token is running.request.cancel_token for a in harness.log)
     assert running.request.cancel_token.cancelled  # type: ignore[union-attr]
     assert responses(harness.run([running]), old_stream) == []
@@ -462,9 +463,9 @@ def test_in_band_cancel_abandons_running_and_queued_units() -> None:
     harness.send(stream, decode_request(4, 4, 5), run=False)
     cancel = shard.SessionRequest(cancel=shard.CancelSignal(route_session_id="s1", route_epoch=1))
     actions = harness.send(stream, cancel, run=False)
-    statuses = [r.status for r in responses(actions, stream) if r.WhichOneof("kind") == "status"]
-    assert [s.idempotency_step for s in statuses] == [2, 3, 4]
-    assert all(s.error.code == shard.ERROR_CODE_CANCELLED and not s.error.retryable for s in statuses)
+    cancelled = statuses(responses(actions, stream))
+    assert [s.idempotency_step for s in cancelled] == [2, 3, 4]
+    assert all(s.error.code == shard.ERROR_CODE_CANCELLED and not s.error.retryable for s in cancelled)
     assert [a.token for a in actions if isinstance(a, FireCancel)] == [running.request.cancel_token]
     calls = len(harness.engine.calls)
     harness.run([a for a in actions if isinstance(a, FireCancel)])
