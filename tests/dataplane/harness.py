@@ -114,7 +114,9 @@ def chunk_request(
             expected_past_len=0 if fresh else first_position,
         ),
         deadline_unix_nanos=deadline,
-        chunk=shard.ChunkInfo(chunk_index=chunk[0], chunk_count=chunk[1], final_chunk=chunk[0] == chunk[1] - 1),
+        chunk=shard.ChunkInfo(
+            chunk_index=chunk[0], chunk_count=chunk[1], final_chunk=chunk[0] == chunk[1] - 1
+        ),
     )
     return shard.SessionRequest(chunk=shard.ActivationChunk(envelope=env, bundle=encode_bundle([tensor])))
 
@@ -144,7 +146,9 @@ def decode_request(
 
 
 def responses(actions: list[Action], stream_id: int | None = None) -> list[shard.SessionResponse]:
-    return [a.response for a in actions if isinstance(a, Send) and (stream_id is None or a.stream_id == stream_id)]
+    return [
+        a.response for a in actions if isinstance(a, Send) and (stream_id is None or a.stream_id == stream_id)
+    ]
 
 
 def kinds(items: list[shard.SessionResponse]) -> list[str]:
@@ -169,7 +173,9 @@ def result_tokens(items: list[shard.SessionResponse]) -> list[int]:
     from meshnode.wire.tensor_codec import decode_bundle
 
     return [
-        int(decode_bundle(r.chunk.bundle)["token_ids"].array[0]) for r in items if r.WhichOneof("kind") == "chunk"
+        int(decode_bundle(r.chunk.bundle)["token_ids"].array[0])
+        for r in items
+        if r.WhichOneof("kind") == "chunk"
     ]
 
 

@@ -29,7 +29,9 @@ def reference(prompt: list[int], decode_steps: int) -> list[int]:
     """Greedy tokens of the whole tiny model run directly on one engine."""
     engine = TinyEngine()
     key = SessionKey("reference", 0)
-    result = engine.prefill(StepRequest(session=key, first_position=0, token_ids=tuple(prompt), sampling=GREEDY))
+    result = engine.prefill(
+        StepRequest(session=key, first_position=0, token_ids=tuple(prompt), sampling=GREEDY)
+    )
     tokens = [result.token_id]
     position = len(prompt)
     for _ in range(decode_steps):
@@ -285,7 +287,9 @@ def test_prefill_planning_needs_the_negotiated_limits() -> None:
 
 @pytest.mark.parametrize("worker_takes_zstd", [True, False])
 def test_activations_use_the_route_compression_only_when_the_peer_accepts_it(worker_takes_zstd: bool) -> None:
-    accepted = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD) if worker_takes_zstd else (shard.COMPRESSION_NONE,)
+    accepted = (
+        (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD) if worker_takes_zstd else (shard.COMPRESSION_NONE,)
+    )
     harness = WorkerHarness(TinyEngine(2, 4), WorkerConfig(accepted_compression=accepted))
     link = connected(
         harness=harness,

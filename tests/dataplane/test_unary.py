@@ -69,7 +69,9 @@ def test_a_failing_forward_leaves_the_capability_unvalidated_with_a_fixed_detail
 
 def test_non_finite_or_misshapen_outputs_do_not_validate() -> None:
     engine = TinyEngine(0, 2)
-    engine.result_next = StepResult(past_len=4, cache_hit=False, hidden=np.full((4, HIDDEN), np.nan, np.float32))
+    engine.result_next = StepResult(
+        past_len=4, cache_hit=False, hidden=np.full((4, HIDDEN), np.nan, np.float32)
+    )
     assert not validate_engine(engine, now_ns=1).validated
     engine.result_next = StepResult(past_len=4, cache_hit=False, hidden=np.zeros((4, HIDDEN - 1), np.float32))
     assert not validate_engine(engine, now_ns=1).validated
@@ -130,7 +132,9 @@ def test_unary_cancel_and_release_refuse_stale_epochs_and_unknown_schema() -> No
     response, actions = handle_cancel(harness.worker, stale, harness.now)
     assert response.error.code == shard.ERROR_CODE_EPOCH_STALE and actions == []
     release, _ = handle_release(
-        harness.worker, shard.ReleaseRequest(schema_version=V1, route_session_id="s1", route_epoch=2), harness.now
+        harness.worker,
+        shard.ReleaseRequest(schema_version=V1, route_session_id="s1", route_epoch=2),
+        harness.now,
     )
     assert not release.released and release.error.code == shard.ERROR_CODE_EPOCH_STALE
     unspecified, _ = handle_cancel(harness.worker, shard.CancelRequest(route_session_id="s1"), harness.now)
@@ -153,7 +157,9 @@ def test_unary_release_is_idempotent() -> None:
     assert not second.released and second.error.code == shard.ERROR_CODE_UNSPECIFIED
     assert actions == []
     never, _ = handle_release(
-        harness.worker, shard.ReleaseRequest(schema_version=V1, route_session_id="x", route_epoch=1), harness.now
+        harness.worker,
+        shard.ReleaseRequest(schema_version=V1, route_session_id="x", route_epoch=1),
+        harness.now,
     )
     assert not never.released
 

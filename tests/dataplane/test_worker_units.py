@@ -95,7 +95,9 @@ def test_deadline_of_a_running_unit_fires_its_cancel_token() -> None:
 
 def test_a_running_unit_that_finishes_after_its_deadline_is_recorded_for_the_retry() -> None:
     harness, stream = prefilled()
-    (running,) = held_steps(harness.send(stream, decode_request(2, 4, 3, deadline=harness.now + 1), run=False))
+    (running,) = held_steps(
+        harness.send(stream, decode_request(2, 4, 3, deadline=harness.now + 1), run=False)
+    )
     harness.now += 2
     tick = harness.worker.tick(harness.now)
     assert only_status(responses(tick, stream)).error.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
@@ -433,8 +435,14 @@ def test_compression_not_agreed_is_payload_corrupt() -> None:
     "mutate, code",
     [
         (lambda env: setattr(env, "schema_version", 2), shard.ERROR_CODE_SCHEMA_UNSUPPORTED),
-        (lambda env: setattr(env.fingerprint, "runtime_recipe_digest", "x"), shard.ERROR_CODE_FINGERPRINT_MISMATCH),
-        (lambda env: setattr(env.shard_range, "effective_start_layer", 1), shard.ERROR_CODE_SHARD_RANGE_MISMATCH),
+        (
+            lambda env: setattr(env.fingerprint, "runtime_recipe_digest", "x"),
+            shard.ERROR_CODE_FINGERPRINT_MISMATCH,
+        ),
+        (
+            lambda env: setattr(env.shard_range, "effective_start_layer", 1),
+            shard.ERROR_CODE_SHARD_RANGE_MISMATCH,
+        ),
         (lambda env: setattr(env, "route_session_id", "s2"), shard.ERROR_CODE_PAYLOAD_CORRUPT),
         (lambda env: setattr(env, "phase", shard.PHASE_CANCEL), shard.ERROR_CODE_PAYLOAD_CORRUPT),
         (lambda env: env.cache_expectation.Clear(), shard.ERROR_CODE_PAYLOAD_CORRUPT),
@@ -538,7 +546,7 @@ def test_decode_steps_are_scheduled_before_other_sessions_prefill() -> None:
 
 def test_idle_sessions_expire() -> None:
     ttl = 10 * SECOND
-    harness, stream = prefilled(session_idle_ttl_ns=ttl)
+    harness, _ = prefilled(session_idle_ttl_ns=ttl)
     assert harness.worker.next_timer() == harness.now + ttl
     actions = harness.worker.tick(harness.now + ttl)
     assert [a.session for a in actions if isinstance(a, ReleaseEngine)] == [SessionKey("s1", 1)]

@@ -37,9 +37,9 @@ FINGERPRINT = EngineFingerprint(
 
 def _embed(token: int, position: int) -> np.ndarray:
     lanes = np.arange(HIDDEN, dtype=np.float32)
-    return (np.sin(np.float32(token) * np.float32(0.7) + lanes * np.float32(0.3)) + np.float32(0.01) * position).astype(
-        np.float32
-    )
+    return (
+        np.sin(np.float32(token) * np.float32(0.7) + lanes * np.float32(0.3)) + np.float32(0.01) * position
+    ).astype(np.float32)
 
 
 _OUT = np.cos(
@@ -107,11 +107,17 @@ class TinyEngine(ShardEngine):
         if state is None or actual != expected:
             raise EngineError(EngineErrorKind.CACHE_MISS, "cache not positioned", actual_past_len=actual)
         if request.token_ids is not None:
-            hidden = np.stack([_embed(t, request.first_position + i) for i, t in enumerate(request.token_ids)])
+            hidden = np.stack(
+                [_embed(t, request.first_position + i) for i, t in enumerate(request.token_ids)]
+            )
         else:
             assert request.hidden is not None
             hidden = np.array(request.hidden, dtype=np.float32)
-        start = request.effective_start_layer if request.effective_start_layer is not None else self.caps.layer_start
+        start = (
+            request.effective_start_layer
+            if request.effective_start_layer is not None
+            else self.caps.layer_start
+        )
         for layer in range(start, self.caps.layer_end):
             memory = state.memory.get(layer, np.zeros(HIDDEN, dtype=np.float32))
             rows = []
@@ -124,7 +130,9 @@ class TinyEngine(ShardEngine):
         state.past_len = request.first_position + request.n_tokens
         self.sessions[request.session] = state
         if self.caps.layer_end < LAYERS:
-            return StepResult(past_len=state.past_len, cache_hit=not fresh, hidden=hidden, execution_nanos=1000)
+            return StepResult(
+                past_len=state.past_len, cache_hit=not fresh, hidden=hidden, execution_nanos=1000
+            )
         token = logits = None
         if request.sampling is not None:
             logits = (_OUT @ hidden[-1]).astype(np.float32)
