@@ -1,0 +1,174 @@
+"""The llama.cpp engine on the generated tiny llama model: the shared contract, exact
+parity at every split point, and refusal of what it cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_contract import EngineContract, ManualClock, prompt_tokens, raises_kind
+from gguf import GGUFWriter
+
+from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest, StepResult
+from engines.llama_engine import LlamaShardEngine
+from engines.llama_runtime import LlamaRuntime
+from engines.tiny_model import TINY_N_LAYERS
+from engines.tokenizer import Tokenizer
+
+PREFILL_TOKENS = 100
+DECODE_STEPS = 20
+
+
+class TestLlamaEngineContract(EngineContract):
+    @pytest.fixture(autouse=True)
+    def _model(self, tiny_model: Path) -> None:
+        self._path = str(tiny_model)
+
+    def new_engine(self, clock: ManualClock) -> LlamaShardEngine:
+        return LlamaShardEngine(clock=clock)
+
+    def model_path(self) -> str:
+        return self._path
+
+
+def _load(path: Path, layer_start: int = 0, layer_end: int | None = None) -> LlamaShardEngine:
+    engine = LlamaShardEngine()
+    engine.load(
+        LoadRequest(str(path), layer_start, layer_end, n_ctx=512, n_seq_max=2, n_batch=128, n_threads=2)
+    )
+    return engine
+
+
+def _chain_step(
+    engines: list[LlamaShardEngine], key: SessionKey, position: int, tokens: tuple[int, ...]
+) -> StepResult:
+    """One prefill (position 0) or decode step through a chain of shard engines."""
+    step = (lambda e, r: e.prefill(r)) if position == 0 else (lambda e, r: e.decode(r))
+    expected = None if position == 0 else position
+    hidden = None
+    for index, engine in enumerate(engines):
+        tail = index == len(engines) - 1
+        request = StepRequest(
+            key,
+            position,
+            token_ids=tokens if index == 0 else None,
+            hidden=hidden,
+            expected_past_len=expected,
+            sampling=GREEDY if tail else None,
+            want_logits=tail,
+        )
+        result = step(engine, request)
+        hidden = result.hidden
+    return result
+
+
+def _greedy_run(
+    engines: list[LlamaShardEngine], prompt: tuple[int, ...]
+) -> tuple[list[np.ndarray], list[int]]:
+    key = SessionKey("parity", 1)
+    result = _chain_step(engines, key, 0, prompt)
+    logits, tokens = [result.logits], [result.token_id]
+    for step in range(DECODE_STEPS):
+        result = _chain_step(engines, key, len(prompt) + step, (tokens[-1],))
+        logits.append(result.logits)
+        tokens.append(result.token_id)
+    for engine in engines:
+        engine.release(key)
+    return logits, tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> tuple[tuple[int, ...], list[np.ndarray], list[int]]:
+    prompt = prompt_tokens(PREFILL_TOKENS, 500, seed=11)
+    whole = _load(tiny_model)
+    logits, tokens = _greedy_run([whole], prompt)
+    whole.close()
+    return prompt, logits, tokens
+
+
+@pytest.mark.parametrize("split", range(1, TINY_N_LAYERS))
+def test_every_split_point_is_bit_exact(tiny_model: Path, reference, split: int) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected_logits, expected_tokens = reference
+    engines = [_load(tiny_model, 0, split), _load(tiny_model, split)]
+    logits, tokens = _greedy_run(engines, prompt)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits, strict=True)) == 0.0
+    assert tokens == expected_tokens
+    with Tokenizer.open(tiny_model) as tokenizer:
+        assert tokenizer.detokenize(tokens) == tokenizer.detokenize(expected_tokens)
+    for engine in engines:
+        engine.close()
+
+
+def test_three_way_split_is_bit_exact(tiny_model: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected_logits, expected_tokens = reference
+    engines = [_load(tiny_model, 0, 2), _load(tiny_model, 2, 5), _load(tiny_model, 5)]
+    logits, tokens = _greedy_run(engines, prompt)
+    assert all(np.array_equal(a, b) for a, b in zip(logits, expected_logits, strict=True))
+    assert tokens == expected_tokens
+
+
+def _write_gguf(path: Path, arch: str) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_architecture_is_refused_at_load(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL) as caught:
+        LlamaShardEngine().load(LoadRequest(str(path)))
+    assert "gpt2" in caught.value.detail
+
+
+def test_missing_and_corrupt_files_are_clear_errors(tmp_path: Path, tiny_model: Path) -> None:
+    with raises_kind(EngineErrorKind.INVALID_REQUEST):
+        LlamaShardEngine().load(LoadRequest(str(tmp_path / "absent.gguf")))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[:5000])
+    with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL):
+        LlamaShardEngine().load(LoadRequest(str(truncated)))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model at all")
+    with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL):
+        LlamaShardEngine().load(LoadRequest(str(garbage)))
+
+
+def test_slices_are_cached_on_disk_and_reused(tmp_path: Path, tiny_model: Path) -> None:
+    request = LoadRequest(str(tiny_model), 0, 3, n_ctx=256, n_seq_max=1, cache_dir=str(tmp_path))
+    first = LlamaShardEngine()
+    first.load(request)
+    slices = sorted((tmp_path / "slices").iterdir())
+    assert [p.name for p in slices] == [p.name for p in slices if p.suffix == ".gguf"] and len(slices) == 1
+    mtime = slices[0].stat().st_mtime_ns
+    second = LlamaShardEngine()
+    second.load(request)
+    assert slices[0].stat().st_mtime_ns == mtime, "the cached slice was reused, not rewritten"
+    assert first.capabilities().fingerprint == second.capabilities().fingerprint
+    first.close()
+    second.close()
+
+
+def test_abort_in_a_later_chunk_rolls_back_the_earlier_chunks(tiny_model: Path) -> None:
+    """llama.cpp only removes the aborted ubatch; chunks committed before it must go too."""
+    settings = dict(n_ctx=512, n_seq_max=1, n_batch=32, n_threads=2, n_gpu_layers=0, capture_layer=None)
+    runtime = LlamaRuntime(tiny_model, takes_embeddings=False, **settings)  # type: ignore[arg-type]
+    reference = LlamaRuntime(tiny_model, takes_embeddings=False, **settings)  # type: ignore[arg-type]
+    prefix = np.array(prompt_tokens(10, 500, seed=1), dtype=np.int32)
+    rest = np.array(prompt_tokens(90, 500, seed=2), dtype=np.int32)
+    runtime.run(0, 0, prefix, want_logits=False)
+    # Fires once the third chunk's cells are in the cache, i.e. while it computes.
+    with raises_kind(EngineErrorKind.CANCELLED):
+        runtime.run(0, 10, rest, want_logits=False, should_abort=lambda: runtime.cached_length(0) > 10 + 64)
+    assert runtime.cached_length(0) == 10
+    runtime.run(0, 10, rest, want_logits=True)
+    reference.run(0, 0, prefix, want_logits=False)
+    reference.run(0, 10, rest, want_logits=True)
+    assert np.array_equal(runtime.last_logits(), reference.last_logits())
+    runtime.close()
+    reference.close()
