@@ -121,7 +121,11 @@ def check_result(
                 raise malformed
         if sampled and want_logits:
             logits = result.logits
-            if not isinstance(logits, np.ndarray) or logits.shape != (role.vocab_size,):
+            if (
+                not isinstance(logits, np.ndarray)
+                or logits.shape != (role.vocab_size,)
+                or not np.isfinite(logits).all()
+            ):
                 raise malformed
     else:
         hidden = result.hidden

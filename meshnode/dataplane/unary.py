@@ -72,9 +72,10 @@ def validate_engine(engine: ShardEngine, *, now_ns: int, probe_tokens: int = PRO
                 hidden=hidden,
                 expected_past_len=first if decode else None,
                 sampling=GREEDY if role.is_tail else None,
+                want_logits=role.is_tail,
             )
             result = engine.decode(request) if decode else engine.prefill(request)
-            check_result(result, role, count, sampled=role.is_tail, want_logits=False)
+            check_result(result, role, count, sampled=role.is_tail, want_logits=role.is_tail)
     except Exception:
         return Validation(False, VALIDATION_FAILED_DETAIL, 0)
     finally:

@@ -32,16 +32,17 @@ from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_bundle
 
-from .tiny_engine import FINGERPRINT, HIDDEN, LAYERS, TinyEngine
+from .recording_engine import HIDDEN, LAYERS, RecordingEngine
 
 NOW = 1_700_000_000 * 1_000_000_000
 SECOND = 1_000_000_000
 NODE_B = b"\x02" * 32
 
+_FINGERPRINT = RecordingEngine().capabilities().fingerprint
 FP = shard.Fingerprint(
-    model_artifact_digest=FINGERPRINT.model_artifact_digest,
-    runtime_recipe_digest=FINGERPRINT.runtime_recipe_digest,
-    recipe_id=FINGERPRINT.recipe_id,
+    model_artifact_digest=_FINGERPRINT.model_artifact_digest,
+    runtime_recipe_digest=_FINGERPRINT.runtime_recipe_digest,
+    recipe_id=_FINGERPRINT.recipe_id,
 )
 
 
@@ -180,8 +181,8 @@ def result_tokens(items: list[shard.SessionResponse]) -> list[int]:
 
 
 class WorkerHarness:
-    def __init__(self, engine: TinyEngine | None = None, config: WorkerConfig | None = None) -> None:
-        self.engine = engine or TinyEngine()
+    def __init__(self, engine: RecordingEngine | None = None, config: WorkerConfig | None = None) -> None:
+        self.engine = engine or RecordingEngine()
         self.worker = ShardWorker(self.engine.capabilities(), config)
         self.now = NOW
         # Carries out Forward / CancelDownstream / ReleaseDownstream; returns the worker actions
@@ -295,8 +296,8 @@ class Chain:
     """Head worker [0, split) forwarding to tail worker [split, LAYERS), as the asyncio edge will."""
 
     def __init__(self, split: int = 2, route_kwargs: dict | None = None) -> None:
-        self.head = WorkerHarness(TinyEngine(0, split))
-        self.tail = WorkerHarness(TinyEngine(split, LAYERS))
+        self.head = WorkerHarness(RecordingEngine(0, split))
+        self.tail = WorkerHarness(RecordingEngine(split, LAYERS))
         self.hop = make_hop(NODE_B, split, LAYERS, split)
         self.route = make_route([self.hop], **(route_kwargs or {}))
         self.links: dict[SessionKey, Loopback] = {}

@@ -29,12 +29,12 @@ from .harness import (
     result_tokens,
     srange,
 )
+from .recording_engine import RecordingEngine
 from .test_client import reference
-from .tiny_engine import TinyEngine
 
 
 def reference_logits(prompt: list[int], decode_steps: int) -> list[np.ndarray]:
-    engine = TinyEngine()
+    engine = RecordingEngine()
     key = SessionKey("reference", 0)
     result = engine.prefill(
         StepRequest(session=key, first_position=0, token_ids=tuple(prompt), sampling=GREEDY, want_logits=True)
@@ -109,8 +109,9 @@ def test_a_bfloat16_boundary_stays_close_and_really_rounds() -> None:
         assert call.hidden is not None
         assert not (call.hidden.view(np.uint32) & 0xFFFF).any()
     first = reference_logits(prompt, 0)[0]
-    error = float(np.max(np.abs(logits[0] - first) / np.maximum(np.abs(first), 1e-3)))
-    assert 0 < error < 0.1
+    # Largest logit error relative to the logits' scale (per-element ratios explode near zero).
+    error = float(np.max(np.abs(logits[0] - first)) / np.max(np.abs(first)))
+    assert 0 < error < 0.02
     assert agreement >= 0.9
 
 
@@ -163,7 +164,7 @@ def test_a_next_hop_refusal_travels_back_and_a_retry_re_forwards_without_re_runn
 
 def forwarding_worker() -> tuple[WorkerHarness, int]:
     """A head worker whose next hop never answers by itself: Forward actions just accumulate."""
-    harness = WorkerHarness(TinyEngine(0, 2))
+    harness = WorkerHarness(RecordingEngine(0, 2))
     route = make_route([make_hop(NODE_B, 2, 4, 2)])
     stream, items = harness.open(route, shard_range=srange(0, 2))
     assert kinds(items) == ["accepted"]
@@ -233,7 +234,7 @@ def test_release_passes_on_to_the_next_hop() -> None:
 
 
 def test_a_next_hop_without_downstream_returns_hidden_states() -> None:
-    harness = WorkerHarness(TinyEngine(0, 2))
+    harness = WorkerHarness(RecordingEngine(0, 2))
     stream, _ = harness.open(shard_range=srange(0, 2))
     out = harness.ask(stream, chunk_request(1, [1, 2, 3], shard_range=srange(0, 2)))
     assert kinds(out)[:2] == ["chunk", "ack"]

@@ -22,12 +22,12 @@ from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
 from .harness import FP, HIDDEN, SECOND, Loopback, WorkerHarness, make_client, srange
-from .tiny_engine import TinyEngine
+from .recording_engine import RecordingEngine
 
 
 def reference(prompt: list[int], decode_steps: int) -> list[int]:
     """Greedy tokens of the whole tiny model run directly on one engine."""
-    engine = TinyEngine()
+    engine = RecordingEngine()
     key = SessionKey("reference", 0)
     result = engine.prefill(
         StepRequest(session=key, first_position=0, token_ids=tuple(prompt), sampling=GREEDY)
@@ -290,7 +290,7 @@ def test_activations_use_the_route_compression_only_when_the_peer_accepts_it(wor
     accepted = (
         (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD) if worker_takes_zstd else (shard.COMPRESSION_NONE,)
     )
-    harness = WorkerHarness(TinyEngine(2, 4), WorkerConfig(accepted_compression=accepted))
+    harness = WorkerHarness(RecordingEngine(2, 4), WorkerConfig(accepted_compression=accepted))
     link = connected(
         harness=harness,
         shard_range=srange(2, 4),

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from engines.interface import EngineError, EngineErrorKind, StepResult
+from engines.fake import FaultKind, FaultRule
+from engines.interface import EngineError, EngineErrorKind
 from meshnode.dataplane.actions import FireCancel, ReleaseEngine, RunStep
 from meshnode.dataplane.unary import (
     PROBE_SESSION,
@@ -21,15 +21,15 @@ from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import shard
 
-from .harness import HIDDEN, WorkerHarness, chunk_request, decode_request, only_status, responses, statuses
-from .tiny_engine import TinyEngine
+from .harness import WorkerHarness, chunk_request, decode_request, only_status, responses, statuses
+from .recording_engine import RecordingEngine
 
 V1 = shard.SCHEMA_VERSION_1
 
 
 @pytest.mark.parametrize("served", [(0, 4), (0, 2), (2, 4), (1, 3)])
 def test_capability_is_validated_only_after_a_real_bounded_forward(served: tuple[int, int]) -> None:
-    harness = WorkerHarness(TinyEngine(*served))
+    harness = WorkerHarness(RecordingEngine(*served))
     before = capability_report(harness.worker, shard.CapabilityRequest(schema_version=V1), None)
     assert not before.validated and before.validated_at_unix_nanos == 0
 
@@ -37,7 +37,7 @@ def test_capability_is_validated_only_after_a_real_bounded_forward(served: tuple
     assert validation.validated
     assert len(harness.engine.calls) == 2  # a prefill and one decode step
     assert all(c.session == PROBE_SESSION for c in harness.engine.calls)
-    assert PROBE_SESSION in harness.engine.released and PROBE_SESSION not in harness.engine.sessions
+    assert PROBE_SESSION in harness.engine.released and harness.engine.health().active_sessions == 0
 
     report = capability_report(harness.worker, shard.CapabilityRequest(schema_version=V1), validation)
     assert report.validated and report.validated_at_unix_nanos == harness.now
@@ -56,7 +56,7 @@ def test_capability_is_validated_only_after_a_real_bounded_forward(served: tuple
     ],
 )
 def test_a_failing_forward_leaves_the_capability_unvalidated_with_a_fixed_detail(fault: Exception) -> None:
-    engine = TinyEngine()
+    engine = RecordingEngine()
     engine.fail_next = fault
     validation = validate_engine(engine, now_ns=1)
     assert not validation.validated and validation.detail == VALIDATION_FAILED_DETAIL
@@ -67,17 +67,15 @@ def test_a_failing_forward_leaves_the_capability_unvalidated_with_a_fixed_detail
     assert not report.validated and report.detail == VALIDATION_FAILED_DETAIL
 
 
-def test_non_finite_or_misshapen_outputs_do_not_validate() -> None:
-    engine = TinyEngine(0, 2)
-    engine.result_next = StepResult(
-        past_len=4, cache_hit=False, hidden=np.full((4, HIDDEN), np.nan, np.float32)
-    )
-    assert not validate_engine(engine, now_ns=1).validated
-    engine.result_next = StepResult(past_len=4, cache_hit=False, hidden=np.zeros((4, HIDDEN - 1), np.float32))
-    assert not validate_engine(engine, now_ns=1).validated
-    tail = TinyEngine(2, 4)
-    tail.result_next = StepResult(past_len=4, cache_hit=False, token_id=10_000)
-    assert not validate_engine(tail, now_ns=1).validated
+@pytest.mark.parametrize("served", [(0, 2), (2, 4)])
+@pytest.mark.parametrize("kind", [FaultKind.MALFORMED_NAN, FaultKind.MALFORMED_SHAPE])
+def test_non_finite_or_misshapen_outputs_do_not_validate(served: tuple[int, int], kind: FaultKind) -> None:
+    engine = RecordingEngine(*served)
+    assert validate_engine(engine, now_ns=1).validated
+    engine.inject(FaultRule(kind, times=1))
+    validation = validate_engine(engine, now_ns=1)
+    assert not validation.validated and validation.detail == VALIDATION_FAILED_DETAIL
+    assert validate_engine(engine, now_ns=1).validated  # the fault fired once
 
 
 def test_health_reports_engine_state_and_worker_load() -> None:
@@ -91,8 +89,10 @@ def test_health_reports_engine_state_and_worker_load() -> None:
     assert report.active_sessions == 1
     assert report.queued_chunks == 1
     assert report.batch_occupancy == 1
+    engine_health = harness.engine.health()
+    assert engine_health.kv_tokens_used == 3
     assert report.kv_pressure == pytest.approx(3 / 256)
-    assert report.resident_bytes == 1234
+    assert report.resident_bytes == engine_health.resident_bytes > 0
 
     harness.worker.set_serving_state(shard.SERVING_STATE_DRAINING)
     assert health_report(harness.worker, harness.engine.health()).state == shard.SERVING_STATE_DRAINING

@@ -25,7 +25,7 @@ from .harness import (
     result_tokens,
     srange,
 )
-from .tiny_engine import TinyEngine
+from .recording_engine import RecordingEngine
 
 
 def refused_open(harness: WorkerHarness, route: dataplane.SessionRoute | None = None, **kwargs: object):
@@ -87,7 +87,7 @@ def test_fingerprint_labels_alone_do_not_matter() -> None:
     ],
 )
 def test_shard_range_not_served_is_refused(served: tuple[int, int], asked: shard.ShardRange) -> None:
-    harness = WorkerHarness(TinyEngine(*served))
+    harness = WorkerHarness(RecordingEngine(*served))
     hop = [] if served[1] == 4 else [make_hop(NODE_B, served[1], 4, served[1])]
     error = refused_open(harness, make_route(hop), shard_range=asked)
     assert error.code == shard.ERROR_CODE_SHARD_RANGE_MISMATCH
@@ -105,7 +105,7 @@ def test_execution_starts_at_effective_start_layer() -> None:
     assert harness.engine.calls[-1].effective_start_layer == 2
     assert harness.engine.calls[-1].token_ids is None
 
-    reference = TinyEngine(2, 4)
+    reference = RecordingEngine(2, 4)
     from engines.interface import GREEDY, SessionKey, StepRequest
 
     expected = reference.prefill(
@@ -140,7 +140,7 @@ def test_a_head_range_takes_token_ids_only() -> None:
     ],
 )
 def test_bad_routes_are_refused(route: dataplane.SessionRoute, code: int) -> None:
-    harness = WorkerHarness(TinyEngine(0, 2))
+    harness = WorkerHarness(RecordingEngine(0, 2))
     error = refused_open(harness, route, shard_range=srange(0, 2))
     assert error.code == code
 

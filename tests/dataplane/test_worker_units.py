@@ -5,15 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.interface import EngineError, EngineErrorKind, SessionKey, StepResult
-from meshnode.dataplane.actions import CloseStream, FireCancel, ReleaseEngine, RunStep
-from meshnode.dataplane.errors import ENGINE_ERROR_TABLE, ENGINE_FAILURE_DETAIL
+from engines.fake import FaultKind, FaultRule
+from engines.interface import EngineError, EngineErrorKind, SessionKey
+from meshnode.dataplane.actions import CloseStream, FireCancel, Forward, ReleaseEngine, RunStep
+from meshnode.dataplane.errors import ENGINE_ERROR_TABLE, ENGINE_FAILURE_DETAIL, MALFORMED_RESULT_DETAIL
+from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_tensor
 
 from .harness import (
     HIDDEN,
+    NODE_B,
     SECOND,
     WorkerHarness,
     acks,
@@ -26,7 +29,7 @@ from .harness import (
     srange,
     statuses,
 )
-from .tiny_engine import TinyEngine
+from .recording_engine import RecordingEngine
 
 
 def prefilled(tokens: tuple[int, ...] = (1, 2, 3), **config: object) -> tuple[WorkerHarness, int]:
@@ -196,7 +199,7 @@ def test_older_epoch_is_stale_and_newer_epoch_starts_fresh() -> None:
     assert acks(out)[0].cache_result.past_len == 2
     assert harness.engine.calls[-1].session == SessionKey("s1", 2)
     assert any(isinstance(a, ReleaseEngine) and a.session == SessionKey("s1", 1) for a in harness.log)
-    assert SessionKey("s1", 1) not in harness.engine.sessions
+    assert harness.engine.health().active_sessions == 1  # only epoch 2's
 
     status = only_status(harness.ask(stream, chunk_request(3, [1], epoch=1)))
     assert status.error.code == shard.ERROR_CODE_EPOCH_STALE
@@ -240,7 +243,7 @@ def test_cache_expectation_not_met_is_a_cache_miss_with_actual_length() -> None:
 
 def test_cache_miss_reported_by_the_engine_carries_its_actual_length() -> None:
     harness, stream = prefilled()
-    harness.engine.sessions.clear()  # the engine evicted the session behind the worker's back
+    harness.engine.release(SessionKey("s1", 1))  # evicted behind the worker's back
     status = only_status(harness.ask(stream, decode_request(2, 4, 3)))
     assert status.error.code == shard.ERROR_CODE_CACHE_MISS
     assert status.error.actual_past_len == 0
@@ -363,17 +366,41 @@ def test_engine_error_kinds_map_through_one_table(kind: EngineErrorKind) -> None
     assert status.error.actual_past_len == expected_actual
 
 
-def test_a_malformed_engine_result_is_internal() -> None:
-    harness = WorkerHarness(TinyEngine(0, 2))
-    from meshnode.dataplane.route import make_hop, make_route
-
-    from .harness import NODE_B
-
-    stream, _ = harness.open(make_route([make_hop(NODE_B, 2, 4, 2)]), shard_range=srange(0, 2))
-    harness.engine.result_next = StepResult(past_len=2, cache_hit=False, hidden=np.full((2, HIDDEN), np.nan))
-    status = only_status(harness.ask(stream, chunk_request(1, [1, 2], shard_range=srange(0, 2))))
+@pytest.mark.parametrize(
+    "served, return_logits, kind",
+    [
+        ((0, 2), False, FaultKind.MALFORMED_NAN),
+        ((0, 2), False, FaultKind.MALFORMED_SHAPE),
+        ((0, 4), False, FaultKind.MALFORMED_SHAPE),  # sampled a token outside the vocabulary
+        ((0, 4), True, FaultKind.MALFORMED_NAN),
+        ((0, 4), True, FaultKind.MALFORMED_SHAPE),
+    ],
+)
+def test_a_malformed_engine_result_is_internal(
+    served: tuple[int, int], return_logits: bool, kind: FaultKind
+) -> None:
+    harness = WorkerHarness(RecordingEngine(*served))
+    hops = [make_hop(NODE_B, 2, 4, 2)] if served[1] == 2 else []
+    route = make_route(hops, return_logits=return_logits)
+    stream, _ = harness.open(route, shard_range=srange(*served))
+    harness.engine.inject(FaultRule(kind, times=1))
+    status = only_status(harness.ask(stream, chunk_request(1, [1, 2], shard_range=srange(*served))))
     assert status.error.code == shard.ERROR_CODE_INTERNAL
-    assert "/" not in status.error.detail
+    assert not status.error.retryable
+    assert status.error.detail == MALFORMED_RESULT_DETAIL
+    assert not any(isinstance(a, Forward) for a in harness.log)
+
+
+def test_an_injected_engine_crash_is_internal_and_the_worker_recovers() -> None:
+    harness, stream = prefilled()
+    harness.engine.inject(FaultRule(FaultKind.CRASH, times=1))
+    status = only_status(harness.ask(stream, decode_request(2, 4, 3)))
+    assert status.error.code == shard.ERROR_CODE_INTERNAL
+    assert status.error.detail == ENGINE_FAILURE_DETAIL
+    # The engine dropped the session's state after the crash: the worker reports what it finds.
+    miss = only_status(harness.ask(stream, decode_request(2, 4, 3)))
+    assert miss.error.code == shard.ERROR_CODE_CACHE_MISS and miss.error.actual_past_len == 0
+    assert kinds(harness.ask(stream, chunk_request(3, [1, 2, 3, 4])))[:2] == ["chunk", "ack"]
 
 
 # ---------------------------------------------------------------------------- payloads
@@ -410,7 +437,7 @@ def test_wrong_tensor_for_the_role_is_payload_corrupt(tensor: shard.NamedTensor)
 
 
 def test_hidden_size_mismatch_is_payload_corrupt() -> None:
-    harness = WorkerHarness(TinyEngine(2, 4))
+    harness = WorkerHarness(RecordingEngine(2, 4))
     stream, _ = harness.open(shard_range=srange(2, 4))
     wrong = np.zeros((2, HIDDEN + 1), dtype=np.float32)
     status = only_status(harness.ask(stream, chunk_request(1, wrong, shard_range=srange(2, 4))))
@@ -498,7 +525,7 @@ def test_in_band_release_drops_engine_state_and_is_idempotent() -> None:
     release = shard.SessionRequest(release=shard.ReleaseSignal(route_session_id="s1", route_epoch=1))
     actions = harness.send(stream, release)
     assert [a.session for a in actions if isinstance(a, ReleaseEngine)] == [SessionKey("s1", 1)]
-    assert SessionKey("s1", 1) not in harness.engine.sessions
+    assert harness.engine.health().active_sessions == 0
     assert harness.worker.load().active_sessions == 0
     assert harness.send(stream, release) == []
     # The stream stays usable: without state a decode misses, a prefill starts over.

@@ -1,0 +1,54 @@
+"""``engines.fake.FakeEngine``, loaded on a small model, with every step recorded.
+
+The fake engine provides the model math, cache semantics and its own fault rules;
+this subclass adds what protocol tests need on top: the list of step requests the
+worker made, the sessions it released, and ``fail_next`` to make the next step
+raise an arbitrary exception (any ``EngineError`` kind, or text with a path in it).
+"""
+
+from __future__ import annotations
+
+from engines.fake import FakeEngine, FakeModelSpec
+from engines.interface import LoadRequest, SessionKey, StepRequest, StepResult
+
+HIDDEN = 8
+VOCAB = 32
+LAYERS = 4
+SPEC = FakeModelSpec(total_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, seed=7, name="dataplane-test")
+
+
+class RecordingEngine(FakeEngine):
+    def __init__(
+        self, layer_start: int = 0, layer_end: int = LAYERS, *, max_sessions: int = 4, max_context: int = 64
+    ) -> None:
+        super().__init__(SPEC)
+        self.load(
+            LoadRequest(
+                model_path="",
+                layer_start=layer_start,
+                layer_end=layer_end,
+                n_ctx=max_context,
+                n_seq_max=max_sessions,
+            )
+        )
+        self.calls: list[StepRequest] = []
+        self.released: list[SessionKey] = []
+        self.fail_next: BaseException | None = None
+
+    def prefill(self, request: StepRequest) -> StepResult:
+        self._record(request)
+        return super().prefill(request)
+
+    def decode(self, request: StepRequest) -> StepResult:
+        self._record(request)
+        return super().decode(request)
+
+    def release(self, session: SessionKey) -> bool:
+        self.released.append(session)
+        return super().release(session)
+
+    def _record(self, request: StepRequest) -> None:
+        self.calls.append(request)
+        if self.fail_next is not None:
+            failure, self.fail_next = self.fail_next, None
+            raise failure
