@@ -33,10 +33,10 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.dataplane.actions import ForwardWork
+from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION, SUPPORTED_SCHEMA_VERSIONS, digests
 from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import BOUNDARY_DTYPES
-from meshnode.dataplane.worker import HIGHEST_SCHEMA_VERSION, SUPPORTED_SCHEMA_VERSIONS
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.chunking import plan_prefill_chunks
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
@@ -549,16 +549,12 @@ class SessionClient:
     def _on_accepted(self, accepted: shard.SessionAccepted) -> None:
         if self._accepted:
             raise payload_corrupt("second SessionAccepted on one stream")
-        fp = accepted.fingerprint
         mismatch: ShardProtocolError | None = None
         if accepted.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
             mismatch = refusal(
                 shard.ERROR_CODE_SCHEMA_UNSUPPORTED, "peer chose an unsupported schema version"
             )
-        elif (fp.model_artifact_digest, fp.runtime_recipe_digest) != (
-            self.fingerprint.model_artifact_digest,
-            self.fingerprint.runtime_recipe_digest,
-        ):
+        elif digests(accepted.fingerprint) != digests(self.fingerprint):
             mismatch = refusal(shard.ERROR_CODE_FINGERPRINT_MISMATCH, "peer serves another fingerprint")
         elif accepted.route_session_id != self.route_session_id or accepted.route_epoch != self.route_epoch:
             mismatch = payload_corrupt("peer accepted another session")

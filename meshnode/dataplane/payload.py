@@ -64,11 +64,11 @@ def _check_compression(tensor: shard.NamedTensor, accepted: Collection[int]) -> 
 def _token_input(tensor: WireTensor, role: HopRole, token_count: int) -> StepInput:
     if tensor.dtype != shard.DTYPE_INT32 or tensor.array.shape != (token_count,):
         raise payload_corrupt(f"{TOKEN_IDS} must be INT32 [{token_count}]")
-    ids = tensor.array
+    ids = tensor.array.tolist()
     # llama.cpp aborts the process on an out-of-vocabulary id: refuse it here.
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= role.vocab_size):
+    if min(ids) < 0 or max(ids) >= role.vocab_size:
         raise payload_corrupt(f"{TOKEN_IDS} holds an id outside the vocabulary")
-    return StepInput(token_ids=tuple(ids.tolist()), hidden=None)
+    return StepInput(token_ids=tuple(ids), hidden=None)
 
 
 def _hidden_input(tensor: WireTensor, role: HopRole, token_count: int) -> StepInput:

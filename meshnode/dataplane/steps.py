@@ -102,11 +102,13 @@ class StepLedger:
 
     def trim(self) -> None:
         # A forwarding record still owes answers to its followers: never drop it.
-        excess = len(self._records) - self.capacity
-        if excess <= 0:
-            return
-        for step in [s for s, r in self._records.items() if r.state is not RecordState.FORWARDING][:excess]:
-            del self._records[step]
+        while len(self._records) > self.capacity:
+            oldest = next(
+                (s for s, r in self._records.items() if r.state is not RecordState.FORWARDING), None
+            )
+            if oldest is None:
+                return
+            del self._records[oldest]
 
     def get(self, step: int) -> StepRecord | None:
         return self._records.get(step)

@@ -16,9 +16,10 @@ from google.protobuf.message import DecodeError
 
 from engines.interface import GREEDY, EngineHealth, SessionKey, ShardEngine, StepRequest
 from meshnode.dataplane.actions import Action
+from meshnode.dataplane.envelope import SUPPORTED_SCHEMA_VERSIONS
 from meshnode.dataplane.errors import epoch_stale, payload_corrupt, refusal
 from meshnode.dataplane.payload import HopRole, check_result
-from meshnode.dataplane.worker import SUPPORTED_SCHEMA_VERSIONS, ShardWorker
+from meshnode.dataplane.worker import ShardWorker
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import shard

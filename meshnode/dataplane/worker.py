@@ -39,20 +39,12 @@ Choices the schema leaves open, made here:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import dataclass, replace
 
 from google.protobuf.message import DecodeError
 
-from engines.interface import (
-    CancelToken,
-    EngineCapabilities,
-    EngineError,
-    SessionKey,
-    StepRequest,
-    StepResult,
-)
-from meshnode.dataplane import errors
+from engines.interface import CancelToken, EngineCapabilities, EngineError, StepRequest, StepResult
+from meshnode.dataplane import errors, responses
 from meshnode.dataplane.actions import (
     Action,
     CancelDownstream,
@@ -65,6 +57,13 @@ from meshnode.dataplane.actions import (
     RunStep,
     Send,
 )
+from meshnode.dataplane.envelope import (
+    HIGHEST_SCHEMA_VERSION,
+    SUPPORTED_SCHEMA_VERSIONS,
+    digests,
+    range_tuple,
+    unit_span,
+)
 from meshnode.dataplane.payload import (
     HopRole,
     StepInput,
@@ -76,14 +75,13 @@ from meshnode.dataplane.payload import (
 )
 from meshnode.dataplane.route import RoutePlan, validate_route
 from meshnode.dataplane.steps import RecordState, StepLedger, StepRecord, Verdict
+from meshnode.dataplane.worker_state import SessionState, StreamPhase, StreamState, Unit
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.flow_control import default_flow_control, negotiate_flow_control
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_bundle
 
-SUPPORTED_SCHEMA_VERSIONS = (shard.SCHEMA_VERSION_1,)
-HIGHEST_SCHEMA_VERSION = max(SUPPORTED_SCHEMA_VERSIONS)
 # Epochs of sessions dropped recently, so a late stream cannot resurrect an old epoch.
 RETIRED_EPOCHS_KEPT = 1024
 
@@ -122,78 +120,6 @@ class WorkerLoad:
     serving_state: int
 
 
-class _Phase(Enum):
-    AWAIT_ROUTE = "await_route"
-    AWAIT_OPEN = "await_open"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-@dataclass(eq=False)
-class _Stream:
-    id: int
-    phase: _Phase = _Phase.AWAIT_ROUTE
-    plan: RoutePlan | None = None
-    route_bytes: bytes = b""
-    session_id: str = ""
-    epoch: int = 0
-    shard_range: tuple[int, int, int] = (0, 0, 0)
-    schema_version: int = 0
-    flow: shard.FlowControl | None = None
-    window: int = 0
-    unacked: int = 0
-    result_compression: int = shard.COMPRESSION_NONE
-
-
-@dataclass(eq=False)
-class _Session:
-    session_id: str
-    epoch: int
-    shard_range: tuple[int, int, int]
-    route_bytes: bytes
-    plan: RoutePlan
-    role: HopRole
-    ledger: StepLedger
-    last_active_ns: int
-    # Tokens the engine holds for this session; None when unknown (the engine then decides).
-    past_len: int | None = 0
-    # Highest position admitted since the last fresh start (the context budget's unit).
-    context_tokens: int = 0
-    queue: deque[_Unit] = field(default_factory=deque)
-
-    @property
-    def key(self) -> SessionKey:
-        return SessionKey(self.session_id, self.epoch)
-
-
-@dataclass(eq=False)
-class _Unit:
-    id: int
-    stream_id: int
-    session: _Session
-    step: int
-    work_id: str
-    decode: bool
-    first_position: int
-    token_count: int
-    # None: a fresh start at position 0.
-    expected_past_len: int | None
-    chunk_index: int
-    chunk_count: int
-    final: bool
-    deadline_ns: int
-    input: StepInput | None
-    token: CancelToken | None = None
-    answered: bool = False
-    record: StepRecord | None = None
-    # Answered from the replay record (a duplicate), not by running the engine.
-    replay: bool = False
-
-    @property
-    def fresh_start(self) -> bool:
-        return self.expected_past_len is None
-
-
 class ShardWorker:
     """Node-wide session protocol state for one served shard. See the module docstring."""
 
@@ -207,7 +133,6 @@ class ShardWorker:
         )
         self.serving_state: int = shard.SERVING_STATE_SERVING
         fp = capabilities.fingerprint
-        self._digests = (fp.model_artifact_digest, fp.runtime_recipe_digest)
         self.fingerprint = shard.Fingerprint(
             model_artifact_digest=fp.model_artifact_digest,
             runtime_recipe_digest=fp.runtime_recipe_digest,
@@ -215,15 +140,16 @@ class ShardWorker:
             recipe_version=fp.recipe_version,
             catalogue_version=fp.catalogue_version,
         )
-        self._streams: dict[int, _Stream] = {}
-        self._sessions: dict[str, _Session] = {}
+        self._digests = digests(self.fingerprint)
+        self._streams: dict[int, StreamState] = {}
+        self._sessions: dict[str, SessionState] = {}
         self._retired_epochs: OrderedDict[str, int] = OrderedDict()
         # Sessions with queued units, in round-robin order.
-        self._ready: OrderedDict[str, _Session] = OrderedDict()
+        self._ready: OrderedDict[str, SessionState] = OrderedDict()
         self._queued = 0
-        self._running: _Unit | None = None
-        self._forwarding: dict[int, _Unit] = {}
-        self._followers: dict[int, _Unit] = {}
+        self._running: Unit | None = None
+        self._forwarding: dict[int, Unit] = {}
+        self._followers: dict[int, Unit] = {}
         self._next_stream_id = 1
         self._next_unit_id = 1
 
@@ -245,16 +171,16 @@ class ShardWorker:
         """Register an accepted SHARD_SESSION stream (or relay channel); returns its id."""
         stream_id = self._next_stream_id
         self._next_stream_id += 1
-        self._streams[stream_id] = _Stream(stream_id)
+        self._streams[stream_id] = StreamState(stream_id)
         return stream_id
 
     def receive_frame(self, stream_id: int, body: bytes, now_ns: int) -> list[Action]:
         """One frame body from the stream: the route first, then SessionRequests."""
         stream = self._streams[stream_id]
         out: list[Action] = []
-        if stream.phase is _Phase.CLOSED:
+        if stream.phase is StreamPhase.CLOSED:
             return out
-        awaiting_route = stream.phase is _Phase.AWAIT_ROUTE
+        awaiting_route = stream.phase is StreamPhase.AWAIT_ROUTE
         message = dataplane.SessionRoute() if awaiting_route else shard.SessionRequest()
         try:
             message.ParseFromString(body)
@@ -273,18 +199,18 @@ class ShardWorker:
         """An already-parsed request (``size_bytes``: its serialized size) after the route."""
         stream = self._streams[stream_id]
         out: list[Action] = []
-        if stream.phase is _Phase.AWAIT_ROUTE:
+        if stream.phase is StreamPhase.AWAIT_ROUTE:
             self._terminate(out, stream, errors.payload_corrupt("the stream must start with a route"))
-        elif stream.phase is not _Phase.CLOSED:
+        elif stream.phase is not StreamPhase.CLOSED:
             self._on_request(out, stream, request, size_bytes, now_ns)
         return out
 
     def receive_route(self, stream_id: int, route: dataplane.SessionRoute) -> list[Action]:
         stream = self._streams[stream_id]
         out: list[Action] = []
-        if stream.phase is _Phase.AWAIT_ROUTE:
+        if stream.phase is StreamPhase.AWAIT_ROUTE:
             self._on_route(out, stream, route)
-        elif stream.phase is not _Phase.CLOSED:
+        elif stream.phase is not StreamPhase.CLOSED:
             self._terminate(out, stream, errors.payload_corrupt("a stream carries one route"))
         return out
 
@@ -430,7 +356,7 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ stream messages
 
-    def _on_route(self, out: list[Action], stream: _Stream, route: dataplane.SessionRoute) -> None:
+    def _on_route(self, out: list[Action], stream: StreamState, route: dataplane.SessionRoute) -> None:
         caps = self.capabilities
         try:
             stream.plan = validate_route(route, end_layer=caps.layer_end, is_tail=caps.is_tail)
@@ -438,25 +364,25 @@ class ShardWorker:
             self._terminate(out, stream, error)
             return
         stream.route_bytes = route.SerializeToString(deterministic=True)
-        stream.phase = _Phase.AWAIT_OPEN
+        stream.phase = StreamPhase.AWAIT_OPEN
 
     def _on_request(
-        self, out: list[Action], stream: _Stream, request: shard.SessionRequest, size: int, now_ns: int
+        self, out: list[Action], stream: StreamState, request: shard.SessionRequest, size: int, now_ns: int
     ) -> None:
         kind = request.WhichOneof("kind")
         if kind == "decode" or kind == "chunk":
-            if stream.phase is not _Phase.OPEN:
+            if stream.phase is not StreamPhase.OPEN:
                 self._terminate(
                     out, stream, errors.flow_control_violation("work sent before the session opened")
                 )
             else:
                 self._on_unit(out, stream, request, kind, size, now_ns)
         elif kind == "open":
-            if stream.phase is _Phase.OPEN:
+            if stream.phase is StreamPhase.OPEN:
                 self._terminate(out, stream, errors.payload_corrupt("the session is already open"))
             else:
                 self._on_open(out, stream, request.open, now_ns)
-        elif stream.phase is not _Phase.OPEN:
+        elif stream.phase is not StreamPhase.OPEN:
             self._terminate(
                 out, stream, errors.payload_corrupt(f"{kind or 'empty request'} before SessionOpen")
             )
@@ -472,13 +398,13 @@ class ShardWorker:
         else:
             self._terminate(out, stream, errors.payload_corrupt("empty request"))
 
-    def _on_signal(self, out: list[Action], stream: _Stream, session_id: str, work_id: str) -> bool:
+    def _on_signal(self, out: list[Action], stream: StreamState, session_id: str, work_id: str) -> bool:
         if session_id == stream.session_id:
             return True
         self._status(out, stream, work_id, 0, errors.payload_corrupt("signal names another session"))
         return False
 
-    def _on_open(self, out: list[Action], stream: _Stream, open_: shard.SessionOpen, now_ns: int) -> None:
+    def _on_open(self, out: list[Action], stream: StreamState, open_: shard.SessionOpen, now_ns: int) -> None:
         caps = self.capabilities
         if open_.schema_version == shard.SCHEMA_VERSION_UNSPECIFIED:
             self._terminate(
@@ -487,8 +413,7 @@ class ShardWorker:
                 errors.refusal(shard.ERROR_CODE_SCHEMA_UNSUPPORTED, "schema version is unspecified"),
             )
             return
-        fp = open_.fingerprint
-        if (fp.model_artifact_digest, fp.runtime_recipe_digest) != self._digests:
+        if digests(open_.fingerprint) != self._digests:
             self._terminate(
                 out,
                 stream,
@@ -526,7 +451,7 @@ class ShardWorker:
             return
         stream.session_id = session_id
         stream.epoch = open_.route_epoch
-        stream.shard_range = (r.start_layer, r.end_layer, r.effective_start_layer)
+        stream.shard_range = range_tuple(r)
         stream.schema_version = min(open_.schema_version, HIGHEST_SCHEMA_VERSION)
         try:
             self._session_for(out, stream, open_.route_epoch, now_ns)
@@ -540,26 +465,24 @@ class ShardWorker:
         initiator = {shard.COMPRESSION_NONE, *open_.accepted_compression}
         if stream.plan.compression in initiator:
             stream.result_compression = stream.plan.compression
-        stream.phase = _Phase.OPEN
+        stream.phase = StreamPhase.OPEN
         self._send(
             out,
             stream,
-            shard.SessionResponse(
-                accepted=shard.SessionAccepted(
-                    schema_version=stream.schema_version,  # type: ignore[arg-type]
-                    route_session_id=session_id,
-                    route_epoch=open_.route_epoch,
-                    flow_control=flow,
-                    accepted_compression=list(self.accepted_compression),  # type: ignore[arg-type]
-                    fingerprint=self.fingerprint,
-                )
+            responses.accepted(
+                schema_version=stream.schema_version,
+                session_id=session_id,
+                epoch=open_.route_epoch,
+                flow=flow,
+                compressions=self.accepted_compression,
+                fingerprint=self.fingerprint,
             ),
         )
 
     def _on_unit(
         self,
         out: list[Action],
-        stream: _Stream,
+        stream: StreamState,
         request: shard.SessionRequest,
         kind: str,
         size: int,
@@ -601,7 +524,9 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ building units
 
-    def _decode_unit(self, out: list[Action], stream: _Stream, step: shard.DecodeStep, now_ns: int) -> _Unit:
+    def _decode_unit(
+        self, out: list[Action], stream: StreamState, step: shard.DecodeStep, now_ns: int
+    ) -> Unit:
         if step.expected_past_len != step.position:
             raise errors.payload_corrupt("a decode step's position must equal expected_past_len")
         session = self._session_for(out, stream, stream.epoch, now_ns)
@@ -621,12 +546,12 @@ class ShardWorker:
         )
 
     def _chunk_unit(
-        self, out: list[Action], stream: _Stream, chunk: shard.ActivationChunk, now_ns: int
-    ) -> _Unit:
+        self, out: list[Action], stream: StreamState, chunk: shard.ActivationChunk, now_ns: int
+    ) -> Unit:
         env = chunk.envelope
         self._check_identity(stream, env)
         first, count = env.position.first_position, env.position.token_count
-        expected, decode, chunk_span = _cache_plan(env, first, count)
+        span = unit_span(env)
         session = self._session_for(out, stream, env.route_epoch, now_ns, defer_switch=True)
         if session.epoch != env.route_epoch:
             # A newer epoch: validate the payload against this stream's role before
@@ -642,37 +567,35 @@ class ShardWorker:
             session,
             step=env.idempotency_step,
             work_id=env.work_id,
-            decode=decode,
+            decode=span.decode,
             first_position=first,
             token_count=count,
-            expected_past_len=expected,
-            chunk=chunk_span,
+            expected_past_len=span.expected_past_len,
+            chunk=(span.chunk_index, span.chunk_count),
             deadline_ns=env.deadline_unix_nanos,
             step_input=step_input,
         )
 
-    def _check_identity(self, stream: _Stream, env: shard.Envelope) -> None:
+    def _check_identity(self, stream: StreamState, env: shard.Envelope) -> None:
         if env.schema_version != stream.schema_version:
             raise errors.refusal(
                 shard.ERROR_CODE_SCHEMA_UNSUPPORTED, "envelope schema version differs from the negotiated one"
             )
         if env.route_session_id != stream.session_id:
             raise errors.payload_corrupt("envelope names another route session than the stream's")
-        fp = env.fingerprint
-        if (fp.model_artifact_digest, fp.runtime_recipe_digest) != self._digests:
+        if digests(env.fingerprint) != self._digests:
             raise errors.refusal(
                 shard.ERROR_CODE_FINGERPRINT_MISMATCH, "fingerprint differs from the served one"
             )
-        r = env.shard_range
-        if (r.start_layer, r.end_layer, r.effective_start_layer) != stream.shard_range:
+        if range_tuple(env.shard_range) != stream.shard_range:
             raise errors.refusal(
                 shard.ERROR_CODE_SHARD_RANGE_MISMATCH, "envelope shard range differs from the session's"
             )
 
     def _new_unit(
         self,
-        stream: _Stream,
-        session: _Session,
+        stream: StreamState,
+        session: SessionState,
         *,
         step: int,
         work_id: str,
@@ -683,11 +606,11 @@ class ShardWorker:
         chunk: tuple[int, int],
         deadline_ns: int,
         step_input: StepInput | None,
-    ) -> _Unit:
+    ) -> Unit:
         unit_id = self._next_unit_id
         self._next_unit_id += 1
         index, count = chunk
-        return _Unit(
+        return Unit(
             id=unit_id,
             stream_id=stream.id,
             session=session,
@@ -718,8 +641,8 @@ class ShardWorker:
         )
 
     def _session_for(
-        self, out: list[Action], stream: _Stream, epoch: int, now_ns: int, *, defer_switch: bool = False
-    ) -> _Session:
+        self, out: list[Action], stream: StreamState, epoch: int, now_ns: int, *, defer_switch: bool = False
+    ) -> SessionState:
         """The session this stream's unit belongs to at ``epoch``: the live one, a fresh one for a
         newer epoch (the old epoch's state released), or a re-admitted one after a release."""
         session = self._sessions.get(stream.session_id)
@@ -742,7 +665,7 @@ class ShardWorker:
             self._admit_session()
         plan = stream.plan
         assert plan is not None
-        fresh = _Session(
+        fresh = SessionState(
             session_id=stream.session_id,
             epoch=epoch,
             shard_range=stream.shard_range,
@@ -761,7 +684,7 @@ class ShardWorker:
         if len(self._sessions) >= self.max_sessions:
             raise errors.resource_exhausted(f"worker already serves {self.max_sessions} sessions")
 
-    def _drop_session(self, out: list[Action], session: _Session) -> None:
+    def _drop_session(self, out: list[Action], session: SessionState) -> None:
         """Forget the session (its units already answered) and release its engine and next-hop state."""
         del self._sessions[session.session_id]
         self._ready.pop(session.session_id, None)
@@ -775,14 +698,14 @@ class ShardWorker:
         if session.plan.next_hop is not None:
             out.append(ReleaseDownstream(session.key))
 
-    def _busy(self, session: _Session) -> bool:
+    def _busy(self, session: SessionState) -> bool:
         if session.queue or (self._running is not None and self._running.session is session):
             return True
         return any(u.session is session for u in self._forwarding.values())
 
     # ------------------------------------------------------------------ admission and scheduling
 
-    def _admit(self, out: list[Action], unit: _Unit, now_ns: int) -> None:
+    def _admit(self, out: list[Action], unit: Unit, now_ns: int) -> None:
         session = unit.session
         verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=unit.fresh_start)
         if verdict is Verdict.REPLAY:
@@ -821,9 +744,9 @@ class ShardWorker:
                 return
             self._start(out, unit, now_ns)
 
-    def _dequeue(self) -> _Unit | None:
+    def _dequeue(self) -> Unit | None:
         # Decode steps go first so a long prefill cannot starve another session's tokens.
-        chosen: _Session | None = None
+        chosen: SessionState | None = None
         for session in self._ready.values():
             if session.queue[0].decode:
                 chosen = session
@@ -840,7 +763,7 @@ class ShardWorker:
             del self._ready[chosen.session_id]
         return unit
 
-    def _start(self, out: list[Action], unit: _Unit, now_ns: int) -> None:
+    def _start(self, out: list[Action], unit: Unit, now_ns: int) -> None:
         session = unit.session
         if _passed(unit.deadline_ns, now_ns):
             self._fail(out, unit, errors.deadline_exceeded())
@@ -893,7 +816,7 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ results
 
-    def _applied(self, out: list[Action], unit: _Unit, result: StepResult) -> None:
+    def _applied(self, out: list[Action], unit: Unit, result: StepResult) -> None:
         session = unit.session
         session.past_len = result.past_len
         cache = shard.CacheResult(
@@ -938,7 +861,7 @@ class ShardWorker:
         session.ledger.applied(record)
         self._forward(out, unit, record, work)
 
-    def _forward(self, out: list[Action], unit: _Unit, record: StepRecord, work: ForwardWork) -> None:
+    def _forward(self, out: list[Action], unit: Unit, record: StepRecord, work: ForwardWork) -> None:
         plan = unit.session.plan
         assert plan.next_hop is not None and plan.onward is not None
         record.state = RecordState.FORWARDING
@@ -946,7 +869,7 @@ class ShardWorker:
         self._forwarding[unit.id] = unit
         out.append(Forward(unit.id, unit.session.key, plan.next_hop, plan.onward, work))
 
-    def _result_bundle(self, unit: _Unit, result: StepResult) -> shard.TensorBundle | None:
+    def _result_bundle(self, unit: Unit, result: StepResult) -> shard.TensorBundle | None:
         role = unit.session.role
         if role.is_tail:
             if result.token_id is None:
@@ -958,20 +881,20 @@ class ShardWorker:
         compression = stream.result_compression if stream is not None else shard.COMPRESSION_NONE
         return encode_bundle([encode_hidden(result.hidden, role.boundary_dtype, compression)])
 
-    def _result_chunk(self, unit: _Unit, bundle: shard.TensorBundle) -> shard.SessionResponse:
-        session = unit.session
-        env = shard.Envelope(
-            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+    @staticmethod
+    def _result_chunk(unit: Unit, bundle: shard.TensorBundle) -> shard.SessionResponse:
+        return responses.result_chunk(
             work_id=unit.work_id,
-            route_session_id=session.session_id,
-            route_epoch=session.epoch,
-            phase=shard.PHASE_DECODE if unit.decode else shard.PHASE_PREFILL,
-            position=shard.PositionSpan(first_position=unit.first_position, token_count=unit.token_count),
-            idempotency_step=unit.step,
+            session_id=unit.session.session_id,
+            epoch=unit.session.epoch,
+            step=unit.step,
+            decode=unit.decode,
+            first_position=unit.first_position,
+            token_count=unit.token_count,
+            bundle=bundle,
         )
-        return shard.SessionResponse(chunk=shard.ActivationChunk(envelope=env, bundle=bundle))
 
-    def _replay(self, out: list[Action], unit: _Unit, record: StepRecord) -> None:
+    def _replay(self, out: list[Action], unit: Unit, record: StepRecord) -> None:
         """Answer a step that was already applied here, without applying it again."""
         unit.replay = True
         unit.input = None
@@ -987,37 +910,31 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ answers
 
-    def _succeed(self, out: list[Action], unit: _Unit, record: StepRecord, *, duplicate: bool) -> None:
+    def _succeed(self, out: list[Action], unit: Unit, record: StepRecord, *, duplicate: bool) -> None:
         if unit.answered:
             return
         unit.answered = True
         stream = self._streams.get(unit.stream_id)
-        if stream is None or stream.phase is not _Phase.OPEN:
+        if stream is None or stream.phase is not StreamPhase.OPEN:
             return
         if record.result is not None:
             out.append(Send(stream.id, record.result))
-        out.append(
-            Send(
-                stream.id,
-                shard.SessionResponse(
-                    ack=shard.Ack(
-                        work_id=unit.work_id,
-                        idempotency_step=unit.step,
-                        cache_result=record.cache_result,
-                        duplicate=duplicate,
-                        execution_nanos=record.execution_nanos,
-                    )
-                ),
-            )
+        ack = responses.ack(
+            unit.work_id,
+            unit.step,
+            record.cache_result,
+            duplicate=duplicate,
+            execution_nanos=record.execution_nanos,
         )
+        out.append(Send(stream.id, ack))
         self._credit_returned(out, stream)
 
-    def _fail(self, out: list[Action], unit: _Unit, error: ShardProtocolError) -> None:
+    def _fail(self, out: list[Action], unit: Unit, error: ShardProtocolError) -> None:
         if unit.answered:
             return
         unit.answered = True
         stream = self._streams.get(unit.stream_id)
-        if stream is None or stream.phase is not _Phase.OPEN:
+        if stream is None or stream.phase is not StreamPhase.OPEN:
             return
         self._status(out, stream, unit.work_id, unit.step, error)
         self._credit_returned(out, stream)
@@ -1025,65 +942,42 @@ class ShardWorker:
     def _status(
         self,
         out: list[Action],
-        stream: _Stream,
+        stream: StreamState,
         work_id: str,
         step: int,
         error: ShardProtocolError,
         *,
         terminal: bool = False,
     ) -> None:
-        self._send(
-            out,
-            stream,
-            shard.SessionResponse(
-                status=shard.ShardStatus(
-                    work_id=work_id,
-                    route_session_id=stream.session_id,
-                    idempotency_step=step,
-                    error=error.to_pb(),
-                    terminal=terminal,
-                )
-            ),
-        )
+        self._send(out, stream, responses.status(work_id, stream.session_id, step, error, terminal=terminal))
 
-    def _credit_returned(self, out: list[Action], stream: _Stream) -> None:
+    def _credit_returned(self, out: list[Action], stream: StreamState) -> None:
         stream.unacked -= 1
         flow = stream.flow
         assert flow is not None
         # Widen the window toward max_inflight_chunks while the worker has headroom.
         if stream.window < flow.max_inflight_chunks and self._queued < self.config.max_queue_depth // 2:
             stream.window += 1
-            self._send(
-                out,
-                stream,
-                shard.SessionResponse(
-                    flow_control=shard.FlowControl(
-                        credits_granted=1,
-                        max_inflight_chunks=flow.max_inflight_chunks,
-                        max_chunk_bytes=flow.max_chunk_bytes,
-                        max_prefill_chunk_tokens=flow.max_prefill_chunk_tokens,
-                    )
-                ),
-            )
+            self._send(out, stream, responses.credit_grant(flow, 1))
 
-    def _send(self, out: list[Action], stream: _Stream, response: shard.SessionResponse) -> None:
-        if stream.phase is not _Phase.CLOSED:
+    def _send(self, out: list[Action], stream: StreamState, response: shard.SessionResponse) -> None:
+        if stream.phase is not StreamPhase.CLOSED:
             out.append(Send(stream.id, response))
 
-    def _terminate(self, out: list[Action], stream: _Stream, error: ShardProtocolError) -> None:
+    def _terminate(self, out: list[Action], stream: StreamState, error: ShardProtocolError) -> None:
         self._status(out, stream, "", 0, error, terminal=True)
         out.append(CloseStream(stream.id, error.code_name))
         self._drop_stream(stream)
 
-    def _drop_stream(self, stream: _Stream) -> None:
-        stream.phase = _Phase.CLOSED
+    def _drop_stream(self, stream: StreamState) -> None:
+        stream.phase = StreamPhase.CLOSED
         session = self._sessions.get(stream.session_id)
         if session is not None:
             mine = [u for u in session.queue if u.stream_id == stream.id]
             if mine:
                 self._unqueue(session, mine)
 
-    def _unqueue(self, session: _Session, units: list[_Unit]) -> None:
+    def _unqueue(self, session: SessionState, units: list[Unit]) -> None:
         gone = {u.id for u in units}
         session.queue = deque(u for u in session.queue if u.id not in gone)
         self._queued -= len(gone)
@@ -1091,9 +985,9 @@ class ShardWorker:
             self._ready.pop(session.session_id, None)
 
     def _cancel_units(
-        self, out: list[Action], session: _Session, work_id: str, error: ShardProtocolError
+        self, out: list[Action], session: SessionState, work_id: str, error: ShardProtocolError
     ) -> int:
-        def matches(unit: _Unit) -> bool:
+        def matches(unit: Unit) -> bool:
             return not unit.answered and (not work_id or unit.work_id == work_id)
 
         count = 0
@@ -1118,7 +1012,7 @@ class ShardWorker:
             out.append(CancelDownstream(session.key, work_id))
         return count
 
-    def _units_in_flight(self) -> list[_Unit]:
+    def _units_in_flight(self) -> list[Unit]:
         units = [u for s in self._ready.values() for u in s.queue]
         if self._running is not None:
             units.append(self._running)
@@ -1131,37 +1025,7 @@ def _passed(deadline_ns: int, now_ns: int) -> bool:
     return deadline_ns != 0 and now_ns >= deadline_ns
 
 
-def _cache_plan(env: shard.Envelope, first: int, count: int) -> tuple[int | None, bool, tuple[int, int]]:
-    """(expected_past_len or None for a fresh start, is_decode, (chunk index, count)) of a chunk."""
-    if count < 1:
-        raise errors.payload_corrupt("a unit carries at least one token position")
-    mode = env.cache_expectation.mode
-    if env.phase == shard.PHASE_PREFILL:
-        info = env.chunk
-        if info.chunk_count < 1 or info.chunk_index >= info.chunk_count:
-            raise errors.payload_corrupt("prefill chunk info is missing or out of range")
-        if info.final_chunk != (info.chunk_index == info.chunk_count - 1):
-            raise errors.payload_corrupt("final_chunk disagrees with the chunk index")
-        span = (info.chunk_index, info.chunk_count)
-        if mode in (shard.CACHE_MODE_PREFILL, shard.CACHE_MODE_STATELESS):
-            if first != 0:
-                raise errors.payload_corrupt("a fresh prefill starts at position 0")
-            return None, False, span
-        if mode == shard.CACHE_MODE_DECODE:
-            if env.cache_expectation.expected_past_len != first:
-                raise errors.payload_corrupt(
-                    "a continued prefill expects the cache to hold its first position"
-                )
-            return first, False, span
-        raise errors.payload_corrupt("envelope has no cache expectation")
-    if env.phase == shard.PHASE_DECODE:
-        if mode != shard.CACHE_MODE_DECODE or count != 1 or env.cache_expectation.expected_past_len != first:
-            raise errors.payload_corrupt("a decode unit is one token continuing the cache at its position")
-        return first, True, (0, 1)
-    raise errors.payload_corrupt("a unit's phase must be PREFILL or DECODE")
-
-
-def _refusal_for(verdict: Verdict, session: _Session) -> ShardProtocolError:
+def _refusal_for(verdict: Verdict, session: SessionState) -> ShardProtocolError:
     actual = session.past_len or 0
     if verdict is Verdict.UNSET:
         return errors.payload_corrupt("idempotency_step 0 is unset; steps start at 1")

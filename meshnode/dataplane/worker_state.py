@@ -1,0 +1,92 @@
+"""The worker machine's own records: one per stream, per route session, per unit of work.
+
+Plain mutable dataclasses owned by :class:`~meshnode.dataplane.worker.ShardWorker`;
+nothing outside the worker changes them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engines.interface import CancelToken, SessionKey
+from meshnode.dataplane.payload import HopRole, StepInput
+from meshnode.dataplane.route import RoutePlan
+from meshnode.dataplane.steps import StepLedger, StepRecord
+from meshnode.wire.pb import shard
+
+
+class StreamPhase(Enum):
+    AWAIT_ROUTE = "await_route"
+    AWAIT_OPEN = "await_open"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class StreamState:
+    id: int
+    phase: StreamPhase = StreamPhase.AWAIT_ROUTE
+    plan: RoutePlan | None = None
+    route_bytes: bytes = b""
+    session_id: str = ""
+    epoch: int = 0
+    shard_range: tuple[int, int, int] = (0, 0, 0)
+    schema_version: int = 0
+    flow: shard.FlowControl | None = None
+    window: int = 0
+    unacked: int = 0
+    result_compression: int = shard.COMPRESSION_NONE
+
+
+@dataclass(eq=False)
+class SessionState:
+    session_id: str
+    epoch: int
+    shard_range: tuple[int, int, int]
+    route_bytes: bytes
+    plan: RoutePlan
+    role: HopRole
+    ledger: StepLedger
+    last_active_ns: int
+    # Tokens the engine holds for this session; None when unknown (the engine then decides).
+    past_len: int | None = 0
+    # Highest position admitted since the last fresh start (the context budget's unit).
+    context_tokens: int = 0
+    queue: deque[Unit] = field(default_factory=deque)
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey(self.session_id, self.epoch)
+
+
+@dataclass(eq=False)
+class Unit:
+    id: int
+    stream_id: int
+    session: SessionState
+    step: int
+    work_id: str
+    decode: bool
+    first_position: int
+    token_count: int
+    # None: a fresh start at position 0.
+    expected_past_len: int | None
+    chunk_index: int
+    chunk_count: int
+    final: bool
+    deadline_ns: int
+    input: StepInput | None
+    token: CancelToken | None = None
+    answered: bool = False
+    record: StepRecord | None = None
+    # Answered from the replay record (a duplicate), not by running the engine.
+    replay: bool = False
+
+    @property
+    def fresh_start(self) -> bool:
+        return self.expected_past_len is None
+
+
+__all__ = ["SessionState", "StreamPhase", "StreamState", "Unit"]
