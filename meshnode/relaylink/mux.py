@@ -205,6 +205,9 @@ class ChannelMux:
     def open_channels(self) -> int:
         return len(self._channels)
 
+    def is_open(self, channel: int) -> bool:
+        return channel in self._channels
+
     # -- peer records ---------------------------------------------------------------------
 
     def receive(self, channel: int, record: bytes) -> list[MuxEvent]:

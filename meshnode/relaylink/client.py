@@ -1,0 +1,414 @@
+"""The node's connection to one relay: register, send, receive, and come back after a restart.
+
+:func:`connect_and_register` performs one registration (QUIC dial pinned to the
+relay id from the invite, challenge, signed registration with a membership
+proof) and returns a :class:`RelaySession`, or raises the relay's
+:class:`~relay.protocol.RelayRefused`.
+
+:class:`RelayClient` keeps a registration alive: when the connection drops it
+reconnects and re-registers with jittered exponential backoff (capped), and it
+paces what it sends to the rate limits the relay announced, so it is never the
+client the relay has to slow down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import NodeIdentity, short_id
+from meshnode.membership.credentials import Endpoint
+from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
+from meshnode.transport.framed import FramedStream
+from meshnode.transport.quic import DialError, QuicEndpoint, QuicLink, QuicSettings
+from meshnode.wire.errors import FramingError
+from relay import protocol as p
+from relay.protocol import RelayRefused, relay
+from relay.ratelimit import TokenBucket
+
+log = logging.getLogger("meshnode.relaylink")
+
+# Pace to this fraction of the relay's announced limits (its buckets started earlier).
+_PACING_MARGIN = 0.9
+
+
+class RelayUnavailable(LinkClosed):
+    """Not registered with the relay right now."""
+
+
+@dataclass(frozen=True)
+class RelayClientSettings:
+    connect_timeout: float = 5.0
+    register_timeout: float = 5.0
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+    quic: QuicSettings = field(default_factory=lambda: QuicSettings(alpn=p.RELAY_ALPN))
+
+
+class Backoff:
+    """Exponential backoff with full jitter, capped; ``reset()`` after a success."""
+
+    def __init__(self, initial: float, cap: float, rng: Callable[[], float] = random.random) -> None:
+        self.initial = initial
+        self.cap = cap
+        self._rng = rng
+        self._attempt = 0
+
+    def next(self) -> float:
+        ceiling = min(self.cap, self.initial * 2**self._attempt)
+        self._attempt += 1
+        # At least half the ceiling, so a herd of restarting nodes still spreads out.
+        return ceiling * (0.5 + 0.5 * self._rng())
+
+    def reset(self) -> None:
+        self._attempt = 0
+
+
+class RelayStreamWaiter:
+    """LinkHandler for a relay connection: the relay opens the one stream."""
+
+    def __init__(self) -> None:
+        self.streams: dict[QuicLink, asyncio.Future[MeshStream]] = {}
+        self.closed: dict[QuicLink, str] = {}
+
+    def future_for(self, link: QuicLink) -> asyncio.Future[MeshStream]:
+        if link not in self.streams:
+            self.streams[link] = asyncio.get_running_loop().create_future()
+        return self.streams[link]
+
+    def link_established(self, link: PeerLink) -> None:
+        pass
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        assert isinstance(link, QuicLink)
+        future = self.future_for(link)
+        if future.done():
+            stream.reset(p.PROTOCOL)  # the relay opens exactly one stream
+        else:
+            future.set_result(stream)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        assert isinstance(link, QuicLink)
+        future = self.streams.pop(link, None)
+        if future is not None and not future.done():
+            future.set_exception(LinkClosed(reason))
+            future.exception()
+
+
+class RelaySession:
+    """One registered connection to a relay."""
+
+    def __init__(
+        self, relay_id: bytes, node_id: bytes, link: QuicLink, framed: FramedStream, limits: relay.RelayLimits
+    ):
+        self.relay_id = relay_id
+        self.node_id = node_id
+        self.link = link
+        self.framed = framed
+        self.limits = limits
+        now = asyncio.get_running_loop().time()
+        self._bytes = TokenBucket.full(
+            limits.rate_bytes_per_s * _PACING_MARGIN, limits.burst_bytes * _PACING_MARGIN, now
+        )
+        self._frames = TokenBucket.full(
+            limits.rate_frames_per_s * _PACING_MARGIN, limits.burst_frames * _PACING_MARGIN, now
+        )
+
+    @property
+    def is_closed(self) -> bool:
+        return self.link.is_closed
+
+    async def send_body(self, body: bytes) -> None:
+        """Write one client frame, first waiting out the relay's rate limits."""
+        loop = asyncio.get_running_loop()
+        delay = max(self._bytes.delay_for(len(body), loop.time()), self._frames.delay_for(1, loop.time()))
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self._bytes.charge(len(body), loop.time())
+        self._frames.charge(1, loop.time())
+        await self.framed.send_frame(body)
+
+    async def send(self, destination: bytes, channel: int, payload: bytes, send_id: int = 0) -> None:
+        await self.send_body(p.encode_send(destination, channel, payload, send_id))
+
+    async def recv(self, timeout: float | None = None) -> relay.RelayServerMessage | None:
+        """The next relay message; ``None`` when the relay ended the stream."""
+        body = await self.framed.recv_frame(timeout)
+        return None if body is None else p.decode_server_message(body)
+
+    def close(self, reason: str = "relay client closing") -> None:
+        self.link.close(reason)
+
+
+class RelayDialer:
+    """A UDP socket for relay connections (the relay ALPN), and the handler that takes the relay's stream."""
+
+    def __init__(self, identity: NodeIdentity, endpoint: QuicEndpoint, waiter: RelayStreamWaiter) -> None:
+        self.identity = identity
+        self.endpoint = endpoint
+        self.waiter = waiter
+
+    @classmethod
+    async def open(
+        cls, identity: NodeIdentity, quic: QuicSettings | None = None, host: str = "0.0.0.0"
+    ) -> RelayDialer:
+        waiter = RelayStreamWaiter()
+        settings = dataclasses.replace(quic or QuicSettings(), alpn=p.RELAY_ALPN)
+        endpoint = await QuicEndpoint.listen(identity, waiter, host, 0, settings)
+        return cls(identity, endpoint, waiter)
+
+    async def register(
+        self,
+        relay_endpoint: Endpoint,
+        *,
+        mesh_id: str,
+        proof: membership.MembershipProof | None,
+        connect_timeout: float = 5.0,
+        register_timeout: float = 5.0,
+    ) -> RelaySession:
+        return await connect_and_register(
+            self.endpoint,
+            self.waiter,
+            self.identity,
+            relay_endpoint,
+            mesh_id=mesh_id,
+            proof=proof,
+            connect_timeout=connect_timeout,
+            register_timeout=register_timeout,
+        )
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+async def connect_and_register(
+    endpoint: QuicEndpoint,
+    waiter: RelayStreamWaiter,
+    identity: NodeIdentity,
+    relay_endpoint: Endpoint,
+    *,
+    mesh_id: str,
+    proof: membership.MembershipProof | None,
+    connect_timeout: float = 5.0,
+    register_timeout: float = 5.0,
+) -> RelaySession:
+    """Dial, authenticate the relay by its pinned id, register. Raises ``RelayRefused``/``DialError``."""
+    link = await endpoint.dial(relay_endpoint.address, relay_endpoint.id, timeout=connect_timeout)
+    try:
+        async with asyncio.timeout(register_timeout):
+            stream = await waiter.future_for(link)
+            framed = FramedStream(stream, expect_stream_type=False, max_frame_bytes=p.MAX_RELAY_FRAME_BYTES)
+            first = await _recv_or_refused(framed)
+            if first.WhichOneof("kind") != "challenge":
+                raise RelayRefused(p.PROTOCOL, f"relay sent {first.WhichOneof('kind')} before its challenge")
+            challenge = first.challenge
+            if challenge.relay_id != relay_endpoint.id:
+                raise RelayRefused(p.PROTOCOL, "relay challenge names another relay id")
+            register = relay.RelayRegister(
+                node_id=identity.node_id,
+                mesh_id=mesh_id,
+                signature=p.sign_registration(
+                    identity, relay_id=relay_endpoint.id, challenge=challenge.challenge, mesh_id=mesh_id
+                ),
+            )
+            if proof is not None:
+                register.membership_proof.CopyFrom(proof)
+            await framed.send_frame(relay.RelayClientMessage(register=register).SerializeToString())
+            reply = await _recv_or_refused(framed)
+            if reply.WhichOneof("kind") != "registered":
+                raise RelayRefused(p.PROTOCOL, f"relay answered {reply.WhichOneof('kind')} to registration")
+    except TimeoutError:
+        link.close("registration timed out")
+        raise DialError(f"relay {relay_endpoint} did not complete registration in time") from None
+    except BaseException:
+        link.close("registration failed")
+        raise
+    return RelaySession(relay_endpoint.id, identity.node_id, link, framed, challenge.limits)
+
+
+async def _recv_or_refused(framed: FramedStream) -> relay.RelayServerMessage:
+    try:
+        body = await framed.recv_frame()
+    except LinkClosed as exc:
+        # The relay closes with its refusal as the reason when the frame itself did not make it.
+        raise DialError(f"relay closed the connection: {exc.reason}") from None
+    if body is None:
+        raise DialError("relay ended the stream during registration")
+    message = p.decode_server_message(body)
+    if message.WhichOneof("kind") == "refused":
+        raise RelayRefused.from_pb(message.refused)
+    return message
+
+
+@dataclass
+class RelayCallbacks:
+    deliver: Callable[[RelayClient, bytes, int, bytes], None]
+    peer_gone: Callable[[RelayClient, bytes, str], None]
+    send_refused: Callable[[RelayClient, relay.RelaySendRefused], None]
+    up: Callable[[RelayClient], None]
+    down: Callable[[RelayClient, str], None]
+
+
+class RelayClient:
+    """Keeps this node registered with one relay and moves frames both ways."""
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        relay_endpoint: Endpoint,
+        *,
+        mesh_id: str,
+        proof_for: Callable[[bytes], membership.MembershipProof | None],
+        callbacks: RelayCallbacks,
+        settings: RelayClientSettings | None = None,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.identity = identity
+        self.endpoint_info = relay_endpoint
+        self.mesh_id = mesh_id
+        self.settings = settings or RelayClientSettings()
+        self.quic_settings = dataclasses.replace(self.settings.quic, alpn=p.RELAY_ALPN)
+        self._proof_for = proof_for
+        self._callbacks = callbacks
+        self._backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max, rng)
+        self._dialer: RelayDialer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._outgoing: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self._registered = asyncio.Event()
+        self.session: RelaySession | None = None
+        self.epoch = 0
+        self.last_error = ""
+        self.registrations = 0
+        self._closed = False
+
+    @property
+    def relay_id(self) -> bytes:
+        return self.endpoint_info.id
+
+    @property
+    def registered(self) -> bool:
+        return self.session is not None and not self.session.is_closed
+
+    async def start(self, local_host: str = "0.0.0.0") -> None:
+        self._dialer = await RelayDialer.open(self.identity, self.quic_settings, local_host)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def wait_registered(self, timeout: float | None = None) -> None:
+        async with asyncio.timeout(timeout):
+            await self._registered.wait()
+
+    def send(self, destination: bytes, channel: int, payload: bytes) -> None:
+        """Queue one frame for the relay (bounded by the senders' own flow control)."""
+        if not self.registered:
+            raise RelayUnavailable(f"not registered with relay {self.endpoint_info}")
+        self._outgoing.append(p.encode_send(destination, channel, payload))
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.session is not None:
+            self.session.close()
+        if self._dialer is not None:
+            self._dialer.close()
+        await asyncio.sleep(0)
+
+    # -- the registration loop --------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._dialer is not None
+        while not self._closed:
+            try:
+                session = await self._dialer.register(
+                    self.endpoint_info,
+                    mesh_id=self.mesh_id,
+                    proof=self._proof_for(self.relay_id),
+                    connect_timeout=self.settings.connect_timeout,
+                    register_timeout=self.settings.register_timeout,
+                )
+            except (DialError, RelayRefused, StreamError, FramingError) as exc:
+                self.last_error = str(exc)
+                delay = self._backoff.next()
+                log.info("relay %s: %s; retrying in %.1f s", self.endpoint_info, exc, delay)
+                await asyncio.sleep(delay)
+                continue
+            self._backoff.reset()
+            self.session = session
+            self.epoch += 1
+            self.registrations += 1
+            self._registered.set()
+            log.info("registered with relay %s as %s", self.endpoint_info, short_id(self.identity.node_id))
+            self._callbacks.up(self)
+            reason = await self._pump(session)
+            self.session = None
+            self._registered.clear()
+            self._outgoing.clear()
+            self.last_error = reason
+            log.info("relay %s connection lost: %s", self.endpoint_info, reason)
+            self._callbacks.down(self, reason)
+            if not self._closed:
+                await asyncio.sleep(self._backoff.next())
+
+    async def _pump(self, session: RelaySession) -> str:
+        writer = asyncio.get_running_loop().create_task(self._write_loop(session))
+        try:
+            return await self._read_loop(session)
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StreamError):
+                await writer
+            session.close()
+
+    async def _read_loop(self, session: RelaySession) -> str:
+        callbacks = self._callbacks
+        try:
+            while True:
+                message = await session.recv()
+                if message is None:
+                    return "relay ended the stream"
+                kind = message.WhichOneof("kind")
+                if kind == "deliver":
+                    deliver = message.deliver
+                    callbacks.deliver(self, bytes(deliver.source_id), deliver.channel, deliver.payload)
+                elif kind == "peer_gone":
+                    callbacks.peer_gone(self, bytes(message.peer_gone.peer_id), message.peer_gone.reason)
+                elif kind == "send_refused":
+                    callbacks.send_refused(self, message.send_refused)
+                elif kind == "refused":
+                    return str(RelayRefused.from_pb(message.refused))
+        except LinkClosed as exc:
+            return exc.reason
+        except (StreamError, FramingError, RelayRefused) as exc:
+            return str(exc)
+
+    async def _write_loop(self, session: RelaySession) -> None:
+        outgoing = self._outgoing
+        while True:
+            while not outgoing:
+                self._wake.clear()
+                await self._wake.wait()
+            await session.send_body(outgoing.popleft())
+
+
+__all__ = [
+    "Backoff",
+    "RelayCallbacks",
+    "RelayClient",
+    "RelayClientSettings",
+    "RelayDialer",
+    "RelaySession",
+    "RelayStreamWaiter",
+    "RelayUnavailable",
+    "connect_and_register",
+]

@@ -1,0 +1,233 @@
+"""A relayed :class:`PeerLink`: channels over one sealed session through one relay.
+
+The link owns a :class:`~meshnode.relaylink.mux.ChannelMux` (channel state and
+flow control) and a sealed session; every outgoing record is sealed with the
+channel number bound in and handed to the relay client. Streams behave like the
+QUIC and loopback ones: ``write`` waits for credit the peer grants as its
+application reads, ``read`` returns ``b""`` at the end and raises
+:class:`StreamReset` with the peer's code after a reset, and the link's owner
+(the node) serves accepted channels with the same dispatcher as QUIC streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from meshnode.identity import short_id
+from meshnode.relaylink.mux import (
+    ChannelData,
+    ChannelFinished,
+    ChannelMux,
+    ChannelOpened,
+    ChannelReset,
+    CreditGranted,
+    LinkClosedByPeer,
+    MuxConfig,
+    MuxError,
+)
+from meshnode.relaylink.seal import SealedSession, SealError
+from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
+from meshnode.transport.buffers import Progress, ReceiveBuffer
+
+log = logging.getLogger("meshnode.relaylink")
+
+# Sends one sealed payload to the peer through the relay (non-blocking, may raise LinkClosed).
+SendPayload = Callable[[int, bytes], None]
+
+
+class RelayChannelStream(MeshStream):
+    def __init__(self, link: RelayedPeerLink, channel: int) -> None:
+        self._link = link
+        self._channel = channel
+        self.peer_id = link.peer_id
+        self.recv = ReceiveBuffer()
+        self.send_error: Exception | None = None
+
+    @property
+    def stream_id(self) -> int:
+        return self._channel
+
+    async def read(self, max_bytes: int = 65536) -> bytes:
+        data = await self.recv.read(max_bytes)
+        if data:
+            self._link.consumed(self._channel, len(data))
+        return data
+
+    async def write(self, data: bytes) -> None:
+        link = self._link
+        mux = link.mux
+        view = memoryview(data)
+        while True:
+            if self.send_error is not None:
+                raise self.send_error
+            if link.is_closed:
+                raise LinkClosed(link.close_reason)
+            if not view:
+                return
+            if mux.send_credit(self._channel) == 0:
+                await link.progress.wait()
+                continue
+            taken = mux.write(self._channel, view)
+            view = view[taken:]
+            link.flush()
+
+    def finish(self) -> None:
+        if self.send_error is not None or self._link.is_closed:
+            return
+        self.send_error = StreamError("write after finish")
+        self._link.mux.finish(self._channel)
+        self._link.sweep(self._channel)
+        self._link.flush()
+
+    def reset(self, error_code: int) -> None:
+        link = self._link
+        if link.is_closed:
+            return
+        link.mux.reset(self._channel, error_code)
+        self.abort(StreamReset(error_code, by_peer=False))
+        link.forget(self._channel)
+        link.flush()
+
+    def abort(self, error: Exception) -> None:
+        if self.send_error is None or not isinstance(self.send_error, StreamReset):
+            self.send_error = error
+        self.recv.fail(error)
+
+
+class RelayedPeerLink(PeerLink):
+    def __init__(
+        self,
+        *,
+        session: SealedSession,
+        send: SendPayload,
+        handler: LinkHandler,
+        relay_description: str,
+        mux_config: MuxConfig | None = None,
+        on_closed: Callable[[RelayedPeerLink], None] | None = None,
+    ) -> None:
+        self.session = session
+        self.peer_id = session.peer_id
+        self.initiated_locally = session.initiated_locally
+        self.established_at = asyncio.get_running_loop().time()
+        self.mux = ChannelMux(session.local_id, session.peer_id, mux_config or MuxConfig())
+        self.progress = Progress()
+        self.close_reason = ""
+        self._send = send
+        self._handler = handler
+        self._relay_description = relay_description
+        self._on_closed = on_closed
+        self._streams: dict[int, RelayChannelStream] = {}
+        self._closed = asyncio.Event()
+
+    # -- PeerLink ---------------------------------------------------------------------
+
+    async def open_raw_stream(self) -> MeshStream:
+        if self.is_closed:
+            raise LinkClosed(self.close_reason)
+        channel = self.mux.open_channel()
+        stream = RelayChannelStream(self, channel)
+        self._streams[channel] = stream
+        return stream
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self, reason: str = "") -> None:
+        if self.is_closed:
+            return
+        self.mux.close(reason or "closed")
+        self.flush()
+        self.terminate(reason or "closed")
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    @property
+    def description(self) -> str:
+        return f"relay {self._relay_description}"
+
+    # -- driven by the relay-link manager ------------------------------------------------------
+
+    def record_received(self, channel: int, record: bytes) -> None:
+        """An opened record from the peer."""
+        if self.is_closed:
+            return
+        try:
+            events = self.mux.receive(channel, record)
+        except MuxError as exc:
+            log.info("relayed link to %s broke the channel protocol: %s", short_id(self.peer_id), exc)
+            self.close(f"channel protocol violation: {exc}")
+            return
+        for event in events:
+            if isinstance(event, ChannelData):
+                stream = self._streams.get(event.channel)
+                if stream is not None:
+                    stream.recv.feed(event.data)
+            elif isinstance(event, ChannelOpened):
+                stream = RelayChannelStream(self, event.channel)
+                self._streams[event.channel] = stream
+                self._handler.stream_accepted(self, stream)
+            elif isinstance(event, ChannelFinished):
+                stream = self._streams.get(event.channel)
+                if stream is not None:
+                    stream.recv.feed_eof()
+                    self.sweep(event.channel)
+            elif isinstance(event, ChannelReset):
+                stream = self._streams.pop(event.channel, None)
+                if stream is not None:
+                    stream.abort(StreamReset(event.error_code))
+                self.progress.notify()
+            elif isinstance(event, CreditGranted):
+                self.progress.notify()
+            elif isinstance(event, LinkClosedByPeer):
+                self.terminate(event.reason)
+                return
+        self.flush()
+
+    def terminate(self, reason: str) -> None:
+        """The link is gone (closed here, by the peer, or its relay/session went away)."""
+        if self.is_closed:
+            return
+        self.close_reason = reason
+        self._closed.set()
+        for stream in self._streams.values():
+            stream.abort(LinkClosed(reason))
+        self._streams.clear()
+        self.progress.notify()
+        if self._on_closed is not None:
+            self._on_closed(self)
+        self._handler.link_closed(self, reason)
+
+    # -- used by streams ------------------------------------------------------------------
+
+    def consumed(self, channel: int, nbytes: int) -> None:
+        if self.is_closed:
+            return
+        self.mux.consumed(channel, nbytes)
+        self.sweep(channel)
+        self.flush()
+
+    def forget(self, channel: int) -> None:
+        self._streams.pop(channel, None)
+
+    def sweep(self, channel: int) -> None:
+        """Drop our reference once the channel is done both ways (its user may still hold it)."""
+        if not self.mux.is_open(channel):
+            self._streams.pop(channel, None)
+
+    def flush(self) -> None:
+        """Seal and send every record the mux produced."""
+        records = self.mux.take_records()
+        if not records:
+            return
+        try:
+            for channel, record in records:
+                self._send(channel, self.session.seal(channel, record))
+        except (StreamError, SealError) as exc:
+            self.terminate(f"relay send failed: {exc}")
+
+
+__all__ = ["RelayChannelStream", "RelayedPeerLink", "SendPayload"]

@@ -1,0 +1,309 @@
+"""The node's relay side: registrations with its relays, and relayed links to peers.
+
+:class:`RelayLinks` keeps one :class:`~meshnode.relaylink.client.RelayClient`
+per relay the node was told about (invite, stored membership, ``--relay``,
+peers' announcements) and turns relayed payloads into
+:class:`~meshnode.relaylink.link.RelayedPeerLink` objects handed to the node's
+:class:`~meshnode.transport.base.LinkHandler`, exactly like QUIC links.
+
+A link is one sealed session with one peer through one relay. It ends when the
+relay connection drops, when the relay reports the peer gone, when the peer
+re-keys (a restart), or when the relay refuses one of its frames (a relayed
+byte stream cannot have holes); the node then opens a new one on demand, and
+the protocols above retry with their own idempotency rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import NodeIdentity, short_id
+from meshnode.membership.credentials import Endpoint
+from meshnode.relaylink.client import RelayCallbacks, RelayClient, RelayClientSettings
+from meshnode.relaylink.link import RelayedPeerLink
+from meshnode.relaylink.mux import MuxConfig
+from meshnode.relaylink.seal import (
+    CONTROL_CHANNEL,
+    Dropped,
+    Opened,
+    PeerSealer,
+    SendControl,
+    SessionEstablished,
+    SessionLost,
+)
+from meshnode.transport.base import LinkHandler, PeerLink, StreamError
+from relay import protocol as p
+from relay.protocol import relay
+
+log = logging.getLogger("meshnode.relaylink")
+
+_Key = tuple[bytes, bytes]  # (relay id, peer id)
+
+
+class RelayDialError(ConnectionError):
+    """No relayed link to the peer could be set up; the message says why."""
+
+
+@dataclass(frozen=True)
+class RelayLinkSettings:
+    handshake_timeout: float = 5.0
+    # How long open_link waits for a registration when none is up yet.
+    registration_wait: float = 5.0
+    max_peers: int = 1024
+    mux: MuxConfig = field(default_factory=MuxConfig)
+    client: RelayClientSettings = field(default_factory=RelayClientSettings)
+
+
+@dataclass
+class RelayLinkStats:
+    frames_dropped: int = 0  # relayed payloads that failed to open (tampered, replayed, forged, stale)
+    handshakes: int = 0
+    links_opened: int = 0
+    refused_frames: int = 0
+
+
+class RelayLinks:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        handler: LinkHandler,
+        *,
+        mesh_id: str,
+        proof_for: Callable[[bytes], membership.MembershipProof | None],
+        settings: RelayLinkSettings | None = None,
+        local_host: str = "0.0.0.0",
+    ) -> None:
+        self.identity = identity
+        self.handler = handler
+        self.mesh_id = mesh_id
+        self.settings = settings or RelayLinkSettings()
+        self.stats = RelayLinkStats()
+        self._proof_for = proof_for
+        self._local_host = local_host
+        self._clients: dict[bytes, RelayClient] = {}
+        self._sealers: dict[_Key, PeerSealer] = {}
+        self._links: dict[_Key, RelayedPeerLink] = {}
+        self._pending: dict[_Key, asyncio.Future[RelayedPeerLink]] = {}
+        self._any_registered = asyncio.Event()
+        self._closed = False
+
+    # -- relays ------------------------------------------------------------------------
+
+    async def add_relays(self, endpoints: Iterable[Endpoint]) -> None:
+        """Start registering with every relay not known yet."""
+        for endpoint in endpoints:
+            if self._closed or endpoint.id in self._clients:
+                continue
+            client = RelayClient(
+                self.identity,
+                endpoint,
+                mesh_id=self.mesh_id,
+                proof_for=self._proof_for,
+                callbacks=RelayCallbacks(
+                    deliver=self._on_deliver,
+                    peer_gone=self._on_peer_gone,
+                    send_refused=self._on_send_refused,
+                    up=self._on_up,
+                    down=self._on_down,
+                ),
+                settings=self.settings.client,
+            )
+            self._clients[endpoint.id] = client
+            await client.start(self._local_host)
+
+    @property
+    def relays(self) -> list[Endpoint]:
+        return [client.endpoint_info for client in self._clients.values()]
+
+    def registered_relays(self) -> list[Endpoint]:
+        return [client.endpoint_info for client in self._clients.values() if client.registered]
+
+    def client(self, relay_id: bytes) -> RelayClient | None:
+        return self._clients.get(relay_id)
+
+    async def wait_registered(self, timeout: float | None = None) -> None:
+        async with asyncio.timeout(timeout):
+            await self._any_registered.wait()
+
+    async def close(self) -> None:
+        self._closed = True
+        for link in list(self._links.values()):
+            link.close("node shutting down")
+        await asyncio.gather(*(client.close() for client in self._clients.values()), return_exceptions=True)
+        self._clients.clear()
+
+    @property
+    def frames_dropped(self) -> int:
+        """Relayed payloads dropped because they failed to open, ever (tampering shows here)."""
+        return self.stats.frames_dropped
+
+    # -- links ---------------------------------------------------------------------------
+
+    async def open_link(
+        self, peer_id: bytes, *, via: Iterable[bytes] = (), timeout: float | None = None
+    ) -> PeerLink:
+        """A relayed link to ``peer_id`` through one of ``via`` (its announced relays), or any of ours."""
+        client = await self._pick_client(set(via))
+        key = (client.relay_id, peer_id)
+        link = self._links.get(key)
+        if link is not None and not link.is_closed:
+            return link
+        future = self._pending.get(key)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._pending[key] = future
+            sealer = self._sealer(key)
+            try:
+                client.send(peer_id, CONTROL_CHANNEL, sealer.start())
+            except StreamError as exc:
+                self._fail_pending(key, RelayDialError(str(exc)))
+        try:
+            async with asyncio.timeout(timeout or self.settings.handshake_timeout):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            sealer = self._sealers.get(key)
+            if sealer is not None:
+                sealer.abandon()
+            self._fail_pending(key, RelayDialError("no handshake answer"))
+            raise RelayDialError(
+                f"{short_id(peer_id)} did not answer a sealed handshake through relay {client.endpoint_info}"
+            ) from None
+
+    async def _pick_client(self, via: set[bytes]) -> RelayClient:
+        def candidates() -> list[RelayClient]:
+            ours = [c for c in self._clients.values() if c.registered]
+            shared = [c for c in ours if c.relay_id in via]
+            return shared or ([] if via & set(self._clients) else ours)
+
+        found = candidates()
+        if not found and self._clients:
+            # Registrations may still be coming up (node start, relay restart).
+            deadline = asyncio.get_running_loop().time() + self.settings.registration_wait
+            while not found and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+                found = candidates()
+        if not found:
+            names = ", ".join(str(c.endpoint_info) for c in self._clients.values()) or "none configured"
+            raise RelayDialError(f"not registered with a relay the peer uses (relays: {names})")
+        return found[0]
+
+    def _sealer(self, key: _Key) -> PeerSealer:
+        sealer = self._sealers.get(key)
+        if sealer is None:
+            if len(self._sealers) >= self.settings.max_peers:
+                raise RelayDialError("too many relayed peers")
+            sealer = self._sealers[key] = PeerSealer(self.identity, key[1])
+        return sealer
+
+    def _fail_pending(self, key: _Key, error: Exception) -> None:
+        future = self._pending.pop(key, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
+            future.exception()
+
+    def _end_link(self, key: _Key, reason: str) -> None:
+        link = self._links.pop(key, None)
+        if link is not None:
+            link.terminate(reason)
+
+    # -- relay client callbacks ---------------------------------------------------------------
+
+    def _on_deliver(self, client: RelayClient, source: bytes, channel: int, payload: bytes) -> None:
+        key = (client.relay_id, source)
+        if source == self.identity.node_id:
+            return
+        try:
+            sealer = self._sealer(key)
+        except RelayDialError:
+            self.stats.frames_dropped += 1
+            return
+        for event in sealer.receive(channel, payload):
+            if isinstance(event, Opened):
+                link = self._links.get(key)
+                if link is not None and link.session is event.session:
+                    link.record_received(event.channel, event.plaintext)
+            elif isinstance(event, SendControl):
+                with contextlib.suppress(StreamError):
+                    client.send(source, CONTROL_CHANNEL, event.payload)
+            elif isinstance(event, SessionEstablished):
+                self._established(client, key, event)
+            elif isinstance(event, Dropped):
+                if event.counted:
+                    self.stats.frames_dropped += 1
+                    log.debug("dropped relayed frame from %s: %s", short_id(source), event.reason)
+            elif isinstance(event, SessionLost):
+                self._end_link(key, "peer lost the sealed session (it restarted)")
+
+    def _established(self, client: RelayClient, key: _Key, event: SessionEstablished) -> None:
+        self._end_link(key, "peer re-keyed the relayed session")
+        self.stats.handshakes += 1
+        peer_id = key[1]
+
+        def send(channel: int, payload: bytes) -> None:
+            client.send(peer_id, channel, payload)
+
+        link = RelayedPeerLink(
+            session=event.session,
+            send=send,
+            handler=self.handler,
+            relay_description=str(client.endpoint_info),
+            mux_config=self.settings.mux,
+            on_closed=lambda closed, k=key: self._link_closed(k, closed),
+        )
+        self._links[key] = link
+        self.stats.links_opened += 1
+        log.info(
+            "relayed link to %s via %s (%s)",
+            short_id(peer_id),
+            client.endpoint_info,
+            "dialed" if link.initiated_locally else "accepted",
+        )
+        self.handler.link_established(link)
+        future = self._pending.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(link)
+
+    def _link_closed(self, key: _Key, link: RelayedPeerLink) -> None:
+        if self._links.get(key) is link:
+            del self._links[key]
+        sealer = self._sealers.get(key)
+        if sealer is not None and sealer.current is link.session:
+            sealer.forget_session()
+
+    def _on_peer_gone(self, client: RelayClient, peer_id: bytes, reason: str) -> None:
+        key = (client.relay_id, peer_id)
+        self._end_link(key, f"peer left relay {client.endpoint_info}: {reason}")
+        self._fail_pending(key, RelayDialError(f"peer left the relay: {reason}"))
+        self._drop_sealer(key)
+
+    def _on_send_refused(self, client: RelayClient, refused: relay.RelaySendRefused) -> None:
+        self.stats.refused_frames += 1
+        key = (client.relay_id, bytes(refused.destination_id))
+        why = str(p.RelayRefused.from_pb(refused.refusal))
+        self._fail_pending(key, RelayDialError(f"relay refused the handshake: {why}"))
+        # A refused frame is a hole in a relayed byte stream: the link cannot continue.
+        self._end_link(key, f"relay refused a frame: {why}")
+
+    def _on_up(self, client: RelayClient) -> None:
+        self._any_registered.set()
+
+    def _on_down(self, client: RelayClient, reason: str) -> None:
+        for key in [k for k in self._links if k[0] == client.relay_id]:
+            self._end_link(key, f"relay connection lost: {reason}")
+        for key in [k for k in self._pending if k[0] == client.relay_id]:
+            self._fail_pending(key, RelayDialError(f"relay connection lost: {reason}"))
+        for key in [k for k in self._sealers if k[0] == client.relay_id]:
+            self._drop_sealer(key)
+        if not any(c.registered for c in self._clients.values()):
+            self._any_registered.clear()
+
+    def _drop_sealer(self, key: _Key) -> None:
+        self._sealers.pop(key, None)
+
+
+__all__ = ["RelayDialError", "RelayLinkSettings", "RelayLinkStats", "RelayLinks"]

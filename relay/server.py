@@ -1,0 +1,233 @@
+"""The relay's QUIC edge: moves frames between client connections and :class:`RelayCore`.
+
+It runs on meshnode's QUIC endpoint (mutual Ed25519 authentication, bounded
+receive windows, keepalive PINGs) with the relay's own ALPN and identity key.
+Per client connection the relay opens one stream, then:
+
+* a reader task decodes frames into the core and, when the core says the
+  client's rate buckets are in debt, stops reading for that long (QUIC flow
+  control then slows the client; nobody else waits);
+* a writer task writes what the core hands out, only as fast as the client
+  acknowledges, so a slow client's frames wait in the core's bounded queues.
+
+When the core closes a connection, its last message (the refusal) is flushed
+first and its text is also the QUIC close reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshnode.identity import NodeIdentity, load_or_create_identity, short_id
+from meshnode.transport.base import MeshStream, PeerLink, StreamError
+from meshnode.transport.framed import FramedStream
+from meshnode.transport.quic import QuicEndpoint, QuicLink, QuicSettings
+from meshnode.wire.errors import FramingError
+from relay import protocol as p
+from relay.core import RelayCore, RelayPolicy
+
+log = logging.getLogger("meshnode.relay")
+
+# A refusal is flushed before the connection closes, for at most this long.
+_FLUSH_TIMEOUT_S = 2.0
+_HOUSEKEEPING_S = 0.5
+
+
+@dataclass
+class _Client:
+    conn_id: int
+    link: QuicLink
+    framed: FramedStream | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+def load_relay_identity(data_dir: Path) -> tuple[NodeIdentity, bool]:
+    """The relay's identity key in its own data directory (0600), created on first use."""
+    return load_or_create_identity(data_dir)
+
+
+class RelayServer:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        meshes: set[str],
+        policy: RelayPolicy | None = None,
+        *,
+        quic: QuicSettings | None = None,
+    ) -> None:
+        self.identity = identity
+        self.policy = policy or RelayPolicy()
+        self.core = RelayCore(identity.node_id, meshes, self.policy)
+        base = quic or QuicSettings()
+        self.quic_settings = dataclasses.replace(
+            base,
+            alpn=p.RELAY_ALPN,
+            keepalive_interval=min(base.keepalive_interval, self.policy.keepalive_s),
+            max_links=max(base.max_links, self.policy.max_connections),
+        )
+        self.endpoint: QuicEndpoint | None = None
+        self._ids = itertools.count(1)
+        self._clients: dict[PeerLink, _Client] = {}
+        self._by_conn: dict[int, _Client] = {}
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._flush_timeout = _FLUSH_TIMEOUT_S
+
+    @property
+    def relay_id(self) -> bytes:
+        return self.identity.node_id
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.endpoint is not None
+        return self.endpoint.local_address
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.endpoint = await QuicEndpoint.listen(self.identity, self, host, port, self.quic_settings)
+        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
+        bound_host, bound_port = self.endpoint.local_address
+        log.info(
+            "relay %s listening on %s:%d (QUIC %s), meshes %s",
+            short_id(self.relay_id),
+            bound_host,
+            bound_port,
+            p.RELAY_ALPN,
+            ", ".join(sorted(self.core.meshes)),
+        )
+
+    async def close(self, flush_timeout: float = _FLUSH_TIMEOUT_S) -> None:
+        """Tell every client the relay is going away (waiting up to ``flush_timeout``), then close."""
+        self._flush_timeout = flush_timeout
+        self.core.shutdown()
+        self._wake()
+        clients = list(self._clients.values())
+        if clients:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(flush_timeout):
+                    await asyncio.gather(*(c.link.wait_closed() for c in clients), return_exceptions=True)
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        for client in list(self._clients.values()):
+            for task in client.tasks:
+                task.cancel()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        await asyncio.sleep(0)
+
+    # -- LinkHandler -----------------------------------------------------------------
+
+    def link_established(self, link: PeerLink) -> None:
+        assert isinstance(link, QuicLink)
+        loop = asyncio.get_running_loop()
+        client = _Client(conn_id=next(self._ids), link=link)
+        self._clients[link] = client
+        self._by_conn[client.conn_id] = client
+        self.core.connection_made(client.conn_id, link.peer_id, loop.time())
+        client.tasks.append(loop.create_task(self._serve(client)))
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        # Clients use only the stream the relay opened.
+        stream.reset(p.relay.RELAY_ERROR_PROTOCOL)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        client = self._clients.pop(link, None)
+        if client is None:
+            return
+        self._by_conn.pop(client.conn_id, None)
+        self.core.connection_lost(client.conn_id, asyncio.get_running_loop().time())
+        for task in client.tasks:
+            task.cancel()
+        self._wake()
+
+    # -- per connection --------------------------------------------------------------------
+
+    async def _serve(self, client: _Client) -> None:
+        try:
+            stream = await client.link.open_raw_stream()
+        except StreamError:
+            return
+        client.framed = FramedStream(
+            stream, expect_stream_type=False, max_frame_bytes=p.MAX_RELAY_FRAME_BYTES
+        )
+        client.tasks.append(asyncio.get_running_loop().create_task(self._read_loop(client, client.framed)))
+        await self._write_loop(client, client.framed)
+
+    async def _read_loop(self, client: _Client, framed: FramedStream) -> None:
+        loop = asyncio.get_running_loop()
+        core = self.core
+        try:
+            while not core.is_closing(client.conn_id):
+                body = await framed.recv_frame()
+                if body is None:
+                    client.link.close("client finished its relay stream")
+                    return
+                core.frame_received(client.conn_id, body, now=loop.time(), unix_now=time.time())
+                self._wake()
+                delay = core.read_delay(client.conn_id, loop.time())
+                if delay > 0:
+                    await asyncio.sleep(delay)
+        except FramingError as exc:
+            client.link.close(f"{p.relay_code_name(p.MALFORMED)}: {exc}"[:100])
+        except StreamError:
+            pass
+
+    async def _write_loop(self, client: _Client, framed: FramedStream) -> None:
+        core = self.core
+        last_refusal = ""
+        try:
+            while True:
+                body = core.next_frame(client.conn_id)
+                if body is None:
+                    if core.is_closing(client.conn_id):
+                        await self._flush_and_close(client, framed, last_refusal)
+                        return
+                    client.wake.clear()
+                    await client.wake.wait()
+                    continue
+                if core.is_closing(client.conn_id):
+                    last_refusal = _refusal_text(body) or last_refusal
+                await framed.send_frame(body)
+        except StreamError:
+            pass
+
+    async def _flush_and_close(self, client: _Client, framed: FramedStream, reason: str) -> None:
+        link = client.link
+        framed.finish()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._flush_timeout):
+                while not link.is_closed and link.quic.send_backlog(framed.stream.stream_id) > 0:
+                    await link.progress.wait()
+        link.close(reason or "closed by the relay")
+
+    def _wake(self) -> None:
+        for conn_id in self.core.take_wakeups():
+            client = self._by_conn.get(conn_id)
+            if client is not None:
+                client.wake.set()
+
+    async def _housekeep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_HOUSEKEEPING_S)
+            self.core.handle_timer(loop.time())
+            self._wake()
+
+
+def _refusal_text(body: bytes) -> str:
+    try:
+        message = p.decode_server_message(body)
+    except p.RelayRefused:
+        return ""
+    if message.WhichOneof("kind") != "refused":
+        return ""
+    return str(p.RelayRefused.from_pb(message.refused))[:100]
+
+
+__all__ = ["RelayServer", "load_relay_identity"]
