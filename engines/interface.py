@@ -101,7 +101,9 @@ class LoadRequest:
     layer_start: int = 0
     # Exclusive; ``None`` means through the last layer.
     layer_end: int | None = None
+    # Context tokens per session; the KV cache holds n_ctx * n_seq_max tokens in all.
     n_ctx: int = 4096
+    # Sessions holding cache state at once (more displace the least recently used).
     n_seq_max: int = 4
     n_batch: int = 512
     n_threads: int | None = None

@@ -124,11 +124,13 @@ class LlamaShardEngine(SessionedEngine):
             hidden_size=info.hidden_size,
             vocab_size=self._main.n_vocab,
             max_sessions=request.n_seq_max,
-            max_context_tokens=self._main.n_ctx_seq,
+            max_context_tokens=request.n_ctx,
             backend=f"llama.cpp ({llama_cpp_version()})",
             device=backend,
         )
-        return caps, self._main.n_ctx_seq
+        # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.
+        assert self._main.n_ctx_seq >= request.n_ctx
+        return caps, request.n_ctx
 
     def _build_runtime(self, start_layer: int) -> LlamaRuntime:
         assert self._request is not None and self._gguf is not None and self._info is not None
@@ -141,7 +143,8 @@ class LlamaShardEngine(SessionedEngine):
             capture_layer = plan.last_real_layer if plan.passthrough else None
         return LlamaRuntime(
             path,
-            n_ctx=request.n_ctx,
+            # llama.cpp's n_ctx is the KV budget of all sequences together.
+            n_ctx=request.n_ctx * request.n_seq_max,
             n_seq_max=request.n_seq_max,
             n_batch=request.n_batch,
             n_threads=request.n_threads or _default_threads(),

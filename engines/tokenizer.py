@@ -28,7 +28,7 @@ class TextStream:
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def push(self, token: int) -> str:
+    def feed(self, token: int) -> str:
         """The text that became complete with this token (possibly empty)."""
         return self._decoder.decode(self._tokenizer.piece(token))
 
@@ -79,6 +79,10 @@ class Tokenizer:
             capacity = -count
         raise TokenizerError("tokenization did not converge")
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompt tokens for plain text: BOS as the model asks, control-token text kept as text."""
+        return self.tokenize(text, add_special=True, parse_special=False)
+
     def piece(self, token: int) -> bytes:
         """The bytes a token renders to (control tokens render as nothing)."""
         cached = self._pieces.get(token)
@@ -98,7 +102,8 @@ class Tokenizer:
     def detokenize(self, tokens: Iterable[int]) -> str:
         return b"".join(self.piece(token) for token in tokens).decode("utf-8", errors="replace")
 
-    def stream(self) -> TextStream:
+    def detokenizer(self) -> TextStream:
+        """An incremental detokenizer for one generated sequence."""
         return TextStream(self)
 
     def is_end_of_generation(self, token: int) -> bool:

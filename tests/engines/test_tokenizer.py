@@ -23,6 +23,9 @@ def test_round_trip_including_byte_fallback(tokenizer: Tokenizer) -> None:
     assert tokens[0] == tokenizer.bos_token
     assert tokenizer.detokenize(tokens).strip() == text
     assert tokenizer.tokenize(text, add_special=False)[0] != tokenizer.bos_token
+    assert tokenizer.encode_prompt("<|im_start|>x") == tokenizer.tokenize("<|im_start|>x"), (
+        "no control tokens"
+    )
     assert len(tokenizer.tokenize("the")) < len(tokenizer.tokenize("xqz")), "known words merge into pieces"
 
 
@@ -30,13 +33,13 @@ def test_streaming_holds_back_split_utf8_characters(tokenizer: Tokenizer) -> Non
     tokens = tokenizer.tokenize("a✓b", add_special=False)
     pieces = [tokenizer.piece(t) for t in tokens]
     assert sum(len(p) == 1 and p[0] >= 0x80 for p in pieces) == 3, "✓ is three byte-fallback tokens"
-    stream = tokenizer.stream()
-    emitted = [stream.push(t) for t in tokens]
+    stream = tokenizer.detokenizer()
+    emitted = [stream.feed(t) for t in tokens]
     assert "".join(emitted) + stream.flush() == " a✓b"
     assert all("\ufffd" not in part for part in emitted)
-    cut = tokenizer.stream()
+    cut = tokenizer.detokenizer()
     for token in tokens[:-2]:  # stop in the middle of ✓
-        cut.push(token)
+        cut.feed(token)
     assert cut.flush() == "\ufffd"
 
 
