@@ -90,6 +90,8 @@ class Dispatcher:
                 raise MeshRefusal(mesh.MESH_ERROR_STREAM_TYPE_TIMEOUT) from None
             except UnknownStreamType as exc:
                 raise MeshRefusal(mesh.MESH_ERROR_UNKNOWN_STREAM_TYPE, str(exc)) from None
+            except FramingError as exc:  # ended before the type byte
+                raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, str(exc)) from None
             registration = self._handlers.get(stream_type)
             if registration is None:
                 raise MeshRefusal(

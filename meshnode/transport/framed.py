@@ -35,6 +35,7 @@ class FramedStream:
         self._decoder = FrameDecoder(expect_stream_type=expect_stream_type, max_frame_bytes=max_frame_bytes)
         self._frames: deque[bytes] = deque()
         self._eof = False
+        self._pending = b""
         self._stream_type = stream_type
         self.max_frame_bytes = max_frame_bytes
 
@@ -50,9 +51,13 @@ class FramedStream:
         """The opener's type byte (accepting side). Raises ``TimeoutError`` or a framing error."""
         async with asyncio.timeout(timeout):
             while self._decoder.stream_type is None:
-                if self._eof:
-                    self._decoder.end_of_stream()  # raises: ended before the type byte
-                await self._fill()
+                data = self._pending or await self.stream.read(READ_CHUNK)
+                if not data:
+                    self._decoder.end_of_stream()  # raises: the stream ended before the type byte
+                # Decode only the type byte now: frame errors belong to the handler,
+                # after admission, not to stream-type dispatch.
+                self._decoder.feed(data[:1])
+                self._pending = data[1:]
         return self._decoder.stream_type
 
     async def recv_frame(self, timeout: float | None = None) -> bytes | None:
@@ -83,7 +88,7 @@ class FramedStream:
         self.stream.reset(error_code)
 
     async def _fill(self) -> None:
-        data = await self.stream.read(READ_CHUNK)
+        data, self._pending = self._pending or await self.stream.read(READ_CHUNK), b""
         if not data:
             self._decoder.end_of_stream()
             self._eof = True

@@ -167,6 +167,8 @@ class QuicLink(PeerLink):
         if self.is_closed:
             raise LinkClosed(self.close_reason)
         stream_id = self.quic.get_next_available_stream_id()
+        # aioquic hands out the same id until the stream exists; an empty write creates it.
+        self.quic.send_stream_data(stream_id, b"")
         stream = QuicMeshStream(self, stream_id)
         self._streams[stream_id] = stream
         return stream

@@ -135,16 +135,25 @@ class MeshQuicConnection(QuicConnection):
     def forget_stream(self, stream_id: int) -> None:
         self._consumed.pop(stream_id, None)
 
+    # Credit updates are batched (a quarter window at a time) while the peer still has
+    # credit left; once it is nearly out, every freed byte is granted at once, or a
+    # reader waiting on one stream could starve behind streams nobody reads.
+
     def _stream_credit_due(self, stream: Any) -> bool:
+        current = stream.max_stream_data_local
         target = self._consumed.get(stream.stream_id, 0) + self._stream_window
-        return bool(stream.max_stream_data_local) and (
-            target - stream.max_stream_data_local >= self._stream_window // 4
-        )
+        if not current or target <= current:
+            return False
+        batch = self._stream_window // 4
+        return target - current >= batch or current - stream.receiver.highest_offset < batch
 
     def _connection_credit_due(self) -> bool:
         limit = self._local_max_data
         target = limit.used - self.app_unread + self._connection_window
-        return target - limit.value >= self._connection_window // 4
+        if target <= limit.value:
+            return False
+        batch = self._connection_window // 4
+        return target - limit.value >= batch or limit.value - limit.used < batch
 
     def _write_connection_limits(self, builder: Any, space: Any) -> None:
         limit = self._local_max_data

@@ -1,0 +1,166 @@
+"""Shared helpers for the mesh tests: link recorders, in-process nodes, raw QUIC peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
+from meshnode.membership.store import DataDir, MembershipState
+from meshnode.mesh.errors import refusal_from_reset_code
+from meshnode.node import Node, NodeConfig
+from meshnode.transport.base import MeshStream, PeerLink, StreamReset
+from meshnode.transport.framed import FramedStream
+from meshnode.transport.quic import QuicEndpoint, QuicSettings
+from meshnode.wire.framing import StreamType
+from meshnode.wire.pb import mesh
+
+
+class Recorder:
+    """A LinkHandler that records what the transport reports."""
+
+    def __init__(self) -> None:
+        self.established: list[PeerLink] = []
+        self.accepted: list[MeshStream] = []
+        self.closed: list[tuple[PeerLink, str]] = []
+        self.stream_arrived = asyncio.Event()
+
+    def link_established(self, link: PeerLink) -> None:
+        self.established.append(link)
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        self.accepted.append(stream)
+        self.stream_arrived.set()
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        self.closed.append((link, reason))
+
+    async def next_stream(self, timeout: float = 5.0) -> MeshStream:
+        async with asyncio.timeout(timeout):
+            while not self.accepted:
+                self.stream_arrived.clear()
+                await self.stream_arrived.wait()
+        return self.accepted.pop(0)
+
+
+async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Wait until ``predicate()`` is true; fail with the predicate's name after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"condition not met in {timeout}s: {getattr(predicate, '__name__', predicate)}"
+            )
+        await asyncio.sleep(interval)
+
+
+def fast_config(**overrides) -> NodeConfig:
+    settings = {
+        "listen": "127.0.0.1:0",
+        "heartbeat_interval": 0.2,
+        "gossip_timeout": 1.0,
+        "probe_timeout": 1.0,
+        "connect_timeout": 1.0,
+        "stream_type_timeout": 1.0,
+        "tombstone_ttl": 30.0,
+    }
+    settings.update(overrides)
+    return NodeConfig(**settings)
+
+
+def new_membership(mesh_key: MeshKey, identity: NodeIdentity) -> MembershipState:
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+    )
+    return MembershipState(mesh_key=mesh_key, certificate=certificate)
+
+
+async def start_first_node(
+    tmp_path: Path, name: str = "first", mesh_key: MeshKey | None = None, **config
+) -> Node:
+    identity = NodeIdentity.generate()
+    node = Node(
+        identity,
+        DataDir(tmp_path / name),
+        fast_config(**config),
+        membership=new_membership(mesh_key or MeshKey.generate(), identity),
+    )
+    await node.start()
+    return node
+
+
+async def start_joiner(tmp_path: Path, name: str, bootstrap: Node, **config) -> Node:
+    membership = bootstrap.state.membership
+    assert membership is not None
+    invite = create_invite(
+        membership.mesh_key,
+        issuer_id=bootstrap.node_id,
+        bootstrap=[Endpoint(bootstrap.node_id, bootstrap.addresses[0])],
+        now=time.time(),
+    )
+    node = Node(NodeIdentity.generate(), DataDir(tmp_path / name), fast_config(**config), invite=invite)
+    await node.start()
+    await node.join()
+    return node
+
+
+class RawPeer:
+    """A bare QUIC endpoint with its own identity, for sending arbitrary frames to a node."""
+
+    def __init__(self, identity: NodeIdentity | None = None, settings: QuicSettings | None = None) -> None:
+        self.identity = identity or NodeIdentity.generate()
+        self.recorder = Recorder()
+        self.settings = settings
+        self.endpoint: QuicEndpoint | None = None
+
+    @property
+    def node_id(self) -> bytes:
+        return self.identity.node_id
+
+    async def __aenter__(self) -> RawPeer:
+        self.endpoint = await QuicEndpoint.listen(self.identity, self.recorder, "127.0.0.1", 0, self.settings)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.endpoint is not None
+        self.endpoint.close()
+        await asyncio.sleep(0)
+
+    async def connect(self, node: Node) -> PeerLink:
+        assert self.endpoint is not None
+        return await self.endpoint.dial(node.addresses[0], node.node_id)
+
+    def announcement(self, mesh_id: str) -> mesh.PeerAnnouncement:
+        assert self.endpoint is not None
+        host, port = self.endpoint.local_address
+        return mesh.PeerAnnouncement(
+            endpoint_id=self.node_id,
+            mesh_id=mesh_id,
+            incarnation=time.time_ns(),
+            addresses=[f"{host}:{port}"],
+        )
+
+
+async def exchange(
+    link: PeerLink, stream_type: StreamType, body: bytes, timeout: float = 3.0
+) -> bytes | None:
+    """Open a stream, send one frame, finish, and return the reply frame (None at a clean end)."""
+    stream = await link.open_stream(stream_type)
+    await stream.send_frame(body)
+    stream.finish()
+    return await stream.recv_frame(timeout)
+
+
+async def reset_code_of(stream: FramedStream, timeout: float = 3.0) -> int:
+    """Read until the stream is reset; return the mesh error code the reset carries."""
+    try:
+        async with asyncio.timeout(timeout):
+            while await stream.recv_frame() is not None:
+                pass
+    except StreamReset as exc:
+        refusal = refusal_from_reset_code(exc.error_code)
+        assert refusal is not None, f"reset code 0x{exc.error_code:x} is not a mesh refusal"
+        return refusal.code
+    raise AssertionError("stream ended cleanly instead of being reset")

@@ -1,0 +1,360 @@
+"""Pure membership protocol: decision rules, validators, peer table, MeshState."""
+
+import pytest
+
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import (
+    Endpoint,
+    MeshKey,
+    create_invite,
+    issue_certificate,
+)
+from meshnode.membership.store import MembershipState
+from meshnode.mesh.errors import MeshRefusal, RemoteRefusal, refusal_from_reset_code, reset_code
+from meshnode.mesh.peer_table import PeerTable
+from meshnode.mesh.rules import (
+    Freshness,
+    LinkCandidate,
+    MergeAction,
+    PeerDownAction,
+    PeerLeavingAction,
+    keep_new_link,
+    resolve_announcement,
+    resolve_peer_down,
+    resolve_peer_leaving,
+    stream_allowed_before_admission,
+)
+from meshnode.mesh.state import MeshState
+from meshnode.mesh.validation import (
+    MAX_PEERS_PER_FRAME,
+    decode,
+    validate_gossip_frame,
+    validate_peer_down,
+    validate_peer_leaving,
+    validate_probe,
+    validate_route_request,
+)
+from meshnode.wire.framing import StreamType
+from meshnode.wire.pb import mesh
+
+A, B, C = (bytes([n]) * 32 for n in (1, 2, 3))
+NOW = 1_800_000_000.0
+
+
+def code_of(call):
+    with pytest.raises(MeshRefusal) as info:
+        call()
+    return info.value.code
+
+
+def announcement(node_id, *, incarnation=1, seq=0, mesh_id="m", **fields):
+    return mesh.PeerAnnouncement(
+        endpoint_id=node_id, incarnation=incarnation, heartbeat_seq=seq, mesh_id=mesh_id, **fields
+    )
+
+
+# -- rules ---------------------------------------------------------------------------------------
+
+
+def test_only_gossip_and_route_requests_pass_before_admission():
+    allowed = {t for t in StreamType if stream_allowed_before_admission(t)}
+    assert allowed == {StreamType.GOSSIP, StreamType.ROUTE_REQUEST}
+
+
+def test_peer_down_never_removes_directly_and_never_about_self_or_reporter():
+    assert resolve_peer_down(reported_id=C, reporter_id=B, self_id=A, known=True) is PeerDownAction.PROBE
+    assert (
+        resolve_peer_down(reported_id=C, reporter_id=B, self_id=A, known=False)
+        is PeerDownAction.IGNORE_UNKNOWN
+    )
+    assert (
+        resolve_peer_down(reported_id=A, reporter_id=B, self_id=A, known=True)
+        is PeerDownAction.REJECT_SELF_REPORT
+    )
+    assert (
+        resolve_peer_down(reported_id=B, reporter_id=B, self_id=A, known=True)
+        is PeerDownAction.REJECT_SELF_REPORT
+    )
+
+
+def test_peer_leaving_removes_only_the_authenticated_sender():
+    assert resolve_peer_leaving(leaving_id=B, authenticated_peer_id=B) is PeerLeavingAction.REMOVE_SENDER
+    assert resolve_peer_leaving(leaving_id=C, authenticated_peer_id=B) is PeerLeavingAction.REJECT_FORGED
+
+
+def test_link_tie_break_is_the_same_on_both_ends():
+    # Simultaneous dial between A (lower id) and B: both keep A's link, whatever arrived first.
+    link_by_a = LinkCandidate(dialer_id=A, established_at=10.0)
+    link_by_b = LinkCandidate(dialer_id=B, established_at=10.1)
+    assert keep_new_link(link_by_b, link_by_a, race_window=2.0)  # at A or B: A's link arrives second
+    assert not keep_new_link(link_by_a, link_by_b, race_window=2.0)  # A's link arrived first
+    # Outside the race window the newer link wins: the peer reconnected.
+    later = LinkCandidate(dialer_id=B, established_at=30.0)
+    assert keep_new_link(link_by_a, later, race_window=2.0)
+    same_dialer = LinkCandidate(dialer_id=A, established_at=10.5)
+    assert keep_new_link(link_by_a, same_dialer, race_window=2.0)
+
+
+@pytest.mark.parametrize(
+    ("incoming", "current", "tombstone", "direct", "expected"),
+    [
+        (Freshness(1, 5), None, None, False, MergeAction.ADD),
+        (Freshness(1, 5), Freshness(1, 4), None, False, MergeAction.UPDATE),
+        (Freshness(1, 4), Freshness(1, 4), None, False, MergeAction.IGNORE_STALE),
+        (Freshness(1, 9), Freshness(2, 0), None, True, MergeAction.IGNORE_STALE),
+        # Stale gossip relayed by others cannot resurrect a departed peer...
+        (Freshness(1, 4), None, Freshness(1, 4), False, MergeAction.IGNORE_TOMBSTONED),
+        (Freshness(1, 9), None, Freshness(1, 4), False, MergeAction.IGNORE_TOMBSTONED),
+        # ...a restarted node (new incarnation) comes back, even via others...
+        (Freshness(2, 0), None, Freshness(1, 4), False, MergeAction.ADD),
+        # ...and so does a node that talks to us itself with fresher state.
+        (Freshness(1, 9), None, Freshness(1, 4), True, MergeAction.ADD),
+        (Freshness(1, 4), None, Freshness(1, 4), True, MergeAction.IGNORE_TOMBSTONED),
+    ],
+)
+def test_resolve_announcement(incoming, current, tombstone, direct, expected):
+    action = resolve_announcement(
+        incoming=incoming, current=current, tombstone=tombstone, is_self=False, direct=direct
+    )
+    assert action is expected
+
+
+def test_own_announcement_is_never_merged():
+    action = resolve_announcement(
+        incoming=Freshness(9, 9), current=None, tombstone=None, is_self=True, direct=True
+    )
+    assert action is MergeAction.IGNORE_SELF
+
+
+# -- validators ----------------------------------------------------------------------------------
+
+
+def gossip(sender=B, gen=1, peers=None):
+    return mesh.GossipFrame(
+        gen=gen, sender_id=sender, peers=peers if peers is not None else [announcement(sender)]
+    )
+
+
+def test_gossip_validation_follows_the_seed_order():
+    assert validate_gossip_frame(gossip(), B).endpoint_id == B
+    assert code_of(lambda: validate_gossip_frame(gossip(gen=2), B)) == mesh.MESH_ERROR_BAD_GENERATION
+    assert (
+        code_of(lambda: validate_gossip_frame(gossip(gen=0, sender=b"x"), B))
+        == mesh.MESH_ERROR_BAD_GENERATION
+    )
+    assert code_of(lambda: validate_gossip_frame(gossip(sender=b"short"), B)) == mesh.MESH_ERROR_MALFORMED
+    assert code_of(lambda: validate_gossip_frame(gossip(sender=C), B)) == mesh.MESH_ERROR_SENDER_MISMATCH
+    bad_peer = [announcement(B), mesh.PeerAnnouncement(endpoint_id=b"\x01" * 31)]
+    assert code_of(lambda: validate_gossip_frame(gossip(peers=bad_peer), B)) == mesh.MESH_ERROR_MALFORMED
+    assert (
+        code_of(lambda: validate_gossip_frame(gossip(peers=[announcement(C)]), B))
+        == mesh.MESH_ERROR_MALFORMED
+    )
+    twice = [announcement(B), announcement(B)]
+    assert code_of(lambda: validate_gossip_frame(gossip(peers=twice), B)) == mesh.MESH_ERROR_MALFORMED
+    many = [announcement(B)] + [
+        announcement(bytes([9]) * 31 + bytes([i])) for i in range(MAX_PEERS_PER_FRAME)
+    ]
+    assert code_of(lambda: validate_gossip_frame(gossip(peers=many), B)) == mesh.MESH_ERROR_MALFORMED
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"role": mesh.NODE_ROLE_HOST},  # HOST needs http_port
+        {"addresses": ["no-port"]},
+        {"addresses": ["h:1"] * 9},
+        {"relays": [mesh.RelayEndpoint(relay_id=b"r", address="h:1")]},
+        {"hostname": "x" * 300},
+        {
+            "serving": mesh.ServedShard(
+                model_name="m", total_layers=10, shard_range={"start_layer": 4, "end_layer": 12}
+            )
+        },
+        {"serving": mesh.ServedShard(model_name="m", shard_range={"start_layer": 4, "end_layer": 4})},
+    ],
+)
+def test_bad_announcements_are_malformed(fields):
+    frame = gossip(peers=[announcement(B, **fields)])
+    assert code_of(lambda: validate_gossip_frame(frame, B)) == mesh.MESH_ERROR_MALFORMED
+
+
+def test_small_message_validators():
+    validate_route_request(mesh.RouteTableRequest(gen=1), B)
+    validate_route_request(mesh.RouteTableRequest(gen=1, requester_id=B), B)
+    assert (
+        code_of(lambda: validate_route_request(mesh.RouteTableRequest(gen=3), B))
+        == mesh.MESH_ERROR_BAD_GENERATION
+    )
+    assert (
+        code_of(lambda: validate_route_request(mesh.RouteTableRequest(gen=1, requester_id=C), B))
+        == mesh.MESH_ERROR_SENDER_MISMATCH
+    )
+    assert (
+        code_of(lambda: validate_peer_down(mesh.PeerDown(gen=1, peer_id=b"x"))) == mesh.MESH_ERROR_MALFORMED
+    )
+    assert (
+        code_of(lambda: validate_peer_down(mesh.PeerDown(gen=0, peer_id=C))) == mesh.MESH_ERROR_BAD_GENERATION
+    )
+    assert (
+        code_of(lambda: validate_peer_leaving(mesh.PeerLeaving(gen=2, peer_id=C)))
+        == mesh.MESH_ERROR_BAD_GENERATION
+    )
+    assert code_of(lambda: validate_probe(mesh.Probe(gen=1, nonce=b"n" * 33))) == mesh.MESH_ERROR_MALFORMED
+    assert code_of(lambda: decode(mesh.GossipFrame, b"\xff\xff\xff")) == mesh.MESH_ERROR_MALFORMED
+
+
+def test_refusals_round_trip_through_reset_codes():
+    refusal = MeshRefusal(mesh.MESH_ERROR_NOT_ADMITTED)
+    back = refusal_from_reset_code(reset_code(mesh.MESH_ERROR_NOT_ADMITTED))
+    assert isinstance(back, RemoteRefusal) and back.code == refusal.code
+    assert refusal_from_reset_code(0) is None and refusal_from_reset_code(0x100) is None
+    assert refusal_from_reset_code(0x100 + 999) is None
+    assert "not admitted" in str(refusal)
+
+
+# -- peer table ----------------------------------------------------------------------------------
+
+
+def test_peer_table_tombstones_stop_stale_gossip_until_they_expire():
+    table = PeerTable(A, tombstone_ttl=60.0)
+    report = table.merge([announcement(A), announcement(B, seq=3), announcement(C)], from_peer=B, now=0.0)
+    assert sorted(report.added) == [B, C] and A not in table
+    assert table.get(B).last_direct == 0.0 and table.get(C).last_direct is None
+    table.merge([announcement(B, seq=4)], from_peer=C, now=5.0)
+    assert table.get(B).last_heard == 5.0
+    table.merge([announcement(B, seq=4)], from_peer=C, now=9.0)
+    assert table.get(B).last_heard == 5.0  # not fresher: B is not heard from by repetition
+    assert table.stale(now=20.0, timeout=10.0) == [B, C]
+    assert table.remove(B, reason="left", now=10.0) and not table.remove(B, reason="left", now=10.0)
+    assert table.merge([announcement(B, seq=4)], from_peer=C, now=11.0).ignored_tombstoned == [B]
+    assert B not in table
+    # The restarted B (new incarnation) is accepted while the tombstone lives.
+    assert table.merge([announcement(B, incarnation=2)], from_peer=C, now=12.0).added == [B]
+    table.remove(B, reason="down", now=20.0)
+    assert table.tombstone_count == 1
+    assert table.merge([announcement(B, incarnation=2)], from_peer=C, now=81.0).added == [B]
+    assert table.tombstone_count == 0
+
+
+def test_peer_table_is_bounded():
+    table = PeerTable(A, tombstone_ttl=1.0, max_peers=2)
+    report = table.merge([announcement(bytes([i]) * 32) for i in range(10, 15)], from_peer=B, now=0.0)
+    assert len(table) == 2 and len(report.ignored_full) == 3
+
+
+# -- MeshState: admission, grants, merges ------------------------------------------------------------
+
+
+def member_state(mesh_key, identity, **kwargs):
+    certificate = issue_certificate(mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=NOW)
+    return MeshState(
+        node_id=identity.node_id,
+        mesh_id=mesh_key.mesh_id,
+        local=mesh.PeerAnnouncement(incarnation=1, addresses=["127.0.0.1:1"]),
+        membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
+        **kwargs,
+    )
+
+
+def joiner_state(invite, identity):
+    return MeshState(
+        node_id=identity.node_id,
+        mesh_id=invite.mesh_id,
+        local=mesh.PeerAnnouncement(incarnation=1, addresses=["127.0.0.1:2"]),
+        membership=None,
+        invite=invite,
+    )
+
+
+def test_invite_join_grants_membership_and_admits_both_ways():
+    mesh_key = MeshKey.generate()
+    first, joiner = NodeIdentity.generate(), NodeIdentity.generate()
+    bootstrap = [Endpoint(first.node_id, "127.0.0.1:1")]
+    invite = create_invite(mesh_key, issuer_id=first.node_id, bootstrap=bootstrap, now=NOW)
+    acceptor, dialer = member_state(mesh_key, first), joiner_state(invite, joiner)
+    assert not dialer.is_member
+
+    outcome = acceptor.receive_gossip(dialer.gossip_frame(first.node_id), peer_id=joiner.node_id, now=NOW)
+    assert outcome.newly_admitted and outcome.via_invite and acceptor.is_admitted(joiner.node_id)
+    assert outcome.reply.HasField("membership_grant") and joiner.node_id in acceptor.table
+
+    reply = dialer.receive_gossip_reply(outcome.reply, peer_id=first.node_id, now=NOW)
+    assert reply.joined and dialer.is_member and dialer.membership.mesh_id == mesh_key.mesh_id
+    assert dialer.is_admitted(first.node_id) and first.node_id in dialer.table
+    # From now on the joiner shows its certificate; a second exchange grants nothing new.
+    assert dialer.gossip_frame(first.node_id).membership_proof.WhichOneof("credential") == "certificate"
+    again = acceptor.receive_gossip(dialer.gossip_frame(first.node_id), peer_id=joiner.node_id, now=NOW)
+    assert not again.newly_admitted and not again.reply.HasField("membership_grant")
+
+
+def test_gossip_refusals_carry_exact_codes():
+    mesh_key = MeshKey.generate()
+    node, stranger = NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(mesh_key, node)
+
+    def frame(**changes):
+        f = mesh.GossipFrame(gen=1, sender_id=stranger.node_id)
+        f.peers.append(announcement(stranger.node_id, mesh_id=mesh_key.mesh_id))
+        for name, value in changes.items():
+            setattr(f, name, value)
+        return f
+
+    receive = state.receive_gossip
+    assert (
+        code_of(lambda: receive(frame(), peer_id=stranger.node_id, now=NOW)) == mesh.MESH_ERROR_NO_CREDENTIAL
+    )
+    assert (
+        code_of(lambda: receive(frame(gen=2), peer_id=stranger.node_id, now=NOW))
+        == mesh.MESH_ERROR_BAD_GENERATION
+    )
+    assert code_of(lambda: receive(frame(), peer_id=node.node_id, now=NOW)) == mesh.MESH_ERROR_SENDER_MISMATCH
+    assert not state.is_admitted(stranger.node_id) and stranger.node_id not in state.table
+    # A member of another mesh, with a valid certificate of its own mesh.
+    other_key = MeshKey.generate()
+    outsider = member_state(other_key, stranger)
+    outsider_frame = outsider.gossip_frame(node.node_id)
+    assert (
+        code_of(lambda: receive(outsider_frame, peer_id=stranger.node_id, now=NOW))
+        == mesh.MESH_ERROR_OTHER_MESH
+    )
+
+
+def test_a_refusal_reply_becomes_a_remote_refusal():
+    mesh_key = MeshKey.generate()
+    node, peer = NodeIdentity.generate(), NodeIdentity.generate()
+    state, other = member_state(mesh_key, node), member_state(mesh_key, peer)
+    reply = other.refusal_frame(MeshRefusal(mesh.MESH_ERROR_INVITE_EXPIRED))
+    with pytest.raises(RemoteRefusal) as info:
+        state.receive_gossip_reply(reply, peer_id=peer.node_id, now=NOW)
+    assert info.value.code == mesh.MESH_ERROR_INVITE_EXPIRED and "expired" in info.value.detail
+
+
+def test_removed_peer_must_prove_membership_again():
+    mesh_key = MeshKey.generate()
+    node, peer = NodeIdentity.generate(), NodeIdentity.generate()
+    state, other = member_state(mesh_key, node), member_state(mesh_key, peer)
+    state.receive_gossip(other.gossip_frame(node.node_id), peer_id=peer.node_id, now=NOW)
+    assert state.remove_peer(peer.node_id, reason="left", now=NOW)
+    assert not state.is_admitted(peer.node_id)
+    no_proof = other.gossip_frame(node.node_id)
+    no_proof.ClearField("membership_proof")
+    assert code_of(lambda: state.receive_gossip(no_proof, peer_id=peer.node_id, now=NOW)) == (
+        mesh.MESH_ERROR_NO_CREDENTIAL
+    )
+
+
+def test_route_table_lists_everyone_without_admitting_the_requester():
+    mesh_key = MeshKey.generate()
+    node, peer = NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(mesh_key, node)
+    state.local.serving.CopyFrom(
+        mesh.ServedShard(model_name="tiny", total_layers=8, shard_range={"start_layer": 0, "end_layer": 4})
+    )
+    state.receive_gossip(
+        member_state(mesh_key, peer).gossip_frame(node.node_id), peer_id=peer.node_id, now=NOW
+    )
+    table = state.route_table()
+    assert table.gen == 1 and table.mesh_id == mesh_key.mesh_id
+    assert {e.endpoint_id for e in table.entries} == {node.node_id, peer.node_id}
+    assert [e.model for e in table.entries if e.endpoint_id == node.node_id] == ["tiny"]
