@@ -320,19 +320,32 @@ class ChannelMux:
             raise MuxError(f"channel {channel}: write after finish")
         return state
 
+    # Credit goes out a quarter window at a time while the peer still has credit left;
+    # once it is nearly out, every freed byte is granted at once, or a reader waiting on
+    # one channel could starve behind channels nobody reads.
+
     def _grant_stream(self, state: _Channel) -> None:
         if state.fin_received or state.reset:
             return
         window = self.config.stream_window
         target = state.consumed + window
-        if target - state.recv_limit >= window // 4:
+        if target <= state.recv_limit:
+            return
+        batch = window // 4
+        if target - state.recv_limit >= batch or state.recv_limit - state.received < batch:
             state.recv_limit = target
             self._outbox.append((state.number, _U64.pack(REC_MAX_STREAM_DATA, target)))
 
     def _grant_link(self) -> None:
+        if self.closed_reason is not None:
+            return
         window = self.config.link_window
         target = self._link_consumed + window
-        if target - self._link_recv_limit >= window // 4 and self.closed_reason is None:
+        limit = self._link_recv_limit
+        if target <= limit:
+            return
+        batch = window // 4
+        if target - limit >= batch or limit - self._link_received < batch:
             self._link_recv_limit = target
             self._outbox.append((CONTROL_CHANNEL, _U64.pack(REC_MAX_DATA, target)))
 

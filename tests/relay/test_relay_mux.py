@@ -65,14 +65,19 @@ def test_large_writes_are_split_into_chunks_in_order() -> None:
 def test_writer_waits_for_the_reader_stream_window() -> None:
     low, high = pair(stream_window=1000, link_window=10_000)
     channel = low.open_channel()
-    assert low.write(channel, b"x" * 1500) == 1000
+    assert low.write(channel, b"x" * 500) == 500
+    pump(low, high)
+    high.consumed(channel, 100)  # the peer still has credit: updates are batched
+    assert pump(high, low) == []
+    high.consumed(channel, 200)  # a quarter window freed: credit goes out
+    assert pump(high, low) == [CreditGranted()]
+    assert low.send_credit(channel) == 800
+    assert low.write(channel, b"x" * 2000) == 800
     assert low.send_credit(channel) == 0
     pump(low, high)
-    high.consumed(channel, 100)  # below a quarter window: no update yet
-    assert pump(high, low) == []
-    high.consumed(channel, 200)
+    high.consumed(channel, 10)  # the writer is out of credit: even a small read is granted
     assert pump(high, low) == [CreditGranted()]
-    assert low.send_credit(channel) == 300
+    assert low.send_credit(channel) == 10
 
 
 def test_link_window_bounds_all_channels_together() -> None:
@@ -85,6 +90,20 @@ def test_link_window_bounds_all_channels_together() -> None:
     events = pump(high, low)
     assert CreditGranted() in events
     assert low.send_credit(b) == 500
+
+
+def test_reader_on_one_channel_is_not_starved_by_an_unread_channel() -> None:
+    low, high = pair(stream_window=1000, link_window=1000)
+    unread, wanted = low.open_channel(), low.open_channel()
+    assert low.write(unread, b"u" * 900) == 900  # nobody ever reads this channel
+    assert low.write(wanted, b"w" * 500) == 100
+    pump(low, high)
+    for _ in range(4):  # the reader of `wanted` takes a little at a time
+        high.consumed(wanted, 25)
+        pump(high, low)
+        assert low.send_credit(wanted) > 0, "link credit was not returned while the peer was nearly out"
+        low.write(wanted, b"w" * 25)
+        pump(low, high)
 
 
 def test_finish_and_final_size() -> None:
