@@ -288,6 +288,14 @@ def test_acks_return_credit_and_grants_widen_the_window() -> None:
         assert responses(harness.send(stream, decode_request(step, 4, step + 1), run=False), stream) == []
 
 
+def test_statuses_return_credit_like_acks() -> None:
+    harness, stream = prefilled()
+    for step in range(2, 14):  # far more refusals than the window holds
+        status = only_status(harness.ask(stream, decode_request(step, 4, 9)))
+        assert status.error.code == shard.ERROR_CODE_CACHE_MISS and not status.terminal
+    assert kinds(harness.ask(stream, decode_request(14, 4, 3)))[:2] == ["chunk", "ack"]
+
+
 def test_a_chunk_over_max_chunk_bytes_is_a_flow_control_violation() -> None:
     harness = WorkerHarness()
     stream, items = harness.open(flow=shard.FlowControl(max_chunk_bytes=300))
@@ -579,3 +587,15 @@ def test_idle_sessions_expire() -> None:
     assert [a.session for a in actions if isinstance(a, ReleaseEngine)] == [SessionKey("s1", 1)]
     assert harness.worker.load().active_sessions == 0
     assert harness.worker.next_timer() is None
+
+
+def test_stateless_cache_mode_runs_as_a_fresh_prefill() -> None:
+    harness = WorkerHarness()
+    stream, _ = harness.open()
+    request = chunk_request(1, [1, 2, 3])
+    request.chunk.envelope.cache_expectation.mode = shard.CACHE_MODE_STATELESS
+    out = harness.ask(stream, request)
+    assert acks(out)[0].cache_result.past_len == 3
+    late = chunk_request(2, [4], first_position=3, chunk=(1, 2))
+    late.chunk.envelope.cache_expectation.mode = shard.CACHE_MODE_STATELESS
+    assert only_status(harness.ask(stream, late)).error.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
