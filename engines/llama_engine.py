@@ -139,7 +139,13 @@ class LlamaShardEngine(SessionedEngine):
         if plan is None:
             path, capture_layer = self._gguf.path, None
         else:
-            path = ensure_slice(self._gguf, self._source_digest, plan, self._cache_dir)
+            try:
+                path = ensure_slice(self._gguf, self._source_digest, plan, self._cache_dir)
+            except OSError as error:
+                raise EngineError(
+                    EngineErrorKind.RESOURCE_EXHAUSTED,
+                    f"cannot write the layer slice to {self._cache_dir}: {error}",
+                ) from error
             capture_layer = plan.last_real_layer if plan.passthrough else None
         return LlamaRuntime(
             path,

@@ -8,6 +8,7 @@ callback and request no outputs; the tail requests only the last position's logi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable
 from pathlib import Path
@@ -232,7 +233,9 @@ class LlamaRuntime:
             self._model = None
 
     def __del__(self) -> None:
-        self.close()
+        # At interpreter exit llama_cpp may already be torn down; the OS frees the memory.
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _decode_error(status: int, model_path: Path) -> EngineError:

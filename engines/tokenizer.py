@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -151,4 +152,5 @@ class Tokenizer:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # llama_cpp may be gone at interpreter exit
+            self.close()

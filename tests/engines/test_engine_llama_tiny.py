@@ -172,3 +172,31 @@ def test_abort_in_a_later_chunk_rolls_back_the_earlier_chunks(tiny_model: Path) 
     assert np.array_equal(runtime.last_logits(), reference.last_logits())
     runtime.close()
     reference.close()
+
+
+def test_effective_start_runtimes_are_bounded_and_evict_their_sessions(tiny_model: Path) -> None:
+    engine = LlamaShardEngine(max_extra_runtimes=1)
+    engine.load(LoadRequest(str(tiny_model), 1, None, n_ctx=128, n_seq_max=4, n_threads=2))
+    hidden = np.ones((3, engine.capabilities().hidden_size), dtype=np.float32)
+    first, second = SessionKey("from-3", 1), SessionKey("from-4", 1)
+    engine.prefill(StepRequest(first, 0, hidden=hidden, effective_start_layer=3))
+    engine.prefill(
+        StepRequest(second, 0, hidden=hidden, effective_start_layer=4)
+    )  # evicts the layer-3 runtime
+    with raises_kind(EngineErrorKind.CACHE_MISS) as caught:
+        engine.decode(StepRequest(first, 3, hidden=hidden[:1], expected_past_len=3, effective_start_layer=3))
+    assert caught.value.actual_past_len == 0
+    assert (
+        engine.decode(
+            StepRequest(second, 3, hidden=hidden[:1], expected_past_len=3, effective_start_layer=4)
+        ).past_len
+        == 4
+    )
+    assert engine.metrics()["sessions_evicted"] == 1
+    engine.close()
+
+    strict = LlamaShardEngine(max_extra_runtimes=0)
+    strict.load(LoadRequest(str(tiny_model), 1, None, n_ctx=128, n_seq_max=2, n_threads=2))
+    with raises_kind(EngineErrorKind.RESOURCE_EXHAUSTED):
+        strict.prefill(StepRequest(first, 0, hidden=hidden, effective_start_layer=3))
+    strict.close()
