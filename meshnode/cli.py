@@ -50,7 +50,7 @@ from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_mode
 from meshnode.transport.addresses import AddressError, parse_host_port
 
 # Modules that add subcommands; see the module docstring.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("relay.cli",)
 
 INVITE_ENV = "MESHNODE_INVITE"
 log = logging.getLogger("meshnode.cli")
@@ -97,6 +97,19 @@ def _address(text: str) -> str:
     return text
 
 
+def _relay_endpoint(text: str) -> Endpoint:
+    """``RELAY_ID@HOST:PORT`` with the relay id in hex (``meshnode relay --show-id`` prints it)."""
+    relay_hex, sep, address = text.partition("@")
+    try:
+        relay_id = bytes.fromhex(relay_hex)
+        parse_host_port(address)
+    except (ValueError, AddressError):
+        relay_id = b""
+    if not sep or len(relay_id) != 32:
+        raise argparse.ArgumentTypeError(f"relay must be RELAY_ID_HEX@HOST:PORT, got {text!r}")
+    return Endpoint(id=relay_id, address=address)
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -127,6 +140,17 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="announce that peers cannot dial us (behind NAT): they use our relays",
     )
+    group.add_argument(
+        "--relay",
+        type=_relay_endpoint,
+        action="append",
+        default=[],
+        metavar="RELAY_ID@HOST:PORT",
+        help="register with this relay (repeatable; kept in the membership and put in invites)",
+    )
+    group.add_argument(
+        "--relay-only", action="store_true", help="never dial peers directly; always go through a relay"
+    )
     model = parser.add_argument_group("model")
     model.add_argument("--model", type=Path, metavar="PATH", help="GGUF model this node serves")
     model.add_argument(
@@ -152,6 +176,8 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         peer_timeout=args.peer_timeout,
         tombstone_ttl=args.tombstone_ttl,
         directly_reachable=not args.not_directly_reachable,
+        relays=list(args.relay),
+        relay_only=args.relay_only,
     )
 
 

@@ -9,7 +9,9 @@ What later layers use:
 * ``node.register_handler(StreamType.X, handler)`` — serve more stream types
   (admitted peers only); handlers get a :class:`~meshnode.transport.framed.FramedStream`.
 * ``await node.get_link(peer_id)`` — a link to a peer that has admitted us
-  (dials the announced addresses; the relay fallback goes in :meth:`Node._dial`).
+  (dials the announced addresses first; falls back to a relayed link through the
+  relays the peer announces when that fails or the peer is not directly
+  reachable, see :mod:`meshnode.relaylink`).
 * ``node.set_serving(...)`` / ``set_capacity`` / ``set_load`` — what this node
   announces; ``node.peers()`` — the peer table.
 * ``await node.shutdown()`` — PeerLeaving to every peer, then close.
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
-from meshnode.identity import NodeIdentity, short_id
+from meshnode.identity import NodeIdentity, ensure_private_dir, short_id
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
@@ -53,6 +55,7 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
+from meshnode.relaylink.manager import RelayDialError, RelayLinks
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.framed import FramedStream
@@ -94,6 +97,10 @@ class NodeConfig:
     # Links to one peer that came up this close together are a simultaneous dial.
     link_race_window: float = 2.0
     directly_reachable: bool = True
+    # Relays to register with besides those of the invite / stored membership (kept in membership).
+    relays: list[Endpoint] = field(default_factory=list)
+    # Never dial peers directly; always go through a relay (tests, strict NAT).
+    relay_only: bool = False
     role: int = mesh.NODE_ROLE_WORKER
     http_port: int = 0
     quic: QuicSettings = field(default_factory=QuicSettings)
@@ -196,6 +203,7 @@ class Node:
         self.dispatcher.register(StreamType.PEER_LEAVING, self._serve_peer_leaving)
         self.dispatcher.register(StreamType.PROBE, self._serve_probe)
         self.endpoint: QuicEndpoint | None = None
+        self.relay_links: RelayLinks | None = None
         self.started_at = time.time()
         self.gossip_refusals: dict[str, int] = {}
         self._links: dict[bytes, PeerLink] = {}
@@ -252,6 +260,7 @@ class Node:
         ]
         self.state.local.ClearField("addresses")
         self.state.local.addresses.extend(advertise)
+        await self._start_relays()
         await self._start_status_server()
         self._spawn(self._heartbeat_loop())
         log.info(
@@ -263,13 +272,52 @@ class Node:
             self.mesh_id,
         )
 
+    async def _start_relays(self) -> None:
+        """Register with our relays: the invite's / membership's, plus ``config.relays``."""
+        local = self.state.local
+        known = {bytes(r.relay_id) for r in local.relays}
+        for extra in self.config.relays:
+            if extra.id not in known:
+                known.add(extra.id)
+                local.relays.append(mesh.RelayEndpoint(relay_id=extra.id, address=extra.address))
+        membership = self.state.membership
+        if membership is not None:
+            stored = {r.id for r in membership.relays}
+            added = [e for e in self.config.relays if e.id not in stored]
+            if added:
+                membership.relays = [*membership.relays, *added]
+                self._save_membership()
+        if not local.relays:
+            return
+        self.relay_links = RelayLinks(
+            self.identity, self, mesh_id=self.mesh_id, proof_for=self.state.our_proof
+        )
+        await self.relay_links.add_relays(
+            Endpoint(id=bytes(r.relay_id), address=r.address) for r in local.relays
+        )
+
+    async def _dial_direct_or_relay(self, endpoint: Endpoint) -> PeerLink:
+        """A bootstrap peer (reachability unknown): dial it, else reach it through our relays."""
+        failure = "direct dial disabled (--relay-only)"
+        if not self.config.relay_only:
+            try:
+                return await self._dial_address(endpoint.address, endpoint.id)
+            except DialError as exc:
+                failure = str(exc)
+        if self.relay_links is None:
+            raise DialError(failure)
+        try:
+            return await self.relay_links.open_link(endpoint.id, timeout=self.config.connect_timeout)
+        except RelayDialError as exc:
+            raise DialError(f"{failure}; relay: {exc}") from None
+
     async def join(self) -> None:
         """Invite holder: dial bootstrap peers until one admits us and grants membership."""
         assert self.state.invite is not None
         reasons: list[str] = []
         for endpoint in self.state.invite.bootstrap:
             try:
-                link = await self._dial_address(endpoint.address, endpoint.id)
+                link = await self._dial_direct_or_relay(endpoint)
                 await self._exchange(link)
             except RemoteRefusal as refusal:
                 log.warning("bootstrap peer %s refused us: %s", endpoint, refusal.detail)
@@ -313,6 +361,8 @@ class Node:
         if self._status_server is not None:
             self._status_server.close()
             self.data_dir.control_socket.unlink(missing_ok=True)
+        if self.relay_links is not None:
+            await self.relay_links.close()
         if self.endpoint is not None:
             self.endpoint.close()
             await asyncio.sleep(0)  # let the CONNECTION_CLOSE datagrams go out
@@ -341,14 +391,26 @@ class Node:
         entry = self.state.table.get(peer_id)
         addresses = list(entry.announcement.addresses) if entry is not None else []
         addresses += [e.address for e in self._bootstrap if e.id == peer_id and e.address not in addresses]
-        # TODO(relay, issue 6): when no address answers (or the peer is not
-        # directly reachable), fall back to the relays it announces.
         failures = []
-        for address in addresses:
+        # A peer that announces it cannot be dialed (behind NAT) is reached through a relay.
+        direct = not self.config.relay_only and (entry is None or entry.announcement.directly_reachable)
+        for address in addresses if direct else []:
             try:
                 return await self._dial_address(address, peer_id)
             except DialError as exc:
                 failures.append(f"{address}: {exc}")
+        if self.relay_links is not None:
+            relays = list(entry.announcement.relays) if entry is not None else []
+            # Relays learned from gossip: register with them too, so a shared one exists.
+            await self.relay_links.add_relays(
+                Endpoint(id=bytes(r.relay_id), address=r.address) for r in relays
+            )
+            try:
+                return await self.relay_links.open_link(
+                    peer_id, via=[bytes(r.relay_id) for r in relays], timeout=self.config.connect_timeout
+                )
+            except RelayDialError as exc:
+                failures.append(f"relay: {exc}")
         raise PeerUnreachable(f"{short_id(peer_id)} unreachable ({'; '.join(failures) or 'no address'})")
 
     async def _dial_address(self, address: str, peer_id: bytes) -> PeerLink:
@@ -507,7 +569,7 @@ class Node:
     async def _bootstrap_one(self, endpoint: Endpoint) -> bool:
         self._heartbeating.add(endpoint.id)
         try:
-            link = await self._dial_address(endpoint.address, endpoint.id)
+            link = await self._dial_direct_or_relay(endpoint)
             await self._exchange(link)
             return True
         except (DialError, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
@@ -664,6 +726,7 @@ class Node:
                 "member": self.state.is_member,
                 "addresses": list(local.addresses),
                 "directly_reachable": local.directly_reachable,
+                "relays": self._relays_json(),
                 "incarnation": local.incarnation,
                 "heartbeat_seq": local.heartbeat_seq,
                 "serving": _serving_json(local),
@@ -673,6 +736,15 @@ class Node:
             "tombstones": self.state.table.tombstone_count,
             "refusals": {"streams": dict(self.dispatcher.refusals), "gossip": dict(self.gossip_refusals)},
         }
+
+    def _relays_json(self) -> list[dict[str, Any]]:
+        links = self.relay_links
+        if links is None:
+            return []
+        registered = {e.id for e in links.registered_relays()}
+        return [
+            {"id": e.id.hex(), "address": e.address, "registered": e.id in registered} for e in links.relays
+        ]
 
     def _peer_json(self, entry: PeerEntry, now: float) -> dict[str, Any]:
         announcement = entry.announcement
@@ -705,6 +777,7 @@ class Node:
 
     async def _start_status_server(self) -> None:
         path = self.data_dir.control_socket
+        ensure_private_dir(path.parent)
         path.unlink(missing_ok=True)  # we hold the data-dir lock: a leftover socket is stale
         self._status_server = await asyncio.start_unix_server(self._serve_status, path=str(path))
         path.chmod(0o600)

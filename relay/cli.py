@@ -1,0 +1,151 @@
+"""``meshnode relay`` and ``python -m relay``: run a relay for one or more meshes.
+
+    meshnode relay --listen 0.0.0.0:7448 --mesh MESH_ID [--mesh MESH_ID ...] [--data-dir DIR]
+    meshnode relay --show-id [--data-dir DIR]
+
+The relay's identity key lives in its data directory (created on first use,
+mode 0600); its id is what invites pin. On start the relay prints
+``relay id: <hex>`` and ``relay listening on HOST:PORT`` to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshnode.identity import IdentityError
+from meshnode.transport.addresses import AddressError, format_host_port, parse_host_port
+from relay.core import RelayPolicy
+from relay.server import RelayServer, load_relay_identity
+
+DATA_DIR_ENV = "MESHNODE_RELAY_DATA_DIR"
+DEFAULT_LISTEN = "0.0.0.0:7448"
+log = logging.getLogger("meshnode.relay")
+
+
+def default_relay_data_dir() -> Path:
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
+    return base / "meshnode-relay"
+
+
+def _address(text: str) -> str:
+    try:
+        parse_host_port(text, allow_zero_port=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _keepalive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 30:
+        raise argparse.ArgumentTypeError(
+            "keepalive must be between 0 and 30 s (UDP NAT mappings expire at 30 s)"
+        )
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listen",
+        type=_address,
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"UDP address (default {DEFAULT_LISTEN})",
+    )
+    parser.add_argument(
+        "--mesh",
+        action="append",
+        default=[],
+        metavar="MESH_ID",
+        help="serve this mesh (repeatable); only its members may register",
+    )
+    parser.add_argument(
+        "--show-id", action="store_true", help="print the relay id (creating the key) and exit"
+    )
+    parser.add_argument(
+        "--keepalive",
+        type=_keepalive,
+        default=RelayPolicy.keepalive_s,
+        metavar="S",
+        help="QUIC PING interval (default 10)",
+    )
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data_dir).expanduser() if getattr(args, "data_dir", None) else default_relay_data_dir()
+
+
+async def run_relay(args: argparse.Namespace) -> int:
+    try:
+        identity, created = load_relay_identity(_data_dir(args))
+    except IdentityError as exc:
+        print(f"meshnode relay: {exc}", file=sys.stderr)
+        return 1
+    if args.show_id:
+        print(identity.node_id.hex())
+        return 0
+    if not args.mesh:
+        print("meshnode relay: at least one --mesh MESH_ID is required", file=sys.stderr)
+        return 2
+    if created:
+        log.info("created relay identity in %s", _data_dir(args))
+    host, port = parse_host_port(args.listen, allow_zero_port=True)
+    server = RelayServer(identity, set(args.mesh), RelayPolicy(keepalive_s=args.keepalive))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await server.start(host, port)
+        bound_host, bound_port = server.address
+        print(f"relay id: {identity.node_id.hex()}", flush=True)
+        print(f"relay listening on {format_host_port(bound_host, bound_port)}", flush=True)
+        await stop.wait()
+        log.info("relay stopping")
+        return 0
+    finally:
+        await server.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Hook for ``meshnode.cli.COMMAND_MODULES``."""
+    parser = subparsers.add_parser(
+        "relay",
+        parents=[common],
+        help="run a relay for NATed mesh members",
+        description="Forward sealed frames between members of the given meshes that cannot dial each other. "
+        f"--data-dir holds the relay's identity key (default ${DATA_DIR_ENV} or ~/.local/share/meshnode-relay).",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=run_relay)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshnode.cli import configure_logging, run_async
+
+    parser = argparse.ArgumentParser(prog="python -m relay", description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", metavar="DIR", help="relay state directory")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return run_async(run_relay(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["add_arguments", "default_relay_data_dir", "main", "register", "run_relay"]

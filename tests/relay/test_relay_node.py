@@ -1,0 +1,115 @@
+"""Nodes that cannot dial each other join and talk through a relay (in-process, loopback).
+
+``relay_only`` stands in for NAT here; ``tests/nat`` runs the same with real
+masquerading routers in network namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
+from meshnode.membership.store import DataDir, MembershipState
+from meshnode.node import Node, NodeConfig
+from meshnode.wire.framing import StreamType
+from meshnode.wire.pb import mesh
+from relay.server import RelayServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(relay: Endpoint | None = None, **overrides) -> NodeConfig:
+    settings = {
+        "listen": "127.0.0.1:0",
+        "heartbeat_interval": 0.3,
+        "gossip_timeout": 2.0,
+        "probe_timeout": 2.0,
+        "connect_timeout": 3.0,
+        "stream_type_timeout": 2.0,
+        "directly_reachable": False,
+        "relay_only": True,
+        "relays": [relay] if relay is not None else [],
+    }
+    settings.update(overrides)
+    return NodeConfig(**settings)
+
+
+async def eventually(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout}s: {predicate.__name__}")
+        await asyncio.sleep(0.05)
+
+
+async def test_invited_node_joins_through_the_relay_and_both_see_each_other(tmp_path: Path) -> None:
+    mesh_key = MeshKey.generate()
+    server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id})
+    await server.start("127.0.0.1", 0)
+    relay = Endpoint(server.relay_id, f"127.0.0.1:{server.address[1]}")
+    identity_a = NodeIdentity.generate()
+    certificate = issue_certificate(
+        mesh_key, node_id=identity_a.node_id, issuer_id=identity_a.node_id, now=time.time()
+    )
+    node_a = Node(
+        identity_a,
+        DataDir(tmp_path / "a"),
+        config(relay),
+        membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
+    )
+    node_b: Node | None = None
+    try:
+        await node_a.start()
+        # The first member keeps the relay in its membership, so its invites carry it.
+        assert [r.id for r in node_a.state.membership.relays] == [server.relay_id]
+        invite = create_invite(
+            mesh_key,
+            issuer_id=node_a.node_id,
+            bootstrap=[Endpoint(node_a.node_id, node_a.addresses[0])],
+            relays=node_a.state.membership.relays,
+            now=time.time(),
+        )
+        node_b = Node(NodeIdentity.generate(), DataDir(tmp_path / "b"), config(), invite=invite)
+        await node_b.start()
+        await (
+            node_b.join()
+        )  # registers with the invite's relay using the invite proof, then gossips through it
+        assert node_b.state.is_member
+
+        def see_each_other() -> bool:
+            return node_b.node_id in node_a.state.table and node_a.node_id in node_b.state.table
+
+        await eventually(see_each_other)
+        status_a, status_b = node_a.status(), node_b.status()
+        (peer_b,) = status_a["peers"]
+        assert peer_b["id"] == node_b.node_id.hex()
+        assert peer_b["directly_reachable"] is False
+        assert peer_b["relays"] == [{"id": server.relay_id.hex(), "address": relay.address}]
+        assert peer_b["link"].startswith("relay ")
+        assert status_b["node"]["relays"] == [
+            {"id": server.relay_id.hex(), "address": relay.address, "registered": True}
+        ]
+
+        # get_link goes through the relay and every mesh handler runs unchanged over it.
+        assert await node_a.probe(node_b.node_id)
+        assert await node_b.probe(node_a.node_id)
+        link = await node_a.get_link(node_b.node_id)
+        assert link.description.startswith("relay ")
+        stream = await link.open_stream(StreamType.ROUTE_REQUEST)
+        await stream.send_frame(
+            mesh.RouteTableRequest(requester_id=node_a.node_id, gen=1).SerializeToString()
+        )
+        stream.finish()
+        table = mesh.RouteTable.FromString(await stream.recv_frame(3))
+        assert table.mesh_id == mesh_key.mesh_id
+        assert node_a.relay_links.frames_dropped == node_b.relay_links.frames_dropped == 0
+    finally:
+        if node_b is not None:
+            await node_b.shutdown()
+        await node_a.shutdown()
+        await server.close(flush_timeout=0.3)
