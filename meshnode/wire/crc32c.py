@@ -41,9 +41,16 @@ def _load_library() -> ctypes.CDLL | None:
 _LIBRARY = _load_library()
 
 
+# Below this size copying into ``bytes`` for the Python API is cheaper than
+# the ctypes call and the buffer-address lookup.
+_DIRECT_CALL_MIN_BYTES = 256 * 1024
+
+
 def crc32c(data: Buffer, crc: int = 0) -> int:
     """CRC32C of ``data``, continuing from ``crc`` (0 starts a new checksum)."""
-    if _LIBRARY is None:
+    if type(data) is bytes:
+        return google_crc32c.extend(crc, data)
+    if _LIBRARY is None or len(data) < _DIRECT_CALL_MIN_BYTES:
         return google_crc32c.extend(crc, bytes(data))
     view = np.frombuffer(data, dtype=np.uint8)
     return int(_LIBRARY.crc32c_extend(crc, view.ctypes.data, view.size))
