@@ -1,0 +1,222 @@
+"""Two nodes, each behind its own NAT, join one mesh and talk only through the relay.
+
+Real processes (``meshnode create/invite/join/status``, ``python -m relay``) in
+the network-namespace lab of ``netns.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from netns import HOME_A, HOME_B, ROUTER_B_WAN, SERVICE_ADDRESS, NatLab, wait_for
+
+from meshnode.identity import short_id
+from meshnode.node import query_status
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]
+
+NODE_PORT = 7447
+RELAY_PORT = 7448
+
+DIRECT_DIAL = """
+import asyncio, sys
+from meshnode.identity import NodeIdentity
+from meshnode.transport.quic import DialError, QuicEndpoint
+
+class Quiet:
+    def link_established(self, link): pass
+    def stream_accepted(self, link, stream): stream.reset(1)
+    def link_closed(self, link, reason): pass
+
+async def main():
+    endpoint = await QuicEndpoint.listen(NodeIdentity.generate(), Quiet(), "0.0.0.0", 0)
+    peer = bytes.fromhex(sys.argv[1])
+    for address in sys.argv[2:]:
+        try:
+            await endpoint.dial(address, peer, timeout=2.0)
+            print(address, "reached")
+        except DialError:
+            print(address, "unreachable")
+    endpoint.close()
+
+asyncio.run(main())
+"""
+
+
+class Mesh:
+    """The processes of one scenario and their logs (shown when something fails)."""
+
+    def __init__(self, lab: NatLab, root: Path) -> None:
+        self.lab = lab
+        self.root = root
+        self.logs: dict[str, Path] = {}
+        self.relay: subprocess.Popen[bytes] | None = None
+
+    def dir(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def spawn(
+        self, name: str, role: str, argv: list[str], stdin: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        log = self.root / f"{name}.log"
+        self.logs[name] = log
+        process = self.lab.spawn(role, argv, log=log, stdin=subprocess.PIPE if stdin is not None else None)
+        if stdin is not None:
+            assert process.stdin is not None
+            process.stdin.write(stdin.encode() + b"\n")
+            process.stdin.close()
+        return process
+
+    def start_relay(self, mesh_id: str) -> None:
+        name = f"relay-{sum(1 for n in self.logs if n.startswith('relay'))}"
+        self.relay = self.spawn(
+            name,
+            "pub",
+            [
+                sys.executable,
+                "-m",
+                "relay",
+                "--listen",
+                f"{SERVICE_ADDRESS}:{RELAY_PORT}",
+                "--mesh",
+                mesh_id,
+                "--data-dir",
+                str(self.dir("r")),
+                "--keepalive",
+                "5",
+            ],
+        )
+        wait_for(lambda: b"relay listening" in self.logs[name].read_bytes(), 20, "the relay to listen")
+
+    def status(self, name: str) -> dict | None:
+        try:
+            return query_status(self.root / name, timeout=2.0)
+        except OSError:
+            return None
+
+    def dump(self) -> str:
+        return "\n".join(
+            f"--- {name} ---\n{log.read_text(errors='replace')[-4000:]}" for name, log in self.logs.items()
+        )
+
+
+def node_args(command: str, data_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "meshnode",
+        command,
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        f"0.0.0.0:{NODE_PORT}",
+        "--not-directly-reachable",
+        "--heartbeat-interval",
+        "0.5",
+        "--log-level",
+        "debug",
+        *extra,
+    ]
+
+
+def peers_of(status: dict | None) -> dict[str, dict]:
+    return {peer["id"]: peer for peer in (status or {}).get("peers", [])}
+
+
+def relay_registered(status: dict | None) -> bool:
+    relays = (status or {}).get("node", {}).get("relays", [])
+    return bool(relays) and all(relay["registered"] for relay in relays)
+
+
+def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
+    nat_lab: NatLab, tmp_path: Path
+) -> None:
+    mesh = Mesh(nat_lab, tmp_path)
+    try:
+        relay_id = nat_lab.run(
+            "pub", [sys.executable, "-m", "relay", "--show-id", "--data-dir", str(mesh.dir("r"))]
+        ).stdout.strip()
+        assert len(bytes.fromhex(relay_id)) == 32
+        relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
+
+        # A, behind NAT A, creates the mesh and names the relay (it keeps retrying until the relay is up).
+        mesh.spawn("a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg))
+        status_a = wait_for(lambda: mesh.status("a"), 30, "node A to start")
+        mesh_id, id_a = status_a["node"]["mesh_id"], status_a["node"]["id"]
+        mesh.start_relay(mesh_id)
+        wait_for(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
+
+        invite = nat_lab.run(
+            "ha", [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(mesh.dir("a"))]
+        )
+        assert invite.returncode == 0, invite.stderr
+        token = invite.stdout.strip()
+
+        # B, behind NAT B, joins with the invite: A's address is unreachable, so it goes through the relay.
+        mesh.spawn("b", "hb", node_args("join", mesh.dir("b"), "--invite", "-"), stdin=token)
+        status_b = wait_for(lambda: mesh.status("b"), 30, "node B to start")
+        id_b = status_b["node"]["id"]
+
+        def both_see_each_other() -> bool:
+            return id_b in peers_of(mesh.status("a")) and id_a in peers_of(mesh.status("b"))
+
+        wait_for(both_see_each_other, 60, "A and B to see each other")
+        status_a, status_b = mesh.status("a"), mesh.status("b")
+        assert status_b["node"]["member"] is True
+        for status, other in ((status_a, id_b), (status_b, id_a)):
+            peer = peers_of(status)[other]
+            assert peer["directly_reachable"] is False
+            assert peer["relays"] == [{"id": relay_id, "address": f"{SERVICE_ADDRESS}:{RELAY_PORT}"}]
+
+        # `meshnode status`, as a person would run it, lists the other node.
+        for name, other in (("a", id_b), ("b", id_a)):
+            shown = nat_lab.run(
+                "ha", [sys.executable, "-m", "meshnode", "status", "--data-dir", str(mesh.dir(name))]
+            )
+            assert shown.returncode == 0, shown.stderr
+            assert short_id(bytes.fromhex(other)) in shown.stdout
+
+        # They really cannot reach each other directly: a QUIC dial from A to B fails
+        # at B's own address and at B's router's public address.
+        dial = nat_lab.run(
+            "ha",
+            [sys.executable, "-c", DIRECT_DIAL, id_b, f"{HOME_B}:{NODE_PORT}", f"{ROUTER_B_WAN}:{NODE_PORT}"],
+            timeout=30,
+        )
+        assert dial.stdout.split("\n")[:2] == [
+            f"{HOME_B}:{NODE_PORT} unreachable",
+            f"{ROUTER_B_WAN}:{NODE_PORT} unreachable",
+        ], dial.stdout + dial.stderr
+        assert HOME_A not in {a.split(":")[0] for a in status_b["node"]["addresses"]}
+
+        # Their live link is the relayed one.
+        wait_for(lambda: (peers_of(mesh.status("a")).get(id_b) or {}).get("link") or "", 20, "A's link to B")
+        assert peers_of(mesh.status("a"))[id_b]["link"].startswith("relay ")
+
+        # Restart the relay: both nodes re-register and keep each other.
+        assert mesh.relay is not None
+        NatLab.stop(mesh.relay)
+        wait_for(lambda: not relay_registered(mesh.status("a")), 20, "A to notice the relay is gone")
+        mesh.start_relay(mesh_id)
+        wait_for(
+            lambda: relay_registered(mesh.status("a")) and relay_registered(mesh.status("b")),
+            40,
+            "re-registration",
+        )
+
+        def relayed_link_again() -> bool:
+            peer = peers_of(mesh.status("a")).get(id_b) or {}
+            return bool(peer.get("link")) and peer["link"].startswith("relay ") and both_see_each_other()
+
+        wait_for(relayed_link_again, 40, "a relayed link between A and B after the restart")
+        if "MESHNODE_NAT_DUMP" in os.environ:
+            print(mesh.dump())
+    except BaseException:
+        print(mesh.dump())
+        raise
