@@ -57,7 +57,7 @@ from meshnode.mesh.validation import (
 )
 from meshnode.relaylink.manager import RelayDialError, RelayLinks
 from meshnode.transport.addresses import format_host_port, parse_host_port
-from meshnode.transport.base import MeshStream, PeerLink, StreamError, StreamReset
+from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
 from meshnode.wire.errors import FramingError
@@ -69,6 +69,7 @@ log = logging.getLogger("meshnode.node")
 DEFAULT_PORT = 7447
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
 _STATUS_REQUEST_LIMIT = 1024
+_LINK_ATTEMPTS = 3
 
 
 class JoinError(Exception):
@@ -372,9 +373,17 @@ class Node:
 
     async def get_link(self, peer_id: bytes) -> PeerLink:
         """A live link to ``peer_id`` on which a gossip exchange (mutual admission) completed."""
-        link = await self._connected_link(peer_id)
-        await self._ensure_exchanged(link)
-        return link
+        for attempt in range(_LINK_ATTEMPTS):
+            link = await self._connected_link(peer_id)
+            try:
+                await self._ensure_exchanged(link)
+            except LinkClosed:
+                # Lost a simultaneous-dial tie-break (or died): the survivor, or a new dial, is next.
+                if attempt == _LINK_ATTEMPTS - 1:
+                    raise
+                continue
+            return link
+        raise AssertionError("unreachable")
 
     async def _connected_link(self, peer_id: bytes) -> PeerLink:
         link = self._links.get(peer_id)

@@ -1,0 +1,141 @@
+"""The meshnode command line, run as real processes (no node needs to run for these)."""
+
+import base64
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import (
+    Endpoint,
+    MeshKey,
+    create_invite,
+    decode_invite_token,
+    encode_invite_token,
+    issue_certificate,
+)
+from meshnode.membership.store import DataDir, MembershipState
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def meshnode(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnode", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_help_lists_the_node_commands():
+    result = meshnode("--help")
+    assert result.returncode == 0
+    for command in ("init", "create", "join", "start", "invite", "status"):
+        assert command in result.stdout
+    join_help = meshnode("join", "--help")
+    assert join_help.returncode == 0 and "--invite" in join_help.stdout and "--layers" in join_help.stdout
+
+
+def test_init_creates_a_private_identity_once(tmp_path):
+    first = meshnode("init", "--data-dir", str(tmp_path / "n"))
+    assert first.returncode == 0 and first.stdout.startswith("created node identity")
+    assert stat.S_IMODE((tmp_path / "n" / "node_key.pem").stat().st_mode) == 0o600
+    again = meshnode("init", "--data-dir", str(tmp_path / "n"))
+    assert again.returncode == 0 and again.stdout.startswith("already have")
+    assert first.stdout.splitlines()[1] == again.stdout.splitlines()[1]  # same node id
+
+
+def make_token(*, ttl=3600.0, now=None) -> str:
+    mesh_key, issuer = MeshKey.generate(), NodeIdentity.generate()
+    invite = create_invite(
+        mesh_key,
+        issuer_id=issuer.node_id,
+        bootstrap=[Endpoint(issuer.node_id, "127.0.0.1:9")],
+        ttl_s=ttl,
+        now=now or time.time(),
+    )
+    return encode_invite_token(invite)
+
+
+def tampered_token() -> str:
+    raw = membership.InviteToken.FromString(base64.urlsafe_b64decode(make_token() + "=="))
+    body = membership.InviteBody.FromString(raw.body)
+    body.bootstrap[0].address = "203.0.113.9:7447"  # redirect joiners without the mesh key
+    raw.body = body.SerializeToString()
+    return base64.urlsafe_b64encode(raw.SerializeToString()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    ("token", "reason"),
+    [
+        (make_token(ttl=10, now=time.time() - 3600), "invite refused: invite expired"),
+        ("not a token!", "invite refused: invite token is not base64url"),
+        ("AAAA", "invite refused: invite token does not decode"),
+        (tampered_token(), "invite refused: invite signature does not verify"),
+    ],
+)
+def test_join_refuses_bad_invites_with_one_line(tmp_path, token, reason):
+    result = meshnode(
+        "join", "--data-dir", str(tmp_path / "j"), "--listen", "127.0.0.1:0", "--invite", "-", stdin=token
+    )
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert line.startswith("meshnode join: ") and reason in line
+    assert token not in result.stderr + result.stdout
+    assert not (tmp_path / "j" / "membership.json").exists()
+
+
+def test_join_without_an_invite_says_how_to_give_one(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MESHNODE_INVITE"}
+    result = meshnode("join", "--data-dir", str(tmp_path / "j"), env=env)
+    assert result.returncode == 2
+    assert "join needs an invite" in one_line_error(result)
+
+
+def test_invite_needs_a_running_node_or_an_address(tmp_path):
+    identity = NodeIdentity.generate()
+    data_dir = tmp_path / "m"
+    from meshnode.identity import write_private_file
+
+    write_private_file(data_dir / "node_key.pem", identity.to_pem())
+    mesh_key = MeshKey.generate()
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+    )
+    DataDir(data_dir).save_membership(MembershipState(mesh_key=mesh_key, certificate=certificate))
+
+    result = meshnode("invite", "--data-dir", str(data_dir))
+    assert result.returncode == 1 and "not running" in one_line_error(result)
+
+    result = meshnode("invite", "--data-dir", str(data_dir), "--address", "192.0.2.7:7447", "--ttl", "30m")
+    assert result.returncode == 0
+    invite = decode_invite_token(result.stdout.strip())
+    assert invite.mesh_id == mesh_key.mesh_id
+    assert invite.bootstrap == [Endpoint(identity.node_id, "192.0.2.7:7447")]
+    assert 1700 <= invite.expires_unix - invite.body.issued_unix <= 1800
+    assert result.stdout.strip() not in result.stderr  # the token goes to stdout only
+
+
+def test_status_without_a_running_node_fails_clearly(tmp_path):
+    result = meshnode("status", "--data-dir", str(tmp_path / "none"))
+    assert result.returncode == 1 and "no node running" in one_line_error(result)
+
+
+def test_start_without_membership_fails_clearly(tmp_path):
+    meshnode("init", "--data-dir", str(tmp_path / "s"))
+    result = meshnode("start", "--data-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0")
+    assert result.returncode == 1 and "no mesh membership" in one_line_error(result)

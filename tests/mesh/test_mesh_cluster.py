@@ -1,0 +1,168 @@
+"""Acceptance: four real `meshnode` processes on loopback.
+
+The first creates the mesh, the others join with an invite; every node lists the
+other three; SIGKILL makes the others drop the node after probing; SIGTERM makes
+them drop it at once via PeerLeaving; the killed node restarts and rejoins. All
+logs are captured at debug level and must never contain the invite secret or the
+mesh key.
+"""
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshnode.identity import private_key_seed
+from meshnode.membership.credentials import decode_invite_token
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TIMING = [
+    "--listen",
+    "127.0.0.1:0",
+    "--heartbeat-interval",
+    "0.3",
+    "--gossip-timeout",
+    "1",
+    "--probe-timeout",
+    "1",
+    "--log-level",
+    "debug",
+]
+DEADLINE_S = 20.0
+
+
+class NodeProcess:
+    def __init__(self, root: Path, name: str) -> None:
+        self.name = name
+        self.data_dir = root / name
+        self.log_path = root / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+        self.short_id = ""
+
+    def start(self, command: str, *args: str, stdin: str | None = None, env: dict | None = None) -> None:
+        log = self.log_path.open("a")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "meshnode", command, "--data-dir", str(self.data_dir), *TIMING, *args],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+        log.close()
+        if stdin is not None:
+            self.process.stdin.write(stdin.encode() + b"\n")
+            self.process.stdin.flush()
+        self.process.stdin.close()
+
+    def status(self) -> dict | None:
+        result = subprocess.run(
+            [sys.executable, "-m", "meshnode", "status", "--json", "--data-dir", str(self.data_dir)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if result.returncode != 0:
+            return None
+        status = json.loads(result.stdout)
+        self.short_id = status["node"]["short_id"]
+        return status
+
+    def peers(self) -> set[str]:
+        status = self.status()
+        return {p["short_id"] for p in status["peers"]} if status else set()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def wait_until(predicate, what: str, timeout: float = DEADLINE_S) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def secret_encodings(secret: bytes) -> list[str]:
+    return [
+        secret.hex(),
+        repr(secret),
+        base64.b64encode(secret).decode().rstrip("="),
+        base64.urlsafe_b64encode(secret).decode().rstrip("="),
+    ]
+
+
+def test_four_processes_form_a_mesh_drop_failed_nodes_and_rejoin(tmp_path):
+    nodes = {name: NodeProcess(tmp_path, name) for name in ("n1", "n2", "n3", "n4")}
+    n1, n2, n3, n4 = nodes.values()
+    try:
+        n1.start("create")
+        wait_until(lambda: n1.status() is not None, "n1 serves its status")
+        invite = subprocess.run(
+            [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(n1.data_dir)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        token = invite.stdout.strip()
+        # The three ways to hand over the secret: stdin, environment, argument.
+        n2.start("join", "--invite", "-", stdin=token)
+        n3.start("join", env={**os.environ, "MESHNODE_INVITE": token})
+        n4.start("join", "--invite", token)
+
+        def full_mesh(members):
+            views = {node.name: node.peers() for node in members}
+            ids = {node.name: node.short_id for node in members}
+            return all(views[n.name] == {ids[m.name] for m in members if m is not n} for n in members)
+
+        wait_until(lambda: full_mesh([n1, n2, n3, n4]), "every node lists the other three")
+        ids = {node.name: node.short_id for node in nodes.values()}
+
+        # SIGKILL: no goodbye; the others notice, probe, and drop it.
+        n4.process.send_signal(signal.SIGKILL)
+        n4.process.wait(10)
+        wait_until(lambda: all(ids["n4"] not in node.peers() for node in (n1, n2, n3)), "n4 dropped")
+        assert any(f"dropped peer {ids['n4']}: unreachable, probe failed" in n.log() for n in (n1, n2, n3))
+
+        # SIGTERM: PeerLeaving, dropped by everyone without probing.
+        n3.stop()
+        assert n3.process.returncode == 0
+        wait_until(lambda: all(ids["n3"] not in node.peers() for node in (n1, n2)), "n3 dropped", timeout=5)
+        for node in (n1, n2):
+            assert f"dropped peer {ids['n3']}: left the mesh" in node.log()
+            assert f"dropped peer {ids['n3']}: unreachable" not in node.log()
+
+        # The killed node restarts from its data directory and rejoins.
+        n4.start("start")
+        wait_until(lambda: full_mesh([n1, n2, n4]), "n4 rejoined")
+
+        logs = "".join(node.log() for node in nodes.values())
+        assert "admitted peer" in logs and "joined mesh" in logs
+        invite_secret = private_key_seed(decode_invite_token(token).invite_key)
+        mesh_secret = (n1.data_dir / "mesh_key").read_bytes()
+        for secret in (invite_secret, mesh_secret):
+            for encoding in secret_encodings(secret):
+                assert encoding not in logs
+        assert token not in logs and token[:40] not in logs
+    finally:
+        for node in nodes.values():
+            node.stop()
