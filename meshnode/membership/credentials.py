@@ -223,7 +223,7 @@ def decode_invite_token(text: str) -> Invite:
     if len(text) > MAX_TOKEN_CHARS:
         raise MeshRefusal(MALFORMED, "invite token too long")
     try:
-        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
         raise MeshRefusal(MALFORMED, "invite token is not base64url") from None
     try:
