@@ -448,6 +448,41 @@ class EngineContract:
         expected = reference.prefill(StepRequest(key, 10, token_ids=rest, sampling=GREEDY, want_logits=True))
         assert np.array_equal(retried.logits, expected.logits)
 
+    def test_session_cancel_arriving_mid_step_abandons_it(self) -> None:
+        engine = self.whole()
+        key = SessionKey("mid-step", 1)
+        tokens = prompt_tokens(40, self.vocab(engine))
+        engine.prefill(StepRequest(key, 0, token_ids=tokens[:8]))
+        abandoned: list[int] = []
+
+        class CancelsTheSession(CancelToken):
+            """On its second poll (inside the running step) cancels the whole session, as
+            a concurrent ``cancel`` would, while itself never reading as cancelled."""
+
+            __slots__ = ("polls",)
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.polls = 0
+
+            @property
+            def cancelled(self) -> bool:
+                self.polls += 1
+                if self.polls == 2:
+                    abandoned.append(engine.cancel(key))
+                return False
+
+        token = CancelsTheSession()
+        with raises_kind(EngineErrorKind.CANCELLED):
+            engine.prefill(StepRequest(key, 8, token_ids=tokens[8:], cancel_token=token))
+        assert abandoned == [1], "cancel reported the running step"
+        # An engine that polls while computing stops at once instead of finishing the chunk.
+        assert token.polls <= 3
+        assert engine.health().active_sessions == 0
+        with raises_kind(EngineErrorKind.CANCELLED):
+            engine.decode(StepRequest(key, 8, token_ids=(5,), expected_past_len=8))
+        assert engine.prefill(StepRequest(key, 0, token_ids=tokens)).past_len == 40
+
     # --- release and eviction ---
 
     def test_release_is_idempotent(self) -> None:
