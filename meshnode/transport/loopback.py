@@ -138,6 +138,8 @@ class LoopbackLink(PeerLink):
         remote = LoopbackStream(self.remote_link(), self._next_id)
         self._next_id += 2
         local.remote, remote.remote = remote, local
+        # The opener announces the stream; replies on it must not announce it back to the opener.
+        remote._announced = True
         self._streams.append(local)
         self.remote_link()._streams.append(remote)
         return local
