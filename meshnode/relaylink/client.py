@@ -338,9 +338,11 @@ class RelayClient:
                     register_timeout=self.settings.register_timeout,
                 )
             except (DialError, RelayRefused, StreamError, FramingError) as exc:
-                self.last_error = str(exc)
                 delay = self._backoff.next()
-                log.info("relay %s: %s; retrying in %.1f s", self.endpoint_info, exc, delay)
+                # Say it once per distinct reason; a relay that stays down must not flood the log.
+                level = logging.DEBUG if str(exc) == self.last_error else logging.WARNING
+                self.last_error = str(exc)
+                log.log(level, "relay %s: %s; retrying in %.1f s", self.endpoint_info, exc, delay)
                 await asyncio.sleep(delay)
                 continue
             self._backoff.reset()

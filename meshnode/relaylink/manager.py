@@ -195,10 +195,18 @@ class RelayLinks:
     def _sealer(self, key: _Key) -> PeerSealer:
         sealer = self._sealers.get(key)
         if sealer is None:
-            if len(self._sealers) >= self.settings.max_peers:
+            if len(self._sealers) >= self.settings.max_peers and not self._evict_idle_sealer():
                 raise RelayDialError("too many relayed peers")
             sealer = self._sealers[key] = PeerSealer(self.identity, key[1])
         return sealer
+
+    def _evict_idle_sealer(self) -> bool:
+        """Forget the oldest peer with neither a link nor a handshake in progress."""
+        for key in self._sealers:  # insertion order: oldest first
+            if key not in self._links and key not in self._pending:
+                self._drop_sealer(key)
+                return True
+        return False
 
     def _fail_pending(self, key: _Key, error: Exception) -> None:
         future = self._pending.pop(key, None)

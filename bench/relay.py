@@ -1,0 +1,383 @@
+"""Relay cost against direct QUIC, measured in the same run on loopback.
+
+    python bench/relay.py [--round-trips 1000] [--seconds 2]
+
+Three processes: the relay (``python -m relay``), a peer node B (echo/sink,
+reachable both directly over QUIC and through the relay with sealed relayed
+links) and this process (node A and the load generator), all on uvloop.
+
+1. Decode-step round trip: A sends a decode-step-sized frame (2 700 bytes: 640
+   float32 hidden values of Gemma 3 270M plus envelope) on a stream and B answers
+   64 bytes, direct QUIC vs a sealed relayed link. Target: relayed median
+   <= 2 x direct median + 1 ms.
+2. Relay forwarding throughput with 1, 10 and 100 concurrent senders (this
+   process), each streaming 16 KiB relay frames to its own receiver (a fourth
+   process), raw relay sessions without sealing (the relay's own cost), in
+   frames/s and MB/s, against one direct QUIC stream from A to B's sink moving
+   the same frames.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path and `bench/relay.py`
+# would shadow the `relay` package it measures.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+# ruff: noqa: E402
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import uvloop
+
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import Endpoint, MeshKey, certificate_proof, issue_certificate
+from meshnode.relaylink.client import RelayDialer, RelaySession
+from meshnode.relaylink.manager import RelayLinks
+from meshnode.transport.base import MeshStream, PeerLink
+from meshnode.transport.framed import FramedStream
+from meshnode.transport.quic import QuicEndpoint
+from meshnode.wire.framing import StreamType
+
+REQUEST_BYTES = 2700
+REPLY_BYTES = 64
+BULK_FRAME = 16 * 1024
+REPO = Path(__file__).resolve().parents[1]
+
+
+class PeerHandler:
+    """Node B: PROBE streams echo a fixed-size reply per frame; other streams are sinks."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def link_established(self, link: PeerLink) -> None:
+        pass
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        pass
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(stream))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _serve(self, stream: MeshStream) -> None:
+        framed = FramedStream(stream, expect_stream_type=True)
+        with contextlib.suppress(Exception):
+            kind = await framed.read_stream_type(5)
+            reply = b"r" * REPLY_BYTES
+            received = 0
+            while (frame := await framed.recv_frame()) is not None:
+                if kind == StreamType.PROBE:
+                    await framed.send_frame(reply)
+                else:
+                    received += len(frame)
+            await framed.send_frame(str(received).encode())
+            framed.finish()
+
+
+def member(mesh_key: MeshKey, seed: bytes | None = None) -> tuple[NodeIdentity, object]:
+    identity = NodeIdentity.from_seed(seed) if seed else NodeIdentity.generate()
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+    )
+    return identity, certificate_proof(certificate)
+
+
+async def run_peer(mesh_seed: bytes, node_seed: bytes, relay: Endpoint) -> None:
+    """The peer process: direct QUIC endpoint + relayed links, until stdin closes."""
+    mesh_key = MeshKey.from_seed(mesh_seed)
+    identity, proof = member(mesh_key, node_seed)
+    handler = PeerHandler()
+    endpoint = await QuicEndpoint.listen(identity, handler, "127.0.0.1", 0)
+    links = RelayLinks(
+        identity, handler, mesh_id=mesh_key.mesh_id, proof_for=lambda _r: proof, local_host="127.0.0.1"
+    )
+    await links.add_relays([relay])
+    await links.wait_registered(10)
+    print(f"peer {endpoint.local_address[1]}", flush=True)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)
+    await links.close()
+    endpoint.close()
+
+
+def start_relay(mesh_id: str, data_dir: str) -> tuple[subprocess.Popen[str], Endpoint]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "relay", "--listen", "127.0.0.1:0", "--mesh", mesh_id, "--data-dir", data_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
+    assert process.stdout is not None
+    relay_id = bytes.fromhex(process.stdout.readline().split(":", 1)[1].strip())
+    address = process.stdout.readline().rsplit(" ", 1)[1].strip()
+    return process, Endpoint(relay_id, address)
+
+
+async def round_trips(stream: FramedStream, count: int) -> list[float]:
+    request = b"h" * REQUEST_BYTES
+    for _ in range(max(50, count // 10)):  # warm-up
+        await stream.send_frame(request)
+        await stream.recv_frame(10)
+    samples = []
+    clock = time.perf_counter
+    for _ in range(count):
+        start = clock()
+        await stream.send_frame(request)
+        await stream.recv_frame(10)
+        samples.append(clock() - start)
+    return samples
+
+
+async def direct_bulk(stream: FramedStream, seconds: float) -> float:
+    """Bytes/s pushed to B's sink over one direct QUIC stream (B confirms the count)."""
+    frame = b"b" * BULK_FRAME
+    sent = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        await stream.send_frame(frame)
+        sent += len(frame)
+    stream.finish()
+    received = int(await stream.recv_frame(30) or b"0")
+    assert received == sent, (received, sent)
+    return sent / (time.perf_counter() - start)
+
+
+async def open_sessions(
+    mesh_key: MeshKey, relay: Endpoint, count: int
+) -> tuple[list[RelaySession], list[RelayDialer]]:
+    dialers, sessions = [], []
+    for _ in range(count):
+        identity, proof = member(mesh_key)
+        dialer = await RelayDialer.open(identity, host="127.0.0.1")
+        dialers.append(dialer)
+        sessions.append(await dialer.register(relay, mesh_id=mesh_key.mesh_id, proof=proof))
+    return sessions, dialers
+
+
+async def close_sessions(sessions: list[RelaySession], dialers: list[RelayDialer]) -> None:
+    for session in sessions:
+        session.close()
+    await asyncio.sleep(0.2)
+    for dialer in dialers:
+        dialer.close()
+    await asyncio.sleep(0.1)
+
+
+async def run_receivers(mesh_seed: bytes, relay: Endpoint, count: int) -> None:
+    """Receiver process: ``count`` relay sessions; prints their ids, counts deliveries between
+    ``start`` and ``stop`` lines on stdin, then prints the count."""
+    sessions, dialers = await open_sessions(MeshKey.from_seed(mesh_seed), relay, count)
+    print(" ".join(s.node_id.hex() for s in sessions), flush=True)
+    delivered = [0]
+    counting = [False]
+
+    async def receive(session: RelaySession) -> None:
+        while (message := await session.recv()) is not None:
+            if counting[0] and message.WhichOneof("kind") == "deliver":
+                delivered[0] += 1
+
+    tasks = [asyncio.ensure_future(receive(s)) for s in sessions]
+    loop = asyncio.get_running_loop()
+    assert (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "start"
+    counting[0] = True
+    assert (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "stop"
+    counting[0] = False
+    print(delivered[0], flush=True)
+    for task in tasks:
+        task.cancel()
+    await close_sessions(sessions, dialers)
+
+
+async def relay_throughput(
+    mesh_key: MeshKey, relay: Endpoint, clients: int, seconds: float
+) -> tuple[float, float]:
+    """Frames/s and bytes/s delivered with ``clients`` concurrent senders (this process),
+    each streaming to its own receiver (another process)."""
+    receivers = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--receivers",
+            str(clients),
+            mesh_key.seed().hex(),
+            relay.id.hex(),
+            relay.address,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert receivers.stdin is not None and receivers.stdout is not None
+    loop = asyncio.get_running_loop()
+    destinations = [
+        bytes.fromhex(h) for h in (await loop.run_in_executor(None, receivers.stdout.readline)).split()
+    ]
+    senders, dialers = await open_sessions(mesh_key, relay, clients)
+    payload = b"p" * BULK_FRAME
+
+    async def send(sender: RelaySession, destination: bytes) -> None:
+        while True:
+            await sender.send(destination, 2, payload)
+
+    tasks = [asyncio.ensure_future(send(s, d)) for s, d in zip(senders, destinations, strict=True)]
+    await asyncio.sleep(min(1.0, seconds / 2))  # warm-up
+    receivers.stdin.write("start\n")
+    receivers.stdin.flush()
+    start = time.perf_counter()
+    await asyncio.sleep(seconds)
+    receivers.stdin.write("stop\n")
+    receivers.stdin.flush()
+    elapsed = time.perf_counter() - start
+    frames = int(await loop.run_in_executor(None, receivers.stdout.readline))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await close_sessions(senders, dialers)
+    receivers.stdin.close()
+    receivers.wait(timeout=10)
+    return frames / elapsed, frames * BULK_FRAME / elapsed
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:.3f}"
+
+
+async def main(args: argparse.Namespace) -> int:
+    mesh_key = MeshKey.generate()
+    peer_seed = os.urandom(32)
+    peer_id = NodeIdentity.from_seed(peer_seed).node_id
+    with tempfile.TemporaryDirectory() as tmp:
+        relay_process, relay = start_relay(mesh_key.mesh_id, tmp)
+        peer = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--peer",
+                mesh_key.seed().hex(),
+                peer_seed.hex(),
+                relay.id.hex(),
+                relay.address,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        try:
+            assert peer.stdout is not None
+            peer_port = int(peer.stdout.readline().split()[1])
+            identity, proof = member(mesh_key)
+            endpoint = await QuicEndpoint.listen(identity, PeerHandler(), "127.0.0.1", 0)
+            links = RelayLinks(
+                identity,
+                PeerHandler(),
+                mesh_id=mesh_key.mesh_id,
+                proof_for=lambda _r: proof,
+                local_host="127.0.0.1",
+            )
+            await links.add_relays([relay])
+            await links.wait_registered(10)
+            direct_link = await endpoint.dial(f"127.0.0.1:{peer_port}", peer_id)
+            relayed_link = await links.open_link(peer_id)
+
+            print(
+                f"decode-step round trip ({REQUEST_BYTES} B request, {REPLY_BYTES} B reply), {args.round_trips} each"
+            )
+            results = {}
+            # Alternate the two paths in blocks so background load hits both alike.
+            samples: dict[str, list[float]] = {"direct": [], "relay": []}
+            streams = {
+                "direct": await direct_link.open_stream(StreamType.PROBE),
+                "relay": await relayed_link.open_stream(StreamType.PROBE),
+            }
+            for _ in range(4):
+                for name, stream in streams.items():
+                    samples[name] += await round_trips(stream, args.round_trips // 4)
+            for name, values in samples.items():
+                results[name] = statistics.median(values)
+                print(
+                    f"  {name:6s} median {ms(results[name])} ms  mean {ms(statistics.fmean(values))} ms  "
+                    f"p90 {ms(sorted(values)[int(len(values) * 0.9)])} ms"
+                )
+            target = 2 * results["direct"] + 0.001
+            ratio = results["relay"] / results["direct"]
+            verdict = "meets" if results["relay"] <= target else "MISSES"
+            print(
+                f"  relay / direct = {ratio:.2f}x; target relay <= 2 x direct + 1 ms = {ms(target)} ms: {verdict}"
+            )
+            print(f"  sealed frames dropped: {links.frames_dropped}")
+
+            print(f"\nforwarding throughput, {BULK_FRAME // 1024} KiB frames, {args.seconds:g} s per run")
+            bulk_stream = await direct_link.open_stream(StreamType.SUBPROTOCOL)
+            direct_rate = await direct_bulk(bulk_stream, args.seconds)
+            print(
+                f"  direct QUIC, 1 stream: {direct_rate / BULK_FRAME:9.0f} frames/s  {direct_rate / 1e6:7.1f} MB/s  (baseline)"
+            )
+            for clients in (1, 10, 100):
+                frames_per_s, bytes_per_s = await relay_throughput(mesh_key, relay, clients, args.seconds)
+                print(
+                    f"  relay, {clients:3d} sender(s):  {frames_per_s:9.0f} frames/s  {bytes_per_s / 1e6:7.1f} MB/s  "
+                    f"{bytes_per_s / direct_rate:.2f}x direct"
+                )
+            await links.close()
+            endpoint.close()
+        finally:
+            if peer.stdin is not None:
+                peer.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                peer.wait(timeout=5)
+            peer.kill()
+            relay_process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                relay_process.wait(timeout=5)
+            relay_process.kill()
+    return 0
+
+
+def cli() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--round-trips", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput run")
+    parser.add_argument("--receivers", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--peer",
+        nargs=4,
+        metavar=("MESH_SEED", "NODE_SEED", "RELAY_ID", "RELAY_ADDR"),
+        help=argparse.SUPPRESS,
+    )
+    args = parser.parse_args()
+    if args.peer:
+        mesh_seed, node_seed, relay_id, relay_address = args.peer
+        uvloop.run(
+            run_peer(
+                bytes.fromhex(mesh_seed),
+                bytes.fromhex(node_seed),
+                Endpoint(bytes.fromhex(relay_id), relay_address),
+            )
+        )
+        return 0
+    if args.receivers:
+        count, mesh_seed, relay_id, relay_address = args.receivers
+        relay = Endpoint(bytes.fromhex(relay_id), relay_address)
+        uvloop.run(run_receivers(bytes.fromhex(mesh_seed), relay, int(count)))
+        return 0
+    return uvloop.run(main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
