@@ -59,6 +59,9 @@ class ClientConfig:
     max_attempts: int = 3
     # Failed units remembered for retry(), newest kept.
     retry_memory: int = 64
+    # A sent unit is given up (SessionTransportError) this long after its deadline, so that the
+    # worker's own DEADLINE_EXCEEDED, which it sends at the deadline, can still arrive first.
+    answer_grace_ns: int = 0
 
 
 # ---------------------------------------------------------------------------- events
@@ -96,9 +99,10 @@ class UnitFailed:
 
 @dataclass(frozen=True, slots=True)
 class SessionFailed:
-    """A terminal status: the peer will serve nothing more on this session; every open unit failed."""
+    """The session is over: a terminal status from the peer (a ``ShardProtocolError``), or the edge
+    gave up on the transport (:meth:`SessionClient.abandon`). Every open unit failed with it."""
 
-    error: ShardProtocolError
+    error: MeshnodeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,7 @@ class SessionClient:
             raise ValueError("route boundary dtype must be FLOAT32 or BFLOAT16")
         self.next_step = first_step
         self.flow: shard.FlowControl | None = None
-        self.failed: ShardProtocolError | None = None
+        self.failed: MeshnodeError | None = None
         self._accepted = False
         self._window = 0
         self._unacked = 0
@@ -201,6 +205,11 @@ class SessionClient:
     @property
     def can_send(self) -> bool:
         return self._accepted and bool(self._pending) and self._unacked < self._window
+
+    @property
+    def outstanding(self) -> int:
+        """Units still owed an answer: waiting to be sent, or sent and not given up."""
+        return len(self._pending) + sum(1 for u in self._sent.values() if u.state is _State.SENT)
 
     def events(self) -> list[ClientEvent]:
         """Everything that happened since the last call."""
@@ -618,8 +627,9 @@ class SessionClient:
                 self._fail(
                     unit, refusal(shard.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed before sending")
                 )
+        grace = self.config.answer_grace_ns
         for unit in self._sent.values():
-            if unit.state is _State.SENT and unit.deadline_ns and now_ns >= unit.deadline_ns:
+            if unit.state is _State.SENT and unit.deadline_ns and now_ns >= unit.deadline_ns + grace:
                 unit.state = _State.ABANDONED
                 self._events.append(
                     UnitFailed(
@@ -629,8 +639,9 @@ class SessionClient:
 
     def next_timer(self) -> int | None:
         deadlines = [u.deadline_ns for u in self._pending if u.deadline_ns]
+        grace = self.config.answer_grace_ns
         deadlines.extend(
-            u.deadline_ns for u in self._sent.values() if u.deadline_ns and u.state is _State.SENT
+            u.deadline_ns + grace for u in self._sent.values() if u.deadline_ns and u.state is _State.SENT
         )
         return min(deadlines, default=None)
 
@@ -643,7 +654,13 @@ class SessionClient:
             while len(self._failed) > self.config.retry_memory:
                 self._failed.popitem(last=False)
 
-    def _fail_session(self, error: ShardProtocolError) -> None:
+    def abandon(self, error: MeshnodeError) -> None:
+        """The edge gives up on the session (peer unreachable, closing): every unit not yet answered
+        fails with ``error`` and nothing more can be submitted. A no-op on a session already over."""
+        if self.failed is None:
+            self._fail_session(error)
+
+    def _fail_session(self, error: MeshnodeError) -> None:
         self.failed = error
         self._accepted = False
         for unit in [*sorted(self._sent.values(), key=lambda u: u.step), *self._pending]:

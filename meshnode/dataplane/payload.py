@@ -111,14 +111,13 @@ def check_result(
     result: object, role: HopRole, n_tokens: int, *, sampled: bool, want_logits: bool
 ) -> StepResult:
     """Refuse (INTERNAL) an engine result this hop could not honestly pass on."""
-    malformed = refusal(shard.ERROR_CODE_INTERNAL, MALFORMED_RESULT_DETAIL)
     if not isinstance(result, StepResult):
-        raise malformed
+        raise _malformed()
     if role.is_tail:
         if sampled:
             token = result.token_id
             if not isinstance(token, int | np.integer) or not 0 <= int(token) < role.vocab_size:
-                raise malformed
+                raise _malformed()
         if sampled and want_logits:
             logits = result.logits
             if (
@@ -126,7 +125,7 @@ def check_result(
                 or logits.shape != (role.vocab_size,)
                 or not np.isfinite(logits).all()
             ):
-                raise malformed
+                raise _malformed()
     else:
         hidden = result.hidden
         if (
@@ -135,15 +134,33 @@ def check_result(
             or hidden.shape != (n_tokens, role.hidden_size)
             or not np.isfinite(hidden).all()
         ):
-            raise malformed
+            raise _malformed()
     return result
 
 
+def _malformed() -> Exception:
+    return refusal(shard.ERROR_CODE_INTERNAL, MALFORMED_RESULT_DETAIL)
+
+
 def encode_token_result(token_id: int, logits: np.ndarray | None) -> shard.TensorBundle:
+    """The tail's result. Without logits (every decode step of a real generation) the bundle for a
+    token is encoded once and reused: callers only copy it into their messages, never change it."""
+    if logits is None:
+        cached = _TOKEN_BUNDLES.get(token_id)
+        if cached is None:
+            if len(_TOKEN_BUNDLES) >= _TOKEN_BUNDLES_KEPT:
+                _TOKEN_BUNDLES.clear()
+            cached = _TOKEN_BUNDLES[token_id] = encode_bundle(
+                [encode_tensor(TOKEN_IDS, shard.DTYPE_INT32, np.array([token_id], dtype=np.int32))]
+            )
+        return cached
     tensors = [encode_tensor(TOKEN_IDS, shard.DTYPE_INT32, np.array([token_id], dtype=np.int32))]
-    if logits is not None:
-        tensors.append(encode_float_tensor(LOGITS, logits, shard.DTYPE_FLOAT32))
+    tensors.append(encode_float_tensor(LOGITS, logits, shard.DTYPE_FLOAT32))
     return encode_bundle(tensors)
+
+
+_TOKEN_BUNDLES: dict[int, shard.TensorBundle] = {}
+_TOKEN_BUNDLES_KEPT = 4096
 
 
 def encode_hidden(hidden: np.ndarray, dtype: int, compression: int) -> shard.NamedTensor:

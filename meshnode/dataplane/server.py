@@ -1,0 +1,444 @@
+"""The worker's asyncio edge: serve :class:`~meshnode.dataplane.worker.ShardWorker` on real streams.
+
+:class:`ShardServer` registers a handler per stream type with a node's
+dispatcher (admitted peers only): ``SHARD_SESSION`` streams carry sessions, and
+``SHARD_CAPABILITY``/``SHARD_HEALTH``/``SHARD_RELEASE``/``SHARD_CANCEL`` are one
+request and one response on a fresh stream each. It depends only on
+:class:`~meshnode.transport.framed.FramedStream` and
+:class:`~meshnode.transport.base.PeerLink`, so QUIC streams and relay channels
+are served alike.
+
+It only carries out the worker's actions:
+
+- ``Send``/``CloseStream`` go to the stream's outbox, written in order by one
+  writer task per stream (several frames coalesce into one write);
+- ``RunStep``/``ReleaseEngine`` run on the engine's single FIFO thread, and the
+  result comes back to the worker on the loop; ``FireCancel`` fires at once;
+- ``Forward`` goes through one :class:`~meshnode.dataplane.session_link.ShardSession`
+  per route session toward the next hop (a link from ``links(node_id)``), and
+  its outcome is reported exactly once; ``CancelDownstream``/``ReleaseDownstream``
+  pass on out of band;
+- the worker's timer is re-armed after every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from engines.interface import CancelToken, EngineHealth, SessionKey, ShardEngine
+from meshnode.dataplane import errors
+from meshnode.dataplane.actions import (
+    Action,
+    CancelDownstream,
+    CloseStream,
+    FireCancel,
+    Forward,
+    ReleaseDownstream,
+    ReleaseEngine,
+    RunStep,
+    Send,
+)
+from meshnode.dataplane.client import ClientConfig
+from meshnode.dataplane.engine_thread import EngineThread
+from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
+from meshnode.dataplane.unary import (
+    Validation,
+    capability_report,
+    handle_cancel,
+    handle_release,
+    health_report,
+    parse_unary_request,
+    validate_engine,
+)
+from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig, WorkerLoad
+from meshnode.mesh.dispatcher import StreamHandler
+from meshnode.mesh.errors import MeshRefusal
+from meshnode.transport.base import RESET_CANCELLED, PeerLink, StreamError
+from meshnode.transport.framed import FramedStream
+from meshnode.wire.errors import MeshnodeError, ShardProtocolError
+from meshnode.wire.framing import StreamType, encode_frame
+from meshnode.wire.pb import mesh, shard
+
+log = logging.getLogger("meshnode.dataplane.server")
+
+PeerLinks = Callable[[bytes], Awaitable[PeerLink]]
+Register = Callable[[StreamType, StreamHandler], None]
+
+UNARY_STREAM_TYPES = (
+    StreamType.SHARD_CAPABILITY,
+    StreamType.SHARD_HEALTH,
+    StreamType.SHARD_RELEASE,
+    StreamType.SHARD_CANCEL,
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    # Wait for a unary request frame.
+    unary_timeout_s: float = 5.0
+    # After a terminal status, how long the peer may take to finish its side before a reset.
+    close_grace_s: float = 2.0
+    # Sessions toward next hops.
+    downstream: ClientConfig = field(default_factory=default_client_config)
+    downstream_options: SessionOptions = field(default_factory=SessionOptions)
+
+
+class _Outbox:
+    """Frames for one session stream, written in order by one task."""
+
+    def __init__(self, framed: FramedStream) -> None:
+        self.framed = framed
+        self.frames: list[bytes] = []
+        self.closing = False
+        self._wake: asyncio.Future[None] | None = None
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def send(self, response: shard.SessionResponse) -> None:
+        self.frames.append(encode_frame(response.SerializeToString()))
+        self._notify()
+
+    def close_after_sending(self) -> None:
+        self.closing = True
+        self._notify()
+
+    def _notify(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _run(self) -> None:
+        stream = self.framed.stream
+        try:
+            while True:
+                if self.frames:
+                    data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+                    self.frames.clear()
+                    await stream.write(data)
+                    continue
+                if self.closing:
+                    self.framed.finish()
+                    return
+                self._wake = asyncio.get_running_loop().create_future()
+                await self._wake
+                self._wake = None
+        except (StreamError, MeshnodeError):
+            # The stream is gone; the reader sees it too and tells the worker.
+            self.frames.clear()
+
+
+class ShardServer:
+    """Serves one loaded engine. ``links(node_id)`` gives a link to a next hop (``Node.get_link``)."""
+
+    def __init__(
+        self,
+        engine: ShardEngine,
+        *,
+        links: PeerLinks,
+        config: ServerConfig | None = None,
+        owns_engine: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self._links = links
+        self._owns_engine = owns_engine
+        self._loop = asyncio.get_running_loop()
+        self.engine_thread = EngineThread()
+        self._worker: ShardWorker | None = None
+        self.validation: Validation | None = None
+        self._outboxes: dict[int, _Outbox] = {}
+        self._downstream: dict[SessionKey, ShardSession] = {}
+        self._background: set[asyncio.Task[object]] = set()
+        self._running_tokens: dict[int, CancelToken | None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: int | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Validation:
+        """Validate the loaded engine with a bounded real forward (on the engine thread) and build the
+        worker. Serving without a passed validation is allowed; capability reports say so."""
+        capabilities = await self.engine_thread.call(self.engine.capabilities)
+        self.validation = await self.engine_thread.call(
+            partial(validate_engine, self.engine, now_ns=time.time_ns())
+        )
+        self._worker = ShardWorker(capabilities, self.config.worker)
+        self._schedule_timer()
+        return self.validation
+
+    def register(self, register: Register) -> None:
+        """Register the session and unary handlers (e.g. ``node.register_handler``)."""
+        register(StreamType.SHARD_SESSION, self.serve_session)
+        for stream_type in UNARY_STREAM_TYPES:
+            register(stream_type, self.serve_unary)
+
+    @property
+    def worker(self) -> ShardWorker:
+        if self._worker is None:
+            raise RuntimeError("the shard server is not started")
+        return self._worker
+
+    def load(self) -> WorkerLoad:
+        return self.worker.load()
+
+    async def engine_health(self) -> EngineHealth:
+        try:
+            return await self.engine_thread.call(self.engine.health)
+        except Exception:
+            return EngineHealth(False, 0, 0, 0, 0, detail="engine health is unavailable")
+
+    async def health(self) -> shard.HealthReport:
+        return health_report(self.worker, await self.engine_health())
+
+    async def announced_load(self) -> mesh.Load:
+        """What the node gossips about this worker's load."""
+        load = self.worker.load()
+        health = await self.engine_health()
+        return mesh.Load(
+            active_sessions=load.active_sessions,
+            queued_chunks=load.queued_units,
+            kv_pressure=health.kv_pressure,
+            serving_state=load.serving_state if health.loaded else shard.SERVING_STATE_NOT_SERVING,  # type: ignore[arg-type]
+        )
+
+    async def aclose(self) -> None:
+        """Stop serving: abandon running work, drop next-hop sessions, end streams, stop the engine
+        thread (closing the engine when the server owns it)."""
+        if self._closing:
+            return
+        self._closing = True
+        self._cancel_timer()
+        if self._worker is not None:
+            self._worker.set_serving_state(shard.SERVING_STATE_NOT_SERVING)
+        for token in list(self._running_tokens.values()):
+            if token is not None:
+                token.cancel()
+        for session in list(self._downstream.values()):
+            session.abort()
+        self._downstream.clear()
+        for outbox in list(self._outboxes.values()):
+            outbox.task.cancel()
+            with contextlib.suppress(Exception):
+                outbox.framed.reset(RESET_CANCELLED)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._owns_engine:
+            with contextlib.suppress(Exception):
+                self.engine_thread.submit(self.engine.close)
+        await self.engine_thread.stop()
+
+    # ------------------------------------------------------------------ session streams
+
+    async def serve_session(self, framed: FramedStream) -> None:
+        if self._closing or self._worker is None:
+            raise MeshRefusal(mesh.MESH_ERROR_OVERLOADED, "the shard server is not serving")
+        worker = self._worker
+        stream_id = worker.open_stream()
+        outbox = _Outbox(framed)
+        self._outboxes[stream_id] = outbox
+        clean = False
+        try:
+            while not outbox.closing:
+                body = await framed.recv_frame()
+                if body is None:
+                    break
+                self._apply(worker.receive_frame(stream_id, body, time.time_ns()))
+            clean = True
+        finally:
+            del self._outboxes[stream_id]
+            if not self._closing:
+                self._apply(worker.stream_closed(stream_id, time.time_ns()))
+            if clean:
+                await self._finish(framed, outbox)
+            else:
+                outbox.task.cancel()
+
+    async def _finish(self, framed: FramedStream, outbox: _Outbox) -> None:
+        """Write what is queued and end our side; after a terminal status, give the peer a moment to
+        end its side (its frames are ignored) before resetting."""
+        terminated = outbox.closing
+        outbox.close_after_sending()
+        try:
+            async with asyncio.timeout(self.config.close_grace_s):
+                await outbox.task
+                if terminated:
+                    while await framed.recv_frame() is not None:
+                        pass
+        except (TimeoutError, StreamError, MeshnodeError):
+            outbox.task.cancel()
+            with contextlib.suppress(Exception):
+                framed.reset(RESET_CANCELLED)
+
+    # ------------------------------------------------------------------ unary streams
+
+    async def serve_unary(self, framed: FramedStream) -> None:
+        if self._closing or self._worker is None:
+            raise MeshRefusal(mesh.MESH_ERROR_OVERLOADED, "the shard server is not serving")
+        body = await framed.recv_frame(self.config.unary_timeout_s)
+        if body is None:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "the stream ended before the request")
+        stream_type = framed.stream_type
+        assert stream_type is not None
+        try:
+            request = parse_unary_request(stream_type, body)
+        except ShardProtocolError as exc:
+            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, exc.detail) from None
+        worker = self._worker
+        now = time.time_ns()
+        response: object
+        if isinstance(request, shard.CapabilityRequest):
+            response = capability_report(worker, request, self.validation)
+        elif isinstance(request, shard.HealthRequest):
+            response = health_report(worker, await self.engine_health())
+        elif isinstance(request, shard.ReleaseRequest):
+            response, actions = handle_release(worker, request, now)
+            self._apply(actions)
+        else:
+            assert isinstance(request, shard.CancelRequest)
+            response, actions = handle_cancel(worker, request, now)
+            self._apply(actions)
+        await framed.send_frame(response.SerializeToString())  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ actions
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is Send:
+                outbox = self._outboxes.get(action.stream_id)  # type: ignore[union-attr]
+                if outbox is not None:
+                    outbox.send(action.response)  # type: ignore[union-attr]
+            elif kind is RunStep:
+                self._run_step(action)  # type: ignore[arg-type]
+            elif kind is FireCancel:
+                action.token.cancel()  # type: ignore[union-attr]
+            elif kind is ReleaseEngine:
+                self.engine_thread.submit(self.engine.release, action.session)  # type: ignore[union-attr]
+            elif kind is CloseStream:
+                outbox = self._outboxes.get(action.stream_id)  # type: ignore[union-attr]
+                if outbox is not None:
+                    outbox.close_after_sending()
+            elif kind is Forward:
+                self._forward(action)  # type: ignore[arg-type]
+            elif kind is CancelDownstream:
+                self._cancel_downstream(action)  # type: ignore[arg-type]
+            elif kind is ReleaseDownstream:
+                self._release_downstream(action.session)  # type: ignore[union-attr]
+        self._schedule_timer()
+
+    def _run_step(self, action: RunStep) -> None:
+        self._running_tokens[action.unit_id] = action.request.cancel_token
+        self.engine_thread.submit(
+            action.execute, self.engine, on_done=partial(self._step_done, action.unit_id)
+        )
+
+    def _step_done(self, unit_id: int, outcome: object) -> None:
+        self._running_tokens.pop(unit_id, None)
+        if self._closing:
+            return
+        self._apply(self.worker.engine_finished(unit_id, outcome, time.time_ns()))
+
+    # ------------------------------------------------------------------ next hops
+
+    def _next_hop(self, action: Forward) -> ShardSession:
+        session = self._downstream.get(action.session)
+        if session is not None and not session.closed:
+            return session
+        node_id = bytes(action.hop.node_id)
+        session = ShardSession.create(
+            lambda: self._links(node_id),
+            fingerprint=self.worker.fingerprint,
+            shard_range=action.hop.shard_range,
+            route=action.route,
+            route_session_id=action.session.session_id,
+            route_epoch=action.session.epoch,
+            config=self.config.downstream,
+            options=self.config.downstream_options,
+        )
+        self._downstream[action.session] = session
+        return session
+
+    def _forward(self, action: Forward) -> None:
+        try:
+            handle = self._next_hop(action).submit_forward(action.work)
+        except MeshnodeError as exc:
+            # Reported on the next turn of the loop: the worker is not re-entered mid-action.
+            self._loop.call_soon(self._forward_done, action.unit_id, exc)
+            return
+        handle.future.add_done_callback(partial(self._forward_settled, action.unit_id))
+
+    def _forward_settled(self, unit_id: int, future: asyncio.Future[StepOutput]) -> None:
+        if future.cancelled():
+            outcome: object = errors.SessionTransportError("the next-hop session was closed")
+        elif future.exception() is not None:
+            outcome = future.exception()
+        else:
+            outcome = DownstreamResult(future.result().done.bundle)
+        self._forward_done(unit_id, outcome)
+
+    def _forward_done(self, unit_id: int, outcome: object) -> None:
+        if self._closing:
+            return
+        self._apply(self.worker.downstream_finished(unit_id, outcome, time.time_ns()))
+
+    def _cancel_downstream(self, action: CancelDownstream) -> None:
+        session = self._downstream.get(action.session)
+        if session is not None and not session.closed:
+            self._spawn(session.cancel(action.work_id, reason="cancelled upstream"))
+
+    def _release_downstream(self, key: SessionKey) -> None:
+        session = self._downstream.pop(key, None)
+        if session is not None:
+            self._spawn(session.aclose(release=True))
+
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        task = self._loop.create_task(_quietly(coro))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ time
+
+    def _schedule_timer(self) -> None:
+        worker = self._worker
+        if worker is None or self._closing:
+            return
+        when = worker.next_timer()
+        if when == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = None
+        if when is not None:
+            self._timer = self._loop.call_later(max(0.0, (when - time.time_ns()) / 1e9), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        if not self._closing:
+            self._apply(self.worker.tick(time.time_ns()))
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None
+
+
+async def _quietly(coro: Awaitable[object]) -> None:
+    """Best-effort pass-ons to a next hop: its failure changes nothing here."""
+    try:
+        await coro
+    except (MeshnodeError, OSError, TimeoutError) as exc:
+        log.debug("next-hop signal failed: %s", exc)
+
+
+__all__ = ["UNARY_STREAM_TYPES", "PeerLinks", "ServerConfig", "ShardServer"]

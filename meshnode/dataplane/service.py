@@ -1,0 +1,166 @@
+"""A node serving one shard: ``--model PATH --layers A:B`` turned into a running :class:`ShardServer`.
+
+Loads the llama.cpp engine for the range on the engine thread (the GGUF slice is
+cached on disk), validates it with a bounded real forward, registers the data
+plane with the node's dispatcher, announces what is served (model name,
+fingerprint, range, total layers, capacity) and keeps the announced load fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
+from meshnode.dataplane.server import Register, ServerConfig, ShardServer
+from meshnode.dataplane.worker import WorkerConfig
+from meshnode.transport.base import PeerLink
+from meshnode.wire.pb import mesh, shard
+
+log = logging.getLogger("meshnode.dataplane.service")
+
+
+class ShardServiceError(Exception):
+    """The shard could not be served; the message is one line for the operator."""
+
+
+@dataclass(frozen=True)
+class ShardServiceOptions:
+    model: Path
+    # None: every layer.
+    layers: tuple[int, int] | None = None
+    n_gpu_layers: int = 0
+    # None: one per available core.
+    threads: int | None = None
+    # Context tokens per session.
+    ctx: int = 4096
+    max_sessions: int = 4
+    cache_dir: Path | None = None
+
+
+class ServingNode(Protocol):
+    """What the service needs from :class:`meshnode.node.Node`."""
+
+    register_handler: Register
+
+    async def get_link(self, peer_id: bytes) -> PeerLink: ...
+
+    def set_serving(self, serving: mesh.ServedShard | None) -> None: ...
+
+    def set_capacity(self, capacity: mesh.Capacity) -> None: ...
+
+    def set_load(self, load: mesh.Load) -> None: ...
+
+
+def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
+    fp = caps.fingerprint
+    return mesh.ServedShard(
+        model_name=model_name,
+        fingerprint=shard.Fingerprint(
+            model_artifact_digest=fp.model_artifact_digest,
+            runtime_recipe_digest=fp.runtime_recipe_digest,
+            recipe_id=fp.recipe_id,
+            recipe_version=fp.recipe_version,
+            catalogue_version=fp.catalogue_version,
+        ),
+        shard_range=shard.ShardRange(
+            start_layer=caps.layer_start, end_layer=caps.layer_end, effective_start_layer=caps.layer_start
+        ),
+        total_layers=caps.total_layers,
+    )
+
+
+class ShardService:
+    def __init__(self, node: ServingNode, server: ShardServer, served: mesh.ServedShard) -> None:
+        self.node = node
+        self.server = server
+        self.served = served
+        self._refresh: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        node: ServingNode,
+        options: ShardServiceOptions,
+        *,
+        refresh_interval_s: float = 5.0,
+        engine_factory: Callable[[], ShardEngine] | None = None,
+    ) -> ShardService:
+        """Load, validate, register and announce. Raises :class:`ShardServiceError`."""
+        if engine_factory is None:
+            from engines.llama_engine import LlamaShardEngine  # llama.cpp loads only when serving
+
+            engine_factory = LlamaShardEngine
+        engine = engine_factory()
+        config = ServerConfig(worker=WorkerConfig(max_sessions=options.max_sessions))
+        server = ShardServer(engine, links=node.get_link, config=config, owns_engine=True)
+        start, end = options.layers if options.layers is not None else (0, None)
+        request = LoadRequest(
+            model_path=str(options.model),
+            layer_start=start,
+            layer_end=end,
+            n_ctx=options.ctx,
+            n_seq_max=options.max_sessions,
+            n_threads=options.threads,
+            n_gpu_layers=options.n_gpu_layers,
+            cache_dir=str(options.cache_dir) if options.cache_dir else None,
+        )
+        try:
+            caps = await server.engine_thread.call(engine.load, request)
+            validation = await server.start()
+        except EngineError as exc:
+            await server.aclose()
+            raise ShardServiceError(f"cannot serve {options.model.name}: {exc.detail}") from None
+        except BaseException:
+            await server.aclose()
+            raise
+        if not validation.validated:
+            await server.aclose()
+            raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
+        service = cls(node, server, served_shard(caps, options.model.stem))
+        server.register(node.register_handler)
+        node.set_serving(service.served)
+        node.set_capacity(
+            mesh.Capacity(
+                max_concurrent_sessions=server.worker.max_sessions, max_context_tokens=caps.max_context_tokens
+            )
+        )
+        node.set_load(await server.announced_load())
+        service._refresh = asyncio.get_running_loop().create_task(service._refresh_load(refresh_interval_s))
+        log.info(
+            "serving %s layers [%d, %d) of %d (%s, %s), validated",
+            service.served.model_name,
+            caps.layer_start,
+            caps.layer_end,
+            caps.total_layers,
+            caps.backend,
+            caps.device,
+        )
+        return service
+
+    async def _refresh_load(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.node.set_load(await self.server.announced_load())
+
+    async def aclose(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh
+        self.node.set_serving(None)
+        await self.server.aclose()
+
+
+__all__ = [
+    "ServingNode",
+    "ShardService",
+    "ShardServiceError",
+    "ShardServiceOptions",
+    "served_shard",
+]

@@ -1,0 +1,649 @@
+"""The caller's side of a shard session over any :class:`~meshnode.transport.base.PeerLink`.
+
+:class:`ShardSession` is the asyncio edge of the sans-IO
+:class:`~meshnode.dataplane.client.SessionClient`: it is what a head (or a worker
+forwarding to its next hop) uses. It depends only on the link abstraction, so it
+runs unchanged over QUIC, a relay channel or the in-process loopback::
+
+    async with ShardSession.open(
+        link,                                   # or: lambda: node.get_link(peer_id)
+        fingerprint=served.fingerprint,
+        shard_range=make_range(0, 3),
+        downstream=[make_hop(tail_id, 3, 6, 3)],
+        sampling=GREEDY,
+        return_logits=False,
+    ) as session:
+        first = await session.prefill(prompt_tokens, deadline_ns=time.time_ns() + 10**10)
+        token = first.token
+        for position in range(len(prompt_tokens), limit):
+            token = (await session.decode(token, position=position)).token
+
+Behaviour:
+
+- Units are pipelined: start several ``decode``/``submit_*`` calls at once and
+  they go out as credit allows; each result is its own future.
+- A lost stream (reset, link closed, a peer that breaks the protocol) is
+  re-opened, on the same link or on a new one when ``links`` is a factory, and
+  every unanswered unit goes out again as the same bytes (same idempotency step
+  and work id), so a worker that already applied it answers a duplicate.
+  After ``max_reconnects`` consecutive failed streams the session is abandoned.
+- Errors are typed: a worker's refusal raises
+  :class:`~meshnode.wire.errors.ShardProtocolError` with its exact code; a peer
+  that is gone raises :class:`~meshnode.dataplane.errors.SessionTransportError`
+  (a unit with a deadline fails that way shortly after its deadline).
+- :meth:`ShardSession.cancel` goes out of band by default (a fresh SHARD_CANCEL
+  stream), so it reaches a worker even when this session's stream is wedged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.interface import GREEDY, SamplingParams
+from meshnode.dataplane import rpc
+from meshnode.dataplane.actions import ForwardWork
+from meshnode.dataplane.client import (
+    ClientConfig,
+    PeerRefusal,
+    SessionClient,
+    SessionFailed,
+    SessionNotReady,
+    SessionReady,
+    UnitDone,
+    UnitFailed,
+)
+from meshnode.dataplane.errors import SessionTransportError
+from meshnode.dataplane.payload import HIDDEN_STATES, LOGITS, TOKEN_IDS
+from meshnode.dataplane.route import make_route
+from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.transport.base import RESET_CANCELLED, PeerLink
+from meshnode.transport.framed import FramedStream
+from meshnode.wire.errors import MeshnodeError, ShardProtocolError
+from meshnode.wire.framing import StreamType, encode_frame
+from meshnode.wire.pb import shard
+from meshnode.wire.tensor_codec import WireTensor
+
+log = logging.getLogger("meshnode.dataplane.session")
+
+LinkFactory = Callable[[], Awaitable[PeerLink]]
+LinkSource = PeerLink | LinkFactory
+
+SECOND_NS = 1_000_000_000
+# Frames below this are joined into one write (one QUIC frame); larger ones are written as they are.
+_JOIN_BELOW_BYTES = 64 * 1024
+
+
+def default_client_config() -> ClientConfig:
+    # The grace lets the worker's own DEADLINE_EXCEEDED win over a local "no answer".
+    return ClientConfig(answer_grace_ns=SECOND_NS // 4)
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    open_timeout_s: float = 10.0
+    # Consecutive streams that may fail (open or die before SessionAccepted) before giving up.
+    max_reconnects: int = 3
+    reconnect_backoff_s: float = 0.05
+    unary_timeout_s: float = rpc.DEFAULT_UNARY_TIMEOUT_S
+
+
+# ---------------------------------------------------------------------------- results
+
+
+class StepOutput:
+    """What the worker (through its route) returned for one unit."""
+
+    __slots__ = ("_tensors", "done")
+
+    def __init__(self, done: UnitDone) -> None:
+        self.done = done
+        self._tensors: dict[str, WireTensor] | None = None
+
+    @property
+    def step(self) -> int:
+        return self.done.step
+
+    @property
+    def work_id(self) -> str:
+        return self.done.work_id
+
+    @property
+    def duplicate(self) -> bool:
+        """The worker had already applied this step and answered from its replay record."""
+        return self.done.duplicate
+
+    @property
+    def cache_result(self) -> shard.CacheResult:
+        return self.done.cache_result
+
+    @property
+    def tensors(self) -> dict[str, WireTensor]:
+        """The result tensors, decoded and checksum-verified on first access."""
+        if self._tensors is None:
+            self._tensors = self.done.tensors()
+        return self._tensors
+
+    @property
+    def token(self) -> int | None:
+        """The tail's sampled token (None for a non-final prefill chunk or a hidden-state hop)."""
+        tensor = self.tensors.get(TOKEN_IDS)
+        return None if tensor is None else int(tensor.array[0])
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        """The tail's last-position logits, when the route asked for them."""
+        tensor = self.tensors.get(LOGITS)
+        return None if tensor is None else tensor.as_float32()
+
+    @property
+    def hidden(self) -> np.ndarray | None:
+        """A non-tail route end's hidden states, float32 ``[n, hidden]``."""
+        tensor = self.tensors.get(HIDDEN_STATES)
+        return None if tensor is None else tensor.as_float32()
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    chunks: list[StepOutput]
+
+    @property
+    def token(self) -> int | None:
+        return self.chunks[-1].token
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        return self.chunks[-1].logits
+
+    @property
+    def hidden(self) -> np.ndarray | None:
+        parts = [c.hidden for c in self.chunks]
+        if any(p is None for p in parts):
+            return None
+        return np.concatenate(parts)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class UnitHandle:
+    """One submitted unit; ``await handle`` gives its :class:`StepOutput` or raises its error."""
+
+    unit_id: int
+    future: asyncio.Future[StepOutput]
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # Mark a failure as seen: a caller that abandoned a handle must not get a loop warning.
+    if not future.cancelled():
+        future.exception()
+
+
+# ---------------------------------------------------------------------------- the session
+
+
+class ShardSession:
+    """One route session toward one peer. Create with :meth:`open` (waits for the worker to accept)
+    or :meth:`create` (connects in the background; units queue until the session is accepted)."""
+
+    def __init__(
+        self, links: LinkSource, client: SessionClient, options: SessionOptions | None = None
+    ) -> None:
+        self.client = client
+        self.options = options or SessionOptions()
+        self._links = links
+        self._loop = asyncio.get_running_loop()
+        self._futures: dict[int, asyncio.Future[StepOutput]] = {}
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._ready.add_done_callback(_retrieve)
+        self._link: PeerLink | None = links if isinstance(links, PeerLink) else None
+        self._framed: FramedStream | None = None
+        self._signals: list[bytes] = []
+        self._writing = False
+        self._flush_task: asyncio.Task[None] | None = None
+        self._demand = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: int | None = None
+        self._failures = 0
+        self._closed = False
+        self.error: MeshnodeError | None = None
+        self._task = self._loop.create_task(self._run())
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(
+        cls,
+        links: LinkSource,
+        *,
+        fingerprint: shard.Fingerprint,
+        shard_range: shard.ShardRange,
+        route: dataplane.SessionRoute | None = None,
+        downstream: Sequence[dataplane.RouteHop] = (),
+        sampling: SamplingParams = GREEDY,
+        boundary_dtype: int = shard.DTYPE_FLOAT32,
+        compression: int = shard.COMPRESSION_NONE,
+        return_logits: bool = False,
+        route_session_id: str | None = None,
+        route_epoch: int = 1,
+        first_step: int = 1,
+        config: ClientConfig | None = None,
+        options: SessionOptions | None = None,
+    ) -> ShardSession:
+        """A session that connects in the background. ``route`` (the SessionRoute first frame) is
+        built from ``downstream``/``sampling``/``boundary_dtype``/``compression``/``return_logits``
+        unless given. ``route_session_id`` defaults to a fresh random id."""
+        if route is None:
+            route = make_route(
+                list(downstream),
+                sampling=sampling,
+                boundary_dtype=boundary_dtype,
+                compression=compression,
+                return_logits=return_logits,
+            )
+        client = SessionClient(
+            route_session_id=route_session_id or uuid.uuid4().hex,
+            route_epoch=route_epoch,
+            fingerprint=fingerprint,
+            shard_range=shard_range,
+            route=route,
+            config=config or default_client_config(),
+            first_step=first_step,
+        )
+        return cls(links, client, options)
+
+    @classmethod
+    def open(cls, links: LinkSource, **kwargs: Any) -> _Opening:
+        """``await ShardSession.open(...)`` or ``async with ShardSession.open(...) as session``:
+        returns once the worker accepted the session; raises its refusal (e.g.
+        FINGERPRINT_MISMATCH) or SessionTransportError. Arguments as :meth:`create`."""
+        return _Opening(lambda: cls.create(links, **kwargs))
+
+    async def wait_ready(self) -> None:
+        try:
+            async with asyncio.timeout(self.options.open_timeout_s):
+                await asyncio.shield(self._ready)
+        except TimeoutError:
+            self._abandon(SessionTransportError("the session was not accepted in time"))
+            raise SessionTransportError("the session was not accepted in time") from None
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def route_session_id(self) -> str:
+        return self.client.route_session_id
+
+    @property
+    def route_epoch(self) -> int:
+        return self.client.route_epoch
+
+    @property
+    def flow(self) -> shard.FlowControl | None:
+        """The limits negotiated at open (None before the first SessionAccepted)."""
+        return self.client.flow
+
+    @property
+    def next_step(self) -> int:
+        return self.client.next_step
+
+    @property
+    def closed(self) -> bool:
+        """Closed by us, or over (terminal refusal, transport given up): create a new session."""
+        return self._closed or self.client.failed is not None
+
+    @property
+    def link(self) -> PeerLink | None:
+        return self._link
+
+    # ------------------------------------------------------------------ work
+
+    def submit_prefill(
+        self,
+        inputs: np.ndarray | Sequence[int],
+        *,
+        first_position: int = 0,
+        deadline_ns: int = 0,
+    ) -> list[UnitHandle]:
+        """Chunk a prefill within the negotiated limits (needs the session accepted)."""
+        ids = self.client.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
+        return self._submitted(ids)
+
+    def submit_decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> UnitHandle:
+        return self._submitted(
+            [self.client.submit_decode(value, position=position, deadline_ns=deadline_ns)]
+        )[0]
+
+    def submit_forward(self, work: ForwardWork) -> UnitHandle:
+        """A unit a forwarding worker passes on with its own step and work id."""
+        return self._submitted([self.client.submit_forward(work)])[0]
+
+    def retry(self, handle: UnitHandle | int) -> UnitHandle:
+        """Send a failed unit again as the same bytes (same idempotency step and work id)."""
+        unit_id = handle if isinstance(handle, int) else handle.unit_id
+        self.client.retry(unit_id)
+        return self._submitted([unit_id])[0]
+
+    async def prefill(
+        self, inputs: np.ndarray | Sequence[int], *, first_position: int = 0, deadline_ns: int = 0
+    ) -> PrefillOutput:
+        """Run a prefill (tokens for a head hop, float32 ``[n, hidden]`` otherwise); raises the first
+        chunk's error."""
+        await self.wait_ready()
+        handles = self.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
+        return PrefillOutput([await handle for handle in handles])
+
+    async def decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> StepOutput:
+        """One token at ``position`` (the route's caches must hold ``position`` tokens)."""
+        unit_id = self.client.submit_decode(value, position=position, deadline_ns=deadline_ns)
+        (handle,) = self._submitted([unit_id], kick=False)
+        # The hot path: write from this task rather than waking a writer task.
+        await self._flush()
+        return await handle
+
+    async def cancel(self, work_id: str = "", *, reason: str = "", out_of_band: bool = True) -> int | None:
+        """Cancel every unit (or only ``work_id``). Units not sent yet fail here as CANCELLED; sent
+        ones fail when the worker's CANCELLED statuses arrive. Out of band (default) it returns how
+        many units the worker abandoned; in band it returns None."""
+        if not out_of_band:
+            self._signals.append(self.client.cancel_signal(work_id, reason))
+            self._after()
+            return None
+        request = self.client.cancel_request(work_id, reason)
+        self._after()
+        return await rpc.send_cancel(
+            await self._current_link(), request, timeout=self.options.unary_timeout_s
+        )
+
+    async def release(self, *, out_of_band: bool = False) -> bool | None:
+        """Ask the worker (and the route behind it) to drop this session's state."""
+        if not out_of_band:
+            self._signals.append(self.client.release_signal())
+            self._after()
+            return None
+        request = self.client.release_request()
+        return await rpc.send_release(
+            await self._current_link(), request, timeout=self.options.unary_timeout_s
+        )
+
+    async def aclose(self, *, release: bool = True, timeout: float = 2.0) -> None:
+        """End the session: a best-effort in-band release (when ``release``), then finish the stream.
+        Units still unanswered fail with SessionTransportError."""
+        if self._closed:
+            return
+        if release and self._framed is not None and self.client.accepted:
+            self._signals.append(self.client.release_signal())
+            try:
+                async with asyncio.timeout(timeout):
+                    if self._flush_task is not None:
+                        await asyncio.shield(self._flush_task)
+                    await self._flush()
+            except (TimeoutError, MeshnodeError, OSError):
+                pass
+        self._closed = True
+        self._cancel_timer()
+        framed, self._framed = self._framed, None
+        self._task.cancel()
+        flusher = self._flush_task
+        if flusher is not None:
+            flusher.cancel()
+        await asyncio.gather(self._task, *([flusher] if flusher else []), return_exceptions=True)
+        if framed is not None:
+            # The stream may already be gone: nothing to finish then.
+            with contextlib.suppress(Exception):
+                framed.finish()
+        self._abandon(SessionTransportError("the session was closed"))
+
+    def abort(self) -> None:
+        """Drop the session at once (no release): reset the stream, fail every unanswered unit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel_timer()
+        self._task.cancel()
+        if self._flush_task is not None:
+            self._flush_task.cancel()
+        framed, self._framed = self._framed, None
+        _reset_quietly(framed)
+        self._abandon(SessionTransportError("the session was aborted"))
+
+    # ------------------------------------------------------------------ internals: units
+
+    def _submitted(self, unit_ids: Iterable[int], *, kick: bool = True) -> list[UnitHandle]:
+        handles = []
+        for unit_id in unit_ids:
+            future: asyncio.Future[StepOutput] = self._loop.create_future()
+            future.add_done_callback(_retrieve)
+            self._futures[unit_id] = future
+            handles.append(UnitHandle(unit_id, future))
+        if kick:
+            self._after()
+        else:
+            self._dispatch()
+        if self._framed is None:
+            self._demand.set()
+        return handles
+
+    def _after(self) -> None:
+        """After anything touched the client: settle futures, send what credit allows, re-arm time."""
+        self._dispatch()
+        if (
+            self._framed is not None
+            and not self._writing
+            and (self._signals or self.client.can_send)
+            and (self._flush_task is None or self._flush_task.done())
+        ):
+            self._flush_task = self._loop.create_task(self._flush())
+        self._schedule_timer()
+
+    def _dispatch(self) -> None:
+        for event in self.client.events():
+            kind = type(event)
+            if kind is UnitDone:
+                future = self._futures.pop(event.unit_id, None)  # type: ignore[union-attr]
+                if future is not None and not future.done():
+                    future.set_result(StepOutput(event))  # type: ignore[arg-type]
+            elif kind is UnitFailed:
+                future = self._futures.pop(event.unit_id, None)  # type: ignore[union-attr]
+                if future is not None and not future.done():
+                    future.set_exception(event.error)  # type: ignore[union-attr]
+            elif kind is SessionReady:
+                self._failures = 0
+                if not self._ready.done():
+                    self._ready.set_result(None)
+            elif kind is SessionFailed:
+                self.error = event.error  # type: ignore[union-attr]
+                if not self._ready.done():
+                    self._ready.set_exception(event.error)  # type: ignore[union-attr]
+            elif kind is PeerRefusal:
+                log.debug("session %s: the worker refused a signal: %s", self.route_session_id, event.error)  # type: ignore[union-attr]
+
+    def _abandon(self, error: MeshnodeError) -> None:
+        self.client.abandon(error)
+        self._dispatch()
+        self._cancel_timer()
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._futures.clear()
+
+    # ------------------------------------------------------------------ internals: time
+
+    def _schedule_timer(self) -> None:
+        when = self.client.next_timer()
+        if when == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = None
+        if when is not None and not self._closed:
+            self._timer = self._loop.call_later(max(0.0, (when - time.time_ns()) / 1e9), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.client.tick(time.time_ns())
+        self._after()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None
+
+    # ------------------------------------------------------------------ internals: the stream
+
+    async def _current_link(self) -> PeerLink:
+        if self._link is not None and not self._link.is_closed:
+            return self._link
+        if isinstance(self._links, PeerLink):
+            raise SessionTransportError(f"the link is closed ({self._links.description})")
+        try:
+            self._link = await self._links()
+        except (MeshnodeError, ConnectionError, OSError, TimeoutError) as exc:
+            raise SessionTransportError(f"no link to the worker: {exc or type(exc).__name__}") from None
+        return self._link
+
+    async def _flush(self) -> None:
+        """Write pending signals and whatever units the credit allows; one writer at a time."""
+        if self._writing:
+            return
+        self._writing = True
+        framed = self._framed
+        try:
+            while framed is not None and framed is self._framed:
+                bodies, self._signals = self._signals, []
+                bodies += self.client.requests_to_send()
+                self._dispatch()  # an oversize unit fails as it is taken
+                if not bodies:
+                    return
+                await _write_frames(framed, bodies)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # The reader notices the reset and re-opens; the units already taken go out again.
+            log.debug("session %s: write failed: %s", self.route_session_id, exc)
+            _reset_quietly(framed)
+        finally:
+            self._writing = False
+            self._schedule_timer()
+
+    async def _run(self) -> None:
+        """Keep a stream open while there is work; re-open it after a failure."""
+        opened_once = False
+        while not self._closed and self.client.failed is None:
+            if opened_once and not self.client.outstanding and not self._signals:
+                # Nothing owed: re-open lazily, when work arrives.
+                self._demand.clear()
+                await self._demand.wait()
+                continue
+            opened_once = True
+            reason = await self._one_stream()
+            if self._closed or self.client.failed is not None:
+                return
+            self._failures += 1
+            self.client.stream_lost()
+            self._dispatch()
+            if self._failures > self.options.max_reconnects:
+                log.info("session %s: giving up on the worker: %s", self.route_session_id, reason)
+                self._abandon(SessionTransportError(f"the worker is unreachable: {reason}"))
+                return
+            await asyncio.sleep(self.options.reconnect_backoff_s * self._failures)
+
+    async def _one_stream(self) -> str:
+        """Open a stream, serve it until it ends; returns why it ended."""
+        framed: FramedStream | None = None
+        try:
+            link = await self._current_link()
+            framed = await link.open_stream(StreamType.SHARD_SESSION)
+            route_body, open_body = self.client.start_stream()
+            await _write_frames(framed, [route_body, open_body])
+            self._framed = framed
+            self._after()
+            while True:
+                body = await framed.recv_frame()
+                if body is None:
+                    return "the worker ended the stream"
+                self.client.receive_frame(body, time.time_ns())
+                self._after()
+        except asyncio.CancelledError:
+            raise
+        except SessionNotReady:
+            return "the session is over"
+        except ShardProtocolError as exc:
+            # The peer broke the protocol on this stream: drop it, the units go out again.
+            _reset_quietly(framed)
+            return str(exc)
+        except Exception as exc:
+            _reset_quietly(framed)
+            return str(rpc.transport_error("session stream", exc))
+        finally:
+            if self._framed is framed:
+                self._framed = None
+
+
+class _Opening:
+    """What :meth:`ShardSession.open` returns: awaitable, or an async context manager that closes
+    (and releases) the session on exit."""
+
+    def __init__(self, factory: Callable[[], ShardSession]) -> None:
+        self._factory = factory
+        self._session: ShardSession | None = None
+
+    async def _open(self) -> ShardSession:
+        session = self._factory()
+        try:
+            await session.wait_ready()
+        except BaseException:
+            session.abort()
+            raise
+        self._session = session
+        return session
+
+    def __await__(self) -> Any:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> ShardSession:
+        return await self._open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.aclose()
+
+
+def _reset_quietly(framed: FramedStream | None) -> None:
+    if framed is None:
+        return
+    # Already reset, or the link is gone: nothing left to abort.
+    with contextlib.suppress(Exception):
+        framed.reset(RESET_CANCELLED)
+
+
+async def _write_frames(framed: FramedStream, bodies: list[bytes]) -> None:
+    stream = framed.stream
+    if sum(len(b) for b in bodies) < _JOIN_BELOW_BYTES:
+        await stream.write(b"".join([encode_frame(b) for b in bodies]))
+        return
+    for body in bodies:
+        await framed.send_frame(body)
+
+
+__all__ = [
+    "LinkFactory",
+    "LinkSource",
+    "PrefillOutput",
+    "SessionOptions",
+    "ShardSession",
+    "StepOutput",
+    "UnitHandle",
+    "default_client_config",
+]

@@ -1,0 +1,93 @@
+"""In-process mesh for the data-plane edge: nodes with a real dispatcher, joined by loopback links.
+
+Each :class:`MeshPeer` has an id, a :class:`~meshnode.mesh.dispatcher.Dispatcher`
+that admits every peer, and ``get_link(peer_id)`` that makes (once) a loopback
+link pair to another peer of the same :class:`LoopbackMesh` — the same calls a
+``ShardServer`` and a ``ShardSession`` make on a real ``Node``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
+from meshnode.transport.base import MeshStream, PeerLink
+from meshnode.transport.loopback import LoopbackLink, loopback_link_pair
+from meshnode.wire.framing import StreamType
+
+
+class MeshPeer:
+    def __init__(self, mesh: LoopbackMesh, node_id: bytes) -> None:
+        self.mesh = mesh
+        self.node_id = node_id
+        self.dispatcher = Dispatcher(is_admitted=lambda _peer: True, stream_type_timeout=2.0)
+        self.links: dict[bytes, LoopbackLink] = {}
+        self.streams_accepted = 0
+
+    def register_handler(self, stream_type: StreamType, handler: StreamHandler) -> None:
+        self.dispatcher.register(stream_type, handler)
+
+    async def get_link(self, peer_id: bytes) -> PeerLink:
+        link = self.links.get(peer_id)
+        if link is None or link.is_closed:
+            if peer_id not in self.mesh.peers or self.mesh.peers[peer_id].down:
+                raise ConnectionError(f"peer {peer_id[:4].hex()} is unreachable")
+            link, _ = self.mesh.connect(self, self.mesh.peers[peer_id])
+        return link
+
+    # LinkHandler
+    def link_established(self, link: PeerLink) -> None:
+        self.links[link.peer_id] = link  # type: ignore[assignment]
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        self.streams_accepted += 1
+        self.dispatcher.accept(stream)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        if self.links.get(link.peer_id) is link:
+            del self.links[link.peer_id]
+
+    @property
+    def down(self) -> bool:
+        return self.mesh.down.get(self.node_id, False)
+
+    def kill(self) -> None:
+        """Like a SIGKILL: every link closes, nothing more is accepted."""
+        self.mesh.down[self.node_id] = True
+        for link in list(self.links.values()):
+            link.close("peer killed")
+
+    async def aclose(self) -> None:
+        await self.dispatcher.aclose()
+
+
+class LoopbackMesh:
+    def __init__(self, *, stream_window: int = 1024 * 1024, connection_window: int = 4 * 1024 * 1024) -> None:
+        self.peers: dict[bytes, MeshPeer] = {}
+        self.down: dict[bytes, bool] = {}
+        self.stream_window = stream_window
+        self.connection_window = connection_window
+
+    def add(self, index: int) -> MeshPeer:
+        peer = MeshPeer(self, bytes([index]) * 32)
+        self.peers[peer.node_id] = peer
+        return peer
+
+    def connect(self, a: MeshPeer, b: MeshPeer) -> tuple[LoopbackLink, LoopbackLink]:
+        return loopback_link_pair(
+            a.node_id,
+            b.node_id,
+            a,
+            b,
+            stream_window=self.stream_window,
+            connection_window=self.connection_window,
+        )
+
+    async def aclose(self) -> None:
+        for peer in self.peers.values():
+            for link in list(peer.links.values()):
+                link.close("mesh closed")
+        await asyncio.gather(*(p.aclose() for p in self.peers.values()))
+
+
+__all__ = ["LoopbackMesh", "MeshPeer"]
