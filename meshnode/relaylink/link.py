@@ -81,6 +81,17 @@ class RelayChannelStream(MeshStream):
         self._link.sweep(self._channel)
         self._link.flush()
 
+    def close(self) -> None:
+        """Finish, and discard whatever the peer still sends (its credit is returned)."""
+        self.finish()
+        link = self._link
+        if link.is_closed:
+            return
+        self.recv.fail(StreamError("stream closed"))
+        link.mux.stop_reading(self._channel)
+        link.sweep(self._channel)
+        link.flush()
+
     def reset(self, error_code: int) -> None:
         link = self._link
         if link.is_closed:

@@ -99,6 +99,8 @@ class _Channel:
     consumed: int = 0
     fin_received: bool = False
     reset: bool = False
+    # The application stopped reading: data is consumed on arrival, credit returned.
+    discarding: bool = False
 
 
 @dataclass
@@ -188,6 +190,16 @@ class ChannelMux:
             self._grant_stream(state)
             self._maybe_forget(state)
         self._grant_link()
+
+    def stop_reading(self, channel: int) -> None:
+        """The application is done reading ``channel``: drop what is unread and whatever still arrives."""
+        state = self._channels.get(channel)
+        if state is None or state.discarding:
+            return
+        state.discarding = True
+        self._release_unread(state)
+        self._grant_stream(state)
+        self._maybe_forget(state)
 
     def close(self, reason: str) -> None:
         """Close the link: tell the peer once; every channel is gone."""
@@ -283,7 +295,10 @@ class ChannelMux:
             raise MuxError("peer exceeded the link window")
         state.received = end
         self._link_received += len(data)
-        if data:
+        if state.discarding:
+            self._release_unread(state)
+            self._grant_stream(state)
+        elif data:
             events.append(ChannelData(channel, data))
         return events
 

@@ -204,3 +204,17 @@ def test_malformed_records_are_violations() -> None:
         high.receive(2, b"\x77" + b"\0" * 8)
     with pytest.raises(MuxError):
         high.receive(0, b"\x10")
+
+
+def test_stop_reading_returns_credit_for_unread_and_later_data() -> None:
+    low, high = pair(stream_window=1000, link_window=1000)
+    channel = low.open_channel()
+    assert low.write(channel, b"x" * 1000) == 1000
+    pump(low, high)
+    high.stop_reading(channel)  # nobody will read the 1000 bytes
+    assert CreditGranted() in pump(high, low)
+    assert low.send_credit(channel) == 1000
+    low.write(channel, b"y" * 1000)
+    assert pump(low, high) == []  # discarded on arrival, not delivered...
+    assert CreditGranted() in pump(high, low)  # ...and the credit comes straight back
+    assert low.send_credit(channel) == 1000
