@@ -38,6 +38,7 @@ from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
 from meshnode.mesh.errors import MeshRefusal, RemoteRefusal, refusal_from_reset_code
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
+from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.rules import (
     LinkCandidate,
     PeerDownAction,
@@ -207,6 +208,7 @@ class Node:
         self.relay_links: RelayLinks | None = None
         self.started_at = time.time()
         self.gossip_refusals: dict[str, int] = {}
+        self._refusal_log = RateLimitedLog(log)
         self._links: dict[bytes, PeerLink] = {}
         self._exchanged: dict[PeerLink, asyncio.Future[None]] = {}
         self._dials: dict[bytes, asyncio.Task[PeerLink]] = {}
@@ -470,11 +472,8 @@ class Node:
         done = asyncio.get_running_loop().create_future()
         self._exchanged[link] = done
         try:
-            stream = await link.open_stream(StreamType.GOSSIP)
-            frame = self.state.gossip_frame(link.peer_id)
-            await stream.send_frame(frame.SerializeToString())
-            stream.finish()
-            data = await _recv_or_refusal(stream, self.config.gossip_timeout)
+            frame = self.state.gossip_frame(link.peer_id).SerializeToString()
+            data = await request(link, StreamType.GOSSIP, frame, self.config.gossip_timeout)
             if data is None:
                 raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "gossip stream ended without a reply")
             was_member = self.state.is_member
@@ -510,7 +509,9 @@ class Node:
             )
         except MeshRefusal as refusal:
             self.gossip_refusals[refusal.code_name] = self.gossip_refusals.get(refusal.code_name, 0) + 1
-            log.info("refused gossip from %s: %s", short_id(peer_id), refusal.detail)
+            self._refusal_log.log(
+                logging.INFO, "refused gossip from %s: %s", short_id(peer_id), refusal.detail
+            )
             await stream.send_frame(self.state.refusal_frame(refusal).SerializeToString())
             return
         if outcome.newly_admitted:
@@ -609,12 +610,8 @@ class Node:
         try:
             async with asyncio.timeout(self.config.probe_timeout):
                 link = await self.get_link(peer_id)
-                stream = await link.open_stream(StreamType.PROBE)
-                await stream.send_frame(
-                    mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
-                )
-                stream.finish()
-                data = await _recv_or_refusal(stream, None)
+                probe = mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
+                data = await request(link, StreamType.PROBE, probe, None)
         except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError):
             return False
         if data is None:
@@ -636,11 +633,7 @@ class Node:
         report = mesh.PeerDown(peer_id=peer_id, gen=NODE_PROTOCOL_GENERATION).SerializeToString()
 
         async def tell(link: PeerLink) -> None:
-            async with asyncio.timeout(self.config.gossip_timeout):
-                stream = await link.open_stream(StreamType.PEER_DOWN)
-                await stream.send_frame(report)
-                stream.finish()
-                await _recv_or_refusal(stream, None)
+            await request(link, StreamType.PEER_DOWN, report, self.config.gossip_timeout)
 
         links = [link for pid, link in self._links.items() if pid != peer_id and not link.is_closed]
         await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
@@ -672,22 +665,16 @@ class Node:
         validate_peer_leaving(notice)
         action = resolve_peer_leaving(leaving_id=bytes(notice.peer_id), authenticated_peer_id=stream.peer_id)
         if action is PeerLeavingAction.REJECT_FORGED:
-            log.warning(
-                "rejected forged PeerLeaving from %s naming %s",
-                short_id(stream.peer_id),
-                short_id(bytes(notice.peer_id)),
-            )
-            raise MeshRefusal(mesh.MESH_ERROR_SENDER_MISMATCH, "PeerLeaving names another node")
+            # Logged (rate-limited) by the dispatcher with the stream refusal.
+            named = short_id(bytes(notice.peer_id))
+            raise MeshRefusal(mesh.MESH_ERROR_SENDER_MISMATCH, f"forged PeerLeaving naming {named}")
         self._drop(stream.peer_id, "left the mesh", close_link=False)
 
     async def _send_leaving(self, link: PeerLink) -> None:
         notice = mesh.PeerLeaving(peer_id=self.node_id, gen=NODE_PROTOCOL_GENERATION).SerializeToString()
         try:
-            async with asyncio.timeout(self.config.leave_timeout):
-                stream = await link.open_stream(StreamType.PEER_LEAVING)
-                await stream.send_frame(notice)
-                stream.finish()
-                await _recv_or_refusal(stream, None)  # the peer finishes once it dropped us
+            # The peer ends the stream once it has dropped us.
+            await request(link, StreamType.PEER_LEAVING, notice, self.config.leave_timeout)
         except (StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
             log.debug(
                 "PeerLeaving to %s not confirmed: %s", short_id(link.peer_id), exc or type(exc).__name__
@@ -829,15 +816,28 @@ def _serving_json(announcement: mesh.PeerAnnouncement) -> dict[str, Any] | None:
     }
 
 
-async def _recv_or_refusal(stream: FramedStream, timeout: float | None) -> bytes | None:
-    """Read a reply frame, turning a mesh reset code into the peer's :class:`RemoteRefusal`."""
-    try:
-        return await stream.recv_frame(timeout)
-    except StreamReset as exc:
-        refusal = refusal_from_reset_code(exc.error_code)
-        if refusal is not None:
-            raise refusal from None
-        raise
+async def request(
+    link: PeerLink, stream_type: StreamType, body: bytes, timeout: float | None
+) -> bytes | None:
+    """One request frame on a fresh stream and its one reply frame (``None``: ended without one).
+
+    A reset carrying a mesh error code raises the peer's :class:`RemoteRefusal`; the
+    whole exchange is bounded by ``timeout``. The stream is closed afterwards, so
+    anything more the peer sends is discarded, not buffered.
+    """
+    async with asyncio.timeout(timeout):
+        stream = await link.open_stream(stream_type)
+        try:
+            await stream.send_frame(body)
+            stream.finish()
+            return await stream.recv_frame()
+        except StreamReset as exc:
+            refusal = refusal_from_reset_code(exc.error_code)
+            if refusal is not None:
+                raise refusal from None
+            raise
+        finally:
+            stream.close()
 
 
 def query_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:

@@ -8,8 +8,8 @@ an exception escaping into the transport; the link stays up.
 Handlers are ``async def handler(stream: FramedStream) -> None``. They may raise
 :class:`~meshnode.mesh.errors.MeshRefusal` (the stream is reset with its code),
 ``TimeoutError`` (reset as READ_TIMEOUT) or a framing error (FRAME_TOO_LARGE /
-MALFORMED). When a handler returns, the dispatcher finishes the stream if the
-handler did not.
+MALFORMED). When a handler returns, the dispatcher closes the stream: finishes
+it if the handler did not, and discards whatever the peer sends after that.
 """
 
 from __future__ import annotations
@@ -21,19 +21,15 @@ from dataclasses import dataclass
 
 from meshnode.identity import short_id
 from meshnode.mesh.errors import MeshRefusal, reset_code
+from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.rules import stream_allowed_before_admission
-from meshnode.transport.base import MeshStream, StreamError
+from meshnode.transport.base import RESET_CANCELLED, MeshStream, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.errors import FrameTooLarge, FramingError, UnknownStreamType
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
 
 log = logging.getLogger("meshnode.mesh.dispatcher")
-
-# A peer sending garbage must not flood the log: at most this many refusal lines
-# per window, then a count.
-_LOG_BURST = 20
-_LOG_WINDOW_S = 10.0
 
 StreamHandler = Callable[[FramedStream], Awaitable[None]]
 
@@ -58,9 +54,8 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_concurrent = max_concurrent_streams
         self.refusals: dict[str, int] = {}
-        self._log_window_start = 0.0
-        self._log_lines = 0
-        self._log_suppressed = 0
+        # A peer sending garbage must not flood the log.
+        self._refusal_log = RateLimitedLog(log)
 
     def register(
         self, stream_type: StreamType, handler: StreamHandler, *, before_admission: bool = False
@@ -107,11 +102,13 @@ class Dispatcher:
                 raise MeshRefusal(mesh.MESH_ERROR_FRAME_TOO_LARGE, str(exc)) from None
             except FramingError as exc:
                 raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, str(exc)) from None
-            framed.finish()
+            framed.close()
         except MeshRefusal as refusal:
             self._refuse(stream, refusal)
         except StreamError:
-            pass  # the peer reset the stream or the link went away: nothing to answer
+            # The peer reset the stream or the link went away: nothing to answer, but
+            # end our direction too so the stream's state is released.
+            stream.reset(RESET_CANCELLED)
         except asyncio.CancelledError:
             stream.reset(reset_code(mesh.MESH_ERROR_INTERNAL))
             raise
@@ -122,16 +119,7 @@ class Dispatcher:
     def _refuse(self, stream: MeshStream, refusal: MeshRefusal) -> None:
         self.refusals[refusal.code_name] = self.refusals.get(refusal.code_name, 0) + 1
         stream.reset(refusal.reset_code)
-        now = asyncio.get_running_loop().time()
-        if now - self._log_window_start > _LOG_WINDOW_S:
-            if self._log_suppressed:
-                log.info("refused %d more streams (not logged)", self._log_suppressed)
-            self._log_window_start, self._log_lines, self._log_suppressed = now, 0, 0
-        if self._log_lines < _LOG_BURST:
-            self._log_lines += 1
-            log.info("refused stream from %s: %s", short_id(stream.peer_id), refusal)
-        else:
-            self._log_suppressed += 1
+        self._refusal_log.log(logging.INFO, "refused stream from %s: %s", short_id(stream.peer_id), refusal)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):

@@ -73,6 +73,16 @@ class MeshStream(abc.ABC):
     def reset(self, error_code: int) -> None:
         """Abort both directions; the peer's reads and writes raise ``StreamReset(error_code)``."""
 
+    def close(self) -> None:
+        """Done with the stream: finish our direction (if still open) and stop reading.
+
+        Whatever the peer still sends is discarded and its flow-control credit
+        released, so a peer cannot pin a link's receive window with bytes nobody
+        will read. Call it when a stream's conversation is over. Implementations
+        with receive buffers override this; the default only finishes.
+        """
+        self.finish()
+
 
 class PeerLink(abc.ABC):
     """All streams to one authenticated peer."""

@@ -87,6 +87,10 @@ class FramedStream:
     def reset(self, error_code: int) -> None:
         self.stream.reset(error_code)
 
+    def close(self) -> None:
+        """Finish and stop reading (see :meth:`MeshStream.close`)."""
+        self.stream.close()
+
     async def _fill(self) -> None:
         data, self._pending = self._pending or await self.stream.read(READ_CHUNK), b""
         if not data:

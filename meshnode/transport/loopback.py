@@ -61,6 +61,14 @@ class LoopbackStream(MeshStream):
             self._announce()
             remote.recv.feed_eof()
 
+    def close(self) -> None:
+        self.finish()
+        self._link.unread -= self.recv.fail(StreamError("stream closed"))
+        remote = self._remote_or_none()
+        if remote is not None and remote._send_error is None:
+            remote._send_error = StreamReset(0)  # what STOP_SENDING does to the peer's writes
+            self._link.remote_link().progress.notify()
+
     def reset(self, error_code: int) -> None:
         self._abort(StreamReset(error_code, by_peer=False))
         remote = self._remote_or_none()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from meshnode.wire.framing import ALPN
 log = logging.getLogger("meshnode.transport.quic")
 
 _WRITE_CHUNK = 256 * 1024
+_MAX_CONCURRENT_RESOLVES = 4
 # QUIC error code for application-initiated closes that carry a reason phrase.
 _CLOSE_APPLICATION = 0x0
 
@@ -110,6 +112,19 @@ class QuicMeshStream(MeshStream):
         self._link.transmit_soon()
         self._link.maybe_forget(self)
 
+    def close(self) -> None:
+        link = self._link
+        self.finish()
+        if link.is_closed:
+            return
+        if not self.recv_done:
+            with contextlib.suppress(ValueError):
+                link.quic.stop_stream(self._id, 0)
+            link.transmit_soon()
+        link.dropped(self, self.recv.fail(StreamError("stream closed")))
+        self.recv_done = True
+        link.maybe_forget(self)
+
     def reset(self, error_code: int) -> None:
         link = self._link
         if link.is_closed:
@@ -156,7 +171,10 @@ class QuicLink(PeerLink):
         self._closed = asyncio.Event()
         self._terminated = False
         self._streams: dict[int, QuicMeshStream] = {}
-        self._highest_peer_stream = -1
+        # Peer-opened bidirectional streams seen so far: every id below _next_unseen,
+        # plus those in _seen_ahead (streams can surface out of order after loss).
+        self._next_unseen = 1 if initiated_locally else 0
+        self._seen_ahead: set[int] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_handle: asyncio.Handle | None = None
@@ -274,7 +292,7 @@ class QuicLink(PeerLink):
                 stream.recv_done = True
                 self.maybe_forget(stream)
         elif isinstance(event, events.StopSendingReceived):
-            stream = self._streams.get(event.stream_id)
+            stream = self._stream_for(event.stream_id)
             if stream is not None and stream.send_error is None:
                 stream.send_error = StreamReset(event.error_code)
                 self.maybe_forget(stream)
@@ -297,17 +315,27 @@ class QuicLink(PeerLink):
             return stream
         client_initiated = stream_id & 1 == 0
         peer_initiated = client_initiated != self.initiated_locally
-        unidirectional = bool(stream_id & 2)
-        if not peer_initiated or stream_id <= self._highest_peer_stream or self.is_closed:
-            return None  # a stream already forgotten, or one we never opened
-        self._highest_peer_stream = stream_id
-        if unidirectional or not self.peer_id:
-            self.quic.stop_stream(stream_id, 0)
+        if not peer_initiated or self.is_closed:
+            return None  # one of ours, already forgotten
+        if stream_id & 2 or not self.peer_id:
+            self.quic.stop_stream(stream_id, 0)  # mesh-llm/1 has no unidirectional streams
             return None
+        if not self._first_sight(stream_id):
+            return None  # served and forgotten already
         stream = QuicMeshStream(self, stream_id)
         self._streams[stream_id] = stream
         self.endpoint.handler.stream_accepted(self, stream)
         return stream
+
+    def _first_sight(self, stream_id: int) -> bool:
+        """True once per peer stream. Memory stays bounded by the peer's stream limit."""
+        if stream_id < self._next_unseen or stream_id in self._seen_ahead:
+            return False
+        self._seen_ahead.add(stream_id)
+        while self._next_unseen in self._seen_ahead:
+            self._seen_ahead.remove(self._next_unseen)
+            self._next_unseen += 4
+        return True
 
     def _authenticate(self, event: events.HandshakeCompleted) -> None:
         peer_key = self.quic.peer_public_key()
@@ -383,6 +411,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._family = socket.AF_INET
+        self._resolving = asyncio.Semaphore(_MAX_CONCURRENT_RESOLVES)
 
     @classmethod
     async def listen(
@@ -413,12 +442,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         """Connect to ``host:port`` and authenticate it as ``expected_peer_id``."""
         if self._transport is None or self._transport.is_closing():
             raise DialError("endpoint closed")
-        host, port = parse_host_port(address)
-        try:
-            infos = await self.loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
-        except OSError as exc:
-            raise DialError(f"cannot resolve {address}: {exc.strerror or exc}") from None
-        addr = cast(tuple[str, int], infos[0][4][:2])
+        addr = await self._resolve(address)
         quic = MeshQuicConnection(
             configuration=self._client_config,
             stream_window=self.settings.stream_window,
@@ -439,6 +463,22 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         except DialError:
             raise
         return link
+
+    async def _resolve(self, address: str) -> tuple[str, int]:
+        host, port = parse_host_port(address)
+        try:
+            ipaddress.ip_address(host)
+            return host, port
+        except ValueError:
+            pass
+        # getaddrinfo runs in the default executor and cannot be cancelled: bound how
+        # many names (announced by peers, possibly bogus) can tie it up at once.
+        try:
+            async with self._resolving, asyncio.timeout(self.settings.handshake_timeout):
+                infos = await self.loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+        except (OSError, TimeoutError) as exc:
+            raise DialError(f"cannot resolve {address}: {exc or type(exc).__name__}") from None
+        return cast(tuple[str, int], infos[0][4][:2])
 
     def close(self) -> None:
         for link in list(self._links):

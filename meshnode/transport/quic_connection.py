@@ -12,7 +12,9 @@ that moves them fails loudly instead of silently weakening the node:
    that key (CertificateVerify), so the key *is* the authenticated node id.
    Session tickets are never configured: a resumed session would skip certificates.
 
-2. **Receive flow control driven by the application.** aioquic doubles a
+2. **No frames for streams beyond the peer's stream limit** (see the methods below).
+
+3. **Receive flow control driven by the application.** aioquic doubles a
    stream's and the connection's receive window whenever half of it is used,
    whether or not anyone read the data, so a peer can make the receiver buffer
    without bound. Here credit is granted only for bytes the application consumed:
@@ -108,6 +110,20 @@ class MeshQuicConnection(QuicConnection):
         if not isinstance(key, Ed25519PublicKey):
             return None
         return public_key_bytes(key)
+
+    # -- streams beyond the peer's stream limit ---------------------------------
+    # aioquic writes RESET_STREAM and STOP_SENDING even for a stream still blocked
+    # by the peer's MAX_STREAMS, which opens it past the limit: the peer closes the
+    # whole connection ("Too many streams open"). Hold those frames until the stream
+    # is unblocked; the pending flags stay set, so they go out then.
+
+    def _write_reset_stream_frame(self, builder: Any, stream: Any) -> None:
+        if not stream.is_blocked:
+            super()._write_reset_stream_frame(builder=builder, stream=stream)
+
+    def _write_stop_sending_frame(self, builder: Any, stream: Any) -> None:
+        if not stream.is_blocked:
+            super()._write_stop_sending_frame(builder=builder, stream=stream)
 
     # -- send backlog ---------------------------------------------------------
 

@@ -350,3 +350,14 @@ async def test_a_crashed_node_is_dropped_after_probing_by_everyone(tmp_path, fir
     finally:
         crashed._stopped = True
         await second.shutdown()
+
+
+async def test_streams_the_peer_abandons_do_not_exhaust_the_connection(first):
+    async with RawPeer() as peer:
+        link = await peer.connect(first)
+        for _ in range(200):  # more than the 128 streams a QUIC peer may have open at once
+            stream = await link.open_raw_stream()
+            await stream.write(bytes([StreamType.GOSSIP]) + (100).to_bytes(4, "little") + b"partial")
+            stream.reset(0x1)  # in the same packet as the data: the node sees STOP_SENDING first
+        assert (await route_table(link)).mesh_id == first.mesh_id
+        await eventually(lambda: not any(link._streams for link in first.endpoint.links))

@@ -167,3 +167,53 @@ async def test_closing_a_link_tells_both_sides():
         await eventually(lambda: accepted.is_closed)
         assert ep.a_rec.closed[-1][1] == "done here"
         assert "done here" in ep.b_rec.closed[-1][1]
+
+
+async def test_peer_streams_are_recognised_once_even_out_of_order():
+    async with Endpoints() as ep:
+        _link, accepted = await ep.link()  # accepted: the server side, so peer streams are 0, 4, 8...
+        assert [accepted._first_sight(i) for i in (8, 0, 4, 8, 0, 12, 4)] == [
+            True,
+            True,
+            True,
+            False,
+            False,
+            True,
+            False,
+        ]
+        assert accepted._seen_ahead == set()  # nothing held once the gap closed
+
+
+async def test_closing_a_stream_discards_what_the_peer_still_sends():
+    async with Endpoints(SMALL) as ep:
+        link, accepted = await ep.link()
+        stream = await link.open_raw_stream()
+        writer = asyncio.create_task(stream.write(b"q" * (4 * WINDOW)))
+        remote = await ep.b_rec.next_stream()
+        await remote.read()
+        remote.close()  # done with it: stop reading
+        with pytest.raises(StreamReset) as info:
+            await asyncio.wait_for(writer, 10)  # STOP_SENDING ends the writer instead of stalling it
+        assert info.value.error_code == 0
+        await eventually(lambda: accepted.quic.app_unread == 0)
+        assert await asyncio.wait_for(stream.read(), 5) == b""  # our reply side was finished cleanly
+
+
+async def test_many_streams_reset_by_the_peer_do_not_use_up_the_stream_limit():
+    async with Endpoints() as ep:
+        link, _accepted = await ep.link()
+
+        async def reset_all():
+            while True:
+                (await ep.b_rec.next_stream(timeout=10)).reset(0x7)
+
+        resetter = asyncio.create_task(reset_all())
+        try:
+            for _ in range(300):  # well past aioquic's 128 concurrent streams
+                stream = await link.open_raw_stream()
+                await stream.write(b"x")
+                stream.finish()
+                with pytest.raises(StreamReset):
+                    await asyncio.wait_for(stream.read(), 5)
+        finally:
+            resetter.cancel()

@@ -47,6 +47,7 @@ async def test_frames_round_trip_with_the_stream_type(pair):
     await accepted.send_frame(b"reply")
     accepted.finish()
     assert await opened.recv_frame(1.0) == b"reply"
+    assert rec_a.accepted == []  # a reply does not look like a new stream to the opener
 
 
 async def test_writer_waits_while_the_peer_does_not_read(pair):
