@@ -1,0 +1,62 @@
+"""`meshnode relay` (through the CLI registry) and `python -m relay`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshnode.cli import main
+
+
+def test_show_id_creates_a_private_key_once_and_prints_a_stable_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data_dir = tmp_path / "relay"
+    assert main(["relay", "--show-id", "--data-dir", str(data_dir)]) == 0
+    first = capsys.readouterr().out.strip()
+    assert len(bytes.fromhex(first)) == 32
+    (key_file,) = data_dir.iterdir()
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert main(["relay", "--show-id", "--data-dir", str(data_dir)]) == 0
+    assert capsys.readouterr().out.strip() == first
+
+
+def test_relay_needs_a_mesh(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["relay", "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0"]) == 2
+    assert "--mesh" in capsys.readouterr().err
+
+
+def test_keepalive_over_the_nat_timeout_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["relay", "--data-dir", str(tmp_path), "--mesh", "m", "--keepalive", "30"])
+
+
+@pytest.mark.slow
+def test_python_m_relay_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relay",
+            "--listen",
+            "127.0.0.1:0",
+            "--mesh",
+            "abc",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("relay id: ")
+        assert process.stdout.readline().startswith("relay listening on 127.0.0.1:")
+        process.terminate()
+        assert process.wait(timeout=10) == 0
+    finally:
+        process.kill()
