@@ -156,6 +156,9 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--layers", type=parse_layers, metavar="A:B", help="layer range to serve (default: all)"
     )
+    model.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
+    model.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
+    model.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
     timing.add_argument("--heartbeat-interval", type=_positive, default=5.0, help="gossip period (default 5)")
     timing.add_argument("--gossip-timeout", type=_positive, default=3.0, help="wait for a gossip reply (3)")
@@ -195,14 +198,31 @@ def _locked_data_dir(args: argparse.Namespace) -> DataDir:
 
 
 async def _serve(node: Node, args: argparse.Namespace) -> int:
-    if args.model is not None:
-        try:
-            node.set_serving(describe_served_model(args.model, args.layers))
-        except ValueError as exc:
-            raise CliError(str(exc), code=2) from None
-    elif args.layers is not None:
-        raise CliError("--layers needs --model", code=2)
-    return await run_node(node)
+    if args.model is None:
+        if args.layers is not None:
+            raise CliError("--layers needs --model", code=2)
+        return await run_node(node)
+    try:
+        describe_served_model(args.model, args.layers)  # refuses a bad file or range before loading
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
+    from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
+
+    options = ShardServiceOptions(
+        model=args.model,
+        layers=args.layers,
+        n_gpu_layers=args.n_gpu_layers,
+        threads=args.threads,
+        ctx=args.ctx,
+    )
+    try:
+        service = await ShardService.start(node, options, refresh_interval_s=args.heartbeat_interval)
+    except ShardServiceError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        return await run_node(node)
+    finally:
+        await service.aclose()
 
 
 # -- commands -------------------------------------------------------------------------------

@@ -142,6 +142,8 @@ class _Unit:
     state: _State = _State.PENDING
     body: bytes | None = None
     attempts: int = 0
+    # When it was last sent (0: the edge did not say); the answer grace counts from here too.
+    sent_ns: int = 0
     result: shard.TensorBundle | None = None
 
 
@@ -403,8 +405,11 @@ class SessionClient:
 
     # ------------------------------------------------------------------ sending
 
-    def requests_to_send(self) -> list[bytes]:
-        """Bodies of the requests the current credit allows, in order; each moves to in flight."""
+    def requests_to_send(self, now_ns: int = 0) -> list[bytes]:
+        """Bodies of the requests the current credit allows, in order; each moves to in flight.
+
+        ``now_ns`` is when they leave: a unit sent after its deadline still gets the answer grace,
+        so the worker's own DEADLINE_EXCEEDED can reach the caller."""
         bodies: list[bytes] = []
         flow = self.flow
         while self._accepted and self._pending and self._unacked < self._window:
@@ -422,6 +427,7 @@ class SessionClient:
                 )
                 continue
             unit.state = _State.SENT
+            unit.sent_ns = now_ns
             unit.attempts += 1
             self._sent[unit.step] = unit
             self._unacked += 1
@@ -629,7 +635,7 @@ class SessionClient:
                 )
         grace = self.config.answer_grace_ns
         for unit in self._sent.values():
-            if unit.state is _State.SENT and unit.deadline_ns and now_ns >= unit.deadline_ns + grace:
+            if unit.state is _State.SENT and unit.deadline_ns and now_ns >= _given_up_at(unit, grace):
                 unit.state = _State.ABANDONED
                 self._events.append(
                     UnitFailed(
@@ -641,7 +647,7 @@ class SessionClient:
         deadlines = [u.deadline_ns for u in self._pending if u.deadline_ns]
         grace = self.config.answer_grace_ns
         deadlines.extend(
-            u.deadline_ns + grace for u in self._sent.values() if u.deadline_ns and u.state is _State.SENT
+            _given_up_at(u, grace) for u in self._sent.values() if u.deadline_ns and u.state is _State.SENT
         )
         return min(deadlines, default=None)
 
@@ -669,6 +675,10 @@ class SessionClient:
         self._sent.clear()
         self._pending.clear()
         self._events.append(SessionFailed(error))
+
+
+def _given_up_at(unit: _Unit, grace_ns: int) -> int:
+    return max(unit.deadline_ns, unit.sent_ns) + grace_ns if grace_ns else unit.deadline_ns
 
 
 __all__ = [

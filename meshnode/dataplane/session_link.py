@@ -522,7 +522,7 @@ class ShardSession:
         try:
             while framed is not None and framed is self._framed:
                 bodies, self._signals = self._signals, []
-                bodies += self.client.requests_to_send()
+                bodies += self.client.requests_to_send(time.time_ns())
                 self._dispatch()  # an oversize unit fails as it is taken
                 if not bodies:
                     return

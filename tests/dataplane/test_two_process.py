@@ -1,0 +1,362 @@
+"""Acceptance: a two-shard llama.cpp chain driven like the head will, over real QUIC between two
+``meshnode`` processes and over the in-process loopback transport, by the same test code.
+
+The client opens a session to the ``[0, 3)`` worker with a route naming the
+``[3, 6)`` worker downstream, so activations flow worker to worker; the route
+asks for the tail's logits, which are compared with an unsplit in-process
+llama.cpp engine fed the same prefill chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.interface import GREEDY, SessionKey, StepRequest
+from engines.llama_engine import LlamaShardEngine
+from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
+from meshnode.dataplane import rpc
+from meshnode.dataplane.client import ClientConfig
+from meshnode.dataplane.errors import SessionTransportError
+from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
+from meshnode.wire.errors import ShardProtocolError
+from meshnode.wire.pb import shard
+
+from .chain_fixtures import (
+    SPLIT,
+    ChainUnderTest,
+    LoopbackChain,
+    QuicCluster,
+    load_engine,
+    quic_chain,
+    serving_peer,
+)
+from .loopback_mesh import LoopbackMesh
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SECOND = 1_000_000_000
+CHUNK_TOKENS = 16
+PROMPT_TOKENS = 40  # three chunks: 16 + 16 + 8
+DECODE_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def whole_model(tiny_model: Path) -> Iterator[LlamaShardEngine]:
+    engine = load_engine(tiny_model, 0, TINY_N_LAYERS)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(whole_model: LlamaShardEngine) -> list[int]:
+    vocab = whole_model.capabilities().vocab_size
+    return [int(t) for t in np.random.default_rng(5).integers(3, vocab, size=PROMPT_TOKENS)]
+
+
+def run_unsplit(
+    engine: LlamaShardEngine, prompt: list[int], forced: list[int] | None = None
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and logits of the whole model, prefilled in the chunks the client sends.
+    With ``forced``, each decode step is fed ``forced[i]`` instead of the model's own token."""
+    key = SessionKey(uuid.uuid4().hex, 0)
+    chunks = [prompt[i : i + CHUNK_TOKENS] for i in range(0, len(prompt), CHUNK_TOKENS)]
+    position = 0
+    for index, chunk in enumerate(chunks):
+        final = index == len(chunks) - 1
+        result = engine.prefill(
+            StepRequest(
+                session=key,
+                first_position=position,
+                token_ids=tuple(chunk),
+                sampling=GREEDY if final else None,
+                want_logits=final,
+            )
+        )
+        position += len(chunk)
+    tokens, logits = [int(result.token_id)], [result.logits]  # type: ignore[arg-type]
+    for step in range(DECODE_STEPS):
+        fed = tokens[-1] if forced is None else forced[step]
+        result = engine.decode(
+            StepRequest(
+                session=key,
+                first_position=position,
+                token_ids=(fed,),
+                expected_past_len=position,
+                sampling=GREEDY,
+                want_logits=True,
+            )
+        )
+        tokens.append(int(result.token_id))  # type: ignore[arg-type]
+        logits.append(result.logits)
+        position += 1
+    engine.release(key)
+    return tokens, logits  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def unsplit(whole_model: LlamaShardEngine, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
+    return run_unsplit(whole_model, prompt)
+
+
+# ---------------------------------------------------------------------------- the chain, two ways
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[QuicCluster]:
+    cluster = QuicCluster(tmp_path_factory.mktemp("cluster"), tiny_model)
+    try:
+        cluster.start_shard("head", 0, SPLIT)
+        cluster.start_shard("tail", SPLIT, TINY_N_LAYERS)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def loopback_engines(tiny_model: Path) -> Iterator[tuple[LlamaShardEngine, LlamaShardEngine]]:
+    head, tail = load_engine(tiny_model, 0, SPLIT), load_engine(tiny_model, SPLIT, TINY_N_LAYERS)
+    yield head, tail
+    head.close()
+    tail.close()
+
+
+@pytest.fixture(params=["quic", "loopback"])
+async def chain(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ChainUnderTest]:
+    if request.param == "quic":
+        cluster: QuicCluster = request.getfixturevalue("cluster")
+        node = await cluster.client_node(tmp_path / "client")
+        try:
+            yield await quic_chain(node)
+        finally:
+            await node.shutdown()
+    else:
+        head, tail = request.getfixturevalue("loopback_engines")
+        loopback = LoopbackChain(head, tail)
+        try:
+            yield await loopback.start()
+        finally:
+            await loopback.aclose()
+
+
+def chunked() -> ClientConfig:
+    flow = shard.FlowControl(max_prefill_chunk_tokens=CHUNK_TOKENS)
+    return ClientConfig(proposed_flow_control=flow, answer_grace_ns=default_client_config().answer_grace_ns)
+
+
+async def generate(
+    session: ShardSession, prompt: list[int], forced: list[int] | None = None
+) -> tuple[list[int], list[np.ndarray]]:
+    first = await session.prefill(prompt)
+    assert len(first.chunks) == 3
+    tokens, logits = [first.token], [first.logits]
+    position = len(prompt)
+    for step in range(DECODE_STEPS):
+        fed = tokens[-1] if forced is None else forced[step]
+        output = await session.decode(fed, position=position)
+        tokens.append(output.token)
+        logits.append(output.logits)
+        position += 1
+    return tokens, logits  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------- acceptance
+
+
+async def test_a_float32_split_chain_gives_the_unsplit_models_logits(
+    chain: ChainUnderTest, prompt: list[int], unsplit: tuple[list[int], list[np.ndarray]]
+) -> None:
+    async with chain.open(return_logits=True, config=chunked()) as session:
+        tokens, logits = await generate(session, prompt)
+    expected_tokens, expected_logits = unsplit
+    assert tokens == expected_tokens
+    assert len(logits) == DECODE_STEPS + 1
+    for got, want in zip(logits, expected_logits, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+async def test_a_bfloat16_boundary_reports_agreement_and_logit_error(
+    chain: ChainUnderTest,
+    prompt: list[int],
+    unsplit: tuple[list[int], list[np.ndarray]],
+    record_property: pytest.RecordProperty,
+) -> None:
+    expected_tokens, expected_logits = unsplit
+    # Teacher-forced with the unsplit model's tokens, so every position compares like with like.
+    async with chain.open(
+        return_logits=True, boundary_dtype=shard.DTYPE_BFLOAT16, config=chunked()
+    ) as session:
+        tokens, logits = await generate(session, prompt, forced=expected_tokens)
+    agreement = sum(a == b for a, b in zip(tokens, expected_tokens, strict=True)) / len(tokens)
+    # Largest error relative to each position's logit scale (per-element ratios explode near zero).
+    error = max(
+        float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        for got, want in zip(logits, expected_logits, strict=True)
+    )
+    record_property("bf16_greedy_agreement", agreement)
+    record_property("bf16_max_relative_logit_error", error)
+    print(
+        f"[{chain.transport}] bfloat16 boundary: greedy agreement {agreement:.3f}, max relative logit error {error:.2e}"
+    )
+    assert 0 < error < 0.05  # it really rounded, and only a little
+    assert agreement >= 0.9
+
+
+async def test_a_duplicated_decode_step_is_a_duplicate_and_the_output_stays_identical(
+    chain: ChainUnderTest, prompt: list[int], unsplit: tuple[list[int], list[np.ndarray]]
+) -> None:
+    expected_tokens, expected_logits = unsplit
+    async with chain.open(return_logits=True, config=chunked()) as session:
+        assert (await session.prefill(prompt)).token == expected_tokens[0]
+        position = len(prompt)
+        first = await session.decode(expected_tokens[0], position=position)
+        assert first.token == expected_tokens[1] and not first.duplicate
+        # The same step again on another stream of the same session, as after a lost answer:
+        # same idempotency step, same work id.
+        duplicate_sender = await chain.open(
+            return_logits=True,
+            route_session_id=session.route_session_id,
+            first_step=first.step,
+            config=chunked(),
+        )
+        try:
+            again = await duplicate_sender.decode(expected_tokens[0], position=position)
+        finally:
+            await duplicate_sender.aclose(release=False)
+        assert again.duplicate and again.step == first.step and again.work_id == first.work_id
+        assert again.token == first.token
+        np.testing.assert_array_equal(again.logits, first.logits)
+        # The caches advanced once: the following steps are still the unsplit model's.
+        token = first.token
+        for step in range(1, 6):
+            output = await session.decode(token, position=position + step)
+            assert output.token == expected_tokens[step + 1]
+            np.testing.assert_array_equal(output.logits, expected_logits[step + 1])
+            token = output.token
+
+
+async def test_a_deadline_already_past_is_refused(chain: ChainUnderTest, prompt: list[int]) -> None:
+    async with chain.open(config=chunked()) as session:
+        with pytest.raises(ShardProtocolError) as failure:
+            await session.prefill(prompt, deadline_ns=time.time_ns() - SECOND)
+        assert failure.value.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
+        assert not failure.value.retryable
+        assert failure.value.detail == "deadline passed before the unit finished"  # refused by the worker
+
+
+async def test_an_out_of_band_cancel_interrupts_a_sender_blocked_on_credits(
+    chain: ChainUnderTest, whole_model: LlamaShardEngine
+) -> None:
+    vocab = whole_model.capabilities().vocab_size
+    long_prompt = [int(t) for t in np.random.default_rng(9).integers(3, vocab, size=400)]
+    flow = shard.FlowControl(max_prefill_chunk_tokens=8, max_inflight_chunks=1, credits_granted=1)
+    async with chain.open(config=ClientConfig(proposed_flow_control=flow)) as session:
+        handles = session.submit_prefill(long_prompt)
+        assert len(handles) == 50
+        await handles[0]
+        # One chunk in flight, the other 48 wait for credit that only the worker's answers return.
+        assert session.client.pending >= 47
+        cancelled = await session.cancel(reason="client went away")
+        assert cancelled in (0, 1)  # the chunk in flight, if it was still running
+        outcomes = []
+        for handle in handles[1:]:
+            try:
+                await handle
+                outcomes.append("done")
+            except ShardProtocolError as error:
+                outcomes.append(shard.ErrorCode.Name(error.code))
+        # At most the chunk already in flight got through; everything behind it was cancelled.
+        assert outcomes[1:] == ["ERROR_CODE_CANCELLED"] * 48
+        assert outcomes[0] in ("done", "ERROR_CODE_CANCELLED")
+        # The workers hold only what ran before the cancel.
+        with pytest.raises(ShardProtocolError) as failure:
+            await session.decode(5, position=len(long_prompt))
+        assert failure.value.code == shard.ERROR_CODE_CACHE_MISS
+        assert failure.value.actual_past_len <= 16
+
+
+async def test_capability_reports_the_validated_range(chain: ChainUnderTest) -> None:
+    link = await chain.links()  # type: ignore[misc]
+    report = await rpc.get_capability(link)
+    assert report.validated and report.validated_at_unix_nanos > 0
+    assert (report.shard_range.start_layer, report.shard_range.end_layer) == (0, SPLIT)
+    assert report.fingerprint == chain.fingerprint
+    health = await rpc.get_health(link)
+    assert health.state == shard.SERVING_STATE_SERVING and health.resident_bytes > 0
+
+
+# ---------------------------------------------------------------------------- a worker that dies
+
+
+@pytest.fixture(params=["quic", "loopback"])
+async def doomed(
+    request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path
+) -> AsyncIterator[tuple[ChainUnderTest, object]]:
+    """A single worker serving the whole model, and a function that kills it like SIGKILL."""
+    if request.param == "quic":
+        cluster: QuicCluster = request.getfixturevalue("cluster")
+        process = cluster.start_shard(f"doomed-{uuid.uuid4().hex[:6]}", 0, TINY_N_LAYERS)
+        node = await cluster.client_node(tmp_path / "client")
+        try:
+            worker_id, fingerprint = await serving_peer(node, 0, TINY_N_LAYERS)
+
+            async def link() -> object:
+                return await node.get_link(worker_id)
+
+            yield ChainUnderTest("quic", link, worker_id, b"", fingerprint), process.kill
+        finally:
+            process.kill()
+            await node.shutdown()
+    else:
+        engine = load_engine(tiny_model, 0, TINY_N_LAYERS)
+        loopback = LoopbackMesh()
+        client, worker = loopback.add(1), loopback.add(2)
+        from meshnode.dataplane.server import ShardServer
+
+        server = ShardServer(engine, links=worker.get_link, owns_engine=True)
+        await server.start()
+        server.register(worker.register_handler)
+        try:
+            yield (
+                ChainUnderTest(
+                    "loopback",
+                    lambda: client.get_link(worker.node_id),
+                    worker.node_id,
+                    b"",
+                    server.worker.fingerprint,
+                ),
+                worker.kill,
+            )
+        finally:
+            await server.aclose()
+            await loopback.aclose()
+
+
+async def test_killing_the_worker_mid_session_is_a_transport_error_by_the_deadline(
+    doomed: tuple[ChainUnderTest, object], prompt: list[int]
+) -> None:
+    worker, kill = doomed
+    options = SessionOptions(max_reconnects=1, reconnect_backoff_s=0.05)
+    async with ShardSession.open(
+        worker.links,  # type: ignore[arg-type]
+        fingerprint=worker.fingerprint,
+        shard_range=shard.ShardRange(start_layer=0, end_layer=TINY_N_LAYERS, effective_start_layer=0),
+        options=options,
+    ) as session:
+        first = (await session.prefill(prompt)).token
+        kill()  # type: ignore[operator]
+        # Typed, and by the deadline (plus the client's grace), not at the 30 s transport idle timeout.
+        with pytest.raises(SessionTransportError):
+            async with asyncio.timeout(10):
+                await session.decode(first, position=len(prompt), deadline_ns=time.time_ns() + 2 * SECOND)
