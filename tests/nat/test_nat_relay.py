@@ -7,20 +7,16 @@ the network-namespace lab of ``netns.py``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from nat_mesh import NODE_PORT, RELAY_PORT, Mesh, node_args, peers_of, relay_registered
 from netns import HOME_A, HOME_B, ROUTER_B_WAN, SERVICE_ADDRESS, NatLab, wait_for
 
 from meshnode.identity import short_id
-from meshnode.node import query_status
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]
-
-NODE_PORT = 7447
-RELAY_PORT = 7448
 
 DIRECT_DIAL = """
 import asyncio, sys
@@ -45,93 +41,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-class Mesh:
-    """The processes of one scenario and their logs (shown when something fails)."""
-
-    def __init__(self, lab: NatLab, root: Path) -> None:
-        self.lab = lab
-        self.root = root
-        self.logs: dict[str, Path] = {}
-        self.relay: subprocess.Popen[bytes] | None = None
-
-    def dir(self, name: str) -> Path:
-        path = self.root / name
-        path.mkdir(mode=0o700, exist_ok=True)
-        return path
-
-    def spawn(
-        self, name: str, role: str, argv: list[str], stdin: str | None = None
-    ) -> subprocess.Popen[bytes]:
-        log = self.root / f"{name}.log"
-        self.logs[name] = log
-        process = self.lab.spawn(role, argv, log=log, stdin=subprocess.PIPE if stdin is not None else None)
-        if stdin is not None:
-            assert process.stdin is not None
-            process.stdin.write(stdin.encode() + b"\n")
-            process.stdin.close()
-        return process
-
-    def start_relay(self, mesh_id: str) -> None:
-        name = f"relay-{sum(1 for n in self.logs if n.startswith('relay'))}"
-        self.relay = self.spawn(
-            name,
-            "pub",
-            [
-                sys.executable,
-                "-m",
-                "relay",
-                "--listen",
-                f"{SERVICE_ADDRESS}:{RELAY_PORT}",
-                "--mesh",
-                mesh_id,
-                "--data-dir",
-                str(self.dir("r")),
-                "--keepalive",
-                "5",
-            ],
-        )
-        wait_for(lambda: b"relay listening" in self.logs[name].read_bytes(), 20, "the relay to listen")
-
-    def status(self, name: str) -> dict | None:
-        try:
-            return query_status(self.root / name, timeout=2.0)
-        except OSError:
-            return None
-
-    def dump(self) -> str:
-        return "\n".join(
-            f"--- {name} ---\n{log.read_text(errors='replace')[-4000:]}" for name, log in self.logs.items()
-        )
-
-
-def node_args(command: str, data_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "meshnode",
-        command,
-        "--data-dir",
-        str(data_dir),
-        "--listen",
-        f"0.0.0.0:{NODE_PORT}",
-        "--not-directly-reachable",
-        "--heartbeat-interval",
-        "0.5",
-        "--log-level",
-        "debug",
-        *extra,
-    ]
-
-
-def peers_of(status: dict | None) -> dict[str, dict]:
-    return {peer["id"]: peer for peer in (status or {}).get("peers", [])}
-
-
-def relay_registered(status: dict | None) -> bool:
-    relays = (status or {}).get("node", {}).get("relays", [])
-    return bool(relays) and all(relay["registered"] for relay in relays)
 
 
 def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(

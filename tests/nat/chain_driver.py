@@ -1,0 +1,154 @@
+"""Drives the two-shard chain from inside the NAT lab (run by ``test_nat_chain.py``).
+
+    python tests/nat/chain_driver.py DATA_DIR INVITE_FILE OUT.npz PROMPT [--stop-relay PID --at STEP]
+
+Joins the mesh with the invite as a client node (a member that serves nothing),
+finds the ``[0, 3)`` and ``[3, 6)`` shards in its peer table, opens a session to
+the first with a route naming the second downstream and asking for the tail's
+logits, prefills PROMPT (comma-separated token ids, 16-token chunks) and runs
+the decode steps. Every hop between the client and the NATed shards, and
+between the shards, goes through the relay.
+
+With ``--stop-relay``, right after submitting decode step ``--at`` it sends
+SIGTERM to the relay process (the step is then in flight through the relay),
+prints ``RELAY-STOPPED``, and completes the step by retrying it with the same
+idempotency step until the relay is back (the test restarts it) and every node
+has re-registered. Writes tokens, logits and what happened to OUT.npz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engines.tiny_model import TINY_N_LAYERS
+from meshnode.dataplane.client import ClientConfig
+from meshnode.dataplane.route import make_hop
+from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
+from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import decode_invite_token
+from meshnode.membership.store import DataDir
+from meshnode.node import Node, NodeConfig
+from meshnode.wire.errors import ShardProtocolError
+from meshnode.wire.pb import shard
+
+SPLIT = 3
+CHUNK_TOKENS = 16
+DECODE_STEPS = 20
+RETRY_WINDOW_S = 60.0
+
+
+async def serving(node: Node, start: int, end: int) -> tuple[bytes, shard.Fingerprint]:
+    async with asyncio.timeout(60):
+        while True:
+            for entry in node.peers():
+                announced = entry.announcement
+                served = announced.serving.shard_range
+                if announced.HasField("serving") and (served.start_layer, served.end_layer) == (start, end):
+                    return entry.peer_id, announced.serving.fingerprint
+            await asyncio.sleep(0.1)
+
+
+async def decode_with_retries(session: ShardSession, handle, on_retry) -> object:
+    """Await a unit; a retryable refusal or a lost route is retried as the same step."""
+    deadline = time.monotonic() + RETRY_WINDOW_S
+    while True:
+        try:
+            return await handle
+        except ShardProtocolError as exc:
+            if not exc.retryable or time.monotonic() > deadline:
+                raise
+            on_retry(f"{shard.ErrorCode.Name(exc.code)}: {exc.detail}")
+            await asyncio.sleep(0.25)
+            handle = session.retry(handle)
+
+
+async def main(args: argparse.Namespace) -> int:
+    prompt = [int(t) for t in args.prompt.split(",")]
+    config = NodeConfig(
+        listen="0.0.0.0:0",
+        heartbeat_interval=0.5,
+        gossip_timeout=3.0,
+        probe_timeout=3.0,
+        connect_timeout=3.0,
+        stream_type_timeout=3.0,
+    )
+    invite = decode_invite_token(Path(args.invite_file).read_text())
+    node = Node(NodeIdentity.generate(), DataDir(Path(args.data_dir)), config, invite=invite)
+    await node.start()
+    retries: list[str] = []
+    try:
+        await node.join()
+        head_id, fingerprint = await serving(node, 0, SPLIT)
+        tail_id, tail_fingerprint = await serving(node, SPLIT, TINY_N_LAYERS)
+        assert tail_fingerprint == fingerprint
+        flow = shard.FlowControl(max_prefill_chunk_tokens=CHUNK_TOKENS)
+        client_config = ClientConfig(
+            proposed_flow_control=flow, answer_grace_ns=default_client_config().answer_grace_ns
+        )
+        links_used = set()
+
+        async def link():
+            current = await node.get_link(head_id)
+            links_used.add(current.description)
+            return current
+
+        async with ShardSession.open(
+            link,
+            fingerprint=fingerprint,
+            shard_range=shard.ShardRange(start_layer=0, end_layer=SPLIT, effective_start_layer=0),
+            downstream=[make_hop(tail_id, SPLIT, TINY_N_LAYERS, SPLIT)],
+            return_logits=True,
+            config=client_config,
+            options=SessionOptions(max_reconnects=40, reconnect_backoff_s=0.1),
+        ) as session:
+            first = await session.prefill(prompt)
+            tokens, logits, duplicates = [first.token], [first.logits], []
+            first_link = session.link
+            position = len(prompt)
+            for step in range(DECODE_STEPS):
+                handle = session.submit_decode(tokens[-1], position=position)
+                if args.stop_relay and step == args.at:
+                    # Let the step leave this node first, so it is in flight through the relay and A.
+                    await asyncio.sleep(args.stop_delay)
+                    os.kill(args.stop_relay, signal.SIGTERM)
+                    print("RELAY-STOPPED", flush=True)
+                output = await decode_with_retries(session, handle, retries.append)
+                tokens.append(output.token)
+                logits.append(output.logits)
+                duplicates.append(bool(output.duplicate))
+                position += 1
+            reconnected = session.link is not first_link
+        np.savez(
+            args.out,
+            tokens=np.array(tokens),
+            logits=np.stack(logits),
+            duplicates=np.array(duplicates),
+            reconnected=np.array(reconnected),
+            retries=np.array(retries, dtype=str),
+            links=np.array(sorted(links_used), dtype=str),
+            dropped=np.array(node.relay_links.frames_dropped if node.relay_links else -1),
+        )
+        print("DONE", flush=True)
+        return 0
+    finally:
+        await node.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("data_dir")
+    parser.add_argument("invite_file")
+    parser.add_argument("out")
+    parser.add_argument("prompt")
+    parser.add_argument("--stop-relay", type=int, default=0)
+    parser.add_argument("--at", type=int, default=0)
+    parser.add_argument("--stop-delay", type=float, default=0.002)
+    sys.exit(asyncio.run(main(parser.parse_args())))
