@@ -10,6 +10,8 @@ the generation (the in-flight step is retried with the same idempotency step).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import uuid
 from pathlib import Path
@@ -38,9 +40,11 @@ def data_plane_missing() -> str | None:
         return f"data plane API missing: {exc}"
     from meshnode.cli import build_parser
 
-    join_help = build_parser()._subparsers._group_actions[0].choices["join"].format_help()  # type: ignore[union-attr]
-    if "--ctx" not in join_help:
-        return "`meshnode join --model ... --ctx` (the data plane's shard serving from the CLI) is missing"
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            build_parser().parse_args(["join", "--model", "m.gguf", "--threads", "1", "--ctx", "512"])
+    except SystemExit:
+        return "`meshnode join --model ... --threads ... --ctx ...` (shard serving from the CLI) is missing"
     return None
 
 
