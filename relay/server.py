@@ -47,6 +47,9 @@ class _Client:
     framed: FramedStream | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Closes a connection the core gave up on even if its writer is stuck behind a client
+    # that stopped reading (the refusal can then never be flushed).
+    close_timer: asyncio.TimerHandle | None = None
 
 
 def load_relay_identity(data_dir: Path) -> tuple[NodeIdentity, bool]:
@@ -62,6 +65,7 @@ class RelayServer:
         policy: RelayPolicy | None = None,
         *,
         quic: QuicSettings | None = None,
+        flush_timeout: float = _FLUSH_TIMEOUT_S,
     ) -> None:
         self.identity = identity
         self.policy = policy or RelayPolicy()
@@ -78,7 +82,7 @@ class RelayServer:
         self._clients: dict[PeerLink, _Client] = {}
         self._by_conn: dict[int, _Client] = {}
         self._housekeeping: asyncio.Task[None] | None = None
-        self._flush_timeout = _FLUSH_TIMEOUT_S
+        self._flush_timeout = flush_timeout
 
     @property
     def relay_id(self) -> bytes:
@@ -142,6 +146,8 @@ class RelayServer:
             return
         self._by_conn.pop(client.conn_id, None)
         self.core.connection_lost(client.conn_id, asyncio.get_running_loop().time())
+        if client.close_timer is not None:
+            client.close_timer.cancel()
         for task in client.tasks:
             task.cancel()
         self._wake()
@@ -209,8 +215,13 @@ class RelayServer:
     def _wake(self) -> None:
         for conn_id in self.core.take_wakeups():
             client = self._by_conn.get(conn_id)
-            if client is not None:
-                client.wake.set()
+            if client is None:
+                continue
+            client.wake.set()
+            if client.close_timer is None and self.core.is_closing(conn_id):
+                client.close_timer = asyncio.get_running_loop().call_later(
+                    2 * self._flush_timeout, client.link.close, "closed by the relay (client not reading)"
+                )
 
     async def _housekeep(self) -> None:
         loop = asyncio.get_running_loop()

@@ -49,7 +49,11 @@ class RelayClientSettings:
     register_timeout: float = 5.0
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
-    quic: QuicSettings = field(default_factory=lambda: QuicSettings(alpn=p.RELAY_ALPN))
+    # A relay that vanishes without closing (crash, network cut) is noticed within idle_timeout;
+    # both sides ping well before it.
+    quic: QuicSettings = field(
+        default_factory=lambda: QuicSettings(alpn=p.RELAY_ALPN, idle_timeout=15.0, keepalive_interval=5.0)
+    )
 
 
 class Backoff:

@@ -53,7 +53,7 @@ async def relay_env(
     policy: RelayPolicy | None = None, quic: QuicSettings | None = None
 ) -> AsyncIterator[RelayEnv]:
     mesh_key = MeshKey.generate()
-    server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id}, policy, quic=quic)
+    server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id}, policy, quic=quic, flush_timeout=0.3)
     await server.start("127.0.0.1", 0)
     env = RelayEnv(server=server, mesh_key=mesh_key, dialers=[])
     try:
@@ -202,6 +202,20 @@ async def test_second_registration_replaces_the_first() -> None:
         assert refused.refused.code == p.REPLACED
         await sa.send(b.node_id, 2, b"to the newest")
         assert (await next_kind(new, "deliver")).deliver.payload == b"to the newest"
+
+
+async def test_a_replaced_client_that_stopped_reading_is_still_closed() -> None:
+    relay_quic = QuicSettings(max_stream_backlog=64 * 1024, max_connection_backlog=64 * 1024)
+    async with relay_env(quic=relay_quic) as env:
+        a, b = env.member(), env.member()
+        sa = await env.session(a)
+        stuck = await env.session(b, quic=QuicSettings(stream_window=64 * 1024, connection_window=64 * 1024))
+        for _ in range(10):  # more than its windows: the relay's writer to it blocks
+            await sa.send(b.node_id, 2, b"x" * 60 * 1024)
+        await asyncio.sleep(0.2)
+        await env.session(b)  # newest wins; the old connection never reads its REPLACED refusal
+        await asyncio.wait_for(stuck.link.wait_closed(), 5)
+        assert "not reading" in stuck.link.close_reason
 
 
 async def test_senders_are_told_when_the_destination_goes_away() -> None:
