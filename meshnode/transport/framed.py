@@ -66,12 +66,13 @@ class FramedStream:
         Raises ``TimeoutError``, :class:`~meshnode.wire.errors.FramingError` (oversized
         prefix, stream ended mid-frame) or a transport ``StreamError``.
         """
-        async with asyncio.timeout(timeout):
-            while not self._frames:
-                if self._eof:
-                    return None
-                await self._fill()
-        return self._frames.popleft()
+        if not self._frames:
+            if timeout is None:  # the hot path: no timer to arm
+                await self._fill_until_frame()
+            else:
+                async with asyncio.timeout(timeout):
+                    await self._fill_until_frame()
+        return self._frames.popleft() if self._frames else None
 
     async def send_frame(self, body: bytes) -> None:
         header = frame_header(len(body), self.max_frame_bytes)  # refuses oversize before any write
@@ -90,6 +91,10 @@ class FramedStream:
     def close(self) -> None:
         """Finish and stop reading (see :meth:`MeshStream.close`)."""
         self.stream.close()
+
+    async def _fill_until_frame(self) -> None:
+        while not self._frames and not self._eof:
+            await self._fill()
 
     async def _fill(self) -> None:
         data, self._pending = self._pending or await self.stream.read(READ_CHUNK), b""

@@ -163,9 +163,17 @@ class MeshQuicConnection(QuicConnection):
         batch = self._stream_window // 4
         return target - current >= batch or current - stream.receiver.highest_offset < batch
 
+    def _connection_credit_target(self) -> int:
+        # `used` counts every byte that arrived; the application has not consumed the
+        # bytes in its buffers (app_unread) nor those aioquic still holds out of order.
+        undelivered = sum(
+            s.receiver.highest_offset - s.receiver.starting_offset() for s in self._streams.values()
+        )
+        return self._local_max_data.used - self.app_unread - undelivered + self._connection_window
+
     def _connection_credit_due(self) -> bool:
         limit = self._local_max_data
-        target = limit.used - self.app_unread + self._connection_window
+        target = self._connection_credit_target()
         if target <= limit.value:
             return False
         batch = self._connection_window // 4
@@ -174,7 +182,7 @@ class MeshQuicConnection(QuicConnection):
     def _write_connection_limits(self, builder: Any, space: Any) -> None:
         limit = self._local_max_data
         if self._connection_credit_due():
-            limit.value = limit.used - self.app_unread + self._connection_window
+            limit.value = self._connection_credit_target()
         # aioquic doubles MAX_DATA when `used` passes half of it; hide `used` so only
         # the application-driven credit above applies.
         used, limit.used = limit.used, 0
