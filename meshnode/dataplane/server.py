@@ -56,6 +56,7 @@ from meshnode.dataplane.unary import (
     parse_unary_request,
     validate_engine,
 )
+from meshnode.dataplane.wake_timer import WakeTimer
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig, WorkerLoad
 from meshnode.mesh.dispatcher import StreamHandler
 from meshnode.mesh.errors import MeshRefusal
@@ -156,8 +157,7 @@ class ShardServer:
         self._downstream: dict[SessionKey, ShardSession] = {}
         self._background: set[asyncio.Task[object]] = set()
         self._running_tokens: dict[int, CancelToken | None] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: int | None = None
+        self._timer = WakeTimer(self._on_timer)
         self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -170,7 +170,7 @@ class ShardServer:
             partial(validate_engine, self.engine, now_ns=time.time_ns())
         )
         self._worker = ShardWorker(capabilities, self.config.worker)
-        self._schedule_timer()
+        self._arm_timer()
         return self.validation
 
     def register(self, register: Register) -> None:
@@ -214,7 +214,7 @@ class ShardServer:
         if self._closing:
             return
         self._closing = True
-        self._cancel_timer()
+        self._timer.cancel()
         if self._worker is not None:
             self._worker.set_serving_state(shard.SERVING_STATE_NOT_SERVING)
         for token in list(self._running_tokens.values()):
@@ -332,7 +332,7 @@ class ShardServer:
                 self._cancel_downstream(action)  # type: ignore[arg-type]
             elif kind is ReleaseDownstream:
                 self._release_downstream(action.session)  # type: ignore[union-attr]
-        self._schedule_timer()
+        self._arm_timer()
 
     def _run_step(self, action: RunStep) -> None:
         self._running_tokens[action.unit_id] = action.request.cancel_token
@@ -406,31 +406,13 @@ class ShardServer:
 
     # ------------------------------------------------------------------ time
 
-    def _schedule_timer(self) -> None:
-        worker = self._worker
-        if worker is None or self._closing:
-            return
-        when = worker.next_timer()
-        if when == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = None
-        if when is not None:
-            self._timer = self._loop.call_later(max(0.0, (when - time.time_ns()) / 1e9), self._on_timer)
+    def _arm_timer(self) -> None:
+        if self._worker is not None:
+            self._timer.arm(self._worker.next_timer())
 
     def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
         if not self._closing:
             self._apply(self.worker.tick(time.time_ns()))
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._timer_at = None
 
 
 async def _quietly(coro: Awaitable[object]) -> None:

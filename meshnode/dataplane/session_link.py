@@ -64,11 +64,12 @@ from meshnode.dataplane.client import (
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.payload import HIDDEN_STATES, LOGITS, TOKEN_IDS
 from meshnode.dataplane.route import make_route
+from meshnode.dataplane.wake_timer import WakeTimer
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.transport.base import RESET_CANCELLED, PeerLink
-from meshnode.transport.framed import FramedStream
+from meshnode.transport.framed import READ_CHUNK, FramedStream
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
-from meshnode.wire.framing import StreamType, encode_frame
+from meshnode.wire.framing import FrameDecoder, StreamType, encode_frame
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import WireTensor
 
@@ -211,8 +212,7 @@ class ShardSession:
         self._writing = False
         self._flush_task: asyncio.Task[None] | None = None
         self._demand = asyncio.Event()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: int | None = None
+        self._timer = WakeTimer(self._on_timer)
         self._failures = 0
         self._closed = False
         self.error: MeshnodeError | None = None
@@ -389,7 +389,7 @@ class ShardSession:
             except (TimeoutError, MeshnodeError, OSError):
                 pass
         self._closed = True
-        self._cancel_timer()
+        self._timer.cancel()
         framed, self._framed = self._framed, None
         self._task.cancel()
         flusher = self._flush_task
@@ -407,7 +407,7 @@ class ShardSession:
         if self._closed:
             return
         self._closed = True
-        self._cancel_timer()
+        self._timer.cancel()
         self._task.cancel()
         if self._flush_task is not None:
             self._flush_task.cancel()
@@ -442,7 +442,7 @@ class ShardSession:
             and (self._flush_task is None or self._flush_task.done())
         ):
             self._flush_task = self._loop.create_task(self._flush())
-        self._schedule_timer()
+        self._timer.arm(self.client.next_timer())
 
     def _dispatch(self) -> None:
         for event in self.client.events():
@@ -469,7 +469,7 @@ class ShardSession:
     def _abandon(self, error: MeshnodeError) -> None:
         self.client.abandon(error)
         self._dispatch()
-        self._cancel_timer()
+        self._timer.cancel()
         for future in self._futures.values():
             if not future.done():
                 future.set_exception(error)
@@ -477,28 +477,9 @@ class ShardSession:
 
     # ------------------------------------------------------------------ internals: time
 
-    def _schedule_timer(self) -> None:
-        when = self.client.next_timer()
-        if when == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = None
-        if when is not None and not self._closed:
-            self._timer = self._loop.call_later(max(0.0, (when - time.time_ns()) / 1e9), self._on_timer)
-
     def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
         self.client.tick(time.time_ns())
         self._after()
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._timer_at = None
 
     # ------------------------------------------------------------------ internals: the stream
 
@@ -535,7 +516,7 @@ class ShardSession:
             _reset_quietly(framed)
         finally:
             self._writing = False
-            self._schedule_timer()
+            self._timer.arm(self.client.next_timer())
 
     async def _run(self) -> None:
         """Keep a stream open while there is work; re-open it after a failure."""
@@ -569,12 +550,15 @@ class ShardSession:
             await _write_frames(framed, [route_body, open_body])
             self._framed = framed
             self._after()
-            while True:
-                body = await framed.recv_frame()
-                if body is None:
-                    return "the worker ended the stream"
-                self.client.receive_frame(body, time.time_ns())
+            # Read the stream directly so that every frame of one read is handled before one _after().
+            stream, decoder = framed.stream, FrameDecoder(expect_stream_type=False)
+            while data := await stream.read(READ_CHUNK):
+                now = time.time_ns()
+                for body in decoder.feed(data):
+                    self.client.receive_frame(body, now)
                 self._after()
+            decoder.end_of_stream()
+            return "the worker ended the stream"
         except asyncio.CancelledError:
             raise
         except SessionNotReady:
