@@ -14,7 +14,9 @@ links) and this process (node A and the load generator), all on uvloop.
    process), each streaming 16 KiB relay frames to its own receiver (a fourth
    process), raw relay sessions without sealing (the relay's own cost), in
    frames/s and MB/s, against one direct QUIC stream from A to B's sink moving
-   the same frames.
+   the same frames. The relay process's CPU share is printed too: on a machine
+   with fewer cores than busy processes, the Python load generators, not the
+   relay, are often the limit.
 """
 
 from __future__ import annotations
@@ -200,11 +202,17 @@ async def run_receivers(mesh_seed: bytes, relay: Endpoint, count: int) -> None:
     await close_sessions(sessions, dialers)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def relay_throughput(
-    mesh_key: MeshKey, relay: Endpoint, clients: int, seconds: float
-) -> tuple[float, float]:
+    mesh_key: MeshKey, relay: Endpoint, clients: int, seconds: float, relay_pid: int
+) -> tuple[float, float, float]:
     """Frames/s and bytes/s delivered with ``clients`` concurrent senders (this process),
-    each streaming to its own receiver (another process)."""
+    each streaming to its own receiver (another process), and the relay's CPU share."""
     receivers = subprocess.Popen(
         [
             sys.executable,
@@ -236,11 +244,12 @@ async def relay_throughput(
     await asyncio.sleep(min(1.0, seconds / 2))  # warm-up
     receivers.stdin.write("start\n")
     receivers.stdin.flush()
-    start = time.perf_counter()
+    start, relay_cpu = time.perf_counter(), cpu_seconds(relay_pid)
     await asyncio.sleep(seconds)
     receivers.stdin.write("stop\n")
     receivers.stdin.flush()
     elapsed = time.perf_counter() - start
+    relay_share = (cpu_seconds(relay_pid) - relay_cpu) / elapsed
     frames = int(await loop.run_in_executor(None, receivers.stdout.readline))
     for task in tasks:
         task.cancel()
@@ -248,7 +257,7 @@ async def relay_throughput(
     await close_sessions(senders, dialers)
     receivers.stdin.close()
     receivers.wait(timeout=10)
-    return frames / elapsed, frames * BULK_FRAME / elapsed
+    return frames / elapsed, frames * BULK_FRAME / elapsed, relay_share
 
 
 def ms(value: float) -> str:
@@ -327,10 +336,13 @@ async def main(args: argparse.Namespace) -> int:
                 f"  direct QUIC, 1 stream: {direct_rate / BULK_FRAME:9.0f} frames/s  {direct_rate / 1e6:7.1f} MB/s  (baseline)"
             )
             for clients in (1, 10, 100):
-                frames_per_s, bytes_per_s = await relay_throughput(mesh_key, relay, clients, args.seconds)
+                frames_per_s, bytes_per_s, relay_cpu = await relay_throughput(
+                    mesh_key, relay, clients, args.seconds, relay_process.pid
+                )
                 print(
                     f"  relay, {clients:3d} sender(s):  {frames_per_s:9.0f} frames/s  {bytes_per_s / 1e6:7.1f} MB/s  "
-                    f"{bytes_per_s / direct_rate:.2f}x direct"
+                    f"{bytes_per_s / direct_rate:.2f}x direct  (relay process at {relay_cpu:.0%} of a core, "
+                    f"{bytes_per_s / 1e6 / max(relay_cpu, 1e-9):.1f} MB per relay CPU-second)"
                 )
             await links.close()
             endpoint.close()

@@ -83,6 +83,8 @@ class RelayServer:
         self._by_conn: dict[int, _Client] = {}
         self._housekeeping: asyncio.Task[None] | None = None
         self._flush_timeout = flush_timeout
+        # Times a client ran ahead of its rate limits and the relay stopped reading from it.
+        self.read_pauses = 0
 
     @property
     def relay_id(self) -> bytes:
@@ -178,6 +180,7 @@ class RelayServer:
                 self._wake()
                 delay = core.read_delay(client.conn_id, loop.time())
                 if delay > 0:
+                    self.read_pauses += 1
                     await asyncio.sleep(delay)
         except FramingError as exc:
             client.link.close(f"{p.relay_code_name(p.MALFORMED)}: {exc}"[:100])

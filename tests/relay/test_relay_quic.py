@@ -192,6 +192,22 @@ async def test_overflowing_a_destination_queue_is_refused_to_the_sender() -> Non
         assert (await next_kind(sc, "deliver")).deliver.payload == b"still forwarding"
 
 
+async def test_a_client_over_its_rate_limit_is_slowed_not_dropped() -> None:
+    policy = RelayPolicy(rate_bytes_per_s=1024 * 1024, burst_bytes=64 * 1024)
+    async with relay_env(policy) as env:
+        a, b = env.member(), env.member()
+        sa, sb = await env.session(a), await env.session(b)
+        frame = p.encode_send(b.node_id, 2, b"z" * 32 * 1024)
+        for _ in range(32):  # 1 MiB at once, ignoring the announced limits (no client-side pacing)
+            await sa.framed.send_frame(frame)
+        got = 0
+        while got < 32:
+            got += (await next_kind(sb, "deliver", timeout=10)).WhichOneof("kind") == "deliver"
+        assert env.server.read_pauses > 0  # the relay stopped reading from A until its bucket refilled
+        assert env.server.core.stats.refused_frames == {}  # ...and refused nothing
+        assert not sa.is_closed
+
+
 async def test_second_registration_replaces_the_first() -> None:
     async with relay_env() as env:
         a, b = env.member(), env.member()
