@@ -155,9 +155,9 @@ class RelayLinks:
             return link
         future = self._pending.get(key)
         if future is None:
+            sealer = self._sealer(key)
             future = asyncio.get_running_loop().create_future()
             self._pending[key] = future
-            sealer = self._sealer(key)
             try:
                 client.send(peer_id, CONTROL_CHANNEL, sealer.start())
             except StreamError as exc:
