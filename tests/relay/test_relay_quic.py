@@ -332,11 +332,15 @@ async def test_relayed_link_carries_framed_streams_both_ways() -> None:
 
 
 class TamperingCore(RelayCore):
-    """A relay that flips one bit in (or duplicates) sealed payloads it forwards."""
+    """A relay that flips one bit in, or delivers twice, the next sealed stream payload it forwards."""
 
     mode = "off"
+    _again: tuple[int, bytes] | None = None
 
     def next_frame(self, conn_id: int) -> bytes | None:
+        if self._again is not None and self._again[0] == conn_id:
+            body, self._again = self._again[1], None
+            return body
         body = super().next_frame(conn_id)
         if body is None or self.mode == "off":
             return body
@@ -345,16 +349,13 @@ class TamperingCore(RelayCore):
             return body
         if message.deliver.channel == 0:
             return body  # leave link control alone; tamper with stream data
-        if self.mode == "flip":
+        mode, self.mode = self.mode, "off"
+        if mode == "flip":
             payload = bytearray(message.deliver.payload)
             payload[-5] ^= 0x10
             message.deliver.payload = bytes(payload)
-            self.mode = "off"
             return message.SerializeToString()
-        if self.mode == "replay":
-            self.replayed = body
-            self.mode = "inject"
-            return body
+        self._again = (conn_id, body)  # "replay": the same frame goes out again right after
         return body
 
 
@@ -391,18 +392,19 @@ async def test_frame_replayed_by_the_relay_is_rejected() -> None:
         try:
             link = await la.open_link(b.node_id)
             stream = await link.open_stream(StreamType.PROBE)
+            await stream.send_frame(b"warm-up")
+            assert await stream.recv_frame(5) == b"warm-up"
+            before = lb.frames_dropped
             env.server.core.mode = "replay"
             await stream.send_frame(b"once")
             assert await stream.recv_frame(5) == b"once"
-            replayed = p.decode_server_message(env.server.core.replayed).deliver
-            before = lb.frames_dropped
-            # Re-deliver the captured frame to b exactly as the relay would.
-            lb.client(env.server.relay_id)._callbacks.deliver(
-                lb.client(env.server.relay_id), bytes(replayed.source_id), replayed.channel, replayed.payload
-            )
-            assert lb.frames_dropped == before + 1
-            await stream.send_frame(b"twice?")
-            assert await stream.recv_frame(5) == b"twice?"  # the stream is intact, nothing duplicated
+            assert env.server.core.mode == "off" and env.server.core._again is None  # it did replay
+            assert lb.frames_dropped == before + 1  # the second copy was refused by the replay window
+            await stream.send_frame(b"next")
+            # The echo stream is intact: nothing was served twice.
+            assert await stream.recv_frame(5) == b"next"
+            stream.finish()
+            assert await stream.recv_frame(5) is None
         finally:
             await la.close()
             await lb.close()
