@@ -59,6 +59,8 @@ class ChainUnderTest:
     head_id: bytes
     tail_id: bytes
     fingerprint: shard.Fingerprint
+    # The client's mesh node (QUIC only): what the shards announce is in its peer table.
+    node: Node | None = None
 
     def open(self, **kwargs: object) -> object:
         kwargs.setdefault("fingerprint", self.fingerprint)
@@ -266,7 +268,7 @@ async def quic_chain(node: Node) -> ChainUnderTest:
     async def link() -> PeerLink:
         return await node.get_link(head_id)
 
-    return ChainUnderTest("quic", link, head_id, tail_id, fingerprint)
+    return ChainUnderTest("quic", link, head_id, tail_id, fingerprint, node)
 
 
 __all__ = [

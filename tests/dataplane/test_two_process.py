@@ -29,6 +29,7 @@ from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
 from .chain_fixtures import (
+    CTX,
     SPLIT,
     ChainUnderTest,
     LoopbackChain,
@@ -132,15 +133,20 @@ def loopback_engines(tiny_model: Path) -> Iterator[tuple[LlamaShardEngine, Llama
     tail.close()
 
 
+async def joined_chain(cluster: QuicCluster, data_dir: Path) -> AsyncIterator[ChainUnderTest]:
+    """The test process joins the cluster's mesh as a client node, as a head would."""
+    node = await cluster.client_node(data_dir)
+    try:
+        yield await quic_chain(node)
+    finally:
+        await node.shutdown()
+
+
 @pytest.fixture(params=["quic", "loopback"])
 async def chain(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ChainUnderTest]:
     if request.param == "quic":
-        cluster: QuicCluster = request.getfixturevalue("cluster")
-        node = await cluster.client_node(tmp_path / "client")
-        try:
-            yield await quic_chain(node)
-        finally:
-            await node.shutdown()
+        async for joined in joined_chain(request.getfixturevalue("cluster"), tmp_path / "client"):
+            yield joined
     else:
         head, tail = request.getfixturevalue("loopback_engines")
         loopback = LoopbackChain(head, tail)
@@ -294,6 +300,42 @@ async def test_capability_reports_the_validated_range(chain: ChainUnderTest) -> 
     assert report.fingerprint == chain.fingerprint
     health = await rpc.get_health(link)
     assert health.state == shard.SERVING_STATE_SERVING and health.resident_bytes > 0
+
+
+@pytest.fixture
+async def quic_only(cluster: QuicCluster, tmp_path: Path) -> AsyncIterator[ChainUnderTest]:
+    async for joined in joined_chain(cluster, tmp_path / "client"):
+        yield joined
+
+
+async def test_the_served_shards_are_announced_with_capacity_and_live_load(
+    quic_only: ChainUnderTest, prompt: list[int]
+) -> None:
+    """What the processes gossip (QUIC cluster only: announcements travel in mesh gossip)."""
+    chain = quic_only
+    assert chain.node is not None
+    entries = {entry.peer_id: entry.announcement for entry in chain.node.peers()}
+    head, tail = entries[chain.head_id], entries[chain.tail_id]
+    assert head.serving.model_name == tail.serving.model_name == "meshnode-tiny-llama-v1"
+    assert (head.serving.total_layers, tail.serving.total_layers) == (TINY_N_LAYERS, TINY_N_LAYERS)
+    assert (tail.serving.shard_range.start_layer, tail.serving.shard_range.end_layer) == (
+        SPLIT,
+        TINY_N_LAYERS,
+    )
+    assert head.serving.fingerprint.model_artifact_digest  # the engine's digest of the GGUF
+    assert (head.capacity.max_concurrent_sessions, head.capacity.max_context_tokens) == (4, CTX)
+    assert head.load.serving_state == shard.SERVING_STATE_SERVING
+
+    def head_load() -> tuple[int, float]:
+        load = next(e.announcement.load for e in chain.node.peers() if e.peer_id == chain.head_id)  # type: ignore[union-attr]
+        return load.active_sessions, load.kv_pressure
+
+    async with chain.open(config=chunked()) as session:
+        await session.prefill(prompt)
+        # The load is refreshed from the worker and gossiped with the heartbeats.
+        async with asyncio.timeout(10):
+            while head_load()[0] != 1 or head_load()[1] <= 0:
+                await asyncio.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------- a worker that dies
