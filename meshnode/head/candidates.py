@@ -1,0 +1,96 @@
+"""What gossip says about shards, as the planner's candidates. Pure.
+
+A peer announcement becomes a :class:`~meshnode.head.planner.ShardCandidate`
+only when it names a served range with a real fingerprint; a peer that is not
+serving (loading, draining, dark) is kept out of new routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from meshnode.head.planner import ModelIdentity, NoRouteError, ShardCandidate, models_available, plan_route
+from meshnode.wire.pb import mesh, shard
+
+# Serving states a peer may announce and still take new sessions. UNSPECIFIED is
+# what a node announces before its first load report.
+_ACCEPTING_STATES = (shard.SERVING_STATE_UNSPECIFIED, shard.SERVING_STATE_SERVING)
+
+
+def model_identity(served: mesh.ServedShard) -> ModelIdentity:
+    fingerprint = served.fingerprint
+    return ModelIdentity(
+        model_artifact_digest=fingerprint.model_artifact_digest,
+        runtime_recipe_digest=fingerprint.runtime_recipe_digest,
+        total_layers=served.total_layers,
+    )
+
+
+def session_fingerprint(model: ModelIdentity) -> shard.Fingerprint:
+    """The fingerprint a session names: workers compare the two digests only."""
+    return shard.Fingerprint(
+        model_artifact_digest=model.model_artifact_digest,
+        runtime_recipe_digest=model.runtime_recipe_digest,
+    )
+
+
+def shard_candidate(
+    node_id: bytes, announcement: mesh.PeerAnnouncement, *, rtt_ms: float | None = None
+) -> ShardCandidate | None:
+    """The candidate a peer's announcement offers, or None when it serves nothing routable."""
+    if not announcement.HasField("serving"):
+        return None
+    served = announcement.serving
+    if not served.fingerprint.model_artifact_digest or not served.fingerprint.runtime_recipe_digest:
+        return None
+    span = served.shard_range
+    if not 0 <= span.start_layer < span.end_layer <= served.total_layers:
+        return None
+    return ShardCandidate(
+        node_id=node_id,
+        model_name=served.model_name,
+        model=model_identity(served),
+        start_layer=span.start_layer,
+        end_layer=span.end_layer,
+        rtt_ms=float(announcement.rtt_ms) if rtt_ms is None else rtt_ms,
+        active_sessions=announcement.load.active_sessions,
+        max_sessions=announcement.capacity.max_concurrent_sessions,
+        accepting=announcement.load.serving_state in _ACCEPTING_STATES,
+    )
+
+
+def shard_candidates(announcements: Iterable[tuple[bytes, mesh.PeerAnnouncement]]) -> list[ShardCandidate]:
+    """Candidates from ``(node id, announcement)`` pairs (this node's own included)."""
+    found = (shard_candidate(node_id, announcement) for node_id, announcement in announcements)
+    return [candidate for candidate in found if candidate is not None]
+
+
+def routable_models(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity, set[str]]:
+    """Models some chain of candidates covers completely, with the names they are announced under."""
+    pool = list(candidates)
+    routable: dict[ModelIdentity, set[str]] = {}
+    for model, names in models_available(pool).items():
+        try:
+            plan_route(pool, model)
+        except NoRouteError:
+            continue
+        routable[model] = names
+    return routable
+
+
+def identities_for_artifact(
+    candidates: Iterable[ShardCandidate], artifact_digest: str
+) -> list[ModelIdentity]:
+    """Every fingerprint (one per runtime recipe) under which the artifact is served, stable order."""
+    found = {c.model for c in candidates if c.model.model_artifact_digest == artifact_digest}
+    return sorted(found, key=lambda m: (m.runtime_recipe_digest, m.total_layers))
+
+
+__all__ = [
+    "identities_for_artifact",
+    "model_identity",
+    "routable_models",
+    "session_fingerprint",
+    "shard_candidate",
+    "shard_candidates",
+]

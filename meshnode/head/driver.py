@@ -1,0 +1,488 @@
+"""The generation driver: one request's tokens through a route of shards, surviving hop failures.
+
+For each generation the driver plans a route from gossip, opens one
+:class:`~meshnode.dataplane.session_link.ShardSession` to the first hop with the
+other hops as its downstream (activations flow shard to shard; only the tail's
+sampled token comes back), prefills the prompt in pipelined chunks and then
+decodes one token per step. The first hop may be this very node: the
+environment hands out an in-process link for it, and the code path is the same.
+
+Recovery follows :mod:`meshnode.head.recovery`: a ``CACHE_MISS`` rebuilds the
+caches under the same route session; any other route failure finds the hops
+that are gone, excludes them, re-plans at the next epoch and replays the
+session's tokens (:mod:`meshnode.head.transcript`) so that decoding continues
+at the right position with the output an unbroken run would have produced. A
+dead peer usually fails silently (its QUIC link does not notice for a long
+time), so a watchdog probes the route's hops when a unit stays unanswered for
+``stall_probe_s`` and aborts the session as soon as one of them is gone.
+
+Closing the token stream ends the generation everywhere: when a unit is still
+running, the session's out-of-band Cancel goes to the first hop (which passes it
+on) and a unary Cancel goes to every other hop directly, so a chain wedged
+between two hops still stops; then the session is released, in band and with a
+unary Release to every hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from engines.interface import SamplingParams
+from meshnode.dataplane import rpc
+from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
+from meshnode.dataplane.route import make_hop
+from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
+from meshnode.head.backend import GenerationFailed
+from meshnode.head.candidates import session_fingerprint
+from meshnode.head.planner import Hop, ModelIdentity, NoRouteError, Route, ShardCandidate, plan_route
+from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy
+from meshnode.head.transcript import Transcript
+from meshnode.identity import short_id
+from meshnode.transport.base import PeerLink
+from meshnode.wire.errors import ShardProtocolError
+from meshnode.wire.pb import shard
+
+log = logging.getLogger("meshnode.head.driver")
+
+SECOND_NS = 1_000_000_000
+
+
+class RouteEnvironment(Protocol):
+    """What the driver needs from the mesh (a :class:`~meshnode.node.Node`, or a single local shard)."""
+
+    def candidates(self) -> list[ShardCandidate]:
+        """Every shard gossip currently offers, this node's own included."""
+        ...
+
+    async def link(self, node_id: bytes) -> PeerLink:
+        """A link to the hop (an in-process one for this node itself)."""
+        ...
+
+    async def alive(self, node_id: bytes) -> bool:
+        """Whether the peer answers a liveness probe (the caller bounds the wait)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DriverOptions:
+    boundary_dtype: int = shard.DTYPE_FLOAT32
+    # Envelope deadline of one unit; units queued behind others get `queued_unit_allowance_s` more each.
+    unit_timeout_s: float = 60.0
+    queued_unit_allowance_s: float = 0.5
+    # A unit unanswered this long makes the driver probe the route's hops.
+    stall_probe_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    # Cancel and release calls at the end of a generation.
+    control_timeout_s: float = 2.0
+    open_timeout_s: float = 10.0
+    budget: RecoveryBudget = field(default_factory=RecoveryBudget)
+
+
+@dataclass(frozen=True)
+class CancelReport:
+    """How the end of an interrupted generation reached its route."""
+
+    route_session_id: str
+    route_epoch: int
+    hops: tuple[str, ...]
+    # Hops that answered the unary Cancel (the first hop through the session's own Cancel).
+    cancel_acknowledged: tuple[str, ...]
+    # Hops that answered the unary Release.
+    release_acknowledged: tuple[str, ...]
+
+
+@dataclass
+class DriverStats:
+    started: int = 0
+    active: int = 0
+    completed: int = 0
+    # Closed by the consumer while a unit was running: cancelled on every hop.
+    cancelled: int = 0
+    # Closed by the consumer between tokens (it had what it wanted).
+    closed: int = 0
+    failed: int = 0
+    tokens: int = 0
+    rebuilds: int = 0
+    reroutes: int = 0
+    replay_mismatches: int = 0
+    last_route: tuple[str, ...] = ()
+    last_cancel: CancelReport | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GenerationDriver:
+    def __init__(self, env: RouteEnvironment, options: DriverOptions | None = None) -> None:
+        self.env = env
+        self.options = options or DriverOptions()
+        self.stats = DriverStats()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def generate(
+        self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
+    ) -> AsyncIterator[int]:
+        """At most ``max_tokens`` sampled token ids; fewer when the route's context is full.
+        Raises :class:`~meshnode.head.backend.GenerationFailed` when no route can serve it."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        return _Generation(self, model, Transcript(tuple(prompt)), sampling, max_tokens).run()
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` to completion even if whoever started it goes away."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def aclose(self) -> None:
+        """Wait for the cleanups still running (cancels and releases of finished generations)."""
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+class _Generation:
+    def __init__(
+        self,
+        driver: GenerationDriver,
+        model: ModelIdentity,
+        transcript: Transcript,
+        sampling: SamplingParams,
+        max_tokens: int,
+    ) -> None:
+        self.driver = driver
+        self.env = driver.env
+        self.options = driver.options
+        self.stats = driver.stats
+        self.model = model
+        self.transcript = transcript
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.session_id = uuid.uuid4().hex
+        self.policy = RecoveryPolicy(self.options.budget)
+        self.epoch = 0
+        self.route: Route | None = None
+        self.session: ShardSession | None = None
+        self.excluded: set[bytes] = set()
+        # Hops of the current route the watchdog found gone.
+        self.found_dead: set[bytes] = set()
+        # Monotonic time the unit now awaited was sent; None between units. Left set when the
+        # wait ends in an exception, so the end of the generation knows work was interrupted.
+        self.waiting_since: float | None = None
+
+    # ------------------------------------------------------------------ the token stream
+
+    async def run(self) -> AsyncIterator[int]:
+        self.stats.started += 1
+        self.stats.active += 1
+        outcome = "failed"
+        watchdog = asyncio.ensure_future(self._watch())
+        synced = False
+        try:
+            while True:
+                try:
+                    if self.session is None:
+                        await self._open_route()
+                        synced = False
+                    if not synced:
+                        first = await self._replay()
+                        synced = True
+                        if first is not None:
+                            self.transcript.record(first)
+                            self.stats.tokens += 1
+                            yield first
+                    while len(self.transcript.generated) < self.max_tokens:
+                        token = await self._decode()
+                        self.transcript.record(token)
+                        self.stats.tokens += 1
+                        yield token
+                    break
+                except GenerationFailed:
+                    raise
+                except ROUTE_FAILURES as error:
+                    if self._context_full(error):
+                        log.info("generation %s: the context is full", self.session_id[:8])
+                        break
+                    await self._recover(error)
+                    synced = False
+            outcome = "completed"
+        except GeneratorExit:
+            outcome = "cancelled" if self.waiting_since is not None else "closed"
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            watchdog.cancel()
+            self.stats.active -= 1
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            cleanup = self.driver.spawn(self._finish(interrupted=self.waiting_since is not None))
+            # Shielded: a consumer cancelled again meanwhile leaves the cleanup running.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(cleanup)
+
+    async def _open_route(self) -> None:
+        self.epoch += 1
+        try:
+            route = plan_route(self.env.candidates(), self.model, exclude=frozenset(self.excluded))
+        except NoRouteError as exc:
+            raise GenerationFailed(str(exc)) from None
+        self.route = route
+        self.found_dead = set()
+        self.stats.last_route = tuple(short_id(hop.node_id) for hop in route.hops)
+        first = route.hops[0]
+        link_to_first = first.node_id
+        log.debug(
+            "generation %s epoch %d: route %s",
+            self.session_id[:8],
+            self.epoch,
+            " -> ".join(_hop_text(hop) for hop in route.hops),
+        )
+        self.session = await ShardSession.open(
+            lambda: self.env.link(link_to_first),
+            fingerprint=session_fingerprint(self.model),
+            shard_range=shard.ShardRange(
+                start_layer=first.start_layer,
+                end_layer=first.end_layer,
+                effective_start_layer=first.effective_start_layer,
+            ),
+            downstream=[
+                make_hop(hop.node_id, hop.start_layer, hop.end_layer, hop.effective_start_layer)
+                for hop in route.hops[1:]
+            ],
+            sampling=self.sampling,
+            boundary_dtype=self.options.boundary_dtype,
+            route_session_id=self.session_id,
+            route_epoch=self.epoch,
+            config=default_client_config(),
+            options=SessionOptions(open_timeout_s=self.options.open_timeout_s),
+        )
+
+    def _deadline(self, queued: int = 0) -> int:
+        allowance = self.options.unit_timeout_s + queued * self.options.queued_unit_allowance_s
+        return time.time_ns() + int(allowance * SECOND_NS)
+
+    async def _replay(self) -> int | None:
+        """(Re)build the route's caches from the transcript. Before the first token this is the
+        prompt's prefill and returns the first token; later it returns None."""
+        session = self.session
+        assert session is not None
+        prefill = session.submit_prefill(self.transcript.prompt, deadline_ns=self._deadline())
+        steps = self.transcript.replay_steps()
+        decodes = [
+            session.submit_decode(step.token, position=step.position, deadline_ns=self._deadline(index + 1))
+            for index, step in enumerate(steps, start=len(prefill))
+        ]
+        self.waiting_since = time.monotonic()
+        output: StepOutput | None = None
+        for handle in prefill:
+            output = await handle
+            self.waiting_since = time.monotonic()
+        assert output is not None
+        first = _token(output)
+        if self.transcript.started:
+            self._check_replay(first, self.transcript.generated[0], len(self.transcript.prompt))
+            for step, handle in zip(steps, decodes, strict=True):
+                self._check_replay(_token(await handle), step.expected, step.position + 1)
+                self.waiting_since = time.monotonic()
+            if steps:
+                log.info(
+                    "generation %s: replayed %d tokens on the new route",
+                    self.session_id[:8],
+                    len(self.transcript.prompt) + len(steps),
+                )
+            first = None
+        self.waiting_since = None
+        return first
+
+    def _check_replay(self, sampled: int, expected: int, position: int) -> None:
+        if sampled != expected:
+            self.stats.replay_mismatches += 1
+            log.warning(
+                "generation %s: the replay sampled %d at position %d where the original run sampled %d "
+                "(the new route computes differently); keeping the original",
+                self.session_id[:8],
+                sampled,
+                position,
+                expected,
+            )
+
+    async def _decode(self) -> int:
+        session = self.session
+        assert session is not None
+        token, position = self.transcript.next_input()
+        self.waiting_since = time.monotonic()
+        output = await session.decode(token, position=position, deadline_ns=self._deadline())
+        self.waiting_since = None
+        return _token(output)
+
+    # ------------------------------------------------------------------ failures
+
+    def _context_full(self, error: BaseException) -> bool:
+        """A step past a session's context once tokens were generated ends the generation normally."""
+        return (
+            isinstance(error, ShardProtocolError)
+            and error.code == shard.ERROR_CODE_RESOURCE_EXHAUSTED
+            and not error.retryable
+            and self.transcript.started
+        )
+
+    async def _recover(self, error: BaseException) -> None:
+        """Act on a route failure: keep the session (its caches are rebuilt next) or drop the route."""
+        self.waiting_since = None
+        decision = self.policy.decide(error)
+        tag = f"generation {self.session_id[:8]} epoch {self.epoch}"
+        if decision.recovery is Recovery.GIVE_UP:
+            log.warning("%s failed: %s", tag, decision.reason)
+            raise GenerationFailed(decision.reason)
+        if decision.recovery is Recovery.REBUILD:
+            self.stats.rebuilds += 1
+            log.info("%s: %s; re-prefilling under the same route session", tag, decision.reason)
+            return
+        self.stats.reroutes += 1
+        route, session, old_epoch = self.route, self.session, self.epoch
+        self.session = None
+        if session is not None:
+            session.abort()
+        if route is not None:
+            dead = self.found_dead & set(route.node_ids) or await self._find_dead(route)
+            self.excluded |= dead
+            gone = ", ".join(short_id(node_id) for node_id in dead) or "none found dead"
+            log.warning("%s: %s; re-routing (gone: %s)", tag, decision.reason, gone)
+            alive = [hop for hop in route.hops if hop.node_id not in dead]
+            self.driver.spawn(self._release_quietly(alive, old_epoch))
+
+    async def _alive(self, node_id: bytes) -> bool:
+        try:
+            async with asyncio.timeout(self.options.probe_timeout_s):
+                return await self.env.alive(node_id)
+        except (TimeoutError, *ROUTE_FAILURES):
+            return False
+
+    async def _find_dead(self, route: Route) -> set[bytes]:
+        answers = await asyncio.gather(*(self._alive(hop.node_id) for hop in route.hops))
+        return {hop.node_id for hop, alive in zip(route.hops, answers, strict=True) if not alive}
+
+    async def _watch(self) -> None:
+        """Probe the route's hops while a unit stays unanswered; abort the session if one is gone."""
+        interval = self.options.stall_probe_s / 2
+        while True:
+            await asyncio.sleep(interval)
+            since, session, route = self.waiting_since, self.session, self.route
+            if since is None or session is None or route is None:
+                continue
+            if time.monotonic() - since < self.options.stall_probe_s:
+                continue
+            dead = await self._find_dead(route)
+            if dead and self.session is session and self.waiting_since is not None:
+                self.found_dead |= dead
+                log.warning(
+                    "generation %s: hop %s stopped answering; failing over",
+                    self.session_id[:8],
+                    ", ".join(short_id(node_id) for node_id in dead),
+                )
+                session.abort()
+            else:
+                await asyncio.sleep(self.options.stall_probe_s)
+
+    # ------------------------------------------------------------------ the end
+
+    async def _finish(self, *, interrupted: bool) -> None:
+        session, route = self.session, self.route
+        if session is None or route is None:
+            return
+        self.session = None
+        hops = route.hops
+        if not interrupted:
+            await session.aclose(release=True, timeout=self.options.control_timeout_s)
+            return
+        cancels = await asyncio.gather(
+            self._bounded(session.cancel(reason="the generation was closed")),
+            *(self._unary_cancel(hop) for hop in hops[1:]),
+        )
+        await session.aclose(release=True, timeout=self.options.control_timeout_s)
+        releases = await asyncio.gather(*(self._unary_release(hop, self.epoch) for hop in hops))
+        self.stats.last_cancel = CancelReport(
+            route_session_id=self.session_id,
+            route_epoch=self.epoch,
+            hops=tuple(short_id(hop.node_id) for hop in hops),
+            cancel_acknowledged=tuple(short_id(h.node_id) for h, ok in zip(hops, cancels, strict=True) if ok),
+            release_acknowledged=tuple(
+                short_id(h.node_id) for h, ok in zip(hops, releases, strict=True) if ok
+            ),
+        )
+        log.info(
+            "generation %s closed mid-step: cancel acknowledged by %d of %d hops",
+            self.session_id[:8],
+            len(self.stats.last_cancel.cancel_acknowledged),
+            len(hops),
+        )
+
+    async def _bounded(self, call: Awaitable[object]) -> bool:
+        try:
+            async with asyncio.timeout(self.options.control_timeout_s):
+                await call
+            return True
+        except (TimeoutError, *ROUTE_FAILURES) as exc:
+            log.debug("generation %s: control call failed: %s", self.session_id[:8], exc)
+            return False
+
+    async def _unary_cancel(self, hop: Hop) -> bool:
+        request = shard.CancelRequest(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            route_session_id=self.session_id,
+            route_epoch=self.epoch,
+            reason="the generation was closed",
+        )
+
+        async def call() -> None:
+            link = await self.env.link(hop.node_id)
+            await rpc.send_cancel(link, request, timeout=self.options.control_timeout_s)
+
+        return await self._bounded(call())
+
+    async def _unary_release(self, hop: Hop, epoch: int) -> bool:
+        request = shard.ReleaseRequest(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            route_session_id=self.session_id,
+            route_epoch=epoch,
+        )
+
+        async def call() -> None:
+            link = await self.env.link(hop.node_id)
+            await rpc.send_release(link, request, timeout=self.options.control_timeout_s)
+
+        return await self._bounded(call())
+
+    async def _release_quietly(self, hops: Sequence[Hop], epoch: int) -> None:
+        """Drop an abandoned epoch's state on the hops still alive (a newer epoch would too)."""
+        await asyncio.gather(*(self._unary_release(hop, epoch) for hop in hops))
+
+
+def _token(output: StepOutput) -> int:
+    token = output.token
+    if token is None:
+        raise ShardProtocolError(
+            "the route ended without sampling a token", code=shard.ERROR_CODE_INTERNAL, retryable=True
+        )
+    return token
+
+
+def _hop_text(hop: Hop) -> str:
+    return f"{short_id(hop.node_id)}[{hop.effective_start_layer}:{hop.end_layer})"
+
+
+__all__ = [
+    "CancelReport",
+    "DriverOptions",
+    "DriverStats",
+    "GenerationDriver",
+    "RouteEnvironment",
+]

@@ -1,0 +1,77 @@
+"""The HTTP API's :class:`~meshnode.head.backend.GenerationBackend` over the generation driver.
+
+A node answers for the models it holds a GGUF of (the tokenizer and chat
+template come from the file, never from a peer) and lists those a complete
+route currently covers. A model is matched to what gossip offers by its
+artifact digest, so peers may name their copy of the file differently; when
+several runtime recipes serve it, the first one with a complete route wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from engines.interface import SamplingParams
+from meshnode.head.backend import GenerationFailed, PromptTokenizer, UnknownModel
+from meshnode.head.candidates import identities_for_artifact
+from meshnode.head.driver import GenerationDriver
+from meshnode.head.planner import ModelIdentity, NoRouteError, plan_route
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str
+    artifact_digest: str
+    tokenizer: PromptTokenizer
+
+
+class RouteBackend:
+    def __init__(self, driver: GenerationDriver, models: Sequence[LocalModel]) -> None:
+        self.driver = driver
+        self.models = list(models)
+
+    def model_names(self) -> list[str]:
+        return [model.name for model in self.models if self._routable(model) is not None]
+
+    def tokenizer(self, model: str) -> PromptTokenizer:
+        return self._local(model).tokenizer
+
+    def generate(
+        self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
+    ) -> AsyncIterator[int]:
+        local = self._local(model)
+        identity = self._routable(local)
+        if identity is None:
+            raise GenerationFailed(self._why_not_routable(local))
+        return self.driver.generate(identity, prompt_tokens, sampling, max_tokens)
+
+    def _local(self, requested: str) -> LocalModel:
+        for model in self.models:
+            if requested in (model.name, model.artifact_digest):
+                return model
+        raise UnknownModel(requested, [model.name for model in self.models])
+
+    def _routable(self, model: LocalModel) -> ModelIdentity | None:
+        candidates = self.driver.env.candidates()
+        for identity in identities_for_artifact(candidates, model.artifact_digest):
+            try:
+                plan_route(candidates, identity)
+            except NoRouteError:
+                continue
+            return identity
+        return None
+
+    def _why_not_routable(self, model: LocalModel) -> str:
+        candidates = self.driver.env.candidates()
+        identities = identities_for_artifact(candidates, model.artifact_digest)
+        if not identities:
+            return f"no node of the mesh serves {model.name} yet"
+        try:
+            plan_route(candidates, identities[0])
+        except NoRouteError as exc:
+            return f"{model.name}: {exc}"
+        return f"{model.name}: no complete route"
+
+
+__all__ = ["LocalModel", "RouteBackend"]

@@ -1,0 +1,228 @@
+"""The generation driver over real shard servers on the in-process loopback mesh (fake engines).
+
+The driver's own node serves ``[0, 2)`` through its local link; peers serve
+``[2, 3)`` (twice, for failover) and ``[3, 4)``. Every test checks the tokens
+against the whole model run on one engine, and the end state of every hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engines.fake import FaultKind, FaultRule
+from engines.interface import GREEDY, METRIC_STEPS_CANCELLED, SamplingParams
+from meshnode.head.backend import GenerationFailed
+from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.recovery import RecoveryBudget
+
+from .loopback_routes import DRIVER_INDEX, LoopbackRoutes, reference
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = [5, 3, 8, 1, 9, 2, 7]
+MIDDLE, SPARE, TAIL = 2, 4, 3
+FAST = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
+
+
+@pytest.fixture
+async def routes() -> AsyncIterator[LoopbackRoutes]:
+    routes = LoopbackRoutes()
+    await routes.add_shard(DRIVER_INDEX, 0, 2)
+    await routes.add_shard(MIDDLE, 2, 3)
+    await routes.add_shard(TAIL, 3, 4)
+    yield routes
+    await routes.aclose()
+
+
+async def eventually(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def no_sessions_anywhere(routes: LoopbackRoutes) -> bool:
+    """On every hop still alive (a killed peer's state died with it)."""
+    return all(
+        s.server.load().active_sessions == 0
+        for s in routes.shards.values()
+        if not routes.mesh.down.get(s.node_id, False)
+    )
+
+
+async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:
+    tokens = []
+    async for token in stream:
+        tokens.append(token)
+        if on_token is not None:
+            await on_token(len(tokens))
+    return tokens
+
+
+async def test_three_hops_generate_the_whole_models_tokens_and_release_every_hop(routes):
+    driver = GenerationDriver(routes, FAST)
+    tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 12))
+    assert tokens == reference(PROMPT, 12)
+    # One prefill then eleven decode steps ran on every hop, the first through this node's local link.
+    for shard in routes.shards.values():
+        assert [call.n_tokens for call in shard.engine.calls] == [len(PROMPT)] + [1] * 11
+    assert routes.me.streams_accepted == 0  # nothing came to this node over the mesh
+    await eventually(lambda: no_sessions_anywhere(routes))
+    assert driver.stats.completed == 1 and driver.stats.tokens == 12 and driver.stats.reroutes == 0
+
+
+async def test_seeded_sampling_draws_the_same_tokens_as_the_whole_model(routes):
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
+    driver = GenerationDriver(routes, FAST)
+    tokens = await collect(driver.generate(routes.model, PROMPT, sampling, 15))
+    assert tokens == reference(PROMPT, 15, sampling)
+    assert tokens != reference(PROMPT, 15)  # it really sampled
+
+
+async def test_a_killed_middle_hop_fails_over_to_a_spare_with_identical_tokens(routes):
+    spare = await routes.add_shard(SPARE, 2, 3)
+    middle = routes.shards[MIDDLE]
+    sampling = SamplingParams(temperature=0.8, seed=99)
+    expected = reference(PROMPT, 16, sampling)
+    driver = GenerationDriver(routes, FAST)
+    first_route = None
+
+    async def kill_after_six(count: int) -> None:
+        nonlocal first_route
+        if count == 6:
+            first_route = driver.stats.last_route
+            middle.peer.kill()  # like SIGKILL: its links close, nothing more is accepted
+
+    tokens = await collect(driver.generate(routes.model, PROMPT, sampling, 16), on_token=kill_after_six)
+    assert tokens == expected
+    assert driver.stats.reroutes == 1 and driver.stats.replay_mismatches == 0
+    # The spare rebuilt the cache: the prompt's prefill, then the five tokens before the last one
+    # generated as single steps at their own positions, then the rest of the generation.
+    assert [c.n_tokens for c in spare.engine.calls][:6] == [len(PROMPT), 1, 1, 1, 1, 1]
+    replayed = [c.first_position for c in spare.engine.calls[1:6]]
+    assert replayed == list(range(len(PROMPT), len(PROMPT) + 5))
+    assert first_route is not None and len(first_route) == 3
+    assert driver.stats.last_route[1] != first_route[1]
+    await eventually(lambda: no_sessions_anywhere(routes))
+
+
+async def test_a_silently_dead_hop_is_found_by_the_watchdog(routes):
+    """A peer that stops answering without closing its link (a killed process behind QUIC)."""
+    spare = await routes.add_shard(SPARE, 2, 3)
+    middle = routes.shards[MIDDLE]
+    expected = reference(PROMPT, 10)
+    driver = GenerationDriver(routes, FAST)
+
+    async def freeze_after_four(count: int) -> None:
+        if count == 4:
+            middle.engine.step_delay_s = 30.0  # never answers in time
+            routes.mesh.down[middle.node_id] = True  # and no longer answers probes
+
+    tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 10), on_token=freeze_after_four)
+    assert tokens == expected
+    assert driver.stats.reroutes == 1
+    assert len(spare.engine.calls) == 1 + 3 + (10 - 4)  # prefill, three replayed steps, six new ones
+    middle.engine.step_delay_s = 0.0
+
+
+async def test_a_cache_miss_re_prefills_under_the_same_route_session(routes):
+    tail = routes.shards[TAIL]
+    expected = reference(PROMPT, 10)
+    driver = GenerationDriver(routes, FAST)
+
+    async def evict_after_five(count: int) -> None:
+        if count == 5:
+            (key,) = {call.session for call in tail.engine.calls}
+            tail.engine.release(key)  # the tail lost the session (evicted, expired, restarted)
+
+    tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 10), on_token=evict_after_five)
+    assert tokens == expected
+    assert (driver.stats.rebuilds, driver.stats.reroutes) == (1, 0)
+    # Same session and epoch throughout, and the prompt prefilled twice.
+    assert len({call.session for call in tail.engine.calls}) == 1
+    assert [c.first_position for c in tail.engine.calls if c.n_tokens > 1] == [0, 0]
+
+
+async def test_no_route_is_a_clear_failure(routes):
+    routes.hidden.add(routes.shards[TAIL].node_id)
+    driver = GenerationDriver(routes, FAST)
+    model = {c.model for c in routes.candidates()}.pop()
+    with pytest.raises(GenerationFailed, match=r"no route covers layers \[3, 4\)"):
+        await collect(driver.generate(model, PROMPT, GREEDY, 4))
+    assert driver.stats.failed == 1
+
+
+async def test_a_dead_hop_without_a_spare_gives_up_with_the_gap(routes):
+    driver = GenerationDriver(routes, FAST)
+
+    async def kill_tail(count: int) -> None:
+        if count == 2:
+            routes.shards[TAIL].peer.kill()
+
+    with pytest.raises(GenerationFailed, match=r"no route covers layers \[3, 4\)"):
+        await collect(driver.generate(routes.model, PROMPT, GREEDY, 10), on_token=kill_tail)
+    await eventually(
+        lambda: all(routes.shards[i].server.load().active_sessions == 0 for i in (DRIVER_INDEX, MIDDLE))
+    )
+
+
+async def test_a_hop_that_keeps_failing_exhausts_the_reroute_budget(routes):
+    routes.shards[TAIL].engine.inject(FaultRule(FaultKind.CRASH, after_steps=1))
+    options = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, budget=RecoveryBudget(reroutes=2))
+    driver = GenerationDriver(routes, options)
+    with pytest.raises(GenerationFailed, match="the route failed 3 times; last failure: internal"):
+        await collect(driver.generate(routes.model, PROMPT, GREEDY, 10))
+    assert driver.stats.reroutes == 2
+
+
+async def test_a_full_context_ends_the_generation_early(routes):
+    # The fake engines hold 64 positions per session.
+    driver = GenerationDriver(routes, FAST)
+    tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 200))
+    assert tokens == reference(PROMPT, 64 - len(PROMPT) + 1)
+    assert driver.stats.completed == 1
+
+
+async def test_a_prompt_longer_than_the_context_fails_clearly(routes):
+    driver = GenerationDriver(routes, FAST)
+    with pytest.raises(GenerationFailed, match="does not fit the model's context"):
+        await collect(driver.generate(routes.model, PROMPT * 10, GREEDY, 4))
+
+
+async def test_closing_mid_step_cancels_the_work_on_every_hop(routes):
+    tail = routes.shards[TAIL]
+    driver = GenerationDriver(routes, FAST)
+    stream = driver.generate(routes.model, PROMPT, GREEDY, 50)
+    assert await anext(stream) == reference(PROMPT, 1)[0]
+    tail.engine.step_delay_s = 10.0  # the next step runs until something interrupts it
+    step = asyncio.ensure_future(anext(stream))
+    await eventually(lambda: tail.server.load().running_units == 1)
+    step.cancel()  # the consumer goes away mid-step (a client disconnect cancels its handler)
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    await driver.aclose()
+    report = driver.stats.last_cancel
+    assert report is not None and len(report.hops) == 3
+    assert report.cancel_acknowledged == report.hops
+    assert report.release_acknowledged == report.hops
+    await eventually(lambda: no_sessions_anywhere(routes))
+    # The running step was interrupted on the engine thread, not left to run out its ten seconds.
+    await eventually(lambda: tail.engine.metrics()[METRIC_STEPS_CANCELLED] == 1)
+    await eventually(lambda: all(len(s.engine.released) == 1 for s in routes.shards.values()))
+    assert all(
+        s.server.load().running_units == s.server.load().queued_units == 0 for s in routes.shards.values()
+    )
+    assert (driver.stats.cancelled, driver.stats.active) == (1, 0)
+
+
+async def test_closing_between_tokens_releases_without_cancelling(routes):
+    driver = GenerationDriver(routes, FAST)
+    stream = driver.generate(routes.model, PROMPT, GREEDY, 50)
+    assert [await anext(stream) for _ in range(3)] == reference(PROMPT, 3)
+    await stream.aclose()
+    await eventually(lambda: no_sessions_anywhere(routes))
+    assert driver.stats.closed == 1 and driver.stats.last_cancel is None
+    await eventually(lambda: all(len(s.engine.released) == 1 for s in routes.shards.values()))
+    assert all(s.engine.metrics()[METRIC_STEPS_CANCELLED] == 0 for s in routes.shards.values())
