@@ -217,6 +217,8 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._status_server: asyncio.Server | None = None
         self._stopped = False
+        # Where this node's OpenAI-compatible API listens (set by the head), for `meshnode generate`.
+        self.api_url: str | None = None
 
     # -- identity and announcement -------------------------------------------------
 
@@ -727,6 +729,7 @@ class Node:
                 "heartbeat_seq": local.heartbeat_seq,
                 "serving": _serving_json(local),
                 "uptime_s": round(now - self.started_at, 3),
+                "api_url": self.api_url,
             },
             "peers": [self._peer_json(entry, now) for entry in self.state.table.entries()],
             "tombstones": self.state.table.tombstone_count,
