@@ -292,8 +292,8 @@ class Node:
             if added:
                 membership.relays = [*membership.relays, *added]
                 self._save_membership()
-        if not local.relays:
-            return
+        # Always present: a node with no relays of its own still reaches NATed peers through the
+        # relays they announce (registered on first use, see _dial).
         self.relay_links = RelayLinks(
             self.identity, self, mesh_id=self.mesh_id, proof_for=self.state.our_proof
         )

@@ -47,7 +47,7 @@ async def eventually(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_invited_node_joins_through_the_relay_and_both_see_each_other(tmp_path: Path) -> None:
+async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(tmp_path: Path) -> None:
     mesh_key = MeshKey.generate()
     server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id})
     await server.start("127.0.0.1", 0)
@@ -63,6 +63,7 @@ async def test_invited_node_joins_through_the_relay_and_both_see_each_other(tmp_
         membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
     )
     node_b: Node | None = None
+    node_c: Node | None = None
     try:
         await node_a.start()
         # The first member keeps the relay in its membership, so its invites carry it.
@@ -108,7 +109,30 @@ async def test_invited_node_joins_through_the_relay_and_both_see_each_other(tmp_
         table = mesh.RouteTable.FromString(await stream.recv_frame(3))
         assert table.mesh_id == mesh_key.mesh_id
         assert node_a.relay_links.frames_dropped == node_b.relay_links.frames_dropped == 0
+
+        # A public node configured with no relay at all reaches NATed B through the relay B announces.
+        plain_invite = create_invite(
+            mesh_key,
+            issuer_id=node_a.node_id,
+            bootstrap=[Endpoint(node_a.node_id, node_a.addresses[0])],
+            now=time.time(),
+        )
+        node_c = Node(
+            NodeIdentity.generate(),
+            DataDir(tmp_path / "c"),
+            config(directly_reachable=True, relay_only=False),
+            invite=plain_invite,
+        )
+        await node_c.start()
+        await node_c.join()  # directly, through A's QUIC address
+        assert node_c.status()["node"]["relays"] == []
+        await eventually(lambda: node_b.node_id in node_c.state.table)
+        assert await node_c.probe(node_b.node_id)
+        assert (await node_c.get_link(node_b.node_id)).description.startswith("relay ")
+        assert [r["id"] for r in node_c.status()["node"]["relays"]] == [server.relay_id.hex()]
     finally:
+        if node_c is not None:
+            await node_c.shutdown()
         if node_b is not None:
             await node_b.shutdown()
         await node_a.shutdown()
