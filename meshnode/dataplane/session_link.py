@@ -314,21 +314,25 @@ class ShardSession:
         deadline_ns: int = 0,
     ) -> list[UnitHandle]:
         """Chunk a prefill within the negotiated limits (needs the session accepted)."""
+        self._raise_if_over()
         ids = self.client.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
         return self._submitted(ids)
 
     def submit_decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> UnitHandle:
+        self._raise_if_over()
         return self._submitted(
             [self.client.submit_decode(value, position=position, deadline_ns=deadline_ns)]
         )[0]
 
     def submit_forward(self, work: ForwardWork) -> UnitHandle:
         """A unit a forwarding worker passes on with its own step and work id."""
+        self._raise_if_over()
         return self._submitted([self.client.submit_forward(work)])[0]
 
     def retry(self, handle: UnitHandle | int) -> UnitHandle:
         """Send a failed unit again as the same bytes (same idempotency step and work id)."""
         unit_id = handle if isinstance(handle, int) else handle.unit_id
+        self._raise_if_over()
         self.client.retry(unit_id)
         return self._submitted([unit_id])[0]
 
@@ -338,11 +342,13 @@ class ShardSession:
         """Run a prefill (tokens for a head hop, float32 ``[n, hidden]`` otherwise); raises the first
         chunk's error."""
         await self.wait_ready()
+        self._raise_if_over()
         handles = self.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
         return PrefillOutput([await handle for handle in handles])
 
     async def decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> StepOutput:
         """One token at ``position`` (the route's caches must hold ``position`` tokens)."""
+        self._raise_if_over()
         unit_id = self.client.submit_decode(value, position=position, deadline_ns=deadline_ns)
         (handle,) = self._submitted([unit_id], kick=False)
         # The hot path: write from this task rather than waking a writer task.
@@ -379,15 +385,18 @@ class ShardSession:
         Units still unanswered fail with SessionTransportError."""
         if self._closed:
             return
-        if release and self._framed is not None and self.client.accepted:
-            self._signals.append(self.client.release_signal())
+        if release and self.client.failed is None and self.client.flow is not None:
             try:
                 async with asyncio.timeout(timeout):
-                    if self._flush_task is not None:
-                        await asyncio.shield(self._flush_task)
-                    await self._flush()
+                    if self._framed is not None and self.client.accepted:
+                        self._signals.append(self.client.release_signal())
+                        if self._flush_task is not None:
+                            await asyncio.shield(self._flush_task)
+                        await self._flush()
+                    else:  # not connected right now: the worker still holds the session's state
+                        await rpc.send_release(await self._current_link(), self.client.release_request())
             except (TimeoutError, MeshnodeError, OSError):
-                pass
+                pass  # best effort: the worker's idle TTL drops what this could not
         self._closed = True
         self._timer.cancel()
         framed, self._framed = self._framed, None
@@ -416,6 +425,13 @@ class ShardSession:
         self._abandon(SessionTransportError("the session was aborted"))
 
     # ------------------------------------------------------------------ internals: units
+
+    def _raise_if_over(self) -> None:
+        """A session that is over raises why: the worker's terminal refusal or the transport failure."""
+        if self.client.failed is not None:
+            raise self.client.failed
+        if self._closed:
+            raise SessionTransportError("the session was closed")
 
     def _submitted(self, unit_ids: Iterable[int], *, kick: bool = True) -> list[UnitHandle]:
         handles = []
