@@ -173,10 +173,14 @@ class MeshQuicConnection(QuicConnection):
 
     def _connection_credit_due(self) -> bool:
         limit = self._local_max_data
+        batch = self._connection_window // 4
+        # Cheap bound first (runs for every packet): the exact target is never above it.
+        upper = limit.used - self.app_unread + self._connection_window
+        if upper <= limit.value or (upper - limit.value < batch and limit.value - limit.used >= batch):
+            return False
         target = self._connection_credit_target()
         if target <= limit.value:
             return False
-        batch = self._connection_window // 4
         return target - limit.value >= batch or limit.value - limit.used < batch
 
     def _write_connection_limits(self, builder: Any, space: Any) -> None:
@@ -194,6 +198,8 @@ class MeshQuicConnection(QuicConnection):
     def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
         if self._stream_credit_due(stream):
             stream.max_stream_data_local = self._consumed.get(stream.stream_id, 0) + self._stream_window
+        if stream.max_stream_data_local_sent == stream.max_stream_data_local:
+            return  # nothing to announce (the common case, checked for every stream and packet)
         # Same trick for aioquic's per-stream doubling, keyed on highest_offset.
         receiver = stream.receiver
         highest, receiver.highest_offset = receiver.highest_offset, 0
