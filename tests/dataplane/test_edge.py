@@ -112,6 +112,22 @@ async def test_prefill_chunks_are_pipelined_within_the_granted_credit(edge: Edge
         assert [o.token for o in outputs[:-1]] == [None] * (len(PROMPT) - 1)
 
 
+async def test_decode_steps_are_pipelined_and_answered_in_order(edge: Edge) -> None:
+    expected = reference(PROMPT, 8)
+    async with edge.open() as session:
+        assert (await session.prefill(PROMPT)).token == expected[0]
+        edge.tail_engine.step_delay_s = 0.01
+        # Teacher-forced with known tokens, so every step can go out before the first answer.
+        handles = [
+            session.submit_decode(token, position=len(PROMPT) + i) for i, token in enumerate(expected[:-1])
+        ]
+        await eventually(lambda: len(edge.tail_engine.calls) > 1)
+        assert session.client.unacked > 1  # several steps in flight at once
+        outputs = [await handle for handle in handles]
+        assert [o.token for o in outputs] == expected[1:]
+        assert [o.step for o in outputs] == sorted(o.step for o in outputs)
+
+
 async def test_a_unit_in_flight_when_the_link_dies_is_resent_and_answered_as_a_duplicate(edge: Edge) -> None:
     expected = reference(PROMPT, 2)
     async with edge.open() as session:
