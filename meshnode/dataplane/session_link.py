@@ -6,17 +6,19 @@ forwarding to its next hop) uses. It depends only on the link abstraction, so it
 runs unchanged over QUIC, a relay channel or the in-process loopback::
 
     async with ShardSession.open(
-        link,                                   # or: lambda: node.get_link(peer_id)
-        fingerprint=served.fingerprint,
-        shard_range=make_range(0, 3),
-        downstream=[make_hop(tail_id, 3, 6, 3)],
+        lambda: node.get_link(head_id),         # or one PeerLink (no reconnect elsewhere)
+        fingerprint=served.fingerprint,         # from the head's ServedShard announcement
+        shard_range=ShardRange(start_layer=0, end_layer=3, effective_start_layer=0),
+        downstream=[make_hop(tail_id, 3, 6, 3)],  # meshnode.dataplane.route
         sampling=GREEDY,
-        return_logits=False,
-    ) as session:
+    ) as session:                               # leaving releases the session on every hop
         first = await session.prefill(prompt_tokens, deadline_ns=time.time_ns() + 10**10)
         token = first.token
         for position in range(len(prompt_tokens), limit):
             token = (await session.decode(token, position=position)).token
+
+``return_logits=True`` adds the tail's last-position logits (``output.logits``);
+``boundary_dtype=DTYPE_BFLOAT16`` halves the activation bytes between hops.
 
 Behaviour:
 
