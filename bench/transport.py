@@ -221,7 +221,9 @@ async def timed(awaitable) -> float:
     return time.perf_counter() - start
 
 
-async def measure(raw: RawClient, mesh: MeshClient, rounds: int, bulk_bytes: int, trials: int) -> dict:
+async def measure(
+    raw: RawClient, mesh: MeshClient, rounds: int, bulk_bytes: int, trials: int, bulk_rounds: int
+) -> dict:
     """Alternate the two stacks in small batches, so background load hits both alike."""
     payload = os.urandom(SMALL)
     chunk = os.urandom(BULK_FRAME)
@@ -238,7 +240,7 @@ async def measure(raw: RawClient, mesh: MeshClient, rounds: int, bulk_bytes: int
         for name, client in clients.items():
             samples[name]["rtt_stream"] += [await timed(client.echo(payload)) for _ in range(batch)]
             samples[name]["rtt_fresh"] += [await timed(client.fresh_echo(payload)) for _ in range(batch // 4)]
-    for _ in range(3):
+    for _ in range(bulk_rounds):
         for name, client in clients.items():
             samples[name]["bulk_s"].append(await timed(client.bulk(chunk, bulk_bytes // BULK_FRAME)))
     return {
@@ -274,7 +276,9 @@ def server_process(kind: str):
 
 async def run_both(raw_port: int, mesh_port: int, mesh_id: bytes, args: argparse.Namespace) -> dict:
     async with RawClient(raw_port) as raw, MeshClient(mesh_port, mesh_id) as mesh:
-        return await measure(raw, mesh, args.rounds, args.bulk_mib * 1024 * 1024, args.trials)
+        return await measure(
+            raw, mesh, args.rounds, args.bulk_mib * 1024 * 1024, args.trials, args.bulk_rounds
+        )
 
 
 def main() -> None:
@@ -282,7 +286,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=2000, help="small round trips per measurement")
-    parser.add_argument("--bulk-mib", type=int, default=32, help="MiB per bulk transfer (median of 3)")
+    parser.add_argument("--bulk-mib", type=int, default=16, help="MiB per bulk transfer")
+    parser.add_argument("--bulk-rounds", type=int, default=6, help="bulk transfers per stack (median)")
     parser.add_argument(
         "--trials", type=int, default=10, help="alternating batches per round-trip measurement"
     )
@@ -311,8 +316,8 @@ def main() -> None:
         ("bulk throughput (Mbit/s)", "bulk_mbit_s", "higher", 0.80),
     ]
     print(
-        f"transport on loopback: {args.rounds} round trips of {SMALL} B, bulk {args.bulk_mib} MiB "
-        f"(medians; the stacks alternate in {args.trials} batches)"
+        f"transport on loopback: {args.rounds} round trips of {SMALL} B, {args.bulk_rounds} bulk transfers of "
+        f"{args.bulk_mib} MiB (medians; the stacks alternate batch by batch)"
     )
     print(f"{'':44} {'raw aioquic':>12} {'meshnode':>12} {'ratio':>8}  target")
     for label, key, better, target in rows:
