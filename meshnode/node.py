@@ -778,7 +778,11 @@ class Node:
         path = self.data_dir.control_socket
         ensure_private_dir(path.parent)
         path.unlink(missing_ok=True)  # we hold the data-dir lock: a leftover socket is stale
-        self._status_server = await asyncio.start_unix_server(self._serve_status, path=str(path))
+        try:
+            self._status_server = await asyncio.start_unix_server(self._serve_status, path=str(path))
+        except OSError as exc:  # e.g. a data-dir path longer than AF_UNIX allows
+            log.warning("no status socket at %s (%s); `meshnode status` will not reach this node", path, exc)
+            return
         path.chmod(0o600)
 
     async def _serve_status(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
