@@ -50,7 +50,7 @@ from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_mode
 from meshnode.transport.addresses import AddressError, parse_host_port
 
 # Modules that add subcommands; see the module docstring.
-COMMAND_MODULES: tuple[str, ...] = ("relay.cli",)
+COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands")
 
 INVITE_ENV = "MESHNODE_INVITE"
 log = logging.getLogger("meshnode.cli")
@@ -159,6 +159,9 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     model.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     model.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
+    from meshnode.head.commands import add_api_listen_option
+
+    add_api_listen_option(model)
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
     timing.add_argument("--heartbeat-interval", type=_positive, default=5.0, help="gossip period (default 5)")
     timing.add_argument("--gossip-timeout", type=_positive, default=3.0, help="wait for a gossip reply (3)")
@@ -220,9 +223,30 @@ async def _serve(node: Node, args: argparse.Namespace) -> int:
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None
     try:
-        return await run_node(node)
+        head = await _start_head(node, service, args)
+        try:
+            return await run_node(node)
+        finally:
+            if head is not None:
+                await head.aclose()
     finally:
         await service.aclose()
+
+
+async def _start_head(node: Node, service: Any, args: argparse.Namespace) -> Any:
+    """The API on a node serving a shard (``--api-listen``); a busy default port only warns."""
+    from meshnode.head.commands import head_options
+    from meshnode.head.service import HeadError, start_node_head
+
+    if args.api_listen is False:
+        return None
+    try:
+        return await start_node_head(node, service, args.model, head_options(args.api_listen))
+    except HeadError as exc:
+        if args.api_listen is not None:
+            raise CliError(str(exc)) from None
+        log.warning("%s; running without the API (choose another with --api-listen HOST:PORT)", exc)
+        return None
 
 
 # -- commands -------------------------------------------------------------------------------

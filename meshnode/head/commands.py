@@ -1,0 +1,241 @@
+"""``meshnode generate``, ``meshnode serve`` and ``meshnode demo`` (see :mod:`meshnode.cli`).
+
+    meshnode generate --prompt "Why is the sky blue?" --chat [--max-tokens N] [--temperature T] ...
+    meshnode serve --model PATH [--api-listen HOST:PORT]
+    meshnode demo [--prompt TEXT] [--max-tokens N] [--work-dir DIR]
+
+``generate`` streams an answer from the local node's API to the terminal (the
+node is found through its data directory's status socket, or given with
+``--api URL``). ``serve`` runs a whole model on this machine alone, no mesh,
+behind the same API. ``demo`` is :mod:`meshnode.head.demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshnode.head.api_client import (
+    ApiError,
+    StreamSummary,
+    TextChunk,
+    completion_request,
+    stream_completion,
+)
+from meshnode.head.service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
+from meshnode.transport.addresses import AddressError, parse_host_port
+
+API_DISABLED = ("off", "none")
+
+
+ApiListen = tuple[str, int] | bool | None
+
+
+def parse_api_listen(text: str) -> tuple[str, int] | bool:
+    """``HOST:PORT`` (port 0 picks one), or ``off`` (False) for no API. Not given: None."""
+    if text.lower() in API_DISABLED:
+        return False
+    try:
+        return parse_host_port(text, allow_zero_port=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or 'off')") from None
+
+
+def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
+    parser.add_argument(
+        "--api-listen",
+        type=parse_api_listen,
+        default=None,
+        metavar="HOST:PORT",
+        help=f"OpenAI-compatible HTTP API (default {DEFAULT_API_LISTEN}, loopback only; "
+        "0.0.0.0:PORT exposes it; 'off' disables it)",
+    )
+
+
+def head_options(api_listen: ApiListen) -> HeadOptions:
+    """Where the API goes: the given address, or the loopback default (None); not for ``off``."""
+    host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
+    return HeadOptions(api_host=host, api_port=port)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+def _api_from_status(args: argparse.Namespace) -> str:
+    from meshnode.cli import CliError, _data_dir
+    from meshnode.node import query_status
+
+    data_dir = _data_dir(args)
+    try:
+        status = query_status(data_dir)
+    except (OSError, ValueError):
+        raise CliError(f"no node running on {data_dir} (start one, or pass --api URL)") from None
+    url = status["node"].get("api_url")
+    if not url:
+        raise CliError(f"the node on {data_dir} serves no API (it needs --model, and --api-listen not off)")
+    return str(url)
+
+
+async def cmd_generate(args: argparse.Namespace) -> int:
+    from meshnode.cli import CliError
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise CliError("nothing to generate from: give --prompt TEXT (or a prompt on stdin)", code=2)
+    base = args.api or _api_from_status(args)
+    path, body = completion_request(
+        prompt,
+        chat=args.chat,
+        max_tokens=args.max_tokens,
+        model=args.model,
+        system=args.system,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+    )
+    summary = await print_stream(base, path, body)
+    if not args.quiet:
+        print(describe_summary(summary), file=sys.stderr)
+    return 0
+
+
+async def print_stream(base: str, path: str, body: dict[str, Any], *, indent: str = "") -> StreamSummary:
+    """Stream a completion to stdout as it arrives; returns its summary."""
+    from meshnode.cli import CliError
+
+    summary: StreamSummary | None = None
+    try:
+        async for event in stream_completion(base, path, body):
+            if isinstance(event, TextChunk):
+                sys.stdout.write(event.text.replace("\n", "\n" + indent) if indent else event.text)
+                sys.stdout.flush()
+            else:
+                summary = event
+    except ApiError as exc:
+        raise CliError(str(exc)) from None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    assert summary is not None
+    return summary
+
+
+def describe_summary(summary: StreamSummary) -> str:
+    return (
+        f"[{summary.completion_tokens} tokens ({summary.finish_reason or 'ended'}); "
+        f"first after {summary.time_to_first_token_s:.2f} s; "
+        f"{summary.decode_tokens_per_s:.1f} tokens/s after it]"
+    )
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    from meshnode.cli import CliError
+    from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
+    from meshnode.head.service import HeadError, start_standalone
+
+    if args.api_listen is False:
+        raise CliError("serve exists to answer the API; --api-listen off makes no sense here", code=2)
+    if not args.model.is_file():
+        raise CliError(f"no model file at {args.model}", code=2)
+    shard_options = ShardServiceOptions(
+        model=args.model, threads=args.threads, ctx=args.ctx, n_gpu_layers=args.n_gpu_layers
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        try:
+            running = await start_standalone(shard_options, head_options(args.api_listen))
+        except (ShardServiceError, HeadError) as exc:
+            raise CliError(str(exc)) from None
+        try:
+            print(f"serving {args.model.name} (all layers) at {running.url}/v1", flush=True)
+            await stop.wait()
+        finally:
+            await running.aclose()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    return 0
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Hook for ``meshnode.cli.COMMAND_MODULES``."""
+    p = subparsers.add_parser(
+        "generate",
+        parents=[common],
+        help="stream an answer from the local node's API to the terminal",
+        description="Send a prompt to the OpenAI-compatible API of the node running on --data-dir "
+        "(or --api URL) and print the answer as it is generated.",
+    )
+    p.add_argument("--prompt", metavar="TEXT", help="the prompt (default: read stdin)")
+    p.add_argument(
+        "--chat", action="store_true", help="send it as a chat message (the model's chat template)"
+    )
+    p.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
+    p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="(default 256)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy (API default 1)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P")
+    p.add_argument("--top-k", type=int, default=None, metavar="K")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="fixes a sampled answer")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--model", metavar="NAME", help="model id (default: the one the node serves)")
+    p.add_argument("--api", metavar="URL", help="API base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--quiet", action="store_true", help="no timing line on stderr")
+    p.set_defaults(handler=cmd_generate)
+
+    p = subparsers.add_parser(
+        "serve",
+        parents=[common],
+        help="run a whole model on this machine alone, behind the OpenAI-compatible API",
+        description="Load every layer of --model and answer /v1/chat/completions, /v1/completions and "
+        "/v1/models with it: no mesh, no identity, the same generation path as a mesh node.",
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="PATH", help="GGUF model")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
+    p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
+    p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
+    p.add_argument(
+        "--api-listen",
+        type=parse_api_listen,
+        default=None,
+        metavar="HOST:PORT",
+        help=f"where the API listens (default {DEFAULT_API_LISTEN}; 0.0.0.0:PORT exposes it)",
+    )
+    p.set_defaults(handler=cmd_serve)
+
+    from meshnode.head import demo
+
+    demo.register(subparsers, common)
+
+
+__all__ = [
+    "ApiListen",
+    "add_api_listen_option",
+    "cmd_generate",
+    "cmd_serve",
+    "describe_summary",
+    "head_options",
+    "parse_api_listen",
+    "print_stream",
+    "register",
+]

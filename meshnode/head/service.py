@@ -1,0 +1,187 @@
+"""The head on a running node: the generation driver, its backend and the OpenAI-compatible API.
+
+:func:`start_node_head` is what ``meshnode create/join/start --model PATH`` runs
+next to the node's shard service: routes come from the node's gossip, and this
+node's own shard is reached through an in-process link. :func:`start_standalone`
+is the whole-model single-node mode (``meshnode serve``): one shard covering
+every layer, no mesh, the same driver and API. Either way the API binds to
+loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from meshnode.api.openai_api import start_api_server
+from meshnode.head.driver import DriverOptions, GenerationDriver, RouteEnvironment
+from meshnode.head.environment import NodeRoutes, StandaloneShardHost
+from meshnode.head.local_link import LocalShardLink
+from meshnode.head.route_backend import LocalModel, RouteBackend
+from meshnode.transport.addresses import format_host_port
+from meshnode.wire.pb import mesh
+
+if TYPE_CHECKING:
+    from engines.tokenizer import Tokenizer
+    from meshnode.dataplane.service import ShardService, ShardServiceOptions
+    from meshnode.node import Node
+
+log = logging.getLogger("meshnode.head")
+
+DEFAULT_API_HOST = "127.0.0.1"
+DEFAULT_API_PORT = 8080
+DEFAULT_API_LISTEN = f"{DEFAULT_API_HOST}:{DEFAULT_API_PORT}"
+
+
+class HeadError(Exception):
+    """The head could not start; one line for the operator."""
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    api_host: str = DEFAULT_API_HOST
+    api_port: int = DEFAULT_API_PORT
+    driver: DriverOptions = field(default_factory=DriverOptions)
+
+
+def api_url(host: str, port: int) -> str:
+    """The URL a local client uses: a wildcard bind is reached on loopback."""
+    reachable = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{format_host_port(reachable, port)}"
+
+
+class HeadService:
+    def __init__(
+        self,
+        driver: GenerationDriver,
+        runner: web.AppRunner,
+        url: str,
+        tokenizer: Tokenizer,
+        local: LocalShardLink | StandaloneShardHost | None,
+    ) -> None:
+        self.driver = driver
+        self.url = url
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self._local = local
+
+    @classmethod
+    async def start(
+        cls,
+        env: RouteEnvironment,
+        *,
+        model_path: Path,
+        served: mesh.ServedShard,
+        options: HeadOptions,
+        local: LocalShardLink | StandaloneShardHost | None = None,
+    ) -> HeadService:
+        """Open the model's tokenizer, build the driver and serve the API. Raises :class:`HeadError`."""
+        from engines.tokenizer import Tokenizer, TokenizerError  # llama.cpp loads only with a model
+
+        try:
+            tokenizer = await asyncio.to_thread(Tokenizer.open, model_path)
+        except (TokenizerError, OSError, ValueError) as exc:
+            raise HeadError(f"cannot read the tokenizer of {model_path.name}: {exc}") from None
+        driver = GenerationDriver(env, options.driver)
+        model = LocalModel(served.model_name, served.fingerprint.model_artifact_digest, tokenizer)
+        backend = RouteBackend(driver, [model])
+
+        async def generations(request: web.Request) -> web.Response:
+            return web.json_response(driver.stats.as_json())
+
+        def extra_routes(app: web.Application) -> None:
+            app.router.add_get("/meshnode/generations", generations)
+
+        try:
+            runner, port = await start_api_server(
+                backend, options.api_host, options.api_port, extra_routes=extra_routes
+            )
+        except OSError as exc:
+            tokenizer.close()
+            where = format_host_port(options.api_host, options.api_port)
+            raise HeadError(f"cannot serve the API on {where}: {exc.strerror or exc}") from None
+        url = api_url(options.api_host, port)
+        exposed = "" if options.api_host in ("127.0.0.1", "::1", "localhost") else " (all interfaces)"
+        log.info("OpenAI-compatible API on %s/v1%s, model %s", url, exposed, model.name)
+        return cls(driver, runner, url, tokenizer, local)
+
+    async def aclose(self) -> None:
+        await self._runner.cleanup()
+        await self.driver.aclose()
+        if self._local is not None:
+            await self._local.aclose()
+        self._tokenizer.close()
+
+
+async def start_node_head(
+    node: Node, service: ShardService, model_path: Path, options: HeadOptions
+) -> HeadService:
+    """The head of a mesh node that serves a shard of ``model_path``."""
+    local = LocalShardLink(node.node_id)
+    service.server.register(local.register)
+    try:
+        head = await HeadService.start(
+            NodeRoutes(node, local),
+            model_path=model_path,
+            served=service.served,
+            options=options,
+            local=local,
+        )
+    except BaseException:
+        await local.aclose()
+        raise
+    node.api_url = head.url
+    return head
+
+
+class StandaloneHead:
+    """A whole model served and answered by this process alone."""
+
+    def __init__(self, host: StandaloneShardHost, service: ShardService, head: HeadService) -> None:
+        self.host = host
+        self.service = service
+        self.head = head
+
+    @property
+    def url(self) -> str:
+        return self.head.url
+
+    async def aclose(self) -> None:
+        await self.head.aclose()
+        await self.service.aclose()
+        await self.host.aclose()
+
+
+async def start_standalone(shard_options: ShardServiceOptions, options: HeadOptions) -> StandaloneHead:
+    """Load every layer of ``shard_options.model`` and answer the API with it. Raises
+    :class:`HeadError` (or the shard service's own error when the model cannot be served)."""
+    from meshnode.dataplane.service import ShardService
+
+    host = StandaloneShardHost()
+    service = await ShardService.start(host, replace(shard_options, layers=None))
+    try:
+        head = await HeadService.start(
+            host, model_path=shard_options.model, served=service.served, options=options
+        )
+    except BaseException:
+        await service.aclose()
+        await host.aclose()
+        raise
+    return StandaloneHead(host, service, head)
+
+
+__all__ = [
+    "DEFAULT_API_LISTEN",
+    "HeadError",
+    "HeadOptions",
+    "HeadService",
+    "StandaloneHead",
+    "api_url",
+    "start_node_head",
+    "start_standalone",
+]
