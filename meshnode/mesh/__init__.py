@@ -1,0 +1,4 @@
+"""The mesh-llm/1 control plane: refusal codes (``errors``), decision rules
+(``rules``), validators (``validation``), the peer table (``peer_table``), the
+membership state machine (``state``) and the stream dispatcher (``dispatcher``).
+Everything but the dispatcher is pure and synchronous."""
