@@ -139,3 +139,19 @@ def test_start_without_membership_fails_clearly(tmp_path):
     meshnode("init", "--data-dir", str(tmp_path / "s"))
     result = meshnode("start", "--data-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0")
     assert result.returncode == 1 and "no mesh membership" in one_line_error(result)
+
+
+def test_duration_and_layer_arguments():
+    import argparse
+
+    from meshnode.cli import parse_duration, parse_layers
+
+    assert parse_duration("90") == 90 and parse_duration("30m") == 1800 and parse_duration("24h") == 86400
+    assert parse_duration("1.5d") == 1.5 * 86400
+    for bad in ("", "h", "-5m", "soon"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_duration(bad)
+    assert parse_layers("0:9") == (0, 9)
+    for bad in ("9:9", "5", "a:b", "3:-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_layers(bad)

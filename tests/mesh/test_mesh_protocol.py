@@ -358,3 +358,22 @@ def test_route_table_lists_everyone_without_admitting_the_requester():
     assert table.gen == 1 and table.mesh_id == mesh_key.mesh_id
     assert {e.endpoint_id for e in table.entries} == {node.node_id, peer.node_id}
     assert [e.model for e in table.entries if e.endpoint_id == node.node_id] == ["tiny"]
+
+
+def test_refusal_logging_is_rate_limited(caplog):
+    import logging
+
+    from meshnode.mesh.ratelog import RateLimitedLog
+
+    now = [0.0]
+    limited = RateLimitedLog(logging.getLogger("test.ratelog"), burst=3, window_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="test.ratelog"):
+        for i in range(100):
+            limited.log(logging.INFO, "refused %d", i)
+        assert [r.getMessage() for r in caplog.records] == ["refused 0", "refused 1", "refused 2"]
+        now[0] = 11.0
+        limited.log(logging.INFO, "refused %d", 100)
+    assert [r.getMessage() for r in caplog.records][3:] == [
+        "... and 97 more like it (not logged)",
+        "refused 100",
+    ]
