@@ -221,9 +221,7 @@ class _Generation:
             raise
         finally:
             watchdog.cancel()
-            self.stats.active -= 1
-            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
-            cleanup = self.driver.spawn(self._finish(interrupted=self.waiting_since is not None))
+            cleanup = self.driver.spawn(self._end(outcome, interrupted=self.waiting_since is not None))
             # Shielded: a consumer cancelled again meanwhile leaves the cleanup running.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(cleanup)
@@ -393,6 +391,14 @@ class _Generation:
                 await asyncio.sleep(self.options.stall_probe_s)
 
     # ------------------------------------------------------------------ the end
+
+    async def _end(self, outcome: str, *, interrupted: bool) -> None:
+        """Cancel and release what the generation holds, then count it as over."""
+        try:
+            await self._finish(interrupted=interrupted)
+        finally:
+            self.stats.active -= 1
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
 
     async def _finish(self, *, interrupted: bool) -> None:
         session, route = self.session, self.route
