@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -185,6 +187,23 @@ async def test_the_official_openai_client_works_unchanged(api, cluster, referenc
         assert completion.usage.completion_tokens == 5
     finally:
         await client.close()
+
+
+async def test_meshnode_generate_streams_from_the_local_nodes_api(api, cluster, reference):
+    await route_ready(api, cluster)
+    command = [
+        sys.executable,
+        "-m",
+        "meshnode",
+        "generate",
+        "--data-dir",
+        str(process(cluster, "A").data_dir),
+    ]
+    command += ["--prompt", MESSAGES[0]["content"], "--chat", "--max-tokens", "24", "--temperature", "0"]
+    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == reference[24] + "\n"
+    assert "24 tokens (length)" in done.stderr
 
 
 async def test_a_client_disconnect_ends_the_generation_on_every_hop(api, cluster, client_node):

@@ -1,0 +1,118 @@
+"""Whole-model single-node mode: ``meshnode serve`` answers the API alone; ``meshnode generate`` streams it."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engines.interface import GREEDY, SessionKey, StepRequest
+from engines.llama_engine import LlamaShardEngine
+from engines.tiny_model import ensure_tiny_model
+from engines.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+PROMPT = "hello world, the mesh"
+TOKENS = 16
+
+
+def meshnode(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnode", *args], capture_output=True, text=True, timeout=60, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def serving(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "meshnode", "serve", "--model", str(tiny_model), "--api-listen",
+             "127.0.0.1:0", "--threads", "1", "--ctx", "512"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield found.group(1), process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(20)
+
+
+def reference_text(model: Path) -> str:
+    tokenizer = Tokenizer.open(model)
+    engine = LlamaShardEngine()
+    from engines.interface import LoadRequest
+
+    engine.load(LoadRequest(str(model), 0, None, n_ctx=512, n_seq_max=1, n_threads=1))
+    prompt = tokenizer.encode_prompt(PROMPT)
+    key = SessionKey("reference", 1)
+    tokens = [engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY)).token_id]
+    while len(tokens) < TOKENS:
+        position = len(prompt) + len(tokens) - 1
+        step = StepRequest(
+            key, position, token_ids=(tokens[-1],), expected_past_len=position, sampling=GREEDY
+        )
+        tokens.append(engine.decode(step).token_id)
+    engine.close()
+    stream = tokenizer.detokenizer()
+    return "".join(stream.feed(int(t)) for t in tokens) + stream.flush()  # type: ignore[arg-type]
+
+
+def test_serve_answers_with_the_whole_model_and_generate_streams_it(serving, tiny_model):
+    url, _ = serving
+    done = meshnode(
+        "generate", "--api", url, "--prompt", PROMPT, "--max-tokens", str(TOKENS), "--temperature", "0"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == reference_text(tiny_model) + "\n"
+    assert f"{TOKENS} tokens (length)" in done.stderr
+
+
+def test_generate_reads_the_prompt_from_stdin_and_reports_api_errors(serving):
+    url, _ = serving
+    done = meshnode("generate", "--api", url, "--max-tokens", "3", "--quiet", input="hello")
+    assert done.returncode == 0 and done.stderr == ""
+    done = meshnode("generate", "--api", url, "--prompt", "x", "--model", "other")
+    assert done.returncode == 1
+    assert "404: model 'other' is not served here" in done.stderr
+
+
+def test_generate_without_a_running_node_says_so(tmp_path):
+    done = meshnode("generate", "--data-dir", str(tmp_path), "--prompt", "hello")
+    assert done.returncode == 1
+    assert f"no node running on {tmp_path}" in done.stderr
+    done = meshnode("generate", "--api", "http://127.0.0.1:9", "--prompt", "hello")
+    assert done.returncode == 1 and "no API answers at http://127.0.0.1:9" in done.stderr
+
+
+def test_serve_refuses_a_missing_model_and_a_disabled_api(tmp_path):
+    done = meshnode("serve", "--model", str(tmp_path / "none.gguf"))
+    assert done.returncode == 2 and "no model file at" in done.stderr
+    done = meshnode("serve", "--model", str(tmp_path / "none.gguf"), "--api-listen", "off")
+    assert done.returncode == 2 and "makes no sense" in done.stderr
+
+
+def test_serve_stops_cleanly_on_sigterm(serving):
+    _, process = serving
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
