@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
+from meshnode.config import ConfigError, add_config_option, parse_args_with_config
 from meshnode.identity import (
     IdentityError,
     default_data_dir,
@@ -497,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)"
     )
+    add_config_option(common)
     parser = argparse.ArgumentParser(
         prog="meshnode",
         description="Pool machines to run one large language model over a QUIC mesh.",
@@ -529,7 +531,11 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args_with_config(build_parser(), argv)
+    except ConfigError as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level)
     handler: Callable[[argparse.Namespace], Any] = args.handler
     try:
