@@ -29,6 +29,7 @@ from meshnode.membership.credentials import (
     Endpoint,
     MeshKey,
     create_invite,
+    decode_invite_token,
     encode_invite_token,
     issue_certificate,
 )
@@ -218,8 +219,6 @@ class QuicCluster:
         return process
 
     async def client_node(self, data_dir: Path) -> Node:
-        from meshnode.membership.credentials import decode_invite_token
-
         config = NodeConfig(
             listen="127.0.0.1:0",
             heartbeat_interval=0.3,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -203,7 +203,7 @@ async def test_a_silent_worker_fails_the_unit_shortly_after_its_deadline(edge: E
 async def test_an_unreachable_next_hop_is_internal_and_retryable(edge: Edge) -> None:
     edge.tail.kill()
     options = SessionOptions(max_reconnects=0, reconnect_backoff_s=0.01)
-    edge.head_server.config = type(edge.head_server.config)(downstream_options=options)
+    edge.head_server.config = replace(edge.head_server.config, downstream_options=options)
     async with edge.open() as session:
         with pytest.raises(ShardProtocolError) as failure:
             await session.prefill(PROMPT)
