@@ -36,6 +36,7 @@ from meshnode.identity import (
     load_or_create_identity,
     short_id,
 )
+from meshnode.logs import configure_logging
 from meshnode.membership.credentials import (
     Endpoint,
     MeshKey,
@@ -498,6 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)"
     )
+    common.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line (default text)",
+    )
     add_config_option(common)
     parser = argparse.ArgumentParser(
         prog="meshnode",
@@ -509,16 +516,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers, common)
     return parser
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # aioquic's own loggers are chatty at debug level and say nothing we need.
-    logging.getLogger("quic").setLevel(logging.WARNING)
 
 
 def run_async(coro: Coroutine[Any, Any, int]) -> int:
@@ -536,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"meshnode: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     handler: Callable[[argparse.Namespace], Any] = args.handler
     try:
         if inspect.iscoroutinefunction(handler):

@@ -134,14 +134,16 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshnode.cli import configure_logging, run_async
+    from meshnode.cli import run_async
+    from meshnode.logs import configure_logging
 
     parser = argparse.ArgumentParser(prog="python -m relay", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", metavar="DIR", help="relay state directory")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         return run_async(run_relay(args))
     except KeyboardInterrupt:

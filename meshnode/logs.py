@@ -1,0 +1,51 @@
+"""Log output: human-readable lines, or one JSON object per line (``--log-format json``).
+
+A JSON line carries ``ts`` (UTC, ISO 8601), ``level``, ``logger``, ``msg`` (the
+formatted message), ``exc`` when an exception is attached, and any structured
+fields passed with ``extra=`` (for example ``log.info("...", extra={"peer": id})``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+# Attributes every LogRecord has; anything else came from ``extra=``.
+_STANDARD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        event: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD_ATTRIBUTES and not key.startswith("_"):
+                event[key] = (
+                    value if isinstance(value, str | int | float | bool | type(None)) else repr(value)
+                )
+        if record.exc_info:
+            event["exc"] = self.formatException(record.exc_info)
+        return json.dumps(event, ensure_ascii=False)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    # aioquic's own loggers are chatty at debug level and say nothing we need.
+    logging.getLogger("quic").setLevel(logging.WARNING)
