@@ -52,7 +52,7 @@ from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_mode
 from meshnode.transport.addresses import AddressError, parse_host_port
 
 # Modules that add subcommands; see the module docstring.
-COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands")
+COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands", "meshnode.doctor")
 
 INVITE_ENV = "MESHNODE_INVITE"
 log = logging.getLogger("meshnode.cli")

@@ -1,0 +1,358 @@
+"""``meshnode doctor``: check the environment and say what to fix.
+
+Each check reports ok, a warning, or a problem with the fix in one line. The
+exit status is 1 when any problem was found, so scripts and service managers
+can run it before starting a node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, default_data_dir, load_identity
+from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
+from meshnode.mesh.errors import MeshRefusal
+from meshnode.transport.addresses import AddressError, parse_host_port
+
+MIN_FREE_BYTES = 2 * 1024**3  # room for a model slice or two
+
+
+class Severity(Enum):
+    OK = "ok"
+    WARNING = "warning"
+    PROBLEM = "problem"
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    severity: Severity
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = {Severity.OK: "ok     ", Severity.WARNING: "warning", Severity.PROBLEM: "PROBLEM"}[
+            self.severity
+        ]
+        text = f"[{mark}] {self.check}: {self.detail}"
+        return f"{text}\n          fix: {self.fix}" if self.fix else text
+
+
+def ok(check: str, detail: str) -> Finding:
+    return Finding(check, Severity.OK, detail)
+
+
+def problem(check: str, detail: str, fix: str) -> Finding:
+    return Finding(check, Severity.PROBLEM, detail, fix)
+
+
+def warning(check: str, detail: str, fix: str = "") -> Finding:
+    return Finding(check, Severity.WARNING, detail, fix)
+
+
+# -- checks -----------------------------------------------------------------------------
+
+
+def check_backend(n_gpu_layers: int) -> list[Finding]:
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return [
+            problem(
+                "llama.cpp",
+                f"llama-cpp-python does not import ({exc})",
+                "pip install -e . (it builds llama.cpp)",
+            )
+        ]
+    version = getattr(llama_cpp, "__version__", "?")
+    findings = [ok("llama.cpp", f"llama-cpp-python {version}")]
+    if version != "0.3.36":
+        findings.append(
+            warning(
+                "llama.cpp",
+                f"the layer-range recipe was verified on 0.3.36, not {version}",
+                "pip install llama-cpp-python==0.3.36",
+            )
+        )
+    offload = bool(llama_cpp.llama_supports_gpu_offload())
+    if n_gpu_layers > 0 and not offload:
+        findings.append(
+            problem(
+                "GPU offload",
+                f"--n-gpu-layers {n_gpu_layers} asked for, but this llama.cpp build is CPU-only",
+                'rebuild: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36',
+            )
+        )
+    else:
+        findings.append(ok("GPU offload", "available" if offload else "not built in (CPU only)"))
+    return findings
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def check_data_dir(path: Path) -> list[Finding]:
+    name = "data directory"
+    if not path.exists():
+        return [problem(name, f"{path} does not exist", f"meshnode init --data-dir {path}")]
+    if not path.is_dir():
+        return [problem(name, f"{path} is not a directory", "point --data-dir at a directory")]
+    findings: list[Finding] = []
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        findings.append(
+            problem(
+                name,
+                f"{path} belongs to uid {info.st_uid}, not to this user",
+                f"chown -R {os.getuid()} {path}",
+            )
+        )
+    if _mode(path) & 0o022:
+        findings.append(
+            problem(name, f"{path} is writable by others (mode {_mode(path):o})", f"chmod 700 {path}")
+        )
+    if not os.access(path, os.W_OK):
+        findings.append(problem(name, f"{path} is not writable", f"chmod u+w {path}"))
+    for secret in (NODE_KEY_FILE, MESH_KEY_FILE, MEMBERSHIP_FILE):
+        file = path / secret
+        if file.exists() and _mode(file) & 0o077:
+            findings.append(
+                problem(
+                    name,
+                    f"{file} is readable by others (mode {_mode(file):o}); it holds a secret",
+                    f"chmod 600 {file}",
+                )
+            )
+    key = path / NODE_KEY_FILE
+    if not key.exists():
+        findings.append(problem("identity", f"no node key in {path}", f"meshnode init --data-dir {path}"))
+    elif not _mode(key) & 0o077:  # a readable key was reported above, with its fix
+        try:
+            identity = load_identity(path)
+            findings.append(ok("identity", f"node {identity.short_id}"))
+        except IdentityError as exc:
+            findings.append(
+                problem("identity", str(exc), f"move {key} away and run meshnode init (a new identity)")
+            )
+    if not findings or all(f.severity is Severity.OK for f in findings):
+        findings.insert(0, ok(name, f"{path} (private, writable)"))
+    return findings
+
+
+def check_membership(path: Path) -> tuple[list[Finding], list[tuple[bytes, str]]]:
+    """Findings, and the relays the membership names (id, address)."""
+    data_dir = DataDir(path)
+    if not data_dir.has_membership():
+        return [
+            warning("membership", "not a mesh member yet", "meshnode create, or meshnode join --invite TOKEN")
+        ], []
+    try:
+        identity = load_identity(path)
+        state = data_dir.load_membership(identity.node_id)
+    except (IdentityError, StoreError, MeshRefusal) as exc:
+        return [
+            problem(
+                "membership",
+                f"stored membership does not load: {exc}",
+                "re-join the mesh with a fresh invite",
+            )
+        ], []
+    relays = [(relay.id, relay.address) for relay in state.relays]
+    return [ok("membership", f"member of mesh {state.mesh_id}")], relays
+
+
+def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
+    from engines.file_digest import cached_sha256
+    from engines.gguf_file import read_gguf
+    from engines.gguf_info import read_model_info
+    from engines.interface import EngineError
+    from engines.slicing import check_sliceable
+
+    name = "model"
+    if not model.exists():
+        return [problem(name, f"{model} does not exist", "pass --model the path of a .gguf file")]
+    if not os.access(model, os.R_OK):
+        return [problem(name, f"{model} is not readable", f"chmod a+r {model}")]
+    try:
+        info = read_model_info(model)
+        check_sliceable(read_gguf(model))
+    except EngineError as exc:
+        return [problem(name, f"{model.name}: {exc.detail}", "use a llama-family or Gemma 3 GGUF")]
+    except Exception as exc:  # any parse failure means the file is not a usable GGUF
+        return [
+            problem(
+                name,
+                f"{model.name} is not a readable GGUF file ({type(exc).__name__})",
+                "re-download or re-assemble the model",
+            )
+        ]
+    findings = [
+        ok(name, f"{model.name}: {info.architecture}, {info.n_layers} layers, hidden {info.hidden_size}"),
+        ok("model digest", f"sha256 {cached_sha256(model)}"),
+    ]
+    if layers is not None and not (0 <= layers[0] < layers[1] <= info.n_layers):
+        findings.append(
+            problem(
+                "layers",
+                f"{layers[0]}:{layers[1]} is outside the model's 0:{info.n_layers}",
+                f"pick A:B with 0 <= A < B <= {info.n_layers}",
+            )
+        )
+    return findings
+
+
+def _bindable(kind: int, host: str, port: int) -> OSError | None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+def check_port(name: str, address: str, kind: int, node_running: bool) -> list[Finding]:
+    try:
+        host, port = parse_host_port(address, allow_zero_port=True)
+    except AddressError as exc:
+        return [problem(name, str(exc), "use HOST:PORT")]
+    if node_running:
+        return [ok(name, f"{address} (in use by the running node)")]
+    error = _bindable(kind, host, port)
+    if error is None:
+        return [ok(name, f"{address} is free")]
+    proto = "udp" if kind == socket.SOCK_DGRAM else "tcp"
+    return [
+        problem(
+            name,
+            f"cannot bind {address}: {error.strerror}",
+            f"free the port (e.g. `ss -lpn '( sport = :{port} )'` over {proto}) or choose another",
+        )
+    ]
+
+
+async def _dial_relay(relay_id: bytes, address: str, timeout: float) -> str | None:
+    from meshnode.relaylink.client import RelayDialer
+
+    dialer = await RelayDialer.open(NodeIdentity.generate(), host="0.0.0.0")
+    try:
+        link = await dialer.endpoint.dial(address, relay_id, timeout=timeout)
+        link.close("doctor")
+        return None
+    except Exception as exc:  # every dial failure is a finding, whatever its type
+        return str(exc) or type(exc).__name__
+    finally:
+        dialer.close()
+
+
+def check_relays(relays: list[tuple[bytes, str]], timeout: float) -> list[Finding]:
+    findings = []
+    for relay_id, address in relays:
+        error = asyncio.run(_dial_relay(relay_id, address, timeout))
+        label = f"relay {address}"
+        if error is None:
+            findings.append(ok(label, f"reachable, identity {relay_id.hex()[:12]} verified"))
+        else:
+            findings.append(
+                problem(
+                    label,
+                    f"not reachable: {error}",
+                    "check the relay runs, its UDP port is open, and the id matches",
+                )
+            )
+    return findings
+
+
+def check_disk(path: Path) -> list[Finding]:
+    from engines.cache import cache_root
+
+    cache = cache_root()
+    target = cache if cache.exists() else cache.parent if cache.parent.exists() else path
+    free = shutil.disk_usage(target).free
+    if free < MIN_FREE_BYTES:
+        return [
+            warning(
+                "disk",
+                f"{free / 1024**3:.1f} GiB free under {target}",
+                "slices need room; free space or set MESHNODE_CACHE_DIR",
+            )
+        ]
+    return [ok("disk", f"{free / 1024**3:.0f} GiB free under {target}")]
+
+
+# -- command ----------------------------------------------------------------------------
+
+
+def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print) -> int:
+    from meshnode.node import query_status
+
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    node_running = False
+    with contextlib.suppress(OSError):
+        query_status(data_dir, timeout=1.0)
+        node_running = True
+    findings: list[Finding] = []
+    findings += check_backend(args.n_gpu_layers)
+    findings += check_data_dir(data_dir)
+    relays: list[tuple[bytes, str]] = []
+    if data_dir.is_dir():
+        membership, relays = check_membership(data_dir)
+        findings += membership
+    findings.append(
+        ok("node", "running on this data directory") if node_running else ok("node", "not running")
+    )
+    if args.model is not None:
+        findings += check_model(args.model, args.layers)
+    findings += check_port("QUIC port", args.listen, socket.SOCK_DGRAM, node_running)
+    if args.api_listen:
+        findings += check_port("API port", args.api_listen, socket.SOCK_STREAM, node_running)
+    extra = [(endpoint.id, endpoint.address) for endpoint in args.relay]
+    findings += check_relays(list(dict.fromkeys(relays + extra)), args.timeout)
+    findings += check_disk(data_dir)
+    for finding in findings:
+        emit(finding.line())
+    problems = sum(f.severity is Severity.PROBLEM for f in findings)
+    emit(f"{problems} problem(s) found" if problems else "no problems found")
+    return 1 if problems else 0
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from meshnode.cli import _relay_endpoint, parse_layers
+
+    parser = subparsers.add_parser(
+        "doctor",
+        parents=[common],
+        help="check this machine and say what to fix",
+        description="Check the llama.cpp backend and GPU offload, the data directory and its permissions, "
+        "the model and its digest, that the ports can be bound, and that the relays answer. "
+        "Exit status 1 when a problem was found.",
+    )
+    parser.add_argument("--model", type=Path, metavar="PATH", help="GGUF model to check")
+    parser.add_argument(
+        "--layers", type=parse_layers, metavar="A:B", help="layer range to check against the model"
+    )
+    parser.add_argument(
+        "--n-gpu-layers", type=int, default=0, metavar="N", help="GPU offload you plan to use (0)"
+    )
+    parser.add_argument("--listen", default="0.0.0.0:7447", metavar="HOST:PORT", help="QUIC address to check")
+    parser.add_argument("--api-listen", metavar="HOST:PORT", help="API address to check")
+    parser.add_argument(
+        "--relay",
+        type=_relay_endpoint,
+        action="append",
+        default=[],
+        metavar="RELAY_ID@HOST:PORT",
+        help="also check this relay (the membership's relays are always checked)",
+    )
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each relay (3)")
+    parser.set_defaults(handler=run_doctor)

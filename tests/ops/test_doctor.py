@@ -1,0 +1,107 @@
+"""`meshnode doctor` names each problem of a broken environment and how to fix it."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from engines.tiny_model import ensure_tiny_model
+from meshnode.identity import NODE_KEY_FILE, load_or_create_identity
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnode", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return ensure_tiny_model()
+
+
+def test_a_healthy_environment_passes(tmp_path, tiny_model):
+    load_or_create_identity(tmp_path / "node")
+    result = doctor(
+        "--data-dir",
+        str(tmp_path / "node"),
+        "--model",
+        str(tiny_model),
+        "--layers",
+        "0:3",
+        "--listen",
+        f"127.0.0.1:{free_udp_port()}",
+    )
+    assert result.returncode == 0, result.stdout
+    assert "no problems found" in result.stdout
+    assert "model digest: sha256" in result.stdout
+
+
+def test_every_problem_is_named_with_its_fix(tmp_path, tiny_model):
+    data_dir = tmp_path / "node"
+    load_or_create_identity(data_dir)
+    os.chmod(data_dir / NODE_KEY_FILE, 0o644)
+    os.chmod(data_dir, 0o777)
+    broken_model = tmp_path / "broken.gguf"
+    broken_model.write_bytes(b"GGUF" + b"\xff" * 64)
+    busy = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    busy.bind(("127.0.0.1", 0))
+    dead_relay = "cd" * 32 + f"@127.0.0.1:{free_udp_port()}"
+    try:
+        result = doctor(
+            "--data-dir",
+            str(data_dir),
+            "--model",
+            str(broken_model),
+            "--n-gpu-layers",
+            "8",
+            "--listen",
+            f"127.0.0.1:{busy.getsockname()[1]}",
+            "--relay",
+            dead_relay,
+            "--timeout",
+            "1",
+        )
+    finally:
+        busy.close()
+    out = result.stdout
+    assert result.returncode == 1
+    problems = [line for line in out.splitlines() if line.startswith("[PROBLEM]")]
+    assert any("is writable by others" in p for p in problems)
+    assert any(f"{NODE_KEY_FILE} is readable by others" in p for p in problems)
+    assert any("broken.gguf is not a readable GGUF file" in p for p in problems)
+    assert any("GPU offload" in p and "CPU-only" in p for p in problems)
+    assert any("QUIC port" in p and "cannot bind" in p for p in problems)
+    assert any("relay 127.0.0.1" in p and "not reachable" in p for p in problems)
+    assert out.count("fix: ") >= len(problems)
+    assert f"{len(problems)} problem(s) found" in out
+
+
+def test_missing_pieces_and_a_bad_layer_range(tmp_path, tiny_model):
+    result = doctor(
+        "--data-dir",
+        str(tmp_path / "nowhere"),
+        "--model",
+        str(tiny_model),
+        "--layers",
+        "2:99",
+        "--listen",
+        f"127.0.0.1:{free_udp_port()}",
+    )
+    assert result.returncode == 1
+    assert "does not exist" in result.stdout and "meshnode init" in result.stdout
+    assert "2:99 is outside the model's 0:6" in result.stdout
+    missing = doctor("--data-dir", str(tmp_path), "--model", str(tmp_path / "none.gguf"))
+    assert "none.gguf does not exist" in missing.stdout
