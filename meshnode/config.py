@@ -10,7 +10,8 @@ Precedence, highest first:
    list, a flag takes 1/0, true/false, yes/no or on/off. The relay reads only
    its scoped variables (``MESHNODE_RELAY_LISTEN``, ``MESHNODE_RELAY_DATA_DIR``):
    a relay sharing a host with a node must not take the node's settings;
-3. the config file given by ``--config PATH`` (or ``$MESHNODE_CONFIG``): top-level
+3. the config file given by ``--config PATH`` (or ``$MESHNODE_CONFIG``;
+   ``$MESHNODE_RELAY_CONFIG`` for the relay): top-level
    keys apply to every command, a ``[command]`` table (``[join]``, ``[relay]``)
    applies to that command and wins over the top level; keys are long option
    names (``heartbeat-interval`` or ``heartbeat_interval``);
@@ -172,23 +173,32 @@ def parse_args_with_config(
     sub = _subparser(parser, command)
     options = _options(sub)
     defaults: dict[str, Any] = {}
-    config_path = getattr(first, "config", None) or environ.get(CONFIG_ENV)
+    config_path = getattr(first, "config", None) or _scoped_env(environ, command, "CONFIG")
     if config_path:
         path = Path(config_path).expanduser()
         all_options = {name: _options(_subparser(parser, name)) for name in _subparser_names(parser)}
         defaults.update(_file_values(load_config_file(path), command, all_options, path))
     for name, action in options.items():
-        suffix = name.upper().replace("-", "_")
-        keys = [f"{ENV_PREFIX}{command.upper().replace('-', '_')}_{suffix}"]
-        if command not in SCOPED_ENV_ONLY:
-            keys.append(ENV_PREFIX + suffix)
-        key = next((k for k in keys if k in environ), None)
-        if key is not None:
-            defaults[action.dest] = _convert(action, environ[key], f"${key}")
+        found = _scoped_env_key(environ, command, name.upper().replace("-", "_"))
+        if found is not None:
+            defaults[action.dest] = _convert(action, environ[found], f"${found}")
     if not defaults:
         return first
     sub.set_defaults(**defaults)
     return parser.parse_args(argv)
+
+
+def _scoped_env_key(environ: Mapping[str, str], command: str, suffix: str) -> str | None:
+    """``MESHNODE_<COMMAND>_<SUFFIX>``, else ``MESHNODE_<SUFFIX>`` (not for scoped-only commands)."""
+    keys = [f"{ENV_PREFIX}{command.upper().replace('-', '_')}_{suffix}"]
+    if command not in SCOPED_ENV_ONLY:
+        keys.append(ENV_PREFIX + suffix)
+    return next((k for k in keys if k in environ), None)
+
+
+def _scoped_env(environ: Mapping[str, str], command: str, suffix: str) -> str | None:
+    key = _scoped_env_key(environ, command, suffix)
+    return None if key is None else environ[key]
 
 
 def _subparser_names(parser: argparse.ArgumentParser) -> Sequence[str]:
