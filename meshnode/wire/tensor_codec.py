@@ -219,18 +219,18 @@ class _TensorParts:
 
 
 def _parts_from_pb(tensor: shard.NamedTensor) -> _TensorParts:
+    # Positional and each submessage read once: this runs per decode step.
+    checksum = tensor.checksum
     return _TensorParts(
-        name=tensor.name,
-        shape=list(tensor.shape),
-        dtype=tensor.dtype,
-        byte_order=tensor.byte_order,
-        total_bytes=tensor.total_bytes,
-        compression=tensor.compression,
-        checksum_algorithm=tensor.checksum.algorithm,
-        checksum_value=tensor.checksum.value,
-        fragments=[
-            _Fragment(f.fragment_index, f.fragment_count, f.byte_offset, f.payload) for f in tensor.fragments
-        ],
+        tensor.name,
+        list(tensor.shape),
+        tensor.dtype,
+        tensor.byte_order,
+        tensor.total_bytes,
+        tensor.compression,
+        checksum.algorithm,
+        checksum.value,
+        [_Fragment(f.fragment_index, f.fragment_count, f.byte_offset, f.payload) for f in tensor.fragments],
     )
 
 
