@@ -57,6 +57,9 @@ class QuicSettings:
     max_datagram_size: int = SMALLEST_MAX_DATAGRAM_SIZE
     # Another protocol on the same machinery (the relay uses ``meshnode-relay/1``).
     alpn: str = ALPN
+    # How long a received packet may wait for its ACK to ride on outgoing data
+    # (seconds; aioquic's own default is 1 ms). None keeps aioquic's default.
+    ack_delay: float | None = 0.005
 
 
 class DialError(ConnectionError):
@@ -447,6 +450,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
             configuration=self._client_config,
             stream_window=self.settings.stream_window,
             connection_window=self.settings.connection_window,
+            ack_delay=self.settings.ack_delay,
         )
         link = QuicLink(
             self, quic, initiated_locally=True, expected_peer_id=expected_peer_id, remote_address=addr
@@ -535,6 +539,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
                 original_destination_connection_id=header.destination_cid,
                 stream_window=self.settings.stream_window,
                 connection_window=self.settings.connection_window,
+                ack_delay=self.settings.ack_delay,
             )
             link = QuicLink(
                 self, quic, initiated_locally=False, expected_peer_id=None, remote_address=addr[:2]

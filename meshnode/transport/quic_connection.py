@@ -86,8 +86,17 @@ def quic_configuration(
 
 
 class MeshQuicConnection(QuicConnection):
-    def __init__(self, *, stream_window: int, connection_window: int, **kwargs: Any) -> None:
+    def __init__(
+        self, *, stream_window: int, connection_window: int, ack_delay: float | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        if ack_delay is not None:
+            # aioquic acknowledges only on a timer, 1 ms after an ack-eliciting
+            # packet. A request answered later than that costs a separate ACK
+            # datagram each way; waiting a little longer lets the ACK ride on the
+            # answer. It stays far below the 25 ms max_ack_delay we advertise, so
+            # the peer's loss detection is unaffected.
+            self._ack_delay = ack_delay
         self._stream_window = stream_window
         self._connection_window = connection_window
         self._consumed: dict[int, int] = {}
