@@ -112,38 +112,29 @@ class NodeConfig:
         return self.peer_timeout if self.peer_timeout is not None else 4 * self.heartbeat_interval
 
 
-def model_fingerprint(path: Path) -> shard.Fingerprint:
-    """Identity of a model artifact for announcements.
-
-    TODO(data plane, issue 5): fill from the engine's ``EngineFingerprint`` once the
-    llama.cpp engine computes it; until then peers match on model name and range.
-    """
-    del path
-    return shard.Fingerprint()
-
-
 def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.ServedShard:
-    """What ``--model PATH --layers A:B`` announces: name, layer range and total layers (GGUF header only)."""
-    import gguf  # heavy import, only when a model is given
+    """What ``--model PATH --layers A:B`` will serve: name, layer range and total layers.
+
+    Reads only the GGUF header, so a bad file or range is refused before the
+    engine loads. The fingerprint is left empty here: the shard service announces
+    the loaded engine's own (artifact and recipe digests).
+    """
+    from engines.gguf_file import GGUFFormatError, read_gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
+        header = read_gguf(path)
+        arch = header.architecture
+    except (OSError, GGUFFormatError) as exc:  # GGUFFormatError is a ValueError
         raise ValueError(f"cannot read GGUF {path}: {exc}") from None
-    arch_field = reader.get_field("general.architecture")
-    if arch_field is None:
-        raise ValueError(f"{path} has no general.architecture")
-    arch = arch_field.contents()
-    blocks = reader.get_field(f"{arch}.block_count")
+    blocks = header.get(f"{arch}.block_count")
     if blocks is None:
         raise ValueError(f"{path} has no {arch}.block_count")
-    total = int(blocks.contents())
+    total = int(blocks)  # type: ignore[call-overload]
     start, end = layers if layers is not None else (0, total)
     if not 0 <= start < end <= total:
         raise ValueError(f"layer range {start}:{end} is not within the model's {total} layers")
     return mesh.ServedShard(
         model_name=path.stem,
-        fingerprint=model_fingerprint(path),
         shard_range=shard.ShardRange(start_layer=start, end_layer=end, effective_start_layer=start),
         total_layers=total,
     )
@@ -397,8 +388,15 @@ class Node:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._dial(peer_id))
             self._dials[peer_id] = task
-            task.add_done_callback(lambda _t, p=peer_id: self._dials.pop(p, None))
+            task.add_done_callback(lambda t, p=peer_id: self._dial_finished(p, t))
         return await asyncio.shield(task)
+
+    def _dial_finished(self, peer_id: bytes, task: asyncio.Task[PeerLink]) -> None:
+        self._dials.pop(peer_id, None)
+        # Every waiter may have given up (cancelled); the outcome is still consumed
+        # here, so a failed dial is not reported as an unretrieved task exception.
+        if not task.cancelled():
+            task.exception()
 
     async def _dial(self, peer_id: bytes) -> PeerLink:
         entry = self.state.table.get(peer_id)
