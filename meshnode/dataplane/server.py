@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -159,6 +160,8 @@ class ShardServer:
         self._running_tokens: dict[int, CancelToken | None] = {}
         self._timer = WakeTimer(self._on_timer)
         self._closing = False
+        # ShardStatus refusals sent, by ErrorCode value (for /metrics).
+        self.errors_sent: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -313,9 +316,12 @@ class ShardServer:
         for action in actions:
             kind = type(action)
             if kind is Send:
+                response = action.response  # type: ignore[union-attr]
+                if response.WhichOneof("kind") == "status":
+                    self.errors_sent[response.status.error.code] += 1
                 outbox = self._outboxes.get(action.stream_id)  # type: ignore[union-attr]
                 if outbox is not None:
-                    outbox.send(action.response)  # type: ignore[union-attr]
+                    outbox.send(response)
             elif kind is RunStep:
                 self._run_step(action)  # type: ignore[arg-type]
             elif kind is FireCancel:
