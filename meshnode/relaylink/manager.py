@@ -65,6 +65,9 @@ class RelayLinkStats:
     handshakes: int = 0
     links_opened: int = 0
     refused_frames: int = 0
+    # Sealed payload bytes through relays, both directions (handshakes included).
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 class RelayLinks:
@@ -159,7 +162,9 @@ class RelayLinks:
             future = asyncio.get_running_loop().create_future()
             self._pending[key] = future
             try:
-                client.send(peer_id, CONTROL_CHANNEL, sealer.start())
+                hello = sealer.start()
+                client.send(peer_id, CONTROL_CHANNEL, hello)
+                self.stats.bytes_sent += len(hello)
             except StreamError as exc:
                 self._fail_pending(key, RelayDialError(str(exc)))
         try:
@@ -225,6 +230,7 @@ class RelayLinks:
         key = (client.relay_id, source)
         if source == self.identity.node_id:
             return
+        self.stats.bytes_received += len(payload)
         try:
             sealer = self._sealer(key)
         except RelayDialError:
@@ -238,6 +244,7 @@ class RelayLinks:
             elif isinstance(event, SendControl):
                 with contextlib.suppress(StreamError):
                     client.send(source, CONTROL_CHANNEL, event.payload)
+                    self.stats.bytes_sent += len(event.payload)
             elif isinstance(event, SessionEstablished):
                 self._established(client, key, event)
             elif isinstance(event, Dropped):
@@ -254,6 +261,7 @@ class RelayLinks:
 
         def send(channel: int, payload: bytes) -> None:
             client.send(peer_id, channel, payload)
+            self.stats.bytes_sent += len(payload)
 
         link = RelayedPeerLink(
             session=event.session,
