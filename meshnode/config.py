@@ -164,9 +164,26 @@ def parse_args_with_config(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Namespace:
-    """Parse ``argv`` with defaults taken from the environment and the config file."""
+    """Parse ``argv`` with defaults taken from the environment and the config file.
+
+    A required option (``serve --model``) is satisfied by a value from either
+    source too: argparse only counts the command line, so such options are
+    checked here instead.
+    """
     environ = os.environ if environ is None else environ
-    first = parser.parse_args(argv)
+    required = [
+        action
+        for name in _subparser_names(parser)
+        for action in _subparser(parser, name)._actions
+        if action.required and action.option_strings
+    ]
+    for action in required:
+        action.required = False
+    try:
+        first = parser.parse_args(argv)
+    finally:
+        for action in required:
+            action.required = True
     command = getattr(first, "command", None)
     if command is None:
         return first
@@ -182,10 +199,15 @@ def parse_args_with_config(
         found = _scoped_env_key(environ, command, name.upper().replace("-", "_"))
         if found is not None:
             defaults[action.dest] = _convert(action, environ[found], f"${found}")
-    if not defaults:
-        return first
     sub.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    provided = [action for action in required if action.dest in defaults]
+    for action in provided:
+        action.required = False
+    try:
+        return parser.parse_args(argv)
+    finally:
+        for action in provided:
+            action.required = True
 
 
 def _scoped_env_key(environ: Mapping[str, str], command: str, suffix: str) -> str | None:

@@ -97,3 +97,11 @@ def test_command_scoped_variables_win_and_the_relay_keeps_its_own_data_dir():
     assert parse(["relay"], env).data_dir is None
     assert parse(["relay"], env).listen == "0.0.0.0:7448"
     assert parse(["relay"], {**env, "MESHNODE_RELAY_DATA_DIR": "/r"}).data_dir == "/r"
+
+
+def test_a_required_option_can_come_from_the_file_or_the_environment(tmp_path):
+    config = write(tmp_path, '[serve]\nmodel = "/models/m.gguf"\n')
+    assert str(parse(["serve", "--config", str(config)]).model) == "/models/m.gguf"
+    assert str(parse(["serve"], {"MESHNODE_MODEL": "/m2.gguf"}).model) == "/m2.gguf"
+    with pytest.raises(SystemExit):
+        parse(["serve"])
