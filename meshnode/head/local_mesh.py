@@ -27,6 +27,12 @@ START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
 # Short timers so the nodes see each other within seconds.
 FAST_TIMING = ("--heartbeat-interval", "1", "--gossip-timeout", "3", "--probe-timeout", "2")
+# Nodes on one machine share its cores. llama.cpp's OpenMP workers spin for a while after every
+# graph by default (libgomp: 300 000 spins), burning the cores the next hop needs: three nodes on
+# two cores decoded 9-17 tokens/s spinning. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) makes every
+# barrier inside a graph a futex wake-up (2x slower per node); a short spin keeps the barriers
+# fast and lets idle nodes sleep (bench/e2e.py, bench/RESULTS.md).
+SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
 class LocalMeshError(Exception):
@@ -84,6 +90,8 @@ class LocalMesh:
     threads: int | None = None
     ctx: int | None = None
     timing: Sequence[str] = FAST_TIMING
+    # Environment of every process started (on top of this one's).
+    env: dict[str, str] = field(default_factory=lambda: dict(SHARED_CORES_ENV))
     children: list[Child] = field(default_factory=list)
     mesh_id: str = ""
     relay: RelayInfo | None = None
@@ -100,7 +108,7 @@ class LocalMesh:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **self.env, **(env or {})},
                 # Its own session: a terminal's Ctrl-C reaches the caller, which stops children in order.
                 start_new_session=True,
             )
@@ -277,4 +285,4 @@ def _line(log: Path, prefix: str) -> str | None:
     return None
 
 
-__all__ = ["FAST_TIMING", "Child", "LocalMesh", "LocalMeshError", "RelayInfo"]
+__all__ = ["FAST_TIMING", "SHARED_CORES_ENV", "Child", "LocalMesh", "LocalMeshError", "RelayInfo"]

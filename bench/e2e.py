@@ -1,0 +1,254 @@
+"""End to end: what a person gets from meshnode's API against llama.cpp run directly, same run.
+
+    python bench/e2e.py [--tokens 32] [--rounds 6] [--prompt-tokens 96] [--threads 2]
+                        [--configs b,c,d,e,c1,d1]
+
+Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
+
+    (a)  monolithic llama-cpp-python through its low-level API (llama_decode on a batch,
+         argmax over the last position's logits), ``--threads`` threads, in this process;
+    (b)  meshnode, one node serving all 18 layers;
+    (c)  two nodes, [0, 9) and [9, 18);
+    (d)  three nodes, [0, 6), [6, 12) and [12, 18);
+    (e)  two nodes through a relay: the second node is "behind NAT" (--relay-only
+         --not-directly-reachable), so every activation and token crosses the relay;
+    (c1), (d1): (c) and (d) with one compute thread per node instead of ``--threads``.
+
+(b)–(e) are real ``meshnode`` processes (``meshnode start``/``join`` with an invite, a
+``meshnode relay`` for (e)), all started first and left running; the bench process is an
+HTTP client of each first node's OpenAI-compatible API and streams ``/v1/completions``
+(the prompt given as token ids, so every configuration prefills the same tokens). Time
+to first token = request sent to the first streamed text; decode tokens/s = tokens after
+the first over the time after the first. Configurations alternate, one generation each
+per round, so load drifting on a shared machine hits them alike; figures are medians
+over the rounds, ratios are against (a) from the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines.default_model import default_model_path
+from meshnode.head.api_client import StreamSummary, stream_completion
+from meshnode.head.local_mesh import SHARED_CORES_ENV, LocalMesh
+
+Layout = list[tuple[tuple[int, int] | None, bool]]
+TWO: Layout = [((0, 9), False), ((9, 18), False)]
+THREE: Layout = [((0, 6), False), ((6, 12), False), ((12, 18), False)]
+# key: (label, layout, threads per node or None for --threads)
+CONFIGS: dict[str, tuple[str, Layout, int | None]] = {
+    "b": ("(b) 1 node", [(None, False)], None),
+    "c": ("(c) 2 nodes", TWO, None),
+    "d": ("(d) 3 nodes", THREE, None),
+    "e": ("(e) 2 nodes through the relay", [((0, 9), False), ((9, 18), True)], None),
+    "c1": ("(c1) 2 nodes, 1 thread each", TWO, 1),
+    "d1": ("(d1) 3 nodes, 1 thread each", THREE, 1),
+}
+TARGETS = {"c": 0.85, "d": 0.80, "c1": 0.85, "d1": 0.80}
+
+
+@dataclass(frozen=True)
+class Run:
+    ttft_s: float
+    decode_tps: float
+    tokens: int
+
+
+def median_run(runs: list[Run]) -> Run:
+    return Run(
+        statistics.median(r.ttft_s for r in runs),
+        statistics.median(r.decode_tps for r in runs),
+        min(r.tokens for r in runs),
+    )
+
+
+# ---------------------------------------------------------------------------- (a) monolithic
+
+
+class Monolithic:
+    """llama-cpp-python's low-level API: one context, one sequence, greedy."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int = 1024) -> None:
+        # Imported late: libgomp reads its settings (see --node-env) when llama.cpp loads.
+        import llama_cpp
+
+        from engines.llama_lib import ensure_llama_backend
+
+        ensure_llama_backend()
+        self.lib = llama_cpp
+        params = self.lib.llama_model_default_params()
+        self.model = self.lib.llama_model_load_from_file(str(path).encode(), params)
+        ctx_params = self.lib.llama_context_default_params()
+        ctx_params.n_ctx = n_ctx
+        ctx_params.n_batch = 512
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self.ctx = self.lib.llama_init_from_model(self.model, ctx_params)
+        self.n_vocab = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.model))
+        self.batch = self.lib.llama_batch_init(512, 0, 1)
+        self.memory = self.lib.llama_get_memory(self.ctx)
+
+    def _decode(self, tokens: list[int], first_position: int) -> int:
+        batch = self.batch
+        batch.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            batch.token[i] = token
+            batch.pos[i] = first_position + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i == len(tokens) - 1
+        if self.lib.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = np.ctypeslib.as_array(
+            ctypes.cast(self.lib.llama_get_logits_ith(self.ctx, -1), ctypes.POINTER(ctypes.c_float)),
+            shape=(self.n_vocab,),
+        )
+        return int(np.argmax(logits))
+
+    def run(self, prompt: list[int], count: int) -> Run:
+        self.lib.llama_memory_clear(self.memory, True)
+        started = time.perf_counter()
+        token = self._decode(prompt, 0)
+        first = time.perf_counter()
+        for offset in range(count - 1):
+            token = self._decode([token], len(prompt) + offset)
+        end = time.perf_counter()
+        return Run(first - started, (count - 1) / (end - first), count)
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+
+# ---------------------------------------------------------------------------- (b)-(e) meshnode
+
+
+async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    summary: StreamSummary | None = None
+    async for event in stream_completion(api, "/v1/completions", body):
+        if isinstance(event, StreamSummary):
+            summary = event
+    assert summary is not None
+    return Run(summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.completion_tokens)
+
+
+async def start_mesh(
+    work: Path, model: Path, layout: Layout, threads: int, env: dict[str, str]
+) -> tuple[LocalMesh, str]:
+    """The configuration's processes, ready (its API lists the model); returns the API URL."""
+    mesh = LocalMesh(work, model, threads=threads, ctx=1024, env=env)
+    mesh.create_mesh("n0")
+    if any(nat for _, nat in layout):
+        await mesh.start_relay()
+    await mesh.start_first("n0", layout[0][0])
+    if len(layout) > 1:
+        token = mesh.invite("n0")
+        joining = [
+            mesh.join(f"n{i}", layers, token, behind_nat=nat)
+            for i, (layers, nat) in enumerate(layout[1:], start=1)
+        ]
+        for child in joining:
+            await mesh.wait_serving(child)
+    api, _ = await mesh.wait_route("n0")
+    return mesh, api
+
+
+async def bench(args: argparse.Namespace, model: Path, prompt: list[int]) -> dict[str, list[Run]]:
+    keys = args.configs.split(",")
+    runs: dict[str, list[Run]] = {key: [] for key in ["a", *keys]}
+    meshes: list[LocalMesh] = []
+    apis: dict[str, str] = {}
+    mono = Monolithic(model, args.threads)
+    with contextlib.ExitStack() as stack:
+        try:
+            for key in keys:
+                label, layout, threads = CONFIGS[key]
+                work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-e2e-{key}-")))
+                print(f"  starting {label}", file=sys.stderr, flush=True)
+                env = dict(item.split("=", 1) for item in args.node_env)
+                mesh, apis[key] = await start_mesh(work, model, layout, threads or args.threads, env)
+                meshes.append(mesh)
+                await api_run(apis[key], prompt, 8)  # warm: page faults, graph allocation, links
+            mono.run(prompt, 8)
+            for round_index in range(args.rounds):
+                runs["a"].append(mono.run(prompt, args.tokens))  # on this thread: one OpenMP team
+                for key in keys:
+                    runs[key].append(await api_run(apis[key], prompt, args.tokens))
+                line = ", ".join(f"{k} {r[-1].decode_tps:.1f}" for k, r in runs.items())
+                print(f"  round {round_index + 1}: tok/s {line}", file=sys.stderr, flush=True)
+        finally:
+            for mesh in meshes:
+                await asyncio.to_thread(mesh.stop_all)
+            mono.close()
+    return runs
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=32, help="generated per request (32)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2, help="threads of (a) and of each node (2)")
+    parser.add_argument("--configs", default="b,c,d,e,c1,d1")
+    parser.add_argument(
+        "--node-env",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="environment of the node processes and of (a) (default: what meshnode demo sets, "
+        + " ".join(f"{k}={v}" for k, v in SHARED_CORES_ENV.items())
+        + ")",
+    )
+    args = parser.parse_args()
+    if args.node_env is None:
+        args.node_env = [f"{k}={v}" for k, v in SHARED_CORES_ENV.items()]
+    # (a) runs under the same runtime settings as the nodes: same threads, same OpenMP waiting.
+    os.environ.update(dict(item.split("=", 1) for item in args.node_env))
+
+    model = default_model_path(progress=True)
+    # Ordinary text-like ids; a fixed seed so every configuration prefills the same prompt.
+    rng = np.random.default_rng(7)
+    prompt = [2] + [int(t) for t in rng.integers(1000, 50_000, size=args.prompt_tokens - 1)]
+    runs = asyncio.run(bench(args, model, prompt))
+
+    base = median_run(runs["a"])
+    print(f"Gemma 3 270M Q4_K_M, greedy, prompt {args.prompt_tokens} tokens, {args.tokens} generated per request, "
+          f"medians of {args.rounds} alternating rounds; (a) = monolithic llama-cpp-python, {args.threads} threads")  # fmt: skip
+    print(f"{'configuration':<34} {'decode tok/s':>12} {'ratio':>7} {'ms/token':>9} {'+ms/token':>10} "
+          f"{'TTFT s':>8} {'ratio':>7}")  # fmt: skip
+    for key, label in [("a", "(a) monolithic"), *((k, CONFIGS[k][0]) for k in runs if k != "a")]:
+        run = median_run(runs[key])
+        ratio = run.decode_tps / base.decode_tps
+        extra = 1000 / run.decode_tps - 1000 / base.decode_tps
+        target = ""
+        if key in TARGETS:
+            target = f"  target >= {TARGETS[key]:.2f}x: {'met' if ratio >= TARGETS[key] else 'MISSED'}"
+        print(f"{label:<34} {run.decode_tps:>12.1f} {ratio:>6.3f}x {1000 / run.decode_tps:>9.2f} {extra:>+10.2f} "
+              f"{run.ttft_s:>8.3f} {run.ttft_s / base.ttft_s:>6.3f}x{target}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
