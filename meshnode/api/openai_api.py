@@ -22,7 +22,12 @@ from typing import Any
 from aiohttp import web
 
 from engines.interface import SamplingParams
-from meshnode.head.backend import GenerationBackend, GenerationFailed, UnknownModel
+from meshnode.head.backend import (
+    ContextLengthExceeded,
+    GenerationBackend,
+    GenerationFailed,
+    UnknownModel,
+)
 from meshnode.head.completions import CompletionRequest, CompletionResult, TextDelta, run_completion
 
 log = logging.getLogger(__name__)
@@ -236,6 +241,9 @@ class OpenAIApi:
             if parsed.stream:
                 return await self._stream(request, events, parsed, ident, chat=chat)
             return await self._whole(events, parsed, ident, chat=chat)
+        except ContextLengthExceeded as exc:
+            error = InvalidRequest(str(exc), "messages" if chat else "prompt", code="context_length_exceeded")
+            return error_response(error)
         except GenerationFailed as exc:
             log.warning("generation %s failed: %s", ident, exc)
             return error_response(InvalidRequest(str(exc), status=503), "service_unavailable")

@@ -28,6 +28,10 @@ class GenerationFailed(MeshnodeError):
     """
 
 
+class ContextLengthExceeded(GenerationFailed):
+    """The prompt does not fit a session's context on the route (a client error, not a failure)."""
+
+
 class IncrementalDetokenizer(Protocol):
     def feed(self, token_id: int) -> str:
         """Text completed by this token (possibly empty while a UTF-8 sequence is open)."""

@@ -39,7 +39,7 @@ from meshnode.dataplane import rpc
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
-from meshnode.head.backend import GenerationFailed
+from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.planner import Hop, ModelIdentity, NoRouteError, Route, ShardCandidate, plan_route
 from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy
@@ -338,6 +338,8 @@ class _Generation:
         decision = self.policy.decide(error)
         tag = f"generation {self.session_id[:8]} epoch {self.epoch}"
         if decision.recovery is Recovery.GIVE_UP:
+            if decision.request_too_large:
+                raise ContextLengthExceeded(decision.reason)
             log.warning("%s failed: %s", tag, decision.reason)
             raise GenerationFailed(decision.reason)
         if decision.recovery is Recovery.REBUILD:

@@ -36,6 +36,8 @@ class Decision:
     recovery: Recovery
     # One line for logs and, on GIVE_UP, for the client.
     reason: str
+    # GIVE_UP because of the request itself (it cannot fit), not because the route failed.
+    request_too_large: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,11 @@ class RecoveryPolicy:
         if isinstance(error, ShardProtocolError):
             if error.code == shard.ERROR_CODE_RESOURCE_EXHAUSTED and not error.retryable:
                 # It can never fit unchanged: a prompt plus max_tokens beyond a session's context.
-                return Decision(Recovery.GIVE_UP, f"the request does not fit the model's context ({reason})")
+                return Decision(
+                    Recovery.GIVE_UP,
+                    f"the prompt does not fit the model's context on this route ({reason})",
+                    request_too_large=True,
+                )
             if error.code == shard.ERROR_CODE_CACHE_MISS and (
                 self.rebuilds_this_epoch < self.budget.rebuilds_per_epoch
             ):

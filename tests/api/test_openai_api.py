@@ -10,7 +10,7 @@ import pytest
 
 from engines.interface import SamplingParams
 from meshnode.api.openai_api import start_api_server
-from meshnode.head.backend import GenerationFailed, UnknownModel
+from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, UnknownModel
 
 EOS = 0
 
@@ -41,11 +41,18 @@ class ScriptedBackend:
     """Generates a fixed reply, one character per token, with a pause per token."""
 
     def __init__(
-        self, reply: str = "Hello, mesh!", *, delay: float = 0.0, fail: bool = False, eos: bool = True
+        self,
+        reply: str = "Hello, mesh!",
+        *,
+        delay: float = 0.0,
+        fail: bool = False,
+        eos: bool = True,
+        too_long: bool = False,
     ):
         self.reply = reply
         self.delay = delay
         self.fail = fail
+        self.too_long = too_long
         self.eos = eos
         self.calls: list[tuple[list[int], SamplingParams, int]] = []
         self.closed = asyncio.Event()
@@ -65,6 +72,8 @@ class ScriptedBackend:
         self.calls.append((list(prompt_tokens), sampling, max_tokens))
         if self.fail:
             raise GenerationFailed("no route covers layers [2, 4) of the model")
+        if self.too_long:
+            raise ContextLengthExceeded("the prompt does not fit the model's context on this route")
         try:
             tokens = [ord(c) for c in self.reply] + ([EOS] if self.eos else [])
             for token in tokens[:max_tokens]:
@@ -213,6 +222,15 @@ async def test_generation_failure_is_a_503_with_the_reason(serve):
     status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "x"})
     assert status == 503
     assert "no route" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_prompt_beyond_the_context_is_a_400_naming_it(serve, stream):
+    base = await serve(ScriptedBackend(too_long=True))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": stream}
+    status, got = await post(f"{base}/v1/chat/completions", body)
+    assert status == 400
+    assert (got["error"]["code"], got["error"]["param"]) == ("context_length_exceeded", "messages")
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -14,7 +14,7 @@ import pytest
 
 from engines.fake import FaultKind, FaultRule
 from engines.interface import GREEDY, METRIC_STEPS_CANCELLED, SamplingParams
-from meshnode.head.backend import GenerationFailed
+from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
 from meshnode.head.driver import DriverOptions, GenerationDriver
 from meshnode.head.recovery import RecoveryBudget
 
@@ -187,7 +187,7 @@ async def test_a_full_context_ends_the_generation_early(routes):
 
 async def test_a_prompt_longer_than_the_context_fails_clearly(routes):
     driver = GenerationDriver(routes, FAST)
-    with pytest.raises(GenerationFailed, match="does not fit the model's context"):
+    with pytest.raises(ContextLengthExceeded, match="does not fit the model's context"):
         await collect(driver.generate(routes.model, PROMPT * 10, GREEDY, 4))
 
 

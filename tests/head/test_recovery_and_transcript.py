@@ -58,7 +58,8 @@ def test_a_request_beyond_the_context_gives_up_at_once_but_a_busy_worker_does_no
     policy = RecoveryPolicy()
     too_long = refusal(shard.ERROR_CODE_RESOURCE_EXHAUSTED, "past the session's context", retryable=False)
     decision = policy.decide(too_long)
-    assert decision.recovery is Recovery.GIVE_UP and "does not fit the model's context" in decision.reason
+    assert decision.recovery is Recovery.GIVE_UP and decision.request_too_large
+    assert "does not fit the model's context" in decision.reason
     busy = refusal(shard.ERROR_CODE_RESOURCE_EXHAUSTED, "too many sessions", retryable=True)
     assert policy.decide(busy).recovery is Recovery.REROUTE
     assert describe(GONE) == "the worker is unreachable"
