@@ -39,11 +39,18 @@ SPLITS = {"A": (0, 2), "B": (2, 4), "B2": (2, 4), "C": (4, TINY_N_LAYERS)}
 MODEL = "meshnode-tiny-llama-v1"
 
 
+API_NODES = ("A", "C")
+
+
 class ApiCluster(QuicCluster):
-    """The data plane's two-shard cluster, grown to four nodes; only the first serves the API."""
+    """The data plane's two-shard cluster, grown to four nodes; A and C serve the API."""
+
+    def start_shard(self, name: str, start: int, end: int) -> NodeProcess:
+        self._starting = name
+        return super().start_shard(name, start, end)
 
     def _serve_args(self, start: int, end: int) -> list[str]:
-        api = "127.0.0.1:0" if not self.processes else "off"
+        api = "127.0.0.1:0" if self._starting in API_NODES else "off"
         return [*super()._serve_args(start, end), "--api-listen", api, "--probe-timeout", "1"]
 
 
@@ -168,6 +175,21 @@ async def test_chat_completions_give_the_unsplit_models_greedy_text(api, cluster
     assert usage == whole["usage"]
     stats = await generations(api)
     assert len(stats["last_route"]) == 3 and stats["reroutes"] == 0
+
+
+async def test_a_node_whose_shard_is_not_first_answers_through_a_remote_first_hop(api, cluster, reference):
+    """C serves the last layers: its driver opens the session to A over QUIC, and the route's
+    tail — C itself — hands the token back through B and A."""
+    await route_ready(api, cluster)
+    status = process(cluster, "C").status()
+    assert status is not None
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{status['node']['api_url']}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        assert (await r.json())["choices"][0]["message"]["content"] == reference[24]
 
 
 async def test_the_official_openai_client_works_unchanged(api, cluster, reference):
