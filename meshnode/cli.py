@@ -392,8 +392,10 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [
         f"node {node['short_id']}  mesh {node['mesh_id']}  {'member' if node['member'] else 'joining'}",
         f"  addresses: {', '.join(node['addresses'])}   serving: {_serving_text(node['serving'])}",
-        f"peers ({len(status['peers'])}):",
     ]
+    if node.get("api_url"):
+        lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
+    lines.append(f"peers ({len(status['peers'])}):")
     for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
         reach = "direct" if peer["directly_reachable"] else "relay"
         link = peer["link"] or "no link"
