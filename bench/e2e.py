@@ -1,7 +1,7 @@
 """End to end: what a person gets from meshnode's API against llama.cpp run directly, same run.
 
     python bench/e2e.py [--tokens 32] [--rounds 6] [--prompt-tokens 96] [--threads 2]
-                        [--configs b,c,d,e,c1,d1]
+                        [--configs b,c,d,e] [--no-breakdown] [--node-env KEY=VALUE]
 
 Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
 
@@ -22,6 +22,13 @@ to first token = request sent to the first streamed text; decode tokens/s = toke
 the first over the time after the first. Configurations alternate, one generation each
 per round, so load drifting on a shared machine hits them alike; figures are medians
 over the rounds, ratios are against (a) from the same rounds.
+
+Where the time goes (on the three-node mesh; ``--no-breakdown`` skips it): the bench process joins
+the mesh with an invite as a client node and drives each hop on its own — a session
+to A with the prompt's tokens, to B with A's hidden states, to C with B's — then
+decode steps the same way. Per hop: the engine's own time for the step (the worker's
+``Ack.execution_nanos``) and the round trip seen by the caller; the difference is what
+one hop costs beyond computing (QUIC both ways, the data plane, the engine thread hop).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engines.default_model import default_model_path
 from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.head.local_mesh import SHARED_CORES_ENV, LocalMesh
+from meshnode.wire.pb import shard
 
 Layout = list[tuple[tuple[int, int] | None, bool]]
 TWO: Layout = [((0, 9), False), ((9, 18), False)]
@@ -171,10 +179,13 @@ async def start_mesh(
     return mesh, api
 
 
-async def bench(args: argparse.Namespace, model: Path, prompt: list[int]) -> dict[str, list[Run]]:
+async def bench(
+    args: argparse.Namespace, model: Path, prompt: list[int]
+) -> tuple[dict[str, list[Run]], tuple[list[HopTiming], float]]:
     keys = args.configs.split(",")
     runs: dict[str, list[Run]] = {key: [] for key in ["a", *keys]}
-    meshes: list[LocalMesh] = []
+    meshes: dict[str, LocalMesh] = {}
+    hops: tuple[list[HopTiming], float] = ([], 0.0)
     apis: dict[str, str] = {}
     mono = Monolithic(model, args.threads)
     with contextlib.ExitStack() as stack:
@@ -185,7 +196,7 @@ async def bench(args: argparse.Namespace, model: Path, prompt: list[int]) -> dic
                 print(f"  starting {label}", file=sys.stderr, flush=True)
                 env = dict(item.split("=", 1) for item in args.node_env)
                 mesh, apis[key] = await start_mesh(work, model, layout, threads or args.threads, env)
-                meshes.append(mesh)
+                meshes[key] = mesh
                 await api_run(apis[key], prompt, 8)  # warm: page faults, graph allocation, links
             mono.run(prompt, 8)
             for round_index in range(args.rounds):
@@ -194,11 +205,114 @@ async def bench(args: argparse.Namespace, model: Path, prompt: list[int]) -> dic
                     runs[key].append(await api_run(apis[key], prompt, args.tokens))
                 line = ", ".join(f"{k} {r[-1].decode_tps:.1f}" for k, r in runs.items())
                 print(f"  round {round_index + 1}: tok/s {line}", file=sys.stderr, flush=True)
+            if args.breakdown and "d" in meshes:
+                hops = await hop_breakdown(meshes["d"], THREE, prompt, args.tokens)
         finally:
-            for mesh in meshes:
+            for mesh in meshes.values():
                 await asyncio.to_thread(mesh.stop_all)
             mono.close()
-    return runs
+    return runs, hops
+
+
+# ---------------------------------------------------------------------------- per-hop breakdown
+
+
+@dataclass(frozen=True)
+class HopTiming:
+    name: str
+    layers: tuple[int, int]
+    exec_ms: float
+    round_trip_ms: float
+
+
+async def hop_breakdown(
+    mesh: LocalMesh, layout: Layout, prompt: list[int], steps: int
+) -> tuple[list[HopTiming], float]:
+    """Drive each hop of ``mesh`` separately from a client node of the mesh (see the module doc)."""
+    from engines.interface import GREEDY
+    from meshnode.dataplane.route import make_hop
+    from meshnode.dataplane.session_link import ShardSession
+    from meshnode.identity import NodeIdentity
+    from meshnode.membership.credentials import decode_invite_token
+    from meshnode.membership.store import DataDir
+    from meshnode.node import Node, NodeConfig
+
+    node = Node(
+        NodeIdentity.generate(),
+        DataDir(mesh.work_dir / "bench-client"),
+        NodeConfig(listen="127.0.0.1:0", heartbeat_interval=1.0),
+        invite=decode_invite_token(mesh.invite("n0")),
+    )
+    await node.start()
+    try:
+        await node.join()
+        names = [f"n{i}" for i in range(len(layout))]
+        ids = {}
+        for name in names:
+            status = mesh.child(name).status()
+            assert status is not None
+            ids[name] = bytes.fromhex(status["node"]["id"])
+        fingerprint = None
+        while fingerprint is None:
+            for entry in node.peers():
+                if entry.peer_id == ids["n0"] and entry.announcement.HasField("serving"):
+                    fingerprint = entry.announcement.serving.fingerprint
+            await asyncio.sleep(0.1)
+        sessions = []
+        for name, (layers, _) in zip(names, layout, strict=True):
+            assert layers is not None
+            link = await node.get_link(ids[name])
+            session_range = shard.ShardRange(
+                start_layer=layers[0], end_layer=layers[1], effective_start_layer=layers[0]
+            )
+            sessions.append(
+                await ShardSession.open(
+                    link, fingerprint=fingerprint, shard_range=session_range, sampling=GREEDY
+                )
+            )
+        value: object = prompt
+        for session in sessions:
+            output = await session.prefill(value)  # type: ignore[arg-type]
+            value = output.hidden if output.token is None else output.token
+        exec_ns = [[] for _ in sessions]
+        trips = [[] for _ in sessions]
+        for step in range(steps):
+            position = len(prompt) + step
+            for index, session in enumerate(sessions):
+                started = time.perf_counter()
+                output = await session.decode(value, position=position)  # type: ignore[arg-type]
+                trips[index].append(time.perf_counter() - started)
+                exec_ns[index].append(output.done.execution_nanos)
+                value = output.hidden if output.token is None else output.token
+        for session in sessions:
+            await session.aclose()
+        # The same steps as one chained session: activations forwarded hop to hop.
+        first = layout[0][0]
+        assert first is not None
+        chained = await ShardSession.open(
+            await node.get_link(ids[names[0]]),
+            fingerprint=fingerprint,
+            shard_range=shard.ShardRange(start_layer=first[0], end_layer=first[1], effective_start_layer=0),
+            downstream=[
+                make_hop(ids[name], layers[0], layers[1], layers[0])  # type: ignore[index]
+                for name, (layers, _) in zip(names[1:], layout[1:], strict=True)
+            ],
+            sampling=GREEDY,
+        )
+        token = (await chained.prefill(prompt)).token
+        chain_trips = []
+        for step in range(steps):
+            started = time.perf_counter()
+            token = (await chained.decode(token, position=len(prompt) + step)).token  # type: ignore[arg-type]
+            chain_trips.append(time.perf_counter() - started)
+        await chained.aclose()
+        hops = [
+            HopTiming(name, layers, statistics.median(e) / 1e6, statistics.median(t) * 1000)  # type: ignore[arg-type]
+            for name, (layers, _), e, t in zip(names, layout, exec_ns, trips, strict=True)
+        ]
+        return hops, statistics.median(chain_trips) * 1000
+    finally:
+        await node.shutdown()
 
 
 # ---------------------------------------------------------------------------- main
@@ -212,7 +326,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="threads of (a) and of each node (2)")
-    parser.add_argument("--configs", default="b,c,d,e,c1,d1")
+    parser.add_argument("--configs", default="b,c,d,e")
+    parser.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per-hop timing on the three-node mesh (default on)",
+    )
     parser.add_argument(
         "--node-env",
         action="append",
@@ -232,7 +352,7 @@ def main() -> None:
     # Ordinary text-like ids; a fixed seed so every configuration prefills the same prompt.
     rng = np.random.default_rng(7)
     prompt = [2] + [int(t) for t in rng.integers(1000, 50_000, size=args.prompt_tokens - 1)]
-    runs = asyncio.run(bench(args, model, prompt))
+    runs, (hops, chain_ms) = asyncio.run(bench(args, model, prompt))
 
     base = median_run(runs["a"])
     print(f"Gemma 3 270M Q4_K_M, greedy, prompt {args.prompt_tokens} tokens, {args.tokens} generated per request, "
@@ -248,6 +368,22 @@ def main() -> None:
             target = f"  target >= {TARGETS[key]:.2f}x: {'met' if ratio >= TARGETS[key] else 'MISSED'}"
         print(f"{label:<34} {run.decode_tps:>12.1f} {ratio:>6.3f}x {1000 / run.decode_tps:>9.2f} {extra:>+10.2f} "
               f"{run.ttft_s:>8.3f} {run.ttft_s / base.ttft_s:>6.3f}x{target}")  # fmt: skip
+
+    if hops:
+        print()
+        print("where a decode step goes, three nodes, each hop driven alone from a client node (medians):")
+        print(f"{'hop':<14} {'engine ms':>10} {'round trip ms':>14} {'beyond compute ms':>18}")
+        for hop in hops:
+            label = f"{hop.name} [{hop.layers[0]},{hop.layers[1]})"
+            print(
+                f"{label:<14} {hop.exec_ms:>10.2f} {hop.round_trip_ms:>14.2f} {hop.round_trip_ms - hop.exec_ms:>18.2f}"
+            )
+        total_exec = sum(h.exec_ms for h in hops)
+        total_trip = sum(h.round_trip_ms for h in hops)
+        print(f"{'sum':<14} {total_exec:>10.2f} {total_trip:>14.2f} {total_trip - total_exec:>18.2f}")
+        print(
+            f"{'chained':<14} {'':>10} {chain_ms:>14.2f} {chain_ms - total_exec:>18.2f}  (one session, hop to hop)"
+        )
 
 
 if __name__ == "__main__":
