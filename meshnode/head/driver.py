@@ -82,6 +82,9 @@ class DriverOptions:
     # Cancel and release calls at the end of a generation.
     control_timeout_s: float = 2.0
     open_timeout_s: float = 10.0
+    # A hop found dead stays out of new routes this long (gossip forgets a dead peer only after
+    # its own probes); a route that exists only through it is still tried.
+    dead_memory_s: float = 30.0
     budget: RecoveryBudget = field(default_factory=RecoveryBudget)
 
 
@@ -125,6 +128,8 @@ class GenerationDriver:
         self.options = options or DriverOptions()
         self.stats = DriverStats()
         self._background: set[asyncio.Task[Any]] = set()
+        # Node id -> monotonic time until which it stays out of new routes.
+        self._found_dead: dict[bytes, float] = {}
 
     def generate(
         self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
@@ -134,6 +139,21 @@ class GenerationDriver:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         return _Generation(self, model, Transcript(tuple(prompt)), sampling, max_tokens).run()
+
+    def plan(self, model: ModelIdentity, exclude: set[bytes]) -> Route:
+        """The cheapest route avoiding ``exclude`` and, when possible, hops found dead lately."""
+        now = time.monotonic()
+        self._found_dead = {node: until for node, until in self._found_dead.items() if until > now}
+        candidates = self.env.candidates()
+        if self._found_dead:
+            with contextlib.suppress(NoRouteError):
+                return plan_route(candidates, model, exclude=frozenset(exclude | self._found_dead.keys()))
+        return plan_route(candidates, model, exclude=frozenset(exclude))
+
+    def found_dead(self, node_ids: set[bytes]) -> None:
+        until = time.monotonic() + self.options.dead_memory_s
+        for node_id in node_ids:
+            self._found_dead[node_id] = until
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         """Run ``coro`` to completion even if whoever started it goes away."""
@@ -229,7 +249,7 @@ class _Generation:
     async def _open_route(self) -> None:
         self.epoch += 1
         try:
-            route = plan_route(self.env.candidates(), self.model, exclude=frozenset(self.excluded))
+            route = self.driver.plan(self.model, self.excluded)
         except NoRouteError as exc:
             raise GenerationFailed(str(exc)) from None
         self.route = route
@@ -354,6 +374,7 @@ class _Generation:
         if route is not None:
             dead = self.found_dead & set(route.node_ids) or await self._find_dead(route)
             self.excluded |= dead
+            self.driver.found_dead(dead)
             gone = ", ".join(short_id(node_id) for node_id in dead) or "none found dead"
             log.warning("%s: %s; re-routing (gone: %s)", tag, decision.reason, gone)
             alive = [hop for hop in route.hops if hop.node_id not in dead]

@@ -106,6 +106,16 @@ async def test_a_killed_middle_hop_fails_over_to_a_spare_with_identical_tokens(r
     assert first_route is not None and len(first_route) == 3
     assert driver.stats.last_route[1] != first_route[1]
     await eventually(lambda: no_sessions_anywhere(routes))
+    # Gossip still announces the dead hop; the next generation avoids it from the start.
+    assert await collect(driver.generate(routes.model, PROMPT, sampling, 4)) == expected[:4]
+    assert driver.stats.reroutes == 1
+
+
+async def test_a_hop_found_dead_is_tried_again_when_no_other_route_exists(routes):
+    driver = GenerationDriver(routes, FAST)
+    driver.found_dead({routes.shards[MIDDLE].node_id})  # a wrong suspicion, or it came back
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 3)) == reference(PROMPT, 3)
+    assert driver.stats.reroutes == 0
 
 
 async def test_a_silently_dead_hop_is_found_by_the_watchdog(routes):
