@@ -73,6 +73,29 @@ async def test_three_hops_generate_the_whole_models_tokens_and_release_every_hop
     assert driver.stats.completed == 1 and driver.stats.tokens == 12 and driver.stats.reroutes == 0
 
 
+async def test_a_long_prompt_is_prefilled_in_pipelined_chunks():
+    routes = LoopbackRoutes()
+    try:
+        head = await routes.add_shard(DRIVER_INDEX, 0, 2, max_context=1024)
+        await routes.add_shard(MIDDLE, 2, 3, max_context=1024)
+        await routes.add_shard(TAIL, 3, 4, max_context=1024)
+        prompt = [(7 * i) % 30 + 1 for i in range(300)]  # three chunks of 100 (at most 128 each)
+        head.engine.step_delay_s = 0.1
+        driver = GenerationDriver(routes, FAST)
+        stream = driver.generate(routes.model, prompt, GREEDY, 3)
+        first = asyncio.ensure_future(anext(stream))
+        # The second chunk is at the first hop before the first chunk's answer came back.
+        await eventually(
+            lambda: head.server.load().queued_units >= 1 and head.server.load().running_units == 1
+        )
+        head.engine.step_delay_s = 0.0
+        tokens = [await first, *[t async for t in stream]]
+        assert tokens == reference(prompt, 3)
+        assert [c.n_tokens for c in head.engine.calls][:3] == [100, 100, 100]
+    finally:
+        await routes.aclose()
+
+
 async def test_seeded_sampling_draws_the_same_tokens_as_the_whole_model(routes):
     sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
     driver = GenerationDriver(routes, FAST)

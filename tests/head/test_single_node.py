@@ -116,3 +116,40 @@ def test_serve_stops_cleanly_on_sigterm(serving):
     _, process = serving
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
+
+
+def test_a_mesh_node_serving_every_layer_answers_alone(tmp_path, tiny_model):
+    """``meshnode create --model PATH`` without --layers: a one-hop route to itself, same driver."""
+    from meshnode.node import query_status
+
+    data_dir = tmp_path / "solo"
+    log = tmp_path / "solo.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "meshnode", "create", "--data-dir", str(data_dir), "--listen",
+             "127.0.0.1:0", "--model", str(tiny_model), "--api-listen", "127.0.0.1:0", "--threads", "1",
+             "--ctx", "512"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if query_status(data_dir, timeout=1.0)["node"]["api_url"]:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        done = meshnode(
+            "generate", "--data-dir", str(data_dir), "--prompt", PROMPT, "--max-tokens", str(TOKENS),
+            "--temperature", "0",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr + log.read_text()
+        assert done.stdout == reference_text(tiny_model) + "\n"
+        status = meshnode("status", "--data-dir", str(data_dir))
+        assert "API: http://127.0.0.1:" in status.stdout
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(20)
