@@ -334,13 +334,21 @@ class OpenAIApi:
         if chat:
             await response.write(chunk([choice("", None, first=True)]))
         pending: list[TextDelta | CompletionResult] = [first_event]
-        async for event in _chain(pending, events):
-            if isinstance(event, TextDelta):
-                await response.write(chunk([choice(event.text, None)]))
-            else:
-                await response.write(chunk([choice(None if chat else "", event.finish_reason)]))
-                if parsed.include_usage:
-                    await response.write(chunk([], usage=event.usage))
+        try:
+            async for event in _chain(pending, events):
+                if isinstance(event, TextDelta):
+                    await response.write(chunk([choice(event.text, None)]))
+                else:
+                    await response.write(chunk([choice(None if chat else "", event.finish_reason)]))
+                    if parsed.include_usage:
+                        await response.write(chunk([], usage=event.usage))
+        except GenerationFailed as exc:
+            # The status line is long gone: say it in the stream, as OpenAI's API does.
+            log.warning("generation %s failed mid-stream: %s", ident, exc)
+            error = {
+                "error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": None}
+            }
+            await response.write(b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

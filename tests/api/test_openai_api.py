@@ -48,11 +48,13 @@ class ScriptedBackend:
         fail: bool = False,
         eos: bool = True,
         too_long: bool = False,
+        fail_after: int | None = None,
     ):
         self.reply = reply
         self.delay = delay
         self.fail = fail
         self.too_long = too_long
+        self.fail_after = fail_after
         self.eos = eos
         self.calls: list[tuple[list[int], SamplingParams, int]] = []
         self.closed = asyncio.Event()
@@ -77,6 +79,10 @@ class ScriptedBackend:
         try:
             tokens = [ord(c) for c in self.reply] + ([EOS] if self.eos else [])
             for token in tokens[:max_tokens]:
+                if self.fail_after is not None and self.tokens_sent == self.fail_after:
+                    raise GenerationFailed(
+                        "the route failed 5 times; last failure: the worker is unreachable"
+                    )
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 self.tokens_sent += 1
@@ -222,6 +228,20 @@ async def test_generation_failure_is_a_503_with_the_reason(serve):
     status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "x"})
     assert status == 503
     assert "no route" in body["error"]["message"]
+
+
+async def test_a_failure_mid_stream_is_an_error_event_then_done(serve):
+    base = await serve(ScriptedBackend("Hello", fail_after=3))
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", json=body) as r:
+        assert r.status == 200
+        raw = (await r.read()).decode()
+    events = [line.removeprefix("data: ") for line in raw.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "Hel"
+    assert "the worker is unreachable" in json.loads(events[-2])["error"]["message"]
+    status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert status == 503 and "the worker is unreachable" in body["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
