@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -76,3 +77,109 @@ def render(families: Iterable[Family]) -> str:
             suffix = f"{{{label_text}}}" if label_text else ""
             lines.append(f"{family.name}{suffix} {_format_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+# -- what a node exposes ----------------------------------------------------------------
+
+_SERVING_STATES = {1: "serving", 2: "draining", 3: "not_serving"}
+
+
+@dataclass
+class MetricSources:
+    """The live objects a node's ``/metrics`` reads; any may be absent."""
+
+    node: Any = None  # meshnode.node.Node
+    server: Any = None  # meshnode.dataplane.server.ShardServer
+    driver: Any = None  # meshnode.head.driver.GenerationDriver
+    _last_tokens: tuple[float, int] | None = None
+
+    def tokens_per_second(self, now: float, tokens: int) -> float:
+        """Generated tokens per second since the previous scrape (0 on the first)."""
+        previous, self._last_tokens = self._last_tokens, (now, tokens)
+        if previous is None or now <= previous[0]:
+            return 0.0
+        return max(0, tokens - previous[1]) / (now - previous[0])
+
+
+async def collect(sources: MetricSources, *, now: float) -> list[Family]:
+    from meshnode import __version__
+    from meshnode.wire.pb import shard
+
+    families = [gauge("meshnode_up", "1 while the node answers", 1)]
+    info = gauge("meshnode_info", "Build and identity labels").add(1, {"version": __version__})
+    families.append(info)
+    node = sources.node
+    if node is not None:
+        info.samples[0][0].update(node_id=node.node_id.hex()[:16], mesh_id=node.mesh_id or "")
+        peers = node.peers()
+        families.append(gauge("meshnode_peers", "Peers in this node's view of the mesh", len(peers)))
+        relays = node.relay_links
+        if relays is not None:
+            stats = relays.stats
+            sent = counter("meshnode_relay_bytes_total", "Sealed bytes through relays")
+            sent.add(stats.bytes_sent, {"direction": "sent"}).add(
+                stats.bytes_received, {"direction": "received"}
+            )
+            families += [
+                sent,
+                counter(
+                    "meshnode_relay_frames_dropped_total",
+                    "Relayed frames that failed to open (tampered, replayed, forged)",
+                    stats.frames_dropped,
+                ),
+                counter(
+                    "meshnode_relay_frames_refused_total", "Frames a relay refused", stats.refused_frames
+                ),
+                gauge(
+                    "meshnode_relays_registered",
+                    "Relays this node is registered with",
+                    len(relays.registered_relays()),
+                ),
+            ]
+    server = sources.server
+    if server is not None:
+        load = server.load()
+        health = await server.engine_health()
+        state = gauge("meshnode_serving_state", "1 for the current serving state")
+        for value, name in _SERVING_STATES.items():
+            state.add(1 if load.serving_state == value else 0, {"state": name})
+        families += [
+            gauge(
+                "meshnode_sessions_active", "Route sessions holding state on this shard", load.active_sessions
+            ),
+            gauge("meshnode_queue_depth", "Units of work queued for the engine", load.queued_units),
+            gauge("meshnode_units_running", "Units of work executing", load.running_units),
+            state,
+            gauge("meshnode_kv_pressure", "Fraction of the KV cache in use (0..1)", health.kv_pressure),
+            gauge("meshnode_kv_tokens_used", "KV cache tokens in use", health.kv_tokens_used),
+            gauge("meshnode_kv_tokens_capacity", "KV cache tokens available", health.kv_tokens_capacity),
+            gauge("meshnode_resident_bytes", "Engine memory in use", health.resident_bytes),
+        ]
+        errors = counter("meshnode_shard_errors_total", "Refusals this shard sent, by error code")
+        for code in shard.ErrorCode.values():
+            if code != shard.ERROR_CODE_UNSPECIFIED:
+                name = shard.ErrorCode.Name(code).removeprefix("ERROR_CODE_")
+                errors.add(server.errors_sent.get(code, 0), {"code": name})
+        engine_events = counter("meshnode_engine_events_total", "Engine counters (steps, tokens, sessions)")
+        for name, value in sorted(server.engine.metrics().counters.items()):
+            engine_events.add(value, {"event": name})
+        families += [errors, engine_events]
+    driver = sources.driver
+    if driver is not None:
+        stats = driver.stats
+        outcomes = counter("meshnode_generations_total", "Generations by outcome")
+        for outcome in ("completed", "cancelled", "closed", "failed"):
+            outcomes.add(getattr(stats, outcome), {"outcome": outcome})
+        families += [
+            outcomes,
+            gauge("meshnode_generations_active", "Generations running", stats.active),
+            counter("meshnode_tokens_generated_total", "Tokens generated for API clients", stats.tokens),
+            gauge(
+                "meshnode_tokens_per_second",
+                "Tokens generated per second since the previous scrape",
+                sources.tokens_per_second(now, stats.tokens),
+            ),
+            counter("meshnode_reroutes_total", "Routes re-planned after a failed hop", stats.reroutes),
+            counter("meshnode_cache_rebuilds_total", "Re-prefills after a cache miss", stats.rebuilds),
+        ]
+    return families

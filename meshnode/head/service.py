@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from meshnode.head.driver import DriverOptions, GenerationDriver, RouteEnvironme
 from meshnode.head.environment import NodeRoutes, StandaloneShardHost
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.route_backend import LocalModel, RouteBackend
+from meshnode.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from meshnode.metrics import MetricSources, collect, render
 from meshnode.transport.addresses import format_host_port
 from meshnode.wire.pb import mesh
 
@@ -79,8 +82,10 @@ class HeadService:
         served: mesh.ServedShard,
         options: HeadOptions,
         local: LocalShardLink | StandaloneShardHost | None = None,
+        metrics: MetricSources | None = None,
     ) -> HeadService:
-        """Open the model's tokenizer, build the driver and serve the API. Raises :class:`HeadError`."""
+        """Open the model's tokenizer, build the driver and serve the API (with ``/metrics``
+        over ``metrics`` and the driver). Raises :class:`HeadError`."""
         from engines.tokenizer import Tokenizer, TokenizerError  # llama.cpp loads only with a model
 
         try:
@@ -91,11 +96,19 @@ class HeadService:
         model = LocalModel(served.model_name, served.fingerprint.model_artifact_digest, tokenizer)
         backend = RouteBackend(driver, [model])
 
+        sources = metrics or MetricSources()
+        sources.driver = driver
+
         async def generations(request: web.Request) -> web.Response:
             return web.json_response(driver.stats.as_json())
 
+        async def prometheus(request: web.Request) -> web.Response:
+            text = render(await collect(sources, now=time.monotonic()))
+            return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
         def extra_routes(app: web.Application) -> None:
             app.router.add_get("/meshnode/generations", generations)
+            app.router.add_get("/metrics", prometheus)
 
         try:
             runner, port = await start_api_server(
@@ -131,6 +144,7 @@ async def start_node_head(
             served=service.served,
             options=options,
             local=local,
+            metrics=MetricSources(node=node, server=service.server),
         )
     except BaseException:
         await local.aclose()
@@ -166,7 +180,11 @@ async def start_standalone(shard_options: ShardServiceOptions, options: HeadOpti
     service = await ShardService.start(host, replace(shard_options, layers=None))
     try:
         head = await HeadService.start(
-            host, model_path=shard_options.model, served=service.served, options=options
+            host,
+            model_path=shard_options.model,
+            served=service.served,
+            options=options,
+            metrics=MetricSources(server=service.server),
         )
     except BaseException:
         await service.aclose()

@@ -177,6 +177,48 @@ async def test_chat_completions_give_the_unsplit_models_greedy_text(api, cluster
     assert len(stats["last_route"]) == 3 and stats["reroutes"] == 0
 
 
+async def scrape(api: str) -> dict[str, float]:
+    """``/metrics`` as {'name{labels}': value}, checking the exposition format."""
+    async with aiohttp.ClientSession() as session, session.get(f"{api}/metrics") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await r.text()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert line.startswith(("# HELP ", "# TYPE "))
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+async def test_metrics_after_a_generation(api, cluster, reference):
+    await route_ready(api, cluster)
+    before = await scrape(api)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    async with aiohttp.ClientSession() as session, session.post(f"{api}/v1/chat/completions", json=body) as r:
+        assert (await r.json())["choices"][0]["message"]["content"] == reference[24]
+    after = await scrape(api)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("meshnode_tokens_generated_total") == 24
+    assert delta('meshnode_generations_total{outcome="completed"}') == 1
+    assert delta('meshnode_generations_total{outcome="failed"}') == 0
+    # This node serves the first shard: one prefill, then a decode step per further token.
+    assert delta('meshnode_engine_events_total{event="decode_steps"}') == 23
+    assert delta('meshnode_engine_events_total{event="prefill_steps"}') >= 1
+    assert after["meshnode_peers"] >= 2
+    assert after['meshnode_serving_state{state="serving"}'] == 1
+    assert after["meshnode_generations_active"] == 0
+    assert 0 <= after["meshnode_kv_pressure"] <= 1 and after["meshnode_kv_tokens_capacity"] > 0
+    errors = {k: v for k, v in after.items() if k.startswith("meshnode_shard_errors_total")}
+    assert 'meshnode_shard_errors_total{code="CACHE_MISS"}' in errors and set(errors.values()) == {0.0}
+    assert after["meshnode_tokens_per_second"] > 0
+
+
 async def test_a_node_whose_shard_is_not_first_answers_through_a_remote_first_hop(api, cluster, reference):
     """C serves the last layers: its driver opens the session to A over QUIC, and the route's
     tail — C itself — hands the token back through B and A."""
