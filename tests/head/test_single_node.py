@@ -112,6 +112,18 @@ def test_serve_refuses_a_missing_model_and_a_disabled_api(tmp_path):
     assert done.returncode == 2 and "makes no sense" in done.stderr
 
 
+def test_serve_exposes_metrics_without_mesh_families(serving):
+    import urllib.request
+
+    url, _ = serving
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+    assert {"meshnode_up", "meshnode_sessions_active", "meshnode_tokens_generated_total"} <= names
+    assert "meshnode_peers" not in names  # no mesh in single-node mode
+
+
 def test_serve_stops_cleanly_on_sigterm(serving):
     _, process = serving
     process.send_signal(signal.SIGTERM)
@@ -153,15 +165,3 @@ def test_a_mesh_node_serving_every_layer_answers_alone(tmp_path, tiny_model):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(20)
-
-
-def test_serve_exposes_metrics_without_mesh_families(serving):
-    import urllib.request
-
-    url, _ = serving
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = response.read().decode()
-    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
-    assert {"meshnode_up", "meshnode_sessions_active", "meshnode_tokens_generated_total"} <= names
-    assert "meshnode_peers" not in names  # no mesh in single-node mode
