@@ -172,6 +172,12 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--peer-timeout", type=_positive, default=None, help="probe a peer silent this long (4 heartbeats)"
     )
     timing.add_argument("--tombstone-ttl", type=_positive, default=60.0, help="remember departed peers (60)")
+    timing.add_argument(
+        "--drain-timeout",
+        type=_positive,
+        default=30.0,
+        help="on SIGTERM, wait this long for in-flight generations before leaving (30)",
+    )
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
@@ -226,8 +232,17 @@ async def _serve(node: Node, args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     try:
         head = await _start_head(node, service, args)
+
+        async def drain() -> None:
+            # The API first: it refuses new requests and waits for the generations it
+            # accepted, whose sessions on this node's own shard may not be open yet;
+            # only then does the shard refuse new sessions and wait for its last ones.
+            if head is not None:
+                await head.drain()
+            await service.drain()
+
         try:
-            return await run_node(node)
+            return await run_node(node, drain=drain, drain_timeout=args.drain_timeout)
         finally:
             if head is not None:
                 await head.aclose()

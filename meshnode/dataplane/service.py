@@ -148,6 +148,17 @@ class ShardService:
             await asyncio.sleep(interval_s)
             self.node.set_load(await self.server.announced_load())
 
+    async def drain(self, poll_s: float = 0.05) -> None:
+        """Refuse new sessions (SERVING_STATE_DRAINING, announced at once), then wait until
+        the sessions in flight are released and no unit is queued or running."""
+        self.server.worker.set_serving_state(shard.SERVING_STATE_DRAINING)
+        self.node.set_load(await self.server.announced_load())
+        while True:
+            load = self.server.load()
+            if not (load.active_sessions or load.queued_units or load.running_units):
+                return
+            await asyncio.sleep(poll_s)
+
     async def aclose(self) -> None:
         if self._refresh is not None:
             self._refresh.cancel()

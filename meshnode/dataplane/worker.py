@@ -680,7 +680,8 @@ class ShardWorker:
 
     def _admit_session(self) -> None:
         if self.serving_state != shard.SERVING_STATE_SERVING:
-            raise errors.resource_exhausted("worker is not accepting new sessions")
+            state = shard.ServingState.Name(self.serving_state).removeprefix("SERVING_STATE_").lower()
+            raise errors.resource_exhausted(f"worker is not accepting new sessions ({state})")
         if len(self._sessions) >= self.max_sessions:
             raise errors.resource_exhausted(f"worker already serves {self.max_sessions} sessions")
 

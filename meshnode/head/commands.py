@@ -143,10 +143,15 @@ def describe_summary(summary: StreamSummary) -> str:
 # ---------------------------------------------------------------------------- serve
 
 
+# On SIGTERM, how long `serve` lets running generations finish.
+DRAIN_TIMEOUT_S = 30.0
+
+
 async def cmd_serve(args: argparse.Namespace) -> int:
     from meshnode.cli import CliError
     from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
     from meshnode.head.service import HeadError, start_standalone
+    from meshnode.node import run_drain
 
     if args.api_listen is False:
         raise CliError("serve exists to answer the API; --api-listen off makes no sense here", code=2)
@@ -167,6 +172,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         try:
             print(f"serving {args.model.name} (all layers) at {running.url}/v1", flush=True)
             await stop.wait()
+            stop.clear()
+            await run_drain(running.drain, stop, DRAIN_TIMEOUT_S)
         finally:
             await running.aclose()
     finally:

@@ -30,6 +30,8 @@ class RouteBackend:
     def __init__(self, driver: GenerationDriver, models: Sequence[LocalModel]) -> None:
         self.driver = driver
         self.models = list(models)
+        # Set while the node shuts down: new generations are refused (503), running ones finish.
+        self.draining = False
 
     def model_names(self) -> list[str]:
         return [model.name for model in self.models if self._routable(model) is not None]
@@ -41,6 +43,8 @@ class RouteBackend:
         self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
     ) -> AsyncIterator[int]:
         local = self._local(model)
+        if self.draining:
+            raise GenerationFailed("this node is draining (shutting down); send the request to another node")
         identity = self._routable(local)
         if identity is None:
             raise GenerationFailed(self._why_not_routable(local))

@@ -66,8 +66,10 @@ class HeadService:
         url: str,
         tokenizer: Tokenizer,
         local: LocalShardLink | StandaloneShardHost | None,
+        backend: RouteBackend,
     ) -> None:
         self.driver = driver
+        self.backend = backend
         self.url = url
         self._runner = runner
         self._tokenizer = tokenizer
@@ -121,7 +123,13 @@ class HeadService:
         url = api_url(options.api_host, port)
         exposed = "" if options.api_host in ("127.0.0.1", "::1", "localhost") else " (all interfaces)"
         log.info("OpenAI-compatible API on %s/v1%s, model %s", url, exposed, model.name)
-        return cls(driver, runner, url, tokenizer, local)
+        return cls(driver, runner, url, tokenizer, local, backend)
+
+    async def drain(self, poll_s: float = 0.05) -> None:
+        """Refuse new generations (503), then wait for the running ones to end."""
+        self.backend.draining = True
+        while self.driver.stats.active:
+            await asyncio.sleep(poll_s)
 
     async def aclose(self) -> None:
         await self._runner.cleanup()
@@ -164,6 +172,10 @@ class StandaloneHead:
     @property
     def url(self) -> str:
         return self.head.url
+
+    async def drain(self) -> None:
+        await self.head.drain()  # before the shard refuses sessions: see meshnode.cli's drain
+        await self.service.drain()
 
     async def aclose(self) -> None:
         await self.head.aclose()
