@@ -5,8 +5,8 @@
 For each size (8 KiB: one decode step at n_embd 4096 in bfloat16; 1 MiB; 8 MiB)
 it measures, from array to serialized bundle bytes ("encode") and from received
 bundle bytes to a verified array ("decode+verify": protobuf parse, fragment
-tiling proof, CRC32C over the uncompressed bytes, zstd when used; the
-zero-copy reader the data plane uses on received frames), and prints
+tiling proof, CRC32C over the uncompressed bytes, zstd when used: what the
+data plane's worker does with a received chunk), and prints
 each as GB/s and as a ratio to copying the same number of bytes.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from meshnode.wire.pb import shard
-from meshnode.wire.tensor_codec import decode_bundle_bytes, encode_bundle, encode_tensor
+from meshnode.wire.tensor_codec import decode_bundle, encode_bundle, encode_tensor
 
 SIZES = [("8 KiB", 8 * 1024), ("1 MiB", 1024 * 1024), ("8 MiB", 8 * 1024 * 1024)]
 
@@ -74,7 +74,7 @@ def main() -> None:
             wire = encode()
 
             def decode(wire=wire) -> object:
-                return decode_bundle_bytes(wire)
+                return decode_bundle(shard.TensorBundle.FromString(wire))
 
             assert decode()["hidden_states"].array.tobytes() == array.tobytes()
             name = shard.Compression.Name(compression).removeprefix("COMPRESSION_").lower()

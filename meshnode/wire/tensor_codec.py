@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
-from google.protobuf.message import DecodeError
 
-from meshnode.wire import protowire
 from meshnode.wire.crc32c import Buffer, crc32c
 from meshnode.wire.errors import PayloadCorrupt
 from meshnode.wire.pb import shard
@@ -187,11 +185,6 @@ def encode_bundle(tensors: Iterable[shard.NamedTensor]) -> shard.TensorBundle:
 
 # ---------------------------------------------------------------------------
 # Decode
-#
-# Two front ends share one validator: ``decode_tensor``/``decode_bundle`` take
-# parsed protobuf objects; ``decode_tensor_bytes``/``decode_bundle_bytes`` read
-# the serialized message with ``protowire`` so payloads stay zero-copy views of
-# the received frame (the hot path).
 # ---------------------------------------------------------------------------
 
 
@@ -205,7 +198,7 @@ class _Fragment:
 
 @dataclass(slots=True)
 class _TensorParts:
-    """The fields of one ``NamedTensor``, however they were read."""
+    """The fields of one ``NamedTensor``, read once (each access to a protobuf field costs)."""
 
     name: str = ""
     shape: list[int] = field(default_factory=list)
@@ -232,74 +225,6 @@ def _parts_from_pb(tensor: shard.NamedTensor) -> _TensorParts:
         checksum.value,
         [_Fragment(f.fragment_index, f.fragment_count, f.byte_offset, f.payload) for f in tensor.fragments],
     )
-
-
-_U32 = (1 << 32) - 1
-_U64 = (1 << 64) - 1
-
-
-def _fragment_from_wire(view: memoryview) -> _Fragment:
-    fragment = _Fragment()
-    for number, wire_type, value in protowire.iter_fields(view):
-        if wire_type == protowire.VARINT:
-            if number == 1:
-                fragment.index = value & _U32  # type: ignore[operator]
-            elif number == 2:
-                fragment.count = value & _U32  # type: ignore[operator]
-            elif number == 3:
-                fragment.offset = value & _U64  # type: ignore[operator]
-        elif wire_type == protowire.LENGTH_DELIMITED and number == 4:
-            fragment.payload = value  # type: ignore[assignment]
-    return fragment
-
-
-def _enum_value(value: int) -> int:
-    # An open proto3 enum is an int32 carried as a (possibly 10-byte) varint.
-    return value & _U32
-
-
-def _parts_from_wire(view: memoryview, limits: DecodeLimits) -> _TensorParts:
-    """Read a serialized ``NamedTensor`` the way the protobuf runtime would:
-    last value wins, repeated fields append, a known field with an unexpected
-    wire type is an unknown field, repeated messages merge."""
-    parts = _TensorParts()
-    shape = parts.shape
-    for number, wire_type, value in protowire.iter_fields(view):
-        if wire_type == protowire.VARINT:
-            assert isinstance(value, int)
-            if number == 2:
-                shape.append(value if value < 1 << 63 else protowire.as_int64(value))
-                _check_rank(parts, limits)
-            elif number == 3:
-                parts.dtype = _enum_value(value)
-            elif number == 4:
-                parts.byte_order = _enum_value(value)
-            elif number == 5:
-                parts.total_bytes = value & _U64
-            elif number == 6:
-                parts.compression = _enum_value(value)
-        elif wire_type == protowire.LENGTH_DELIMITED:
-            assert isinstance(value, memoryview)
-            if number == 8:
-                if len(parts.fragments) >= limits.max_fragments:
-                    raise PayloadCorrupt(f"tensor {parts.name!r}: more than {limits.max_fragments} fragments")
-                parts.fragments.append(_fragment_from_wire(value))
-            elif number == 1:
-                try:
-                    parts.name = str(value, "utf-8")
-                except UnicodeDecodeError:
-                    raise PayloadCorrupt("tensor name is not UTF-8") from None
-            elif number == 2:
-                for packed in protowire.packed_varints(value):
-                    shape.append(protowire.as_int64(packed))
-                    _check_rank(parts, limits)
-            elif number == 7:
-                for sub_number, sub_type, sub_value in protowire.iter_fields(value):
-                    if sub_number == 1 and sub_type == protowire.VARINT:
-                        parts.checksum_algorithm = _enum_value(sub_value)  # type: ignore[arg-type]
-                    elif sub_number == 2 and sub_type == protowire.LENGTH_DELIMITED:
-                        parts.checksum_value = bytes(sub_value)  # type: ignore[arg-type]
-    return parts
 
 
 def _check_rank(parts: _TensorParts, limits: DecodeLimits) -> None:
@@ -442,35 +367,6 @@ def decode_tensor(tensor: shard.NamedTensor, limits: DecodeLimits = DEFAULT_LIMI
     return _decode_parts(_parts_from_pb(tensor), limits)
 
 
-# Below this size the protobuf runtime's C parser beats the zero-copy reader:
-# the copies it makes cost less than reading fields in Python.
-ZERO_COPY_THRESHOLD_BYTES = 64 * 1024
-
-
-def _use_zero_copy(data: Buffer, zero_copy: bool | None) -> bool:
-    return len(data) >= ZERO_COPY_THRESHOLD_BYTES if zero_copy is None else zero_copy
-
-
-def decode_tensor_bytes(
-    data: Buffer, limits: DecodeLimits = DEFAULT_LIMITS, *, zero_copy: bool | None = None
-) -> WireTensor:
-    """Decode a serialized ``NamedTensor``; the array may be a read-only view of ``data``.
-
-    ``zero_copy`` picks the reader; ``None`` picks by size (see ZERO_COPY_THRESHOLD_BYTES).
-    """
-    if not _use_zero_copy(data, zero_copy):
-        try:
-            tensor = shard.NamedTensor.FromString(bytes(data))
-        except DecodeError:
-            raise PayloadCorrupt("tensor message is malformed") from None
-        return decode_tensor(tensor, limits)
-    try:
-        parts = _parts_from_wire(memoryview(data).cast("B"), limits)
-    except protowire.WireFormatError as exc:
-        raise PayloadCorrupt(f"tensor message is malformed: {exc}") from None
-    return _decode_parts(parts, limits)
-
-
 def _check_bundle_budget(version: int, sizes: list[int], limits: DecodeLimits) -> None:
     if version != BUNDLE_VERSION:
         raise PayloadCorrupt(f"bundle version {version} refused")
@@ -494,40 +390,6 @@ def decode_bundle(bundle: shard.TensorBundle, limits: DecodeLimits = DEFAULT_LIM
     return _collect(decode_tensor(t, limits) for t in bundle.tensors)
 
 
-def decode_bundle_bytes(
-    data: Buffer, limits: DecodeLimits = DEFAULT_LIMITS, *, zero_copy: bool | None = None
-) -> dict[str, WireTensor]:
-    """Decode a serialized ``TensorBundle``; arrays may be read-only views of ``data``.
-
-    ``zero_copy`` picks the reader; ``None`` picks by size (see ZERO_COPY_THRESHOLD_BYTES).
-    """
-    if not _use_zero_copy(data, zero_copy):
-        try:
-            bundle = shard.TensorBundle.FromString(bytes(data))
-        except DecodeError:
-            raise PayloadCorrupt("bundle message is malformed") from None
-        return decode_bundle(bundle, limits)
-    return _decode_bundle_zero_copy(data, limits)
-
-
-def _decode_bundle_zero_copy(data: Buffer, limits: DecodeLimits) -> dict[str, WireTensor]:
-    try:
-        version = 0
-        tensor_views: list[memoryview] = []
-        for number, wire_type, value in protowire.iter_fields(memoryview(data).cast("B")):
-            if number == 1 and wire_type == protowire.VARINT:
-                version = value & _U32  # type: ignore[operator]
-            elif number == 2 and wire_type == protowire.LENGTH_DELIMITED:
-                if len(tensor_views) >= limits.max_tensors:
-                    raise PayloadCorrupt(f"bundle holds more than {limits.max_tensors} tensors")
-                tensor_views.append(value)  # type: ignore[arg-type]
-        parts = [_parts_from_wire(view, limits) for view in tensor_views]
-    except protowire.WireFormatError as exc:
-        raise PayloadCorrupt(f"bundle message is malformed: {exc}") from None
-    _check_bundle_budget(version, [p.total_bytes for p in parts], limits)
-    return _collect(_decode_parts(p, limits) for p in parts)
-
-
 __all__ = [
     "BUNDLE_VERSION",
     "DEFAULT_LIMITS",
@@ -537,9 +399,7 @@ __all__ = [
     "bfloat16_bits_to_float32",
     "crc32c_checksum",
     "decode_bundle",
-    "decode_bundle_bytes",
     "decode_tensor",
-    "decode_tensor_bytes",
     "encode_bundle",
     "encode_float_tensor",
     "encode_tensor",
