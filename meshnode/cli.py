@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
+from meshnode.cli_args import host_port, parse_duration, parse_layers, positive, relay_endpoint
 from meshnode.config import ConfigError, add_config_option, parse_args_with_config
 from meshnode.identity import (
     IdentityError,
@@ -49,7 +50,6 @@ from meshnode.membership.credentials import (
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.mesh.errors import MeshRefusal
 from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_model, query_status, run_node
-from meshnode.transport.addresses import AddressError, parse_host_port
 
 # Modules that add subcommands; see the module docstring.
 COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands", "meshnode.doctor")
@@ -69,68 +69,18 @@ class CliError(Exception):
 # -- argument helpers -------------------------------------------------------------------
 
 
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``30m``, ``24h``, ``7d`` -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    text = text.strip().lower()
-    scale = units.get(text[-1:])
-    number = text[:-1] if scale is not None else text
-    try:
-        value = float(number) * (scale or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 30m, 24h)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("duration must be positive")
-    return value
-
-
-def parse_layers(text: str) -> tuple[int, int]:
-    start, sep, end = text.partition(":")
-    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
-        raise argparse.ArgumentTypeError(f"layers must be START:END with START < END, got {text!r}")
-    return int(start), int(end)
-
-
-def _address(text: str) -> str:
-    try:
-        parse_host_port(text, allow_zero_port=True)
-    except AddressError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _relay_endpoint(text: str) -> Endpoint:
-    """``RELAY_ID@HOST:PORT`` with the relay id in hex (``meshnode relay --show-id`` prints it)."""
-    relay_hex, sep, address = text.partition("@")
-    try:
-        relay_id = bytes.fromhex(relay_hex)
-        parse_host_port(address)
-    except (ValueError, AddressError):
-        relay_id = b""
-    if not sep or len(relay_id) != 32:
-        raise argparse.ArgumentTypeError(f"relay must be RELAY_ID_HEX@HOST:PORT, got {text!r}")
-    return Endpoint(id=relay_id, address=address)
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
-
-
 def _add_node_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("network")
     group.add_argument(
         "--listen",
-        type=_address,
+        type=host_port,
         default=DEFAULT_LISTEN,
         metavar="HOST:PORT",
         help=f"UDP address for QUIC (default {DEFAULT_LISTEN}; port 0 picks a free port)",
     )
     group.add_argument(
         "--advertise",
-        type=_address,
+        type=host_port,
         action="append",
         default=[],
         metavar="HOST:PORT",
@@ -144,7 +94,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--relay",
-        type=_relay_endpoint,
+        type=relay_endpoint,
         action="append",
         default=[],
         metavar="RELAY_ID@HOST:PORT",
@@ -165,16 +115,16 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
 
     add_api_listen_option(model)
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
-    timing.add_argument("--heartbeat-interval", type=_positive, default=5.0, help="gossip period (default 5)")
-    timing.add_argument("--gossip-timeout", type=_positive, default=3.0, help="wait for a gossip reply (3)")
-    timing.add_argument("--probe-timeout", type=_positive, default=3.0, help="wait for a probe echo (3)")
+    timing.add_argument("--heartbeat-interval", type=positive, default=5.0, help="gossip period (default 5)")
+    timing.add_argument("--gossip-timeout", type=positive, default=3.0, help="wait for a gossip reply (3)")
+    timing.add_argument("--probe-timeout", type=positive, default=3.0, help="wait for a probe echo (3)")
     timing.add_argument(
-        "--peer-timeout", type=_positive, default=None, help="probe a peer silent this long (4 heartbeats)"
+        "--peer-timeout", type=positive, default=None, help="probe a peer silent this long (4 heartbeats)"
     )
-    timing.add_argument("--tombstone-ttl", type=_positive, default=60.0, help="remember departed peers (60)")
+    timing.add_argument("--tombstone-ttl", type=positive, default=60.0, help="remember departed peers (60)")
     timing.add_argument(
         "--drain-timeout",
-        type=_positive,
+        type=positive,
         default=30.0,
         help="on SIGTERM, wait this long for in-flight generations before leaving (30)",
     )
@@ -486,7 +436,7 @@ def _register_node_commands(subparsers: Any, common: argparse.ArgumentParser) ->
     )
     p.add_argument(
         "--address",
-        type=_address,
+        type=host_port,
         action="append",
         default=[],
         metavar="HOST:PORT",

@@ -327,7 +327,7 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from meshnode.cli import _relay_endpoint, parse_layers
+    from meshnode.cli_args import host_port, parse_layers, relay_endpoint
 
     parser = subparsers.add_parser(
         "doctor",
@@ -344,11 +344,13 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     parser.add_argument(
         "--n-gpu-layers", type=int, default=0, metavar="N", help="GPU offload you plan to use (0)"
     )
-    parser.add_argument("--listen", default="0.0.0.0:7447", metavar="HOST:PORT", help="QUIC address to check")
-    parser.add_argument("--api-listen", metavar="HOST:PORT", help="API address to check")
+    parser.add_argument(
+        "--listen", type=host_port, default="0.0.0.0:7447", metavar="HOST:PORT", help="QUIC address to check"
+    )
+    parser.add_argument("--api-listen", type=host_port, metavar="HOST:PORT", help="API address to check")
     parser.add_argument(
         "--relay",
-        type=_relay_endpoint,
+        type=relay_endpoint,
         action="append",
         default=[],
         metavar="RELAY_ID@HOST:PORT",

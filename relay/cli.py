@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from meshnode.cli_args import host_port
 from meshnode.identity import IdentityError
-from meshnode.transport.addresses import AddressError, format_host_port, parse_host_port
+from meshnode.transport.addresses import format_host_port, parse_host_port
 from relay.core import RelayPolicy
 from relay.server import RelayServer, load_relay_identity
 
@@ -38,14 +39,6 @@ def default_relay_data_dir() -> Path:
     return base / "meshnode-relay"
 
 
-def _address(text: str) -> str:
-    try:
-        parse_host_port(text, allow_zero_port=True)
-    except AddressError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def _keepalive(text: str) -> float:
     value = float(text)
     if not 0 < value < 30:
@@ -58,7 +51,7 @@ def _keepalive(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen",
-        type=_address,
+        type=host_port,
         default=DEFAULT_LISTEN,
         metavar="HOST:PORT",
         help=f"UDP address (default {DEFAULT_LISTEN})",

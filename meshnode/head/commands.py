@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from meshnode.cli_args import positive_int
 from meshnode.head.api_client import (
     ApiError,
     StreamSummary,
@@ -60,13 +61,6 @@ def head_options(api_listen: ApiListen) -> HeadOptions:
     """Where the API goes: the given address, or the loopback default (None); not for ``off``."""
     host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
     return HeadOptions(api_host=host, api_port=port)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 # ---------------------------------------------------------------------------- generate
@@ -199,7 +193,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--chat", action="store_true", help="send it as a chat message (the model's chat template)"
     )
     p.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
-    p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="(default 256)")
+    p.add_argument("--max-tokens", type=positive_int, default=256, metavar="N", help="(default 256)")
     p.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0 is greedy (default 0.7)")
     p.add_argument("--top-p", type=float, default=0.9, metavar="P", help="(default 0.9)")
     p.add_argument("--top-k", type=int, default=None, metavar="K")

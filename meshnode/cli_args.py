@@ -1,0 +1,70 @@
+"""Argument types shared by the command-line parsers (``meshnode`` and ``python -m relay``).
+
+Each turns one string into a value or raises ``argparse.ArgumentTypeError`` with
+a message that says what was expected; the config layer reuses them for values
+from files and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from meshnode.membership.credentials import Endpoint
+from meshnode.transport.addresses import AddressError, parse_host_port
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``24h``, ``7d`` -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    scale = units.get(text[-1:])
+    number = text[:-1] if scale is not None else text
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 30m, 24h)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("duration must be positive")
+    return value
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"layers must be START:END with START < END, got {text!r}")
+    return int(start), int(end)
+
+
+def host_port(text: str) -> str:
+    try:
+        parse_host_port(text, allow_zero_port=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def relay_endpoint(text: str) -> Endpoint:
+    """``RELAY_ID@HOST:PORT`` with the relay id in hex (``meshnode relay --show-id`` prints it)."""
+    relay_hex, sep, address = text.partition("@")
+    try:
+        relay_id = bytes.fromhex(relay_hex)
+        parse_host_port(address)
+    except (ValueError, AddressError):
+        relay_id = b""
+    if not sep or len(relay_id) != 32:
+        raise argparse.ArgumentTypeError(f"relay must be RELAY_ID_HEX@HOST:PORT, got {text!r}")
+    return Endpoint(id=relay_id, address=address)
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
