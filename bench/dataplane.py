@@ -58,8 +58,8 @@ from meshnode.dataplane.payload import encode_hidden, encode_token_result
 from meshnode.dataplane.server import ShardServer
 from meshnode.dataplane.session_link import ShardSession
 from meshnode.identity import NodeIdentity
-from meshnode.mesh.dispatcher import Dispatcher
-from meshnode.transport.base import MeshStream, PeerLink
+from meshnode.mesh.dispatcher import CallerLinkHandler, Dispatcher, DispatchingLinkHandler
+from meshnode.transport.base import PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint
 from meshnode.transport.quic_connection import self_signed_certificate
@@ -167,20 +167,6 @@ async def transport_echo(framed: FramedStream) -> None:
             await framed.send_frame(b"r" * (reply - 4))
 
 
-class _Accept:
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
-
-    def link_established(self, link: PeerLink) -> None:
-        pass
-
-    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
-        self.dispatcher.accept(stream)
-
-    def link_closed(self, link: PeerLink, reason: str) -> None:
-        pass
-
-
 async def child(hidden: int) -> None:
     raw = await serve(
         "127.0.0.1",
@@ -191,7 +177,7 @@ async def child(hidden: int) -> None:
     raw_port = raw._transport.get_extra_info("sockname")[1]  # type: ignore[attr-defined]
     dispatcher = Dispatcher(is_admitted=lambda _peer: True)
     endpoint = await QuicEndpoint.listen(
-        NodeIdentity.from_seed(SERVER_SEED), _Accept(dispatcher), "127.0.0.1", 0
+        NodeIdentity.from_seed(SERVER_SEED), DispatchingLinkHandler(dispatcher), "127.0.0.1", 0
     )
 
     async def no_next_hop(node_id: bytes) -> PeerLink:
@@ -293,17 +279,7 @@ async def transport_round_trips(link: PeerLink, request_bytes: int, reply_bytes:
 
 
 async def mesh_link(port: int) -> tuple[QuicEndpoint, PeerLink]:
-    class Nothing:
-        def link_established(self, link: PeerLink) -> None:
-            pass
-
-        def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
-            stream.reset(1)
-
-        def link_closed(self, link: PeerLink, reason: str) -> None:
-            pass
-
-    endpoint = await QuicEndpoint.listen(NodeIdentity.generate(), Nothing(), "127.0.0.1", 0)
+    endpoint = await QuicEndpoint.listen(NodeIdentity.generate(), CallerLinkHandler(), "127.0.0.1", 0)
     link = await endpoint.dial(f"127.0.0.1:{port}", NodeIdentity.from_seed(SERVER_SEED).node_id)
     return endpoint, link
 

@@ -11,39 +11,12 @@ from __future__ import annotations
 
 import logging
 
-from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
-from meshnode.transport.base import RESET_CANCELLED, MeshStream, PeerLink
+from meshnode.mesh.dispatcher import CallerLinkHandler, Dispatcher, DispatchingLinkHandler, StreamHandler
+from meshnode.transport.base import PeerLink
 from meshnode.transport.loopback import LoopbackLink, loopback_link_pair
 from meshnode.wire.framing import StreamType
 
 log = logging.getLogger("meshnode.head.local_link")
-
-
-class _Caller:
-    """The head's end: it opens streams and never accepts any."""
-
-    def link_established(self, link: PeerLink) -> None:
-        pass
-
-    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
-        stream.reset(RESET_CANCELLED)
-
-    def link_closed(self, link: PeerLink, reason: str) -> None:
-        pass
-
-
-class _Server:
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
-
-    def link_established(self, link: PeerLink) -> None:
-        pass
-
-    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
-        self.dispatcher.accept(stream)
-
-    def link_closed(self, link: PeerLink, reason: str) -> None:
-        pass
 
 
 class LocalShardLink:
@@ -62,7 +35,7 @@ class LocalShardLink:
     async def link(self) -> PeerLink:
         if self._link is None or self._link.is_closed:
             self._link, _ = loopback_link_pair(
-                self.node_id, self.node_id, _Caller(), _Server(self.dispatcher)
+                self.node_id, self.node_id, CallerLinkHandler(), DispatchingLinkHandler(self.dispatcher)
             )
         return self._link
 

@@ -23,7 +23,7 @@ from meshnode.identity import short_id
 from meshnode.mesh.errors import MeshRefusal, reset_code
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.rules import stream_allowed_before_admission
-from meshnode.transport.base import RESET_CANCELLED, MeshStream, StreamError
+from meshnode.transport.base import RESET_CANCELLED, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.errors import FrameTooLarge, FramingError, UnknownStreamType
 from meshnode.wire.framing import StreamType
@@ -128,3 +128,33 @@ class Dispatcher:
 
 
 __all__ = ["Dispatcher", "StreamHandler"]
+
+
+class DispatchingLinkHandler:
+    """A :class:`~meshnode.transport.base.LinkHandler` that serves every stream a
+    peer opens with ``dispatcher`` and has nothing to do when links come and go."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def link_established(self, link: PeerLink) -> None:
+        pass
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        self.dispatcher.accept(stream)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        pass
+
+
+class CallerLinkHandler:
+    """The handler of an end that only opens streams: one a peer opens is reset."""
+
+    def link_established(self, link: PeerLink) -> None:
+        pass
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        stream.reset(RESET_CANCELLED)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        pass
