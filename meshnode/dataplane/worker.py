@@ -193,27 +193,6 @@ class ShardWorker:
             self._on_request(out, stream, message, len(body), now_ns)
         return out
 
-    def receive(
-        self, stream_id: int, request: shard.SessionRequest, size_bytes: int, now_ns: int
-    ) -> list[Action]:
-        """An already-parsed request (``size_bytes``: its serialized size) after the route."""
-        stream = self._streams[stream_id]
-        out: list[Action] = []
-        if stream.phase is StreamPhase.AWAIT_ROUTE:
-            self._terminate(out, stream, errors.payload_corrupt("the stream must start with a route"))
-        elif stream.phase is not StreamPhase.CLOSED:
-            self._on_request(out, stream, request, size_bytes, now_ns)
-        return out
-
-    def receive_route(self, stream_id: int, route: dataplane.SessionRoute) -> list[Action]:
-        stream = self._streams[stream_id]
-        out: list[Action] = []
-        if stream.phase is StreamPhase.AWAIT_ROUTE:
-            self._on_route(out, stream, route)
-        elif stream.phase is not StreamPhase.CLOSED:
-            self._terminate(out, stream, errors.payload_corrupt("a stream carries one route"))
-        return out
-
     def stream_closed(self, stream_id: int, now_ns: int) -> list[Action]:
         """The transport finished or lost the stream. Its queued units are dropped (never applied);
         a running or forwarding unit completes and is recorded for a retry on another stream."""

@@ -86,29 +86,6 @@ def models_available(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity
     return models
 
 
-def resolve_model(candidates: Iterable[ShardCandidate], requested: str) -> ModelIdentity:
-    """Find the model a request names, by announced name or by artifact digest.
-
-    A name served under two different fingerprints is ambiguous unless exactly
-    one of them can be routed; callers pass only candidates they can use.
-    """
-    pool = list(candidates)
-    matches = [
-        model
-        for model, names in models_available(pool).items()
-        if requested in names or requested == model.model_artifact_digest
-    ]
-    if not matches:
-        known = sorted({name for names in models_available(pool).values() for name in names})
-        raise NoRouteError(f"no peer serves model {requested!r} (served: {', '.join(known) or 'none'})")
-    routable = [model for model in matches if _cheapest_chain(pool, model) is not None]
-    if len(routable) == 1:
-        return routable[0]
-    if not routable:
-        return matches[0]
-    raise NoRouteError(f"model {requested!r} is served under {len(routable)} different fingerprints")
-
-
 def plan_route(
     candidates: Iterable[ShardCandidate],
     model: ModelIdentity,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnode.wire.pb import shard
-
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 128
 # Room for the envelope, tensor header and protobuf tags around the payload.
 CHUNK_OVERHEAD_BYTES = 16 * 1024
@@ -31,12 +29,6 @@ class PrefillChunk:
     @property
     def end_position(self) -> int:
         return self.first_position + self.token_count
-
-    def chunk_info(self) -> shard.ChunkInfo:
-        return shard.ChunkInfo(chunk_index=self.index, chunk_count=self.count, final_chunk=self.final)
-
-    def position_span(self) -> shard.PositionSpan:
-        return shard.PositionSpan(first_position=self.first_position, token_count=self.token_count)
 
 
 def tokens_per_chunk(

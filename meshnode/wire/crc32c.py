@@ -54,7 +54,3 @@ def crc32c(data: Buffer, crc: int = 0) -> int:
         return google_crc32c.extend(crc, bytes(data))
     view = np.frombuffer(data, dtype=np.uint8)
     return int(_LIBRARY.crc32c_extend(crc, view.ctypes.data, view.size))
-
-
-def zero_copy_available() -> bool:
-    return _LIBRARY is not None

@@ -93,9 +93,3 @@ class PayloadCorrupt(ShardProtocolError):
     """Tensor payload failed validation: checksum, tiling, enums, shape, budget."""
 
     code = shard.ERROR_CODE_PAYLOAD_CORRUPT
-
-
-class FlowControlViolation(ShardProtocolError):
-    """Sender exceeded granted credit or the negotiated chunk size."""
-
-    code = shard.ERROR_CODE_FLOW_CONTROL_VIOLATION

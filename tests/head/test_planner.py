@@ -5,7 +5,6 @@ from meshnode.head.planner import (
     NoRouteError,
     ShardCandidate,
     plan_route,
-    resolve_model,
 )
 
 GEMMA = ModelIdentity("sha256:aa", "sha256:r1", 18)
@@ -68,14 +67,3 @@ def test_plans_are_deterministic_under_ties():
     pool = [shard("a", 0, 9), shard("z", 9, 18), shard("m", 9, 18)]
     assert names(plan_route(pool, GEMMA)) == ["a", "m"]
     assert names(plan_route(list(reversed(pool)), GEMMA)) == ["a", "m"]
-
-
-def test_resolve_by_name_or_digest_and_prefer_the_routable_fingerprint():
-    pool = [shard("a", 0, 9), shard("b", 9, 18), shard("x", 0, 9, model=OTHER_RECIPE)]
-    assert resolve_model(pool, "gemma-3-270m") == GEMMA
-    assert resolve_model(pool, "sha256:aa") == GEMMA
-    with pytest.raises(NoRouteError, match="no peer serves model 'llama'"):
-        resolve_model(pool, "llama")
-    both = [*pool, shard("y", 9, 18, model=OTHER_RECIPE)]
-    with pytest.raises(NoRouteError, match="2 different fingerprints"):
-        resolve_model(both, "gemma-3-270m")

@@ -27,13 +27,11 @@ def test_chunks_tile_the_prompt_token_aligned_and_bounded(n, start, bound):
     assert len(chunks) == -(-n // bound)
 
 
-def test_default_bound_is_128_tokens_and_chunk_info_matches():
+def test_default_bound_is_128_tokens():
     chunks = plan_prefill_chunks(300)
     assert [c.token_count for c in chunks] == [100, 100, 100]
-    info = chunks[-1].chunk_info()
-    assert (info.chunk_index, info.chunk_count, info.final_chunk) == (2, 3, True)
-    span = chunks[1].position_span()
-    assert (span.first_position, span.token_count) == (100, 100)
+    assert (chunks[-1].index, chunks[-1].count, chunks[-1].final) == (2, 3, True)
+    assert (chunks[1].first_position, chunks[1].end_position) == (100, 200)
     assert [c.token_count for c in plan_prefill_chunks(128)] == [128]
     assert len(plan_prefill_chunks(129)) == 2
 
