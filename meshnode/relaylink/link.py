@@ -142,19 +142,12 @@ class RelayedPeerLink(PeerLink):
         self._streams[channel] = stream
         return stream
 
-    @property
-    def is_closed(self) -> bool:
-        return self._closed.is_set()
-
     def close(self, reason: str = "") -> None:
         if self.is_closed:
             return
         self.mux.close(reason or "closed")
         self.flush()
         self.terminate(reason or "closed")
-
-    async def wait_closed(self) -> None:
-        await self._closed.wait()
 
     @property
     def description(self) -> str:

@@ -20,6 +20,7 @@ the mesh protocol reports refusals on send-only streams as reset codes.
 from __future__ import annotations
 
 import abc
+import asyncio
 from typing import Protocol
 
 from meshnode.transport.framed import FramedStream
@@ -92,6 +93,8 @@ class PeerLink(abc.ABC):
     initiated_locally: bool
     # Event-loop time when the link became usable.
     established_at: float
+    # Set once the link is closed; implementations create it and set it exactly once.
+    _closed: asyncio.Event
 
     @abc.abstractmethod
     async def open_raw_stream(self) -> MeshStream:
@@ -104,15 +107,15 @@ class PeerLink(abc.ABC):
         return FramedStream(stream, expect_stream_type=False, stream_type=stream_type)
 
     @property
-    @abc.abstractmethod
-    def is_closed(self) -> bool: ...
+    def is_closed(self) -> bool:
+        return self._closed.is_set()
 
     @abc.abstractmethod
     def close(self, reason: str = "") -> None:
         """Close the link and every stream on it; idempotent."""
 
-    @abc.abstractmethod
-    async def wait_closed(self) -> None: ...
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
 
     @property
     @abc.abstractmethod

@@ -152,10 +152,6 @@ class LoopbackLink(PeerLink):
         self.remote_link()._streams.append(remote)
         return local
 
-    @property
-    def is_closed(self) -> bool:
-        return self._closed.is_set()
-
     def close(self, reason: str = "") -> None:
         self._shutdown(reason or "closed")
         self.remote_link()._shutdown(reason or "closed by peer")
@@ -170,9 +166,6 @@ class LoopbackLink(PeerLink):
         self._streams.clear()
         self.progress.notify()
         self.handler.link_closed(self, reason)
-
-    async def wait_closed(self) -> None:
-        await self._closed.wait()
 
     @property
     def description(self) -> str:

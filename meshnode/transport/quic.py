@@ -194,19 +194,12 @@ class QuicLink(PeerLink):
         self._streams[stream_id] = stream
         return stream
 
-    @property
-    def is_closed(self) -> bool:
-        return self._closed.is_set()
-
     def close(self, reason: str = "") -> None:
         if self.is_closed:
             return
         self.quic.close(error_code=_CLOSE_APPLICATION, reason_phrase=reason[:100])
         self.transmit()
         self._mark_closed(reason or "closed")
-
-    async def wait_closed(self) -> None:
-        await self._closed.wait()
 
     @property
     def description(self) -> str:
