@@ -31,6 +31,7 @@ from typing import Any
 
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.recovery import QuicPacketPacer
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import NameOID
@@ -85,11 +86,35 @@ def quic_configuration(
     )
 
 
+# The event loop's clock and timers move in steps of about a millisecond (uvloop's
+# loop.time() is libuv's millisecond clock; epoll waits in whole milliseconds).
+LOOP_CLOCK_TICK_S = 0.001
+
+
+class LoopClockPacer(QuicPacketPacer):
+    """aioquic's pacer with a burst allowance of at least one tick of the loop's clock.
+
+    aioquic sizes its burst bucket in microseconds: 16 packets, or fewer once the
+    pacing rate is so high that its 1 µs floor on the per-packet time bites (a
+    multi-megabyte window over a ~1 ms loopback RTT leaves room for about 6 packets).
+    Time only advances by whole ticks here, so the bucket refilled at most once per
+    millisecond and a sender could not beat ~6-16 packets per millisecond whatever its
+    window: prefill transfers fell to 37-57 Mbit/s whenever the window had grown large
+    (bench/dataplane.py, bench/RESULTS.md). A bucket of one tick lets each tick carry
+    the rate's worth of packets; pacing finer than the clock was never possible anyway.
+    """
+
+    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
+        super().update_rate(congestion_window=congestion_window, smoothed_rtt=smoothed_rtt)
+        self.bucket_max = max(self.bucket_max, LOOP_CLOCK_TICK_S)
+
+
 class MeshQuicConnection(QuicConnection):
     def __init__(
         self, *, stream_window: int, connection_window: int, ack_delay: float | None = None, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
+        self._loss._pacer = LoopClockPacer(max_datagram_size=self._max_datagram_size)
         if ack_delay is not None:
             # aioquic acknowledges only on a timer, 1 ms after an ack-eliciting
             # packet. A request answered later than that costs a separate ACK
