@@ -171,9 +171,6 @@ class RelayLinks:
             async with asyncio.timeout(timeout or self.settings.handshake_timeout):
                 return await asyncio.shield(future)
         except TimeoutError:
-            sealer = self._sealers.get(key)
-            if sealer is not None:
-                sealer.abandon()
             self._fail_pending(key, RelayDialError("no handshake answer"))
             raise RelayDialError(
                 f"{short_id(peer_id)} did not answer a sealed handshake through relay {client.endpoint_info}"
@@ -214,6 +211,13 @@ class RelayLinks:
         return False
 
     def _fail_pending(self, key: _Key, error: Exception) -> None:
+        # A failed dial leaves no initiation behind: the lower id's initiation wins a
+        # simultaneous handshake, so a stale one would make us ignore every INIT the
+        # peer sends later (seen after a relay restart: our INIT was refused because the
+        # peer had not re-registered yet, and the peer's own dials then went unanswered).
+        sealer = self._sealers.get(key)
+        if sealer is not None:
+            sealer.abandon()
         future = self._pending.pop(key, None)
         if future is not None and not future.done():
             future.set_exception(error)

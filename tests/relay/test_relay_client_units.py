@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import pytest
 
 from meshnode.identity import NodeIdentity
 from meshnode.relaylink.client import Backoff
-from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
-from meshnode.relaylink.seal import CONTROL_CHANNEL, PeerSealer
+from meshnode.relaylink.manager import RelayDialError, RelayLinks, RelayLinkSettings
+from meshnode.relaylink.seal import CONTROL_CHANNEL, KIND_INIT, KIND_RESPONSE, PeerSealer
+from relay.protocol import relay
 
 
 def test_backoff_grows_exponentially_with_jitter_and_is_capped() -> None:
@@ -58,3 +60,38 @@ async def test_garbage_from_a_member_is_dropped_and_counted() -> None:
     links._on_deliver(client, other.node_id, 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]
     links._on_deliver(client, other.node_id, 4, b"")  # type: ignore[arg-type]
     assert links.frames_dropped == 2
+
+
+@dataclass
+class RegisteredClient(FakeClient):
+    registered: bool = True
+    endpoint_info: str = "relay-under-test"
+
+
+async def test_a_dial_the_relay_refused_does_not_make_us_ignore_the_peers_own_handshake() -> None:
+    # After a relay restart the lower-id node re-registered first and dialed its peer; the
+    # relay refused (peer not registered yet). The peer's own INIT must then be answered,
+    # not dropped as the loser of a simultaneous handshake against a dead initiation.
+    me, other = sorted((NodeIdentity.generate(), NodeIdentity.generate()), key=lambda i: i.node_id)
+    links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None)
+    client = RegisteredClient()
+    links._clients[client.relay_id] = client  # type: ignore[assignment]
+
+    dial = asyncio.create_task(links.open_link(other.node_id, timeout=5.0))
+    while not client.sent:
+        await asyncio.sleep(0)
+    assert client.sent[0][2][0] == KIND_INIT
+    refusal = relay.RelaySendRefused(
+        destination_id=other.node_id,
+        channel=CONTROL_CHANNEL,
+        refusal=relay.RelayRefusal(code=relay.RELAY_ERROR_DESTINATION_UNKNOWN, detail="not registered here"),
+    )
+    links._on_send_refused(client, refusal)  # type: ignore[arg-type]
+    with pytest.raises(RelayDialError, match="refused"):
+        await dial
+
+    client.sent.clear()
+    links._on_deliver(client, other.node_id, CONTROL_CHANNEL, PeerSealer(other, me.node_id).start())  # type: ignore[arg-type]
+    assert [(destination, payload[0]) for destination, _, payload in client.sent] == [
+        (other.node_id, KIND_RESPONSE)
+    ]
