@@ -96,9 +96,9 @@ class LoopClockPacer(QuicPacketPacer):
 
     aioquic sizes its burst bucket in microseconds: 16 packets, or fewer once the
     pacing rate is so high that its 1 µs floor on the per-packet time bites (a
-    multi-megabyte window over a ~1 ms loopback RTT leaves room for about 6 packets).
+    multi-megabyte window over a ~1 ms loopback RTT leaves room for about 5 packets).
     Time only advances by whole ticks here, so the bucket refilled at most once per
-    millisecond and a sender could not beat ~6-16 packets per millisecond whatever its
+    millisecond and a sender could not beat ~5-16 packets per millisecond whatever its
     window: prefill transfers fell to 37-57 Mbit/s whenever the window had grown large
     (bench/dataplane.py, bench/RESULTS.md). A bucket of one tick lets each tick carry
     the rate's worth of packets; pacing finer than the clock was never possible anyway.
