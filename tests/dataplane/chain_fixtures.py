@@ -14,11 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.interface import LoadRequest
+import numpy as np
+
+from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.route import make_hop
@@ -68,6 +71,44 @@ class ChainUnderTest:
         kwargs.setdefault("shard_range", shard_range(0, SPLIT))
         kwargs.setdefault("downstream", [make_hop(self.tail_id, SPLIT, TINY_N_LAYERS, SPLIT)])
         return ShardSession.open(self.links, **kwargs)  # type: ignore[arg-type]
+
+
+def run_unsplit(
+    engine: LlamaShardEngine, prompt: list[int], *, chunk_tokens: int, decode_steps: int
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and logits of a whole-model engine, prefilled in the chunks a client sends."""
+    key = SessionKey(uuid.uuid4().hex, 0)
+    chunks = [prompt[i : i + chunk_tokens] for i in range(0, len(prompt), chunk_tokens)]
+    position = 0
+    for index, chunk in enumerate(chunks):
+        final = index == len(chunks) - 1
+        result = engine.prefill(
+            StepRequest(
+                session=key,
+                first_position=position,
+                token_ids=tuple(chunk),
+                sampling=GREEDY if final else None,
+                want_logits=final,
+            )
+        )
+        position += len(chunk)
+    tokens, logits = [int(result.token_id)], [result.logits]  # type: ignore[arg-type]
+    for _ in range(decode_steps):
+        result = engine.decode(
+            StepRequest(
+                session=key,
+                first_position=position,
+                token_ids=(tokens[-1],),
+                expected_past_len=position,
+                sampling=GREEDY,
+                want_logits=True,
+            )
+        )
+        tokens.append(int(result.token_id))  # type: ignore[arg-type]
+        logits.append(result.logits)
+        position += 1
+    engine.release(key)
+    return tokens, logits  # type: ignore[return-value]
 
 
 def load_engine(model: Path, start: int, end: int) -> LlamaShardEngine:

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.interface import GREEDY, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.dataplane import rpc
@@ -36,6 +35,7 @@ from .chain_fixtures import (
     QuicCluster,
     load_engine,
     quic_chain,
+    run_unsplit,
     serving_peer,
 )
 from .loopback_mesh import LoopbackMesh
@@ -66,49 +66,9 @@ def prompt(whole_model: LlamaShardEngine) -> list[int]:
     return [int(t) for t in np.random.default_rng(5).integers(3, vocab, size=PROMPT_TOKENS)]
 
 
-def run_unsplit(
-    engine: LlamaShardEngine, prompt: list[int], forced: list[int] | None = None
-) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and logits of the whole model, prefilled in the chunks the client sends.
-    With ``forced``, each decode step is fed ``forced[i]`` instead of the model's own token."""
-    key = SessionKey(uuid.uuid4().hex, 0)
-    chunks = [prompt[i : i + CHUNK_TOKENS] for i in range(0, len(prompt), CHUNK_TOKENS)]
-    position = 0
-    for index, chunk in enumerate(chunks):
-        final = index == len(chunks) - 1
-        result = engine.prefill(
-            StepRequest(
-                session=key,
-                first_position=position,
-                token_ids=tuple(chunk),
-                sampling=GREEDY if final else None,
-                want_logits=final,
-            )
-        )
-        position += len(chunk)
-    tokens, logits = [int(result.token_id)], [result.logits]  # type: ignore[arg-type]
-    for step in range(DECODE_STEPS):
-        fed = tokens[-1] if forced is None else forced[step]
-        result = engine.decode(
-            StepRequest(
-                session=key,
-                first_position=position,
-                token_ids=(fed,),
-                expected_past_len=position,
-                sampling=GREEDY,
-                want_logits=True,
-            )
-        )
-        tokens.append(int(result.token_id))  # type: ignore[arg-type]
-        logits.append(result.logits)
-        position += 1
-    engine.release(key)
-    return tokens, logits  # type: ignore[return-value]
-
-
 @pytest.fixture(scope="module")
 def unsplit(whole_model: LlamaShardEngine, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
-    return run_unsplit(whole_model, prompt)
+    return run_unsplit(whole_model, prompt, chunk_tokens=CHUNK_TOKENS, decode_steps=DECODE_STEPS)
 
 
 # ---------------------------------------------------------------------------- the chain, two ways

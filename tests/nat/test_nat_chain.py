@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -51,46 +50,16 @@ def data_plane_missing() -> str | None:
 def unsplit_reference(model: Path) -> tuple[list[int], list[int], list[np.ndarray]]:
     """A prompt, and the whole model's greedy tokens and logits for it, prefilled in the chunks the
     client sends."""
-    from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
-    from engines.llama_engine import LlamaShardEngine
+    from dataplane.chain_fixtures import load_engine, run_unsplit
+
     from engines.tiny_model import TINY_N_LAYERS
 
-    engine = LlamaShardEngine()
-    engine.load(LoadRequest(str(model), 0, TINY_N_LAYERS, n_ctx=512, n_seq_max=2, n_threads=1))
+    engine = load_engine(model, 0, TINY_N_LAYERS)
     try:
         vocab = engine.capabilities().vocab_size
         prompt = [int(t) for t in np.random.default_rng(5).integers(3, vocab, size=PROMPT_TOKENS)]
-        key = SessionKey(uuid.uuid4().hex, 0)
-        position = 0
-        chunks = [prompt[i : i + CHUNK_TOKENS] for i in range(0, len(prompt), CHUNK_TOKENS)]
-        for index, chunk in enumerate(chunks):
-            final = index == len(chunks) - 1
-            result = engine.prefill(
-                StepRequest(
-                    session=key,
-                    first_position=position,
-                    token_ids=tuple(chunk),
-                    sampling=GREEDY if final else None,
-                    want_logits=final,
-                )
-            )
-            position += len(chunk)
-        tokens, logits = [int(result.token_id)], [result.logits]  # type: ignore[arg-type]
-        for _ in range(DECODE_STEPS):
-            result = engine.decode(
-                StepRequest(
-                    session=key,
-                    first_position=position,
-                    token_ids=(tokens[-1],),
-                    expected_past_len=position,
-                    sampling=GREEDY,
-                    want_logits=True,
-                )
-            )
-            tokens.append(int(result.token_id))  # type: ignore[arg-type]
-            logits.append(result.logits)
-            position += 1
-        return prompt, tokens, logits  # type: ignore[return-value]
+        tokens, logits = run_unsplit(engine, prompt, chunk_tokens=CHUNK_TOKENS, decode_steps=DECODE_STEPS)
+        return prompt, tokens, logits
     finally:
         engine.close()
 
