@@ -116,9 +116,13 @@ def test_example_config_is_accepted_for_nodes_and_the_relay():
 def test_dockerfiles_build_from_this_tree_and_run_meshnode(dockerfile):
     text = (DEPLOY / dockerfile).read_text()
     assert len(re.findall(r"^FROM ", text, re.MULTILINE)) == 2  # build stage + slim runtime
+    copied: set[str] = set()
     for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.MULTILINE):
         for source in line.split()[:-1]:
             assert (ROOT / source).exists(), source
+            copied.add(source)
+    # What `pip wheel .` reads: the metadata, the extension's build script, the packages.
+    assert {"pyproject.toml", "setup.py", "README.md", "meshnode", "relay", "engines"} <= copied
     assert 'ENTRYPOINT ["meshnode"]' in text
     assert "USER meshnode" in text
     if dockerfile.endswith("cuda"):

@@ -105,3 +105,22 @@ def test_missing_pieces_and_a_bad_layer_range(tmp_path, tiny_model):
     assert "2:99 is outside the model's 0:6" in result.stdout
     missing = doctor("--data-dir", str(tmp_path), "--model", str(tmp_path / "none.gguf"))
     assert "none.gguf does not exist" in missing.stdout
+
+
+@pytest.mark.parametrize(
+    "in_use, built, severity, words",
+    [
+        (True, True, "OK", "AVX2 + VPCLMULQDQ extension"),
+        (False, True, "OK", "this CPU lacks AVX2 + VPCLMULQDQ"),
+        (False, False, "WARNING", "was not built"),
+    ],
+)
+def test_the_checksum_implementation_is_named(monkeypatch, in_use, built, severity, words):
+    from meshnode import doctor as doctor_module
+
+    monkeypatch.setattr(doctor_module, "simd_in_use", lambda: in_use)
+    monkeypatch.setattr(doctor_module, "simd_built", lambda: built)
+    (finding,) = doctor_module.check_checksum()
+    assert finding.severity is doctor_module.Severity[severity]
+    assert words in finding.detail
+    assert bool(finding.fix) == (severity == "WARNING")
