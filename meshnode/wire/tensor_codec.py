@@ -21,14 +21,24 @@ bit patterns; :func:`float32_to_bfloat16_bits` converts with round-to-nearest-ev
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
+from google.protobuf.message import DecodeError
 
+from meshnode.wire.bundle_reader import read_bundle
 from meshnode.wire.crc32c import Buffer, crc32c
 from meshnode.wire.errors import PayloadCorrupt
 from meshnode.wire.pb import shard
+from meshnode.wire.tensor_parts import (
+    DEFAULT_LIMITS,
+    BundleParts,
+    DecodeLimits,
+    TensorParts,
+    bundle_parts_from_pb,
+    tensor_parts_from_pb,
+)
 
 BUNDLE_VERSION = 1
 # Fragments are bounded by the negotiated max_chunk_bytes (a chunk message must
@@ -48,23 +58,6 @@ NUMPY_DTYPES: dict[int, np.dtype] = {
     shard.DTYPE_INT8: np.dtype("i1"),
     shard.DTYPE_BOOL: np.dtype("?"),
 }
-
-
-@dataclass(frozen=True)
-class DecodeLimits:
-    """Budgets a receiver enforces before it allocates anything."""
-
-    max_tensors: int = 8
-    max_rank: int = 8
-    max_tensor_bytes: int = 64 * 1024 * 1024
-    max_bundle_bytes: int = 64 * 1024 * 1024
-    max_fragments: int = 4096
-    max_name_length: int = 128
-    max_zstd_window: int = 1 << 24
-    require_checksum: bool = True
-
-
-DEFAULT_LIMITS = DecodeLimits()
 
 
 @dataclass(frozen=True)
@@ -188,46 +181,7 @@ def encode_bundle(tensors: Iterable[shard.NamedTensor]) -> shard.TensorBundle:
 # ---------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Fragment:
-    index: int = 0
-    count: int = 0
-    offset: int = 0
-    payload: Buffer = b""
-
-
-@dataclass(slots=True)
-class _TensorParts:
-    """The fields of one ``NamedTensor``, read once (each access to a protobuf field costs)."""
-
-    name: str = ""
-    shape: list[int] = field(default_factory=list)
-    dtype: int = 0
-    byte_order: int = 0
-    total_bytes: int = 0
-    compression: int = 0
-    checksum_algorithm: int = 0
-    checksum_value: bytes = b""
-    fragments: list[_Fragment] = field(default_factory=list)
-
-
-def _parts_from_pb(tensor: shard.NamedTensor) -> _TensorParts:
-    # Positional and each submessage read once: this runs per decode step.
-    checksum = tensor.checksum
-    return _TensorParts(
-        tensor.name,
-        list(tensor.shape),
-        tensor.dtype,
-        tensor.byte_order,
-        tensor.total_bytes,
-        tensor.compression,
-        checksum.algorithm,
-        checksum.value,
-        [_Fragment(f.fragment_index, f.fragment_count, f.byte_offset, f.payload) for f in tensor.fragments],
-    )
-
-
-def _check_rank(parts: _TensorParts, limits: DecodeLimits) -> None:
+def _check_rank(parts: TensorParts, limits: DecodeLimits) -> None:
     if len(parts.shape) > limits.max_rank:
         raise PayloadCorrupt(f"tensor {parts.name!r}: rank {len(parts.shape)} over {limits.max_rank}")
 
@@ -243,7 +197,7 @@ def _enum_name(enum: object, value: int) -> str:
         return str(_as_signed32(value))
 
 
-def _check_header(parts: _TensorParts, limits: DecodeLimits) -> np.dtype:
+def _check_header(parts: TensorParts, limits: DecodeLimits) -> np.dtype:
     if not parts.name or len(parts.name) > limits.max_name_length:
         raise PayloadCorrupt("tensor name is empty or too long")
     name = parts.name
@@ -278,7 +232,7 @@ def _check_header(parts: _TensorParts, limits: DecodeLimits) -> np.dtype:
     return np_dtype
 
 
-def _wire_body_limit(parts: _TensorParts) -> int:
+def _wire_body_limit(parts: TensorParts) -> int:
     if parts.compression == shard.COMPRESSION_NONE:
         return parts.total_bytes
     # ZSTD_COMPRESSBOUND: the largest frame zstd can emit for this input.
@@ -287,7 +241,7 @@ def _wire_body_limit(parts: _TensorParts) -> int:
     return size + (size >> 8) + margin + 64
 
 
-def _assemble_wire_body(parts: _TensorParts, limits: DecodeLimits) -> Buffer:
+def _assemble_wire_body(parts: TensorParts, limits: DecodeLimits) -> Buffer:
     """Prove the fragments tile the wire body exactly and return it.
 
     A single fragment is returned as is (no copy); several are copied once into
@@ -329,7 +283,7 @@ def _assemble_wire_body(parts: _TensorParts, limits: DecodeLimits) -> Buffer:
     return body
 
 
-def _decompress(parts: _TensorParts, body: Buffer, limits: DecodeLimits) -> bytes:
+def _decompress(parts: TensorParts, body: Buffer, limits: DecodeLimits) -> bytes:
     name = parts.name
     try:
         declared = zstandard.frame_content_size(body)
@@ -349,7 +303,7 @@ def _decompress(parts: _TensorParts, body: Buffer, limits: DecodeLimits) -> byte
     return raw
 
 
-def _decode_parts(parts: _TensorParts, limits: DecodeLimits) -> WireTensor:
+def _decode_parts(parts: TensorParts, limits: DecodeLimits) -> WireTensor:
     np_dtype = _check_header(parts, limits)
     body = _assemble_wire_body(parts, limits)
     raw = _decompress(parts, body, limits) if parts.compression == shard.COMPRESSION_ZSTD else body
@@ -364,7 +318,7 @@ def _decode_parts(parts: _TensorParts, limits: DecodeLimits) -> WireTensor:
 
 
 def decode_tensor(tensor: shard.NamedTensor, limits: DecodeLimits = DEFAULT_LIMITS) -> WireTensor:
-    return _decode_parts(_parts_from_pb(tensor), limits)
+    return _decode_parts(tensor_parts_from_pb(tensor), limits)
 
 
 def _check_bundle_budget(version: int, sizes: list[int], limits: DecodeLimits) -> None:
@@ -385,9 +339,31 @@ def _collect(tensors: Iterable[WireTensor]) -> dict[str, WireTensor]:
     return decoded
 
 
+def decode_bundle_parts(bundle: BundleParts, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, WireTensor]:
+    tensors = bundle.tensors
+    _check_bundle_budget(bundle.version, [t.total_bytes for t in tensors], limits)
+    return _collect(_decode_parts(t, limits) for t in tensors)
+
+
 def decode_bundle(bundle: shard.TensorBundle, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, WireTensor]:
-    _check_bundle_budget(bundle.bundle_version, [t.total_bytes for t in bundle.tensors], limits)
-    return _collect(decode_tensor(t, limits) for t in bundle.tensors)
+    return decode_bundle_parts(bundle_parts_from_pb(bundle), limits)
+
+
+def decode_bundle_bytes(data: Buffer, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, WireTensor]:
+    """Decode a serialized ``TensorBundle`` straight from the received bytes.
+
+    The returned arrays view ``data`` wherever a tensor arrived as one uncompressed
+    fragment, so ``data`` must not change afterwards (frames arrive as ``bytes``).
+    """
+    parts = read_bundle(data, limits)
+    if parts is None:
+        bundle = shard.TensorBundle()
+        try:
+            bundle.ParseFromString(data)
+        except DecodeError:
+            raise PayloadCorrupt("bundle is not a well-formed TensorBundle") from None
+        parts = bundle_parts_from_pb(bundle)
+    return decode_bundle_parts(parts, limits)
 
 
 __all__ = [
@@ -399,6 +375,8 @@ __all__ = [
     "bfloat16_bits_to_float32",
     "crc32c_checksum",
     "decode_bundle",
+    "decode_bundle_bytes",
+    "decode_bundle_parts",
     "decode_tensor",
     "encode_bundle",
     "encode_float_tensor",
