@@ -23,12 +23,13 @@ from meshnode.dataplane.errors import MALFORMED_RESULT_DETAIL, payload_corrupt, 
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import (
     WireTensor,
-    decode_bundle,
+    decode_bundle_parts,
     decode_tensor,
     encode_bundle,
     encode_float_tensor,
     encode_tensor,
 )
+from meshnode.wire.tensor_parts import BundleParts, TensorParts
 
 TOKEN_IDS = "token_ids"
 HIDDEN_STATES = "hidden_states"
@@ -56,7 +57,7 @@ class StepInput:
     hidden: np.ndarray | None
 
 
-def _check_compression(tensor: shard.NamedTensor, accepted: Collection[int]) -> None:
+def _check_compression(tensor: shard.NamedTensor | TensorParts, accepted: Collection[int]) -> None:
     if tensor.compression not in accepted:
         raise payload_corrupt(f"tensor {tensor.name!r}: compression was not agreed at open")
 
@@ -89,14 +90,14 @@ def _role_input(tensor: WireTensor, role: HopRole, token_count: int) -> StepInpu
 
 
 def decode_chunk_input(
-    bundle: shard.TensorBundle, role: HopRole, token_count: int, accepted: Collection[int]
+    bundle: BundleParts, role: HopRole, token_count: int, accepted: Collection[int]
 ) -> StepInput:
-    """The single input tensor of an ActivationChunk, or PAYLOAD_CORRUPT."""
+    """The single input tensor of an ActivationChunk's bundle, or PAYLOAD_CORRUPT."""
     names = [t.name for t in bundle.tensors]
     if names != [role.input_name]:
         raise payload_corrupt(f"bundle must hold exactly one tensor named {role.input_name!r}")
     _check_compression(bundle.tensors[0], accepted)
-    return _role_input(decode_bundle(bundle)[role.input_name], role, token_count)
+    return _role_input(decode_bundle_parts(bundle)[role.input_name], role, token_count)
 
 
 def decode_step_input(tensor: shard.NamedTensor, role: HopRole, accepted: Collection[int]) -> StepInput:

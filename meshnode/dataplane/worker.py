@@ -77,10 +77,12 @@ from meshnode.dataplane.route import RoutePlan, validate_route
 from meshnode.dataplane.steps import RecordState, StepLedger, StepRecord, Verdict
 from meshnode.dataplane.worker_state import SessionState, StreamPhase, StreamState, Unit
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.wire.bundle_reader import read_activation_chunk
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.flow_control import default_flow_control, negotiate_flow_control
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_bundle
+from meshnode.wire.tensor_parts import DEFAULT_LIMITS, BundleParts, bundle_parts_from_pb
 
 # Epochs of sessions dropped recently, so a late stream cannot resurrect an old epoch.
 RETIRED_EPOCHS_KEPT = 1024
@@ -182,15 +184,24 @@ class ShardWorker:
             return out
         awaiting_route = stream.phase is StreamPhase.AWAIT_ROUTE
         message = dataplane.SessionRoute() if awaiting_route else shard.SessionRequest()
+        # An activation chunk's tensors are read in place (no copy of the payload);
+        # any other message, or an unusual encoding of one, goes through protobuf.
+        lifted = None if awaiting_route else read_activation_chunk(body, DEFAULT_LIMITS)
         try:
-            message.ParseFromString(body)
+            if lifted is None:
+                message.ParseFromString(body)
+            else:
+                envelope = message.chunk.envelope  # type: ignore[union-attr]
+                envelope.SetInParent()
+                envelope.ParseFromString(lifted[0])
         except DecodeError:
             self._terminate(out, stream, errors.payload_corrupt("frame is not a well-formed message"))
             return out
         if isinstance(message, dataplane.SessionRoute):
             self._on_route(out, stream, message)
         else:
-            self._on_request(out, stream, message, len(body), now_ns)
+            bundle = None if lifted is None else lifted[1]
+            self._on_request(out, stream, message, bundle, len(body), now_ns)
         return out
 
     def stream_closed(self, stream_id: int, now_ns: int) -> list[Action]:
@@ -346,8 +357,15 @@ class ShardWorker:
         stream.phase = StreamPhase.AWAIT_OPEN
 
     def _on_request(
-        self, out: list[Action], stream: StreamState, request: shard.SessionRequest, size: int, now_ns: int
+        self,
+        out: list[Action],
+        stream: StreamState,
+        request: shard.SessionRequest,
+        bundle: BundleParts | None,
+        size: int,
+        now_ns: int,
     ) -> None:
+        """``bundle``: the chunk's tensors when they were read in place, else None (read them from ``request``)."""
         kind = request.WhichOneof("kind")
         if kind == "decode" or kind == "chunk":
             if stream.phase is not StreamPhase.OPEN:
@@ -355,7 +373,7 @@ class ShardWorker:
                     out, stream, errors.flow_control_violation("work sent before the session opened")
                 )
             else:
-                self._on_unit(out, stream, request, kind, size, now_ns)
+                self._on_unit(out, stream, request, bundle, kind, size, now_ns)
         elif kind == "open":
             if stream.phase is StreamPhase.OPEN:
                 self._terminate(out, stream, errors.payload_corrupt("the session is already open"))
@@ -463,6 +481,7 @@ class ShardWorker:
         out: list[Action],
         stream: StreamState,
         request: shard.SessionRequest,
+        bundle: BundleParts | None,
         kind: str,
         size: int,
         now_ns: int,
@@ -493,7 +512,9 @@ class ShardWorker:
             if kind == "decode":
                 unit = self._decode_unit(out, stream, request.decode, now_ns)
             else:
-                unit = self._chunk_unit(out, stream, request.chunk, now_ns)
+                if bundle is None:
+                    bundle = bundle_parts_from_pb(request.chunk.bundle)
+                unit = self._chunk_unit(out, stream, request.chunk.envelope, bundle, now_ns)
             self._admit(out, unit, now_ns)
         except ShardProtocolError as error:
             self._status(out, stream, work_id, step, error)
@@ -525,9 +546,8 @@ class ShardWorker:
         )
 
     def _chunk_unit(
-        self, out: list[Action], stream: StreamState, chunk: shard.ActivationChunk, now_ns: int
+        self, out: list[Action], stream: StreamState, env: shard.Envelope, bundle: BundleParts, now_ns: int
     ) -> Unit:
-        env = chunk.envelope
         self._check_identity(stream, env)
         first, count = env.position.first_position, env.position.token_count
         span = unit_span(env)
@@ -536,10 +556,10 @@ class ShardWorker:
             # A newer epoch: validate the payload against this stream's role before
             # releasing the old epoch's state for it.
             role = self._role_for(stream.plan, stream.shard_range)
-            step_input = decode_chunk_input(chunk.bundle, role, count, self.accepted_compression)
+            step_input = decode_chunk_input(bundle, role, count, self.accepted_compression)
             session = self._session_for(out, stream, env.route_epoch, now_ns)
         else:
-            step_input = decode_chunk_input(chunk.bundle, session.role, count, self.accepted_compression)
+            step_input = decode_chunk_input(bundle, session.role, count, self.accepted_compression)
         stream.epoch = env.route_epoch
         return self._new_unit(
             stream,

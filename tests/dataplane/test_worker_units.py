@@ -599,3 +599,32 @@ def test_stateless_cache_mode_runs_as_a_fresh_prefill() -> None:
     late = chunk_request(2, [4], first_position=3, chunk=(1, 2))
     late.chunk.envelope.cache_expectation.mode = shard.CACHE_MODE_STATELESS
     assert only_status(harness.ask(stream, late)).error.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
+
+
+def test_an_activation_chunk_reaches_the_engine_without_a_copy_of_its_payload() -> None:
+    harness = WorkerHarness(RecordingEngine(2, 4))
+    stream, _ = harness.open(shard_range=srange(2, 4))
+    hidden = np.arange(3 * HIDDEN, dtype=np.float32).reshape(3, HIDDEN)
+    body = chunk_request(1, hidden, shard_range=srange(2, 4)).SerializeToString()
+    (run,) = held_steps(harness.worker.receive_frame(stream, body, harness.now))
+    assert np.array_equal(run.request.hidden, hidden)
+    assert np.shares_memory(run.request.hidden, np.frombuffer(body, np.uint8))
+
+
+def test_a_chunk_encoded_unusually_is_answered_like_the_canonical_one() -> None:
+    # An unknown field makes the in-place reader step aside; protobuf parses it instead.
+    hidden = np.linspace(-1, 1, 2 * HIDDEN, dtype=np.float32).reshape(2, HIDDEN)
+    answers = []
+    for suffix in (b"", b"\x78\x01"):  # field 15, varint: unknown to SessionRequest
+        harness = WorkerHarness(RecordingEngine(2, 4))
+        stream, _ = harness.open(shard_range=srange(2, 4))
+        body = chunk_request(1, hidden, shard_range=srange(2, 4)).SerializeToString() + suffix
+        out = responses(harness.run(harness.worker.receive_frame(stream, body, harness.now)), stream)
+        assert kinds(out)[:2] == ["chunk", "ack"]
+        (call,) = harness.engine.calls
+        for response in out:
+            if response.WhichOneof("kind") == "ack":
+                response.ack.ClearField("execution_nanos")  # a timing, not an answer
+        answers.append(([r.SerializeToString(deterministic=True) for r in out], call.hidden.tobytes()))
+    assert answers[0] == answers[1]
+    assert answers[0][1] == hidden.tobytes()
