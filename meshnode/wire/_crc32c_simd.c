@@ -202,7 +202,7 @@ static PyObject *extend(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Iy*:extend", &crc, &buffer)) return NULL;
     if (!simd_available) {
         PyBuffer_Release(&buffer);
-        PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2/VPCLMULQDQ; use google-crc32c");
+        PyErr_SetString(PyExc_RuntimeError, "needs an x86-64 CPU with AVX2 and VPCLMULQDQ; use google-crc32c");
         return NULL;
     }
     uint32_t result = crc;
