@@ -75,7 +75,8 @@ __attribute__((target("sse4.2,pclmul")))
 static uint32_t scaled_xpow(uint64_t e) {
     int i = __builtin_ctzll(e);
     uint32_t result = scaled_pow2[i];
-    for (e >>= i + 1, i++; e; e >>= 1, i++)
+    e >>= i; /* two steps: shifting a 64-bit value by 64 is undefined */
+    for (e >>= 1, i++; e; e >>= 1, i++)
         if (e & 1) result = mul_x33(result, scaled_pow2[i]);
     return result;
 }
@@ -86,7 +87,7 @@ static uint32_t shift_register(uint32_t reg, uint64_t nbytes) {
     return nbytes ? mul_x33(reg, scaled_xpow(8 * nbytes)) : reg;
 }
 
-/* x^e mod P, reflected, e >= 33 (the folding constants). */
+/* x^e mod P, reflected (the folding constants). */
 static uint32_t xpow_reflected(uint64_t e) { return scaled_xpow(e + 33); }
 
 __attribute__((target("sse4.2")))
