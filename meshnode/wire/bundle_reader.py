@@ -222,11 +222,11 @@ def read_activation_chunk(data: Buffer, limits: DecodeLimits) -> tuple[memoryvie
     with protobuf, and the codec refuses what is over budget when the chunk is decoded, as the
     answer to that one unit.
     """
+    if not data or data[0] != _ACTIVATION_CHUNK:
+        return None  # every other request kind: checked per frame, so before any view is made
     indexable, view = _as_indexable(data)
     end = len(view)
     try:
-        if end == 0 or indexable[0] != _ACTIVATION_CHUNK:
-            return None
         i, stop = _span(indexable, 1, end)
         if stop != end:
             return None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
+from engines.interface import GREEDY, LoadRequest, SessionKey, ShardEngine, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.route import make_hop
@@ -74,7 +74,7 @@ class ChainUnderTest:
 
 
 def run_unsplit(
-    engine: LlamaShardEngine, prompt: list[int], *, chunk_tokens: int, decode_steps: int
+    engine: ShardEngine, prompt: list[int], *, chunk_tokens: int, decode_steps: int
 ) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and logits of a whole-model engine, prefilled in the chunks a client sends."""
     key = SessionKey(uuid.uuid4().hex, 0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.interface import GREEDY, SessionKey, StepRequest
 from meshnode.dataplane.client import (
     ClientConfig,
     SessionFailed,
@@ -21,32 +20,15 @@ from meshnode.dataplane.worker import WorkerConfig
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
+from .chain_fixtures import run_unsplit
 from .harness import FP, HIDDEN, SECOND, Loopback, WorkerHarness, make_client, srange
 from .recording_engine import RecordingEngine
 
 
 def reference(prompt: list[int], decode_steps: int) -> list[int]:
     """Greedy tokens of the whole tiny model run directly on one engine."""
-    engine = RecordingEngine()
-    key = SessionKey("reference", 0)
-    result = engine.prefill(
-        StepRequest(session=key, first_position=0, token_ids=tuple(prompt), sampling=GREEDY)
-    )
-    tokens = [result.token_id]
-    position = len(prompt)
-    for _ in range(decode_steps):
-        result = engine.decode(
-            StepRequest(
-                session=key,
-                first_position=position,
-                token_ids=(tokens[-1],),
-                expected_past_len=position,
-                sampling=GREEDY,
-            )
-        )
-        tokens.append(result.token_id)
-        position += 1
-    return [int(t) for t in tokens]  # type: ignore[arg-type]
+    tokens, _ = run_unsplit(RecordingEngine(), prompt, chunk_tokens=len(prompt), decode_steps=decode_steps)
+    return tokens
 
 
 def connected(
