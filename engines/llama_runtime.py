@@ -3,7 +3,8 @@
 The hot path is a prebuilt ``llama_batch`` whose arrays are numpy buffers owned here
 (so nothing handed to C is a temporary), filled in place per step. Non-tail runtimes copy
 the residual stream out of the ``l_out-<last>`` tensor through the scheduler's eval
-callback and request no outputs; the tail requests only the last position's logits.
+callback (``hidden_capture``) and request no outputs; the tail requests only the last
+position's logits.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
-from engines.llama_lib import ensure_llama_backend, ggml_backend_tensor_get, ggml_get_name, ggml_nbytes
+from engines.llama_lib import ensure_llama_backend
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -33,6 +35,8 @@ class LlamaRuntime:
     ``takes_embeddings`` selects the input: token ids (head) or float32 hidden states fed
     through ``llama_batch.embd``. ``capture_layer`` (non-tail) names the layer whose
     ``l_out`` is returned; ``None`` means the runtime is a tail and produces logits.
+    ``native_capture=False`` captures through the Python callback even where the C one
+    is built (the default uses C where it can).
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class LlamaRuntime:
         n_gpu_layers: int,
         takes_embeddings: bool,
         capture_layer: int | None,
+        native_capture: bool | None = None,
     ) -> None:
         ensure_llama_backend()
         self.model_path = model_path
@@ -62,14 +67,13 @@ class LlamaRuntime:
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
 
-        # The eval callback must outlive the context: keep the ctypes wrapper on self.
-        self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+        # The callbacks must outlive the context: keep them on self.
         self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort)
-        self._capture_name = f"l_out-{capture_layer}".encode() if capture_layer is not None else b""
-        self._row_bytes = self.n_embd * 4
-        self._capture_out: np.ndarray | None = None
-        self._capture_rows = 0
-        self._capture_failed = False
+        self._capture = (
+            HiddenCapture(f"l_out-{capture_layer}".encode(), self.n_embd * 4, native=native_capture)
+            if capture_layer is not None
+            else None
+        )
         self._should_abort: Callable[[], bool] | None = None
 
         context_params = llama_cpp.llama_context_default_params()
@@ -88,8 +92,9 @@ class LlamaRuntime:
         context_params.kv_unified = False
         context_params.swa_full = True
         context_params.no_perf = True
-        if self.captures:
-            context_params.cb_eval = self._eval_callback
+        if self._capture is not None:
+            context_params.cb_eval = self._capture.callback
+            context_params.cb_eval_user_data = self._capture.user_data
         self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             self.close()
@@ -126,20 +131,6 @@ class LlamaRuntime:
 
     # --- callbacks (called by llama.cpp on the decoding thread) ---
 
-    def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
-        if ask:
-            return bool(ggml_get_name(tensor) == self._capture_name)
-        # Only tensors we asked for arrive here, after they are computed.
-        out = self._capture_out
-        nbytes = ggml_nbytes(tensor)
-        rows = nbytes // self._row_bytes
-        if out is None or nbytes % self._row_bytes or self._capture_rows + rows > out.shape[0]:
-            self._capture_failed = True
-            return False
-        ggml_backend_tensor_get(tensor, out.ctypes.data + self._capture_rows * self._row_bytes, 0, nbytes)
-        self._capture_rows += rows
-        return True
-
     def _on_abort(self, _user_data: int) -> bool:
         check = self._should_abort
         return check is not None and check()
@@ -162,8 +153,11 @@ class LlamaRuntime:
         failure the sequence is rolled back to ``first_position`` before the error is raised.
         """
         n_tokens = int(inputs.shape[0])
-        out = np.empty((n_tokens, self.n_embd), dtype=np.float32) if self.captures else None
-        self._capture_out, self._capture_rows, self._capture_failed = out, 0, False
+        out = None
+        if self._capture is not None:
+            out = np.empty((n_tokens, self.n_embd), dtype=np.float32)
+            self._capture.begin(out)
+        captured: int | None = None
         # A one-token decode is short; polling costs a Python call per graph node, so only
         # multi-token prefills get the abort callback (callers check before each step).
         abortable = should_abort is not None and n_tokens > 1
@@ -185,12 +179,14 @@ class LlamaRuntime:
             if abortable:
                 llama_cpp.llama_set_abort_callback(self._ctx, _NO_ABORT, None)
                 self._should_abort = None
-            self._capture_out = None
-        if out is not None and (self._capture_failed or self._capture_rows != n_tokens):
+            if self._capture is not None:
+                captured = self._capture.finish()
+        if self._capture is not None and captured != n_tokens:
             self.truncate(seq_id, first_position)
+            got = "a tensor that did not fit" if captured is None else f"{captured} of {n_tokens} rows"
             raise EngineError(
                 EngineErrorKind.INTERNAL,
-                f"captured {self._capture_rows} of {n_tokens} hidden rows from {self._capture_name.decode()}",
+                f"captured {got} from {self._capture.tensor_name.decode()} (expected {n_tokens} hidden rows)",
             )
         return out
 

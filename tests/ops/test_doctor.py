@@ -124,3 +124,14 @@ def test_the_checksum_implementation_is_named(monkeypatch, in_use, built, severi
     assert finding.severity is doctor_module.Severity[severity]
     assert words in finding.detail
     assert bool(finding.fix) == (severity == "WARNING")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_hidden_capture_callback_is_named(monkeypatch, native):
+    from meshnode import doctor as doctor_module
+
+    monkeypatch.setattr(doctor_module, "capture_in_use", lambda: native)
+    (finding,) = doctor_module.check_capture()
+    assert finding.severity is (doctor_module.Severity.OK if native else doctor_module.Severity.WARNING)
+    assert ("C eval callback" in finding.detail) and (("not built" in finding.detail) != native)
+    assert bool(finding.fix) != native
