@@ -7,7 +7,9 @@ them from the renumbered index), keep the non-layer tensors the loader requires,
 non-tail slice append a "passthrough" copy of the last layer with ``attn_output`` and
 ``ffn_down`` zeroed. llama.cpp gathers only the requested output rows inside its last
 layer; with the passthrough layer last, the real last layer's ``l_out`` keeps every row
-and the slice can request no outputs at all, which skips the vocabulary projection.
+and the slice can request no outputs at all, which skips the vocabulary projection. The
+runtime's capture ends the graph once that ``l_out`` is copied (``hidden_capture``), so the
+passthrough layer is loaded but never computed.
 """
 
 from __future__ import annotations
