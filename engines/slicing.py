@@ -9,7 +9,7 @@ non-tail slice append a "passthrough" copy of the last layer with ``attn_output`
 layer; with the passthrough layer last, the real last layer's ``l_out`` keeps every row
 and the slice can request no outputs at all, which skips the vocabulary projection. The
 runtime's capture ends the graph once that ``l_out`` is copied (``hidden_capture``), so the
-passthrough layer is loaded but never computed.
+passthrough layer is loaded but not computed (unless GPU offload puts it in a split of its own).
 """
 
 from __future__ import annotations
