@@ -112,6 +112,10 @@ class LoadRequest:
     n_batch: int = 512
     n_threads: int | None = None
     n_gpu_layers: int = 0
+    # llama.cpp's extra buffer types (weights repacked for AMX or the CPU's SIMD layout at
+    # load). Off unless asked: on some CPUs the pinned build dies in its first decode with
+    # them (engines/weight_repack.py decides, engines/engine_probe.py proves).
+    weight_repack: bool = False
     # Idle sessions are dropped after this long even without a release.
     session_ttl_s: float = 600.0
     # Where derived artifacts (GGUF slices) are cached; ``None`` picks a default.

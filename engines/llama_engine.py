@@ -155,6 +155,7 @@ class LlamaShardEngine(SessionedEngine):
             n_batch=request.n_batch,
             n_threads=request.n_threads or _default_threads(),
             n_gpu_layers=request.n_gpu_layers,
+            weight_repack=request.weight_repack,
             takes_embeddings=start_layer > 0,
             capture_layer=capture_layer,
         )
@@ -178,6 +179,11 @@ class LlamaShardEngine(SessionedEngine):
         runtime = self._build_runtime(start_layer)
         self._extra[start_layer] = runtime
         return runtime
+
+    @property
+    def weight_buffers(self) -> dict[str, float]:
+        """The loaded range's weight buffer types and their MiB (``CPU_Mapped``, ``AMX``, ``CUDA0``...)."""
+        return dict(self._main.weight_buffers) if self._main is not None else {}
 
     def _close_backend(self) -> None:
         for runtime in self._extra.values():

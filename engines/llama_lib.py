@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import re
 import threading
+from collections.abc import Iterator
 
 import llama_cpp
 from llama_cpp import _ggml
@@ -31,8 +34,43 @@ _LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
 _EXPECTED_WARNINGS = (b"using full-size SWA cache", b"control-looking token")
 
 
+# "load_tensors:          AMX model buffer size =   213.91 MiB": where a load put the weights.
+_BUFFER_LINE = re.compile(rb"load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) MiB")
+_buffer_lock = threading.Lock()
+_buffer_sinks: list[dict[str, float]] = []
+
+
+@contextlib.contextmanager
+def weight_buffers() -> Iterator[dict[str, float]]:
+    """Collect the weight buffer types (name -> MiB) that llama.cpp reports while loading.
+
+    ``CPU_Mapped`` is the mmapped file itself; ``AMX`` and ``CPU_REPACK`` are the extra
+    buffer types that repack weights at load; ``CUDA0`` and the like are devices.
+    """
+    sink: dict[str, float] = {}
+    with _buffer_lock:
+        _buffer_sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        with _buffer_lock:
+            _buffer_sinks.remove(sink)
+
+
+def _note_buffer(text: bytes) -> None:
+    match = _BUFFER_LINE.search(text)
+    if match is None:
+        return
+    name, mib = match.group(1).decode("ascii", "replace"), float(match.group(2))
+    with _buffer_lock:
+        for sink in _buffer_sinks:
+            sink[name] = sink.get(name, 0.0) + mib
+
+
 @llama_cpp.llama_log_callback
 def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    if _buffer_sinks and text:
+        _note_buffer(text)
     # llama.cpp logs every tensor and hyperparameter at load; only warnings and errors are news.
     python_level = _LOG_LEVELS.get(level)
     if python_level is None or not text:

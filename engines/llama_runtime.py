@@ -19,7 +19,7 @@ import numpy as np
 
 from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
-from engines.llama_lib import ensure_llama_backend
+from engines.llama_lib import ensure_llama_backend, weight_buffers
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -36,7 +36,8 @@ class LlamaRuntime:
     through ``llama_batch.embd``. ``capture_layer`` (non-tail) names the layer whose
     ``l_out`` is returned; ``None`` means the runtime is a tail and produces logits.
     ``native_capture=False`` captures through the Python callback even where the C one
-    is built (the default uses C where it can).
+    is built (the default uses C where it can). ``weight_repack`` lets llama.cpp use its
+    extra buffer types (see ``LoadRequest.weight_repack``).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class LlamaRuntime:
         n_threads: int,
         n_gpu_layers: int,
         takes_embeddings: bool,
+        weight_repack: bool = False,
         capture_layer: int | None,
         native_capture: bool | None = None,
     ) -> None:
@@ -61,7 +63,11 @@ class LlamaRuntime:
 
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
-        self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
+        model_params.use_extra_bufts = weight_repack
+        with weight_buffers() as buffers:
+            self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
+        # Weight buffer types and their MiB, as llama.cpp reported them (AMX, CPU_REPACK, CUDA0, ...).
+        self.weight_buffers = dict(buffers)
         if not self._model:
             raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"llama.cpp could not load {model_path}")
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
