@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
+from engines.weight_repack import WeightRepack
 from meshnode.dataplane.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.transport.base import PeerLink
@@ -35,6 +36,8 @@ class ShardServiceOptions:
     # None: every layer.
     layers: tuple[int, int] | None = None
     n_gpu_layers: int = 0
+    # The command line's default is auto (probed); in-process callers choose.
+    weight_repack: WeightRepack = WeightRepack.OFF
     # None: one per available core.
     threads: int | None = None
     # Context tokens per session.
