@@ -1,0 +1,130 @@
+"""Choose the weight-repack setting a node loads with, or refuse to start: policy plus probe.
+
+``choose_weight_repack`` asks ``engines.weight_repack`` which settings to try, proves each
+with ``engines.engine_probe`` in a child process, and returns the first that survived.
+A setting that killed its probe is never loaded in the node's own process: an explicit
+choice that crashes is refused with a message naming the signal, the setting and the
+option that avoids it; under ``auto`` the next candidate is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, system_info
+from engines.llama_lib import llama_cpp_version
+from engines.weight_repack import WeightRepack, cpu_features, describe, plan_repack
+
+log = logging.getLogger("engines.engine_guard")
+
+Prober = Callable[[ProbeTarget], ProbeVerdict]
+
+
+class EngineProbeRefusal(Exception):
+    """No setting survived its probe; the message says what died, how, and what to do."""
+
+    def __init__(self, message: str, verdicts: list[tuple[bool, ProbeVerdict]]) -> None:
+        super().__init__(message)
+        self.verdicts = verdicts
+
+
+@dataclass(frozen=True)
+class RepackChoice:
+    weight_repack: bool
+    # Each probed candidate (True = repack) with its verdict, in the order tried.
+    verdicts: list[tuple[bool, ProbeVerdict]] = field(default_factory=list)
+    # Why a candidate was not even probed (a CPU this build is known to crash on).
+    skipped: str = ""
+
+    def summary(self) -> str:
+        """One log line: the setting, why, and what the probes said."""
+        parts = [f"weight repack {describe(self.weight_repack)}"]
+        if self.skipped:
+            parts.append(self.skipped)
+        for repack, verdict in self.verdicts:
+            how = "cached verdict" if verdict.cached else f"probed in {verdict.seconds:.1f} s"
+            outcome = "survived a probe decode" if verdict.survived else verdict.detail
+            buffers = ", ".join(
+                f"{name} {mib:.0f} MiB" for name, mib in sorted(verdict.weight_buffers.items())
+            )
+            parts.append(
+                f"repack {describe(repack)} {outcome} ({how}{'; weights in ' + buffers if buffers else ''})"
+            )
+        return "; ".join(parts)
+
+
+def _cpu_line(info: str) -> str:
+    notable = sorted(
+        cpu_features(info) & {"AMX_INT8", "AMX_BF16", "AVX512", "AVX2", "AVX_VNNI", "NEON", "SVE"}
+    )
+    return ", ".join(notable) if notable else "no SIMD features reported"
+
+
+def _refusal(
+    setting: WeightRepack, target: ProbeTarget, repack: bool, verdict: ProbeVerdict, info: str
+) -> str:
+    what = verdict.detail
+    where = (
+        f"loading {target.describe()} with --weight-repack {setting.value}"
+        + (f" (tried {describe(repack)})" if setting is WeightRepack.AUTO else "")
+        + f", llama-cpp-python {llama_cpp_version()}, CPU {_cpu_line(info)}"
+    )
+    if repack:
+        fix = "start with --weight-repack off (weights stay as the file has them)"
+    elif target.n_gpu_layers > 0:
+        fix = "start with --n-gpu-layers 0, or rebuild llama-cpp-python for this GPU"
+    else:
+        fix = (
+            "no setting avoids it: rebuild llama-cpp-python for this CPU "
+            "(pip install --force-reinstall --no-cache-dir llama-cpp-python==" + llama_cpp_version() + ")"
+        )
+    message = f"{what}, {where}; {fix}"
+    # Threads that die together can cut faulthandler's report to its first words.
+    if len(verdict.stderr_tail.splitlines()) > 1:
+        message += "\nthe probe's stderr:\n" + "\n".join(
+            "    " + line for line in verdict.stderr_tail.splitlines()
+        )
+    return message
+
+
+def choose_weight_repack(
+    setting: WeightRepack,
+    target: ProbeTarget,
+    *,
+    prober: Prober = probe,
+    machine: str | None = None,
+) -> RepackChoice:
+    """The repack setting to load ``target`` with. Blocks for the probes (seconds; cached after).
+
+    ``machine`` is llama.cpp's system-info string (default: this machine's). Raises
+    :class:`EngineProbeRefusal` when every candidate crashed its probe.
+    """
+    info = system_info() if machine is None else machine
+    plan = plan_repack(setting, info, llama_cpp_version())
+    verdicts: list[tuple[bool, ProbeVerdict]] = []
+    for repack in plan.candidates:
+        verdict = prober(replace(target, weight_repack=repack))
+        verdicts.append((repack, verdict))
+        if verdict.survived:
+            return RepackChoice(repack, verdicts, plan.skipped)
+        if not verdict.crashed:
+            # The child failed in Python (an unreadable model, no memory): not a verdict on the
+            # setting. Load it here and let the engine's own error say what is wrong.
+            log.warning(
+                "engine probe inconclusive with weight repack %s: %s", describe(repack), verdict.detail
+            )
+            return RepackChoice(repack, verdicts, plan.skipped)
+        if repack and setting is WeightRepack.AUTO:
+            log.warning(
+                "weight repack: %s with repacked weights; loading without them (--weight-repack off)",
+                verdict.detail,
+            )
+            continue
+        raise EngineProbeRefusal(_refusal(setting, target, repack, verdict, info), verdicts)
+    repack, verdict = verdicts[-1]
+    raise EngineProbeRefusal(_refusal(setting, target, repack, verdict, info), verdicts)
+
+
+__all__ = ["EngineProbeRefusal", "Prober", "RepackChoice", "choose_weight_repack"]
