@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
-from meshnode.cli_args import host_port, parse_duration, parse_layers, positive, relay_endpoint
+from meshnode.cli_args import (
+    add_weight_repack_option,
+    host_port,
+    parse_duration,
+    parse_layers,
+    positive,
+    relay_endpoint,
+)
 from meshnode.config import ConfigError, add_config_option, parse_args_with_config
 from meshnode.identity import (
     IdentityError,
@@ -111,6 +118,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     model.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     model.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
+    add_weight_repack_option(model)
     from meshnode.head.commands import add_api_listen_option
 
     add_api_listen_option(model)
@@ -173,6 +181,7 @@ async def _serve(node: Node, args: argparse.Namespace) -> int:
         model=args.model,
         layers=args.layers,
         n_gpu_layers=args.n_gpu_layers,
+        weight_repack=args.weight_repack,
         threads=args.threads,
         ctx=args.ctx,
     )
@@ -374,9 +383,8 @@ def format_status(status: dict[str, Any]) -> str:
 def _serving_text(serving: dict[str, Any] | None) -> str:
     if not serving:
         return "nothing"
-    return (
-        f"{serving['model']} [{serving['start_layer']}:{serving['end_layer']}) of {serving['total_layers']}"
-    )
+    span = f"[{serving['start_layer']}:{serving['end_layer']}) of {serving['total_layers']}"
+    return f"{serving['model']} {span} ({serving.get('numerics') or 'numerics unreported'})"
 
 
 # -- parser ---------------------------------------------------------------------------------

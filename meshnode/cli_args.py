@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from engines.weight_repack import WeightRepack
 from meshnode.membership.credentials import Endpoint
 from meshnode.transport.addresses import AddressError, parse_host_port
 
@@ -68,3 +69,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
+
+
+def weight_repack(text: str) -> WeightRepack:
+    try:
+        return WeightRepack.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_weight_repack_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--weight-repack auto|on|off``: the same option on every command that loads a model."""
+    parser.add_argument(
+        "--weight-repack",
+        type=weight_repack,
+        default=WeightRepack.AUTO,
+        metavar="{auto,on,off}",
+        help="let llama.cpp repack weights at load for this CPU's matrix units (AMX, AVX-512...): "
+        "'on' after a probe decode in a child process survives it, 'off' never, "
+        "'auto' (default) where the probe survives and the CPU is not one this llama.cpp is known to crash on",
+    )

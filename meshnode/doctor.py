@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from engines.weight_repack import WeightRepack
 from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, default_data_dir, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
 from meshnode.mesh.errors import MeshRefusal
@@ -134,6 +135,27 @@ def check_capture() -> list[Finding]:
             "install gcc and the Python headers, then pip install -e . again",
         )
     ]
+
+
+def check_engine_probe(
+    model: Path, layers: tuple[int, int] | None, n_gpu_layers: int, setting: WeightRepack
+) -> list[Finding]:
+    """What a node would do before loading: probe the engine in a child process (cached verdicts)."""
+    from engines.engine_guard import EngineProbeRefusal, choose_weight_repack
+    from engines.engine_probe import ProbeTarget, system_info
+    from engines.weight_repack import cpu_features
+
+    name = "engine probe"
+    start, end = layers if layers is not None else (0, None)
+    target = ProbeTarget(model, start, end, n_gpu_layers=n_gpu_layers)
+    features = sorted(cpu_features(system_info()) & {"AMX_INT8", "AVX512", "AVX2", "NEON"})
+    cpu = ok("CPU", ", ".join(features) or "no SIMD features reported")
+    try:
+        choice = choose_weight_repack(setting, target)
+    except EngineProbeRefusal as refusal:
+        what, _, fix = str(refusal).partition("\n")[0].rpartition("; ")
+        return [cpu, problem(name, what, fix)]
+    return [cpu, ok(name, f"--weight-repack {setting.value}: {choice.summary()}")]
 
 
 def _mode(path: Path) -> int:
@@ -352,7 +374,10 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
         ok("node", "running on this data directory") if node_running else ok("node", "not running")
     )
     if args.model is not None:
-        findings += check_model(args.model, args.layers)
+        model_findings = check_model(args.model, args.layers)
+        findings += model_findings
+        if all(f.severity is not Severity.PROBLEM for f in model_findings):
+            findings += check_engine_probe(args.model, args.layers, args.n_gpu_layers, args.weight_repack)
     findings += check_port("QUIC port", args.listen, socket.SOCK_DGRAM, node_running)
     if args.api_listen:
         findings += check_port("API port", args.api_listen, socket.SOCK_STREAM, node_running)
@@ -367,14 +392,15 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from meshnode.cli_args import host_port, parse_layers, relay_endpoint
+    from meshnode.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
 
     parser = subparsers.add_parser(
         "doctor",
         parents=[common],
         help="check this machine and say what to fix",
         description="Check the llama.cpp backend and GPU offload, the data directory and its permissions, "
-        "the model and its digest, that the ports can be bound, and that the relays answer. "
+        "the model and its digest, that the engine survives a probe decode in a child process "
+        "(with --weight-repack, cached as a node's start caches it), that the ports can be bound, and that the relays answer. "
         "Exit status 1 when a problem was found.",
     )
     parser.add_argument("--model", type=Path, metavar="PATH", help="GGUF model to check")
@@ -384,6 +410,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     parser.add_argument(
         "--n-gpu-layers", type=int, default=0, metavar="N", help="GPU offload you plan to use (0)"
     )
+    add_weight_repack_option(parser)
     parser.add_argument(
         "--listen", type=host_port, default="0.0.0.0:7447", metavar="HOST:PORT", help="QUIC address to check"
     )

@@ -46,6 +46,28 @@ class ShardServiceOptions:
     cache_dir: Path | None = None
 
 
+async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
+    """The repack setting a child process has survived a decode with (engines.engine_guard)."""
+    from engines.engine_guard import EngineProbeRefusal, choose_weight_repack
+    from engines.engine_probe import ProbeTarget
+
+    start, end = options.layers if options.layers is not None else (0, None)
+    target = ProbeTarget(
+        model_path=options.model,
+        layer_start=start,
+        layer_end=end,
+        n_gpu_layers=options.n_gpu_layers,
+        threads=options.threads,
+        cache_dir=options.cache_dir,
+    )
+    try:
+        choice = await asyncio.to_thread(choose_weight_repack, options.weight_repack, target)
+    except EngineProbeRefusal as refusal:
+        raise ShardServiceError(f"refusing to serve {options.model.name}: {refusal}") from None
+    log.info("%s", choice.summary())
+    return choice.weight_repack
+
+
 class ServingNode(Protocol):
     """What the service needs from :class:`meshnode.node.Node`."""
 
@@ -75,6 +97,7 @@ def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
             start_layer=caps.layer_start, end_layer=caps.layer_end, effective_start_layer=caps.layer_start
         ),
         total_layers=caps.total_layers,
+        numerics=caps.numerics,
     )
 
 
@@ -95,10 +118,12 @@ class ShardService:
         engine_factory: Callable[[], ShardEngine] | None = None,
     ) -> ShardService:
         """Load, validate, register and announce. Raises :class:`ShardServiceError`."""
+        weight_repack = False
         if engine_factory is None:
             from engines.llama_engine import LlamaShardEngine  # llama.cpp loads only when serving
 
             engine_factory = LlamaShardEngine
+            weight_repack = await _proven_weight_repack(options)
         engine = engine_factory()
         config = ServerConfig(worker=WorkerConfig(max_sessions=options.max_sessions))
         server = ShardServer(engine, links=node.get_link, config=config, owns_engine=True)
@@ -111,6 +136,7 @@ class ShardService:
             n_seq_max=options.max_sessions,
             n_threads=options.threads,
             n_gpu_layers=options.n_gpu_layers,
+            weight_repack=weight_repack,
             cache_dir=str(options.cache_dir) if options.cache_dir else None,
         )
         try:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshnode.cli_args import positive_int
+from meshnode.cli_args import add_weight_repack_option, positive_int
 from meshnode.head.api_client import (
     ApiError,
     StreamSummary,
@@ -152,7 +152,11 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     if not args.model.is_file():
         raise CliError(f"no model file at {args.model}", code=2)
     shard_options = ShardServiceOptions(
-        model=args.model, threads=args.threads, ctx=args.ctx, n_gpu_layers=args.n_gpu_layers
+        model=args.model,
+        threads=args.threads,
+        ctx=args.ctx,
+        n_gpu_layers=args.n_gpu_layers,
+        weight_repack=args.weight_repack,
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -215,6 +219,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
     p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
+    add_weight_repack_option(p)
     p.add_argument(
         "--api-listen",
         type=parse_api_listen,
