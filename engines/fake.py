@@ -38,6 +38,9 @@ from engines.sessioned_engine import ForwardOutput, SessionedEngine
 
 FAKE_RECIPE_ID = "meshnode-fake"
 FAKE_RECIPE_VERSION = "1"
+# What the fake engine reports as its numerics unless told otherwise; protocol tests pass
+# another value to play hops that compute differently within one contract.
+FAKE_NUMERICS = "numpy float32; cpu"
 
 
 @dataclass(frozen=True)
@@ -126,12 +129,14 @@ class FakeEngine(SessionedEngine):
         faults: Sequence[FaultRule] = (),
         step_delay_s: float = 0.0,
         fingerprint: EngineFingerprint | None = None,
+        numerics: str = FAKE_NUMERICS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         super().__init__(clock=clock)
         self.spec = spec or FakeModelSpec()
         self.step_delay_s = step_delay_s
+        self.numerics = numerics
         self._fingerprint = fingerprint or EngineFingerprint(
             model_artifact_digest=self.spec.digest(),
             runtime_recipe_digest=hashlib.sha256(
@@ -187,6 +192,7 @@ class FakeEngine(SessionedEngine):
             max_context_tokens=request.n_ctx,
             backend="numpy",
             device="cpu",
+            numerics=self.numerics,
         )
         return caps, request.n_ctx
 

@@ -145,6 +145,11 @@ class EngineCapabilities:
     max_context_tokens: int
     backend: str
     device: str
+    # How this engine computes within its fingerprint's contract (build, backend, weight
+    # layout), e.g. "llama-cpp-python 0.3.36; cpu; weight repack off". Not compared: hops
+    # whose numerics differ still serve one route; heads record and report the mix.
+    # Empty: the engine does not say.
+    numerics: str = ""
 
     @property
     def is_head(self) -> bool:

@@ -41,12 +41,16 @@ RECIPE_ID = "llama.cpp-layer-range"
 DEFAULT_MAX_EXTRA_RUNTIMES = 2
 
 
-def runtime_recipe(backend: str) -> dict[str, object]:
-    """Everything besides the weights that changes this engine's numbers."""
+def runtime_recipe() -> dict[str, object]:
+    """The hop contract: what every hop of one route must agree on for the activations
+    one hop sends to mean what the next expects (slice and layer numbering, boundary
+    dtype and content, KV cache semantics). Its digest is the fingerprint's recipe digest.
+
+    Deliberately absent: the backend, the weight layout and the llama-cpp-python build.
+    They change the low bits of the numbers a hop computes, not what its tensors mean,
+    so hops that differ in them may serve one route (see :func:`runtime_numerics`)."""
     return {
         "recipe": RECIPE_ID,
-        "llama_cpp_python": llama_cpp_version(),
-        "backend": backend,
         "slice_recipe_version": SLICE_RECIPE_VERSION,
         "boundary_dtype": "float32",
         "non_tail_output": "l_out of the last layer, passthrough layer appended",
@@ -54,8 +58,16 @@ def runtime_recipe(backend: str) -> dict[str, object]:
     }
 
 
-def runtime_recipe_digest(backend: str) -> str:
-    return hashlib.sha256(json.dumps(runtime_recipe(backend), sort_keys=True).encode()).hexdigest()
+def runtime_recipe_digest() -> str:
+    return hashlib.sha256(json.dumps(runtime_recipe(), sort_keys=True).encode()).hexdigest()
+
+
+def runtime_numerics(backend: str, weight_repack: bool) -> str:
+    """How this engine computes within the contract, for operators and reports: the
+    llama-cpp-python build, ``cpu``/``gpu``, and whether weights were repacked at load.
+    Stable for one configuration, so equal text means equal arithmetic."""
+    repack = "on" if weight_repack else "off"
+    return f"llama-cpp-python {llama_cpp_version()}; {backend}; weight repack {repack}"
 
 
 def _default_threads() -> int:
@@ -112,9 +124,9 @@ class LlamaShardEngine(SessionedEngine):
         caps = EngineCapabilities(
             fingerprint=EngineFingerprint(
                 model_artifact_digest=self._source_digest,
-                runtime_recipe_digest=runtime_recipe_digest(backend),
+                runtime_recipe_digest=runtime_recipe_digest(),
                 recipe_id=RECIPE_ID,
-                recipe_version=f"llama-cpp-python {llama_cpp_version()}, slice recipe {SLICE_RECIPE_VERSION}",
+                recipe_version=f"slice recipe {SLICE_RECIPE_VERSION}",
             ),
             model_name=info.name,
             architecture=info.architecture,
@@ -127,6 +139,7 @@ class LlamaShardEngine(SessionedEngine):
             max_context_tokens=request.n_ctx,
             backend=f"llama.cpp ({llama_cpp_version()})",
             device=backend,
+            numerics=runtime_numerics(backend, request.weight_repack),
         )
         # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.
         assert self._main.n_ctx_seq >= request.n_ctx
