@@ -818,6 +818,7 @@ def _serving_json(announcement: mesh.PeerAnnouncement) -> dict[str, Any] | None:
         "end_layer": serving.shard_range.end_layer,
         "total_layers": serving.total_layers,
         "model_digest": serving.fingerprint.model_artifact_digest,
+        "numerics": serving.numerics,
     }
 
 

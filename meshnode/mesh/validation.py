@@ -70,6 +70,7 @@ def validate_announcement(announcement: mesh.PeerAnnouncement) -> None:
         (announcement.hostname, "hostname"),
         (announcement.mesh_id, "mesh_id"),
         (announcement.serving.model_name, "serving.model_name"),
+        (announcement.serving.numerics, "serving.numerics"),
     ):
         _check_text(text, what)
     if len(announcement.addresses) > MAX_ADDRESSES or len(announcement.relays) > MAX_RELAYS:

@@ -62,7 +62,10 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
     loopback = LoopbackMesh()
     node, client = AnnouncingPeer(loopback, 1), loopback.add(2)
     service = await ShardService.start(
-        node, fake_options(), refresh_interval_s=0.02, engine_factory=lambda: FakeEngine(SPEC)
+        node,
+        fake_options(),
+        refresh_interval_s=0.02,
+        engine_factory=lambda: FakeEngine(SPEC, numerics="numpy float32; test box"),
     )
     try:
         assert set(node.registered) == {
@@ -75,6 +78,7 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
         assert node.serving is not None and node.serving.model_name == "fake-model"
         assert (node.serving.shard_range.start_layer, node.serving.shard_range.end_layer) == (0, 4)
         assert node.serving.total_layers == 4
+        assert node.serving.numerics == "numpy float32; test box"  # announced, outside the fingerprint
         fingerprint = node.serving.fingerprint
         assert fingerprint.model_artifact_digest == SPEC.digest()
         assert node.capacity == mesh.Capacity(max_concurrent_sessions=3, max_context_tokens=64)

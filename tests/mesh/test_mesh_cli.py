@@ -155,3 +155,21 @@ def test_duration_and_layer_arguments():
     for bad in ("9:9", "5", "a:b", "3:-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_layers(bad)
+
+
+def test_status_text_says_how_each_served_range_is_computed():
+    from meshnode.cli import format_status
+
+    served = {"model": "m", "start_layer": 0, "end_layer": 3, "total_layers": 6, "model_digest": ""}
+    node = {"short_id": "aaaa", "mesh_id": "m1", "member": True, "addresses": ["127.0.0.1:1"]}
+    peer = {"short_id": "bbbb", "addresses": [], "directly_reachable": True, "link": None, "age_s": 0.5}
+    status = {
+        "node": {
+            **node,
+            "serving": {**served, "numerics": "llama-cpp-python 0.3.36; cpu; weight repack off"},
+        },
+        "peers": [{**peer, "serving": {**served, "numerics": ""}}],
+    }
+    text = format_status(status)
+    assert "serving: m [0:3) of 6 (llama-cpp-python 0.3.36; cpu; weight repack off)" in text
+    assert "serving m [0:3) of 6 (numerics unreported)" in text

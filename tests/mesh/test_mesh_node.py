@@ -411,6 +411,7 @@ async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
             "end_layer": 3,
             "total_layers": 6,
             "model_digest": "",
+            "numerics": "",
         }
         assert peer["capacity"]["max_concurrent_sessions"] == 4
         async with RawPeer() as stranger:

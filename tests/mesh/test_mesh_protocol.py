@@ -172,6 +172,11 @@ def test_gossip_validation_follows_the_seed_order():
             )
         },
         {"serving": mesh.ServedShard(model_name="m", shard_range={"start_layer": 4, "end_layer": 4})},
+        {
+            "serving": mesh.ServedShard(
+                model_name="m", numerics="x" * 300, shard_range={"start_layer": 0, "end_layer": 4}
+            )
+        },
     ],
 )
 def test_bad_announcements_are_malformed(fields):
