@@ -56,6 +56,7 @@ def shard_candidate(
         active_sessions=announcement.load.active_sessions,
         max_sessions=announcement.capacity.max_concurrent_sessions,
         accepting=announcement.load.serving_state in _ACCEPTING_STATES,
+        numerics=served.numerics,
     )
 
 
@@ -81,7 +82,9 @@ def routable_models(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity,
 def identities_for_artifact(
     candidates: Iterable[ShardCandidate], artifact_digest: str
 ) -> list[ModelIdentity]:
-    """Every fingerprint (one per runtime recipe) under which the artifact is served, stable order."""
+    """Every fingerprint (one per hop contract) under which the artifact is served, stable order.
+
+    Numerics are not part of it: a CPU node and a GPU node serving one recipe are one identity."""
     found = {c.model for c in candidates if c.model.model_artifact_digest == artifact_digest}
     return sorted(found, key=lambda m: (m.runtime_recipe_digest, m.total_layers))
 

@@ -16,6 +16,11 @@ dead peer usually fails silently (its QUIC link does not notice for a long
 time), so a watchdog probes the route's hops when a unit stays unanswered for
 ``stall_probe_s`` and aborts the session as soon as one of them is gone.
 
+Hops may compute on different backends or weight layouts (their announced
+numerics) within one hop contract. Such a route is used like any other; the
+driver logs the mix and the token stream says how its route computes
+(``system_fingerprint``, see :mod:`meshnode.head.numerics`).
+
 Closing the token stream ends the generation everywhere: when a unit is still
 running, the session's out-of-band Cancel goes to the first hop (which passes it
 on) and a unary Cancel goes to every other hop directly, so a chain wedged
@@ -30,7 +35,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -41,6 +46,7 @@ from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
 from meshnode.head.candidates import session_fingerprint
+from meshnode.head.numerics import describe_numerics, mixes_numerics, system_fingerprint
 from meshnode.head.planner import Hop, ModelIdentity, NoRouteError, Route, ShardCandidate, plan_route
 from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy
 from meshnode.head.transcript import Transcript
@@ -116,6 +122,9 @@ class DriverStats:
     reroutes: int = 0
     replay_mismatches: int = 0
     last_route: tuple[str, ...] = ()
+    # Per hop of last_route: how it computes (its announced numerics).
+    last_route_numerics: tuple[str, ...] = ()
+    last_system_fingerprint: str = ""
     last_cancel: CancelReport | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -133,12 +142,12 @@ class GenerationDriver:
 
     def generate(
         self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
-    ) -> AsyncIterator[int]:
+    ) -> GenerationStream:
         """At most ``max_tokens`` sampled token ids; fewer when the route's context is full.
         Raises :class:`~meshnode.head.backend.GenerationFailed` when no route can serve it."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        return _Generation(self, model, Transcript(tuple(prompt)), sampling, max_tokens).run()
+        return GenerationStream(_Generation(self, model, Transcript(tuple(prompt)), sampling, max_tokens))
 
     def plan(self, model: ModelIdentity, exclude: set[bytes]) -> Route:
         """The cheapest route avoiding ``exclude`` and, when possible, hops found dead lately."""
@@ -197,9 +206,16 @@ class _Generation:
         # wait ends in an exception, so the end of the generation knows work was interrupted.
         self.waiting_since: float | None = None
 
+    @property
+    def system_fingerprint(self) -> str | None:
+        """How the current route computes; None before one is planned."""
+        if self.route is None:
+            return None
+        return system_fingerprint(self.route, self.options.boundary_dtype)
+
     # ------------------------------------------------------------------ the token stream
 
-    async def run(self) -> AsyncIterator[int]:
+    async def run(self) -> AsyncGenerator[int, None]:
         self.stats.started += 1
         self.stats.active += 1
         outcome = "failed"
@@ -255,6 +271,16 @@ class _Generation:
         self.route = route
         self.found_dead = set()
         self.stats.last_route = tuple(short_id(hop.node_id) for hop in route.hops)
+        self.stats.last_route_numerics = tuple(hop.numerics for hop in route.hops)
+        self.stats.last_system_fingerprint = self.system_fingerprint or ""
+        if mixes_numerics(route):
+            log.info(
+                "generation %s epoch %d: the route mixes numerics (%s); its numbers may differ "
+                "slightly from a run on one configuration",
+                self.session_id[:8],
+                self.epoch,
+                describe_numerics(route),
+            )
         first = route.hops[0]
         link_to_first = first.node_id
         log.debug(
@@ -495,6 +521,35 @@ class _Generation:
         await asyncio.gather(*(self._unary_release(hop, epoch) for hop in hops))
 
 
+class GenerationStream:
+    """One generation's token ids, and how the route producing them computes.
+
+    An async iterator like the generator it wraps (closing it ends the generation
+    everywhere); ``system_fingerprint`` follows the route, so after a re-route it
+    describes the new one."""
+
+    def __init__(self, generation: _Generation) -> None:
+        self._generation = generation
+        self._tokens: AsyncGenerator[int, None] = generation.run()
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> int:
+        return await self._tokens.__anext__()
+
+    async def aclose(self) -> None:
+        await self._tokens.aclose()
+
+    @property
+    def route(self) -> Route | None:
+        return self._generation.route
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        return self._generation.system_fingerprint
+
+
 def _token(output: StepOutput) -> int:
     token = output.token
     if token is None:
@@ -513,5 +568,6 @@ __all__ = [
     "DriverOptions",
     "DriverStats",
     "GenerationDriver",
+    "GenerationStream",
     "RouteEnvironment",
 ]

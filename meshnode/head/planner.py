@@ -6,6 +6,10 @@ output is an ordered list of hops, each told where to start executing
 twice. Among the chains that cover ``[0, total_layers)`` the cheapest wins,
 where a hop costs a fixed per-hop overhead plus its round-trip time plus a
 load penalty: fewer, closer, idler hops first.
+
+Candidates of one model must share its :class:`ModelIdentity` (the hop contract);
+their numerics (backend, weight layout, build) may differ and never bar a chain.
+Each hop keeps its candidate's numerics so a route can say how it computed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ class NoRouteError(MeshnodeError):
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """The exact model a route must run: both fingerprint digests and the layer count."""
+    """The exact model a route must run: both fingerprint digests and the layer count.
+
+    The recipe digest covers the hop contract only (what activations and caches mean),
+    so hops on different backends or weight layouts share one identity."""
 
     model_artifact_digest: str
     runtime_recipe_digest: str
@@ -47,6 +54,8 @@ class ShardCandidate:
     active_sessions: int = 0
     max_sessions: int = 0
     accepting: bool = True
+    # How the peer computes within the contract (ServedShard.numerics); recorded, not matched.
+    numerics: str = ""
 
     @property
     def load(self) -> float:
@@ -65,6 +74,8 @@ class Hop:
     start_layer: int
     end_layer: int
     effective_start_layer: int
+    # The candidate's numerics, so the route reports how each layer range was computed.
+    numerics: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,7 +111,9 @@ def plan_route(
     hops: list[Hop] = []
     position = 0
     for candidate in chain:
-        hops.append(Hop(candidate.node_id, candidate.start_layer, candidate.end_layer, position))
+        hops.append(
+            Hop(candidate.node_id, candidate.start_layer, candidate.end_layer, position, candidate.numerics)
+        )
         position = candidate.end_layer
     name = chain[0].model_name
     return Route(model=model, model_name=name, hops=tuple(hops))

@@ -8,7 +8,7 @@ raise an arbitrary exception (any ``EngineError`` kind, or text with a path in i
 
 from __future__ import annotations
 
-from engines.fake import FakeEngine, FakeModelSpec
+from engines.fake import FAKE_NUMERICS, FakeEngine, FakeModelSpec
 from engines.interface import LoadRequest, SessionKey, StepRequest, StepResult
 
 HIDDEN = 8
@@ -19,9 +19,15 @@ SPEC = FakeModelSpec(total_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, 
 
 class RecordingEngine(FakeEngine):
     def __init__(
-        self, layer_start: int = 0, layer_end: int = LAYERS, *, max_sessions: int = 4, max_context: int = 64
+        self,
+        layer_start: int = 0,
+        layer_end: int = LAYERS,
+        *,
+        max_sessions: int = 4,
+        max_context: int = 64,
+        numerics: str = FAKE_NUMERICS,
     ) -> None:
-        super().__init__(SPEC)
+        super().__init__(SPEC, numerics=numerics)
         self.load(
             LoadRequest(
                 model_path="",

@@ -8,6 +8,7 @@ against the whole model run on one engine, and the end state of every hop.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -16,6 +17,7 @@ from engines.fake import FaultKind, FaultRule
 from engines.interface import GREEDY, METRIC_STEPS_CANCELLED, SamplingParams
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
 from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.numerics import system_fingerprint
 from meshnode.head.recovery import RecoveryBudget
 
 from .loopback_routes import DRIVER_INDEX, LoopbackRoutes, reference
@@ -132,6 +134,46 @@ async def test_a_killed_middle_hop_fails_over_to_a_spare_with_identical_tokens(r
     # Gossip still announces the dead hop; the next generation avoids it from the start.
     assert await collect(driver.generate(routes.model, PROMPT, sampling, 4)) == expected[:4]
     assert driver.stats.reroutes == 1
+
+
+async def test_hops_that_compute_differently_serve_one_route_and_the_mix_is_reported(caplog):
+    routes = LoopbackRoutes()
+    try:
+        await routes.add_shard(DRIVER_INDEX, 0, 2, numerics="numpy float32; box a")
+        await routes.add_shard(TAIL, 2, 4, numerics="numpy float32; box b")
+        driver = GenerationDriver(routes, FAST)
+        stream = driver.generate(routes.model, PROMPT, GREEDY, 6)
+        assert stream.system_fingerprint is None  # no route is planned before the first token is asked for
+        with caplog.at_level(logging.INFO, logger="meshnode.head.driver"):
+            assert await collect(stream) == reference(PROMPT, 6)
+        assert stream.route is not None
+        assert [hop.numerics for hop in stream.route.hops] == ["numpy float32; box a", "numpy float32; box b"]
+        assert driver.stats.last_route_numerics == ("numpy float32; box a", "numpy float32; box b")
+        assert stream.system_fingerprint == system_fingerprint(stream.route)
+        assert driver.stats.last_system_fingerprint == stream.system_fingerprint
+        assert "mixes numerics ([0,2) numpy float32; box a | [2,4) numpy float32; box b)" in caplog.text
+    finally:
+        await routes.aclose()
+
+
+async def test_a_failover_to_a_spare_that_computes_differently_changes_the_fingerprint(routes, caplog):
+    await routes.add_shard(SPARE, 2, 3, numerics="numpy float32; spare box")
+    driver = GenerationDriver(routes, FAST)
+    stream = driver.generate(routes.model, PROMPT, GREEDY, 10)
+    before: list[str | None] = []
+
+    async def kill_after_four(count: int) -> None:
+        if count == 4:
+            before.append(stream.system_fingerprint)
+            routes.shards[MIDDLE].peer.kill()
+
+    with caplog.at_level(logging.INFO, logger="meshnode.head.driver"):
+        assert await collect(stream, on_token=kill_after_four) == reference(PROMPT, 10)
+    assert driver.stats.reroutes == 1
+    assert caplog.text.count("mixes numerics") == 1  # the new route, not the first one
+    assert stream.route is not None and stream.route.hops[1].numerics == "numpy float32; spare box"
+    assert before[0] is not None and stream.system_fingerprint != before[0]
+    assert stream.system_fingerprint == system_fingerprint(stream.route)
 
 
 async def test_a_hop_found_dead_is_tried_again_when_no_other_route_exists(routes):

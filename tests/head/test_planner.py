@@ -56,6 +56,21 @@ def test_mismatched_fingerprints_never_mix():
         plan_route(pool, GEMMA)
 
 
+def test_hops_that_differ_only_in_numerics_form_one_route_and_keep_their_numerics():
+    gpu = "llama-cpp-python 0.3.36; gpu; weight repack off"
+    cpu = "llama-cpp-python 0.3.36; cpu; weight repack on"
+    route = plan_route([shard("a", 0, 9, numerics=gpu), shard("b", 9, 18, numerics=cpu)], GEMMA)
+    assert names(route) == ["a", "b"]
+    assert [hop.numerics for hop in route.hops] == [gpu, cpu]
+
+
+def test_a_different_contract_never_mixes_even_with_equal_numerics():
+    same = "llama-cpp-python 0.3.36; cpu; weight repack off"
+    pool = [shard("a", 0, 9, numerics=same), shard("b", 9, 18, model=OTHER_RECIPE, numerics=same)]
+    with pytest.raises(NoRouteError, match=r"layers \[9, 18\)"):
+        plan_route(pool, GEMMA)
+
+
 def test_gap_is_explained():
     with pytest.raises(NoRouteError) as info:
         plan_route([shard("a", 0, 6), shard("c", 12, 18)], GEMMA)

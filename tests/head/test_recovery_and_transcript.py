@@ -78,12 +78,13 @@ def test_a_replay_repeats_the_original_units_at_their_positions():
 
 
 def announcement(
-    node: int, start: int, end: int, *, recipe: str = "r1", state: int = 0
+    node: int, start: int, end: int, *, recipe: str = "r1", state: int = 0, numerics: str = ""
 ) -> mesh.PeerAnnouncement:
     a = mesh.PeerAnnouncement(endpoint_id=bytes([node]) * 32)
     a.serving.model_name = "m"
     a.serving.fingerprint.model_artifact_digest = "art"
     a.serving.fingerprint.runtime_recipe_digest = recipe
+    a.serving.numerics = numerics
     a.serving.shard_range.start_layer = start
     a.serving.shard_range.end_layer = end
     a.serving.total_layers = 6
@@ -119,3 +120,17 @@ def test_draining_peers_and_other_recipes_stay_apart():
     assert identities_for_artifact([head, other], "art") == [head.model, other.model]
     # r1 covers only [0, 3); r2 covers everything.
     assert routable_models([head, other, draining]) == {other.model: {"m"}}
+
+
+def test_peers_that_differ_only_in_numerics_serve_one_model_and_route_together():
+    gpu = shard_candidate(b"\x01" * 32, announcement(1, 0, 3, numerics="llama-cpp-python 0.3.36; gpu"))
+    cpu = shard_candidate(b"\x02" * 32, announcement(2, 3, 6, numerics="llama-cpp-python 0.3.36; cpu"))
+    assert gpu is not None and cpu is not None
+    assert gpu.model == cpu.model
+    assert (gpu.numerics, cpu.numerics) == ("llama-cpp-python 0.3.36; gpu", "llama-cpp-python 0.3.36; cpu")
+    assert identities_for_artifact([gpu, cpu], "art") == [gpu.model]
+    assert routable_models([gpu, cpu]) == {gpu.model: {"m"}}
+    # Another contract under the same numerics is still another model: no route mixes the two.
+    other = shard_candidate(b"\x03" * 32, announcement(3, 3, 6, recipe="r2", numerics=cpu.numerics))
+    assert other is not None and other.model != gpu.model
+    assert routable_models([gpu, other]) == {}
