@@ -67,6 +67,21 @@ def _note_buffer(text: bytes) -> None:
             sink[name] = sink.get(name, 0.0) + mib
 
 
+class _RequestedAbort:
+    """Set while a decode that meshnode itself aborted (cancel, deadline) unwinds.
+
+    llama.cpp reports its own abort as failures ("graph_compute: ... failed with error 1",
+    "llama_decode: failed to decode, ret = 2") and drops the batch's cells with a warning;
+    the runtime raises CANCELLED for it, so those lines are not news to an operator.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+requested_abort = _RequestedAbort()
+
+
 @llama_cpp.llama_log_callback
 def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     if _buffer_sinks and text:
@@ -75,9 +90,13 @@ def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     python_level = _LOG_LEVELS.get(level)
     if python_level is None or not text:
         return
+    line = text.decode("utf-8", "replace").rstrip()
+    if requested_abort.active:
+        _log.debug("after a requested abort: %s", line)
+        return
     if python_level == logging.WARNING and any(marker in text for marker in _EXPECTED_WARNINGS):
         python_level = logging.DEBUG
-    _log.log(python_level, "%s", text.decode("utf-8", "replace").rstrip())
+    _log.log(python_level, "%s", line)
 
 
 _init_lock = threading.Lock()

@@ -19,7 +19,7 @@ import numpy as np
 
 from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
-from engines.llama_lib import ensure_llama_backend, weight_buffers
+from engines.llama_lib import ensure_llama_backend, requested_abort, weight_buffers
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -139,7 +139,10 @@ class LlamaRuntime:
 
     def _on_abort(self, _user_data: int) -> bool:
         check = self._should_abort
-        return check is not None and check()
+        if check is not None and check():
+            requested_abort.active = True
+            return True
+        return False
 
     # --- stepping ---
 
@@ -182,6 +185,7 @@ class LlamaRuntime:
                     self.truncate(seq_id, first_position)
                     raise _decode_error(status, self.model_path)
         finally:
+            requested_abort.active = False
             if abortable:
                 llama_cpp.llama_set_abort_callback(self._ctx, _NO_ABORT, None)
                 self._should_abort = None

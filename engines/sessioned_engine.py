@@ -13,6 +13,7 @@ running, otherwise by the running step when it returns.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import abstractmethod
@@ -47,6 +48,8 @@ from engines.interface import (
 )
 from engines.sampling import sample_token, validate_sampling
 from engines.session_table import Session, SessionTable
+
+_log = logging.getLogger("engines.sessioned_engine")
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,10 @@ class SessionedEngine(ShardEngine):
                     self._count(METRIC_CACHE_MISSES)
                 elif error.kind == EngineErrorKind.CANCELLED:
                     self._count(METRIC_STEPS_CANCELLED)
+                    # Asked for (cancel, deadline): not a failure, whatever llama.cpp printed.
+                    _log.debug(
+                        "session %s: step aborted as asked (%s)", request.session.session_id, error.detail
+                    )
                 raise
             except Exception:
                 self._count(METRIC_ERRORS)
