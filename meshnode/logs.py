@@ -3,10 +3,14 @@
 A JSON line carries ``ts`` (UTC, ISO 8601), ``level``, ``logger``, ``msg`` (the
 formatted message), ``exc`` when an exception is attached, and any structured
 fields passed with ``extra=`` (for example ``log.info("...", extra={"peer": id})``).
+
+Configuring the log also turns on Python's fault handler: a fatal signal (a crash
+in llama.cpp's C code) then leaves every thread's stack on stderr instead of nothing.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -39,7 +43,18 @@ class JsonFormatter(logging.Formatter):
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def enable_crash_reports() -> None:
+    """On SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE, write every thread's Python stack to stderr
+    before the process dies: a process killed by a signal in C code prints nothing by itself, and
+    its exit looked silent (issue 14). Left as it is when already on (``python -X faulthandler``,
+    ``PYTHONFAULTHANDLER``, pytest), so it never takes the report away from a file someone chose."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(sys.stderr, all_threads=True)
+
+
 def configure_logging(level: str, log_format: str = "text") -> None:
+    # Every meshnode command configures its log first thing, so this covers them all.
+    enable_crash_reports()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
