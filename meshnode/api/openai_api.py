@@ -5,7 +5,9 @@ OpenAI-style error body naming the parameter); ``stream: true`` answers with
 server-sent events ending in ``data: [DONE]``. A client that disconnects
 cancels its generation: the handler is cancelled (aiohttp handler
 cancellation) or its next write fails, and either way the completion's token
-stream is closed, which cancels the work on every hop.
+stream is closed, which cancels the work on every hop. ``system_fingerprint``
+says how the route behind a response computes (null when the backend cannot
+tell): equal values mean the same contract, boundary and per-layer numerics.
 """
 
 from __future__ import annotations
@@ -282,6 +284,7 @@ class OpenAIApi:
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": parsed.model,
+            "system_fingerprint": result.system_fingerprint,
             "choices": [choice],
             "usage": result.usage,
         }
@@ -299,12 +302,14 @@ class OpenAIApi:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        def chunk(event: TextDelta | CompletionResult, choices: list[dict[str, Any]], **extra: Any) -> bytes:
             body = {
                 "id": ident,
                 "object": kind,
                 "created": created,
                 "model": parsed.model,
+                # Per chunk, as OpenAI sends it: a re-route mid-stream changes it from there on.
+                "system_fingerprint": event.system_fingerprint,
                 "choices": choices,
             }
             body.update(extra)
@@ -332,16 +337,16 @@ class OpenAIApi:
         )
         await response.prepare(request)
         if chat:
-            await response.write(chunk([choice("", None, first=True)]))
+            await response.write(chunk(first_event, [choice("", None, first=True)]))
         pending: list[TextDelta | CompletionResult] = [first_event]
         try:
             async for event in _chain(pending, events):
                 if isinstance(event, TextDelta):
-                    await response.write(chunk([choice(event.text, None)]))
+                    await response.write(chunk(event, [choice(event.text, None)]))
                 else:
-                    await response.write(chunk([choice(None if chat else "", event.finish_reason)]))
+                    await response.write(chunk(event, [choice(None if chat else "", event.finish_reason)]))
                     if parsed.include_usage:
-                        await response.write(chunk([], usage=event.usage))
+                        await response.write(chunk(event, [], usage=event.usage))
         except GenerationFailed as exc:
             # The status line is long gone: say it in the stream, as OpenAI's API does.
             log.warning("generation %s failed mid-stream: %s", ident, exc)

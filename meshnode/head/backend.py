@@ -3,13 +3,14 @@
 The API never sees routes, shards or sessions. A backend turns a prompt into
 tokens and streams generated token ids; closing the stream (``aclose``) must
 cancel the generation everywhere it runs, which is how a client that hangs up
-stops work on every hop.
+stops work on every hop. A stream may also say how the computation behind it
+runs (:class:`FingerprintedStream`), which the API reports as ``system_fingerprint``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engines.interface import SamplingParams
 from meshnode.wire.errors import MeshnodeError
@@ -48,6 +49,16 @@ class PromptTokenizer(Protocol):
     def is_end_of_generation(self, token_id: int) -> bool: ...
 
     def detokenizer(self) -> IncrementalDetokenizer: ...
+
+
+@runtime_checkable
+class FingerprintedStream(Protocol):
+    """A token stream that knows how its tokens are computed (optional for backends)."""
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        """A short id of the computing configuration; None while it is not known yet."""
+        ...
 
 
 class GenerationBackend(Protocol):

@@ -4,7 +4,8 @@ Turns a backend's token stream into what an OpenAI-style client expects:
 incremental UTF-8-safe text, stop strings honoured (and generation stopped
 early), end-of-generation tokens, ``max_tokens`` and usage counts. The token
 stream is always closed when the completion ends for any reason — including
-the consumer going away — so the backend cancels its work.
+the consumer going away — so the backend cancels its work. Each event carries
+the stream's ``system_fingerprint`` as it stood then (a re-route may change it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engines.interface import SamplingParams
-from meshnode.head.backend import GenerationBackend
+from meshnode.head.backend import FingerprintedStream, GenerationBackend
 from meshnode.head.stop_strings import StopMatcher
 
 
@@ -29,6 +30,7 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    system_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class CompletionResult:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    system_fingerprint: str | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -59,6 +62,10 @@ async def run_completion(
     generated = 0
     finish_reason = "length"
     tokens = backend.generate(request.model, request.prompt_tokens, request.sampling, request.max_tokens)
+
+    def fingerprint() -> str | None:
+        return tokens.system_fingerprint if isinstance(tokens, FingerprintedStream) else None
+
     try:
         async for token_id in tokens:
             generated += 1
@@ -68,7 +75,7 @@ async def run_completion(
             text = matcher.feed(detokenizer.feed(token_id))
             if text:
                 pieces.append(text)
-                yield TextDelta(text)
+                yield TextDelta(text, fingerprint())
             if matcher.stopped:
                 finish_reason = "stop"
                 break
@@ -80,5 +87,7 @@ async def run_completion(
             finish_reason = "stop"
         if tail:
             pieces.append(tail)
-            yield TextDelta(tail)
-    yield CompletionResult("".join(pieces), finish_reason, len(request.prompt_tokens), generated)
+            yield TextDelta(tail, fingerprint())
+    yield CompletionResult(
+        "".join(pieces), finish_reason, len(request.prompt_tokens), generated, fingerprint()
+    )

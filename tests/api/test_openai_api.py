@@ -91,6 +91,44 @@ class ScriptedBackend:
             self.closed.set()
 
 
+class RouteSwitchingTokens:
+    """A token stream that knows its computation, which changes after ``switch_after`` tokens
+    (as a re-route onto hops that compute differently would)."""
+
+    def __init__(self, tokens: AsyncIterator[int], switch_after: int) -> None:
+        self.tokens = tokens
+        self.switch_after = switch_after
+        self.count = 0
+
+    def __aiter__(self) -> "RouteSwitchingTokens":
+        return self
+
+    async def __anext__(self) -> int:
+        token = await anext(self.tokens)
+        self.count += 1
+        return token
+
+    async def aclose(self) -> None:
+        await self.tokens.aclose()  # type: ignore[attr-defined]
+
+    @property
+    def system_fingerprint(self) -> str:
+        return "fp_first" if self.count <= self.switch_after else "fp_second"
+
+
+class FingerprintedBackend(ScriptedBackend):
+    def __init__(self, reply: str, switch_after: int) -> None:
+        super().__init__(reply)
+        self.switch_after = switch_after
+
+    def generate(  # type: ignore[override]
+        self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
+    ) -> RouteSwitchingTokens:
+        return RouteSwitchingTokens(
+            super().generate(model, prompt_tokens, sampling, max_tokens), self.switch_after
+        )
+
+
 @pytest.fixture
 async def serve():
     runners = []
@@ -122,6 +160,36 @@ async def test_models_and_plain_completion(serve):
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 13, "total_tokens": 15}
     assert backend.calls[0][0] == [ord("H"), ord("i")]
+    assert body["system_fingerprint"] is None  # this backend cannot say how it computes
+
+
+async def test_responses_carry_the_system_fingerprint_of_the_route_at_the_time(serve):
+    base = await serve(FingerprintedBackend("Hello", switch_after=3))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    status, body = await post(f"{base}/v1/chat/completions", chat)
+    assert status == 200 and body["choices"][0]["message"]["content"] == "Hello"
+    assert body["system_fingerprint"] == "fp_second"  # the route that finished the answer
+    stream = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{base}/v1/chat/completions", json=stream) as r,
+    ):
+        raw = (await r.read()).decode()
+    chunks = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    texts = [
+        (c["choices"][0]["delta"].get("content"), c["system_fingerprint"]) for c in chunks if c["choices"]
+    ]
+    # The role chunk and the first three characters came from the first route, the rest from the second.
+    assert texts == [
+        ("", "fp_first"),
+        ("H", "fp_first"),
+        ("e", "fp_first"),
+        ("l", "fp_first"),
+        ("l", "fp_second"),
+        ("o", "fp_second"),
+        (None, "fp_second"),
+    ]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["system_fingerprint"] == "fp_second"
 
 
 async def test_length_limit_stop_strings_and_sampling_settings(serve):
@@ -179,6 +247,7 @@ async def test_the_official_openai_client_works_unchanged(serve):
             model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0
         )
         assert reply.choices[0].message.content == "Hello there"
+        assert reply.system_fingerprint is None
         assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
         stream = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
