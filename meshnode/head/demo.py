@@ -76,9 +76,15 @@ async def run_demo(args: argparse.Namespace) -> int:
                     await task
                 return 130
             return task.result()
-        except (LocalMeshError, ApiError) as exc:
+        except (LocalMeshError, ApiError, CliError) as exc:
+            # CliError too: the stream's API errors arrive as one (print_stream).
             print(f"meshnode demo: {exc}", file=sys.stderr)
-            return 1
+            # An API error is often a node dying under it: say which, and how.
+            reported = exc.child if isinstance(exc, LocalMeshError) else None
+            for child in mesh.died():
+                if child is not reported:
+                    print(f"meshnode demo: {child.exit_message()}", file=sys.stderr)
+            return exc.code if isinstance(exc, CliError) else 1
         finally:
             waiter.cancel()
             loop.remove_signal_handler(signal.SIGINT)

@@ -6,6 +6,15 @@ prepared as ``meshnode create`` would), ``meshnode invite`` for a token, and
 ``meshnode join`` for every other node (the token passed in the environment,
 as the join help recommends). Logs go to ``<work_dir>/<name>.log``; readiness
 is read from each node's status socket, never guessed from time.
+
+A process's stdout and stderr share its one log file (one open file, appended
+to, so their lines stay in the order written). Everything that explains a
+failure is on stderr anyway: the node's log, llama.cpp's messages, the fault
+handler's report on a fatal signal; stdout carries the few lines a command
+prints for people (ids, addresses), which read best where they happened. So
+the log's tail is stderr's but for those; a file of stderr alone would show
+the same tail and leave two files to read side by side. A child that dies is
+described by its exit signal or code and that tail.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshnode.head.child_exit import exit_message, read_log_tail
+
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
 # Short timers so the nodes see each other within seconds.
@@ -38,6 +49,11 @@ SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "1000"}
 class LocalMeshError(Exception):
     """A process failed or did not get ready; the message names it and ends with its log."""
 
+    def __init__(self, message: str, child: Child | None = None) -> None:
+        super().__init__(message)
+        # The process the message is about, so a caller does not describe it twice.
+        self.child = child
+
 
 @dataclass
 class Child:
@@ -45,16 +61,23 @@ class Child:
     log: Path
     process: subprocess.Popen[bytes]
     data_dir: Path | None = None
+    # Set when this side stops it: its exit is then expected, not a failure to report.
+    stopped: bool = False
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def died(self) -> bool:
+        return not self.stopped and not self.alive()
+
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join("    " + line for line in text[-lines:])
+        return read_log_tail(self.log, lines)
+
+    def exit_message(self, what: str | None = None) -> str:
+        """``B died of SIGSEGV (signal 11) while serving; the end of B.log:`` and its tail."""
+        returncode = self.process.poll()
+        assert returncode is not None, f"{self.name} is still running"
+        return exit_message(self.name, returncode, self.log, what)
 
     def status(self) -> dict[str, Any] | None:
         from meshnode.node import query_status
@@ -67,6 +90,7 @@ class Child:
             return None
 
     def kill(self) -> None:
+        self.stopped = True
         if self.alive():
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
@@ -119,9 +143,14 @@ class LocalMesh:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def died(self) -> list[Child]:
+        """The processes that exited without being stopped from here."""
+        return [c for c in self.children if c.died()]
+
     def stop_all(self) -> None:
         """SIGTERM every process (last started first), then wait; SIGKILL what does not exit."""
         for child in reversed(self.children):
+            child.stopped = True
             if child.alive():
                 child.process.send_signal(signal.SIGTERM)
         for child in reversed(self.children):
@@ -134,13 +163,14 @@ class LocalMesh:
     async def until(
         self, child: Child, what: str, check: Callable[[], Any], timeout: float = START_TIMEOUT_S
     ) -> Any:
-        """Poll ``check`` (sync or async) until it returns something true; fail if ``child`` exits."""
+        """Poll ``check`` (sync or async) until it returns something true; fail if ``child`` or any
+        other process of the mesh exits (nothing it waits for can happen without them)."""
         deadline = time.monotonic() + timeout
         while True:
             if not child.alive():
-                raise LocalMeshError(
-                    f"{child.name} exited while {what}; the end of {child.log}:\n{child.log_tail()}"
-                )
+                raise LocalMeshError(child.exit_message(what), child)
+            if dead := self.died():
+                raise LocalMeshError(dead[0].exit_message(f"{child.name} was {what}"), dead[0])
             result = check()
             if inspect.isawaitable(result):
                 result = await result

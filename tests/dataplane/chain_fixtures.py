@@ -27,6 +27,7 @@ from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.server import ShardServer
 from meshnode.dataplane.session_link import ShardSession
+from meshnode.head.child_exit import exit_message
 from meshnode.identity import NodeIdentity, write_private_file
 from meshnode.membership.credentials import (
     Endpoint,
@@ -174,7 +175,7 @@ class NodeProcess:
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise AssertionError(f"{self.data_dir.name} exited:\n{self.log_path.read_text()[-3000:]}")
+                raise AssertionError(self.exit_message("starting"))
             status = self.status()
             if status is not None and status["node"]["serving"] is not None:
                 return status
@@ -183,6 +184,11 @@ class NodeProcess:
                     f"{self.data_dir.name} not serving:\n{self.log_path.read_text()[-3000:]}"
                 )
             time.sleep(0.1)
+
+    def exit_message(self, what: str | None = None) -> str:
+        """``B died of SIGSEGV (signal 11) while starting; the end of B.log:`` and its tail."""
+        assert self.process is not None and self.process.returncode is not None
+        return exit_message(self.data_dir.name, self.process.returncode, self.log_path, what)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
