@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 from engine_contract import EngineContract, ManualClock, prompt_tokens, raises_kind
+from engine_offload import OFFLOAD_LOGIT_TOLERANCE, gpu_layers, offloading
 from gguf import GGUFWriter
 
 from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest, StepResult
@@ -32,10 +34,23 @@ class TestLlamaEngineContract(EngineContract):
         return self._path
 
 
-def _load(path: Path, layer_start: int = 0, layer_end: int | None = None) -> LlamaShardEngine:
+def _load(
+    path: Path, layer_start: int = 0, layer_end: int | None = None, n_gpu_layers: int | None = None
+) -> LlamaShardEngine:
+    """``n_gpu_layers`` defaults to the tests' offload (``MESHNODE_TEST_N_GPU_LAYERS``)."""
+    layers = gpu_layers() if n_gpu_layers is None else n_gpu_layers
     engine = LlamaShardEngine()
     engine.load(
-        LoadRequest(str(path), layer_start, layer_end, n_ctx=512, n_seq_max=2, n_batch=128, n_threads=2)
+        LoadRequest(
+            str(path),
+            layer_start,
+            layer_end,
+            n_ctx=512,
+            n_seq_max=2,
+            n_batch=128,
+            n_threads=2,
+            n_gpu_layers=layers,
+        )
     )
     return engine
 
@@ -78,24 +93,61 @@ def _greedy_run(
     return logits, tokens
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> tuple[tuple[int, ...], list[np.ndarray], list[int]]:
+def _whole_run(
+    tiny_model: Path, n_gpu_layers: int | None
+) -> tuple[tuple[int, ...], list[np.ndarray], list[int]]:
     prompt = prompt_tokens(PREFILL_TOKENS, 500, seed=11)
-    whole = _load(tiny_model)
+    whole = _load(tiny_model, n_gpu_layers=n_gpu_layers)
     logits, tokens = _greedy_run([whole], prompt)
     whole.close()
     return prompt, logits, tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> tuple[tuple[int, ...], list[np.ndarray], list[int]]:
+    """The whole model, offloaded as the tests are (``MESHNODE_TEST_N_GPU_LAYERS``)."""
+    return _whole_run(tiny_model, None)
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tiny_model: Path) -> tuple[tuple[int, ...], list[np.ndarray], list[int]]:
+    return _whole_run(tiny_model, 0)
+
+
+def _offload() -> str:
+    return f"{gpu_layers()} layers offloaded" if offloading() else "CPU"
+
+
+def _assert_parity(
+    tiny_model: Path,
+    label: str,
+    got: tuple[list[np.ndarray], list[int]],
+    expected: tuple[list[np.ndarray], list[int]],
+    exact: bool,
+) -> None:
+    """Bit-exact logits where ``exact``; else the largest difference is printed and bounded.
+    The greedy tokens and text are identical either way."""
+    (logits, tokens), (expected_logits, expected_tokens) = got, expected
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits, strict=True))
+    print(f"\n{label}: max |Δlogit| = {worst:.3g} over {len(logits)} steps")
+    assert tokens == expected_tokens
+    with Tokenizer.open(tiny_model) as tokenizer:
+        assert tokenizer.detokenize(tokens) == tokenizer.detokenize(expected_tokens)
+    if exact:
+        assert worst == 0.0
+    else:
+        assert worst <= OFFLOAD_LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize("split", range(1, TINY_N_LAYERS))
 def test_every_split_point_is_bit_exact(tiny_model: Path, reference, split: int) -> None:  # type: ignore[no-untyped-def]
     prompt, expected_logits, expected_tokens = reference
     engines = [_load(tiny_model, 0, split), _load(tiny_model, split)]
-    logits, tokens = _greedy_run(engines, prompt)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits, strict=True)) == 0.0
-    assert tokens == expected_tokens
-    with Tokenizer.open(tiny_model) as tokenizer:
-        assert tokenizer.detokenize(tokens) == tokenizer.detokenize(expected_tokens)
+    got = _greedy_run(engines, prompt)
+    exact = not offloading()
+    _assert_parity(
+        tiny_model, f"split at {split} ({_offload()})", got, (expected_logits, expected_tokens), exact
+    )
     for engine in engines:
         engine.close()
 
@@ -103,9 +155,33 @@ def test_every_split_point_is_bit_exact(tiny_model: Path, reference, split: int)
 def test_three_way_split_is_bit_exact(tiny_model: Path, reference) -> None:  # type: ignore[no-untyped-def]
     prompt, expected_logits, expected_tokens = reference
     engines = [_load(tiny_model, 0, 2), _load(tiny_model, 2, 5), _load(tiny_model, 5)]
-    logits, tokens = _greedy_run(engines, prompt)
-    assert all(np.array_equal(a, b) for a, b in zip(logits, expected_logits, strict=True))
-    assert tokens == expected_tokens
+    got = _greedy_run(engines, prompt)
+    exact = not offloading()
+    _assert_parity(
+        tiny_model, f"split at 2 and 5 ({_offload()})", got, (expected_logits, expected_tokens), exact
+    )
+    for engine in engines:
+        engine.close()
+
+
+def test_passthrough_layer_in_a_split_of_its_own(tiny_model: Path, cpu_reference) -> None:  # type: ignore[no-untyped-def]
+    """The head slice [0, 3) holds 3 layers and the passthrough layer; ``n_gpu_layers=2``
+    offloads only the passthrough layer and the output layer. The capture ends the CPU split
+    at ``l_out-2``, and the scheduler still runs the passthrough layer's split on the GPU
+    afterwards: the rows handed on must be the CPU's, so a chain with a CPU tail equals the
+    whole model on the CPU bit for bit. (A CPU-only build ignores ``n_gpu_layers``: then this
+    is the plain split at 3.)"""
+    prompt, expected_logits, expected_tokens = cpu_reference
+    head, tail = _load(tiny_model, 0, 3, n_gpu_layers=2), _load(tiny_model, 3, n_gpu_layers=0)
+    if llama_cpp.llama_supports_gpu_offload():
+        devices = set(head.weight_buffers) - {"CPU", "CPU_Mapped", "CPU_REPACK", "AMX"}
+        assert devices, f"nothing offloaded: {head.weight_buffers}"
+    got = _greedy_run([head, tail], prompt)
+    where = "head n_gpu_layers 2, tail 0" if llama_cpp.llama_supports_gpu_offload() else "CPU"
+    label = f"passthrough layer in a split of its own ({where})"
+    _assert_parity(tiny_model, label, got, (expected_logits, expected_tokens), True)
+    head.close()
+    tail.close()
 
 
 def _write_gguf(path: Path, arch: str) -> Path:

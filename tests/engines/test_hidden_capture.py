@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engine_contract import prompt_tokens, raises_kind
+from engine_offload import gpu_layers
 
 from engines import hidden_capture
 from engines.gguf_file import read_gguf
@@ -52,7 +53,8 @@ def _runtime(path: Path, capture_layer: int, native: bool) -> LlamaRuntime:
         n_seq_max=1,
         n_batch=32,
         n_threads=2,
-        n_gpu_layers=0,
+        # Offloaded, the rows are copied out of GPU memory inside the eval callback.
+        n_gpu_layers=gpu_layers(),
         takes_embeddings=False,
         capture_layer=capture_layer,
         native_capture=native,
