@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# GPU checks of the llama.cpp shard engine, in one run on a CUDA machine without internet.
+#
+# HOW TO RUN IT (a session whose task is lent the device machine; one NVIDIA H200, 16 cores):
+#
+#   1. Here, first:   bash bench/gpu_prepare.sh      (builds .cache/gpu-carry/, ~7 MiB)
+#   2. Then one call of the device tool's `run`:
+#        command:   bash bench/gpu_check.sh
+#        carry:     [".cache/gpu-carry"]
+#        timeout_s: 600
+#      Everything comes back in $OUT (at most 8 files): gpu_check.log (all of stdout),
+#      system.txt, build.log.gz, parity.txt, bench.txt, mixed.txt. Call give_back after.
+#      The script keeps itself inside ~9.5 minutes (GPU_CHECK_BUDGET_S=570) and prints a
+#      timestamp per stage; the CUDA build (one architecture, 16 jobs) is the long pole.
+#
+# Stages: the environment (nvidia-smi, nvcc, cmake); a venv over the image's python3 (its
+# packages stay visible) with the carried wheels; llama-cpp-python 0.3.36 from the carried,
+# trimmed sdist with CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" (sm_90 only,
+# parallel, pip --no-index); meshnode installed into it (editable, its C extensions built);
+# llama_print_system_info(); the engine parity tests with every layer offloaded
+# (MESHNODE_TEST_N_GPU_LAYERS=99: split vs whole at the float32 boundary, the largest
+# difference printed, greedy text identical) and the passthrough layer in a GPU split of its
+# own; bench/engine.py on the GPU (whole vs 2 and 3 shards, each weight-repack setting in a
+# child) on a generated 1.35 GB random-weight llama (bench/random_model.py); and mixed routes
+# (bench/mixed_route.py: head on the GPU, tail on the CPU, and the other ways) against the
+# CPU-only route.
+#
+# Modes for a machine without a GPU (both run in a throwaway copy of what the device tool
+# would send: tracked and untracked-not-ignored files plus .cache/gpu-carry):
+#   --cpu-dry-run   no build: everything else against the llama-cpp-python installed in
+#                   .venv (a CPU build), with n_gpu_layers 0 and the small random model.
+#   --cpu-build     as --cpu-dry-run, but builds the carried sdist for the CPU first (the
+#                   check that the trimmed sdist still builds; ~7 minutes on 2 cores).
+# Environment: GPU_CHECK_PYTHON (python3; .venv/bin/python in the CPU modes),
+# GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), GPU_CHECK_BUDGET_S (570), OUT (the device
+# tool sets it; else .cache/gpu-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+STARTED=$(date +%s)
+
+MODE=gpu
+case "${1:-}" in
+  "") ;;
+  --cpu-dry-run) MODE=dry ;;
+  --cpu-build) MODE=cpu-build ;;
+  *) echo "usage: bash bench/gpu_check.sh [--cpu-dry-run | --cpu-build]" >&2; exit 2 ;;
+esac
+CARRY=.cache/gpu-carry
+SDIST=$CARRY/llama_cpp_python-0.3.36.tar.gz
+if [ ! -f "$SDIST" ] || ! ls "$CARRY"/wheels/pip-*.whl >/dev/null 2>&1; then
+  echo "$CARRY is missing or incomplete: run bash bench/gpu_prepare.sh here first (and carry it)" >&2
+  exit 2
+fi
+
+# The CPU modes rerun this script in a copy of what the device tool would send, so that
+# nothing here (an in-tree C extension, the cache) is touched and nothing ignored leaks in.
+if [ "$MODE" != gpu ] && [ -z "${GPU_CHECK_IN_COPY:-}" ]; then
+  copy=${GPU_CHECK_COPY:-/tmp/meshnode-gpu-check-tree}
+  rm -rf "$copy" && mkdir -p "$copy"
+  git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$copy"
+  mkdir -p "$copy/.cache" && cp -a "$CARRY" "$copy/.cache/"
+  echo "running in a copy of the tree that would travel: $copy"
+  export GPU_CHECK_IN_COPY=1
+  export GPU_CHECK_PYTHON=${GPU_CHECK_PYTHON:-$ROOT/.venv/bin/python}
+  export OUT=${OUT:-$ROOT/.cache/gpu-check-out}
+  exec bash "$copy/bench/gpu_check.sh" "$@"
+fi
+
+OUT=${OUT:-$ROOT/.cache/gpu-check-out}
+mkdir -p "$OUT"
+rm -f "$OUT"/gpu_check.log "$OUT"/system.txt "$OUT"/build.log* "$OUT"/parity.txt "$OUT"/bench.txt "$OUT"/mixed.txt
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+TEE_PID=$!
+
+PY=${GPU_CHECK_PYTHON:-python3}
+VENV=${GPU_CHECK_VENV:-/tmp/meshnode-gpu-venv}
+BUDGET=${GPU_CHECK_BUDGET_S:-570}
+DEADLINE=$((STARTED + BUDGET))
+JOBS=$(nproc)
+export MESHNODE_CACHE_DIR=${MESHNODE_CACHE_DIR:-/tmp/meshnode-gpu-cache}
+export PYTHONUNBUFFERED=1
+if [ "$MODE" = gpu ]; then
+  NGL=99 MODEL_SIZE=large BENCH_ARGS=(--rounds 5 --decode-tokens 64 --threads 4)
+else
+  NGL=0 MODEL_SIZE=small BENCH_ARGS=(--rounds 2 --decode-tokens 16 --threads 2)
+fi
+FAILED=()
+
+stamp() { printf '[%s +%4ds] %s\n' "$(date +%T)" "$(($(date +%s) - STARTED))" "$*"; }
+stage() { echo; stamp "== $*"; }
+# Seconds left before the budget, at most $1.
+left() {
+  local remaining=$((DEADLINE - $(date +%s)))
+  [ "$remaining" -lt "$1" ] && echo "$((remaining > 5 ? remaining : 5))" || echo "$1"
+}
+# run_step NAME MAX_SECONDS command...: runs under a timeout, records a failure.
+run_step() {
+  local name=$1 limit
+  limit=$(left "$2")
+  shift 2
+  timeout --signal=TERM --kill-after=10 "$limit" "$@"
+  local status=$?
+  if [ "$status" -ne 0 ]; then
+    [ "$status" -eq 124 ] && stamp "$name: stopped after ${limit}s" || stamp "$name: failed ($status)"
+    FAILED+=("$name")
+  fi
+  return "$status"
+}
+# run_logged NAME MAX_SECONDS FILE command...: run_step with the output appended to FILE
+# (in $OUT, so it comes back even if the device tool stops the script), then shown.
+run_logged() {
+  local name=$1 limit=$2 file=$3 before
+  shift 3
+  before=$(stat -c %s "$file" 2>/dev/null || echo 0)
+  run_step "$name" "$limit" "$@" >>"$file" 2>&1
+  local status=$?
+  tail -c +"$((before + 1))" "$file"
+  return "$status"
+}
+finish() {
+  echo
+  if [ ${#FAILED[@]} -eq 0 ]; then
+    stamp "done, mode $MODE: every stage passed"
+  else
+    stamp "done, mode $MODE: FAILED: ${FAILED[*]}"
+  fi
+  local status=$((${#FAILED[@]} > 0))
+  # Let tee write the last lines to $OUT/gpu_check.log before the device tool collects it.
+  exec 1>&- 2>&-
+  wait "$TEE_PID" 2>/dev/null || sleep 1
+  exit "$status"
+}
+
+stage "environment (mode $MODE, $JOBS cores, budget ${BUDGET}s, results in $OUT)"
+if [ "$MODE" = gpu ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+{
+  echo "uname: $(uname -srm)"
+  grep -m1 "model name" /proc/cpuinfo
+  echo "cores: $JOBS"
+  free -g | sed -n 2p
+  echo "python: $($PY -c 'import sys; print(sys.version.split()[0], sys.executable)')"
+  for tool in cmake ninja gcc nvcc; do
+    if command -v "$tool" >/dev/null 2>&1; then
+      echo "$tool: $(command -v "$tool"): $("$tool" --version 2>&1 | grep -m1 -iE 'version|release|ninja|[0-9]+\.[0-9]+')"
+    else
+      echo "$tool: not found"
+    fi
+  done
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
+  else
+    echo "nvidia-smi: not found"
+  fi
+} | tee "$OUT/system.txt"
+
+stage "venv over $PY, carried wheels"
+rm -rf "$VENV"
+$PY -m venv --without-pip --system-site-packages "$VENV" || { FAILED+=(venv); finish; }
+VPY=$VENV/bin/python
+# The image's python3 may itself be a venv (PyTorch's): --system-site-packages would reach
+# the base interpreter's packages, not its. A .pth adds its site-packages behind ours.
+purelib=$($VPY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+$PY -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
+  | sort -u >"$purelib/_outer_site.pth"
+pip_wheel=$(ls "$CARRY"/wheels/pip-*.whl)
+PIP=("$VPY" -m pip --disable-pip-version-check)
+# --ignore-installed: the venv gets its own copy even where python3 has the same version.
+run_step "wheels" 120 "$VPY" "$pip_wheel/pip" install -q --no-index --no-deps --no-cache-dir --ignore-installed \
+  --disable-pip-version-check "$CARRY"/wheels/*.whl || finish
+"${PIP[@]}" list 2>/dev/null | grep -iE "^(gguf|diskcache|numpy|pytest|pytest-timeout|jinja2|typing.extensions|scikit.build.core|setuptools|cmake|ninja) "
+
+if [ "$MODE" = dry ]; then
+  stage "llama-cpp-python: not built (--cpu-dry-run), the installed CPU build is used"
+else
+  if [ "$MODE" = gpu ]; then
+    export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF"
+    # nvcc on PATH may be a wrapper script, which hides the toolkit's root from CMake's
+    # search: ask nvcc itself (its TOP), and name the root and the compiler.
+    toolkit=$(nvcc -v --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
+    if [ -n "$toolkit" ] && [ -x "$toolkit/bin/nvcc" ]; then
+      toolkit=$(readlink -f "$toolkit")
+      export CUDACXX=$toolkit/bin/nvcc
+      CMAKE_ARGS="$CMAKE_ARGS -DCUDAToolkit_ROOT=$toolkit"
+      [ -d "$toolkit/lib64" ] && export LD_LIBRARY_PATH=$toolkit/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+      echo "CUDA toolkit: $toolkit"
+    fi
+  else
+    export CMAKE_ARGS=""
+  fi
+  export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+  stage "llama-cpp-python 0.3.36 from the trimmed sdist, CMAKE_ARGS=\"$CMAKE_ARGS\", $JOBS jobs"
+  # A line a minute on progress (ninja's [done/total]), so a stopped build says how far it got.
+  (
+    while sleep 60; do
+      progress=$(grep -oE '^\[[0-9]+/[0-9]+\]' "$OUT/build.log" 2>/dev/null | tail -1)
+      stamp "  building ${progress:-(configuring)}"
+    done
+  ) &
+  ticker=$!
+  run_step "build" 480 "${PIP[@]}" install -v --no-index --no-deps --no-build-isolation --no-cache-dir \
+    "$SDIST" >"$OUT/build.log" 2>&1
+  built=$?
+  kill "$ticker" 2>/dev/null
+  wait "$ticker" 2>/dev/null
+  grep -E "CMAKE_CUDA_ARCHITECTURES|CUDA Toolkit|Using CUDA|GGML_CUDA|Found CUDAToolkit|Build files have been" \
+    "$OUT/build.log" | sort -u | head -12
+  if [ "$built" -ne 0 ]; then
+    tail -n 60 "$OUT/build.log"
+    gzip -f "$OUT/build.log"
+    finish
+  fi
+  grep -oE '^\[[0-9]+/[0-9]+\]' "$OUT/build.log" | tail -1 | sed 's/^/  compiled and linked /'
+  gzip -f "$OUT/build.log"
+  stamp "built"
+fi
+
+stage "meshnode into the venv (editable, its C extensions built)"
+run_step "meshnode install" 180 "${PIP[@]}" install -q --no-index --no-deps --no-build-isolation \
+  --no-cache-dir -e . || finish
+
+stage "llama.cpp as the venv sees it"
+{
+  "$VPY" - <<'EOF'
+import llama_cpp
+
+import engines.hidden_capture as capture
+
+print("llama_cpp", llama_cpp.__version__, "from", llama_cpp.__file__)
+print("llama_print_system_info():", llama_cpp.llama_print_system_info().decode().strip())
+print("llama_supports_gpu_offload():", bool(llama_cpp.llama_supports_gpu_offload()))
+print("hidden capture in C:", capture.native_in_use())
+EOF
+} | tee -a "$OUT/system.txt"
+offload=$("$VPY" -c 'import llama_cpp; print(int(bool(llama_cpp.llama_supports_gpu_offload())))')
+if [ "$MODE" = gpu ] && [ "$offload" != 1 ]; then
+  stamp "this build cannot offload: the GPU checks would run on the CPU, stopping"
+  FAILED+=("no GPU offload")
+  finish
+fi
+
+stage "engine parity tests, MESHNODE_TEST_N_GPU_LAYERS=$NGL"
+MESHNODE_TEST_N_GPU_LAYERS=$NGL run_logged "parity tests" 150 "$OUT/parity.txt" \
+  "$VPY" -m pytest -s -p no:cacheprovider -q tests/engines/test_engine_llama_tiny.py tests/engines/test_hidden_capture.py
+
+stage "bench/engine.py on a generated random-weight llama ($MODEL_SIZE), n_gpu_layers $NGL"
+model=$(run_step "random model" 60 "$VPY" bench/random_model.py --size "$MODEL_SIZE")
+if [ -n "$model" ] && [ -f "$model" ]; then
+  stamp "$(ls -l "$model")"
+  run_logged "engine bench" 200 "$OUT/bench.txt" \
+    "$VPY" bench/engine.py --model "$model" --n-gpu-layers "$NGL" "${BENCH_ARGS[@]}"
+else
+  model=""
+fi
+
+stage "mixed routes against the CPU-only route (GGML_OP_OFFLOAD_MIN_BATCH=1000000: CPU means CPU)"
+for route_model in tiny ${model:+"$model"}; do
+  model_args=()
+  [ "$route_model" = tiny ] || model_args=(--model "$route_model")
+  GGML_OP_OFFLOAD_MIN_BATCH=1000000 run_logged "mixed route ($route_model)" 90 "$OUT/mixed.txt" \
+    "$VPY" bench/mixed_route.py "${model_args[@]}" --gpu-layers "$NGL" --decode-steps 32 --threads 4
+done
+
+if [ "$MODE" = gpu ]; then
+  stage "GPU after the runs"
+  nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv | tee -a "$OUT/system.txt"
+fi
+finish
