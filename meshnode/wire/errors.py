@@ -39,6 +39,28 @@ class UnknownStreamType(FramingError):
         self.value = value
 
 
+class BufferLimitExceeded(FramingError):
+    """Holding more of an incomplete frame would pass a buffer cap (``scope`` names which)."""
+
+    def __init__(self, scope: str, held: int, wanted: int, limit: int) -> None:
+        super().__init__(
+            f"{scope} buffer for incomplete frames is full ({held} of {limit} bytes held, {wanted} more arrived)"
+        )
+        self.scope = scope
+        self.held = held
+        self.wanted = wanted
+        self.limit = limit
+
+
+class FrameStalled(FramingError):
+    """The stream sent nothing for ``timeout`` seconds in the middle of a frame."""
+
+    def __init__(self, buffered: int, timeout: float) -> None:
+        super().__init__(f"stream stalled mid-frame for {timeout:g} s ({buffered} bytes held)")
+        self.buffered = buffered
+        self.timeout = timeout
+
+
 class ShardProtocolError(MeshnodeError):
     """A refusal that maps onto ``meshnet.shard.v1.ErrorCode``.
 

@@ -6,6 +6,11 @@ without a type byte. Frames are capped at :data:`MAX_FRAME_BYTES`: a decoder
 refuses an oversized length as soon as it has the 4 length bytes, before it
 buffers any of the body, and an encoder refuses before producing any byte.
 
+An announced length is only a claim: the decoder's buffer grows with the bytes
+that arrive, never from the length (CPython zero-fills ``bytearray(n)``, so
+reserving the announced size would make every page resident at once), and the
+bytes it holds can be charged to a :class:`~meshnode.wire.buffer_budget.BufferBudget`.
+
 The decoder takes byte chunks split anywhere (QUIC delivers whatever it has)
 and yields whole frames; the async helpers at the bottom read from any object
 with ``readexactly`` so the cap holds on the blocking path too.
@@ -15,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import weakref
 from enum import IntEnum
 from typing import Protocol
 
+from meshnode.wire.buffer_budget import BufferBudget, BufferHold
 from meshnode.wire.errors import FrameTooLarge, FramingError, TruncatedFrame, UnknownStreamType
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024
@@ -81,27 +88,46 @@ class FrameDecoder:
     ``expect_stream_type`` is true on the accepting side of a stream, whose first
     byte names the stream type. After any error the decoder stays failed: the
     stream is no longer in sync and must be closed.
+
+    With a ``budget``, every body byte held for an incomplete frame is charged to
+    it before it is kept, and given back when the frame completes, the decoder
+    fails, :meth:`abandon` is called or the decoder is garbage. A charge the
+    budget refuses fails the decoder with
+    :class:`~meshnode.wire.errors.BufferLimitExceeded`.
     """
 
     _TYPE, _HEADER, _BODY, _FAILED = range(4)
 
-    def __init__(self, *, expect_stream_type: bool, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        expect_stream_type: bool,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        budget: BufferBudget | None = None,
+    ) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.stream_type: StreamType | None = None
         self._state = self._TYPE if expect_stream_type else self._HEADER
         self._header = bytearray()
-        self._body: bytearray | None = None
-        self._body_filled = 0
+        self._body = bytearray()
+        self._body_length = 0
         self._error: FramingError | None = None
+        self._hold = BufferHold(budget) if budget is not None else None
+        self._finalizer: weakref.finalize[..., FrameDecoder] | None = None
 
     @property
     def buffered_bytes(self) -> int:
-        """Bytes held for an incomplete frame (never more than one frame's worth)."""
-        return len(self._header) + self._body_filled
+        """Bytes held for an incomplete frame: what arrived, never more than one frame's worth."""
+        return len(self._header) + len(self._body)
 
     @property
     def at_frame_boundary(self) -> bool:
         return self._state == self._HEADER and not self._header
+
+    def abandon(self, error: FramingError | None = None) -> None:
+        """Nobody will read this stream further: drop the partial frame and its budget charge."""
+        if self._error is None:
+            self._fail(error or FramingError("stream abandoned"))
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         if self._error is not None:
@@ -119,8 +145,7 @@ class FrameDecoder:
         if self._state == self._TYPE:
             self._fail(TruncatedFrame(0, 1))
         elif self._state == self._BODY:
-            assert self._body is not None
-            self._fail(TruncatedFrame(self._body_filled, len(self._body)))
+            self._fail(TruncatedFrame(len(self._body), self._body_length))
         elif self._header:
             self._fail(TruncatedFrame(len(self._header), LENGTH_PREFIX_BYTES))
         if self._error is not None:
@@ -130,8 +155,23 @@ class FrameDecoder:
         self._error = exc
         self._state = self._FAILED
         self._header.clear()
-        self._body = None
-        self._body_filled = 0
+        self._drop_body()
+
+    def _drop_body(self) -> None:
+        # A fresh object, not clear(): a clear() would keep the grown allocation.
+        self._body = bytearray()
+        self._body_length = 0
+        if self._hold is not None:
+            self._hold.release()
+
+    def _hold_more(self, nbytes: int) -> None:
+        assert self._hold is not None
+        if self._finalizer is None:
+            # Streams are dropped on many paths (resets, timeouts, cancelled handlers);
+            # whichever way a decoder goes away, its charge goes with it.
+            self._finalizer = weakref.finalize(self, self._hold.release)
+            self._finalizer.atexit = False
+        self._hold.reserve(nbytes)
 
     def _feed(self, view: memoryview) -> list[bytes]:
         frames: list[bytes] = []
@@ -156,20 +196,19 @@ class FrameDecoder:
                     frames.append(bytes(view[pos : pos + length]))
                     pos += length
                 else:
-                    # Length validated above, so this allocation is bounded by the cap.
-                    self._body = bytearray(length)
-                    self._body_filled = 0
+                    # Nothing is allocated for the announced length: the body
+                    # grows as its bytes arrive (see the module docstring).
+                    self._body_length = length
                     self._state = self._BODY
             else:
-                assert self._body is not None
-                take = min(len(self._body) - self._body_filled, end - pos)
-                self._body[self._body_filled : self._body_filled + take] = view[pos : pos + take]
-                self._body_filled += take
+                take = min(self._body_length - len(self._body), end - pos)
+                if self._hold is not None:
+                    self._hold_more(take)
+                self._body += view[pos : pos + take]
                 pos += take
-                if self._body_filled == len(self._body):
+                if len(self._body) == self._body_length:
                     frames.append(bytes(self._body))
-                    self._body = None
-                    self._body_filled = 0
+                    self._drop_body()
                     self._state = self._HEADER
         return frames
 
