@@ -7,9 +7,11 @@ an exception escaping into the transport; the link stays up.
 
 Handlers are ``async def handler(stream: FramedStream) -> None``. They may raise
 :class:`~meshnode.mesh.errors.MeshRefusal` (the stream is reset with its code),
-``TimeoutError`` (reset as READ_TIMEOUT) or a framing error (FRAME_TOO_LARGE /
-MALFORMED). When a handler returns, the dispatcher closes the stream: finishes
-it if the handler did not, and discards whatever the peer sends after that.
+``TimeoutError`` (reset as READ_TIMEOUT) or a framing error (FRAME_TOO_LARGE;
+OVERLOADED when the link's or the node's buffer for incomplete frames is full;
+READ_TIMEOUT when the peer stalled mid-frame; MALFORMED otherwise). When a
+handler returns, the dispatcher closes the stream: finishes it if the handler
+did not, and discards whatever the peer sends after that.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.rules import stream_allowed_before_admission
 from meshnode.transport.base import RESET_CANCELLED, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
-from meshnode.wire.errors import FrameTooLarge, FramingError, UnknownStreamType
+from meshnode.wire.errors import (
+    BufferLimitExceeded,
+    FrameStalled,
+    FrameTooLarge,
+    FramingError,
+    UnknownStreamType,
+)
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
 
@@ -100,23 +108,28 @@ class Dispatcher:
                 raise MeshRefusal(mesh.MESH_ERROR_READ_TIMEOUT) from None
             except FrameTooLarge as exc:
                 raise MeshRefusal(mesh.MESH_ERROR_FRAME_TOO_LARGE, str(exc)) from None
+            except BufferLimitExceeded as exc:
+                raise MeshRefusal(mesh.MESH_ERROR_OVERLOADED, str(exc)) from None
+            except FrameStalled as exc:
+                raise MeshRefusal(mesh.MESH_ERROR_READ_TIMEOUT, str(exc)) from None
             except FramingError as exc:
                 raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, str(exc)) from None
             framed.close()
+        # Resetting through `framed` also gives back what it held of a partial frame.
         except MeshRefusal as refusal:
-            self._refuse(stream, refusal)
+            self._refuse(framed, refusal)
         except StreamError:
             # The peer reset the stream or the link went away: nothing to answer, but
             # end our direction too so the stream's state is released.
-            stream.reset(RESET_CANCELLED)
+            framed.reset(RESET_CANCELLED)
         except asyncio.CancelledError:
-            stream.reset(reset_code(mesh.MESH_ERROR_INTERNAL))
+            framed.reset(reset_code(mesh.MESH_ERROR_INTERNAL))
             raise
         except Exception:
             log.exception("stream handler failed (peer %s)", short_id(stream.peer_id))
-            self._refuse(stream, MeshRefusal(mesh.MESH_ERROR_INTERNAL))
+            self._refuse(framed, MeshRefusal(mesh.MESH_ERROR_INTERNAL))
 
-    def _refuse(self, stream: MeshStream, refusal: MeshRefusal) -> None:
+    def _refuse(self, stream: MeshStream | FramedStream, refusal: MeshRefusal) -> None:
         self.refusals[refusal.code_name] = self.refusals.get(refusal.code_name, 0) + 1
         stream.reset(refusal.reset_code)
         self._refusal_log.log(logging.INFO, "refused stream from %s: %s", short_id(stream.peer_id), refusal)

@@ -30,6 +30,7 @@ from meshnode.relaylink.mux import (
 from meshnode.relaylink.seal import SealedSession, SealError
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.read_limits import ReadLimits
 
 log = logging.getLogger("meshnode.relaylink")
 
@@ -42,6 +43,7 @@ class RelayChannelStream(MeshStream):
         self._link = link
         self._channel = channel
         self.peer_id = link.peer_id
+        self.read_limits = link.read_limits
         self.recv = ReceiveBuffer()
         self.send_error: Exception | None = None
 
@@ -124,6 +126,8 @@ class RelayedPeerLink(PeerLink):
         self.established_at = asyncio.get_running_loop().time()
         self.mux = ChannelMux(session.local_id, session.peer_id, mux_config or MuxConfig())
         self.progress = Progress()
+        # A relayed peer is capped like a QUIC one, against the same process budget.
+        self.read_limits = ReadLimits.for_connection()
         self.close_reason = ""
         self._send = send
         self._handler = handler

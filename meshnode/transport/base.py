@@ -24,6 +24,7 @@ import asyncio
 from typing import Protocol
 
 from meshnode.transport.framed import FramedStream
+from meshnode.transport.read_limits import ReadLimits
 from meshnode.wire.framing import StreamType
 
 # Reset code for a stream aborted without a protocol reason (e.g. task cancelled).
@@ -52,6 +53,8 @@ class MeshStream(abc.ABC):
     """One bidirectional byte stream to ``peer_id`` (authenticated by the transport)."""
 
     peer_id: bytes
+    # Shared by the streams of one link; FramedStream applies them. None: no caps.
+    read_limits: ReadLimits | None = None
 
     @property
     @abc.abstractmethod

@@ -3,7 +3,9 @@
 The byte-level rules (type byte, ``[4-byte LE length][body]``, the 8 MiB cap
 enforced before allocating and before writing) live in
 :mod:`meshnode.wire.framing`; this wrapper only moves bytes between a stream and
-a :class:`~meshnode.wire.framing.FrameDecoder`.
+a :class:`~meshnode.wire.framing.FrameDecoder`, applying the stream's
+:class:`~meshnode.transport.read_limits.ReadLimits` (the connection's budget for
+incomplete frames, the stall timeout).
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING
 
+from meshnode.transport.read_limits import ReadLimits, ResetReason, count_reset, reason_for_scope
+from meshnode.wire.errors import BufferLimitExceeded, FrameStalled
 from meshnode.wire.framing import MAX_FRAME_BYTES, FrameDecoder, StreamType, frame_header
 
 if TYPE_CHECKING:
     from meshnode.transport.base import MeshStream
+
+_NO_LIMITS = ReadLimits()
 
 READ_CHUNK = 64 * 1024
 # Below this a frame is written with its header in one call (one QUIC frame).
@@ -32,7 +38,11 @@ class FramedStream:
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         self.stream = stream
-        self._decoder = FrameDecoder(expect_stream_type=expect_stream_type, max_frame_bytes=max_frame_bytes)
+        limits = getattr(stream, "read_limits", None) or _NO_LIMITS
+        self._decoder = FrameDecoder(
+            expect_stream_type=expect_stream_type, max_frame_bytes=max_frame_bytes, budget=limits.budget
+        )
+        self._stall_timeout = limits.stall_timeout
         self._frames: deque[bytes] = deque()
         self._eof = False
         self._pending = b""
@@ -46,6 +56,15 @@ class FramedStream:
     @property
     def stream_type(self) -> StreamType | None:
         return self._stream_type if self._stream_type is not None else self._decoder.stream_type
+
+    @property
+    def max_recv_frame_bytes(self) -> int:
+        return self._decoder.max_frame_bytes
+
+    @max_recv_frame_bytes.setter
+    def max_recv_frame_bytes(self, limit: int) -> None:
+        """Change the cap on frames read from now on (the relay's, once a client registered)."""
+        self._decoder.max_frame_bytes = limit
 
     async def read_stream_type(self, timeout: float | None) -> StreamType:
         """The opener's type byte (accepting side). Raises ``TimeoutError`` or a framing error."""
@@ -64,7 +83,8 @@ class FramedStream:
         """The next frame body; ``None`` at a clean end of stream.
 
         Raises ``TimeoutError``, :class:`~meshnode.wire.errors.FramingError` (oversized
-        prefix, stream ended mid-frame) or a transport ``StreamError``.
+        prefix, stream ended mid-frame, :class:`~meshnode.wire.errors.BufferLimitExceeded`,
+        :class:`~meshnode.wire.errors.FrameStalled`) or a transport ``StreamError``.
         """
         if not self._frames:
             if timeout is None:  # the hot path: no timer to arm
@@ -86,10 +106,12 @@ class FramedStream:
         self.stream.finish()
 
     def reset(self, error_code: int) -> None:
+        self._decoder.abandon()
         self.stream.reset(error_code)
 
     def close(self) -> None:
         """Finish and stop reading (see :meth:`MeshStream.close`)."""
+        self._decoder.abandon()
         self.stream.close()
 
     async def _fill_until_frame(self) -> None:
@@ -97,12 +119,35 @@ class FramedStream:
             await self._fill()
 
     async def _fill(self) -> None:
-        data, self._pending = self._pending or await self.stream.read(READ_CHUNK), b""
+        data, self._pending = self._pending or await self._read(), b""
         if not data:
             self._decoder.end_of_stream()
             self._eof = True
             return
-        self._frames.extend(self._decoder.feed(data))
+        try:
+            self._frames.extend(self._decoder.feed(data))
+        except BufferLimitExceeded as exc:
+            count_reset(reason_for_scope(exc.scope))
+            raise
+
+    async def _read(self) -> bytes:
+        decoder = self._decoder
+        try:
+            if self._stall_timeout is None or decoder.at_frame_boundary:
+                return await self.stream.read(READ_CHUNK)
+            try:
+                async with asyncio.timeout(self._stall_timeout):
+                    return await self.stream.read(READ_CHUNK)
+            except TimeoutError:
+                stalled = FrameStalled(decoder.buffered_bytes, self._stall_timeout)
+                decoder.abandon(stalled)
+                count_reset(ResetReason.STALLED)
+                raise stalled from None
+        except Exception:
+            # The stream is dead (reset, link closed): nobody reads the partial frame now.
+            # A cancelled read is not an Exception: the caller may read on afterwards.
+            decoder.abandon()
+            raise
 
 
 __all__ = ["READ_CHUNK", "FramedStream"]

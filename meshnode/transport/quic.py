@@ -8,8 +8,11 @@ connections by destination connection id, as aioquic's own server does.
 Backpressure: ``write`` waits while the stream has more than
 ``max_stream_backlog`` or the connection more than ``max_connection_backlog``
 bytes written but not acknowledged; the receiver grants credit only for what its
-application read (see :mod:`meshnode.transport.quic_connection`). Keepalive
-PINGs go out every ``keepalive_interval`` (below the 30 s UDP NAT timeout).
+application read (see :mod:`meshnode.transport.quic_connection`). What a link's
+readers hold of incomplete frames is capped per link and per process, and a
+reader waiting mid-frame gives up after a stall timeout (see
+:mod:`meshnode.transport.read_limits`). Keepalive PINGs go out every
+``keepalive_interval`` (below the 30 s UDP NAT timeout).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.buffers import Progress, ReceiveBuffer
 from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
+from meshnode.transport.read_limits import (
+    DEFAULT_CONNECTION_BUFFER_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    ReadLimits,
+    process_budget,
+)
+from meshnode.wire.buffer_budget import BufferBudget
 from meshnode.wire.framing import ALPN
 
 log = logging.getLogger("meshnode.transport.quic")
@@ -60,6 +70,10 @@ class QuicSettings:
     # How long a received packet may wait for its ACK to ride on outgoing data
     # (seconds; aioquic's own default is 1 ms). None keeps aioquic's default.
     ack_delay: float | None = 0.005
+    # Bytes of incomplete frames a link's readers may hold; and how long a reader
+    # waits mid-frame for more before giving the stream up (None: forever).
+    frame_buffer_per_connection: int = DEFAULT_CONNECTION_BUFFER_BYTES
+    frame_stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
 
 
 class DialError(ConnectionError):
@@ -71,6 +85,7 @@ class QuicMeshStream(MeshStream):
         self._link = link
         self._id = stream_id
         self.peer_id = link.peer_id
+        self.read_limits = link.read_limits
         self.recv = ReceiveBuffer()
         self.send_error: Exception | None = None
         self.recv_done = False
@@ -169,6 +184,11 @@ class QuicLink(PeerLink):
         self.last_received_at = endpoint.loop.time()
         self.created_at = self.last_received_at
         self.progress = Progress()
+        self.read_limits = ReadLimits.for_connection(
+            self.settings.frame_buffer_per_connection,
+            self.settings.frame_stall_timeout,
+            process=endpoint.process_budget,
+        )
         self.close_reason = ""
         self.connected: asyncio.Future[None] = endpoint.loop.create_future()
         self._closed = asyncio.Event()
@@ -393,6 +413,8 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         self.identity = identity
         self.handler = handler
         self.settings = settings
+        # Shared with every other endpoint of the process unless a test swaps it.
+        self.process_budget: BufferBudget = process_budget()
         self.loop = asyncio.get_running_loop()
         certificate = self_signed_certificate(identity)
         common = {

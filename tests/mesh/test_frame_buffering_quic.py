@@ -1,0 +1,158 @@
+"""Caps on incomplete frames and the stall timeout, over real QUIC into a dispatcher.
+
+The server side is a QUIC endpoint serving a dispatcher whose handler reads one
+frame with no timeout of its own, so every reset seen here comes from the
+read limits (``meshnode.transport.read_limits``), not from a handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from mesh_helpers import Recorder, reset_code_of
+
+from meshnode.identity import NodeIdentity
+from meshnode.mesh.dispatcher import Dispatcher, DispatchingLinkHandler
+from meshnode.transport.base import MeshStream, PeerLink
+from meshnode.transport.framed import FramedStream
+from meshnode.transport.quic import QuicEndpoint, QuicSettings
+from meshnode.transport.read_limits import reset_counts
+from meshnode.wire.buffer_budget import BufferBudget, BufferScope
+from meshnode.wire.framing import StreamType
+from meshnode.wire.pb import mesh
+
+pytestmark = pytest.mark.timeout(60)
+
+KiB = 1024
+
+
+@dataclass
+class Served:
+    endpoint: QuicEndpoint
+    frames: list[bytes]
+
+    @property
+    def address(self) -> str:
+        host, port = self.endpoint.local_address
+        return f"{host}:{port}"
+
+
+@contextlib.asynccontextmanager
+async def served(settings: QuicSettings, process_budget: BufferBudget | None = None) -> AsyncIterator[Served]:
+    frames: list[bytes] = []
+
+    async def read_frames(stream: FramedStream) -> None:
+        while (frame := await stream.recv_frame()) is not None:  # no timeout of its own
+            frames.append(frame)
+
+    dispatcher = Dispatcher(is_admitted=lambda _peer: True)
+    dispatcher.register(StreamType.GOSSIP, read_frames, before_admission=True)
+    endpoint = await QuicEndpoint.listen(
+        NodeIdentity.generate(), DispatchingLinkHandler(dispatcher), "127.0.0.1", 0, settings
+    )
+    if process_budget is not None:
+        endpoint.process_budget = process_budget
+    try:
+        yield Served(endpoint, frames)
+    finally:
+        await dispatcher.aclose()
+        endpoint.close()
+        await asyncio.sleep(0)
+
+
+@contextlib.asynccontextmanager
+async def peer(server: Served) -> AsyncIterator[PeerLink]:
+    endpoint = await QuicEndpoint.listen(NodeIdentity.generate(), Recorder(), "127.0.0.1", 0)
+    try:
+        yield await endpoint.dial(server.address, server.endpoint.identity.node_id)
+    finally:
+        endpoint.close()
+        await asyncio.sleep(0)
+
+
+async def partial_frame(link: PeerLink, announced: int, sent: int) -> MeshStream:
+    stream = await link.open_raw_stream()
+    await stream.write(bytes([StreamType.GOSSIP]) + announced.to_bytes(4, "little") + b"p" * sent)
+    return stream
+
+
+def server_links_hold(server: Served) -> int:
+    return sum(link.read_limits.budget.held for link in server.endpoint.links if link.read_limits.budget)
+
+
+async def test_the_stream_that_passes_its_connections_cap_is_reset_and_the_others_complete() -> None:
+    before = reset_counts()
+    async with served(QuicSettings(frame_buffer_per_connection=256 * KiB)) as server, peer(server) as link:
+        # Any two fit under the cap, all three do not: exactly one stream passes it; and
+        # with it gone, the other two can each complete (120 + 100 KiB at most).
+        streams = [await partial_frame(link, 120 * KiB, 100 * KiB) for _ in range(3)]
+        waits = {
+            asyncio.create_task(reset_code_of(FramedStream(s, expect_stream_type=False), 10)): s
+            for s in streams
+        }
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        assert [task.result() for task in done] == [mesh.MESH_ERROR_OVERLOADED]
+        assert reset_counts()["connection_buffer"] == before["connection_buffer"] + 1
+        for task in pending:
+            task.cancel()
+        survivors = [waits[task] for task in pending]
+        for stream in survivors:
+            await stream.write(b"q" * 20 * KiB)
+            stream.finish()
+        async with asyncio.timeout(10):
+            while len(server.frames) < 2:
+                await asyncio.sleep(0.01)
+        assert server.frames == [b"p" * 100 * KiB + b"q" * 20 * KiB] * 2
+        assert server_links_hold(server) == 0
+        assert not link.is_closed
+
+
+async def test_the_stream_that_passes_the_process_cap_is_reset() -> None:
+    before = reset_counts()
+    process = BufferBudget(150 * KiB, scope=BufferScope.PROCESS)
+    async with (
+        served(QuicSettings(), process_budget=process) as server,
+        peer(server) as first,
+        peer(server) as second,
+    ):
+        holding = await partial_frame(first, 200 * KiB, 100 * KiB)
+        async with asyncio.timeout(10):
+            while process.held < 100 * KiB:
+                await asyncio.sleep(0.01)
+        crossing = await partial_frame(second, 200 * KiB, 100 * KiB)
+        assert (
+            await reset_code_of(FramedStream(crossing, expect_stream_type=False))
+            == mesh.MESH_ERROR_OVERLOADED
+        )
+        assert reset_counts()["process_buffer"] == before["process_buffer"] + 1
+        assert process.held == 100 * KiB  # the first stream's, still being received
+        holding.reset(1)
+        async with asyncio.timeout(10):
+            while process.held:
+                await asyncio.sleep(0.01)
+
+
+async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_is_not() -> None:
+    before = reset_counts()
+    stall = 0.2
+    async with served(QuicSettings(frame_stall_timeout=stall)) as server, peer(server) as link:
+        idle = await link.open_stream(StreamType.GOSSIP)
+        await idle.send_frame(b"first")
+        stalled = await partial_frame(link, 100, 10)
+        assert (
+            await reset_code_of(FramedStream(stalled, expect_stream_type=False))
+            == mesh.MESH_ERROR_READ_TIMEOUT
+        )
+        assert reset_counts()["stalled"] == before["stalled"] + 1
+        # Waiting at a frame boundary, however long, is not a stall.
+        await asyncio.sleep(3 * stall)
+        await idle.send_frame(b"second")
+        idle.finish()
+        assert await idle.recv_frame(10) is None
+        assert Counter(server.frames) == {b"first": 1, b"second": 1}
+        assert server_links_hold(server) == 0
