@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshnode.cli_args import host_port
+from meshnode.cli_args import host_port, positive_int
 from meshnode.identity import IdentityError
 from meshnode.transport.addresses import format_host_port, parse_host_port
+from meshnode.transport.read_limit_options import add_read_limit_options, apply_read_limit_options
 from relay.core import RelayPolicy
 from relay.server import RelayServer, load_relay_identity
 
@@ -73,6 +74,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="QUIC PING interval (default 10)",
     )
+    strangers = parser.add_argument_group("connections not registered yet (anyone can open one)")
+    strangers.add_argument(
+        "--max-unregistered",
+        type=positive_int,
+        default=RelayPolicy.max_unregistered,
+        metavar="N",
+        help=f"at most this many at once (default {RelayPolicy.max_unregistered})",
+    )
+    strangers.add_argument(
+        "--max-unregistered-per-source",
+        type=positive_int,
+        default=RelayPolicy.max_unregistered_per_source,
+        metavar="N",
+        help="at most this many from one IP address (an IPv6 /64) "
+        f"(default {RelayPolicy.max_unregistered_per_source})",
+    )
+    add_read_limit_options(parser)
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
@@ -94,7 +112,16 @@ async def run_relay(args: argparse.Namespace) -> int:
     if created:
         log.info("created relay identity in %s", _data_dir(args))
     host, port = parse_host_port(args.listen, allow_zero_port=True)
-    server = RelayServer(identity, set(args.mesh), RelayPolicy(keepalive_s=args.keepalive))
+    try:
+        policy = RelayPolicy(
+            keepalive_s=args.keepalive,
+            max_unregistered=args.max_unregistered,
+            max_unregistered_per_source=args.max_unregistered_per_source,
+        )
+    except ValueError as exc:
+        print(f"meshnode relay: {exc}", file=sys.stderr)
+        return 2
+    server = RelayServer(identity, set(args.mesh), policy, quic=apply_read_limit_options(args))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -3,8 +3,13 @@
 The QUIC edge (``relay.server``) feeds it decoded events and asks it what to
 write; time is a parameter. Per connection:
 
-* ``connection_made(conn, tls_peer_id, now)`` queues a fresh challenge.
-* ``frame_received(conn, body, now, unix_now)`` handles one client frame.
+* ``connection_made(conn, tls_peer_id, now, source=host)`` queues a fresh
+  challenge, or refuses a connection over the caps.
+* ``max_frame_bytes(conn)`` is the largest frame to accept from the client
+  now: a registration's size until it has registered.
+* ``frame_received(conn, body, now, unix_now)`` handles one client frame;
+  ``stream_failed(conn, refusal)`` closes a client whose byte stream the edge
+  gave up on (oversized or stalled frame, buffer cap).
   Afterwards ``read_delay(conn, now)`` says how long to stop reading from that
   client (its rate buckets are in debt: the client is slowed, never dropped).
 * ``next_frame(conn)`` is the next frame body to write to the client (control
@@ -20,6 +25,12 @@ Policies (each has a test in ``tests/relay/test_core.py``):
 * Only mesh members register: the TLS key must equal the claimed node id, the
   challenge signature must verify, and the membership proof must verify for a
   mesh this relay serves, with the relay's id as the invite verifier.
+* Anyone can connect, so a connection that has not registered costs little and
+  is capped: its only frame may be registration-sized, it has
+  ``registration_timeout_s`` to register, and at most
+  ``max_unregistered`` such connections exist at once, at most
+  ``max_unregistered_per_source`` from one source address (an IPv6 /64 counts
+  as one address); the rest are refused with ``RELAY_ERROR_OVERLOADED``.
 * A second registration of a node id wins: the older connection is told
   ``RELAY_ERROR_REPLACED`` and closed; frames queued for the id stay queued for
   the new connection (senders address ids, not connections).
@@ -33,8 +44,9 @@ Policies (each has a test in ``tests/relay/test_core.py``):
 
 from __future__ import annotations
 
+import ipaddress
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -43,6 +55,7 @@ from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NODE_ID_BYTES, short_id, verify_signature
 from meshnode.membership.credentials import verify_membership_proof
 from meshnode.mesh.errors import MeshRefusal
+from meshnode.wire.errors import FrameTooLarge
 from meshnode.wire.pb import mesh
 from relay import protocol as p
 from relay.fair_queue import FairQueue
@@ -71,6 +84,11 @@ class RelayPolicy:
     keepalive_s: float = 10.0
     registration_timeout_s: float = 10.0
     max_connections: int = 4096
+    # Connections not registered yet (each may hold one registration-sized frame).
+    max_unregistered: int = 1024
+    # ...of those, from one source address: a household or office behind one NAT
+    # reconnecting at once fits; a stranger opening thousands does not.
+    max_unregistered_per_source: int = 16
     # Control messages (refusals, peer-gone) waiting for a client that does not read.
     max_control_backlog: int = 4096
 
@@ -81,6 +99,8 @@ class RelayPolicy:
             raise ValueError("queue budgets must satisfy source <= destination <= total")
         if not 0 < self.keepalive_s < 30:
             raise ValueError("keepalive must be under 30 s (UDP NAT mappings expire after 30 s)")
+        if not 0 < self.max_unregistered_per_source <= self.max_unregistered:
+            raise ValueError("unregistered caps must satisfy 0 < per source <= total")
 
     def to_pb(self) -> relay.RelayLimits:
         return relay.RelayLimits(
@@ -111,6 +131,8 @@ class _Conn:
     state: ConnState = ConnState.AWAITING_REGISTER
     node_id: bytes = b""
     mesh_id: str = ""
+    # The source address group it counts against while not registered ("" once registered).
+    unregistered_source: str = ""
     control: deque[bytes] = field(default_factory=deque)
     # Destinations this client sent to: they get a peer_gone when it goes.
     sent_to: set[bytes] = field(default_factory=set)
@@ -133,6 +155,9 @@ class RelayStats:
     refused_frames: dict[str, int] = field(default_factory=dict)
     queued_bytes: int = 0
     connections: int = 0
+    unregistered: int = 0
+    # Connections the relay closed with a refusal, by RelayErrorCode name.
+    connections_refused: dict[str, int] = field(default_factory=dict)
 
 
 class RelayCore:
@@ -156,11 +181,13 @@ class RelayCore:
         self._registered: dict[bytes, _Registration] = {}
         self._wakeups: set[int] = set()
         self._queued_total = 0
+        self._unregistered_by_source: Counter[str] = Counter()
         self.stats = RelayStats()
 
     # -- inputs ------------------------------------------------------------------
 
-    def connection_made(self, conn_id: int, tls_peer_id: bytes, now: float) -> None:
+    def connection_made(self, conn_id: int, tls_peer_id: bytes, now: float, *, source: str = "") -> None:
+        """``source``: the client's IP address (the caps on unregistered connections group by it)."""
         if conn_id in self._conns:
             raise ValueError(f"connection {conn_id} already known")
         policy = self.policy
@@ -177,6 +204,18 @@ class RelayCore:
         if len(self._conns) > policy.max_connections:
             self._fail(conn, RelayRefused(p.OVERLOADED, "relay connection budget used up"))
             return
+        group = source_group(source)
+        if self.stats.unregistered >= policy.max_unregistered:
+            self._fail(conn, RelayRefused(p.OVERLOADED, "too many connections waiting to register"))
+            return
+        if self._unregistered_by_source[group] >= policy.max_unregistered_per_source:
+            self._fail(
+                conn, RelayRefused(p.OVERLOADED, "too many unregistered connections from this address")
+            )
+            return
+        self._unregistered_by_source[group] += 1
+        self.stats.unregistered += 1
+        conn.unregistered_source = group
         challenge = relay.RelayChallenge(
             version=p.RELAY_PROTOCOL_VERSION,
             relay_id=self.relay_id,
@@ -188,6 +227,14 @@ class RelayCore:
     def frame_received(self, conn_id: int, body: bytes, *, now: float, unix_now: float) -> None:
         conn = self._conns.get(conn_id)
         if conn is None or conn.state is ConnState.CLOSING:
+            return
+        limit = self.max_frame_bytes(conn_id)
+        if len(body) > limit:
+            # The edge refuses such a frame on its length prefix already; this is the rule itself.
+            registered = conn.state is ConnState.REGISTERED
+            self._fail(
+                conn, p.refusal_for_framing_error(FrameTooLarge(len(body), limit), registered=registered)
+            )
             return
         try:
             message = p.decode_client_message(body, max_payload_bytes=self.policy.max_payload_bytes)
@@ -211,11 +258,20 @@ class RelayCore:
         else:
             self._on_send(conn, message.send)
 
+    def stream_failed(self, conn_id: int, refusal: RelayRefused) -> None:
+        """The edge stopped reading ``conn_id``'s stream; tell the client why, then close."""
+        conn = self._conns.get(conn_id)
+        if conn is not None:
+            self._fail(conn, refusal)
+
     def connection_lost(self, conn_id: int, now: float) -> None:
         conn = self._conns.pop(conn_id, None)
         self._wakeups.discard(conn_id)
         self.stats.connections = len(self._conns)
-        if conn is None or not conn.node_id:
+        if conn is None:
+            return
+        self._count_registered(conn)
+        if not conn.node_id:
             return
         registration = self._registered.get(conn.node_id)
         if registration is not None and registration.conn_id == conn_id:
@@ -267,6 +323,15 @@ class RelayCore:
         if conn is None:
             return 0.0
         return max(conn.byte_bucket.debt_delay(now), conn.frame_bucket.debt_delay(now))
+
+    def max_frame_bytes(self, conn_id: int) -> int:
+        conn = self._conns.get(conn_id)
+        if conn is not None and conn.state is ConnState.REGISTERED:
+            return p.MAX_RELAY_FRAME_BYTES
+        return p.MAX_REGISTRATION_FRAME_BYTES
+
+    def unregistered_from(self, source: str) -> int:
+        return self._unregistered_by_source[source_group(source)]
 
     def is_closing(self, conn_id: int) -> bool:
         conn = self._conns.get(conn_id)
@@ -352,6 +417,7 @@ class RelayCore:
         conn.state = ConnState.REGISTERED
         conn.node_id = node_id
         conn.mesh_id = mesh_id
+        self._count_registered(conn)
         self.stats.registrations += 1
         self._control(
             conn, relay.RelayServerMessage(registered=relay.RelayRegistered(node_id=node_id, mesh_id=mesh_id))
@@ -425,10 +491,22 @@ class RelayCore:
         conn.control.append(message.SerializeToString())
         self._wakeups.add(conn.conn_id)
 
+    def _count_registered(self, conn: _Conn) -> None:
+        """``conn`` no longer counts against the caps on unregistered connections."""
+        group, conn.unregistered_source = conn.unregistered_source, ""
+        if not group:
+            return
+        self.stats.unregistered -= 1
+        self._unregistered_by_source[group] -= 1
+        if not self._unregistered_by_source[group]:
+            del self._unregistered_by_source[group]
+
     def _fail(self, conn: _Conn, refusal: RelayRefused) -> None:
         """Send ``refusal`` as the connection's last message and close it."""
         if conn.state is ConnState.CLOSING:
             return
+        name = refusal.code_name
+        self.stats.connections_refused[name] = self.stats.connections_refused.get(name, 0) + 1
         node_id = conn.node_id
         conn.state = ConnState.CLOSING
         conn.control.append(relay.RelayServerMessage(refused=refusal.to_pb()).SerializeToString())
@@ -439,4 +517,21 @@ class RelayCore:
                 self._unregister(node_id, f"connection closed ({refusal.code_name})")
 
 
-__all__ = ["ConnState", "RelayCore", "RelayPolicy", "RelayStats"]
+def source_group(host: str) -> str:
+    """The address the unregistered caps count by: the IPv4 address, or the IPv6 /64.
+
+    One IPv6 host commonly holds a whole /64, so counting single IPv6 addresses
+    would give it 2**64 quotas.
+    """
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+__all__ = ["ConnState", "RelayCore", "RelayPolicy", "RelayStats", "source_group"]

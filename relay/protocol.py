@@ -12,7 +12,14 @@ from google.protobuf.message import DecodeError
 
 from meshnode.gen.meshnode.v1 import relay_pb2 as relay
 from meshnode.identity import NODE_ID_BYTES, SIGNATURE_BYTES, NodeIdentity
-from meshnode.wire.errors import MeshnodeError
+from meshnode.membership.credentials import MAX_TOKEN_CHARS
+from meshnode.wire.errors import (
+    BufferLimitExceeded,
+    FrameStalled,
+    FrameTooLarge,
+    FramingError,
+    MeshnodeError,
+)
 from meshnode.wire.framing import MAX_FRAME_BYTES
 
 RELAY_ALPN = "meshnode-relay/1"
@@ -22,6 +29,11 @@ CHALLENGE_BYTES = 32
 MAX_PAYLOAD_BYTES = MAX_FRAME_BYTES
 ENVELOPE_ALLOWANCE = 64 * 1024
 MAX_RELAY_FRAME_BYTES = MAX_PAYLOAD_BYTES + ENVELOPE_ALLOWANCE
+# Before a client has registered, the only frame it may send is a registration:
+# ids, a signature and a membership proof, whose largest part (an invite body)
+# comes from an invite token of at most MAX_TOKEN_CHARS base64 characters. So a
+# stranger can make the relay hold 16 KiB, not 8 MiB.
+MAX_REGISTRATION_FRAME_BYTES = MAX_TOKEN_CHARS
 MAX_MESH_ID_CHARS = 64
 # Channel numbers are the nodes' business; the relay only bounds them.
 MAX_CHANNEL = (1 << 62) - 1
@@ -40,6 +52,7 @@ REPLACED = relay.RELAY_ERROR_REPLACED
 REGISTRATION_TIMEOUT = relay.RELAY_ERROR_REGISTRATION_TIMEOUT
 SHUTTING_DOWN = relay.RELAY_ERROR_SHUTTING_DOWN
 OVERLOADED = relay.RELAY_ERROR_OVERLOADED
+FRAME_STALLED = relay.RELAY_ERROR_FRAME_STALLED
 
 
 def relay_code_name(code: int) -> str:
@@ -83,6 +96,18 @@ class PayloadTooLarge(RelayRefused):
     def __init__(self, send: relay.RelaySend, limit: int) -> None:
         super().__init__(PAYLOAD_TOO_LARGE, f"payload of {len(send.payload)} bytes exceeds {limit}")
         self.send = send
+
+
+def refusal_for_framing_error(exc: FramingError, *, registered: bool) -> RelayRefused:
+    """What the relay tells a client whose byte stream it gave up on."""
+    if isinstance(exc, FrameTooLarge):
+        what = "a frame" if registered else "a frame before registration"
+        return RelayRefused(PAYLOAD_TOO_LARGE, f"{what} of {exc.length} bytes exceeds {exc.limit}")
+    if isinstance(exc, BufferLimitExceeded):
+        return RelayRefused(OVERLOADED, str(exc))
+    if isinstance(exc, FrameStalled):
+        return RelayRefused(FRAME_STALLED, str(exc))
+    return RelayRefused(MALFORMED, str(exc))
 
 
 def registration_message(relay_id: bytes, challenge: bytes, node_id: bytes, mesh_id: str) -> bytes:
@@ -161,6 +186,7 @@ def encode_deliver(source_id: bytes, channel: int, payload: bytes) -> bytes:
 __all__ = [
     "CHALLENGE_BYTES",
     "MAX_PAYLOAD_BYTES",
+    "MAX_REGISTRATION_FRAME_BYTES",
     "MAX_RELAY_FRAME_BYTES",
     "RELAY_ALPN",
     "RELAY_PROTOCOL_VERSION",
@@ -170,6 +196,7 @@ __all__ = [
     "decode_server_message",
     "encode_deliver",
     "encode_send",
+    "refusal_for_framing_error",
     "registration_message",
     "relay",
     "relay_code_name",

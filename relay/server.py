@@ -6,7 +6,11 @@ Per client connection the relay opens one stream, then:
 
 * a reader task decodes frames into the core and, when the core says the
   client's rate buckets are in debt, stops reading for that long (QUIC flow
-  control then slows the client; nobody else waits);
+  control then slows the client; nobody else waits). It holds frames to the
+  size the core allows (a registration's until the client registered), and
+  what it holds of an incomplete frame to the connection's and the process's
+  buffer caps and the stall timeout (``meshnode.transport.read_limits``); a
+  client that breaks them is refused with the matching code and closed;
 * a writer task writes what the core hands out, only as fast as the client
   acknowledges, so a slow client's frames wait in the core's bounded queues.
 
@@ -135,7 +139,7 @@ class RelayServer:
         client = _Client(conn_id=next(self._ids), link=link)
         self._clients[link] = client
         self._by_conn[client.conn_id] = client
-        self.core.connection_made(client.conn_id, link.peer_id, loop.time())
+        self.core.connection_made(client.conn_id, link.peer_id, loop.time(), source=link.remote_address[0])
         client.tasks.append(loop.create_task(self._serve(client)))
 
     def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
@@ -164,6 +168,8 @@ class RelayServer:
         client.framed = FramedStream(
             stream, expect_stream_type=False, max_frame_bytes=p.MAX_RELAY_FRAME_BYTES
         )
+        # Sends may be as large as any relay frame; what we read is the core's to bound.
+        client.framed.max_recv_frame_bytes = self.core.max_frame_bytes(client.conn_id)
         client.tasks.append(asyncio.get_running_loop().create_task(self._read_loop(client, client.framed)))
         await self._write_loop(client, client.framed)
 
@@ -177,13 +183,16 @@ class RelayServer:
                     client.link.close("client finished its relay stream")
                     return
                 core.frame_received(client.conn_id, body, now=loop.time(), unix_now=time.time())
+                framed.max_recv_frame_bytes = core.max_frame_bytes(client.conn_id)
                 self._wake()
                 delay = core.read_delay(client.conn_id, loop.time())
                 if delay > 0:
                     self.read_pauses += 1
                     await asyncio.sleep(delay)
         except FramingError as exc:
-            client.link.close(f"{p.relay_code_name(p.MALFORMED)}: {exc}"[:100])
+            registered = core.registered_node(client.conn_id) is not None
+            core.stream_failed(client.conn_id, p.refusal_for_framing_error(exc, registered=registered))
+            self._wake()
         except StreamError:
             pass
 

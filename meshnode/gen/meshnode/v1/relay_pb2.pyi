@@ -24,6 +24,7 @@ class RelayErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELAY_ERROR_REGISTRATION_TIMEOUT: _ClassVar[RelayErrorCode]
     RELAY_ERROR_SHUTTING_DOWN: _ClassVar[RelayErrorCode]
     RELAY_ERROR_OVERLOADED: _ClassVar[RelayErrorCode]
+    RELAY_ERROR_FRAME_STALLED: _ClassVar[RelayErrorCode]
 RELAY_ERROR_UNSPECIFIED: RelayErrorCode
 RELAY_ERROR_MALFORMED: RelayErrorCode
 RELAY_ERROR_PROTOCOL: RelayErrorCode
@@ -37,6 +38,7 @@ RELAY_ERROR_REPLACED: RelayErrorCode
 RELAY_ERROR_REGISTRATION_TIMEOUT: RelayErrorCode
 RELAY_ERROR_SHUTTING_DOWN: RelayErrorCode
 RELAY_ERROR_OVERLOADED: RelayErrorCode
+RELAY_ERROR_FRAME_STALLED: RelayErrorCode
 
 class RelayRefusal(_message.Message):
     __slots__ = ("code", "detail", "membership_error")
