@@ -171,7 +171,7 @@ class Node:
             incarnation=time.time_ns(),
         )
         self.state = MeshState(
-            node_id=identity.node_id,
+            identity=identity,
             mesh_id=mesh_id,
             local=local,
             membership=membership,
@@ -526,6 +526,8 @@ class Node:
             self._exchanged[link] = done
 
     def _log_merge(self, report: MergeReport, source: bytes) -> None:
+        for drop in report.dropped:  # counted in state.record_drops
+            self._refusal_log.log(logging.WARNING, "dropped a %s sent by %s", drop, short_id(source))
         for peer_id in report.added:
             how = "" if peer_id == source else f" (via {short_id(source)})"
             log.info("peer %s joined our view%s", short_id(peer_id), how)
@@ -731,7 +733,11 @@ class Node:
             },
             "peers": [self._peer_json(entry, now) for entry in self.state.table.entries()],
             "tombstones": self.state.table.tombstone_count,
-            "refusals": {"streams": dict(self.dispatcher.refusals), "gossip": dict(self.gossip_refusals)},
+            "refusals": {
+                "streams": dict(self.dispatcher.refusals),
+                "gossip": dict(self.gossip_refusals),
+                "records": dict(self.state.record_drops),
+            },
         }
 
     def _relays_json(self) -> list[dict[str, Any]]:

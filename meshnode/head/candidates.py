@@ -52,7 +52,8 @@ def shard_candidate(
         model=model_identity(served),
         start_layer=span.start_layer,
         end_layer=span.end_layer,
-        rtt_ms=float(announcement.rtt_ms) if rtt_ms is None else rtt_ms,
+        # A node's own record says nothing of our round trip to it; 0 until measured.
+        rtt_ms=0.0 if rtt_ms is None else rtt_ms,
         active_sessions=announcement.load.active_sessions,
         max_sessions=announcement.capacity.max_concurrent_sessions,
         accepting=announcement.load.serving_state in _ACCEPTING_STATES,

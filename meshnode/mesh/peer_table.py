@@ -1,11 +1,17 @@
-"""The node's view of the mesh: one entry per known peer, plus tombstones. Pure; time is a parameter."""
+"""The node's view of the mesh: one entry per known peer, plus tombstones. Pure; time is a parameter.
+
+Only verified records are merged (:mod:`meshnode.mesh.signed_record`), and each
+entry keeps the signed bytes it came from, which is what gossip relays.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from meshnode.mesh.gossip_records import DroppedRecord
 from meshnode.mesh.rules import Freshness, MergeAction, resolve_announcement
+from meshnode.mesh.signed_record import VerifiedRecord
 from meshnode.wire.pb import mesh
 
 
@@ -16,6 +22,8 @@ def freshness(announcement: mesh.PeerAnnouncement) -> Freshness:
 @dataclass
 class PeerEntry:
     announcement: mesh.PeerAnnouncement
+    # The peer's own signed bytes of `announcement`, relayed unchanged.
+    record: mesh.SignedPeerRecord
     first_seen: float
     # When a fresher announcement of this peer last arrived (from anyone).
     last_heard: float
@@ -40,6 +48,8 @@ class MergeReport:
     updated: list[bytes] = field(default_factory=list)
     ignored_tombstoned: list[bytes] = field(default_factory=list)
     ignored_full: list[bytes] = field(default_factory=list)
+    # Records of the frame refused before the merge (unsigned, forged, ...).
+    dropped: list[DroppedRecord] = field(default_factory=list)
 
 
 class PeerTable:
@@ -59,6 +69,10 @@ class PeerTable:
     def get(self, peer_id: bytes) -> PeerEntry | None:
         return self._entries.get(peer_id)
 
+    def record_of(self, peer_id: bytes) -> mesh.SignedPeerRecord | None:
+        entry = self._entries.get(peer_id)
+        return entry.record if entry is not None else None
+
     def entries(self) -> list[PeerEntry]:
         return list(self._entries.values())
 
@@ -72,14 +86,13 @@ class PeerTable:
     def tombstone_count(self) -> int:
         return len(self._tombstones)
 
-    def merge(
-        self, announcements: Iterable[mesh.PeerAnnouncement], *, from_peer: bytes, now: float
-    ) -> MergeReport:
-        """Merge gossip received from ``from_peer`` (already validated)."""
+    def merge(self, records: Iterable[VerifiedRecord], *, from_peer: bytes, now: float) -> MergeReport:
+        """Merge gossip received from ``from_peer``; freshness is what each signer says."""
         self.expire_tombstones(now)
         report = MergeReport()
-        for announcement in announcements:
-            peer_id = bytes(announcement.endpoint_id)
+        for record in records:
+            announcement = record.announcement
+            peer_id = record.node_id
             entry = self._entries.get(peer_id)
             tombstone = self._tombstones.get(peer_id)
             direct = peer_id == from_peer
@@ -95,12 +108,13 @@ class PeerTable:
             elif action is MergeAction.ADD:
                 copy = mesh.PeerAnnouncement()
                 copy.CopyFrom(announcement)
-                self._entries[peer_id] = PeerEntry(copy, first_seen=now, last_heard=now)
+                self._entries[peer_id] = PeerEntry(copy, record.signed, first_seen=now, last_heard=now)
                 self._tombstones.pop(peer_id, None)
                 report.added.append(peer_id)
             elif action is MergeAction.UPDATE:
                 assert entry is not None
                 entry.announcement.CopyFrom(announcement)
+                entry.record = record.signed
                 entry.last_heard = now
                 report.updated.append(peer_id)
             elif action is MergeAction.IGNORE_TOMBSTONED:

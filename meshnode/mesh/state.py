@@ -9,13 +9,20 @@ frames with the transport-authenticated peer id and sends what it returns:
   certificate and the mesh key to an invite holder), merge, and build the reply.
 * ``receive_gossip_reply`` — the opening side: the same checks on the reply,
   and, while joining, taking the grant that makes this node a member.
+
+Gossip carries signed peer records (:mod:`meshnode.mesh.signed_record`): this
+node signs its own announcement with its node key, relays others' records
+unchanged, and merges only records that verify against the node they name.
+``record_drops`` counts the others, by reason.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import (
     Invite,
     VerifiedMembership,
@@ -28,7 +35,9 @@ from meshnode.membership.credentials import (
 )
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.errors import MeshRefusal, RemoteRefusal
+from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
 from meshnode.mesh.peer_table import MergeReport, PeerTable
+from meshnode.mesh.signed_record import LocalRecord
 from meshnode.mesh.validation import validate_gossip_frame
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.pb import mesh
@@ -53,7 +62,7 @@ class MeshState:
     def __init__(
         self,
         *,
-        node_id: bytes,
+        identity: NodeIdentity,
         mesh_id: str,
         local: mesh.PeerAnnouncement,
         membership: MembershipState | None,
@@ -63,15 +72,18 @@ class MeshState:
     ) -> None:
         if membership is None and invite is None:
             raise ValueError("a node needs either a membership or an invite")
-        self.node_id = node_id
+        self.node_id = identity.node_id
         self.mesh_id = mesh_id
         self.local = local
-        self.local.endpoint_id = node_id
+        self.local.endpoint_id = self.node_id
         self.local.mesh_id = mesh_id
+        self._local_record = LocalRecord(identity)
         self.membership = membership
         self.invite = invite
-        self.table = PeerTable(node_id, tombstone_ttl=tombstone_ttl, max_peers=max_peers)
+        self.table = PeerTable(self.node_id, tombstone_ttl=tombstone_ttl, max_peers=max_peers)
         self._admitted: set[bytes] = set()
+        # Gossiped records refused, by RecordFault value ("bad_signature", ...).
+        self.record_drops: Counter[str] = Counter()
 
     @property
     def is_member(self) -> bool:
@@ -96,10 +108,15 @@ class MeshState:
         assert self.invite is not None
         return make_invite_proof(self.invite, joiner_id=self.node_id, verifier_id=verifier_id)
 
+    def local_record(self) -> mesh.SignedPeerRecord:
+        """Our announcement as we sign it now (signed again only when it changed)."""
+        return self._local_record.signed(self.local)
+
     def gossip_frame(self, verifier_id: bytes) -> mesh.GossipFrame:
         frame = mesh.GossipFrame(gen=NODE_PROTOCOL_GENERATION, sender_id=self.node_id)
-        frame.peers.append(self.local)
-        frame.peers.extend(entry.announcement for entry in self.table.entries())
+        frame.entries.add().record.CopyFrom(self.local_record())
+        for entry in self.table.entries():
+            frame.entries.add().record.CopyFrom(entry.record)
         frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
         return frame
 
@@ -121,11 +138,12 @@ class MeshState:
     # -- frames we receive -------------------------------------------------------
 
     def receive_gossip(self, frame: mesh.GossipFrame, *, peer_id: bytes, now: float) -> GossipOutcome:
-        own = validate_gossip_frame(frame, peer_id)
+        validate_gossip_frame(frame, peer_id)
         if frame.HasField("refusal") or frame.HasField("membership_grant"):
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "an opening GossipFrame carries a reply-only field")
+        # Membership first: a stranger does not get one signature check per record it sends.
         verified = self._verify_unadmitted(frame, peer_id, now)
-        self._check_mesh(own)
+        opened = self._open_records(frame, peer_id, now)
         grant: membership.MembershipGrant | None = None
         if verified is not None and verified.via_invite:
             if self.membership is None:
@@ -137,7 +155,7 @@ class MeshState:
             )
             grant = make_grant(self.membership.mesh_key, certificate)
         self._admitted.add(peer_id)
-        merged = self.table.merge(frame.peers, from_peer=peer_id, now=now)
+        merged = self._merge(opened, now)
         reply = self.gossip_frame(peer_id)
         if grant is not None:
             reply.membership_grant.CopyFrom(grant)
@@ -151,13 +169,13 @@ class MeshState:
     def receive_gossip_reply(self, frame: mesh.GossipFrame, *, peer_id: bytes, now: float) -> ReplyOutcome:
         if frame.HasField("refusal"):
             raise RemoteRefusal(frame.refusal.code, frame.refusal.detail)
-        own = validate_gossip_frame(frame, peer_id)
+        validate_gossip_frame(frame, peer_id)
         verified = self._verify_unadmitted(frame, peer_id, now)
         if verified is not None and verified.via_invite:
             raise MeshRefusal(
                 mesh.MESH_ERROR_PROTOCOL, "a member answers with its certificate, not an invite"
             )
-        self._check_mesh(own)
+        opened = self._open_records(frame, peer_id, now)
         joined = False
         if frame.HasField("membership_grant") and self.membership is None:
             mesh_key, certificate = open_grant(
@@ -169,7 +187,7 @@ class MeshState:
         elif self.membership is None:
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "admitted without a membership grant")
         self._admitted.add(peer_id)
-        merged = self.table.merge(frame.peers, from_peer=peer_id, now=now)
+        merged = self._merge(opened, now)
         return ReplyOutcome(newly_admitted=verified is not None, joined=joined, merged=merged)
 
     def _verify_unadmitted(
@@ -182,9 +200,19 @@ class MeshState:
             proof, mesh_id=self.mesh_id, verifier_id=self.node_id, authenticated_peer_id=peer_id, now=now
         )
 
-    def _check_mesh(self, own: mesh.PeerAnnouncement) -> None:
-        if own.mesh_id != self.mesh_id:
-            raise MeshRefusal(mesh.MESH_ERROR_OTHER_MESH, "the sender announces another mesh")
+    def _open_records(self, frame: mesh.GossipFrame, peer_id: bytes, now: float) -> OpenedGossip:
+        """The frame's sound records; refuses the frame when the sender's own is not one."""
+        opened = open_gossip_entries(
+            frame.entries, sender=peer_id, mesh_id=self.mesh_id, now=now, held=self.table.record_of
+        )
+        self.record_drops.update(drop.fault.value for drop in opened.dropped)
+        opened.sender_record()
+        return opened
+
+    def _merge(self, opened: OpenedGossip, now: float) -> MergeReport:
+        report = self.table.merge(opened.records, from_peer=opened.sender, now=now)
+        report.dropped = opened.dropped
+        return report
 
 
 __all__ = ["GossipOutcome", "MeshState", "ReplyOutcome"]

@@ -91,24 +91,13 @@ def validate_announcement(announcement: mesh.PeerAnnouncement) -> None:
             raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "served layer range is empty or past the model")
 
 
-def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes) -> mesh.PeerAnnouncement:
-    """Checks in the seed's order; returns the sender's own announcement."""
+def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes) -> None:
+    """The frame-level checks, in the seed's order; the records inside are
+    :func:`~meshnode.mesh.gossip_records.open_gossip_entries`'s."""
     check_generation(frame.gen, "GossipFrame")
     check_sender(frame.sender_id, authenticated_peer_id, "GossipFrame.sender_id")
-    if len(frame.peers) > MAX_PEERS_PER_FRAME:
+    if len(frame.entries) > MAX_PEERS_PER_FRAME:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_PEERS_PER_FRAME} peers in one frame")
-    own: mesh.PeerAnnouncement | None = None
-    seen: set[bytes] = set()
-    for announcement in frame.peers:
-        validate_announcement(announcement)
-        if announcement.endpoint_id in seen:
-            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "a peer is announced twice in one frame")
-        seen.add(announcement.endpoint_id)
-        if announcement.endpoint_id == frame.sender_id:
-            own = announcement
-    if own is None:
-        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "GossipFrame lacks the sender's own announcement")
-    return own
 
 
 def validate_route_request(request: mesh.RouteTableRequest, authenticated_peer_id: bytes) -> None:

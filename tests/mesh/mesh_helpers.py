@@ -10,12 +10,24 @@ from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.errors import refusal_from_reset_code
+from meshnode.mesh.signed_record import decode_record, sign_record
 from meshnode.node import Node, NodeConfig
 from meshnode.transport.base import MeshStream, PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicSettings
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
+
+
+def signed_entry(identity: NodeIdentity, announcement: mesh.PeerAnnouncement) -> mesh.GossipEntry:
+    """``announcement`` (of ``identity``, whose id it gets) as a gossip entry its node signed."""
+    announcement.endpoint_id = identity.node_id
+    return mesh.GossipEntry(record=sign_record(identity, announcement))
+
+
+def entry_ids(frame: mesh.GossipFrame) -> set[bytes]:
+    """The node ids a GossipFrame's entries name."""
+    return {bytes(decode_record(e.record).endpoint_id) for e in frame.entries}
 
 
 class Recorder:
@@ -142,6 +154,10 @@ class RawPeer:
             incarnation=time.time_ns(),
             addresses=[f"{host}:{port}"],
         )
+
+    def entry(self, mesh_id: str) -> mesh.GossipEntry:
+        """Our own announcement, signed: the sender's entry of a GossipFrame."""
+        return signed_entry(self.identity, self.announcement(mesh_id))
 
 
 async def exchange(

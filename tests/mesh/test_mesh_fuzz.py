@@ -46,11 +46,10 @@ def rss_bytes(pid: int) -> int:
 
 def templates(fuzzer, mesh_id: str, proof, victim: bytes) -> dict[int, bytes]:
     if isinstance(fuzzer, Node):
-        own = mesh.PeerAnnouncement()
-        own.CopyFrom(fuzzer.state.local)
+        own = mesh.GossipEntry(record=fuzzer.state.local_record())
     else:
-        own = fuzzer.announcement(mesh_id)
-    gossip = mesh.GossipFrame(gen=1, sender_id=fuzzer.node_id, peers=[own])
+        own = fuzzer.entry(mesh_id)
+    gossip = mesh.GossipFrame(gen=1, sender_id=fuzzer.node_id, entries=[own])
     if proof is not None:
         gossip.membership_proof.CopyFrom(proof)
     return {

@@ -10,6 +10,7 @@ import time
 import pytest
 from mesh_helpers import (
     RawPeer,
+    entry_ids,
     eventually,
     exchange,
     fast_config,
@@ -61,7 +62,7 @@ def invite_for(node: Node, *, mesh_key=None, ttl=3600.0, now=None):
 
 
 def gossip_from(peer: RawPeer, node: Node, proof=None, **fields) -> bytes:
-    frame = mesh.GossipFrame(gen=1, sender_id=peer.node_id, peers=[peer.announcement(node.mesh_id)])
+    frame = mesh.GossipFrame(gen=1, sender_id=peer.node_id, entries=[peer.entry(node.mesh_id)])
     if proof is not None:
         frame.membership_proof.CopyFrom(proof)
     for name, value in fields.items():
@@ -72,7 +73,7 @@ def gossip_from(peer: RawPeer, node: Node, proof=None, **fields) -> bytes:
 async def gossip_refusal(link, body: bytes) -> int:
     reply = mesh.GossipFrame.FromString(await exchange(link, StreamType.GOSSIP, body))
     assert reply.HasField("refusal"), "expected a refusal"
-    assert not reply.peers and not reply.HasField("membership_grant")
+    assert not reply.entries and not reply.HasField("membership_grant")
     return reply.refusal.code
 
 
@@ -225,8 +226,7 @@ async def test_gossip_sender_mismatch_and_bad_generation_are_refused(first):
         link = await peer.connect(first)
         proof = certificate_for(first, peer)
         someone = NodeIdentity.generate().node_id
-        forged_sender = mesh.GossipFrame(gen=1, sender_id=someone, peers=[peer.announcement(first.mesh_id)])
-        forged_sender.peers[0].endpoint_id = someone
+        forged_sender = mesh.GossipFrame(gen=1, sender_id=someone, entries=[peer.entry(first.mesh_id)])
         forged_sender.membership_proof.CopyFrom(proof)
         code = await gossip_refusal(link, forged_sender.SerializeToString())
         assert code == mesh.MESH_ERROR_SENDER_MISMATCH
@@ -250,7 +250,7 @@ async def test_non_gossip_streams_before_admission_are_reset_and_the_connection_
         reply = mesh.GossipFrame.FromString(
             await exchange(link, StreamType.GOSSIP, gossip_from(peer, first, certificate_for(first, peer)))
         )
-        assert {p.endpoint_id for p in reply.peers} == {first.node_id, peer.node_id}
+        assert entry_ids(reply) == {first.node_id, peer.node_id}
         probe = mesh.Probe(gen=1, nonce=b"n").SerializeToString()
         assert await exchange(link, StreamType.PROBE, probe) == probe
 

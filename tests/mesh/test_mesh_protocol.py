@@ -11,6 +11,7 @@ from meshnode.membership.credentials import (
 )
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.errors import MeshRefusal, RemoteRefusal, refusal_from_reset_code, reset_code
+from meshnode.mesh.gossip_records import open_gossip_entries
 from meshnode.mesh.peer_table import PeerTable
 from meshnode.mesh.rules import (
     Freshness,
@@ -24,6 +25,7 @@ from meshnode.mesh.rules import (
     resolve_peer_leaving,
     stream_allowed_before_admission,
 )
+from meshnode.mesh.signed_record import RecordFault, VerifiedRecord, sign_record
 from meshnode.mesh.state import MeshState
 from meshnode.mesh.validation import (
     MAX_PEERS_PER_FRAME,
@@ -37,7 +39,9 @@ from meshnode.mesh.validation import (
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
 
-A, B, C = (bytes([n]) * 32 for n in (1, 2, 3))
+# Real keys (from fixed seeds): every gossiped record is signed by the node it names.
+IDENTITIES = {i.node_id: i for i in (NodeIdentity.from_seed(bytes([n]) * 32) for n in range(1, 20))}
+A, B, C, *MORE = sorted(IDENTITIES)  # A < B < C, as the tie-break tests assume
 NOW = 1_800_000_000.0
 
 
@@ -51,6 +55,16 @@ def announcement(node_id, *, incarnation=1, seq=0, mesh_id="m", **fields):
     return mesh.PeerAnnouncement(
         endpoint_id=node_id, incarnation=incarnation, heartbeat_seq=seq, mesh_id=mesh_id, **fields
     )
+
+
+def record(node_id, **fields):
+    """A record of ``node_id`` as its node signed it (what the peer table merges)."""
+    signed = sign_record(IDENTITIES[node_id], announcement(node_id, **fields))
+    return VerifiedRecord(mesh.PeerAnnouncement.FromString(signed.record), signed)
+
+
+def entry(node_id, **fields):
+    return mesh.GossipEntry(record=sign_record(IDENTITIES[node_id], announcement(node_id, **fields)))
 
 
 # -- rules ---------------------------------------------------------------------------------------
@@ -129,14 +143,16 @@ def test_own_announcement_is_never_merged():
 # -- validators ----------------------------------------------------------------------------------
 
 
-def gossip(sender=B, gen=1, peers=None):
-    return mesh.GossipFrame(
-        gen=gen, sender_id=sender, peers=peers if peers is not None else [announcement(sender)]
-    )
+def gossip(sender=B, gen=1, entries=None):
+    return mesh.GossipFrame(gen=gen, sender_id=sender, entries=entries if entries is not None else [entry(B)])
+
+
+def opened(frame, sender=B):
+    return open_gossip_entries(frame.entries, sender=sender, mesh_id="m", now=NOW, held=lambda _: None)
 
 
 def test_gossip_validation_follows_the_seed_order():
-    assert validate_gossip_frame(gossip(), B).endpoint_id == B
+    validate_gossip_frame(gossip(), B)
     assert code_of(lambda: validate_gossip_frame(gossip(gen=2), B)) == mesh.MESH_ERROR_BAD_GENERATION
     assert (
         code_of(lambda: validate_gossip_frame(gossip(gen=0, sender=b"x"), B))
@@ -144,18 +160,23 @@ def test_gossip_validation_follows_the_seed_order():
     )
     assert code_of(lambda: validate_gossip_frame(gossip(sender=b"short"), B)) == mesh.MESH_ERROR_MALFORMED
     assert code_of(lambda: validate_gossip_frame(gossip(sender=C), B)) == mesh.MESH_ERROR_SENDER_MISMATCH
-    bad_peer = [announcement(B), mesh.PeerAnnouncement(endpoint_id=b"\x01" * 31)]
-    assert code_of(lambda: validate_gossip_frame(gossip(peers=bad_peer), B)) == mesh.MESH_ERROR_MALFORMED
-    assert (
-        code_of(lambda: validate_gossip_frame(gossip(peers=[announcement(C)]), B))
-        == mesh.MESH_ERROR_MALFORMED
+    many = [entry(B)] + [mesh.GossipEntry() for _ in range(MAX_PEERS_PER_FRAME)]
+    assert code_of(lambda: validate_gossip_frame(gossip(entries=many), B)) == mesh.MESH_ERROR_MALFORMED
+
+
+def test_gossip_records_need_the_senders_own_once_each():
+    assert opened(gossip()).sender_record().node_id == B
+    # A record whose endpoint_id is no node id is dropped; the frame stands on the sender's own.
+    bad_id = mesh.GossipEntry(
+        record=mesh.SignedPeerRecord(
+            record=mesh.PeerAnnouncement(endpoint_id=b"\x01" * 31).SerializeToString(), signature=b"s" * 64
+        )
     )
-    twice = [announcement(B), announcement(B)]
-    assert code_of(lambda: validate_gossip_frame(gossip(peers=twice), B)) == mesh.MESH_ERROR_MALFORMED
-    many = [announcement(B)] + [
-        announcement(bytes([9]) * 31 + bytes([i])) for i in range(MAX_PEERS_PER_FRAME)
-    ]
-    assert code_of(lambda: validate_gossip_frame(gossip(peers=many), B)) == mesh.MESH_ERROR_MALFORMED
+    result = opened(gossip(entries=[entry(B), bad_id]))
+    assert [(d.fault, d.node_id) for d in result.dropped] == [(RecordFault.MALFORMED, None)]
+    assert code_of(lambda: opened(gossip(entries=[entry(C)])).sender_record()) == mesh.MESH_ERROR_MALFORMED
+    twice = [entry(B), entry(B, seq=1)]
+    assert code_of(lambda: opened(gossip(entries=twice))) == mesh.MESH_ERROR_MALFORMED
 
 
 @pytest.mark.parametrize(
@@ -180,8 +201,13 @@ def test_gossip_validation_follows_the_seed_order():
     ],
 )
 def test_bad_announcements_are_malformed(fields):
-    frame = gossip(peers=[announcement(B, **fields)])
-    assert code_of(lambda: validate_gossip_frame(frame, B)) == mesh.MESH_ERROR_MALFORMED
+    # The sender's own: the frame is refused...
+    own = opened(gossip(entries=[entry(B, **fields)]))
+    assert code_of(own.sender_record) == mesh.MESH_ERROR_MALFORMED
+    # ...another node's, even signed by it, is dropped.
+    other = opened(gossip(entries=[entry(B), entry(C, **fields)]))
+    assert [r.node_id for r in other.records] == [B]
+    assert [(d.fault, d.node_id) for d in other.dropped] == [(RecordFault.MALFORMED, C)]
 
 
 def test_small_message_validators():
@@ -223,28 +249,28 @@ def test_refusals_round_trip_through_reset_codes():
 
 def test_peer_table_tombstones_stop_stale_gossip_until_they_expire():
     table = PeerTable(A, tombstone_ttl=60.0)
-    report = table.merge([announcement(A), announcement(B, seq=3), announcement(C)], from_peer=B, now=0.0)
-    assert sorted(report.added) == [B, C] and A not in table
+    report = table.merge([record(A), record(B, seq=3), record(C)], from_peer=B, now=0.0)
+    assert report.added == [B, C] and A not in table
     assert table.get(B).last_direct == 0.0 and table.get(C).last_direct is None
-    table.merge([announcement(B, seq=4)], from_peer=C, now=5.0)
+    table.merge([record(B, seq=4)], from_peer=C, now=5.0)
     assert table.get(B).last_heard == 5.0
-    table.merge([announcement(B, seq=4)], from_peer=C, now=9.0)
+    table.merge([record(B, seq=4)], from_peer=C, now=9.0)
     assert table.get(B).last_heard == 5.0  # not fresher: B is not heard from by repetition
     assert table.stale(now=20.0, timeout=10.0) == [B, C]
     assert table.remove(B, reason="left", now=10.0) and not table.remove(B, reason="left", now=10.0)
-    assert table.merge([announcement(B, seq=4)], from_peer=C, now=11.0).ignored_tombstoned == [B]
+    assert table.merge([record(B, seq=4)], from_peer=C, now=11.0).ignored_tombstoned == [B]
     assert B not in table
     # The restarted B (new incarnation) is accepted while the tombstone lives.
-    assert table.merge([announcement(B, incarnation=2)], from_peer=C, now=12.0).added == [B]
+    assert table.merge([record(B, incarnation=2)], from_peer=C, now=12.0).added == [B]
     table.remove(B, reason="down", now=20.0)
     assert table.tombstone_count == 1
-    assert table.merge([announcement(B, incarnation=2)], from_peer=C, now=81.0).added == [B]
+    assert table.merge([record(B, incarnation=2)], from_peer=C, now=81.0).added == [B]
     assert table.tombstone_count == 0
 
 
 def test_peer_table_is_bounded():
     table = PeerTable(A, tombstone_ttl=1.0, max_peers=2)
-    report = table.merge([announcement(bytes([i]) * 32) for i in range(10, 15)], from_peer=B, now=0.0)
+    report = table.merge([record(node_id) for node_id in MORE[:5]], from_peer=B, now=0.0)
     assert len(table) == 2 and len(report.ignored_full) == 3
 
 
@@ -254,7 +280,7 @@ def test_peer_table_is_bounded():
 def member_state(mesh_key, identity, **kwargs):
     certificate = issue_certificate(mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=NOW)
     return MeshState(
-        node_id=identity.node_id,
+        identity=identity,
         mesh_id=mesh_key.mesh_id,
         local=mesh.PeerAnnouncement(incarnation=1, addresses=["127.0.0.1:1"]),
         membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
@@ -264,7 +290,7 @@ def member_state(mesh_key, identity, **kwargs):
 
 def joiner_state(invite, identity):
     return MeshState(
-        node_id=identity.node_id,
+        identity=identity,
         mesh_id=invite.mesh_id,
         local=mesh.PeerAnnouncement(incarnation=1, addresses=["127.0.0.1:2"]),
         membership=None,
@@ -300,7 +326,8 @@ def test_gossip_refusals_carry_exact_codes():
 
     def frame(**changes):
         f = mesh.GossipFrame(gen=1, sender_id=stranger.node_id)
-        f.peers.append(announcement(stranger.node_id, mesh_id=mesh_key.mesh_id))
+        own = announcement(stranger.node_id, mesh_id=mesh_key.mesh_id)
+        f.entries.add().record.CopyFrom(sign_record(stranger, own))
         for name, value in changes.items():
             setattr(f, name, value)
         return f

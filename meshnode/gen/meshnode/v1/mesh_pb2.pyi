@@ -30,6 +30,7 @@ class MeshErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MESH_ERROR_OVERLOADED: _ClassVar[MeshErrorCode]
     MESH_ERROR_INTERNAL: _ClassVar[MeshErrorCode]
     MESH_ERROR_PROTOCOL: _ClassVar[MeshErrorCode]
+    MESH_ERROR_FUTURE_INCARNATION: _ClassVar[MeshErrorCode]
 
 class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,7 @@ MESH_ERROR_SELF_REPORT: MeshErrorCode
 MESH_ERROR_OVERLOADED: MeshErrorCode
 MESH_ERROR_INTERNAL: MeshErrorCode
 MESH_ERROR_PROTOCOL: MeshErrorCode
+MESH_ERROR_FUTURE_INCARNATION: MeshErrorCode
 NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_WORKER: NodeRole
 NODE_ROLE_HOST: NodeRole
@@ -121,7 +123,7 @@ class MeshSubprotocol(_message.Message):
     def __init__(self, name: _Optional[str] = ..., major: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerAnnouncement(_message.Message):
-    __slots__ = ("endpoint_id", "role", "http_port", "version", "hostname", "addresses", "directly_reachable", "relays", "serving", "capacity", "load", "mesh_id", "heartbeat_seq", "incarnation", "rtt_ms", "subprotocols")
+    __slots__ = ("endpoint_id", "role", "http_port", "version", "hostname", "addresses", "directly_reachable", "relays", "serving", "capacity", "load", "mesh_id", "heartbeat_seq", "incarnation", "subprotocols")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -136,7 +138,6 @@ class PeerAnnouncement(_message.Message):
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SEQ_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    RTT_MS_FIELD_NUMBER: _ClassVar[int]
     SUBPROTOCOLS_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: bytes
     role: NodeRole
@@ -152,25 +153,40 @@ class PeerAnnouncement(_message.Message):
     mesh_id: str
     heartbeat_seq: int
     incarnation: int
-    rtt_ms: int
     subprotocols: _containers.RepeatedCompositeFieldContainer[MeshSubprotocol]
-    def __init__(self, endpoint_id: _Optional[bytes] = ..., role: _Optional[_Union[NodeRole, str]] = ..., http_port: _Optional[int] = ..., version: _Optional[str] = ..., hostname: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., directly_reachable: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayEndpoint, _Mapping]]] = ..., serving: _Optional[_Union[ServedShard, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., mesh_id: _Optional[str] = ..., heartbeat_seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., subprotocols: _Optional[_Iterable[_Union[MeshSubprotocol, _Mapping]]] = ...) -> None: ...
+    def __init__(self, endpoint_id: _Optional[bytes] = ..., role: _Optional[_Union[NodeRole, str]] = ..., http_port: _Optional[int] = ..., version: _Optional[str] = ..., hostname: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., directly_reachable: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayEndpoint, _Mapping]]] = ..., serving: _Optional[_Union[ServedShard, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., mesh_id: _Optional[str] = ..., heartbeat_seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., subprotocols: _Optional[_Iterable[_Union[MeshSubprotocol, _Mapping]]] = ...) -> None: ...
+
+class SignedPeerRecord(_message.Message):
+    __slots__ = ("record", "signature")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    signature: bytes
+    def __init__(self, record: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class GossipEntry(_message.Message):
+    __slots__ = ("record", "rtt_ms")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    record: SignedPeerRecord
+    rtt_ms: int
+    def __init__(self, record: _Optional[_Union[SignedPeerRecord, _Mapping]] = ..., rtt_ms: _Optional[int] = ...) -> None: ...
 
 class GossipFrame(_message.Message):
-    __slots__ = ("gen", "peers", "sender_id", "membership_proof", "membership_grant", "refusal")
+    __slots__ = ("gen", "sender_id", "membership_proof", "membership_grant", "refusal", "entries")
     GEN_FIELD_NUMBER: _ClassVar[int]
-    PEERS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_GRANT_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
     gen: int
-    peers: _containers.RepeatedCompositeFieldContainer[PeerAnnouncement]
     sender_id: bytes
     membership_proof: _membership_pb2.MembershipProof
     membership_grant: _membership_pb2.MembershipGrant
     refusal: Refusal
-    def __init__(self, gen: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerAnnouncement, _Mapping]]] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+    entries: _containers.RepeatedCompositeFieldContainer[GossipEntry]
+    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ...) -> None: ...
 
 class RouteTableRequest(_message.Message):
     __slots__ = ("requester_id", "gen")
