@@ -32,7 +32,8 @@
 #   --cpu-build     as --cpu-dry-run, but builds the carried sdist for the CPU first (the
 #                   check that the trimmed sdist still builds; ~7 minutes on 2 cores).
 # Environment: GPU_CHECK_PYTHON (python3; .venv/bin/python in the CPU modes),
-# GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), GPU_CHECK_BUDGET_S (570), OUT (the device
+# GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), GPU_CHECK_BUDGET_S (570), GPU_CHECK_BUILD_S (the
+# build's own limit, 520), GPU_CHECK_COPY (the CPU modes' copy), OUT (the device
 # tool sets it; else .cache/gpu-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +70,7 @@ fi
 
 OUT=${OUT:-$ROOT/.cache/gpu-check-out}
 mkdir -p "$OUT"
-rm -f "$OUT"/gpu_check.log "$OUT"/system.txt "$OUT"/build.log* "$OUT"/parity.txt "$OUT"/bench.txt "$OUT"/mixed.txt
+rm -f "$OUT"/gpu_check.log "$OUT"/system.txt "$OUT"/build.log.gz "$OUT"/parity.txt "$OUT"/bench.txt "$OUT"/mixed.txt
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 TEE_PID=$!
 
@@ -193,28 +194,33 @@ else
   fi
   export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
   stage "llama-cpp-python 0.3.36 from the trimmed sdist, CMAKE_ARGS=\"$CMAKE_ARGS\", $JOBS jobs"
+  # The verbose log runs to megabytes of compiler warnings: it goes to $OUT compressed as
+  # it is written (a stopped build's log still comes back), and to /tmp for the greps.
+  build_log=/tmp/meshnode-gpu-check-build.log
   # A line a minute on progress (ninja's [done/total]), so a stopped build says how far it got.
   (
     while sleep 60; do
-      progress=$(grep -oE '^\[[0-9]+/[0-9]+\]' "$OUT/build.log" 2>/dev/null | tail -1)
+      progress=$(grep -oE '^ *\[[0-9]+/[0-9]+\]' "$build_log" 2>/dev/null | tail -1 | tr -d ' ')
       stamp "  building ${progress:-(configuring)}"
     done
   ) &
   ticker=$!
-  run_step "build" 480 "${PIP[@]}" install -v --no-index --no-deps --no-build-isolation --no-cache-dir \
-    "$SDIST" >"$OUT/build.log" 2>&1
-  built=$?
+  limit=$(left "${GPU_CHECK_BUILD_S:-520}")
+  timeout --signal=TERM --kill-after=10 "$limit" "${PIP[@]}" install -v --no-index --no-deps \
+    --no-build-isolation --no-cache-dir "$SDIST" 2>&1 | tee "$build_log" | gzip -1 >"$OUT/build.log.gz"
+  built=${PIPESTATUS[0]}
   kill "$ticker" 2>/dev/null
   wait "$ticker" 2>/dev/null
-  grep -E "CMAKE_CUDA_ARCHITECTURES|CUDA Toolkit|Using CUDA|GGML_CUDA|Found CUDAToolkit|Build files have been" \
-    "$OUT/build.log" | sort -u | head -12
+  grep -E "CMAKE_CUDA_ARCHITECTURES|CUDA Toolkit|Using CUDA|Found CUDAToolkit|Build files have been" \
+    "$build_log" | sort -u | head -12
   if [ "$built" -ne 0 ]; then
-    tail -n 60 "$OUT/build.log"
-    gzip -f "$OUT/build.log"
+    [ "$built" -eq 124 ] && stamp "build: stopped after ${limit}s" || stamp "build: failed ($built)"
+    grep -E "CMake Error|FAILED:|error:" "$build_log" | head -40
+    tail -n 40 "$build_log"
+    FAILED+=(build)
     finish
   fi
-  grep -oE '^\[[0-9]+/[0-9]+\]' "$OUT/build.log" | tail -1 | sed 's/^/  compiled and linked /'
-  gzip -f "$OUT/build.log"
+  grep -oE '^ *\[[0-9]+/[0-9]+\]' "$build_log" | tail -1 | tr -d ' ' | sed 's/^/  compiled and linked: /'
   stamp "built"
 fi
 
