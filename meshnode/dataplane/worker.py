@@ -34,11 +34,22 @@ Choices the schema leaves open, made here:
   sampled, so a retry or a re-prefill replay draws the same token.
 - Cache mode STATELESS is run as a fresh prefill at position 0 (the state it
   leaves is released like any other).
+- Leases (:mod:`.lease`): a session belongs to the peer whose stream opened it.
+  When the owner seems gone — membership dropped it (:meth:`ShardWorker.peer_departed`),
+  or a stream ended because its link was lost (``stream_closed(link_lost=True)``;
+  then only the sessions no other stream of the owner serves) — the session
+  ends ``owner_grace_ns`` later, unless a frame or a stream from the owner for
+  it arrives first: a re-dial, a duplicate link closed by the tie-break, or a
+  relay restart that a probe mistook for a death must not cost a session its
+  cache. An idle session ends when its lease (refreshed by every frame for it,
+  sized by the last unit's deadline) runs out. A peer over its share of the
+  sessions is refused at admission with RESOURCE_EXHAUSTED, ``retryable = true``
+  (its own sessions ending frees room); this node's own streams have no share.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 
 from google.protobuf.message import DecodeError
@@ -63,6 +74,13 @@ from meshnode.dataplane.envelope import (
     digests,
     range_tuple,
     unit_span,
+)
+from meshnode.dataplane.lease import (
+    LOCAL_ORIGIN,
+    ReleaseReason,
+    StreamOrigin,
+    idle_timeout_ns,
+    peer_session_cap,
 )
 from meshnode.dataplane.payload import (
     HopRole,
@@ -102,8 +120,15 @@ class WorkerConfig:
     accepted_compression: tuple[int, ...] = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
     # Recently applied steps remembered per session for duplicate replies.
     replay_window: int = 16
-    # A session with no unit in flight is dropped after this long without traffic.
-    session_idle_ttl_ns: int = 600 * 1_000_000_000
+    # A session with no unit in flight is dropped after this long without a frame for it; a
+    # unit's envelope deadline shortens it (to no less than the floor), never lengthens it.
+    session_idle_ttl_ns: int = 120 * 1_000_000_000
+    session_idle_floor_ns: int = 5 * 1_000_000_000
+    # Sessions one peer other than this node may hold: ceil(share × max_sessions). 1.0: no limit
+    # beyond max_sessions (the node's service sets its own default).
+    peer_session_share: float = 1.0
+    # When a session's owner seems gone, how long the session waits for it to show up again.
+    owner_grace_ns: int = 5 * 1_000_000_000
     max_session_id_length: int = 128
 
 
@@ -133,7 +158,11 @@ class ShardWorker:
         self.max_sessions = (
             self.config.max_sessions if self.config.max_sessions is not None else capabilities.max_sessions
         )
+        self.peer_session_cap = peer_session_cap(self.config.peer_session_share, self.max_sessions)
         self.serving_state: int = shard.SERVING_STATE_SERVING
+        # Sessions ended, by why (for /metrics); opens refused for a peer over its share.
+        self.releases: Counter[ReleaseReason] = Counter()
+        self.share_refusals = 0
         fp = capabilities.fingerprint
         self.fingerprint = shard.Fingerprint(
             model_artifact_digest=fp.model_artifact_digest,
@@ -169,12 +198,28 @@ class ShardWorker:
             serving_state=self.serving_state,
         )
 
-    def open_stream(self) -> int:
-        """Register an accepted SHARD_SESSION stream (or relay channel); returns its id."""
+    def open_stream(self, origin: StreamOrigin = LOCAL_ORIGIN) -> int:
+        """Register an accepted SHARD_SESSION stream (or relay channel) from ``origin``; returns its id."""
         stream_id = self._next_stream_id
         self._next_stream_id += 1
-        self._streams[stream_id] = StreamState(stream_id)
+        self._streams[stream_id] = StreamState(stream_id, origin)
         return stream_id
+
+    def peer_departed(self, peer_id: bytes, now_ns: int) -> list[Action]:
+        """Membership confirmed ``peer_id`` down, or it left: the sessions it opened end
+        ``owner_grace_ns`` from now unless it shows up for them again."""
+        for session in self._sessions.values():
+            if not session.owner.local and session.owner.peer_id == peer_id:
+                self._orphan(session, now_ns, ReleaseReason.OWNER_DEPARTED)
+        return self.tick(now_ns)  # with no grace they end now; otherwise the timer ends them
+
+    def owners(self) -> set[bytes]:
+        """The peers (other than this node) that hold sessions here."""
+        return {s.owner.peer_id for s in self._sessions.values() if not s.owner.local}
+
+    def sessions_of(self, peer_id: bytes) -> int:
+        """Sessions that ``peer_id`` holds here as a peer (its share's measure)."""
+        return sum(1 for s in self._sessions.values() if not s.owner.local and s.owner.peer_id == peer_id)
 
     def receive_frame(self, stream_id: int, body: bytes, now_ns: int) -> list[Action]:
         """One frame body from the stream: the route first, then SessionRequests."""
@@ -204,15 +249,23 @@ class ShardWorker:
             self._on_request(out, stream, message, bundle, len(body), now_ns)
         return out
 
-    def stream_closed(self, stream_id: int, now_ns: int) -> list[Action]:
+    def stream_closed(self, stream_id: int, now_ns: int, *, link_lost: bool = False) -> list[Action]:
         """The transport finished or lost the stream. Its queued units are dropped (never applied);
-        a running or forwarding unit completes and is recorded for a retry on another stream."""
+        a running or forwarding unit completes and is recorded for a retry on another stream.
+
+        ``link_lost``: the stream ended because its link closed. The sessions of that stream's
+        peer that no other open stream of the peer serves then end ``owner_grace_ns`` from now
+        (their KV freed) unless the peer shows up for them again."""
         stream = self._streams.get(stream_id)
         out: list[Action] = []
         if stream is not None:
             self._drop_stream(stream)
             del self._streams[stream_id]
+            if link_lost:
+                self._orphan_unserved(stream.origin, now_ns)
         self._pump(out, now_ns)
+        if link_lost:
+            out.extend(self.tick(now_ns))  # with no grace they end now; otherwise the timer ends them
         return out
 
     def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
@@ -301,18 +354,22 @@ class ShardWorker:
                 self._fail(out, unit, expired())
         for follower_id in [i for i, u in self._followers.items() if u.answered]:
             del self._followers[follower_id]
-        ttl = self.config.session_idle_ttl_ns
         for session in list(self._sessions.values()):
-            if not self._busy(session) and session.last_active_ns + ttl <= now_ns:
-                self._drop_session(out, session)
+            orphaned = session.orphaned_until_ns
+            if orphaned is not None and orphaned <= now_ns:
+                # Busy or not: whatever it is computing can no longer reach its owner.
+                assert session.orphan_reason is not None
+                self._end_session(out, session, session.orphan_reason)
+            elif not self._busy(session) and self._lease_end(session) <= now_ns:
+                self._drop_session(out, session, ReleaseReason.IDLE)
         self._pump(out, now_ns)
         return out
 
     def next_timer(self) -> int | None:
         """When :meth:`tick` next has work to do (unix ns), or None."""
         times = [u.deadline_ns for u in self._units_in_flight() if u.deadline_ns > 0 and not u.answered]
-        ttl = self.config.session_idle_ttl_ns
-        times.extend(s.last_active_ns + ttl for s in self._sessions.values() if not self._busy(s))
+        times.extend(self._lease_end(s) for s in self._sessions.values() if not self._busy(s))
+        times.extend(s.orphaned_until_ns for s in self._sessions.values() if s.orphaned_until_ns is not None)
         return min(times, default=None)
 
     def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> tuple[int, list[Action]]:
@@ -336,7 +393,7 @@ class ShardWorker:
         if session is None or session.epoch != epoch:
             return False, out
         self._cancel_units(out, session, "", errors.cancelled("session released"))
-        self._drop_session(out, session)
+        self._drop_session(out, session, ReleaseReason.RELEASED)
         self._pump(out, now_ns)
         return True, out
 
@@ -384,6 +441,7 @@ class ShardWorker:
                 out, stream, errors.payload_corrupt(f"{kind or 'empty request'} before SessionOpen")
             )
         elif kind == "cancel":
+            self._touch_stream_session(stream, now_ns)
             signal = request.cancel
             if self._on_signal(out, stream, signal.route_session_id, signal.work_id):
                 out.extend(self.cancel(stream.session_id, signal.route_epoch, signal.work_id, now_ns)[1])
@@ -391,7 +449,7 @@ class ShardWorker:
             if self._on_signal(out, stream, request.release.route_session_id, request.release.work_id):
                 out.extend(self.release(stream.session_id, request.release.route_epoch, now_ns)[1])
         elif kind == "flow_control":
-            pass
+            self._touch_stream_session(stream, now_ns)
         else:
             self._terminate(out, stream, errors.payload_corrupt("empty request"))
 
@@ -451,10 +509,11 @@ class ShardWorker:
         stream.shard_range = range_tuple(r)
         stream.schema_version = min(open_.schema_version, HIGHEST_SCHEMA_VERSION)
         try:
-            self._session_for(out, stream, open_.route_epoch, now_ns)
+            session = self._session_for(out, stream, open_.route_epoch, now_ns)
         except ShardProtocolError as error:
             self._terminate(out, stream, error)
             return
+        self._touch(session, stream, now_ns)
         flow = negotiate_flow_control(open_.proposed_flow_control, self.local_flow_control)
         stream.flow = flow
         stream.window = flow.credits_granted
@@ -659,9 +718,9 @@ class ShardWorker:
             if defer_switch:
                 return session
             self._cancel_units(out, session, "", errors.epoch_stale(epoch))
-            self._drop_session(out, session)
+            self._drop_session(out, session, ReleaseReason.SUPERSEDED)
         else:
-            self._admit_session()
+            self._admit_session(stream.origin)
         plan = stream.plan
         assert plan is not None
         fresh = SessionState(
@@ -673,19 +732,79 @@ class ShardWorker:
             role=self._role_for(plan, stream.shard_range),
             ledger=StepLedger(self.config.replay_window),
             last_active_ns=now_ns,
+            owner=stream.origin,
+            owner_stream=stream.id,
+            lease_until_ns=now_ns + self.config.session_idle_ttl_ns,
+            idle_timeout_ns=self.config.session_idle_ttl_ns,
         )
         self._sessions[stream.session_id] = fresh
         return fresh
 
-    def _admit_session(self) -> None:
+    def _admit_session(self, origin: StreamOrigin) -> None:
         if self.serving_state != shard.SERVING_STATE_SERVING:
             state = shard.ServingState.Name(self.serving_state).removeprefix("SERVING_STATE_").lower()
             raise errors.resource_exhausted(f"worker is not accepting new sessions ({state})")
         if len(self._sessions) >= self.max_sessions:
             raise errors.resource_exhausted(f"worker already serves {self.max_sessions} sessions")
+        cap = self.peer_session_cap
+        if not origin.local and self.sessions_of(origin.peer_id) >= cap:
+            self.share_refusals += 1
+            raise errors.resource_exhausted(
+                f"this peer already holds {cap} of the worker's {self.max_sessions} sessions, its share"
+            )
 
-    def _drop_session(self, out: list[Action], session: SessionState) -> None:
+    def _orphan_unserved(self, origin: StreamOrigin, now_ns: int) -> None:
+        """A link of ``origin`` was lost: its sessions that no open stream of it serves (the lost
+        stream's, and any whose stream had ended before) wait for it."""
+        for session in self._sessions.values():
+            if session.owner != origin:
+                continue
+            serving = self._streams.get(session.owner_stream)
+            if serving is None or serving.phase is StreamPhase.CLOSED:
+                self._orphan(session, now_ns, ReleaseReason.LINK_CLOSED)
+
+    def _orphan(self, session: SessionState, now_ns: int, reason: ReleaseReason) -> None:
+        # The first sign counts: more of them (each poll of membership) do not extend the wait.
+        if session.orphaned_until_ns is None:
+            session.orphaned_until_ns = now_ns + self.config.owner_grace_ns
+            session.orphan_reason = reason
+
+    def _end_session(self, out: list[Action], session: SessionState, reason: ReleaseReason) -> None:
+        """End a session nobody will finish: abandon its units, then drop it."""
+        self._cancel_units(out, session, "", errors.cancelled(f"session ended: {reason.value}"))
+        self._drop_session(out, session, reason)
+
+    def _touch(
+        self, session: SessionState, stream: StreamState, now_ns: int, deadline_ns: int | None = None
+    ) -> None:
+        """A frame for ``session`` arrived on ``stream``: its lease runs again, sized by a unit's
+        deadline; from the owner, it also shows the owner is there, on that stream."""
+        if session.owner == stream.origin:
+            session.owner_stream = stream.id
+            session.orphaned_until_ns = session.orphan_reason = None
+        if deadline_ns is not None:
+            session.idle_timeout_ns = idle_timeout_ns(
+                deadline_ns,
+                now_ns,
+                default_ns=self.config.session_idle_ttl_ns,
+                floor_ns=self.config.session_idle_floor_ns,
+            )
+        session.lease_until_ns = now_ns + session.idle_timeout_ns
+
+    def _touch_stream_session(self, stream: StreamState, now_ns: int) -> None:
+        """A signal on ``stream`` is a frame for the session the stream serves."""
+        session = self._sessions.get(stream.session_id)
+        if session is not None and session.epoch == stream.epoch:
+            self._touch(session, stream, now_ns)
+
+    def _lease_end(self, session: SessionState) -> int:
+        # A unit that ran long past its frame's lease still leaves the session the floor after it.
+        floor = min(self.config.session_idle_floor_ns, self.config.session_idle_ttl_ns)
+        return max(session.lease_until_ns, session.last_active_ns + floor)
+
+    def _drop_session(self, out: list[Action], session: SessionState, reason: ReleaseReason) -> None:
         """Forget the session (its units already answered) and release its engine and next-hop state."""
+        self.releases[reason] += 1
         del self._sessions[session.session_id]
         self._ready.pop(session.session_id, None)
         self._queued -= len(session.queue)
@@ -707,6 +826,9 @@ class ShardWorker:
 
     def _admit(self, out: list[Action], unit: Unit, now_ns: int) -> None:
         session = unit.session
+        stream = self._streams.get(unit.stream_id)
+        if stream is not None:
+            self._touch(session, stream, now_ns, unit.deadline_ns)
         verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=unit.fresh_start)
         if verdict is Verdict.REPLAY:
             assert record is not None

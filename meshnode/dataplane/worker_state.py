@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engines.interface import CancelToken, SessionKey
+from meshnode.dataplane.lease import LOCAL_ORIGIN, ReleaseReason, StreamOrigin
 from meshnode.dataplane.payload import HopRole, StepInput
 from meshnode.dataplane.route import RoutePlan
 from meshnode.dataplane.steps import StepLedger, StepRecord
@@ -27,6 +28,7 @@ class StreamPhase(Enum):
 @dataclass(eq=False)
 class StreamState:
     id: int
+    origin: StreamOrigin = LOCAL_ORIGIN
     phase: StreamPhase = StreamPhase.AWAIT_ROUTE
     plan: RoutePlan | None = None
     route_bytes: bytes = b""
@@ -50,6 +52,18 @@ class SessionState:
     role: HopRole
     ledger: StepLedger
     last_active_ns: int
+    # The opener: its departure from the mesh ends the session, and so does the loss of the
+    # link that `owner_stream`, its latest stream for the session, came over.
+    owner: StreamOrigin
+    owner_stream: int
+    # The session ends once no frame arrived by then (and nothing of it is in flight).
+    lease_until_ns: int
+    # How long the lease runs from a frame; set by each unit from its deadline (.lease).
+    idle_timeout_ns: int
+    # Set when the owner seemed gone (its link lost, or membership dropped it): the session ends
+    # then, for `orphan_reason`, unless a frame or a stream from the owner shows it is still there.
+    orphaned_until_ns: int | None = None
+    orphan_reason: ReleaseReason | None = None
     # Tokens the engine holds for this session; None when unknown (the engine then decides).
     past_len: int | None = 0
     # Highest position admitted since the last fresh start (the context budget's unit).

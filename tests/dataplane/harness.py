@@ -25,6 +25,7 @@ from meshnode.dataplane.actions import (
     Send,
 )
 from meshnode.dataplane.client import SessionClient, UnitDone, UnitFailed
+from meshnode.dataplane.lease import LOCAL_ORIGIN, StreamOrigin
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig
@@ -214,9 +215,13 @@ class WorkerHarness:
         return out
 
     def open(
-        self, route: dataplane.SessionRoute | None = None, **kwargs: object
+        self,
+        route: dataplane.SessionRoute | None = None,
+        *,
+        origin: StreamOrigin = LOCAL_ORIGIN,
+        **kwargs: object,
     ) -> tuple[int, list[shard.SessionResponse]]:
-        stream = self.worker.open_stream()
+        stream = self.worker.open_stream(origin)
         actions = self.worker.receive_frame(stream, (route or make_route()).SerializeToString(), self.now)
         request = open_request(**kwargs)  # type: ignore[arg-type]
         actions += self.worker.receive_frame(stream, request.SerializeToString(), self.now)
