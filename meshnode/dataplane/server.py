@@ -19,6 +19,14 @@ It only carries out the worker's actions:
   its outcome is reported exactly once; ``CancelDownstream``/``ReleaseDownstream``
   pass on out of band;
 - the worker's timer is re-armed after every call.
+
+Leases (:mod:`.lease`): each session stream is registered with its origin —
+the authenticated peer, and whether it is this node's own head
+(``local_peer_id``) — and a stream that ends because its link closed (a read
+raising ``LinkClosed``: the peer vanished and the transport's idle timeout ran
+out, or the link was closed) is reported as such: the sessions its peer no
+longer reaches end after the worker's owner grace. :meth:`ShardServer.peer_departed`
+is the hook for membership: call it when a peer is confirmed down or leaves.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from meshnode.dataplane.actions import (
 )
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.engine_thread import EngineThread
+from meshnode.dataplane.lease import StreamOrigin
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
 from meshnode.dataplane.unary import (
     Validation,
@@ -61,7 +70,7 @@ from meshnode.dataplane.wake_timer import WakeTimer
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig, WorkerLoad
 from meshnode.mesh.dispatcher import StreamHandler
 from meshnode.mesh.errors import MeshRefusal
-from meshnode.transport.base import RESET_CANCELLED, PeerLink, StreamError
+from meshnode.transport.base import RESET_CANCELLED, LinkClosed, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
 from meshnode.wire.framing import StreamType, encode_frame
@@ -145,8 +154,12 @@ class ShardServer:
         links: PeerLinks,
         config: ServerConfig | None = None,
         owns_engine: bool = False,
+        local_peer_id: bytes | None = None,
     ) -> None:
+        """``local_peer_id``: this node's id; its streams (its own head's) are exempt from the
+        per-peer share of sessions."""
         self.engine = engine
+        self.local_peer_id = local_peer_id
         self.config = config or ServerConfig()
         self._links = links
         self._owns_engine = owns_engine
@@ -244,10 +257,10 @@ class ShardServer:
         if self._closing or self._worker is None:
             raise MeshRefusal(mesh.MESH_ERROR_OVERLOADED, "the shard server is not serving")
         worker = self._worker
-        stream_id = worker.open_stream()
+        stream_id = worker.open_stream(self._origin(framed))
         outbox = _Outbox(framed)
         self._outboxes[stream_id] = outbox
-        clean = False
+        clean = link_lost = False
         try:
             while not outbox.closing:
                 body = await framed.recv_frame()
@@ -255,14 +268,26 @@ class ShardServer:
                     break
                 self._apply(worker.receive_frame(stream_id, body, time.time_ns()))
             clean = True
+        except LinkClosed:
+            link_lost = True
+            raise
         finally:
             del self._outboxes[stream_id]
             if not self._closing:
-                self._apply(worker.stream_closed(stream_id, time.time_ns()))
+                self._apply(worker.stream_closed(stream_id, time.time_ns(), link_lost=link_lost))
             if clean:
                 await self._finish(framed, outbox)
             else:
                 outbox.task.cancel()
+
+    def _origin(self, framed: FramedStream) -> StreamOrigin:
+        peer_id = framed.stream.peer_id
+        return StreamOrigin(peer_id, local=peer_id == self.local_peer_id)
+
+    def peer_departed(self, peer_id: bytes) -> None:
+        """Membership confirmed ``peer_id`` down, or it left: its sessions end after the owner grace."""
+        if not self._closing and self._worker is not None:
+            self._apply(self._worker.peer_departed(peer_id, time.time_ns()))
 
     async def _finish(self, framed: FramedStream, outbox: _Outbox) -> None:
         """Write what is queued and end our side; after a terminal status, give the peer a moment to

@@ -4,6 +4,8 @@ Loads the llama.cpp engine for the range on the engine thread (the GGUF slice is
 cached on disk), validates it with a bounded real forward, registers the data
 plane with the node's dispatcher, announces what is served (model name,
 fingerprint, range, total layers, capacity) and keeps the announced load fresh.
+On the same beat it ends the sessions of peers that membership no longer
+admits: a peer loses its admission exactly when it is confirmed down or leaves.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
+from meshnode.dataplane.lease import SECOND_NS, LeaseSettings
 from meshnode.dataplane.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.transport.base import PeerLink
@@ -44,6 +47,7 @@ class ShardServiceOptions:
     ctx: int = 4096
     max_sessions: int = 4
     cache_dir: Path | None = None
+    leases: LeaseSettings = field(default_factory=LeaseSettings)
 
 
 async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
@@ -72,6 +76,7 @@ class ServingNode(Protocol):
     """What the service needs from :class:`meshnode.node.Node`."""
 
     register_handler: Register
+    node_id: bytes
 
     async def get_link(self, peer_id: bytes) -> PeerLink: ...
 
@@ -101,12 +106,24 @@ def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
     )
 
 
+def _worker_config(options: ShardServiceOptions) -> WorkerConfig:
+    leases = options.leases
+    return WorkerConfig(
+        max_sessions=options.max_sessions,
+        session_idle_ttl_ns=round(leases.idle_timeout_s * SECOND_NS),
+        peer_session_share=leases.peer_share,
+        owner_grace_ns=round(leases.owner_grace_s * SECOND_NS),
+    )
+
+
 class ShardService:
     def __init__(self, node: ServingNode, server: ShardServer, served: mesh.ServedShard) -> None:
         self.node = node
         self.server = server
         self.served = served
         self._refresh: asyncio.Task[None] | None = None
+        # Membership's admission test (None: no mesh, no peers to lose).
+        self._is_member: Callable[[bytes], bool] | None = None
 
     @classmethod
     async def start(
@@ -116,8 +133,12 @@ class ShardService:
         *,
         refresh_interval_s: float = 5.0,
         engine_factory: Callable[[], ShardEngine] | None = None,
+        is_member: Callable[[bytes], bool] | None = None,
     ) -> ShardService:
-        """Load, validate, register and announce. Raises :class:`ShardServiceError`."""
+        """Load, validate, register and announce. Raises :class:`ShardServiceError`.
+
+        ``is_member(peer_id)``: whether membership still admits the peer (a mesh node's
+        ``node.state.is_admitted``); the sessions of a peer it no longer admits are ended."""
         weight_repack = False
         if engine_factory is None:
             from engines.llama_engine import LlamaShardEngine  # llama.cpp loads only when serving
@@ -125,8 +146,10 @@ class ShardService:
             engine_factory = LlamaShardEngine
             weight_repack = await _proven_weight_repack(options)
         engine = engine_factory()
-        config = ServerConfig(worker=WorkerConfig(max_sessions=options.max_sessions))
-        server = ShardServer(engine, links=node.get_link, config=config, owns_engine=True)
+        config = ServerConfig(worker=_worker_config(options))
+        server = ShardServer(
+            engine, links=node.get_link, config=config, owns_engine=True, local_peer_id=node.node_id
+        )
         start, end = options.layers if options.layers is not None else (0, None)
         request = LoadRequest(
             model_path=str(options.model),
@@ -153,6 +176,7 @@ class ShardService:
             raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
         service = cls(node, server, served_shard(caps, options.model.stem))
         server.register(node.register_handler)
+        service._is_member = is_member
         node.set_serving(service.served)
         node.set_capacity(
             mesh.Capacity(
@@ -175,7 +199,18 @@ class ShardService:
     async def _refresh_load(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            self._end_departed()
             self.node.set_load(await self.server.announced_load())
+
+    def _end_departed(self) -> None:
+        """Tell the worker of peers holding sessions whose admission was revoked (confirmed down,
+        or left): their sessions end after the owner grace unless they show up again."""
+        is_member = self._is_member
+        if is_member is None:
+            return
+        for peer_id in self.server.worker.owners():
+            if not is_member(peer_id):
+                self.server.peer_departed(peer_id)
 
     async def drain(self, poll_s: float = 0.05) -> None:
         """Refuse new sessions (SERVING_STATE_DRAINING, announced at once), then wait until

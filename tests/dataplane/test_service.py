@@ -32,6 +32,7 @@ class AnnouncingPeer:
 
     def __init__(self, mesh_: LoopbackMesh, index: int) -> None:
         self.peer = mesh_.add(index)
+        self.node_id = self.peer.node_id
         self.serving: mesh.ServedShard | None = None
         self.capacity: mesh.Capacity | None = None
         self.loads: list[mesh.Load] = []
