@@ -163,7 +163,7 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
         engine_events = counter("meshnode_engine_events_total", "Engine counters (steps, tokens, sessions)")
         for name, value in sorted(server.engine.metrics().counters.items()):
             engine_events.add(value, {"event": name})
-        families += [errors, engine_events]
+        families += [errors, engine_events, *_lease_families(server.worker)]
     driver = sources.driver
     if driver is not None:
         stats = driver.stats
@@ -183,3 +183,18 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
             counter("meshnode_cache_rebuilds_total", "Re-prefills after a cache miss", stats.rebuilds),
         ]
     return families
+
+
+def _lease_families(worker: Any) -> list[Family]:
+    """Session leases at the shard (meshnode.dataplane.lease): releases by reason, share refusals."""
+    from meshnode.dataplane.lease import ReleaseReason
+
+    releases = counter("meshnode_session_releases_total", "Route sessions this shard ended, by reason")
+    for reason in ReleaseReason:
+        releases.add(worker.releases.get(reason, 0), {"reason": reason.value})
+    refused = counter(
+        "meshnode_session_share_refusals_total",
+        "Sessions refused to a peer that already held its share of this shard's sessions",
+        worker.share_refusals,
+    )
+    return [releases, refused]
