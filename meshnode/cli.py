@@ -37,6 +37,7 @@ from meshnode.cli_args import (
     relay_endpoint,
 )
 from meshnode.config import ConfigError, add_config_option, parse_args_with_config
+from meshnode.dataplane.lease_options import add_lease_options, lease_settings, link_settings
 from meshnode.identity import (
     IdentityError,
     default_data_dir,
@@ -122,6 +123,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     from meshnode.head.commands import add_api_listen_option
 
     add_api_listen_option(model)
+    add_lease_options(parser)
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
     timing.add_argument("--heartbeat-interval", type=positive, default=5.0, help="gossip period (default 5)")
     timing.add_argument("--gossip-timeout", type=positive, default=3.0, help="wait for a gossip reply (3)")
@@ -150,6 +152,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         directly_reachable=not args.not_directly_reachable,
         relays=list(args.relay),
         relay_only=args.relay_only,
+        quic=link_settings(args),
     )
 
 
@@ -184,9 +187,12 @@ async def _serve(node: Node, args: argparse.Namespace) -> int:
         weight_repack=args.weight_repack,
         threads=args.threads,
         ctx=args.ctx,
+        leases=lease_settings(args),
     )
     try:
-        service = await ShardService.start(node, options, refresh_interval_s=args.heartbeat_interval)
+        service = await ShardService.start(
+            node, options, refresh_interval_s=args.heartbeat_interval, is_member=node.state.is_admitted
+        )
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None
     try:

@@ -1,0 +1,99 @@
+"""The command-line options of session leases (:mod:`.lease`) for the commands that serve a shard.
+
+``--link-timeout`` bounds how long a peer that vanished without a word (SIGKILL,
+power cut, network gone) keeps a link open, and with it the sessions it opened
+here. QUIC closes a link that heard nothing for the idle timeout, counted from
+the first keepalive sent after the last packet received (keepalives are due a
+third of it after that packet, checked every sixth), so a silent peer's link
+closes within about 1.5 times it, and its sessions end ``--session-grace``
+later. ``--session-idle-timeout`` and ``--peer-session-share`` are the
+worker's lease and share rules, and ``--session-grace`` how long a session
+whose owner seems gone waits for it to show up again.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from meshnode.cli_args import positive
+from meshnode.dataplane.lease import LeaseSettings
+from meshnode.transport.quic import QuicSettings
+
+DEFAULT_LINK_TIMEOUT_S = 10.0
+_DEFAULTS = LeaseSettings()
+# Keepalives must stay under the 30 s after which Linux forgets an unanswered UDP NAT mapping.
+_MAX_KEEPALIVE_S = 10.0
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("must be a fraction in (0, 1]")
+    return value
+
+
+def add_lease_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("session leases")
+    group.add_argument(
+        "--link-timeout",
+        type=positive,
+        default=DEFAULT_LINK_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a peer silent this long is gone: its link closes and the sessions it opened here end "
+        f"(keepalives go out at a third of it; default {DEFAULT_LINK_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--session-idle-timeout",
+        type=positive,
+        default=_DEFAULTS.idle_timeout_s,
+        metavar="SECONDS",
+        help="drop a session no frame arrived for in this long; a unit's deadline shortens it "
+        f"(default {_DEFAULTS.idle_timeout_s:g})",
+    )
+    group.add_argument(
+        "--peer-session-share",
+        type=share,
+        default=_DEFAULTS.peer_share,
+        metavar="FRACTION",
+        help="most of this shard's sessions one peer other than this node may hold, so the node's own "
+        f"API keeps room (default {_DEFAULTS.peer_share:g}: 3 of 4)",
+    )
+    group.add_argument(
+        "--session-grace",
+        type=non_negative,
+        default=_DEFAULTS.owner_grace_s,
+        metavar="SECONDS",
+        help="a session whose owner seems gone (link lost, confirmed down, left) waits this long for it "
+        f"to show up again before it ends (default {_DEFAULTS.owner_grace_s:g})",
+    )
+
+
+def lease_settings(args: argparse.Namespace) -> LeaseSettings:
+    return LeaseSettings(
+        idle_timeout_s=float(args.session_idle_timeout),
+        peer_share=float(args.peer_session_share),
+        owner_grace_s=float(args.session_grace),
+    )
+
+
+def link_settings(args: argparse.Namespace) -> QuicSettings:
+    """The node's QUIC settings: idle timeout ``--link-timeout``, keepalives well inside it."""
+    timeout = float(args.link_timeout)
+    return QuicSettings(idle_timeout=timeout, keepalive_interval=min(timeout / 3, _MAX_KEEPALIVE_S))
+
+
+__all__ = [
+    "DEFAULT_LINK_TIMEOUT_S",
+    "add_lease_options",
+    "lease_settings",
+    "link_settings",
+    "non_negative",
+    "share",
+]
