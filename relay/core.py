@@ -182,6 +182,7 @@ class RelayCore:
         self._wakeups: set[int] = set()
         self._queued_total = 0
         self._unregistered_by_source: Counter[str] = Counter()
+        self._shutting_down = False
         self.stats = RelayStats()
 
     # -- inputs ------------------------------------------------------------------
@@ -201,6 +202,11 @@ class RelayCore:
         )
         self._conns[conn_id] = conn
         self.stats.connections = len(self._conns)
+        if self._shutting_down:
+            # The endpoint still accepts while the last refusals flush; a client that
+            # reconnects then must not register with a relay that is going away.
+            self._fail(conn, RelayRefused(p.SHUTTING_DOWN, "relay is shutting down"))
+            return
         if len(self._conns) > policy.max_connections:
             self._fail(conn, RelayRefused(p.OVERLOADED, "relay connection budget used up"))
             return
@@ -290,6 +296,7 @@ class RelayCore:
         return min(waiting) + self.policy.registration_timeout_s if waiting else None
 
     def shutdown(self) -> None:
+        self._shutting_down = True
         for conn in list(self._conns.values()):
             self._fail(conn, RelayRefused(p.SHUTTING_DOWN, "relay is shutting down"))
 

@@ -91,6 +91,13 @@ def test_unregistered_connections_are_capped_in_total_and_a_lost_one_frees_its_s
     assert not r.core.is_closing(r.connect("198.18.0.3"))
 
 
+def test_a_relay_shutting_down_refuses_new_connections() -> None:
+    r = Core(RelayPolicy())
+    r.core.shutdown()
+    assert r.refused_code(r.connect("198.18.0.1")) == p.SHUTTING_DOWN
+    assert r.core.stats.unregistered == 0
+
+
 def test_one_ipv6_slash_64_counts_as_one_source() -> None:
     assert source_group("2001:db8:1:2::1") == source_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert source_group("2001:db8:1:3::1") != source_group("2001:db8:1:2::1")
