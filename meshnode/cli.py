@@ -58,6 +58,7 @@ from meshnode.membership.credentials import (
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.mesh.errors import MeshRefusal
 from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_model, query_status, run_node
+from meshnode.transport.read_limit_options import add_read_limit_options, apply_read_limit_options
 
 # Modules that add subcommands; see the module docstring.
 COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands", "meshnode.doctor")
@@ -124,6 +125,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
 
     add_api_listen_option(model)
     add_lease_options(parser)
+    add_read_limit_options(parser)
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
     timing.add_argument("--heartbeat-interval", type=positive, default=5.0, help="gossip period (default 5)")
     timing.add_argument("--gossip-timeout", type=positive, default=3.0, help="wait for a gossip reply (3)")
@@ -152,7 +154,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         directly_reachable=not args.not_directly_reachable,
         relays=list(args.relay),
         relay_only=args.relay_only,
-        quic=link_settings(args),
+        quic=apply_read_limit_options(args, link_settings(args)),
     )
 
 
@@ -187,7 +189,7 @@ async def _serve(node: Node, args: argparse.Namespace) -> int:
         weight_repack=args.weight_repack,
         threads=args.threads,
         ctx=args.ctx,
-        leases=lease_settings(args),
+        leases=lease_settings(args, serves_api=args.api_listen is not False),
     )
     try:
         service = await ShardService.start(

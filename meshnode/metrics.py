@@ -108,6 +108,7 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
     families = [gauge("meshnode_up", "1 while the node answers", 1)]
     info = gauge("meshnode_info", "Build and identity labels").add(1, {"version": __version__})
     families.append(info)
+    families += _frame_buffer_families()
     node = sources.node
     if node is not None:
         info.samples[0][0].update(node_id=node.node_id.hex()[:16], mesh_id=node.mesh_id or "")
@@ -198,3 +199,22 @@ def _lease_families(worker: Any) -> list[Family]:
         worker.share_refusals,
     )
     return [releases, refused]
+
+
+def _frame_buffer_families() -> list[Family]:
+    """Incomplete frames, process-wide (meshnode.transport.read_limits): bytes held, streams given up."""
+    from meshnode.transport.read_limits import process_budget, reset_counts
+
+    resets = counter(
+        "meshnode_frame_resets_total",
+        "Streams reset for holding too much of an incomplete frame (per connection, per process) "
+        "or stalling mid-frame, by reason",
+    )
+    for reason, value in reset_counts().items():
+        resets.add(value, {"reason": reason})
+    budget = process_budget()
+    return [
+        resets,
+        gauge("meshnode_frame_buffer_bytes", "Bytes held in incomplete frames, all connections", budget.held),
+        gauge("meshnode_frame_buffer_limit_bytes", "Cap on meshnode_frame_buffer_bytes", budget.limit),
+    ]

@@ -1,7 +1,8 @@
-"""Caps on incomplete frames and the stall timeout, over real QUIC into a dispatcher.
+"""Caps on incomplete frames and the stall timeout, over real QUIC into a dispatcher;
+their counters in /metrics and their options on the node commands.
 
-The server side is a QUIC endpoint serving a dispatcher whose handler reads one
-frame with no timeout of its own, so every reset seen here comes from the
+The server side is a QUIC endpoint serving a dispatcher whose handler reads
+frames with no timeout of its own, so every reset seen here comes from the
 read limits (``meshnode.transport.read_limits``), not from a handler.
 """
 
@@ -16,12 +17,15 @@ from dataclasses import dataclass
 import pytest
 from mesh_helpers import Recorder, reset_code_of
 
+from meshnode.cli import _node_config, build_parser
+from meshnode.config import parse_args_with_config
 from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import Dispatcher, DispatchingLinkHandler
+from meshnode.metrics import MetricSources, collect
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicSettings
-from meshnode.transport.read_limits import reset_counts
+from meshnode.transport.read_limits import process_budget, reset_counts
 from meshnode.wire.buffer_budget import BufferBudget, BufferScope
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
@@ -149,6 +153,11 @@ async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_i
             == mesh.MESH_ERROR_READ_TIMEOUT
         )
         assert reset_counts()["stalled"] == before["stalled"] + 1
+        families = {family.name: family for family in await collect(MetricSources(), now=0.0)}
+        resets = {
+            labels["reason"]: value for labels, value in families["meshnode_frame_resets_total"].samples
+        }
+        assert resets["stalled"] == before["stalled"] + 1
         # Waiting at a frame boundary, however long, is not a stall.
         await asyncio.sleep(3 * stall)
         await idle.send_frame(b"second")
@@ -156,3 +165,16 @@ async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_i
         assert await idle.recv_frame(10) is None
         assert Counter(server.frames) == {b"first": 1, b"second": 1}
         assert server_links_hold(server) == 0
+
+
+def test_node_commands_take_the_caps_from_options_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process_budget(), "limit", process_budget().limit)  # restored afterwards
+    args = parse_args_with_config(
+        build_parser(),
+        ["start", "--frame-buffer-per-connection", "16MiB", "--link-timeout", "6"],
+        {"MESHNODE_FRAME_BUFFER_TOTAL": "96MiB", "MESHNODE_START_FRAME_STALL_TIMEOUT": "7.5"},
+    )
+    quic = _node_config(args).quic
+    assert (quic.frame_buffer_per_connection, quic.frame_stall_timeout) == (16 * 1024 * 1024, 7.5)
+    assert quic.idle_timeout == 6.0  # the other QUIC options survive
+    assert process_budget().limit == 96 * 1024 * 1024
