@@ -189,7 +189,7 @@ async def _serve(node: Node, args: argparse.Namespace) -> int:
         weight_repack=args.weight_repack,
         threads=args.threads,
         ctx=args.ctx,
-        leases=lease_settings(args),
+        leases=lease_settings(args, serves_api=args.api_listen is not False),
     )
     try:
         service = await ShardService.start(

@@ -60,10 +60,11 @@ def add_lease_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--peer-session-share",
         type=share,
-        default=_DEFAULTS.peer_share,
+        default=None,
         metavar="FRACTION",
         help="most of this shard's sessions one peer other than this node may hold, so the node's own "
-        f"API keeps room (default {_DEFAULTS.peer_share:g}: 3 of 4)",
+        f"API keeps room (default {_DEFAULTS.peer_share:g}, 3 of 4, on a node serving the API; "
+        "1 on a node without one, whose every session comes from peers)",
     )
     group.add_argument(
         "--session-grace",
@@ -75,10 +76,15 @@ def add_lease_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def lease_settings(args: argparse.Namespace) -> LeaseSettings:
+def lease_settings(args: argparse.Namespace, *, serves_api: bool) -> LeaseSettings:
+    """The lease rules; the share is kept back only for a node's own API users, so a node
+    without an API lets one upstream hop use every session (a chain's capacity)."""
+    chosen = args.peer_session_share
+    if chosen is None:
+        chosen = _DEFAULTS.peer_share if serves_api else 1.0
     return LeaseSettings(
         idle_timeout_s=float(args.session_idle_timeout),
-        peer_share=float(args.peer_session_share),
+        peer_share=float(chosen),
         owner_grace_s=float(args.session_grace),
     )
 
