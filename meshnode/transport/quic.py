@@ -184,10 +184,9 @@ class QuicLink(PeerLink):
         self.last_received_at = endpoint.loop.time()
         self.created_at = self.last_received_at
         self.progress = Progress()
-        self.read_limits = ReadLimits.for_connection(
-            self.settings.frame_buffer_per_connection,
-            self.settings.frame_stall_timeout,
-            process=endpoint.process_budget,
+        self.read_limits = ReadLimits(
+            budget=endpoint.process_budget.child(self.settings.frame_buffer_per_connection),
+            stall_timeout=self.settings.frame_stall_timeout,
         )
         self.close_reason = ""
         self.connected: asyncio.Future[None] = endpoint.loop.create_future()

@@ -19,7 +19,7 @@ from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,
     DEFAULT_PROCESS_BUFFER_BYTES,
     DEFAULT_STALL_TIMEOUT_S,
-    set_process_buffer_limit,
+    configure_process,
 )
 
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
@@ -69,8 +69,8 @@ def add_read_limit_options(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_read_limit_options(args: argparse.Namespace, quic: QuicSettings | None = None) -> QuicSettings:
-    """Set the process-wide cap; ``quic`` (or the defaults) with the per-connection ones."""
-    set_process_buffer_limit(args.frame_buffer_total)
+    """Configure the process (its cap, relayed links' limits); ``quic`` (or the defaults) with them too."""
+    configure_process(args.frame_buffer_total, args.frame_buffer_per_connection, args.frame_stall_timeout)
     return dataclasses.replace(
         quic or QuicSettings(),
         frame_buffer_per_connection=args.frame_buffer_per_connection,

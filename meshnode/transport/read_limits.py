@@ -39,6 +39,8 @@ class ResetReason(StrEnum):
 
 
 _PROCESS_BUDGET = BufferBudget(DEFAULT_PROCESS_BUFFER_BYTES, scope=BufferScope.PROCESS)
+# What links that carry no settings of their own (relayed links) get; set with the process cap.
+_connection_defaults: tuple[int, float | None] = (DEFAULT_CONNECTION_BUFFER_BYTES, DEFAULT_STALL_TIMEOUT_S)
 # Streams given up on, by reason, in this process.
 _RESETS: Counter[ResetReason] = Counter()
 
@@ -48,11 +50,22 @@ def process_budget() -> BufferBudget:
     return _PROCESS_BUDGET
 
 
-def set_process_buffer_limit(limit: int) -> None:
-    """Set at start-up from configuration (the node's and the relay's ``--frame-buffer-total``)."""
-    if limit <= 0:
-        raise ValueError("the process frame buffer limit must be positive")
-    _PROCESS_BUDGET.limit = limit
+def configure_process(
+    total_bytes: int,
+    connection_bytes: int = DEFAULT_CONNECTION_BUFFER_BYTES,
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
+) -> None:
+    """Set at start-up from configuration (the node's and the relay's ``--frame-buffer-*`` options).
+
+    ``total_bytes`` caps all connections together; the other two are what
+    :meth:`ReadLimits.for_connection` gives a link whose transport has no
+    settings of its own (QUIC links take theirs from ``QuicSettings``).
+    """
+    global _connection_defaults
+    if total_bytes <= 0 or connection_bytes <= 0:
+        raise ValueError("frame buffer limits must be positive")
+    _PROCESS_BUDGET.limit = total_bytes
+    _connection_defaults = (connection_bytes, stall_timeout)
 
 
 def count_reset(reason: ResetReason) -> None:
@@ -74,14 +87,10 @@ class ReadLimits:
     stall_timeout: float | None = None
 
     @classmethod
-    def for_connection(
-        cls,
-        connection_bytes: int = DEFAULT_CONNECTION_BUFFER_BYTES,
-        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
-        process: BufferBudget | None = None,
-    ) -> ReadLimits:
-        parent = process if process is not None else _PROCESS_BUDGET
-        return cls(budget=parent.child(connection_bytes), stall_timeout=stall_timeout)
+    def for_connection(cls) -> ReadLimits:
+        """A new connection's limits as configured for the process (see :func:`configure_process`)."""
+        connection_bytes, stall_timeout = _connection_defaults
+        return cls(budget=_PROCESS_BUDGET.child(connection_bytes), stall_timeout=stall_timeout)
 
 
 __all__ = [
@@ -90,9 +99,9 @@ __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
     "ReadLimits",
     "ResetReason",
+    "configure_process",
     "count_reset",
     "process_budget",
     "reason_for_scope",
     "reset_counts",
-    "set_process_buffer_limit",
 ]

@@ -22,10 +22,11 @@ from meshnode.config import parse_args_with_config
 from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import Dispatcher, DispatchingLinkHandler
 from meshnode.metrics import MetricSources, collect
+from meshnode.transport import read_limits
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicSettings
-from meshnode.transport.read_limits import process_budget, reset_counts
+from meshnode.transport.read_limits import ReadLimits, process_budget, reset_counts
 from meshnode.wire.buffer_budget import BufferBudget, BufferScope
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
@@ -168,7 +169,9 @@ async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_i
 
 
 def test_node_commands_take_the_caps_from_options_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(process_budget(), "limit", process_budget().limit)  # restored afterwards
+    # Process-wide settings: restored afterwards.
+    monkeypatch.setattr(process_budget(), "limit", process_budget().limit)
+    monkeypatch.setattr(read_limits, "_connection_defaults", read_limits._connection_defaults)
     args = parse_args_with_config(
         build_parser(),
         ["start", "--frame-buffer-per-connection", "16MiB", "--link-timeout", "6"],
@@ -178,3 +181,10 @@ def test_node_commands_take_the_caps_from_options_and_environment(monkeypatch: p
     assert (quic.frame_buffer_per_connection, quic.frame_stall_timeout) == (16 * 1024 * 1024, 7.5)
     assert quic.idle_timeout == 6.0  # the other QUIC options survive
     assert process_budget().limit == 96 * 1024 * 1024
+    relayed = ReadLimits.for_connection()  # what a relayed link gets
+    assert relayed.budget is not None
+    assert (relayed.budget.limit, relayed.budget.parent, relayed.stall_timeout) == (
+        16 * 1024 * 1024,
+        process_budget(),
+        7.5,
+    )
