@@ -253,12 +253,14 @@ MESHNODE_TEST_N_GPU_LAYERS=$NGL run_logged "parity tests" 150 "$OUT/parity.txt" 
   "$VPY" -m pytest -s -p no:cacheprovider -q tests/engines/test_engine_llama_tiny.py tests/engines/test_hidden_capture.py
 
 stage "bench/engine.py on a generated random-weight llama ($MODEL_SIZE), n_gpu_layers $NGL"
-model=$(run_step "random model" 60 "$VPY" bench/random_model.py --size "$MODEL_SIZE")
+model=$(timeout "$(left 60)" "$VPY" bench/random_model.py --size "$MODEL_SIZE")
 if [ -n "$model" ] && [ -f "$model" ]; then
   stamp "$(ls -l "$model")"
   run_logged "engine bench" 200 "$OUT/bench.txt" \
     "$VPY" bench/engine.py --model "$model" --n-gpu-layers "$NGL" "${BENCH_ARGS[@]}"
 else
+  stamp "random model: not generated"
+  FAILED+=("random model")
   model=""
 fi
 
