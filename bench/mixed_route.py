@@ -11,9 +11,10 @@ divergence, the largest |logit difference| before it, and the texts. A CPU and a
 compute the same layers in different orders and precisions, so some difference is
 expected; how soon it changes a greedy token is what a mixed mesh would see.
 
-On a CUDA build, llama.cpp also sends large batches of a CPU layer's matrix products to
-the GPU (its op offload: prefill, not decode) unless ``GGML_OP_OFFLOAD_MIN_BATCH`` is
-raised; bench/gpu_check.sh sets it so that "CPU" means CPU. The value in force is printed.
+On a CUDA build, llama.cpp would also send large batches of a CPU layer's matrix products
+to the GPU (its op offload: prefill, not decode); the engine turns op offload off for a
+runtime with nothing offloaded (engines/llama_runtime.py), and bench/gpu_check.sh also
+raises ``GGML_OP_OFFLOAD_MIN_BATCH`` in case. The value in force is printed.
 """
 
 from __future__ import annotations

@@ -98,6 +98,9 @@ class LlamaRuntime:
         context_params.kv_unified = False
         context_params.swa_full = True
         context_params.no_perf = True
+        # A CUDA build otherwise sends large CPU-side matrix products (prefill) to the GPU even
+        # with nothing offloaded: a node announcing "cpu" numerics must compute on the CPU.
+        context_params.op_offload = n_gpu_layers > 0
         if self._capture is not None:
             context_params.cb_eval = self._capture.callback
             context_params.cb_eval_user_data = self._capture.user_data
