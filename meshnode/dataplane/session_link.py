@@ -569,7 +569,10 @@ class ShardSession:
             self._framed = framed
             self._after()
             # Read the stream directly so that every frame of one read is handled before one _after().
-            stream, decoder = framed.stream, FrameDecoder(expect_stream_type=False)
+            # The downstream hop is a member, not trusted: its replies charge the link's budget.
+            stream = framed.stream
+            limits = getattr(stream, "read_limits", None)
+            decoder = FrameDecoder(expect_stream_type=False, budget=limits.budget if limits else None)
             while data := await stream.read(READ_CHUNK):
                 now = time.time_ns()
                 for body in decoder.feed(data):
