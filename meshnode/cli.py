@@ -56,9 +56,9 @@ from meshnode.membership.credentials import (
     issue_certificate,
 )
 from meshnode.membership.store import DataDir, MembershipState, StoreError
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_model, query_status, run_node
 from meshnode.transport.read_limit_options import add_read_limit_options, apply_read_limit_options
+from meshnode.wire.mesh_refusal import MeshRefusal
 
 # Modules that add subcommands; see the module docstring.
 COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands", "meshnode.doctor")

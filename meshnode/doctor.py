@@ -22,9 +22,9 @@ from pathlib import Path
 from engines.weight_repack import WeightRepack
 from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, default_data_dir, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.transport.addresses import AddressError, parse_host_port
 from meshnode.wire.crc32c import simd_built, simd_in_use
+from meshnode.wire.mesh_refusal import MeshRefusal
 
 MIN_FREE_BYTES = 2 * 1024**3  # room for a model slice or two
 

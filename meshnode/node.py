@@ -36,7 +36,6 @@ from meshnode.identity import NodeIdentity, ensure_private_dir, short_id
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
-from meshnode.mesh.errors import MeshRefusal, RemoteRefusal, refusal_from_reset_code
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.rules import (
@@ -63,6 +62,7 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
 from meshnode.wire.errors import FramingError
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
+from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, refusal_from_reset_code
 from meshnode.wire.pb import mesh, shard
 
 log = logging.getLogger("meshnode.node")

@@ -54,8 +54,8 @@ from enum import Enum
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NODE_ID_BYTES, short_id, verify_signature
 from meshnode.membership.credentials import verify_membership_proof
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.wire.errors import FrameTooLarge
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 from relay import protocol as p
 from relay.fair_queue import FairQueue

@@ -16,10 +16,10 @@ from google.protobuf.message import DecodeError, Message
 
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
 from meshnode.dataplane.errors import SessionTransportError
-from meshnode.mesh.errors import refusal_from_reset_code
 from meshnode.transport.base import PeerLink, StreamError, StreamReset
 from meshnode.wire.errors import FramingError, ShardProtocolError
 from meshnode.wire.framing import StreamType
+from meshnode.wire.mesh_refusal import refusal_from_reset_code
 from meshnode.wire.pb import shard
 
 DEFAULT_UNARY_TIMEOUT_S = 5.0

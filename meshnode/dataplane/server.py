@@ -69,11 +69,11 @@ from meshnode.dataplane.unary import (
 from meshnode.dataplane.wake_timer import WakeTimer
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig, WorkerLoad
 from meshnode.mesh.dispatcher import StreamHandler
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.transport.base import RESET_CANCELLED, LinkClosed, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
 from meshnode.wire.framing import StreamType, encode_frame
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh, shard
 
 log = logging.getLogger("meshnode.dataplane.server")

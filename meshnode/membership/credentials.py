@@ -13,7 +13,7 @@ Trust model (``proto/meshnode/v1/membership.proto`` has the wire details):
   certificate (mesh-key-signed node id) and the mesh key itself, so every member
   can invite and admit. Members show their certificate on every later admission.
 
-Every check raises :class:`~meshnode.mesh.errors.MeshRefusal` with the exact
+Every check raises :class:`~meshnode.wire.mesh_refusal.MeshRefusal` with the exact
 code. Time is a parameter (unix seconds). Nothing here logs; secrets are wrapped
 in objects whose ``repr`` does not show them.
 """
@@ -37,8 +37,8 @@ from meshnode.identity import (
     short_id,
     verify_signature,
 )
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.transport.addresses import is_valid_address
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 MESH_ID_TAG = b"meshnode/v1/mesh-id\0"

@@ -2,11 +2,11 @@
 
 Depends only on :class:`~meshnode.transport.base.MeshStream`, so it serves QUIC
 streams and relay channels alike. Every way a stream can fail ends in a reset
-with a ``MeshErrorCode`` (see :func:`~meshnode.mesh.errors.reset_code`), never in
+with a ``MeshErrorCode`` (see :func:`~meshnode.wire.mesh_refusal.reset_code`), never in
 an exception escaping into the transport; the link stays up.
 
 Handlers are ``async def handler(stream: FramedStream) -> None``. They may raise
-:class:`~meshnode.mesh.errors.MeshRefusal` (the stream is reset with its code),
+:class:`~meshnode.wire.mesh_refusal.MeshRefusal` (the stream is reset with its code),
 ``TimeoutError`` (reset as READ_TIMEOUT) or a framing error (FRAME_TOO_LARGE;
 OVERLOADED when the link's or the node's buffer for incomplete frames is full;
 READ_TIMEOUT when the peer stalled mid-frame; MALFORMED otherwise). When a
@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from meshnode.identity import short_id
-from meshnode.mesh.errors import MeshRefusal, reset_code
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.rules import stream_allowed_before_admission
 from meshnode.transport.base import RESET_CANCELLED, MeshStream, PeerLink, StreamError
@@ -35,6 +34,7 @@ from meshnode.wire.errors import (
     UnknownStreamType,
 )
 from meshnode.wire.framing import StreamType
+from meshnode.wire.mesh_refusal import MeshRefusal, reset_code
 from meshnode.wire.pb import mesh
 
 log = logging.getLogger("meshnode.mesh.dispatcher")

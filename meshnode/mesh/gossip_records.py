@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from meshnode.identity import short_id
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.mesh.signed_record import (
     RecordFault,
     RecordRejected,
@@ -22,6 +21,7 @@ from meshnode.mesh.signed_record import (
     decode_record,
     verify_record,
 )
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 # The record a peer table already holds for a node (verified when it was merged).

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from meshnode.identity import NODE_ID_BYTES, NodeIdentity, short_id, verify_signature
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.mesh.validation import validate_announcement
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 # Everything else a node key signs begins otherwise: relay registration and the

@@ -34,12 +34,12 @@ from meshnode.membership.credentials import (
     verify_membership_proof,
 )
 from meshnode.membership.store import MembershipState
-from meshnode.mesh.errors import MeshRefusal, RemoteRefusal
 from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
 from meshnode.mesh.peer_table import MergeReport, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
 from meshnode.mesh.validation import validate_gossip_frame
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
+from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
 from meshnode.wire.pb import mesh
 
 

@@ -1,6 +1,6 @@
 """One validator per mesh message, called right after decoding.
 
-Each raises :class:`~meshnode.mesh.errors.MeshRefusal` with the exact code. Size
+Each raises :class:`~meshnode.wire.mesh_refusal.MeshRefusal` with the exact code. Size
 limits bound what a peer can make us hold (the 8 MiB frame cap bounds bytes;
 these bound counts and strings so a frame cannot fill the peer table).
 """
@@ -12,9 +12,9 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from meshnode.identity import NODE_ID_BYTES
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.transport.addresses import is_valid_address
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 MAX_PEERS_PER_FRAME = 256

@@ -28,8 +28,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from meshnode.mesh.errors import reset_code
 from meshnode.wire.errors import MeshnodeError
+from meshnode.wire.mesh_refusal import reset_code
 from meshnode.wire.pb import mesh
 
 REC_DATA, REC_FIN, REC_RESET, REC_MAX_STREAM_DATA = 0x10, 0x11, 0x12, 0x13

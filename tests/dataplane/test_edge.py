@@ -22,9 +22,9 @@ from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.server import ShardServer
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
-from meshnode.mesh.errors import reset_code
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.framing import StreamType
+from meshnode.wire.mesh_refusal import reset_code
 from meshnode.wire.pb import mesh, shard
 
 from .harness import FP, srange

@@ -9,13 +9,13 @@ from pathlib import Path
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
 from meshnode.membership.store import DataDir, MembershipState
-from meshnode.mesh.errors import refusal_from_reset_code
 from meshnode.mesh.signed_record import decode_record, sign_record
 from meshnode.node import Node, NodeConfig
 from meshnode.transport.base import MeshStream, PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicSettings
 from meshnode.wire.framing import StreamType
+from meshnode.wire.mesh_refusal import refusal_from_reset_code
 from meshnode.wire.pb import mesh
 
 

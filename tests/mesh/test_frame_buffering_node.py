@@ -29,10 +29,10 @@ from rss import MiB, PeakRss
 from meshnode.identity import NodeIdentity, load_identity
 from meshnode.membership.credentials import Endpoint, create_invite
 from meshnode.membership.store import DataDir
-from meshnode.mesh.errors import refusal_from_reset_code
 from meshnode.node import Node, query_status
 from meshnode.transport.base import MeshStream, StreamReset
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
+from meshnode.wire.mesh_refusal import refusal_from_reset_code
 from meshnode.wire.pb import mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -24,7 +24,7 @@ from meshnode.membership.credentials import (
     verify_membership_proof,
 )
 from meshnode.membership.store import DataDir, MembershipState, StoreError
-from meshnode.mesh.errors import MeshRefusal
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 NOW = 1_800_000_000.0

@@ -22,11 +22,11 @@ from mesh_helpers import RawPeer, fast_config
 from meshnode.identity import NodeIdentity, load_identity
 from meshnode.membership.credentials import Endpoint, create_invite
 from meshnode.membership.store import DataDir
-from meshnode.mesh.errors import refusal_from_reset_code
 from meshnode.node import Node, query_status
 from meshnode.transport.base import StreamError, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
+from meshnode.wire.mesh_refusal import refusal_from_reset_code
 from meshnode.wire.pb import mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -10,7 +10,6 @@ from meshnode.membership.credentials import (
     issue_certificate,
 )
 from meshnode.membership.store import MembershipState
-from meshnode.mesh.errors import MeshRefusal, RemoteRefusal, refusal_from_reset_code, reset_code
 from meshnode.mesh.gossip_records import open_gossip_entries
 from meshnode.mesh.peer_table import PeerTable
 from meshnode.mesh.rules import (
@@ -37,6 +36,7 @@ from meshnode.mesh.validation import (
     validate_route_request,
 )
 from meshnode.wire.framing import StreamType
+from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, refusal_from_reset_code, reset_code
 from meshnode.wire.pb import mesh
 
 # Real keys (from fixed seeds): every gossiped record is signed by the node it names.

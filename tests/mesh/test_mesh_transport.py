@@ -7,12 +7,12 @@ import pytest
 from mesh_helpers import Recorder, reset_code_of
 
 from meshnode.mesh.dispatcher import Dispatcher
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.transport.base import LinkClosed, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.loopback import loopback_link_pair
 from meshnode.wire.errors import FrameTooLarge
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 A, B = b"\x01" * 32, b"\x02" * 32

@@ -14,7 +14,6 @@ from meshnode.membership.credentials import (
 )
 from meshnode.membership.store import MembershipState
 from meshnode.mesh import gossip_records
-from meshnode.mesh.errors import MeshRefusal
 from meshnode.mesh.peer_table import PeerTable
 from meshnode.mesh.signed_record import (
     MAX_INCARNATION_AHEAD_NS,
@@ -26,6 +25,7 @@ from meshnode.mesh.signed_record import (
     sign_record,
 )
 from meshnode.mesh.state import MeshState
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 NOW = 1_800_000_000.0

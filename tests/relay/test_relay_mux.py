@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.mesh.errors import reset_code
 from meshnode.relaylink.mux import (
     ChannelData,
     ChannelFinished,
@@ -16,6 +15,7 @@ from meshnode.relaylink.mux import (
     MuxConfig,
     MuxError,
 )
+from meshnode.wire.mesh_refusal import reset_code
 from meshnode.wire.pb import mesh
 
 LOW, HIGH = b"\x01" * 32, b"\x02" * 32

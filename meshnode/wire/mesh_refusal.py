@@ -5,6 +5,10 @@ frame, an unadmitted stream, a forged invite) is a :class:`MeshRefusal`. It
 travels to the peer either as a ``Refusal`` message (gossip replies) or as the
 stream reset code :func:`reset_code` (streams without a reply message), so a
 peer always learns the exact reason.
+
+It lives in ``wire`` rather than ``mesh`` because membership checks, the mesh
+state machine, the data plane and the relay server all raise it: as vocabulary
+below all of them, it lets each depend downward only.
 """
 
 from __future__ import annotations
