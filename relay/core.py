@@ -54,13 +54,13 @@ from enum import Enum
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NODE_ID_BYTES, short_id, verify_signature
 from meshnode.membership.credentials import verify_membership_proof
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import RelayRefused, relay
+from meshnode.relaywire.ratelimit import TokenBucket
 from meshnode.wire.errors import FrameTooLarge
 from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
-from relay import protocol as p
 from relay.fair_queue import FairQueue
-from relay.protocol import RelayRefused, relay
-from relay.ratelimit import TokenBucket
 
 MiB = 1024 * 1024
 # Bookkeeping cost charged per queued frame on top of its bytes, so floods of

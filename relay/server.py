@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnode.identity import NodeIdentity, load_or_create_identity, short_id
+from meshnode.relaywire import protocol as p
 from meshnode.transport.base import MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicLink, QuicSettings
 from meshnode.wire.errors import FramingError
-from relay import protocol as p
 from relay.core import RelayCore, RelayPolicy
 
 log = logging.getLogger("meshnode.relay")

@@ -3,7 +3,7 @@
 :func:`connect_and_register` performs one registration (QUIC dial pinned to the
 relay id from the invite, challenge, signed registration with a membership
 proof) and returns a :class:`RelaySession`, or raises the relay's
-:class:`~relay.protocol.RelayRefused`.
+:class:`~meshnode.relaywire.protocol.RelayRefused`.
 
 :class:`RelayClient` keeps a registration alive: when the connection drops it
 reconnects and re-registers with jittered exponential backoff (capped), and it
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import RelayRefused, relay
+from meshnode.relaywire.ratelimit import TokenBucket
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicLink, QuicSettings
 from meshnode.wire.errors import FramingError
-from relay import protocol as p
-from relay.protocol import RelayRefused, relay
-from relay.ratelimit import TokenBucket
 
 log = logging.getLogger("meshnode.relaylink")
 

@@ -36,9 +36,9 @@ from meshnode.relaylink.seal import (
     SessionEstablished,
     SessionLost,
 )
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import relay
 from meshnode.transport.base import LinkHandler, PeerLink, StreamError
-from relay import protocol as p
-from relay.protocol import relay
 
 log = logging.getLogger("meshnode.relaylink")
 

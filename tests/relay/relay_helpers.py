@@ -15,8 +15,8 @@ from meshnode.membership.credentials import (
     issue_certificate,
     make_invite_proof,
 )
-from relay import protocol as p
-from relay.protocol import relay
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import relay
 
 
 @dataclass

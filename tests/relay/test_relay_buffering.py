@@ -22,14 +22,14 @@ from meshnode.config import parse_args_with_config
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import relay
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicSettings
 from meshnode.transport.read_limit_options import parse_bytes
 from meshnode.wire.errors import BufferLimitExceeded, FrameStalled, FrameTooLarge, TruncatedFrame
 from meshnode.wire.framing import MAX_FRAME_BYTES
-from relay import protocol as p
 from relay.core import RelayCore, RelayPolicy, source_group
-from relay.protocol import relay
 from relay.server import RelayServer
 
 pytestmark = pytest.mark.timeout(60)

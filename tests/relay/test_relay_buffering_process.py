@@ -35,10 +35,10 @@ from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer
 from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
+from meshnode.relaywire import protocol as p
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
-from relay import protocol as p
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -11,7 +11,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.relaylink.client import Backoff
 from meshnode.relaylink.manager import RelayDialError, RelayLinks, RelayLinkSettings
 from meshnode.relaylink.seal import CONTROL_CHANNEL, KIND_INIT, KIND_RESPONSE, PeerSealer
-from relay.protocol import relay
+from meshnode.relaywire.protocol import relay
 
 
 def test_backoff_grows_exponentially_with_jitter_and_is_capped() -> None:

@@ -10,10 +10,10 @@ from relay_helpers import Member, invited_joiner, new_member, register_frame
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import relay
 from meshnode.wire.pb import mesh
-from relay import protocol as p
 from relay.core import RelayCore, RelayPolicy
-from relay.protocol import relay
 
 MiB = 1024 * 1024
 

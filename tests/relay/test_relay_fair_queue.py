@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from meshnode.relaywire.ratelimit import TokenBucket
 from relay.fair_queue import FairQueue
-from relay.ratelimit import TokenBucket
 
 
 def drain(queue: FairQueue) -> list[tuple[bytes, bytes]]:

@@ -16,14 +16,14 @@ from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer, RelaySession
 from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
 from meshnode.relaylink.seal import KIND_SEALED
+from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicSettings
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
-from relay import protocol as p
 from relay.core import RelayCore, RelayPolicy
-from relay.protocol import RelayRefused, relay
 from relay.server import RelayServer
 
 pytestmark = pytest.mark.timeout(60)
