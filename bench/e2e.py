@@ -50,8 +50,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.default_model import default_model_path
+from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
 from meshnode.head.api_client import StreamSummary, stream_completion
-from meshnode.head.local_mesh import SHARED_CORES_ENV, LocalMesh
 from meshnode.wire.pb import shard
 
 Layout = list[tuple[tuple[int, int] | None, bool]]

@@ -2,6 +2,6 @@
 
 import sys
 
-from meshnode.cli import main
+from meshnode.app.cli import main
 
 sys.exit(main())

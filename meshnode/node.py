@@ -26,9 +26,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
@@ -63,7 +62,7 @@ from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
 from meshnode.wire.errors import FramingError
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, refusal_from_reset_code
-from meshnode.wire.pb import mesh, shard
+from meshnode.wire.pb import mesh
 
 log = logging.getLogger("meshnode.node")
 
@@ -110,34 +109,6 @@ class NodeConfig:
     @property
     def effective_peer_timeout(self) -> float:
         return self.peer_timeout if self.peer_timeout is not None else 4 * self.heartbeat_interval
-
-
-def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.ServedShard:
-    """What ``--model PATH --layers A:B`` will serve: name, layer range and total layers.
-
-    Reads only the GGUF header, so a bad file or range is refused before the
-    engine loads. The fingerprint is left empty here: the shard service announces
-    the loaded engine's own (artifact and recipe digests).
-    """
-    from engines.gguf_file import GGUFFormatError, read_gguf
-
-    try:
-        header = read_gguf(path)
-        arch = header.architecture
-    except (OSError, GGUFFormatError) as exc:  # GGUFFormatError is a ValueError
-        raise ValueError(f"cannot read GGUF {path}: {exc}") from None
-    blocks = header.get(f"{arch}.block_count")
-    if blocks is None:
-        raise ValueError(f"{path} has no {arch}.block_count")
-    total = int(blocks)  # type: ignore[call-overload]
-    start, end = layers if layers is not None else (0, total)
-    if not 0 <= start < end <= total:
-        raise ValueError(f"layer range {start}:{end} is not within the model's {total} layers")
-    return mesh.ServedShard(
-        model_name=path.stem,
-        shard_range=shard.ShardRange(start_layer=start, end_layer=end, effective_start_layer=start),
-        total_layers=total,
-    )
 
 
 def _outbound_ip() -> str:
@@ -852,84 +823,6 @@ async def request(
             stream.close()
 
 
-def query_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
-    """Ask the node running on ``data_dir`` for its status (used by the CLI)."""
-    path = DataDir(data_dir).control_socket
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.settimeout(timeout)
-        client.connect(str(path))
-        client.sendall(b"status\n")
-        chunks = []
-        while chunk := client.recv(65536):
-            chunks.append(chunk)
-    return dict(json.loads(b"".join(chunks)))
-
-
-async def run_node(
-    node: Node,
-    *,
-    on_ready: Callable[[Node], None] | None = None,
-    drain: Callable[[], Awaitable[None]] | None = None,
-    drain_timeout: float = 30.0,
-) -> int:
-    """Start, join or reconnect, serve until SIGINT/SIGTERM, then leave cleanly. Returns an exit code.
-
-    With ``drain``, the first signal drains first: ``drain()`` stops new work and
-    returns once in-flight work is done; it is given ``drain_timeout`` seconds, and a
-    second signal cuts it short. PeerLeaving goes out after the drain either way.
-    """
-    import signal
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await node.start()
-        if node.state.is_member:
-            await node.reconnect()
-        else:
-            try:
-                await node.join()
-            except JoinError as exc:
-                log.error("%s", exc)
-                return 3
-        if on_ready is not None:
-            on_ready(node)
-        await stop.wait()
-        if drain is not None:
-            stop.clear()
-            await run_drain(drain, stop, drain_timeout)
-        log.info("stopping: telling peers we are leaving")
-        return 0
-    finally:
-        await node.shutdown()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-
-
-async def run_drain(drain: Callable[[], Awaitable[None]], stop: asyncio.Event, timeout: float) -> None:
-    """Run ``drain()`` for at most ``timeout`` seconds or until ``stop`` is set again."""
-    log.info(
-        "draining: refusing new work, finishing what is in flight (up to %.0f s; signal again to stop now)",
-        timeout,
-    )
-    draining = asyncio.ensure_future(drain())
-    interrupted = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait(
-        {draining, interrupted}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-    )
-    for task in (draining, interrupted):
-        task.cancel()
-    await asyncio.gather(draining, interrupted, return_exceptions=True)
-    if draining in done and draining.exception() is None:
-        log.info("drained: no work in flight")
-    elif interrupted in done:
-        log.warning("second signal: stopping without waiting for in-flight work")
-    else:
-        log.warning("drain did not finish within %.0f s: stopping with work in flight", timeout)
-
-
 __all__ = [
     "DEFAULT_LISTEN",
     "DEFAULT_PORT",
@@ -937,9 +830,5 @@ __all__ = [
     "Node",
     "NodeConfig",
     "PeerUnreachable",
-    "describe_served_model",
-    "query_status",
-    "run_drain",
-    "run_node",
     "stream_allowed_before_admission",
 ]

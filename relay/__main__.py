@@ -1,5 +1,7 @@
+"""``python -m relay``: an entry point into the application layer, like ``meshnode.__main__``."""
+
 import sys
 
-from relay.cli import main
+from meshnode.app.relay_command import main
 
 sys.exit(main())

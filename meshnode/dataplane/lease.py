@@ -53,7 +53,7 @@ LOCAL_ORIGIN = StreamOrigin()
 
 @dataclass(frozen=True)
 class LeaseSettings:
-    """A serving node's lease rules, in seconds (its command-line options, :mod:`.lease_options`)."""
+    """A serving node's lease rules, in seconds (its command-line options, :mod:`meshnode.app.lease_options`)."""
 
     # A session no frame arrived for in this long ends; a unit's deadline shortens it.
     idle_timeout_s: float = 120.0

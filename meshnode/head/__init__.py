@@ -1,1 +1,1 @@
-"""The head: route planning, the distributed generation driver and the OpenAI-compatible API."""
+"""The head: route planning and the distributed generation driver that :mod:`meshnode.api` serves."""

@@ -24,10 +24,11 @@ import numpy as np
 from engines.interface import GREEDY, LoadRequest, SessionKey, ShardEngine, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS
+from meshnode.app.child_exit import exit_message
+from meshnode.app.status import query_status
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.server import ShardServer
 from meshnode.dataplane.session_link import ShardSession
-from meshnode.head.child_exit import exit_message
 from meshnode.identity import NodeIdentity, write_private_file
 from meshnode.membership.credentials import (
     Endpoint,
@@ -38,7 +39,7 @@ from meshnode.membership.credentials import (
     issue_certificate,
 )
 from meshnode.membership.store import DataDir, MembershipState
-from meshnode.node import Node, NodeConfig, query_status
+from meshnode.node import Node, NodeConfig
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import shard
 

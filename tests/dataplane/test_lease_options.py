@@ -2,7 +2,7 @@
 
 import argparse
 
-from meshnode.dataplane.lease_options import add_lease_options, lease_settings
+from meshnode.app.lease_options import add_lease_options, lease_settings
 
 
 def parse(*argv: str) -> argparse.Namespace:

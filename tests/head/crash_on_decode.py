@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engines.interface import StepRequest, StepResult
 from engines.llama_engine import LlamaShardEngine
-from meshnode.cli import main
+from meshnode.app.cli import main
 
 
 def arm(step: int, claim: Path) -> None:

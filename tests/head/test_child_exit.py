@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from dataplane.chain_fixtures import NodeProcess
 
-from meshnode.head.child_exit import describe_exit, log_tail
-from meshnode.head.local_mesh import Child, LocalMesh, LocalMeshError
+from meshnode.app.child_exit import describe_exit, log_tail
+from meshnode.app.local_mesh import Child, LocalMesh, LocalMeshError
 
 SEGFAULTING_CHILD = """
 import logging, signal, threading, time

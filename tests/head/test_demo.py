@@ -17,7 +17,7 @@ from engines.default_model import default_model_path
 from engines.interface import LoadRequest, SamplingParams, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tokenizer import Tokenizer
-from meshnode.head.demo import DEFAULT_PROMPT, DEFAULT_SAMPLING
+from meshnode.app.demo import DEFAULT_PROMPT, DEFAULT_SAMPLING
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

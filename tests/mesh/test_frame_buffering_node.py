@@ -26,10 +26,11 @@ import pytest
 from mesh_helpers import fast_config
 from rss import MiB, PeakRss
 
+from meshnode.app.status import query_status
 from meshnode.identity import NodeIdentity, load_identity
 from meshnode.membership.credentials import Endpoint, create_invite
 from meshnode.membership.store import DataDir
-from meshnode.node import Node, query_status
+from meshnode.node import Node
 from meshnode.transport.base import MeshStream, StreamReset
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
 from meshnode.wire.mesh_refusal import refusal_from_reset_code

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import pytest
 from mesh_helpers import Recorder, reset_code_of
 
-from meshnode.cli import _node_config, build_parser
-from meshnode.config import parse_args_with_config
+from meshnode.app.cli import build_parser
+from meshnode.app.config import parse_args_with_config
+from meshnode.app.node_commands import node_config
 from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import Dispatcher, DispatchingLinkHandler
 from meshnode.metrics import MetricSources, collect
@@ -177,7 +178,7 @@ def test_node_commands_take_the_caps_from_options_and_environment(monkeypatch: p
         ["start", "--frame-buffer-per-connection", "16MiB", "--link-timeout", "6"],
         {"MESHNODE_FRAME_BUFFER_TOTAL": "96MiB", "MESHNODE_START_FRAME_STALL_TIMEOUT": "7.5"},
     )
-    quic = _node_config(args).quic
+    quic = node_config(args).quic
     assert (quic.frame_buffer_per_connection, quic.frame_stall_timeout) == (16 * 1024 * 1024, 7.5)
     assert quic.idle_timeout == 6.0  # the other QUIC options survive
     assert process_budget().limit == 96 * 1024 * 1024

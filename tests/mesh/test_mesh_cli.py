@@ -144,7 +144,7 @@ def test_start_without_membership_fails_clearly(tmp_path):
 def test_duration_and_layer_arguments():
     import argparse
 
-    from meshnode.cli import parse_duration, parse_layers
+    from meshnode.app.cli_args import parse_duration, parse_layers
 
     assert parse_duration("90") == 90 and parse_duration("30m") == 1800 and parse_duration("24h") == 86400
     assert parse_duration("1.5d") == 1.5 * 86400
@@ -158,7 +158,7 @@ def test_duration_and_layer_arguments():
 
 
 def test_status_text_says_how_each_served_range_is_computed():
-    from meshnode.cli import format_status
+    from meshnode.app.status import format_status
 
     served = {"model": "m", "start_layer": 0, "end_layer": 3, "total_layers": 6, "model_digest": ""}
     node = {"short_id": "aaaa", "mesh_id": "m1", "member": True, "addresses": ["127.0.0.1:1"]}

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from mesh_helpers import RawPeer, fast_config
 
+from meshnode.app.status import query_status
 from meshnode.identity import NodeIdentity, load_identity
 from meshnode.membership.credentials import Endpoint, create_invite
 from meshnode.membership.store import DataDir
-from meshnode.node import Node, query_status
+from meshnode.node import Node
 from meshnode.transport.base import StreamError, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType

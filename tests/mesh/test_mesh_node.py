@@ -377,7 +377,7 @@ def tiny_gguf_header(path, block_count: int = 6):
 
 
 def test_served_model_is_described_from_the_gguf_header(tmp_path):
-    from meshnode.node import describe_served_model
+    from meshnode.app.node_serving import describe_served_model
 
     model = tiny_gguf_header(tmp_path / "tiny-llama.gguf")
     served = describe_served_model(model, (2, 5))
@@ -392,7 +392,7 @@ def test_served_model_is_described_from_the_gguf_header(tmp_path):
 
 
 async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
-    from meshnode.node import describe_served_model
+    from meshnode.app.node_serving import describe_served_model
 
     joiner = await start_joiner(tmp_path, "server", first)
     try:

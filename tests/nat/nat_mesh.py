@@ -8,7 +8,7 @@ from pathlib import Path
 
 from netns import SERVICE_ADDRESS, NatLab, wait_for
 
-from meshnode.node import query_status
+from meshnode.app.status import query_status
 
 NODE_PORT = 7447
 RELAY_PORT = 7448

@@ -37,7 +37,7 @@ def data_plane_missing() -> str | None:
         from meshnode.dataplane.session_link import ShardSession  # noqa: F401
     except ImportError as exc:
         return f"data plane API missing: {exc}"
-    from meshnode.cli import build_parser
+    from meshnode.app.cli import build_parser
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):

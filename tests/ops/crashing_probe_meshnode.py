@@ -9,7 +9,7 @@ refuse to start exactly as it would on a machine where llama.cpp crashes.
 import sys
 
 from engines import engine_probe
-from meshnode.cli import main
+from meshnode.app.cli import main
 
 engine_probe.CHILD_COMMAND = (
     sys.executable,

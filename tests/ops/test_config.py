@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.cli import build_parser, main
-from meshnode.config import ConfigError, parse_args_with_config
+from meshnode.app.cli import build_parser, main
+from meshnode.app.config import ConfigError, parse_args_with_config
 
 RELAY = "ab" * 32 + "@198.18.0.1:7448"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshnode.cli import build_parser
-from meshnode.config import parse_args_with_config
+from meshnode.app.cli import build_parser
+from meshnode.app.config import parse_args_with_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -116,7 +116,7 @@ def test_missing_pieces_and_a_bad_layer_range(tmp_path, tiny_model):
     ],
 )
 def test_the_checksum_implementation_is_named(monkeypatch, in_use, built, severity, words):
-    from meshnode import doctor as doctor_module
+    from meshnode.app import doctor as doctor_module
 
     monkeypatch.setattr(doctor_module, "simd_in_use", lambda: in_use)
     monkeypatch.setattr(doctor_module, "simd_built", lambda: built)
@@ -128,7 +128,7 @@ def test_the_checksum_implementation_is_named(monkeypatch, in_use, built, severi
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_hidden_capture_callback_is_named(monkeypatch, native):
-    from meshnode import doctor as doctor_module
+    from meshnode.app import doctor as doctor_module
 
     monkeypatch.setattr(doctor_module, "capture_in_use", lambda: native)
     (finding,) = doctor_module.check_capture()

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 import pytest
 from relay_helpers import Member, new_member, register_frame
 
-from meshnode.cli import build_parser
-from meshnode.config import parse_args_with_config
+from meshnode.app.cli import build_parser
+from meshnode.app.config import parse_args_with_config
+from meshnode.app.read_limit_options import parse_bytes
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer
@@ -26,7 +27,6 @@ from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicSettings
-from meshnode.transport.read_limit_options import parse_bytes
 from meshnode.wire.errors import BufferLimitExceeded, FrameStalled, FrameTooLarge, TruncatedFrame
 from meshnode.wire.framing import MAX_FRAME_BYTES
 from relay.core import RelayCore, RelayPolicy, source_group

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.cli import main
+from meshnode.app.cli import main
 
 
 def test_show_id_creates_a_private_key_once_and_prints_a_stable_id(

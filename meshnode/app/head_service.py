@@ -6,6 +6,10 @@ node's own shard is reached through an in-process link. :func:`start_standalone`
 is the whole-model single-node mode (``meshnode serve``): one shard covering
 every layer, no mesh, the same driver and API. Either way the API binds to
 loopback unless told otherwise.
+
+This is the composition root of the generation path: it wires the head
+(:mod:`meshnode.head`), the API that serves it (:mod:`meshnode.api`, which
+imports the head) and the node together, so it sits above all three.
 """
 
 from __future__ import annotations
@@ -174,7 +178,7 @@ class StandaloneHead:
         return self.head.url
 
     async def drain(self) -> None:
-        await self.head.drain()  # before the shard refuses sessions: see meshnode.cli's drain
+        await self.head.drain()  # before the shard refuses sessions: see meshnode.app.node_serving's drain
         await self.service.drain()
 
     async def aclose(self) -> None:

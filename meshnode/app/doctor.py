@@ -20,7 +20,10 @@ from enum import Enum
 from pathlib import Path
 
 from engines.weight_repack import WeightRepack
-from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, default_data_dir, load_identity
+from meshnode.app.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
+from meshnode.app.data_dirs import node_data_dir
+from meshnode.app.status import query_status
+from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
 from meshnode.transport.addresses import AddressError, parse_host_port
 from meshnode.wire.crc32c import simd_built, simd_in_use
@@ -354,9 +357,7 @@ def check_disk(path: Path) -> list[Finding]:
 
 
 def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print) -> int:
-    from meshnode.node import query_status
-
-    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    data_dir = node_data_dir(args)
     node_running = False
     with contextlib.suppress(OSError):
         query_status(data_dir, timeout=1.0)
@@ -392,8 +393,7 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from meshnode.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
-
+    """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
     parser = subparsers.add_parser(
         "doctor",
         parents=[common],

@@ -1,13 +1,12 @@
-"""``meshnode generate``, ``meshnode serve`` and ``meshnode demo`` (see :mod:`meshnode.cli`).
+"""``meshnode generate`` and ``meshnode serve``: the commands around the OpenAI-compatible API.
 
     meshnode generate --prompt "Why is the sky blue?" --chat [--max-tokens N] [--temperature T] ...
     meshnode serve --model PATH [--api-listen HOST:PORT]
-    meshnode demo [--prompt TEXT] [--max-tokens N] [--work-dir DIR]
 
 ``generate`` streams an answer from the local node's API to the terminal (the
 node is found through its data directory's status socket, or given with
 ``--api URL``). ``serve`` runs a whole model on this machine alone, no mesh,
-behind the same API. ``demo`` is :mod:`meshnode.head.demo`.
+behind the same API.
 """
 
 from __future__ import annotations
@@ -19,7 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshnode.cli_args import add_weight_repack_option, positive_int
+from meshnode.app.api_options import head_options, parse_api_listen
+from meshnode.app.cli_args import add_weight_repack_option, positive_int
+from meshnode.app.cli_error import CliError
+from meshnode.app.data_dirs import node_data_dir
+from meshnode.app.head_service import DEFAULT_API_LISTEN, HeadError, start_standalone
+from meshnode.app.lifecycle import run_drain
+from meshnode.app.status import query_status
 from meshnode.head.api_client import (
     ApiError,
     StreamSummary,
@@ -27,50 +32,12 @@ from meshnode.head.api_client import (
     completion_request,
     stream_completion,
 )
-from meshnode.head.service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
-from meshnode.transport.addresses import AddressError, parse_host_port
-
-API_DISABLED = ("off", "none")
-
-
-ApiListen = tuple[str, int] | bool | None
-
-
-def parse_api_listen(text: str) -> tuple[str, int] | bool:
-    """``HOST:PORT`` (port 0 picks one), or ``off`` (False) for no API. Not given: None."""
-    if text.lower() in API_DISABLED:
-        return False
-    try:
-        return parse_host_port(text, allow_zero_port=True)
-    except AddressError as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (or 'off')") from None
-
-
-def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
-    parser.add_argument(
-        "--api-listen",
-        type=parse_api_listen,
-        default=None,
-        metavar="HOST:PORT",
-        help=f"OpenAI-compatible HTTP API (default {DEFAULT_API_LISTEN}, loopback only; "
-        "0.0.0.0:PORT exposes it; 'off' disables it)",
-    )
-
-
-def head_options(api_listen: ApiListen) -> HeadOptions:
-    """Where the API goes: the given address, or the loopback default (None); not for ``off``."""
-    host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
-    return HeadOptions(api_host=host, api_port=port)
-
 
 # ---------------------------------------------------------------------------- generate
 
 
 def _api_from_status(args: argparse.Namespace) -> str:
-    from meshnode.cli import CliError, _data_dir
-    from meshnode.node import query_status
-
-    data_dir = _data_dir(args)
+    data_dir = node_data_dir(args)
     try:
         status = query_status(data_dir)
     except (OSError, ValueError):
@@ -82,8 +49,6 @@ def _api_from_status(args: argparse.Namespace) -> str:
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
-    from meshnode.cli import CliError
-
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise CliError("nothing to generate from: give --prompt TEXT (or a prompt on stdin)", code=2)
@@ -108,8 +73,6 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 
 async def print_stream(base: str, path: str, body: dict[str, Any], *, indent: str = "") -> StreamSummary:
     """Stream a completion to stdout as it arrives; returns its summary."""
-    from meshnode.cli import CliError
-
     summary: StreamSummary | None = None
     try:
         async for event in stream_completion(base, path, body):
@@ -142,10 +105,8 @@ DRAIN_TIMEOUT_S = 30.0
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
-    from meshnode.cli import CliError
+    # Loaded only by `serve`: it brings the shard worker and server with it.
     from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
-    from meshnode.head.service import HeadError, start_standalone
-    from meshnode.node import run_drain
 
     if args.api_listen is False:
         raise CliError("serve exists to answer the API; --api-listen off makes no sense here", code=2)
@@ -184,7 +145,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    """Hook for ``meshnode.cli.COMMAND_MODULES``."""
+    """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
     p = subparsers.add_parser(
         "generate",
         parents=[common],
@@ -229,19 +190,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.set_defaults(handler=cmd_serve)
 
-    from meshnode.head import demo
-
-    demo.register(subparsers, common)
-
 
 __all__ = [
-    "ApiListen",
-    "add_api_listen_option",
     "cmd_generate",
     "cmd_serve",
     "describe_summary",
-    "head_options",
-    "parse_api_listen",
     "print_stream",
     "register",
 ]

@@ -13,31 +13,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
-from meshnode.cli_args import host_port, positive_int
+from meshnode.app.cli_args import host_port, positive_int
+from meshnode.app.data_dirs import RELAY_DATA_DIR_ENV, relay_data_dir
+from meshnode.app.event_loop import run_async
+from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.identity import IdentityError
+from meshnode.logs import configure_logging
 from meshnode.transport.addresses import format_host_port, parse_host_port
-from meshnode.transport.read_limit_options import add_read_limit_options, apply_read_limit_options
 from relay.core import RelayPolicy
 from relay.server import RelayServer, load_relay_identity
 
-DATA_DIR_ENV = "MESHNODE_RELAY_DATA_DIR"
 DEFAULT_LISTEN = "0.0.0.0:7448"
 log = logging.getLogger("meshnode.relay")
-
-
-def default_relay_data_dir() -> Path:
-    env = os.environ.get(DATA_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
-    return base / "meshnode-relay"
 
 
 def _keepalive(text: str) -> float:
@@ -93,13 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_read_limit_options(parser)
 
 
-def _data_dir(args: argparse.Namespace) -> Path:
-    return Path(args.data_dir).expanduser() if getattr(args, "data_dir", None) else default_relay_data_dir()
-
-
 async def run_relay(args: argparse.Namespace) -> int:
     try:
-        identity, created = load_relay_identity(_data_dir(args))
+        identity, created = load_relay_identity(relay_data_dir(args))
     except IdentityError as exc:
         print(f"meshnode relay: {exc}", file=sys.stderr)
         return 1
@@ -110,7 +97,7 @@ async def run_relay(args: argparse.Namespace) -> int:
         print("meshnode relay: at least one --mesh MESH_ID is required", file=sys.stderr)
         return 2
     if created:
-        log.info("created relay identity in %s", _data_dir(args))
+        log.info("created relay identity in %s", relay_data_dir(args))
     host, port = parse_host_port(args.listen, allow_zero_port=True)
     try:
         policy = RelayPolicy(
@@ -141,22 +128,20 @@ async def run_relay(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    """Hook for ``meshnode.cli.COMMAND_MODULES``."""
+    """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
     parser = subparsers.add_parser(
         "relay",
         parents=[common],
         help="run a relay for NATed mesh members",
         description="Forward sealed frames between members of the given meshes that cannot dial each other. "
-        f"--data-dir holds the relay's identity key (default ${DATA_DIR_ENV} or ~/.local/share/meshnode-relay).",
+        f"--data-dir holds the relay's identity key (default ${RELAY_DATA_DIR_ENV} or ~/.local/share/meshnode-relay).",
     )
     add_arguments(parser)
     parser.set_defaults(handler=run_relay)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshnode.cli import run_async
-    from meshnode.logs import configure_logging
-
+    """``python -m relay``: the relay alone, without the rest of the ``meshnode`` command line."""
     parser = argparse.ArgumentParser(prog="python -m relay", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", metavar="DIR", help="relay state directory")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -170,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["add_arguments", "default_relay_data_dir", "main", "register", "run_relay"]
+__all__ = ["add_arguments", "main", "register", "run_relay"]

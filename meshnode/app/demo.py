@@ -24,7 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from meshnode.head.local_mesh import LocalMesh, LocalMeshError
+from meshnode.app.api_commands import describe_summary, print_stream
+from meshnode.app.cli_error import CliError
+from meshnode.app.local_mesh import LocalMesh, LocalMeshError
+from meshnode.head.api_client import ApiError, completion_request
 
 # Gemma 3 270M as packaged is the pretrained (not instruction-tuned) model: it continues text rather
 # than answering chat turns, so the demo asks for a continuation. With this seed the sampled story
@@ -40,10 +43,9 @@ def say(text: str = "") -> None:
 
 
 async def run_demo(args: argparse.Namespace) -> int:
+    # Imported here: the gguf package adds to the start-up of every command, and only the demo needs these.
     from engines.default_model import ModelAssemblyError, default_model_path
     from engines.gguf_info import read_model_info
-    from meshnode.cli import CliError
-    from meshnode.head.api_client import ApiError
 
     say("meshnode demo: one relay and three nodes on this machine share one model over a QUIC mesh")
     say()
@@ -95,9 +97,6 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _run(mesh: LocalMesh, args: argparse.Namespace) -> int:
-    from meshnode.head.api_client import completion_request
-    from meshnode.head.commands import describe_summary, print_stream
-
     mesh.create_mesh("A")
     relay = await mesh.start_relay()
     pid = mesh.child("relay").process.pid
@@ -153,6 +152,7 @@ def _work_dir(given: Path | None) -> Iterator[Path]:
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
     p = subparsers.add_parser(
         "demo",
         parents=[common],

@@ -1,4 +1,4 @@
-"""The command-line options of session leases (:mod:`.lease`) for the commands that serve a shard.
+"""The command-line options of session leases (:mod:`meshnode.dataplane.lease`) for the commands that serve a shard.
 
 ``--link-timeout`` bounds how long a peer that vanished without a word (SIGKILL,
 power cut, network gone) keeps a link open, and with it the sessions it opened
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshnode.cli_args import positive
+from meshnode.app.cli_args import positive
 from meshnode.dataplane.lease import LeaseSettings
 from meshnode.transport.quic import QuicSettings
 

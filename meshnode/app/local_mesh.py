@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshnode.head.child_exit import exit_message, read_log_tail
+from meshnode.app.child_exit import exit_message, read_log_tail
+from meshnode.app.status import query_status
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
@@ -80,8 +81,6 @@ class Child:
         return exit_message(self.name, returncode, self.log, what)
 
     def status(self) -> dict[str, Any] | None:
-        from meshnode.node import query_status
-
         if self.data_dir is None:
             return None
         try:

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import re
 
-from meshnode.cli_args import positive
+from meshnode.app.cli_args import positive
 from meshnode.transport.quic import QuicSettings
 from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,

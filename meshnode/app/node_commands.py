@@ -1,34 +1,23 @@
-"""The ``meshnode`` command line.
+"""``meshnode init``, ``create``, ``join``, ``start``, ``invite`` and ``status``: a mesh node's own commands.
 
-Subcommands come from modules. Each module in :data:`COMMAND_MODULES` exposes
-``register(subparsers, common)``: it adds its parsers (passing ``parents=[common]``
-gives them ``--data-dir`` and ``--log-level``) and sets ``handler`` with
-``parser.set_defaults(handler=fn)``, where ``fn(args)`` returns an exit code or
-is a coroutine function returning one (run on uvloop when installed). To add a
-subcommand (``relay``, ``generate``, ``demo``, ...), write such a module and add
-its name to :data:`COMMAND_MODULES`.
-
-Exit codes: 0 ok, 1 error, 2 bad input (e.g. an invite refused before dialing),
-3 the mesh refused to admit us.
+``create``, ``join`` and ``start`` run the node (:mod:`.node_serving`) until a
+signal; ``invite`` and ``status`` ask the node running on the data directory
+through its status socket (:mod:`.status`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib
-import inspect
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from meshnode import __version__
-from meshnode.cli_args import (
+from meshnode.app.api_options import add_api_listen_option
+from meshnode.app.cli_args import (
     add_weight_repack_option,
     host_port,
     parse_duration,
@@ -36,16 +25,13 @@ from meshnode.cli_args import (
     positive,
     relay_endpoint,
 )
-from meshnode.config import ConfigError, add_config_option, parse_args_with_config
-from meshnode.dataplane.lease_options import add_lease_options, lease_settings, link_settings
-from meshnode.identity import (
-    IdentityError,
-    default_data_dir,
-    load_identity,
-    load_or_create_identity,
-    short_id,
-)
-from meshnode.logs import configure_logging
+from meshnode.app.cli_error import CliError
+from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
+from meshnode.app.lease_options import add_lease_options, link_settings
+from meshnode.app.node_serving import serve_node
+from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
+from meshnode.app.status import format_status, query_status
+from meshnode.identity import IdentityError, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
     Endpoint,
     MeshKey,
@@ -56,26 +42,15 @@ from meshnode.membership.credentials import (
     issue_certificate,
 )
 from meshnode.membership.store import DataDir, MembershipState, StoreError
-from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig, describe_served_model, query_status, run_node
-from meshnode.transport.read_limit_options import add_read_limit_options, apply_read_limit_options
+from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig
 from meshnode.wire.mesh_refusal import MeshRefusal
 
-# Modules that add subcommands; see the module docstring.
-COMMAND_MODULES: tuple[str, ...] = ("relay.cli", "meshnode.head.commands", "meshnode.doctor")
-
 INVITE_ENV = "MESHNODE_INVITE"
+# The command line's logger, named as before the command line moved into meshnode.app.
 log = logging.getLogger("meshnode.cli")
 
 
-class CliError(Exception):
-    """A one-line error for the user; ``code`` is the exit status."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# -- argument helpers -------------------------------------------------------------------
+# -- options --------------------------------------------------------------------------------
 
 
 def _add_node_options(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +96,6 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     model.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
     add_weight_repack_option(model)
-    from meshnode.head.commands import add_api_listen_option
-
     add_api_listen_option(model)
     add_lease_options(parser)
     add_read_limit_options(parser)
@@ -142,7 +115,8 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _node_config(args: argparse.Namespace) -> NodeConfig:
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """The node's settings from its command-line options."""
     return NodeConfig(
         listen=args.listen,
         advertise=list(args.advertise),
@@ -158,94 +132,19 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
     )
 
 
-def _data_dir(args: argparse.Namespace) -> Path:
-    return Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
-
-
-def _locked_data_dir(args: argparse.Namespace) -> DataDir:
-    data_dir = DataDir(_data_dir(args))
-    try:
-        data_dir.lock()
-    except StoreError as exc:
-        raise CliError(str(exc)) from None
-    return data_dir
-
-
-async def _serve(node: Node, args: argparse.Namespace) -> int:
-    if args.model is None:
-        if args.layers is not None:
-            raise CliError("--layers needs --model", code=2)
-        return await run_node(node)
-    try:
-        describe_served_model(args.model, args.layers)  # refuses a bad file or range before loading
-    except ValueError as exc:
-        raise CliError(str(exc), code=2) from None
-    from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
-
-    options = ShardServiceOptions(
-        model=args.model,
-        layers=args.layers,
-        n_gpu_layers=args.n_gpu_layers,
-        weight_repack=args.weight_repack,
-        threads=args.threads,
-        ctx=args.ctx,
-        leases=lease_settings(args, serves_api=args.api_listen is not False),
-    )
-    try:
-        service = await ShardService.start(
-            node, options, refresh_interval_s=args.heartbeat_interval, is_member=node.state.is_admitted
-        )
-    except ShardServiceError as exc:
-        raise CliError(str(exc)) from None
-    try:
-        head = await _start_head(node, service, args)
-
-        async def drain() -> None:
-            # The API first: it refuses new requests and waits for the generations it
-            # accepted, whose sessions on this node's own shard may not be open yet;
-            # only then does the shard refuse new sessions and wait for its last ones.
-            if head is not None:
-                await head.drain()
-            await service.drain()
-
-        try:
-            return await run_node(node, drain=drain, drain_timeout=args.drain_timeout)
-        finally:
-            if head is not None:
-                await head.aclose()
-    finally:
-        await service.aclose()
-
-
-async def _start_head(node: Node, service: Any, args: argparse.Namespace) -> Any:
-    """The API on a node serving a shard (``--api-listen``); a busy default port only warns."""
-    from meshnode.head.commands import head_options
-    from meshnode.head.service import HeadError, start_node_head
-
-    if args.api_listen is False:
-        return None
-    try:
-        return await start_node_head(node, service, args.model, head_options(args.api_listen))
-    except HeadError as exc:
-        if args.api_listen is not None:
-            raise CliError(str(exc)) from None
-        log.warning("%s; running without the API (choose another with --api-listen HOST:PORT)", exc)
-        return None
-
-
 # -- commands -------------------------------------------------------------------------------
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    identity, created = load_or_create_identity(_data_dir(args))
+    identity, created = load_or_create_identity(node_data_dir(args))
     verb = "created" if created else "already have"
-    print(f"{verb} node identity {identity.short_id} in {_data_dir(args)}")
+    print(f"{verb} node identity {identity.short_id} in {node_data_dir(args)}")
     print(f"node id: {identity.node_id.hex()}")
     return 0
 
 
 async def cmd_create(args: argparse.Namespace) -> int:
-    data_dir = _locked_data_dir(args)
+    data_dir = locked_node_data_dir(args)
     try:
         identity, _ = load_or_create_identity(data_dir.path)
         if data_dir.has_membership():
@@ -257,7 +156,7 @@ async def cmd_create(args: argparse.Namespace) -> int:
         membership = MembershipState(mesh_key=mesh_key, certificate=certificate)
         data_dir.save_membership(membership)
         log.info("created mesh %s; run `meshnode invite` to invite other nodes", mesh_key.mesh_id)
-        return await _serve(Node(identity, data_dir, _node_config(args), membership=membership), args)
+        return await serve_node(Node(identity, data_dir, node_config(args), membership=membership), args)
     finally:
         data_dir.unlock()
 
@@ -275,7 +174,7 @@ async def cmd_join(args: argparse.Namespace) -> int:
         check_invite(invite, now=time.time())
     except MeshRefusal as refusal:
         raise CliError(f"invite refused: {refusal.detail}", code=2) from None
-    data_dir = _locked_data_dir(args)
+    data_dir = locked_node_data_dir(args)
     try:
         identity, _ = load_or_create_identity(data_dir.path)
         membership = None
@@ -293,8 +192,8 @@ async def cmd_join(args: argparse.Namespace) -> int:
             short_id(invite.issuer_id),
             len(invite.bootstrap),
         )
-        node = Node(identity, data_dir, _node_config(args), membership=membership, invite=invite)
-        return await _serve(node, args)
+        node = Node(identity, data_dir, node_config(args), membership=membership, invite=invite)
+        return await serve_node(node, args)
     finally:
         data_dir.unlock()
 
@@ -307,20 +206,20 @@ def _load_membership(data_dir: DataDir, node_id: bytes) -> MembershipState:
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
-    data_dir = _locked_data_dir(args)
+    data_dir = locked_node_data_dir(args)
     try:
         try:
             identity = load_identity(data_dir.path)
         except IdentityError as exc:
             raise CliError(str(exc)) from None
         membership = _load_membership(data_dir, identity.node_id)
-        return await _serve(Node(identity, data_dir, _node_config(args), membership=membership), args)
+        return await serve_node(Node(identity, data_dir, node_config(args), membership=membership), args)
     finally:
         data_dir.unlock()
 
 
 def cmd_invite(args: argparse.Namespace) -> int:
-    path = _data_dir(args)
+    path = node_data_dir(args)
     try:
         identity = load_identity(path)
     except IdentityError as exc:
@@ -359,9 +258,9 @@ def cmd_invite(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
-        status = query_status(_data_dir(args))
+        status = query_status(node_data_dir(args))
     except OSError:
-        raise CliError(f"no node running on {_data_dir(args)}") from None
+        raise CliError(f"no node running on {node_data_dir(args)}") from None
     if args.json:
         print(json.dumps(status, indent=1))
         return 0
@@ -369,36 +268,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_status(status: dict[str, Any]) -> str:
-    node = status["node"]
-    lines = [
-        f"node {node['short_id']}  mesh {node['mesh_id']}  {'member' if node['member'] else 'joining'}",
-        f"  addresses: {', '.join(node['addresses'])}   serving: {_serving_text(node['serving'])}",
-    ]
-    if node.get("api_url"):
-        lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
-    lines.append(f"peers ({len(status['peers'])}):")
-    for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
-        reach = "direct" if peer["directly_reachable"] else "relay"
-        link = peer["link"] or "no link"
-        lines.append(
-            f"  {peer['short_id']}  {', '.join(peer['addresses']) or '-'}  {reach}  {link}  "
-            f"serving {_serving_text(peer['serving'])}  heard {peer['age_s']:.1f}s ago"
-        )
-    return "\n".join(lines)
-
-
-def _serving_text(serving: dict[str, Any] | None) -> str:
-    if not serving:
-        return "nothing"
-    span = f"[{serving['start_layer']}:{serving['end_layer']}) of {serving['total_layers']}"
-    return f"{serving['model']} {span} ({serving.get('numerics') or 'numerics unreported'})"
-
-
 # -- parser ---------------------------------------------------------------------------------
 
 
-def _register_node_commands(subparsers: Any, common: argparse.ArgumentParser) -> None:
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
     p = subparsers.add_parser(
         "init",
         parents=[common],
@@ -472,61 +346,4 @@ def _register_node_commands(subparsers: Any, common: argparse.ArgumentParser) ->
     p.set_defaults(handler=cmd_status)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--data-dir",
-        metavar="DIR",
-        help=f"node state directory (default ${'MESHNODE_DATA_DIR'} or ~/.local/share/meshnode)",
-    )
-    common.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)"
-    )
-    common.add_argument(
-        "--log-format",
-        default="text",
-        choices=["text", "json"],
-        help="text lines, or one JSON object per line (default text)",
-    )
-    add_config_option(common)
-    parser = argparse.ArgumentParser(
-        prog="meshnode",
-        description="Pool machines to run one large language model over a QUIC mesh.",
-    )
-    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _register_node_commands(subparsers, common)
-    for module_name in COMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers, common)
-    return parser
-
-
-def run_async(coro: Coroutine[Any, Any, int]) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args_with_config(build_parser(), argv)
-    except ConfigError as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(args.log_level, args.log_format)
-    handler: Callable[[argparse.Namespace], Any] = args.handler
-    try:
-        if inspect.iscoroutinefunction(handler):
-            return run_async(handler(args))
-        return int(handler(args))
-    except CliError as exc:
-        print(f"meshnode {args.command}: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:
-        return 130
-
-
-__all__ = ["COMMAND_MODULES", "CliError", "build_parser", "main", "parse_duration", "parse_layers"]
+__all__ = ["INVITE_ENV", "node_config", "register"]

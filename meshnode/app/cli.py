@@ -1,0 +1,83 @@
+"""The ``meshnode`` command line.
+
+Subcommands come from modules. Each module in :data:`COMMAND_MODULES` exposes
+``register(subparsers, common)``: it adds its parsers (passing ``parents=[common]``
+gives them ``--data-dir`` and ``--log-level``) and sets ``handler`` with
+``parser.set_defaults(handler=fn)``, where ``fn(args)`` returns an exit code or
+is a coroutine function returning one (run on uvloop when installed). To add a
+subcommand (``relay``, ``generate``, ``demo``, ...), write such a module and add
+it to :data:`COMMAND_MODULES`.
+
+Exit codes: 0 ok, 1 error, 2 bad input (e.g. an invite refused before dialing),
+3 the mesh refused to admit us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from meshnode import __version__
+from meshnode.app import api_commands, demo, doctor, node_commands, relay_command
+from meshnode.app.cli_error import CliError
+from meshnode.app.config import ConfigError, add_config_option, parse_args_with_config
+from meshnode.app.event_loop import run_async
+from meshnode.identity import DATA_DIR_ENV
+from meshnode.logs import configure_logging
+
+# Modules that add subcommands, in the order ``--help`` lists them; see the module docstring.
+COMMAND_MODULES: tuple[ModuleType, ...] = (node_commands, relay_command, api_commands, demo, doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help=f"node state directory (default ${DATA_DIR_ENV} or ~/.local/share/meshnode)",
+    )
+    common.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)"
+    )
+    common.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line (default text)",
+    )
+    add_config_option(common)
+    parser = argparse.ArgumentParser(
+        prog="meshnode",
+        description="Pool machines to run one large language model over a QUIC mesh.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        module.register(subparsers, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args_with_config(build_parser(), argv)
+    except ConfigError as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, args.log_format)
+    handler: Callable[[argparse.Namespace], Any] = args.handler
+    try:
+        if inspect.iscoroutinefunction(handler):
+            return run_async(handler(args))
+        return int(handler(args))
+    except CliError as exc:
+        print(f"meshnode {args.command}: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["COMMAND_MODULES", "build_parser", "main"]
