@@ -8,10 +8,13 @@ from files and the environment.
 from __future__ import annotations
 
 import argparse
+from typing import TypeVar
 
 from engines.weight_repack import WeightRepack
 from meshnode.membership.credentials import Endpoint
 from meshnode.transport.addresses import AddressError, parse_host_port
+
+_Number = TypeVar("_Number", int, float)
 
 
 def parse_duration(text: str) -> float:
@@ -57,18 +60,33 @@ def relay_endpoint(text: str) -> Endpoint:
     return Endpoint(id=relay_id, address=address)
 
 
+def _checked(value: _Number, ok: bool, expected: str) -> _Number:
+    if not ok:
+        raise argparse.ArgumentTypeError(expected)
+    return value
+
+
+# A text that is no number raises float()'s or int()'s ValueError, which argparse reports as
+# "invalid positive value: 'x'" by the function's name: keep one named function per rule.
 def positive(text: str) -> float:
     value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
+    return _checked(value, value > 0, "must be positive")
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    return _checked(value, value >= 0, "must not be negative")
+
+
+def share(text: str) -> float:
+    """A fraction of something, in (0, 1]."""
+    value = float(text)
+    return _checked(value, 0 < value <= 1, "must be a fraction in (0, 1]")
 
 
 def positive_int(text: str) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+    return _checked(value, value >= 1, "must be at least 1")
 
 
 def weight_repack(text: str) -> WeightRepack:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshnode.app.cli_args import positive
+from meshnode.app.cli_args import non_negative, positive, share
 from meshnode.dataplane.lease import LeaseSettings
 from meshnode.transport.quic import QuicSettings
 
@@ -23,20 +23,6 @@ DEFAULT_LINK_TIMEOUT_S = 10.0
 _DEFAULTS = LeaseSettings()
 # Keepalives must stay under the 30 s after which Linux forgets an unanswered UDP NAT mapping.
 _MAX_KEEPALIVE_S = 10.0
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return value
-
-
-def share(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError("must be a fraction in (0, 1]")
-    return value
 
 
 def add_lease_options(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +86,4 @@ __all__ = [
     "add_lease_options",
     "lease_settings",
     "link_settings",
-    "non_negative",
-    "share",
 ]

@@ -157,6 +157,23 @@ def test_duration_and_layer_arguments():
             parse_layers(bad)
 
 
+def test_number_arguments_refuse_values_outside_their_range_and_keep_their_edges():
+    import argparse
+
+    from meshnode.app.cli_args import non_negative, positive, positive_int, share
+
+    accepted = [(positive, "0.5", 0.5), (non_negative, "0", 0.0), (share, "1", 1.0), (positive_int, "1", 1)]
+    for parse, text, value in accepted:
+        assert parse(text) == value
+    refused = [(positive, "0"), (non_negative, "-0.1"), (share, "0"), (share, "1.01"), (positive_int, "0")]
+    for parse, text in refused:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+    for parse in (positive, non_negative, share, positive_int):
+        with pytest.raises(ValueError):  # argparse names the type: "invalid share value: 'x'"
+            parse("x")
+
+
 def test_status_text_says_how_each_served_range_is_computed():
     from meshnode.app.status import format_status
 
