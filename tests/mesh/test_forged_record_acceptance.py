@@ -25,7 +25,8 @@ from mesh_helpers import eventually
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.identity import short_id
 from meshnode.mesh.signed_record import decode_record
-from meshnode.node import Node, request
+from meshnode.node import Node
+from meshnode.transport.request_reply import request_reply
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
 
@@ -128,7 +129,8 @@ async def test_a_members_forged_record_of_another_node_is_refused_and_changes_no
         mesh.SignedPeerRecord(record=forged, signature=real.signature),  # B's signature, other bytes
         mesh.SignedPeerRecord(record=forged),  # no signature at all
     ):
-        reply = await request(link, StreamType.GOSSIP, frame_lying_about(member, a_id, b_id, signed), 5.0)
+        body = frame_lying_about(member, a_id, b_id, signed)
+        reply = await request_reply(link, StreamType.GOSSIP, body, timeout=5.0)
         assert reply is not None
         # The member's own record was sound: A answers it as a member, refusing nothing.
         assert not mesh.GossipFrame.FromString(reply).HasField("refusal")

@@ -37,6 +37,7 @@ from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
+from meshnode.mesh.receive import receive_message
 from meshnode.mesh.rules import (
     LinkCandidate,
     PeerDownAction,
@@ -44,7 +45,6 @@ from meshnode.mesh.rules import (
     keep_new_link,
     resolve_peer_down,
     resolve_peer_leaving,
-    stream_allowed_before_admission,
 )
 from meshnode.mesh.state import MeshState
 from meshnode.mesh.validation import (
@@ -56,14 +56,15 @@ from meshnode.mesh.validation import (
 )
 from meshnode.relaylink.manager import RelayDialError, RelayLinks
 from meshnode.transport.addresses import format_host_port, parse_host_port
-from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError, StreamReset
+from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
-from meshnode.wire.errors import FramingError
+from meshnode.transport.request_reply import REQUEST_FAILURES, request_reply
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
-from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, refusal_from_reset_code
+from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
 from meshnode.wire.pb import mesh
 
+# Named for the package, as when the node was one module: operators filter on it.
 log = logging.getLogger("meshnode.node")
 
 DEFAULT_PORT = 7447
@@ -78,6 +79,12 @@ class JoinError(Exception):
 
 class PeerUnreachable(ConnectionError):
     pass
+
+
+# How any conversation with a peer can fail: reaching it (DialError, PeerUnreachable), the
+# exchange (request_reply's failures, the peer's RemoteRefusal among them), or an answer this
+# node refuses (MeshRefusal). A RemoteRefusal is caught before these where it is told apart.
+PEER_FAILURES: tuple[type[Exception], ...] = (DialError, PeerUnreachable, MeshRefusal, *REQUEST_FAILURES)
 
 
 @dataclass
@@ -290,7 +297,7 @@ class Node:
                 log.warning("bootstrap peer %s refused us: %s", endpoint, refusal.detail)
                 reasons.append(refusal.detail)
                 continue
-            except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+            except PEER_FAILURES as exc:
                 log.warning("bootstrap peer %s failed: %s", endpoint, exc or type(exc).__name__)
                 reasons.append(f"{endpoint}: {exc or type(exc).__name__}")
                 continue
@@ -444,7 +451,7 @@ class Node:
         self._exchanged[link] = done
         try:
             frame = self.state.gossip_frame(link.peer_id).SerializeToString()
-            data = await request(link, StreamType.GOSSIP, frame, self.config.gossip_timeout)
+            data = await request_reply(link, StreamType.GOSSIP, frame, timeout=self.config.gossip_timeout)
             if data is None:
                 raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "gossip stream ended without a reply")
             was_member = self.state.is_member
@@ -470,14 +477,10 @@ class Node:
         self._log_merge(outcome.merged, link.peer_id)
 
     async def _serve_gossip(self, stream: FramedStream) -> None:
-        data = await stream.recv_frame(self.config.gossip_timeout)
-        if data is None:
-            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the GossipFrame")
+        frame = await receive_message(stream, mesh.GossipFrame, self.config.gossip_timeout)
         peer_id = stream.peer_id
         try:
-            outcome = self.state.receive_gossip(
-                decode(mesh.GossipFrame, data), peer_id=peer_id, now=time.time()
-            )
+            outcome = self.state.receive_gossip(frame, peer_id=peer_id, now=time.time())
         except MeshRefusal as refusal:
             self.gossip_refusals[refusal.code_name] = self.gossip_refusals.get(refusal.code_name, 0) + 1
             self._refusal_log.log(
@@ -506,10 +509,8 @@ class Node:
             log.warning("peer table full: ignored %d announcements", len(report.ignored_full))
 
     async def _serve_route_request(self, stream: FramedStream) -> None:
-        data = await stream.recv_frame(self.config.gossip_timeout)
-        if data is None:
-            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the RouteTableRequest")
-        validate_route_request(decode(mesh.RouteTableRequest, data), stream.peer_id)
+        request = await receive_message(stream, mesh.RouteTableRequest, self.config.gossip_timeout)
+        validate_route_request(request, stream.peer_id)
         await stream.send_frame(self.state.route_table().SerializeToString())
 
     # -- liveness ----------------------------------------------------------------------
@@ -543,7 +544,7 @@ class Node:
                 await self._exchange(link)
         except RemoteRefusal as refusal:
             log.info("peer %s refused our heartbeat: %s", short_id(peer_id), refusal.detail)
-        except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+        except PEER_FAILURES as exc:
             log.debug("heartbeat to %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
             self._suspect(peer_id, reporter=None)
         finally:
@@ -555,7 +556,7 @@ class Node:
             link = await self._dial_direct_or_relay(endpoint)
             await self._exchange(link)
             return True
-        except (DialError, StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+        except PEER_FAILURES as exc:
             log.debug("known peer %s did not answer: %s", endpoint, exc or type(exc).__name__)
             return False
         finally:
@@ -584,8 +585,8 @@ class Node:
             async with asyncio.timeout(self.config.probe_timeout):
                 link = await self.get_link(peer_id)
                 probe = mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
-                data = await request(link, StreamType.PROBE, probe, None)
-        except (DialError, PeerUnreachable, StreamError, MeshRefusal, FramingError, TimeoutError):
+                data = await request_reply(link, StreamType.PROBE, probe, timeout=None)
+        except PEER_FAILURES:
             return False
         if data is None:
             return False
@@ -595,10 +596,7 @@ class Node:
             return False
 
     async def _serve_probe(self, stream: FramedStream) -> None:
-        data = await stream.recv_frame(self.config.probe_timeout)
-        if data is None:
-            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the Probe")
-        probe = decode(mesh.Probe, data)
+        probe = await receive_message(stream, mesh.Probe, self.config.probe_timeout)
         validate_probe(probe)
         await stream.send_frame(probe.SerializeToString())
 
@@ -606,16 +604,13 @@ class Node:
         report = mesh.PeerDown(peer_id=peer_id, gen=NODE_PROTOCOL_GENERATION).SerializeToString()
 
         async def tell(link: PeerLink) -> None:
-            await request(link, StreamType.PEER_DOWN, report, self.config.gossip_timeout)
+            await request_reply(link, StreamType.PEER_DOWN, report, timeout=self.config.gossip_timeout)
 
         links = [link for pid, link in self._links.items() if pid != peer_id and not link.is_closed]
         await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
 
     async def _serve_peer_down(self, stream: FramedStream) -> None:
-        data = await stream.recv_frame(self.config.gossip_timeout)
-        if data is None:
-            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the PeerDown")
-        report = decode(mesh.PeerDown, data)
+        report = await receive_message(stream, mesh.PeerDown, self.config.gossip_timeout)
         validate_peer_down(report)
         reported = bytes(report.peer_id)
         action = resolve_peer_down(
@@ -631,10 +626,7 @@ class Node:
             self._suspect(reported, reporter=stream.peer_id)
 
     async def _serve_peer_leaving(self, stream: FramedStream) -> None:
-        data = await stream.recv_frame(self.config.gossip_timeout)
-        if data is None:
-            raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "stream ended before the PeerLeaving")
-        notice = decode(mesh.PeerLeaving, data)
+        notice = await receive_message(stream, mesh.PeerLeaving, self.config.gossip_timeout)
         validate_peer_leaving(notice)
         action = resolve_peer_leaving(leaving_id=bytes(notice.peer_id), authenticated_peer_id=stream.peer_id)
         if action is PeerLeavingAction.REJECT_FORGED:
@@ -647,8 +639,8 @@ class Node:
         notice = mesh.PeerLeaving(peer_id=self.node_id, gen=NODE_PROTOCOL_GENERATION).SerializeToString()
         try:
             # The peer ends the stream once it has dropped us.
-            await request(link, StreamType.PEER_LEAVING, notice, self.config.leave_timeout)
-        except (StreamError, MeshRefusal, FramingError, TimeoutError) as exc:
+            await request_reply(link, StreamType.PEER_LEAVING, notice, timeout=self.config.leave_timeout)
+        except PEER_FAILURES as exc:
             log.debug(
                 "PeerLeaving to %s not confirmed: %s", short_id(link.peer_id), exc or type(exc).__name__
             )
@@ -799,30 +791,6 @@ def _serving_json(announcement: mesh.PeerAnnouncement) -> dict[str, Any] | None:
     }
 
 
-async def request(
-    link: PeerLink, stream_type: StreamType, body: bytes, timeout: float | None
-) -> bytes | None:
-    """One request frame on a fresh stream and its one reply frame (``None``: ended without one).
-
-    A reset carrying a mesh error code raises the peer's :class:`RemoteRefusal`; the
-    whole exchange is bounded by ``timeout``. The stream is closed afterwards, so
-    anything more the peer sends is discarded, not buffered.
-    """
-    async with asyncio.timeout(timeout):
-        stream = await link.open_stream(stream_type)
-        try:
-            await stream.send_frame(body)
-            stream.finish()
-            return await stream.recv_frame()
-        except StreamReset as exc:
-            refusal = refusal_from_reset_code(exc.error_code)
-            if refusal is not None:
-                raise refusal from None
-            raise
-        finally:
-            stream.close()
-
-
 __all__ = [
     "DEFAULT_LISTEN",
     "DEFAULT_PORT",
@@ -830,5 +798,4 @@ __all__ = [
     "Node",
     "NodeConfig",
     "PeerUnreachable",
-    "stream_allowed_before_admission",
 ]
