@@ -29,7 +29,7 @@ from meshnode.relaylink.mux import (
 )
 from meshnode.relaylink.seal import SealedSession, SealError
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
-from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.buffers import Progress, ReceiveBuffer, write_as_credit_allows
 from meshnode.transport.read_limits import ReadLimits
 
 log = logging.getLogger("meshnode.relaylink")
@@ -58,22 +58,28 @@ class RelayChannelStream(MeshStream):
         return data
 
     async def write(self, data: bytes) -> None:
-        link = self._link
-        mux = link.mux
-        view = memoryview(data)
-        while True:
-            if self.send_error is not None:
-                raise self.send_error
-            if link.is_closed:
-                raise LinkClosed(link.close_reason)
-            if not view:
-                return
-            if mux.send_credit(self._channel) == 0:
-                await link.progress.wait()
-                continue
-            taken = mux.write(self._channel, view)
-            view = view[taken:]
-            link.flush()
+        await write_as_credit_allows(
+            data,
+            self._link.progress,
+            check_writable=self._check_writable,
+            credit=self._send_credit,
+            send=self._send_piece,
+        )
+
+    def _check_writable(self) -> None:
+        if self.send_error is not None:
+            raise self.send_error
+        if self._link.is_closed:
+            raise LinkClosed(self._link.close_reason)
+
+    def _send_credit(self) -> int:
+        return self._link.mux.send_credit(self._channel)
+
+    def _send_piece(self, piece: memoryview) -> None:
+        self._link.mux.write(self._channel, piece)
+        self._link.flush()
+        # A piece the relay could not take closed the link: it fails this write.
+        self._check_writable()
 
     def finish(self) -> None:
         if self.send_error is not None or self._link.is_closed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 
 class Progress:
@@ -95,4 +96,37 @@ class ReceiveBuffer:
             self._waiter.set_result(None)
 
 
-__all__ = ["Progress", "ReceiveBuffer"]
+async def write_as_credit_allows(
+    data: bytes | memoryview,
+    progress: Progress,
+    *,
+    check_writable: Callable[[], object],
+    credit: Callable[[], int],
+    send: Callable[[memoryview], None],
+) -> None:
+    """Send ``data`` in pieces no larger than the credit the peer has left, waiting on ``progress``
+    while there is none: the one write loop of every stream (QUIC, relay channel, loopback).
+
+    ``check_writable`` raises when the stream can no longer send (reset, finished, link
+    closed); it runs before every piece (an empty write checks once), so a stream that dies
+    while a writer waits fails that writer. ``credit()`` is how many bytes may go now (0:
+    wait); ``send(piece)`` takes the whole piece it is given, or raises.
+    """
+    view = memoryview(data)
+    while True:
+        check_writable()
+        if not view:
+            return
+        allowed = credit()
+        if allowed <= 0:
+            await progress.wait()
+            continue
+        piece, view = view[:allowed], view[allowed:]
+        send(piece)
+        # Not checked again after the last piece: a loopback peer that resets the stream as
+        # the bytes land (synchronously) must not fail a write that QUIC would have completed.
+        if not view:
+            return
+
+
+__all__ = ["Progress", "ReceiveBuffer", "write_as_credit_allows"]

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
-from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.buffers import Progress, ReceiveBuffer, write_as_credit_allows
 
 DEFAULT_STREAM_WINDOW = 1024 * 1024
 DEFAULT_CONNECTION_WINDOW = 4 * 1024 * 1024
@@ -41,16 +41,24 @@ class LoopbackStream(MeshStream):
         return data
 
     async def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            remote = self._remote_or_raise()
-            window = self._link.stream_window
-            if remote.recv.size >= window or self._link.remote_link().unread >= self._link.connection_window:
-                await self._link.progress.wait()
-                continue
-            take = min(len(view), window - remote.recv.size)
-            self._deliver(bytes(view[:take]))
-            view = view[take:]
+        await write_as_credit_allows(
+            data,
+            self._link.progress,
+            check_writable=self._remote_or_raise,
+            credit=self._send_credit,
+            send=self._send_piece,
+        )
+
+    def _send_credit(self) -> int:
+        # What QUIC flow control would allow: the peer's unread bytes under both windows.
+        remote = self._remote_or_raise()
+        window = self._link.stream_window
+        if remote.recv.size >= window or self._link.remote_link().unread >= self._link.connection_window:
+            return 0
+        return window - remote.recv.size
+
+    def _send_piece(self, piece: memoryview) -> None:
+        self._deliver(bytes(piece))
 
     def finish(self) -> None:
         if self._finished or self._send_error is not None:

@@ -33,7 +33,7 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
-from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.buffers import Progress, ReceiveBuffer, write_as_credit_allows
 from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
 from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,
@@ -103,24 +103,33 @@ class QuicMeshStream(MeshStream):
         return data
 
     async def write(self, data: bytes) -> None:
+        await write_as_credit_allows(
+            data,
+            self._link.progress,
+            check_writable=self._check_writable,
+            credit=self._send_credit,
+            send=self._send_piece,
+        )
+
+    def _check_writable(self) -> None:
+        if self.send_error is not None:
+            raise self.send_error
+        if self._link.is_closed:
+            raise LinkClosed(self._link.close_reason)
+
+    def _send_credit(self) -> int:
+        # aioquic buffers without bound, so the credit is what the unacknowledged backlogs allow.
         link = self._link
-        view = memoryview(data)
-        while True:
-            if self.send_error is not None:
-                raise self.send_error
-            if link.is_closed:
-                raise LinkClosed(link.close_reason)
-            if not view:
-                return
-            if (
-                link.quic.send_backlog(self._id) >= link.settings.max_stream_backlog
-                or link.connection_backlog() >= link.settings.max_connection_backlog
-            ):
-                await link.progress.wait()
-                continue
-            chunk, view = view[:_WRITE_CHUNK], view[_WRITE_CHUNK:]
-            link.quic.send_stream_data(self._id, bytes(chunk))
-            link.transmit_soon()
+        if (
+            link.quic.send_backlog(self._id) >= link.settings.max_stream_backlog
+            or link.connection_backlog() >= link.settings.max_connection_backlog
+        ):
+            return 0
+        return _WRITE_CHUNK
+
+    def _send_piece(self, piece: memoryview) -> None:
+        self._link.quic.send_stream_data(self._id, bytes(piece))
+        self._link.transmit_soon()
 
     def finish(self) -> None:
         if self.send_error is not None or self._link.is_closed:
