@@ -1,24 +1,27 @@
 """The relay's state machine: registration, forwarding, queues, limits. Sans-IO.
 
 The QUIC edge (``relay.server``) feeds it decoded events and asks it what to
-write; time is a parameter. Per connection:
+write, in the convention of :mod:`meshnode.sansio` (``now_ns`` is monotonic
+nanoseconds; wall-clock time only where a membership proof is checked). Per
+connection:
 
-* ``connection_made(conn, tls_peer_id, now, source=host)`` queues a fresh
+* ``connection_made(conn, tls_peer_id, now_ns, source=host)`` queues a fresh
   challenge, or refuses a connection over the caps.
 * ``max_frame_bytes(conn)`` is the largest frame to accept from the client
   now: a registration's size until it has registered.
-* ``frame_received(conn, body, now, unix_now)`` handles one client frame;
+* ``receive_frame(conn, body, now_ns, unix_now=...)`` handles one client frame;
   ``stream_failed(conn, refusal)`` closes a client whose byte stream the edge
   gave up on (oversized or stalled frame, buffer cap).
-  Afterwards ``read_delay(conn, now)`` says how long to stop reading from that
-  client (its rate buckets are in debt: the client is slowed, never dropped).
+  Afterwards ``read_delay_ns(conn, now_ns)`` says how long to stop reading from
+  that client (its rate buckets are in debt: the client is slowed, never dropped).
 * ``next_frame(conn)`` is the next frame body to write to the client (control
-  messages first, then deliveries in fair order), or ``None``. The edge calls it
+  messages first, then deliveries in fair order), or ``None``. The edge pulls it
   only while the client's QUIC send backlog has room, so a slow reader leaves
   its frames here, in bounded queues, and never blocks the relay.
-* ``take_wakeups()`` names the connections that got something to write;
-  ``is_closing(conn)`` tells the edge to close once ``next_frame`` is empty.
-* ``connection_lost(conn, now)``; ``handle_timer(now)`` / ``get_timer()``.
+* ``take_events()`` gives a :class:`FramesReady` for each connection that got
+  something to write; ``is_closing(conn)`` tells the edge to close once
+  ``next_frame`` is empty.
+* ``connection_lost(conn)``; ``handle_timer(now_ns)`` / ``get_timer()``.
 
 Policies (each has a test in ``tests/relay/test_core.py``):
 
@@ -57,6 +60,7 @@ from meshnode.membership.credentials import verify_membership_proof
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.relaywire.ratelimit import TokenBucket
+from meshnode.sansio import SECOND_NS
 from meshnode.wire.errors import FrameTooLarge
 from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
@@ -114,6 +118,13 @@ class RelayPolicy:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class FramesReady:
+    """``conn_id`` has frames for :meth:`RelayCore.next_frame` (its refusal, if it is closing)."""
+
+    conn_id: int
+
+
 class ConnState(Enum):
     AWAITING_REGISTER = "awaiting-register"
     REGISTERED = "registered"
@@ -125,7 +136,7 @@ class _Conn:
     conn_id: int
     tls_peer_id: bytes
     challenge: bytes
-    created_at: float
+    created_ns: int
     byte_bucket: TokenBucket
     frame_bucket: TokenBucket
     state: ConnState = ConnState.AWAITING_REGISTER
@@ -187,7 +198,7 @@ class RelayCore:
 
     # -- inputs ------------------------------------------------------------------
 
-    def connection_made(self, conn_id: int, tls_peer_id: bytes, now: float, *, source: str = "") -> None:
+    def connection_made(self, conn_id: int, tls_peer_id: bytes, now_ns: int, *, source: str = "") -> None:
         """``source``: the client's IP address (the caps on unregistered connections group by it)."""
         if conn_id in self._conns:
             raise ValueError(f"connection {conn_id} already known")
@@ -196,9 +207,9 @@ class RelayCore:
             conn_id=conn_id,
             tls_peer_id=tls_peer_id,
             challenge=self._random_bytes(p.CHALLENGE_BYTES),
-            created_at=now,
-            byte_bucket=TokenBucket.full(policy.rate_bytes_per_s, policy.burst_bytes, now),
-            frame_bucket=TokenBucket.full(policy.rate_frames_per_s, policy.burst_frames, now),
+            created_ns=now_ns,
+            byte_bucket=TokenBucket.full(policy.rate_bytes_per_s, policy.burst_bytes, now_ns),
+            frame_bucket=TokenBucket.full(policy.rate_frames_per_s, policy.burst_frames, now_ns),
         )
         self._conns[conn_id] = conn
         self.stats.connections = len(self._conns)
@@ -230,7 +241,9 @@ class RelayCore:
         )
         self._control(conn, relay.RelayServerMessage(challenge=challenge))
 
-    def frame_received(self, conn_id: int, body: bytes, *, now: float, unix_now: float) -> None:
+    def receive_frame(self, conn_id: int, body: bytes, now_ns: int, *, unix_now: float) -> None:
+        """One frame body from the client. ``unix_now`` (wall-clock seconds) is what a
+        registration's membership proof is checked against; nothing else reads it."""
         conn = self._conns.get(conn_id)
         if conn is None or conn.state is ConnState.CLOSING:
             return
@@ -255,8 +268,8 @@ class RelayCore:
             self._fail(conn, refusal)
             return
         # Every frame costs tokens, valid or not.
-        conn.frame_bucket.charge(1, now)
-        conn.byte_bucket.charge(len(body), now)
+        conn.frame_bucket.charge(1, now_ns)
+        conn.byte_bucket.charge(len(body), now_ns)
         if message.WhichOneof("kind") == "register":
             self._on_register(conn, message.register, unix_now)
         elif conn.state is not ConnState.REGISTERED:
@@ -270,7 +283,7 @@ class RelayCore:
         if conn is not None:
             self._fail(conn, refusal)
 
-    def connection_lost(self, conn_id: int, now: float) -> None:
+    def connection_lost(self, conn_id: int) -> None:
         conn = self._conns.pop(conn_id, None)
         self._wakeups.discard(conn_id)
         self.stats.connections = len(self._conns)
@@ -283,17 +296,24 @@ class RelayCore:
         if registration is not None and registration.conn_id == conn_id:
             self._unregister(conn.node_id, "disconnected from the relay")
 
-    def handle_timer(self, now: float) -> None:
-        deadline = self.policy.registration_timeout_s
+    def handle_timer(self, now_ns: int) -> None:
+        timeout_ns = self._registration_timeout_ns()
         for conn in list(self._conns.values()):
-            if conn.state is ConnState.AWAITING_REGISTER and now - conn.created_at >= deadline:
+            if conn.state is ConnState.AWAITING_REGISTER and now_ns - conn.created_ns >= timeout_ns:
                 self._fail(
-                    conn, RelayRefused(p.REGISTRATION_TIMEOUT, f"no registration within {deadline:g} s")
+                    conn,
+                    RelayRefused(
+                        p.REGISTRATION_TIMEOUT,
+                        f"no registration within {self.policy.registration_timeout_s:g} s",
+                    ),
                 )
 
-    def get_timer(self) -> float | None:
-        waiting = [c.created_at for c in self._conns.values() if c.state is ConnState.AWAITING_REGISTER]
-        return min(waiting) + self.policy.registration_timeout_s if waiting else None
+    def get_timer(self) -> int | None:
+        waiting = [c.created_ns for c in self._conns.values() if c.state is ConnState.AWAITING_REGISTER]
+        return min(waiting) + self._registration_timeout_ns() if waiting else None
+
+    def _registration_timeout_ns(self) -> int:
+        return round(self.policy.registration_timeout_s * SECOND_NS)
 
     def shutdown(self) -> None:
         self._shutting_down = True
@@ -321,15 +341,16 @@ class RelayCore:
         self.stats.bytes_forwarded += len(frame)
         return frame
 
-    def take_wakeups(self) -> set[int]:
+    def take_events(self) -> list[FramesReady]:
+        """The connections that got something to write since the last call, each once."""
         wakeups, self._wakeups = self._wakeups, set()
-        return wakeups
+        return [FramesReady(conn_id) for conn_id in wakeups]
 
-    def read_delay(self, conn_id: int, now: float) -> float:
+    def read_delay_ns(self, conn_id: int, now_ns: int) -> int:
         conn = self._conns.get(conn_id)
         if conn is None:
-            return 0.0
-        return max(conn.byte_bucket.debt_delay(now), conn.frame_bucket.debt_delay(now))
+            return 0
+        return max(conn.byte_bucket.debt_delay_ns(now_ns), conn.frame_bucket.debt_delay_ns(now_ns))
 
     def max_frame_bytes(self, conn_id: int) -> int:
         conn = self._conns.get(conn_id)
@@ -541,4 +562,4 @@ def source_group(host: str) -> str:
     return str(address)
 
 
-__all__ = ["ConnState", "RelayCore", "RelayPolicy", "RelayStats", "source_group"]
+__all__ = ["ConnState", "FramesReady", "RelayCore", "RelayPolicy", "RelayStats", "source_group"]

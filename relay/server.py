@@ -31,6 +31,7 @@ from pathlib import Path
 
 from meshnode.identity import NodeIdentity, load_or_create_identity, short_id
 from meshnode.relaywire import protocol as p
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicLink, QuicSettings
@@ -139,7 +140,9 @@ class RelayServer:
         client = _Client(conn_id=next(self._ids), link=link)
         self._clients[link] = client
         self._by_conn[client.conn_id] = client
-        self.core.connection_made(client.conn_id, link.peer_id, loop.time(), source=link.remote_address[0])
+        self.core.connection_made(
+            client.conn_id, link.peer_id, time.monotonic_ns(), source=link.remote_address[0]
+        )
         client.tasks.append(loop.create_task(self._serve(client)))
 
     def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
@@ -151,7 +154,7 @@ class RelayServer:
         if client is None:
             return
         self._by_conn.pop(client.conn_id, None)
-        self.core.connection_lost(client.conn_id, asyncio.get_running_loop().time())
+        self.core.connection_lost(client.conn_id)
         if client.close_timer is not None:
             client.close_timer.cancel()
         for task in client.tasks:
@@ -174,7 +177,6 @@ class RelayServer:
         await self._write_loop(client, client.framed)
 
     async def _read_loop(self, client: _Client, framed: FramedStream) -> None:
-        loop = asyncio.get_running_loop()
         core = self.core
         try:
             while not core.is_closing(client.conn_id):
@@ -182,13 +184,13 @@ class RelayServer:
                 if body is None:
                     client.link.close("client finished its relay stream")
                     return
-                core.frame_received(client.conn_id, body, now=loop.time(), unix_now=time.time())
+                core.receive_frame(client.conn_id, body, time.monotonic_ns(), unix_now=time.time())
                 framed.max_recv_frame_bytes = core.max_frame_bytes(client.conn_id)
                 self._wake()
-                delay = core.read_delay(client.conn_id, loop.time())
-                if delay > 0:
+                delay_ns = core.read_delay_ns(client.conn_id, time.monotonic_ns())
+                if delay_ns > 0:
                     self.read_pauses += 1
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(delay_ns / SECOND_NS)
         except FramingError as exc:
             registered = core.registered_node(client.conn_id) is not None
             core.stream_failed(client.conn_id, p.refusal_for_framing_error(exc, registered=registered))
@@ -225,7 +227,8 @@ class RelayServer:
         link.close(reason or "closed by the relay")
 
     def _wake(self) -> None:
-        for conn_id in self.core.take_wakeups():
+        for event in self.core.take_events():
+            conn_id = event.conn_id
             client = self._by_conn.get(conn_id)
             if client is None:
                 continue
@@ -236,10 +239,9 @@ class RelayServer:
                 )
 
     async def _housekeep(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(_HOUSEKEEPING_S)
-            self.core.handle_timer(loop.time())
+            self.core.handle_timer(time.monotonic_ns())
             self._wake()
 
 

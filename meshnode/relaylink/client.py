@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from meshnode.membership.credentials import Endpoint
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.relaywire.ratelimit import TokenBucket
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicLink, QuicSettings
@@ -117,12 +119,12 @@ class RelaySession:
         self.link = link
         self.framed = framed
         self.limits = limits
-        now = asyncio.get_running_loop().time()
+        now_ns = time.monotonic_ns()
         self._bytes = TokenBucket.full(
-            limits.rate_bytes_per_s * _PACING_MARGIN, limits.burst_bytes * _PACING_MARGIN, now
+            limits.rate_bytes_per_s * _PACING_MARGIN, limits.burst_bytes * _PACING_MARGIN, now_ns
         )
         self._frames = TokenBucket.full(
-            limits.rate_frames_per_s * _PACING_MARGIN, limits.burst_frames * _PACING_MARGIN, now
+            limits.rate_frames_per_s * _PACING_MARGIN, limits.burst_frames * _PACING_MARGIN, now_ns
         )
 
     @property
@@ -131,12 +133,13 @@ class RelaySession:
 
     async def send_body(self, body: bytes) -> None:
         """Write one client frame, first waiting out the relay's rate limits."""
-        loop = asyncio.get_running_loop()
-        delay = max(self._bytes.delay_for(len(body), loop.time()), self._frames.delay_for(1, loop.time()))
-        if delay > 0:
-            await asyncio.sleep(delay)
-        self._bytes.charge(len(body), loop.time())
-        self._frames.charge(1, loop.time())
+        now_ns = time.monotonic_ns()
+        delay_ns = max(self._bytes.delay_for_ns(len(body), now_ns), self._frames.delay_for_ns(1, now_ns))
+        if delay_ns > 0:
+            await asyncio.sleep(delay_ns / SECOND_NS)
+            now_ns = time.monotonic_ns()
+        self._bytes.charge(len(body), now_ns)
+        self._frames.charge(1, now_ns)
         await self.framed.send_frame(body)
 
     async def send(self, destination: bytes, channel: int, payload: bytes, send_id: int = 0) -> None:

@@ -5,9 +5,10 @@ imports count, as in ``test_app_layer``."""
 
 from ops.test_app_layer import ROOT, imported_modules, importers_of
 
-# What the relay server may import from meshnode: the vocabulary it shares with the nodes and
-# the QUIC transport it serves on. Not relaylink, node, head, api or app.
+# What the relay server may import from meshnode: the vocabulary it shares with the nodes, the
+# sans-IO convention, and the QUIC transport it serves on. Not relaylink, node, head, api or app.
 RELAY_SERVER_MAY_IMPORT = (
+    "meshnode.sansio",
     "meshnode.gen",
     "meshnode.identity",
     "meshnode.wire",

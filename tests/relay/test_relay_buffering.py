@@ -34,6 +34,9 @@ from relay.server import RelayServer
 
 pytestmark = pytest.mark.timeout(60)
 
+# Monotonic nanoseconds, the relay core's clock.
+NOW = 1000 * 1_000_000_000
+
 
 class Core:
     def __init__(self, policy: RelayPolicy) -> None:
@@ -45,7 +48,7 @@ class Core:
 
     def connect(self, source: str, tls_id: bytes | None = None) -> int:
         conn = next(self._ids)
-        self.core.connection_made(conn, tls_id or NodeIdentity.generate().node_id, 1000.0, source=source)
+        self.core.connection_made(conn, tls_id or NodeIdentity.generate().node_id, NOW, source=source)
         first = p.decode_server_message(self.core.next_frame(conn) or b"")
         if first.WhichOneof("kind") == "challenge":
             self.challenges[conn] = first.challenge.challenge
@@ -55,7 +58,7 @@ class Core:
 
     def register(self, conn: int, member: Member) -> None:
         body = register_frame(member, relay_id=self.relay_id, challenge=self.challenges[conn])
-        self.core.frame_received(conn, body, now=1000.0, unix_now=time.time())
+        self.core.receive_frame(conn, body, NOW, unix_now=time.time())
         assert p.decode_server_message(self.core.next_frame(conn) or b"").WhichOneof("kind") == "registered"
 
     def refused_code(self, conn: int) -> int:
@@ -85,8 +88,8 @@ def test_unregistered_connections_are_capped_in_total_and_a_lost_one_frees_its_s
     over = r.connect("198.18.0.3")
     assert r.refused_code(over) == p.OVERLOADED
     assert "waiting to register" in r.last_refusal.detail
-    r.core.connection_lost(over, 1000.0)  # a refused one never counted
-    r.core.connection_lost(first, 1000.0)
+    r.core.connection_lost(over)  # a refused one never counted
+    r.core.connection_lost(first)
     assert r.core.stats.unregistered == 1
     assert not r.core.is_closing(r.connect("198.18.0.3"))
 
@@ -118,9 +121,7 @@ def test_before_registration_only_a_registration_sized_frame_is_accepted() -> No
     assert r.core.max_frame_bytes(conn) == p.MAX_RELAY_FRAME_BYTES
 
     big = r.connect("198.18.0.1")
-    r.core.frame_received(
-        big, b"\x00" * (p.MAX_REGISTRATION_FRAME_BYTES + 1), now=1000.0, unix_now=time.time()
-    )
+    r.core.receive_frame(big, b"\x00" * (p.MAX_REGISTRATION_FRAME_BYTES + 1), NOW, unix_now=time.time())
     refusal = p.decode_server_message(r.core.next_frame(big) or b"").refused
     assert refusal.code == p.PAYLOAD_TOO_LARGE
     assert "before registration" in refusal.detail

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from meshnode.relaywire.ratelimit import TokenBucket
 from relay.fair_queue import FairQueue
 
@@ -64,18 +62,25 @@ def test_overhead_counts_in_bytes_and_drop_source_frees_them() -> None:
 
 
 def test_token_bucket_debt_and_refill() -> None:
-    bucket = TokenBucket.full(rate=100, burst=50, now=0)
-    assert bucket.charge(30, now=0) == 0
-    assert bucket.charge(40, now=0) == pytest.approx(0.2)  # 20 in debt at 100/s
-    assert bucket.debt_delay(now=0.1) == pytest.approx(0.1)
-    assert bucket.debt_delay(now=0.2) == 0
-    assert bucket.delay_for(50, now=0.2) == pytest.approx(0.5)
-    assert bucket.delay_for(10_000, now=0.7) == pytest.approx(
-        0, abs=1e-9
-    )  # capped at the burst: a full bucket is enough
+    ms = 1_000_000
+    bucket = TokenBucket.full(rate=100, burst=50, now_ns=0)
+    assert bucket.charge(30, now_ns=0) == 0
+    assert bucket.charge(40, now_ns=0) == 200 * ms  # 20 in debt at 100/s
+    assert bucket.debt_delay_ns(now_ns=100 * ms) == 100 * ms
+    assert bucket.debt_delay_ns(now_ns=200 * ms) == 0
+    assert bucket.delay_for_ns(50, now_ns=200 * ms) == 500 * ms
+    assert bucket.delay_for_ns(10_000, now_ns=700 * ms) == 0  # capped at the burst: a full bucket is enough
+
+
+def test_token_bucket_delays_round_up_so_waiting_them_out_suffices() -> None:
+    bucket = TokenBucket.full(rate=3, burst=1, now_ns=0)
+    delay = bucket.charge(2, now_ns=0)  # one token in debt at 3/s: a third of a second
+    assert delay == 333_333_334
+    assert bucket.debt_delay_ns(now_ns=delay - 1) > 0
+    assert bucket.debt_delay_ns(now_ns=delay) == 0
 
 
 def test_unlimited_bucket_never_delays() -> None:
-    bucket = TokenBucket.full(rate=0, burst=0, now=0)
-    assert bucket.charge(1e12, now=0) == 0
-    assert bucket.delay_for(1e12, now=0) == 0
+    bucket = TokenBucket.full(rate=0, burst=0, now_ns=0)
+    assert bucket.charge(1e12, now_ns=0) == 0
+    assert bucket.delay_for_ns(1e12, now_ns=0) == 0

@@ -1,0 +1,44 @@
+"""The one sans-IO convention of meshnode's protocol state machines.
+
+It holds for the data plane's :class:`~meshnode.dataplane.worker.ShardWorker` and
+:class:`~meshnode.dataplane.client.SessionClient`, the relay's
+:class:`~relay.core.RelayCore`, and the relay link's
+:class:`~meshnode.relaylink.mux.ChannelMux` and
+:class:`~meshnode.relaylink.seal.PeerSealer`. It is aioquic's ``QuicConnection``
+convention (``receive_datagram``, ``datagrams_to_send``, ``get_timer``/``handle_timer``,
+``next_event``), so an edge that drives one machine can drive them all:
+
+- **Inputs return nothing.** What arrives from the peer is a ``receive_*`` call
+  (``receive_frame``, ``receive_record``, ``receive_payload``); anything else that
+  happened is a call named for it (``stream_closed``, ``engine_finished``,
+  ``connection_made``); time passing is ``handle_timer(now_ns)``.
+- **Outputs are drained, one way.** What a machine tells or asks its edge (a unit
+  done, a frame to send, a step to run) waits inside it until the edge calls
+  ``take_events()``, which returns everything since the last call, in order, as small
+  frozen dataclasses. The edge drains after every input. Wire bytes that may leave
+  only as fast as the edge's transport drains are the one exception: the edge pulls
+  them when it has room (``SessionClient.requests_to_send(now_ns)``,
+  ``RelayCore.next_frame(conn_id)``), as aioquic's ``datagrams_to_send(now)``, so a
+  slow peer leaves them in the machine's bounded queues.
+- **Commands return what they build.** A local command that makes a message or a
+  name for its caller returns it (``SessionClient.start_stream()``'s frames,
+  ``cancel_signal()``, ``ChannelMux.open_channel()``, ``PeerSealer.seal()``); a call
+  that answers a question returns the answer (``ShardWorker.cancel()`` → how many
+  units), and anything it caused is drained as above.
+- **Time is monotonic nanoseconds, passed in.** Every call that needs the time takes
+  ``now_ns: int`` (``time.monotonic_ns()`` at the edge), with no default; calls that do
+  not need it do not take it. ``get_timer()`` is the absolute ``now_ns`` at which
+  ``handle_timer`` next has work, or None; calling it early or late is harmless.
+- **Wall-clock time only where a wall-clock instant is checked**, passed beside
+  ``now_ns``, keyword-only and named for its unit: ``unix_now`` (float seconds) where
+  a certificate, invite or membership proof's validity is verified, ``unix_now_ns``
+  where a wire deadline (``deadline_unix_nanos``) is read. A machine turns a wire
+  deadline into its monotonic clock once, on arrival, so stepping the wall clock moves
+  neither a lease nor a timer already set.
+"""
+
+from __future__ import annotations
+
+SECOND_NS = 1_000_000_000
+
+__all__ = ["SECOND_NS"]
