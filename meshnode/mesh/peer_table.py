@@ -73,6 +73,10 @@ class PeerTable:
         entry = self._entries.get(peer_id)
         return entry.record if entry is not None else None
 
+    def announcement_of(self, peer_id: bytes) -> mesh.PeerAnnouncement | None:
+        entry = self._entries.get(peer_id)
+        return entry.announcement if entry is not None else None
+
     def entries(self) -> list[PeerEntry]:
         return list(self._entries.values())
 

@@ -35,14 +35,14 @@ from meshnode.identity import NodeIdentity, ensure_private_dir, short_id
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
+from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable
+from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.receive import receive_message
 from meshnode.mesh.rules import (
-    LinkCandidate,
     PeerDownAction,
     PeerLeavingAction,
-    keep_new_link,
     resolve_peer_down,
     resolve_peer_leaving,
 )
@@ -54,7 +54,7 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
-from meshnode.relaylink.manager import RelayDialError, RelayLinks
+from meshnode.relaylink.manager import RelayLinks
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
@@ -75,10 +75,6 @@ _LINK_ATTEMPTS = 3
 
 class JoinError(Exception):
     """No bootstrap peer admitted us; the message is the one-line reason."""
-
-
-class PeerUnreachable(ConnectionError):
-    pass
 
 
 # How any conversation with a peer can fail: reaching it (DialError, PeerUnreachable), the
@@ -160,11 +156,11 @@ class Node:
             local.relays.extend(
                 mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in membership.relays
             )
-            self._bootstrap = list(membership.known_peers)
+            known_peers = list(membership.known_peers)
         else:
             assert invite is not None
             local.relays.extend(mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in invite.relays)
-            self._bootstrap = invite.bootstrap
+            known_peers = list(invite.bootstrap)
         self.dispatcher = Dispatcher(
             is_admitted=self.state.is_admitted, stream_type_timeout=config.stream_type_timeout
         )
@@ -178,9 +174,11 @@ class Node:
         self.started_at = time.time()
         self.gossip_refusals: dict[str, int] = {}
         self._refusal_log = RateLimitedLog(log)
-        self._links: dict[bytes, PeerLink] = {}
+        # Peers to dial by address besides the peer table's: the stored known peers, or the invite's.
+        self._known_peers = known_peers
+        self._links = PeerLinks(identity.node_id, race_window=config.link_race_window)
+        self._dialer: PeerDialer | None = None
         self._exchanged: dict[PeerLink, asyncio.Future[None]] = {}
-        self._dials: dict[bytes, asyncio.Task[PeerLink]] = {}
         self._probing: set[bytes] = set()
         self._heartbeating: set[bytes] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -223,6 +221,17 @@ class Node:
     def peers(self) -> list[PeerEntry]:
         return self.state.table.entries()
 
+    def add_known_peer(self, endpoint: Endpoint) -> None:
+        """Dial ``endpoint.id`` at ``endpoint.address`` while the peer table does not list it
+        (like the stored known peers, among which it is saved)."""
+        self._known_peers.append(endpoint)
+
+    @property
+    def background_tasks(self) -> frozenset[asyncio.Task[Any]]:
+        """What runs on its own until shutdown: the heartbeat loop and the heartbeats, probes and
+        reconnects it started."""
+        return frozenset(self._tasks)
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -235,6 +244,15 @@ class Node:
         self.state.local.ClearField("addresses")
         self.state.local.addresses.extend(advertise)
         await self._start_relays()
+        self._dialer = PeerDialer(
+            self._links,
+            self.endpoint,
+            self.relay_links,
+            announcement_of=self.state.table.announcement_of,
+            known_peers=lambda: self._known_peers,
+            connect_timeout=self.config.connect_timeout,
+            relay_only=self.config.relay_only,
+        )
         await self._start_status_server()
         self._spawn(self._heartbeat_loop())
         log.info(
@@ -262,7 +280,7 @@ class Node:
                 membership.relays = [*membership.relays, *added]
                 self._save_membership()
         # Always present: a node with no relays of its own still reaches NATed peers through the
-        # relays they announce (registered on first use, see _dial).
+        # relays they announce (registered on first use, see PeerDialer.dial_peer).
         self.relay_links = RelayLinks(
             self.identity, self, mesh_id=self.mesh_id, proof_for=self.state.our_proof
         )
@@ -270,28 +288,13 @@ class Node:
             Endpoint(id=bytes(r.relay_id), address=r.address) for r in local.relays
         )
 
-    async def _dial_direct_or_relay(self, endpoint: Endpoint) -> PeerLink:
-        """A bootstrap peer (reachability unknown): dial it, else reach it through our relays."""
-        failure = "direct dial disabled (--relay-only)"
-        if not self.config.relay_only:
-            try:
-                return await self._dial_address(endpoint.address, endpoint.id)
-            except DialError as exc:
-                failure = str(exc)
-        if self.relay_links is None:
-            raise DialError(failure)
-        try:
-            return await self.relay_links.open_link(endpoint.id, timeout=self.config.connect_timeout)
-        except RelayDialError as exc:
-            raise DialError(f"{failure}; relay: {exc}") from None
-
     async def join(self) -> None:
         """Invite holder: dial bootstrap peers until one admits us and grants membership."""
         assert self.state.invite is not None
         reasons: list[str] = []
         for endpoint in self.state.invite.bootstrap:
             try:
-                link = await self._dial_direct_or_relay(endpoint)
+                link = await self._started_dialer().dial_endpoint(endpoint)
                 await self._exchange(link)
             except RemoteRefusal as refusal:
                 log.warning("bootstrap peer %s refused us: %s", endpoint, refusal.detail)
@@ -309,10 +312,11 @@ class Node:
 
     async def reconnect(self) -> int:
         """Member restart: gossip with the peers we knew; returns how many answered."""
-        if not any(e.id != self.node_id for e in self._bootstrap):
+        if not any(e.id != self.node_id for e in self._known_peers):
             return 0
         results = await asyncio.gather(
-            *(self._bootstrap_one(e) for e in self._bootstrap if e.id != self.node_id), return_exceptions=True
+            *(self._bootstrap_one(e) for e in self._known_peers if e.id != self.node_id),
+            return_exceptions=True,
         )
         reached = sum(1 for r in results if r is True)
         log.info("rejoined mesh %s: %d of %d known peers answered", self.mesh_id, reached, len(results))
@@ -326,7 +330,7 @@ class Node:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        links = [link for link in self._links.values() if not link.is_closed]
+        links = self._links.live()
         if links:
             await asyncio.gather(*(self._send_leaving(link) for link in links), return_exceptions=True)
         if self.state.is_member:
@@ -347,7 +351,7 @@ class Node:
     async def get_link(self, peer_id: bytes) -> PeerLink:
         """A live link to ``peer_id`` on which a gossip exchange (mutual admission) completed."""
         for attempt in range(_LINK_ATTEMPTS):
-            link = await self._connected_link(peer_id)
+            link = await self._connect(peer_id)
             try:
                 await self._ensure_exchanged(link)
             except LinkClosed:
@@ -358,56 +362,12 @@ class Node:
             return link
         raise AssertionError("unreachable")
 
-    async def _connected_link(self, peer_id: bytes) -> PeerLink:
-        link = self._links.get(peer_id)
-        if link is not None and not link.is_closed:
-            return link
-        task = self._dials.get(peer_id)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._dial(peer_id))
-            self._dials[peer_id] = task
-            task.add_done_callback(lambda t, p=peer_id: self._dial_finished(p, t))
-        return await asyncio.shield(task)
+    def _started_dialer(self) -> PeerDialer:
+        assert self._dialer is not None, "the node dials only once started"
+        return self._dialer
 
-    def _dial_finished(self, peer_id: bytes, task: asyncio.Task[PeerLink]) -> None:
-        self._dials.pop(peer_id, None)
-        # Every waiter may have given up (cancelled); the outcome is still consumed
-        # here, so a failed dial is not reported as an unretrieved task exception.
-        if not task.cancelled():
-            task.exception()
-
-    async def _dial(self, peer_id: bytes) -> PeerLink:
-        entry = self.state.table.get(peer_id)
-        addresses = list(entry.announcement.addresses) if entry is not None else []
-        addresses += [e.address for e in self._bootstrap if e.id == peer_id and e.address not in addresses]
-        failures = []
-        # A peer that announces it cannot be dialed (behind NAT) is reached through a relay.
-        direct = not self.config.relay_only and (entry is None or entry.announcement.directly_reachable)
-        for address in addresses if direct else []:
-            try:
-                return await self._dial_address(address, peer_id)
-            except DialError as exc:
-                failures.append(f"{address}: {exc}")
-        if self.relay_links is not None:
-            relays = list(entry.announcement.relays) if entry is not None else []
-            # Relays learned from gossip: register with them too, so a shared one exists.
-            await self.relay_links.add_relays(
-                Endpoint(id=bytes(r.relay_id), address=r.address) for r in relays
-            )
-            try:
-                return await self.relay_links.open_link(
-                    peer_id, via=[bytes(r.relay_id) for r in relays], timeout=self.config.connect_timeout
-                )
-            except RelayDialError as exc:
-                failures.append(f"relay: {exc}")
-        raise PeerUnreachable(f"{short_id(peer_id)} unreachable ({'; '.join(failures) or 'no address'})")
-
-    async def _dial_address(self, address: str, peer_id: bytes) -> PeerLink:
-        assert self.endpoint is not None
-        link = await self.endpoint.dial(address, peer_id, timeout=self.config.connect_timeout)
-        # A simultaneous dial may have kept the peer's link instead of ours.
-        current = self._links.get(peer_id)
-        return current if current is not None and not current.is_closed else link
+    async def _connect(self, peer_id: bytes) -> PeerLink:
+        return await self._links.connect(peer_id, self._started_dialer().dial_peer)
 
     async def _ensure_exchanged(self, link: PeerLink) -> None:
         done = self._exchanged.get(link)
@@ -416,32 +376,18 @@ class Node:
         await self._exchange(link)
 
     def link_established(self, link: PeerLink) -> None:
-        existing = self._links.get(link.peer_id)
-        if existing is not None and existing is not link and not existing.is_closed:
-            keep_new = keep_new_link(
-                self._candidate(existing), self._candidate(link), race_window=self.config.link_race_window
-            )
-            loser = existing if keep_new else link
-            log.debug("two links to %s; closing %s", short_id(link.peer_id), loser.description)
-            if not keep_new:
-                link.close("duplicate link")
-                return
-            self._links[link.peer_id] = link
-            existing.close("replaced by a newer link")
-            return
-        self._links[link.peer_id] = link
+        self._links.add(link)
 
     def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
         self.dispatcher.accept(stream)
 
     def link_closed(self, link: PeerLink, reason: str) -> None:
-        if self._links.get(link.peer_id) is link:
-            del self._links[link.peer_id]
+        self._links.remove(link)
         self._exchanged.pop(link, None)
 
-    def _candidate(self, link: PeerLink) -> LinkCandidate:
-        dialer = self.node_id if link.initiated_locally else link.peer_id
-        return LinkCandidate(dialer_id=dialer, established_at=link.established_at)
+    def link_to(self, peer_id: bytes) -> PeerLink | None:
+        """The live link kept for ``peer_id`` (whether or not gossip has run on it yet), or ``None``."""
+        return self._links.get(peer_id)
 
     # -- gossip ----------------------------------------------------------------------
 
@@ -530,7 +476,7 @@ class Node:
             for peer_id in self.state.table.stale(now=now, timeout=self.config.effective_peer_timeout):
                 self._suspect(peer_id, reporter=None)
             if not len(self.state.table) and self.state.is_member:
-                for endpoint in self._bootstrap:
+                for endpoint in self._known_peers:
                     if endpoint.id != self.node_id and endpoint.id not in self._heartbeating:
                         self._spawn(self._bootstrap_one(endpoint))
             if beats % 10 == 0 and self.state.is_member:
@@ -540,7 +486,7 @@ class Node:
         self._heartbeating.add(peer_id)
         try:
             async with asyncio.timeout(self.config.connect_timeout + self.config.gossip_timeout):
-                link = await self._connected_link(peer_id)
+                link = await self._connect(peer_id)
                 await self._exchange(link)
         except RemoteRefusal as refusal:
             log.info("peer %s refused our heartbeat: %s", short_id(peer_id), refusal.detail)
@@ -553,7 +499,7 @@ class Node:
     async def _bootstrap_one(self, endpoint: Endpoint) -> bool:
         self._heartbeating.add(endpoint.id)
         try:
-            link = await self._dial_direct_or_relay(endpoint)
+            link = await self._started_dialer().dial_endpoint(endpoint)
             await self._exchange(link)
             return True
         except PEER_FAILURES as exc:
@@ -606,7 +552,7 @@ class Node:
         async def tell(link: PeerLink) -> None:
             await request_reply(link, StreamType.PEER_DOWN, report, timeout=self.config.gossip_timeout)
 
-        links = [link for pid, link in self._links.items() if pid != peer_id and not link.is_closed]
+        links = [link for link in self._links.live() if link.peer_id != peer_id]
         await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
 
     async def _serve_peer_down(self, stream: FramedStream) -> None:
@@ -666,7 +612,7 @@ class Node:
             if e.announcement.addresses
         ]
         seen = {e.id for e in known}
-        known += [e for e in self._bootstrap if e.id not in seen and e.id != self.node_id]
+        known += [e for e in self._known_peers if e.id not in seen and e.id != self.node_id]
         membership.known_peers = known
         try:
             if self.data_dir.has_membership():

@@ -57,6 +57,30 @@ class Recorder:
         return self.accepted.pop(0)
 
 
+class FakeLink(PeerLink):
+    """A link seen from one end: to ``peer_id``, dialed by this end or not, up since ``at``."""
+
+    def __init__(self, peer_id: bytes, *, dialed_here: bool, at: float, name: str = "") -> None:
+        self.peer_id = peer_id
+        self.initiated_locally = dialed_here
+        self.established_at = at
+        self.name = name
+        self.close_reason: str | None = None
+        self._closed = asyncio.Event()
+
+    async def open_raw_stream(self) -> MeshStream:
+        raise AssertionError("not used")
+
+    def close(self, reason: str = "") -> None:
+        if self.close_reason is None:
+            self.close_reason = reason
+        self._closed.set()
+
+    @property
+    def description(self) -> str:
+        return self.name
+
+
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
     """Wait until ``predicate()`` is true; fail with the predicate's name after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -113,7 +113,7 @@ async def test_a_third_node_is_learned_through_gossip_and_linked(tmp_path, first
             )
 
         await eventually(everyone_sees_everyone)
-        await eventually(lambda: third.node_id in second._links and second.node_id in third._links)
+        await eventually(lambda: second.link_to(third.node_id) and third.link_to(second.node_id))
     finally:
         for node in (third, second):
             await node.shutdown()
@@ -130,12 +130,12 @@ async def test_simultaneous_dials_leave_one_agreed_link(tmp_path, first):
         assert dialed[0] is not dialed[1]
 
         def one_link_each():
-            a, b = first._links.get(other.node_id), other._links.get(first.node_id)
-            return a is not None and b is not None and not a.is_closed and not b.is_closed
+            return first.link_to(other.node_id) is not None and other.link_to(first.node_id) is not None
 
         await eventually(one_link_each)
         await eventually(lambda: sum(not link.is_closed for link in dialed) == 1)
-        kept_a, kept_b = first._links[other.node_id], other._links[first.node_id]
+        kept_a, kept_b = first.link_to(other.node_id), other.link_to(first.node_id)
+        assert kept_a is not None and kept_b is not None
         # Both ends kept the same connection: the one dialed by the lower node id.
         lower = min(first.node_id, other.node_id)
         assert (first.node_id if kept_a.initiated_locally else other.node_id) == lower
@@ -148,8 +148,8 @@ async def test_simultaneous_dials_leave_one_agreed_link(tmp_path, first):
 async def test_get_link_from_both_sides_at_once_succeeds_on_the_surviving_link(tmp_path, first):
     other = await start_first_node(tmp_path, "other", mesh_key=first.state.membership.mesh_key)
     try:
-        first._bootstrap.append(Endpoint(other.node_id, other.addresses[0]))
-        other._bootstrap.append(Endpoint(first.node_id, first.addresses[0]))
+        first.add_known_peer(Endpoint(other.node_id, other.addresses[0]))
+        other.add_known_peer(Endpoint(first.node_id, first.addresses[0]))
         link_a, link_b = await asyncio.gather(first.get_link(other.node_id), other.get_link(first.node_id))
         await eventually(lambda: not link_a.is_closed and not link_b.is_closed)
         assert first.state.is_admitted(other.node_id) and other.state.is_admitted(first.node_id)
@@ -340,7 +340,7 @@ async def test_a_crashed_node_is_dropped_after_probing_by_everyone(tmp_path, fir
             lambda: crashed.node_id in second.state.table and crashed.node_id in first.state.table
         )
         # Crash: the socket goes away with no PeerLeaving and no CONNECTION_CLOSE.
-        for task in list(crashed._tasks):
+        for task in crashed.background_tasks:
             task.cancel()
         crashed.endpoint._transport.abort()
         await eventually(lambda: crashed.node_id not in first.state.table, timeout=15)
@@ -348,7 +348,6 @@ async def test_a_crashed_node_is_dropped_after_probing_by_everyone(tmp_path, fir
         assert "probe failed" in first.state.table.tombstone(crashed.node_id).reason
         assert second.node_id in first.state.table and first.node_id in second.state.table
     finally:
-        crashed._stopped = True
         await second.shutdown()
 
 

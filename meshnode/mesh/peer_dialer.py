@@ -1,0 +1,141 @@
+"""How a node reaches a peer: the addresses it dials directly, then the relays.
+
+:func:`dial_plan` is the rule (pure): a peer's announced addresses, then those
+this node knows it by (stored known peers, the invite's bootstrap), unless the
+peer announces it cannot be dialed (behind NAT) or this node dials nothing
+directly; failing that, a relayed link through the relays the peer announces.
+:class:`PeerDialer` carries it out with a QUIC endpoint and the relay links,
+both given as the small protocols below, since those live above this layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshnode.identity import short_id
+from meshnode.membership.credentials import Endpoint
+from meshnode.mesh.peer_links import PeerLinks
+from meshnode.transport.base import PeerLink
+from meshnode.transport.quic import DialError
+from meshnode.wire.pb import mesh
+
+
+class PeerUnreachable(ConnectionError):
+    """Neither a direct dial nor a relay reached the peer; the message names each attempt."""
+
+
+class DirectDialer(Protocol):
+    """Direct links (:class:`meshnode.transport.quic.QuicEndpoint`); a failure is a ``DialError``."""
+
+    async def dial(self, address: str, expected_peer_id: bytes, timeout: float | None = None) -> PeerLink: ...
+
+
+class RelayRoute(Protocol):
+    """Relayed links (:class:`meshnode.relaylink.manager.RelayLinks`).
+
+    A failure is a ``ConnectionError`` (``RelayDialError``).
+    """
+
+    async def add_relays(self, endpoints: Iterable[Endpoint]) -> None: ...
+
+    async def open_link(
+        self, peer_id: bytes, *, via: Iterable[bytes] = (), timeout: float | None = None
+    ) -> PeerLink: ...
+
+
+@dataclass(frozen=True)
+class DialPlan:
+    # Dialed directly, in this order; empty when the peer must be reached through a relay.
+    addresses: tuple[str, ...]
+    # The relays the peer announces: registered with first, so this node shares one with it.
+    relays: tuple[Endpoint, ...]
+
+
+def dial_plan(
+    peer_id: bytes,
+    announcement: mesh.PeerAnnouncement | None,
+    known: Iterable[Endpoint],
+    *,
+    relay_only: bool,
+) -> DialPlan:
+    """How to reach ``peer_id``, given its announcement (``None``: not in the peer table yet)."""
+    addresses = list(announcement.addresses) if announcement is not None else []
+    for endpoint in known:
+        if endpoint.id == peer_id and endpoint.address not in addresses:
+            addresses.append(endpoint.address)
+    direct = not relay_only and (announcement is None or announcement.directly_reachable)
+    relays = (
+        tuple(Endpoint(id=bytes(r.relay_id), address=r.address) for r in announcement.relays)
+        if announcement is not None
+        else ()
+    )
+    return DialPlan(addresses=tuple(addresses) if direct else (), relays=relays)
+
+
+class PeerDialer:
+    def __init__(
+        self,
+        links: PeerLinks,
+        direct: DirectDialer,
+        relays: RelayRoute | None,
+        *,
+        announcement_of: Callable[[bytes], mesh.PeerAnnouncement | None],
+        known_peers: Callable[[], Iterable[Endpoint]],
+        connect_timeout: float,
+        relay_only: bool,
+    ) -> None:
+        self._links = links
+        self._direct = direct
+        self._relays = relays
+        # What the peer table holds of a peer (None: not listed).
+        self._announcement_of = announcement_of
+        self._known_peers = known_peers
+        self._connect_timeout = connect_timeout
+        self._relay_only = relay_only
+
+    async def dial_peer(self, peer_id: bytes) -> PeerLink:
+        """A new link to a peer in the table or among the known peers; raises :class:`PeerUnreachable`."""
+        announcement = self._announcement_of(peer_id)
+        plan = dial_plan(peer_id, announcement, self._known_peers(), relay_only=self._relay_only)
+        failures = []
+        for address in plan.addresses:
+            try:
+                return await self._dial_address(address, peer_id)
+            except DialError as exc:
+                failures.append(f"{address}: {exc}")
+        if self._relays is not None:
+            await self._relays.add_relays(plan.relays)
+            try:
+                return await self._relays.open_link(
+                    peer_id, via=[r.id for r in plan.relays], timeout=self._connect_timeout
+                )
+            except ConnectionError as exc:
+                failures.append(f"relay: {exc}")
+        raise PeerUnreachable(f"{short_id(peer_id)} unreachable ({'; '.join(failures) or 'no address'})")
+
+    async def dial_endpoint(self, endpoint: Endpoint) -> PeerLink:
+        """A bootstrap peer (reachability unknown): dial it, else reach it through our relays.
+
+        Raises ``DialError`` naming both attempts.
+        """
+        failure = "direct dial disabled (--relay-only)"
+        if not self._relay_only:
+            try:
+                return await self._dial_address(endpoint.address, endpoint.id)
+            except DialError as exc:
+                failure = str(exc)
+        if self._relays is None:
+            raise DialError(failure)
+        try:
+            return await self._relays.open_link(endpoint.id, timeout=self._connect_timeout)
+        except ConnectionError as exc:
+            raise DialError(f"{failure}; relay: {exc}") from None
+
+    async def _dial_address(self, address: str, peer_id: bytes) -> PeerLink:
+        link = await self._direct.dial(address, peer_id, timeout=self._connect_timeout)
+        return self._links.kept(link)
+
+
+__all__ = ["DialPlan", "DirectDialer", "PeerDialer", "PeerUnreachable", "RelayRoute", "dial_plan"]
