@@ -26,6 +26,8 @@ from meshnode.relaylink.mux import (
     LinkClosedByPeer,
     MuxConfig,
     MuxError,
+    MuxEvent,
+    SendRecord,
 )
 from meshnode.relaylink.seal import SealedSession, SealError
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
@@ -141,6 +143,7 @@ class RelayedPeerLink(PeerLink):
         self._on_closed = on_closed
         self._streams: dict[int, RelayChannelStream] = {}
         self._closed = asyncio.Event()
+        self._flushing = False
 
     # -- PeerLink ---------------------------------------------------------------------
 
@@ -170,35 +173,11 @@ class RelayedPeerLink(PeerLink):
         if self.is_closed:
             return
         try:
-            events = self.mux.receive(channel, record)
+            self.mux.receive_record(channel, record)
         except MuxError as exc:
             log.info("relayed link to %s broke the channel protocol: %s", short_id(self.peer_id), exc)
             self.close(f"channel protocol violation: {exc}")
             return
-        for event in events:
-            if isinstance(event, ChannelData):
-                stream = self._streams.get(event.channel)
-                if stream is not None:
-                    stream.recv.feed(event.data)
-            elif isinstance(event, ChannelOpened):
-                stream = RelayChannelStream(self, event.channel)
-                self._streams[event.channel] = stream
-                self._handler.stream_accepted(self, stream)
-            elif isinstance(event, ChannelFinished):
-                stream = self._streams.get(event.channel)
-                if stream is not None:
-                    stream.recv.feed_eof()
-                    self.sweep(event.channel)
-            elif isinstance(event, ChannelReset):
-                stream = self._streams.pop(event.channel, None)
-                if stream is not None:
-                    stream.abort(StreamReset(event.error_code))
-                self.progress.notify()
-            elif isinstance(event, CreditGranted):
-                self.progress.notify()
-            elif isinstance(event, LinkClosedByPeer):
-                self.terminate(event.reason)
-                return
         self.flush()
 
     def terminate(self, reason: str) -> None:
@@ -233,15 +212,57 @@ class RelayedPeerLink(PeerLink):
             self._streams.pop(channel, None)
 
     def flush(self) -> None:
-        """Seal and send every record the mux produced."""
-        records = self.mux.take_records()
-        if not records:
+        """Carry out what the mux produced, in order: seal and send its records, hand the
+        application its data, new channels, ends and resets."""
+        if self._flushing:
+            # Called back from a handler (a stream accepted, then reset at once): the loop
+            # below takes what that produced after what came before it, in order.
             return
+        self._flushing = True
         try:
-            for channel, record in records:
-                self._send(channel, self.session.seal(channel, record))
-        except (StreamError, SealError) as exc:
-            self.terminate(f"relay send failed: {exc}")
+            while events := self.mux.take_events():
+                for event in events:
+                    if not self._carry_out(event):
+                        return
+        finally:
+            self._flushing = False
+
+    def _carry_out(self, event: MuxEvent) -> bool:
+        """False once nothing more can be done (the relay send failed, or the peer closed)."""
+        if isinstance(event, SendRecord):
+            try:
+                self._send(event.channel, self.session.seal(event.channel, event.record))
+            except (StreamError, SealError) as exc:
+                self.terminate(f"relay send failed: {exc}")
+                return False
+        elif self.is_closed:
+            # A handler closed the link mid-batch: its records (the CLOSE) still go out, but no
+            # stream may be accepted or fed on a link that is gone.
+            pass
+        elif isinstance(event, ChannelData):
+            stream = self._streams.get(event.channel)
+            if stream is not None:
+                stream.recv.feed(event.data)
+        elif isinstance(event, ChannelOpened):
+            stream = RelayChannelStream(self, event.channel)
+            self._streams[event.channel] = stream
+            self._handler.stream_accepted(self, stream)
+        elif isinstance(event, ChannelFinished):
+            stream = self._streams.get(event.channel)
+            if stream is not None:
+                stream.recv.feed_eof()
+                self.sweep(event.channel)
+        elif isinstance(event, ChannelReset):
+            stream = self._streams.pop(event.channel, None)
+            if stream is not None:
+                stream.abort(StreamReset(event.error_code))
+            self.progress.notify()
+        elif isinstance(event, CreditGranted):
+            self.progress.notify()
+        elif isinstance(event, LinkClosedByPeer):
+            self.terminate(event.reason)
+            return False
+        return True
 
 
 __all__ = ["RelayChannelStream", "RelayedPeerLink", "SendPayload"]

@@ -240,7 +240,8 @@ class RelayLinks:
         except RelayDialError:
             self.stats.frames_dropped += 1
             return
-        for event in sealer.receive(channel, payload):
+        sealer.receive_payload(channel, payload)
+        for event in sealer.take_events():
             if isinstance(event, Opened):
                 link = self._links.get(key)
                 if link is not None and link.session is event.session:

@@ -21,6 +21,12 @@ limits only as its application reads, so unread data is bounded by the windows
 and a writer waits (the same backpressure as the QUIC and loopback streams).
 The relay keeps one sender's frames in order, so offsets must be contiguous: a
 gap means a relayed frame was lost and the link is closed.
+
+In the convention of :mod:`meshnode.sansio`: the peer's records go in with
+``receive_record``, local commands (``write``, ``finish``, ``reset``, ...) change the
+state, and everything for the link to do — records to seal and send
+(:class:`SendRecord`) and what the application should see — comes out of
+``take_events()``, in order.
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ class MuxError(MeshnodeError):
 
 
 # -- events -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendRecord:
+    """Seal ``record`` for ``channel`` and send it to the peer."""
+
+    channel: int
+    record: bytes
 
 
 @dataclass(frozen=True)
@@ -85,7 +99,15 @@ class LinkClosedByPeer:
     reason: str
 
 
-MuxEvent = ChannelOpened | ChannelData | ChannelFinished | ChannelReset | CreditGranted | LinkClosedByPeer
+MuxEvent = (
+    SendRecord
+    | ChannelOpened
+    | ChannelData
+    | ChannelFinished
+    | ChannelReset
+    | CreditGranted
+    | LinkClosedByPeer
+)
 
 
 @dataclass
@@ -113,7 +135,7 @@ class MuxConfig:
 
 @dataclass
 class ChannelMux:
-    """Channel state for one relayed link; outgoing records accumulate in ``take_records()``."""
+    """Channel state for one relayed link; what it produces waits in ``take_events()``."""
 
     local_id: bytes
     peer_id: bytes
@@ -125,7 +147,7 @@ class ChannelMux:
         self._peer_parity = 1 if lower else 0
         self._highest_peer = 0
         self._channels: dict[int, _Channel] = {}
-        self._outbox: list[tuple[int, bytes]] = []
+        self._events: list[MuxEvent] = []
         window = self.config.link_window
         self._link_send_limit = window
         self._link_sent = 0
@@ -159,7 +181,7 @@ class ChannelMux:
         chunk = self.config.max_chunk
         for start in range(0, take, chunk):
             piece = view[start : start + chunk]
-            self._outbox.append((channel, _U64.pack(REC_DATA, state.sent) + piece))
+            self._events.append(SendRecord(channel, _U64.pack(REC_DATA, state.sent) + piece))
             state.sent += len(piece)
         self._link_sent += take
         return take
@@ -169,7 +191,7 @@ class ChannelMux:
         if state is None or state.fin_sent or state.reset:
             return
         state.fin_sent = True
-        self._outbox.append((channel, _U64.pack(REC_FIN, state.sent)))
+        self._events.append(SendRecord(channel, _U64.pack(REC_FIN, state.sent)))
         self._maybe_forget(state)
 
     def reset(self, channel: int, error_code: int) -> None:
@@ -179,7 +201,7 @@ class ChannelMux:
         state.reset = True
         self._release_unread(state)
         if self.closed_reason is None:
-            self._outbox.append((channel, _U64.pack(REC_RESET, error_code)))
+            self._events.append(SendRecord(channel, _U64.pack(REC_RESET, error_code)))
 
     def consumed(self, channel: int, nbytes: int) -> None:
         """The application read ``nbytes`` from ``channel``: grant more credit when due."""
@@ -207,11 +229,14 @@ class ChannelMux:
             return
         self.closed_reason = reason
         self._channels.clear()
-        self._outbox.append((CONTROL_CHANNEL, bytes((REC_CLOSE,)) + reason.encode()[:MAX_CLOSE_REASON]))
+        self._events.append(
+            SendRecord(CONTROL_CHANNEL, bytes((REC_CLOSE,)) + reason.encode()[:MAX_CLOSE_REASON])
+        )
 
-    def take_records(self) -> list[tuple[int, bytes]]:
-        out, self._outbox = self._outbox, []
-        return out
+    def take_events(self) -> list[MuxEvent]:
+        """Everything since the last call, in order: records to send and what the application sees."""
+        events, self._events = self._events, []
+        return events
 
     @property
     def open_channels(self) -> int:
@@ -222,17 +247,29 @@ class ChannelMux:
 
     # -- peer records ---------------------------------------------------------------------
 
-    def receive(self, channel: int, record: bytes) -> list[MuxEvent]:
-        """Apply one opened record from the peer. Raises :class:`MuxError` on a violation."""
+    def receive_record(self, channel: int, record: bytes) -> None:
+        """Apply one opened record from the peer. Raises :class:`MuxError` on a violation; a
+        record that breaks the protocol produces no events (the link is closed for it)."""
         if self.closed_reason is not None:
-            return []
+            return
+        produced_before = len(self._events)
+        try:
+            self._receive_record(channel, record)
+        except MuxError:
+            # E.g. a channel it opened before its data proved out of order: nobody may accept it.
+            del self._events[produced_before:]
+            raise
+
+    def _receive_record(self, channel: int, record: bytes) -> None:
         if not record:
             raise MuxError("empty channel record")
         kind = record[0]
         if channel == CONTROL_CHANNEL:
-            return self._receive_control(kind, record)
+            self._receive_control(kind, record)
+            return
         if kind == REC_DATA:
-            return self._receive_data(channel, record)
+            self._receive_data(channel, record)
+            return
         if kind not in (REC_FIN, REC_RESET, REC_MAX_STREAM_DATA) or len(record) != _HEADER:
             raise MuxError(f"bad channel record 0x{kind:02x}")
         _, value = _U64.unpack(record)
@@ -240,48 +277,50 @@ class ChannelMux:
             state = self._channels.get(channel)
             if state is not None and value > state.send_limit:
                 state.send_limit = value
-                return [CreditGranted()]
-            return []
-        state, events = self._channel_for(channel)
+                self._events.append(CreditGranted())
+            return
+        state = self._channel_for(channel)
         if state is None:
-            return []
+            return
         if kind == REC_RESET:
             del self._channels[channel]
             state.reset = True
             self._release_unread(state)
-            return [*events, ChannelReset(channel, value)]
+            self._events.append(ChannelReset(channel, value))
+            return
         if value != state.received or state.fin_received:
             raise MuxError(f"channel {channel}: final size {value} does not match {state.received} received")
         state.fin_received = True
         self._maybe_forget(state)
-        return [*events, ChannelFinished(channel)]
+        self._events.append(ChannelFinished(channel))
 
-    def _receive_control(self, kind: int, record: bytes) -> list[MuxEvent]:
+    def _receive_control(self, kind: int, record: bytes) -> None:
         if kind == REC_CLOSE:
             reason = record[1:].decode("utf-8", "replace")
             self.closed_reason = f"closed by peer: {reason}" if reason else "closed by peer"
             self._channels.clear()
-            return [LinkClosedByPeer(self.closed_reason)]
+            self._events.append(LinkClosedByPeer(self.closed_reason))
+            return
         if kind == REC_MAX_DATA and len(record) == _HEADER:
             _, value = _U64.unpack(record)
             if value > self._link_send_limit:
                 self._link_send_limit = value
-                return [CreditGranted()]
-            return []
+                self._events.append(CreditGranted())
+            return
         raise MuxError(f"bad control record 0x{kind:02x}")
 
-    def _receive_data(self, channel: int, record: bytes) -> list[MuxEvent]:
+    def _receive_data(self, channel: int, record: bytes) -> None:
         if len(record) < _HEADER:
             raise MuxError("truncated data record")
         (offset,) = struct.unpack_from("<Q", record, 1)
-        state, events = self._channel_for(channel)
+        state = self._channel_for(channel)
         data = record[_HEADER:]
         if state is None:
             # Late data for a channel already reset: it still used link credit; give it back.
             self._link_received += len(data)
             self._link_consumed += len(data)
             self._grant_link()
-            return []
+            return
         if state.fin_received:
             raise MuxError(f"channel {channel}: data after FIN")
         if offset != state.received:
@@ -299,15 +338,15 @@ class ChannelMux:
             self._release_unread(state)
             self._grant_stream(state)
         elif data:
-            events.append(ChannelData(channel, data))
-        return events
+            self._events.append(ChannelData(channel, data))
 
-    def _channel_for(self, channel: int) -> tuple[_Channel | None, list[MuxEvent]]:
+    def _channel_for(self, channel: int) -> _Channel | None:
+        """The channel a peer record is for, opened (a ChannelOpened event) if it is new."""
         state = self._channels.get(channel)
         if state is not None:
-            return state, []
+            return state
         if channel & 1 != self._peer_parity or channel <= self._highest_peer:
-            return None, []  # ours, or the peer's and already finished with
+            return None  # ours, or the peer's and already finished with
         if channel - self._highest_peer > 2 * self.config.max_peer_channels:
             raise MuxError(f"channel number {channel} jumps too far")
         self._highest_peer = channel
@@ -317,8 +356,9 @@ class ChannelMux:
         if sum(1 for n in self._channels if n & 1 == self._peer_parity) > self.config.max_peer_channels:
             # Too many open channels from the peer: refuse this one, keep the link.
             self.reset(channel, reset_code(mesh.MESH_ERROR_OVERLOADED))
-            return None, []
-        return state, [ChannelOpened(channel)]
+            return None
+        self._events.append(ChannelOpened(channel))
+        return state
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -349,7 +389,7 @@ class ChannelMux:
         batch = window // 4
         if target - state.recv_limit >= batch or state.recv_limit - state.received < batch:
             state.recv_limit = target
-            self._outbox.append((state.number, _U64.pack(REC_MAX_STREAM_DATA, target)))
+            self._events.append(SendRecord(state.number, _U64.pack(REC_MAX_STREAM_DATA, target)))
 
     def _grant_link(self) -> None:
         if self.closed_reason is not None:
@@ -362,7 +402,7 @@ class ChannelMux:
         batch = window // 4
         if target - limit >= batch or limit - self._link_received < batch:
             self._link_recv_limit = target
-            self._outbox.append((CONTROL_CHANNEL, _U64.pack(REC_MAX_DATA, target)))
+            self._events.append(SendRecord(CONTROL_CHANNEL, _U64.pack(REC_MAX_DATA, target)))
 
     def _release_unread(self, state: _Channel) -> None:
         # Bytes received but never read still count against the link window; give them back.
@@ -389,4 +429,5 @@ __all__ = [
     "MuxConfig",
     "MuxError",
     "MuxEvent",
+    "SendRecord",
 ]

@@ -251,11 +251,12 @@ def _derive(
 
 
 class PeerSealer:
-    """The handshake and the current session with one peer.
+    """The handshake and the current session with one peer (the :mod:`meshnode.sansio` convention).
 
-    ``start()`` begins a handshake (initiator); ``receive(channel, payload)``
-    takes any relayed payload from the peer and returns events; ``seal`` uses the
-    current session.
+    ``start()`` begins a handshake (initiator) and returns its INIT;
+    ``receive_payload(channel, payload)`` takes any relayed payload from the peer, and
+    what it leads to (handshake answers to send, a session established, a frame opened
+    or dropped) comes out of ``take_events()``; ``seal`` uses the current session.
     """
 
     def __init__(
@@ -276,6 +277,7 @@ class PeerSealer:
         self._initiation: _Initiation | None = None
         self._response: _Response | None = None
         self._hinted: bytes | None = None
+        self._events: list[SealEvent] = []
 
     @property
     def handshaking(self) -> bool:
@@ -298,7 +300,15 @@ class PeerSealer:
             raise SealError("no session with this peer")
         return self.current.seal(channel, plaintext)
 
-    def receive(self, channel: int, payload: bytes) -> list[SealEvent]:
+    def receive_payload(self, channel: int, payload: bytes) -> None:
+        self._events.extend(self._receive(channel, payload))
+
+    def take_events(self) -> list[SealEvent]:
+        """Everything since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    def _receive(self, channel: int, payload: bytes) -> list[SealEvent]:
         if not payload:
             return [self._drop("empty relayed payload")]
         kind = payload[0]
