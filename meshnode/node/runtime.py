@@ -1,8 +1,11 @@
 """The node runtime: identity + QUIC transport + dispatcher + membership, on asyncio.
 
 Protocol decisions live in :mod:`meshnode.mesh` (pure); this module only moves
-frames between streams and :class:`~meshnode.mesh.state.MeshState`, keeps one
-link per peer, runs the heartbeat/probe timers and serves the status socket.
+frames between streams and :class:`~meshnode.mesh.state.MeshState`, runs the
+heartbeat/probe timers and keeps the membership state on disk. The link kept per
+peer and how a peer is dialed are :mod:`meshnode.mesh.peer_links` and
+:mod:`meshnode.mesh.peer_dialer`; the status report and its socket are
+:mod:`meshnode.node.status_report` and :mod:`meshnode.node.status_server`.
 
 What later layers use:
 
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshnode import __version__
-from meshnode.identity import NodeIdentity, ensure_private_dir, short_id
+from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
@@ -54,6 +56,8 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
+from meshnode.node.status_report import StatusReport, status_report
+from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
@@ -69,7 +73,6 @@ log = logging.getLogger("meshnode.node")
 
 DEFAULT_PORT = 7447
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
-_STATUS_REQUEST_LIMIT = 1024
 _LINK_ATTEMPTS = 3
 
 
@@ -182,7 +185,7 @@ class Node:
         self._probing: set[bytes] = set()
         self._heartbeating: set[bytes] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._status_server: asyncio.Server | None = None
+        self._status_server: StatusServer | None = None
         self._stopped = False
         # Where this node's OpenAI-compatible API listens (set by the head), for `meshnode generate`.
         self.api_url: str | None = None
@@ -253,7 +256,8 @@ class Node:
             connect_timeout=self.config.connect_timeout,
             relay_only=self.config.relay_only,
         )
-        await self._start_status_server()
+        self._status_server = StatusServer(self.data_dir.control_socket, self.status)
+        await self._status_server.start()
         self._spawn(self._heartbeat_loop())
         log.info(
             "node %s listening on %s (QUIC %s), advertising %s; mesh %s",
@@ -338,7 +342,6 @@ class Node:
         await self.dispatcher.aclose()
         if self._status_server is not None:
             self._status_server.close()
-            self.data_dir.control_socket.unlink(missing_ok=True)
         if self.relay_links is not None:
             await self.relay_links.close()
         if self.endpoint is not None:
@@ -622,95 +625,18 @@ class Node:
         except OSError as exc:
             log.warning("could not save membership state: %s", exc)
 
-    def status(self) -> dict[str, Any]:
-        now = time.time()
-        local = self.state.local
-        return {
-            "node": {
-                "id": self.node_id.hex(),
-                "short_id": self.identity.short_id,
-                "mesh_id": self.mesh_id,
-                "member": self.state.is_member,
-                "addresses": list(local.addresses),
-                "directly_reachable": local.directly_reachable,
-                "relays": self._relays_json(),
-                "incarnation": local.incarnation,
-                "heartbeat_seq": local.heartbeat_seq,
-                "serving": _serving_json(local),
-                "uptime_s": round(now - self.started_at, 3),
-                "api_url": self.api_url,
-            },
-            "peers": [self._peer_json(entry, now) for entry in self.state.table.entries()],
-            "tombstones": self.state.table.tombstone_count,
-            "refusals": {
-                "streams": dict(self.dispatcher.refusals),
-                "gossip": dict(self.gossip_refusals),
-                "records": dict(self.state.record_drops),
-            },
-        }
-
-    def _relays_json(self) -> list[dict[str, Any]]:
-        links = self.relay_links
-        if links is None:
-            return []
-        registered = {e.id for e in links.registered_relays()}
-        return [
-            {"id": e.id.hex(), "address": e.address, "registered": e.id in registered} for e in links.relays
-        ]
-
-    def _peer_json(self, entry: PeerEntry, now: float) -> dict[str, Any]:
-        announcement = entry.announcement
-        link = self._links.get(entry.peer_id)
-        return {
-            "id": entry.peer_id.hex(),
-            "short_id": short_id(entry.peer_id),
-            "role": mesh.NodeRole.Name(announcement.role),
-            "addresses": list(announcement.addresses),
-            "directly_reachable": announcement.directly_reachable,
-            "relays": [{"id": r.relay_id.hex(), "address": r.address} for r in announcement.relays],
-            "serving": _serving_json(announcement),
-            "capacity": {
-                "max_concurrent_sessions": announcement.capacity.max_concurrent_sessions,
-                "max_context_tokens": announcement.capacity.max_context_tokens,
-            },
-            "load": {
-                "active_sessions": announcement.load.active_sessions,
-                "queued_chunks": announcement.load.queued_chunks,
-                "kv_pressure": round(announcement.load.kv_pressure, 4),
-            },
-            "link": link.description if link is not None and not link.is_closed else None,
-            "admitted": self.state.is_admitted(entry.peer_id),
-            "age_s": round(now - entry.last_heard, 3),
-            "last_direct_s": round(now - entry.last_direct, 3) if entry.last_direct is not None else None,
-            "incarnation": announcement.incarnation,
-            "heartbeat_seq": announcement.heartbeat_seq,
-            "version": announcement.version,
-        }
-
-    async def _start_status_server(self) -> None:
-        path = self.data_dir.control_socket
-        ensure_private_dir(path.parent)
-        path.unlink(missing_ok=True)  # we hold the data-dir lock: a leftover socket is stale
-        try:
-            self._status_server = await asyncio.start_unix_server(self._serve_status, path=str(path))
-        except OSError as exc:  # e.g. a data-dir path longer than AF_UNIX allows
-            log.warning("no status socket at %s (%s); `meshnode status` will not reach this node", path, exc)
-            return
-        path.chmod(0o600)
-
-    async def _serve_status(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(2.0):
-                request = (await reader.readline())[:_STATUS_REQUEST_LIMIT].strip()
-            if request == b"status":
-                writer.write(json.dumps(self.status()).encode() + b"\n")
-            else:
-                writer.write(json.dumps({"error": "unknown request"}).encode() + b"\n")
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    def status(self) -> StatusReport:
+        """What ``meshnode status`` shows; its ``to_json()`` is what the status socket serves."""
+        return status_report(
+            self.state,
+            relays=self.relay_links,
+            link_to=self._links.get,
+            stream_refusals=self.dispatcher.refusals,
+            gossip_refusals=self.gossip_refusals,
+            started_at=self.started_at,
+            api_url=self.api_url,
+            now=time.time(),
+        )
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -721,20 +647,6 @@ class Node:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed", exc_info=task.exception())
-
-
-def _serving_json(announcement: mesh.PeerAnnouncement) -> dict[str, Any] | None:
-    if not announcement.HasField("serving"):
-        return None
-    serving = announcement.serving
-    return {
-        "model": serving.model_name,
-        "start_layer": serving.shard_range.start_layer,
-        "end_layer": serving.shard_range.end_layer,
-        "total_layers": serving.total_layers,
-        "model_digest": serving.fingerprint.model_artifact_digest,
-        "numerics": serving.numerics,
-    }
 
 
 __all__ = [

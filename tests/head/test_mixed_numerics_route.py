@@ -149,6 +149,7 @@ async def test_hops_with_different_weight_repack_settings_give_the_unsplit_text_
     assert answer["choices"][0]["text"] == expected_text
     assert answer["system_fingerprint"] == fingerprint
 
-    peers = {peer["id"]: peer["serving"] for peer in pool.head.status()["peers"]}
-    assert peers[pool.shards["b"].node_id.hex()]["numerics"] == REPACKED
-    assert peers[pool.shards["c"].node_id.hex()]["numerics"] == PLAIN
+    peers = {peer.id: peer.serving for peer in pool.head.status().peers}
+    served_b, served_c = peers[pool.shards["b"].node_id.hex()], peers[pool.shards["c"].node_id.hex()]
+    assert served_b is not None and served_b.numerics == REPACKED
+    assert served_c is not None and served_c.numerics == PLAIN

@@ -93,9 +93,9 @@ async def test_invite_join_makes_a_stored_member_and_both_list_each_other(tmp_pa
         stored = DataDir(tmp_path / "joiner").load_membership(joiner.node_id)
         assert stored.mesh_id == first.mesh_id
         assert first.node_id in {e.id for e in stored.known_peers}
-        status = first.status()
-        assert [p["short_id"] for p in status["peers"]] == [joiner.identity.short_id]
-        assert status["peers"][0]["link"].startswith("quic ") and status["peers"][0]["admitted"]
+        (peer,) = first.status().peers
+        assert peer.short_id == joiner.identity.short_id
+        assert peer.link is not None and peer.link.startswith("quic ") and peer.admitted
     finally:
         await joiner.shutdown()
 
@@ -113,7 +113,9 @@ async def test_a_third_node_is_learned_through_gossip_and_linked(tmp_path, first
             )
 
         await eventually(everyone_sees_everyone)
-        await eventually(lambda: second.link_to(third.node_id) and third.link_to(second.node_id))
+        await eventually(
+            lambda: second.link_to(third.node_id) is not None and third.link_to(second.node_id) is not None
+        )
     finally:
         for node in (third, second):
             await node.shutdown()
@@ -182,7 +184,7 @@ async def test_gossip_without_an_invite_is_refused_and_the_connection_kept(first
         table = await route_table(link)
         assert table.mesh_id == first.mesh_id and [e.endpoint_id for e in table.entries] == [first.node_id]
         assert not first.state.is_admitted(peer.node_id) and peer.node_id not in first.state.table
-        assert first.status()["refusals"]["gossip"] == {"MESH_ERROR_NO_CREDENTIAL": 1}
+        assert first.status().refusals.gossip == {"MESH_ERROR_NO_CREDENTIAL": 1}
 
 
 async def test_expired_foreign_and_tampered_invites_are_refused(first):
@@ -403,7 +405,8 @@ async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
             return entry is not None and entry.announcement.serving.model_name == "m"
 
         await eventually(announced)
-        peer = next(p for p in first.status()["peers"] if p["short_id"] == joiner.identity.short_id)
+        # As the status socket serves it.
+        peer = next(p for p in first.status().to_json()["peers"] if p["short_id"] == joiner.identity.short_id)
         assert peer["serving"] == {
             "model": "m",
             "start_layer": 0,

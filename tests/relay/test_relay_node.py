@@ -16,6 +16,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.node import Node, NodeConfig
+from meshnode.node.status_report import AnnouncedRelay, RelayStatus
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
 from relay.server import RelayServer
@@ -87,13 +88,13 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
 
         await eventually(see_each_other)
         status_a, status_b = node_a.status(), node_b.status()
-        (peer_b,) = status_a["peers"]
-        assert peer_b["id"] == node_b.node_id.hex()
-        assert peer_b["directly_reachable"] is False
-        assert peer_b["relays"] == [{"id": server.relay_id.hex(), "address": relay.address}]
-        assert peer_b["link"].startswith("relay ")
-        assert status_b["node"]["relays"] == [
-            {"id": server.relay_id.hex(), "address": relay.address, "registered": True}
+        (peer_b,) = status_a.peers
+        assert peer_b.id == node_b.node_id.hex()
+        assert peer_b.directly_reachable is False
+        assert peer_b.relays == [AnnouncedRelay(id=server.relay_id.hex(), address=relay.address)]
+        assert peer_b.link is not None and peer_b.link.startswith("relay ")
+        assert status_b.node.relays == [
+            RelayStatus(id=server.relay_id.hex(), address=relay.address, registered=True)
         ]
 
         # get_link goes through the relay and every mesh handler runs unchanged over it.
@@ -125,11 +126,11 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
         )
         await node_c.start()
         await node_c.join()  # directly, through A's QUIC address
-        assert node_c.status()["node"]["relays"] == []
+        assert node_c.status().node.relays == []
         await eventually(lambda: node_b.node_id in node_c.state.table)
         assert await node_c.probe(node_b.node_id)
         assert (await node_c.get_link(node_b.node_id)).description.startswith("relay ")
-        assert [r["id"] for r in node_c.status()["node"]["relays"]] == [server.relay_id.hex()]
+        assert [r.id for r in node_c.status().node.relays] == [server.relay_id.hex()]
     finally:
         if node_c is not None:
             await node_c.shutdown()

@@ -1,0 +1,236 @@
+"""A node's status as a typed value: this node, each peer it lists, and what it refused.
+
+:meth:`StatusReport.to_json` is what the status socket serves and ``meshnode
+status --json`` prints; scripts, tests and :mod:`meshnode.app.status` read its
+keys, which are these classes' field names in this order, so renaming a field
+changes the format. Node ids are hex, times are seconds rounded to the
+millisecond.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from meshnode.identity import short_id
+from meshnode.mesh.peer_table import PeerEntry
+from meshnode.mesh.state import MeshState
+from meshnode.relaylink.manager import RelayLinks
+from meshnode.transport.base import PeerLink
+from meshnode.wire.pb import mesh
+
+
+@dataclass(frozen=True)
+class ServingStatus:
+    model: str
+    start_layer: int
+    end_layer: int
+    total_layers: int
+    model_digest: str
+    numerics: str
+
+    @classmethod
+    def of(cls, announcement: mesh.PeerAnnouncement) -> ServingStatus | None:
+        """What ``announcement`` says its node serves (``None``: nothing)."""
+        if not announcement.HasField("serving"):
+            return None
+        serving = announcement.serving
+        return cls(
+            model=serving.model_name,
+            start_layer=serving.shard_range.start_layer,
+            end_layer=serving.shard_range.end_layer,
+            total_layers=serving.total_layers,
+            model_digest=serving.fingerprint.model_artifact_digest,
+            numerics=serving.numerics,
+        )
+
+
+@dataclass(frozen=True)
+class RelayStatus:
+    """One of this node's relays."""
+
+    id: str
+    address: str
+    registered: bool
+
+
+@dataclass(frozen=True)
+class AnnouncedRelay:
+    """A relay a peer announces it can be reached through."""
+
+    id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class CapacityStatus:
+    max_concurrent_sessions: int
+    max_context_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadStatus:
+    active_sessions: int
+    queued_chunks: int
+    kv_pressure: float
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    id: str
+    short_id: str
+    mesh_id: str
+    member: bool
+    addresses: list[str]
+    directly_reachable: bool
+    relays: list[RelayStatus]
+    incarnation: int
+    heartbeat_seq: int
+    serving: ServingStatus | None
+    uptime_s: float
+    # Where this node's OpenAI-compatible API listens (None: no API here).
+    api_url: str | None
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    id: str
+    short_id: str
+    role: str
+    addresses: list[str]
+    directly_reachable: bool
+    relays: list[AnnouncedRelay]
+    serving: ServingStatus | None
+    capacity: CapacityStatus
+    load: LoadStatus
+    # The live link's transport and address (None: no link now).
+    link: str | None
+    admitted: bool
+    # Since a fresher announcement of the peer arrived, and since the peer itself last gossiped.
+    age_s: float
+    last_direct_s: float | None
+    incarnation: int
+    heartbeat_seq: int
+    version: str
+
+
+@dataclass(frozen=True)
+class Refusals:
+    """Counts by reason: streams the dispatcher refused, gossip frames, and gossiped records dropped."""
+
+    streams: dict[str, int]
+    gossip: dict[str, int]
+    records: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    node: NodeStatus
+    peers: list[PeerStatus]
+    tombstones: int
+    refusals: Refusals
+
+    def to_json(self) -> dict[str, Any]:
+        """The status socket's JSON object."""
+        return asdict(self)
+
+
+def _seconds(span: float) -> float:
+    return round(span, 3)
+
+
+def _relays(links: RelayLinks | None) -> list[RelayStatus]:
+    if links is None:
+        return []
+    registered = {e.id for e in links.registered_relays()}
+    return [
+        RelayStatus(id=e.id.hex(), address=e.address, registered=e.id in registered) for e in links.relays
+    ]
+
+
+def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now: float) -> PeerStatus:
+    announcement = entry.announcement
+    return PeerStatus(
+        id=entry.peer_id.hex(),
+        short_id=short_id(entry.peer_id),
+        role=mesh.NodeRole.Name(announcement.role),
+        addresses=list(announcement.addresses),
+        directly_reachable=announcement.directly_reachable,
+        relays=[AnnouncedRelay(id=r.relay_id.hex(), address=r.address) for r in announcement.relays],
+        serving=ServingStatus.of(announcement),
+        capacity=CapacityStatus(
+            max_concurrent_sessions=announcement.capacity.max_concurrent_sessions,
+            max_context_tokens=announcement.capacity.max_context_tokens,
+        ),
+        load=LoadStatus(
+            active_sessions=announcement.load.active_sessions,
+            queued_chunks=announcement.load.queued_chunks,
+            kv_pressure=round(announcement.load.kv_pressure, 4),
+        ),
+        link=link.description if link is not None else None,
+        admitted=admitted,
+        age_s=_seconds(now - entry.last_heard),
+        last_direct_s=_seconds(now - entry.last_direct) if entry.last_direct is not None else None,
+        incarnation=announcement.incarnation,
+        heartbeat_seq=announcement.heartbeat_seq,
+        version=announcement.version,
+    )
+
+
+def status_report(
+    state: MeshState,
+    *,
+    relays: RelayLinks | None,
+    link_to: Callable[[bytes], PeerLink | None],
+    stream_refusals: Mapping[str, int],
+    gossip_refusals: Mapping[str, int],
+    started_at: float,
+    api_url: str | None,
+    now: float,
+) -> StatusReport:
+    """The report of the node whose membership state is ``state``, at wall-clock time ``now``.
+
+    ``link_to(peer_id)``: the live link to a peer, or ``None``.
+    """
+    local = state.local
+    node = NodeStatus(
+        id=state.node_id.hex(),
+        short_id=short_id(state.node_id),
+        mesh_id=state.mesh_id,
+        member=state.is_member,
+        addresses=list(local.addresses),
+        directly_reachable=local.directly_reachable,
+        relays=_relays(relays),
+        incarnation=local.incarnation,
+        heartbeat_seq=local.heartbeat_seq,
+        serving=ServingStatus.of(local),
+        uptime_s=_seconds(now - started_at),
+        api_url=api_url,
+    )
+    peers = [
+        _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now=now)
+        for entry in state.table.entries()
+    ]
+    return StatusReport(
+        node=node,
+        peers=peers,
+        tombstones=state.table.tombstone_count,
+        refusals=Refusals(
+            streams=dict(stream_refusals), gossip=dict(gossip_refusals), records=dict(state.record_drops)
+        ),
+    )
+
+
+__all__ = [
+    "AnnouncedRelay",
+    "CapacityStatus",
+    "LoadStatus",
+    "NodeStatus",
+    "PeerStatus",
+    "Refusals",
+    "RelayStatus",
+    "ServingStatus",
+    "StatusReport",
+    "status_report",
+]

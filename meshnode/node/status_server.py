@@ -1,0 +1,64 @@
+"""The status socket: a local client sends the line ``status`` and reads the node's report as JSON.
+
+It is the data directory's control socket (mode 0600 in a private directory, so
+only the node's user can ask); :mod:`meshnode.app.status` is its client. One
+request per connection, answered with one JSON line, then the node closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from meshnode.identity import ensure_private_dir
+from meshnode.node.status_report import StatusReport
+
+# The node's logger, as when this lived in the node module.
+log = logging.getLogger("meshnode.node")
+
+# A request longer than this is not "status"; nothing more of it is kept.
+REQUEST_LIMIT = 1024
+REQUEST_TIMEOUT_S = 2.0
+
+
+class StatusServer:
+    def __init__(self, path: Path, report: Callable[[], StatusReport]) -> None:
+        self.path = path
+        self._report = report
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        """Listen on ``path``; a socket that cannot be made is a warning, not a failed node."""
+        ensure_private_dir(self.path.parent)
+        self.path.unlink(missing_ok=True)  # the node holds the data-dir lock: a leftover socket is stale
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        except OSError as exc:  # e.g. a data-dir path longer than AF_UNIX allows
+            log.warning(
+                "no status socket at %s (%s); `meshnode status` will not reach this node", self.path, exc
+            )
+            return
+        self.path.chmod(0o600)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self.path.unlink(missing_ok=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                request = (await reader.readline())[:REQUEST_LIMIT].strip()
+            answer = self._report().to_json() if request == b"status" else {"error": "unknown request"}
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+__all__ = ["REQUEST_LIMIT", "StatusServer"]
