@@ -1,15 +1,14 @@
 """A node running as a process: its shard service and head (with ``--model``), drained before it leaves.
 
 :func:`serve_node` is where ``meshnode create``, ``join`` and ``start`` go once
-the node is built; :func:`describe_served_model` refuses a bad ``--model`` or
-``--layers`` before anything loads.
+the node is built; a bad ``--model`` or ``--layers`` is refused before anything
+loads (:func:`meshnode.dataplane.service.describe_served_model`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshnode.app.api_options import head_options
@@ -18,42 +17,12 @@ from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.node import Node
-from meshnode.wire.pb import mesh, shard
 
 if TYPE_CHECKING:
     from meshnode.dataplane.service import ShardService
 
 # The command line's logger, named as before the command line moved into meshnode.app.
 log = logging.getLogger("meshnode.cli")
-
-
-def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.ServedShard:
-    """What ``--model PATH --layers A:B`` will serve: name, layer range and total layers.
-
-    Reads only the GGUF header, so a bad file or range is refused before the
-    engine loads. The fingerprint is left empty here: the shard service announces
-    the loaded engine's own (artifact and recipe digests).
-    """
-    # Imported here: the gguf package adds to the start-up of every command, and only --model needs it.
-    from engines.gguf_file import GGUFFormatError, read_gguf
-
-    try:
-        header = read_gguf(path)
-        arch = header.architecture
-    except (OSError, GGUFFormatError) as exc:  # GGUFFormatError is a ValueError
-        raise ValueError(f"cannot read GGUF {path}: {exc}") from None
-    blocks = header.get(f"{arch}.block_count")
-    if blocks is None:
-        raise ValueError(f"{path} has no {arch}.block_count")
-    total = int(blocks)  # type: ignore[call-overload]
-    start, end = layers if layers is not None else (0, total)
-    if not 0 <= start < end <= total:
-        raise ValueError(f"layer range {start}:{end} is not within the model's {total} layers")
-    return mesh.ServedShard(
-        model_name=path.stem,
-        shard_range=shard.ShardRange(start_layer=start, end_layer=end, effective_start_layer=start),
-        total_layers=total,
-    )
 
 
 async def serve_node(node: Node, args: argparse.Namespace) -> int:
@@ -63,12 +32,18 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         if args.layers is not None:
             raise CliError("--layers needs --model", code=2)
         return await run_node(node)
+    # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
+    from meshnode.dataplane.service import (
+        ShardService,
+        ShardServiceError,
+        ShardServiceOptions,
+        describe_served_model,
+    )
+
     try:
         describe_served_model(args.model, args.layers)  # refuses a bad file or range before loading
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
-    # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
-    from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
 
     options = ShardServiceOptions(
         model=args.model,
@@ -118,4 +93,4 @@ async def _start_head(node: Node, service: ShardService, args: argparse.Namespac
         return None
 
 
-__all__ = ["describe_served_model", "serve_node"]
+__all__ = ["serve_node"]

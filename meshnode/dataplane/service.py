@@ -6,6 +6,8 @@ plane with the node's dispatcher, announces what is served (model name,
 fingerprint, range, total layers, capacity) and keeps the announced load fresh.
 On the same beat it ends the sessions of peers that membership no longer
 admits: a peer loses its admission exactly when it is confirmed down or leaves.
+:func:`describe_served_model` checks ``--model`` and ``--layers`` against the
+GGUF header first, so a bad file or range is refused before anything loads.
 """
 
 from __future__ import annotations
@@ -87,7 +89,37 @@ class ServingNode(Protocol):
     def set_load(self, load: mesh.Load) -> None: ...
 
 
+def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.ServedShard:
+    """What ``--model PATH --layers A:B`` will serve: name, layer range and total layers.
+
+    Reads only the GGUF header, so a bad file or range is refused before the
+    engine loads. The fingerprint is left empty here: the shard service announces
+    the loaded engine's own (artifact and recipe digests).
+    """
+    # Imported here: the gguf package adds to the start-up of every command, and only --model needs it.
+    from engines.gguf_file import GGUFFormatError, read_gguf
+
+    try:
+        header = read_gguf(path)
+        arch = header.architecture
+    except (OSError, GGUFFormatError) as exc:  # GGUFFormatError is a ValueError
+        raise ValueError(f"cannot read GGUF {path}: {exc}") from None
+    blocks = header.get(f"{arch}.block_count")
+    if blocks is None:
+        raise ValueError(f"{path} has no {arch}.block_count")
+    total = int(blocks)  # type: ignore[call-overload]
+    start, end = layers if layers is not None else (0, total)
+    if not 0 <= start < end <= total:
+        raise ValueError(f"layer range {start}:{end} is not within the model's {total} layers")
+    return mesh.ServedShard(
+        model_name=path.stem,
+        shard_range=shard.ShardRange(start_layer=start, end_layer=end, effective_start_layer=start),
+        total_layers=total,
+    )
+
+
 def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
+    """What the loaded engine serves, as announced (with its fingerprint)."""
     fp = caps.fingerprint
     return mesh.ServedShard(
         model_name=model_name,
@@ -237,5 +269,6 @@ __all__ = [
     "ShardService",
     "ShardServiceError",
     "ShardServiceOptions",
+    "describe_served_model",
     "served_shard",
 ]

@@ -364,40 +364,12 @@ async def test_streams_the_peer_abandons_do_not_exhaust_the_connection(first):
         await eventually(lambda: not any(link._streams for link in first.endpoint.links))
 
 
-def tiny_gguf_header(path, block_count: int = 6):
-    """A GGUF with only the metadata the announcement reads (no tensors)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(block_count)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def test_served_model_is_described_from_the_gguf_header(tmp_path):
-    from meshnode.app.node_serving import describe_served_model
-
-    model = tiny_gguf_header(tmp_path / "tiny-llama.gguf")
-    served = describe_served_model(model, (2, 5))
-    assert served.model_name == "tiny-llama" and served.total_layers == 6
-    assert (served.shard_range.start_layer, served.shard_range.end_layer) == (2, 5)
-    assert describe_served_model(model, None).shard_range.end_layer == 6
-    with pytest.raises(ValueError, match="not within the model's 6 layers"):
-        describe_served_model(model, (4, 7))
-    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
-    with pytest.raises(ValueError, match="cannot read GGUF"):
-        describe_served_model(tmp_path / "junk.gguf", None)
-
-
 async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
-    from meshnode.app.node_serving import describe_served_model
-
     joiner = await start_joiner(tmp_path, "server", first)
     try:
-        joiner.set_serving(describe_served_model(tiny_gguf_header(tmp_path / "m.gguf"), (0, 3)))
+        joiner.set_serving(
+            mesh.ServedShard(model_name="m", shard_range={"start_layer": 0, "end_layer": 3}, total_layers=6)
+        )
         joiner.set_capacity(mesh.Capacity(max_concurrent_sessions=4, max_context_tokens=4096))
 
         def announced():
