@@ -1,7 +1,9 @@
 """A running node's status: asked through its data directory's status socket, and shown as text.
 
-The node serves the socket (:class:`meshnode.node.Node`): a client sends the line
-``status`` and reads one JSON object until the node closes the connection.
+The node serves the socket (:class:`meshnode.node.status_server.StatusServer`): a
+client sends the line ``status`` and reads one JSON object
+(:meth:`meshnode.node.status_report.StatusReport.to_json`) until the node closes
+the connection.
 ``meshnode status``, ``invite``, ``generate`` and ``doctor`` ask it this way.
 """
 
