@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.interface import CancelToken, SessionKey, ShardEngine, StepRequest, StepResult
+from meshnode.dataplane.envelope import UnitPosition
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.pb import shard
 
@@ -65,12 +66,8 @@ class ForwardWork:
 
     step: int
     work_id: str
-    decode: bool
-    first_position: int
-    # None: a fresh start at position 0; otherwise the cache length the next hop must hold.
-    expected_past_len: int | None
-    chunk_index: int
-    chunk_count: int
+    # The unit's own position: the next hop's cache must hold what this hop's did.
+    position: UnitPosition
     deadline_unix_nanos: int
     hidden: np.ndarray
 

@@ -33,7 +33,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.dataplane.actions import ForwardWork
-from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION, SUPPORTED_SCHEMA_VERSIONS, digests
+from meshnode.dataplane.envelope import (
+    HIGHEST_SCHEMA_VERSION,
+    SUPPORTED_SCHEMA_VERSIONS,
+    UnitPosition,
+    digests,
+)
 from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import BOUNDARY_DTYPES
@@ -130,12 +135,7 @@ class _Unit:
     id: int
     step: int
     work_id: str
-    decode: bool
-    first_position: int
-    token_count: int
-    expected_past_len: int | None
-    chunk_index: int
-    chunk_count: int
+    position: UnitPosition
     deadline_ns: int
     tokens: np.ndarray | None
     hidden: np.ndarray | None
@@ -301,11 +301,14 @@ class SessionClient:
             hi = lo + chunk.token_count
             ids.append(
                 self._add(
-                    decode=False,
-                    first_position=chunk.first_position,
-                    token_count=chunk.token_count,
-                    expected_past_len=None if chunk.first_position == 0 else chunk.first_position,
-                    chunk=(chunk.index, chunk.count),
+                    UnitPosition(
+                        decode=False,
+                        first_position=chunk.first_position,
+                        token_count=chunk.token_count,
+                        expected_past_len=None if chunk.first_position == 0 else chunk.first_position,
+                        chunk_index=chunk.index,
+                        chunk_count=chunk.count,
+                    ),
                     deadline_ns=deadline_ns,
                     tokens=None if tokens is None else tokens[lo:hi],
                     hidden=None if hidden is None else hidden[lo:hi],
@@ -319,11 +322,7 @@ class SessionClient:
         tokens = np.asarray([value], dtype=np.int32) if self.takes_tokens else None
         hidden = None if self.takes_tokens else np.asarray(value, dtype=np.float32).reshape(1, -1)
         return self._add(
-            decode=True,
-            first_position=position,
-            token_count=1,
-            expected_past_len=position,
-            chunk=(0, 1),
+            UnitPosition(decode=True, first_position=position, token_count=1, expected_past_len=position),
             deadline_ns=deadline_ns,
             tokens=tokens,
             hidden=hidden,
@@ -333,11 +332,7 @@ class SessionClient:
         """A unit a forwarding worker passes on, with the step and work id it arrived with."""
         hidden = np.asarray(work.hidden, dtype=np.float32)
         return self._add(
-            decode=work.decode,
-            first_position=work.first_position,
-            token_count=hidden.shape[0],
-            expected_past_len=work.expected_past_len,
-            chunk=(work.chunk_index, work.chunk_count),
+            work.position,
             deadline_ns=work.deadline_unix_nanos,
             tokens=None,
             hidden=hidden,
@@ -347,12 +342,8 @@ class SessionClient:
 
     def _add(
         self,
+        position: UnitPosition,
         *,
-        decode: bool,
-        first_position: int,
-        token_count: int,
-        expected_past_len: int | None,
-        chunk: tuple[int, int],
         deadline_ns: int,
         tokens: np.ndarray | None,
         hidden: np.ndarray | None,
@@ -368,12 +359,7 @@ class SessionClient:
             id=self._next_unit_id,
             step=step,
             work_id=work_id if work_id is not None else f"{self.route_session_id}/{self.route_epoch}/{step}",
-            decode=decode,
-            first_position=first_position,
-            token_count=token_count,
-            expected_past_len=expected_past_len,
-            chunk_index=chunk[0],
-            chunk_count=chunk[1],
+            position=position,
             deadline_ns=deadline_ns,
             tokens=tokens,
             hidden=hidden,
@@ -444,18 +430,19 @@ class SessionClient:
         tensor = self._input_tensor(unit)
         # Inputs are encoded into the body; drop the arrays so a retry holds only bytes.
         unit.tokens = unit.hidden = None
-        if unit.decode and unit.token_count == 1:
+        position = unit.position
+        if position.decode and position.token_count == 1:
             return shard.SessionRequest(
                 decode=shard.DecodeStep(
                     idempotency_step=unit.step,
-                    position=unit.first_position,
-                    expected_past_len=unit.first_position,
+                    position=position.first_position,
+                    expected_past_len=position.first_position,
                     tensor=tensor,
                     work_id=unit.work_id,
                     deadline_unix_nanos=unit.deadline_ns,
                 )
             )
-        fresh = unit.expected_past_len is None
+        fresh = position.fresh_start
         envelope = shard.Envelope(
             schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
             work_id=unit.work_id,
@@ -463,18 +450,20 @@ class SessionClient:
             route_epoch=self.route_epoch,
             fingerprint=self.fingerprint,
             shard_range=self.shard_range,
-            phase=shard.PHASE_DECODE if unit.decode else shard.PHASE_PREFILL,
-            position=shard.PositionSpan(first_position=unit.first_position, token_count=unit.token_count),
+            phase=shard.PHASE_DECODE if position.decode else shard.PHASE_PREFILL,
+            position=shard.PositionSpan(
+                first_position=position.first_position, token_count=position.token_count
+            ),
             idempotency_step=unit.step,
             cache_expectation=shard.CacheExpectation(
                 mode=shard.CACHE_MODE_PREFILL if fresh else shard.CACHE_MODE_DECODE,
-                expected_past_len=0 if fresh else unit.first_position,
+                expected_past_len=0 if fresh else position.first_position,
             ),
             deadline_unix_nanos=unit.deadline_ns,
             chunk=shard.ChunkInfo(
-                chunk_index=unit.chunk_index,
-                chunk_count=unit.chunk_count,
-                final_chunk=unit.chunk_index == unit.chunk_count - 1,
+                chunk_index=position.chunk_index,
+                chunk_count=position.chunk_count,
+                final_chunk=position.final,
             ),
         )
         return shard.SessionRequest(

@@ -25,25 +25,46 @@ def range_tuple(shard_range: shard.ShardRange) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True, slots=True)
-class UnitSpan:
-    """Where an ActivationChunk sits: its cache expectation, kind and chunk position."""
+class UnitPosition:
+    """Where one unit of work sits in its session: the tokens it carries, what the cache must
+    hold before it, and its place among a prefill's chunks.
 
+    The worker's units, the client's units and the work a worker forwards all carry one,
+    so the rules below are read from an envelope once and travel unchanged.
+    """
+
+    decode: bool
+    first_position: int
+    token_count: int
     # None: a fresh start at position 0; otherwise the exact cache length required.
     expected_past_len: int | None
-    decode: bool
-    chunk_index: int
-    chunk_count: int
+    chunk_index: int = 0
+    chunk_count: int = 1
+
+    @property
+    def fresh_start(self) -> bool:
+        return self.expected_past_len is None
+
+    @property
+    def final(self) -> bool:
+        """The last chunk of its prefill (a decode step is its own last chunk)."""
+        return self.chunk_index == self.chunk_count - 1
+
+    @property
+    def end(self) -> int:
+        """The position after its last token: the cache length once it is applied."""
+        return self.first_position + self.token_count
 
 
-def unit_span(envelope: shard.Envelope) -> UnitSpan:
+def unit_position(envelope: shard.Envelope) -> UnitPosition:
     """Read an ActivationChunk's phase, position, cache expectation and chunk info together.
 
     A prefill chunk at position 0 with cache mode PREFILL (or STATELESS, run the
     same way) starts fresh; a later chunk uses mode DECODE expecting exactly its
     first position; a decode unit is one token with mode DECODE at its position.
     """
-    first = envelope.position.first_position
-    if envelope.position.token_count < 1:
+    first, count = envelope.position.first_position, envelope.position.token_count
+    if count < 1:
         raise payload_corrupt("a unit carries at least one token position")
     expectation = envelope.cache_expectation
     if envelope.phase == shard.PHASE_PREFILL:
@@ -55,28 +76,28 @@ def unit_span(envelope: shard.Envelope) -> UnitSpan:
         if expectation.mode in (shard.CACHE_MODE_PREFILL, shard.CACHE_MODE_STATELESS):
             if first != 0:
                 raise payload_corrupt("a fresh prefill starts at position 0")
-            return UnitSpan(None, False, info.chunk_index, info.chunk_count)
+            return UnitPosition(False, first, count, None, info.chunk_index, info.chunk_count)
         if expectation.mode == shard.CACHE_MODE_DECODE:
             if expectation.expected_past_len != first:
                 raise payload_corrupt("a continued prefill expects the cache to hold its first position")
-            return UnitSpan(first, False, info.chunk_index, info.chunk_count)
+            return UnitPosition(False, first, count, first, info.chunk_index, info.chunk_count)
         raise payload_corrupt("envelope has no cache expectation")
     if envelope.phase == shard.PHASE_DECODE:
         if (
             expectation.mode != shard.CACHE_MODE_DECODE
-            or envelope.position.token_count != 1
+            or count != 1
             or expectation.expected_past_len != first
         ):
             raise payload_corrupt("a decode unit is one token continuing the cache at its position")
-        return UnitSpan(first, True, 0, 1)
+        return UnitPosition(True, first, 1, first)
     raise payload_corrupt("a unit's phase must be PREFILL or DECODE")
 
 
 __all__ = [
     "HIGHEST_SCHEMA_VERSION",
     "SUPPORTED_SCHEMA_VERSIONS",
-    "UnitSpan",
+    "UnitPosition",
     "digests",
     "range_tuple",
-    "unit_span",
+    "unit_position",
 ]

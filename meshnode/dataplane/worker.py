@@ -71,9 +71,10 @@ from meshnode.dataplane.actions import (
 from meshnode.dataplane.envelope import (
     HIGHEST_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
+    UnitPosition,
     digests,
     range_tuple,
-    unit_span,
+    unit_position,
 )
 from meshnode.dataplane.lease import (
     LOCAL_ORIGIN,
@@ -287,11 +288,11 @@ class ShardWorker:
             self._fail(out, unit, error)
         else:
             try:
-                sampled = unit.final and session.role.is_tail
+                sampled = unit.position.final and session.role.is_tail
                 result = check_result(
                     outcome,
                     session.role,
-                    unit.token_count,
+                    unit.position.token_count,
                     sampled=sampled,
                     want_logits=session.plan.return_logits,
                 )
@@ -595,11 +596,7 @@ class ShardWorker:
             session,
             step=step.idempotency_step,
             work_id=step.work_id,
-            decode=True,
-            first_position=step.position,
-            token_count=1,
-            expected_past_len=step.expected_past_len,
-            chunk=(0, 1),
+            position=UnitPosition(True, step.position, 1, step.expected_past_len),
             deadline_ns=step.deadline_unix_nanos,
             step_input=step_input,
         )
@@ -608,8 +605,8 @@ class ShardWorker:
         self, out: list[Action], stream: StreamState, env: shard.Envelope, bundle: BundleParts, now_ns: int
     ) -> Unit:
         self._check_identity(stream, env)
-        first, count = env.position.first_position, env.position.token_count
-        span = unit_span(env)
+        position = unit_position(env)
+        count = position.token_count
         session = self._session_for(out, stream, env.route_epoch, now_ns, defer_switch=True)
         if session.epoch != env.route_epoch:
             # A newer epoch: validate the payload against this stream's role before
@@ -625,11 +622,7 @@ class ShardWorker:
             session,
             step=env.idempotency_step,
             work_id=env.work_id,
-            decode=span.decode,
-            first_position=first,
-            token_count=count,
-            expected_past_len=span.expected_past_len,
-            chunk=(span.chunk_index, span.chunk_count),
+            position=position,
             deadline_ns=env.deadline_unix_nanos,
             step_input=step_input,
         )
@@ -657,30 +650,19 @@ class ShardWorker:
         *,
         step: int,
         work_id: str,
-        decode: bool,
-        first_position: int,
-        token_count: int,
-        expected_past_len: int | None,
-        chunk: tuple[int, int],
+        position: UnitPosition,
         deadline_ns: int,
         step_input: StepInput | None,
     ) -> Unit:
         unit_id = self._next_unit_id
         self._next_unit_id += 1
-        index, count = chunk
         return Unit(
             id=unit_id,
             stream_id=stream.id,
             session=session,
             step=step,
             work_id=work_id,
-            decode=decode,
-            first_position=first_position,
-            token_count=token_count,
-            expected_past_len=expected_past_len,
-            chunk_index=index,
-            chunk_count=count,
-            final=index == count - 1,
+            position=position,
             deadline_ns=deadline_ns,
             input=step_input,
         )
@@ -829,21 +811,22 @@ class ShardWorker:
         stream = self._streams.get(unit.stream_id)
         if stream is not None:
             self._touch(session, stream, now_ns, unit.deadline_ns)
-        verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=unit.fresh_start)
+        position = unit.position
+        verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=position.fresh_start)
         if verdict is Verdict.REPLAY:
             assert record is not None
             self._replay(out, unit, record)
             return
         if verdict is not Verdict.ADMIT:
             raise _refusal_for(verdict, session)
-        end = unit.first_position + unit.token_count
+        end = position.end
         caps = self.capabilities
         if end > caps.max_context_tokens:
             raise errors.resource_exhausted(
                 f"position {end} is past the {caps.max_context_tokens}-token context of a session",
                 retryable=False,
             )
-        session_tokens = end if unit.fresh_start else max(session.context_tokens, end)
+        session_tokens = end if position.fresh_start else max(session.context_tokens, end)
         limit = self.config.max_total_context_tokens
         if limit is not None:
             total = sum(s.context_tokens for s in self._sessions.values())
@@ -870,7 +853,7 @@ class ShardWorker:
         # Decode steps go first so a long prefill cannot starve another session's tokens.
         chosen: SessionState | None = None
         for session in self._ready.values():
-            if session.queue[0].decode:
+            if session.queue[0].position.decode:
                 chosen = session
                 break
             if chosen is None:
@@ -890,7 +873,8 @@ class ShardWorker:
         if _passed(unit.deadline_ns, now_ns):
             self._fail(out, unit, errors.deadline_exceeded())
             return
-        verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=unit.fresh_start)
+        position = unit.position
+        verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=position.fresh_start)
         if verdict is Verdict.REPLAY:
             assert record is not None
             self._replay(out, unit, record)
@@ -898,33 +882,30 @@ class ShardWorker:
         if verdict is not Verdict.ADMIT:
             self._fail(out, unit, _refusal_for(verdict, session))
             return
-        if (
-            unit.expected_past_len is not None
-            and session.past_len is not None
-            and session.past_len != unit.expected_past_len
-        ):
+        expected = position.expected_past_len
+        if expected is not None and session.past_len is not None and session.past_len != expected:
             self._fail(
                 out,
                 unit,
                 errors.cache_miss(
-                    f"session holds {session.past_len} tokens, not {unit.expected_past_len}", session.past_len
+                    f"session holds {session.past_len} tokens, not {expected}", session.past_len
                 ),
             )
             return
         assert unit.input is not None
         token = CancelToken()
-        sample = unit.final and session.role.is_tail
+        sample = position.final and session.role.is_tail
         try:
             request = StepRequest(
                 session=session.key,
-                first_position=unit.first_position,
+                first_position=position.first_position,
                 token_ids=unit.input.token_ids,
                 hidden=unit.input.hidden,
-                expected_past_len=unit.expected_past_len if unit.decode else None,
+                expected_past_len=expected if position.decode else None,
                 effective_start_layer=session.shard_range[2],
                 sampling=session.plan.sampling if sample else None,
                 want_logits=sample and session.plan.return_logits,
-                sample_index=unit.first_position + unit.token_count,
+                sample_index=position.end,
                 work_id=unit.work_id,
                 cancel_token=token,
             )
@@ -934,7 +915,7 @@ class ShardWorker:
         unit.token = token
         unit.input = None
         self._running = unit
-        out.append(RunStep(unit.id, request, unit.decode))
+        out.append(RunStep(unit.id, request, position.decode))
 
     # ------------------------------------------------------------------ results
 
@@ -942,7 +923,7 @@ class ShardWorker:
         session = unit.session
         session.past_len = result.past_len
         cache = shard.CacheResult(
-            mode=shard.CACHE_MODE_PREFILL if unit.fresh_start else shard.CACHE_MODE_DECODE,
+            mode=shard.CACHE_MODE_PREFILL if unit.position.fresh_start else shard.CACHE_MODE_DECODE,
             past_len=result.past_len,
             cache_hit=result.cache_hit,
         )
@@ -964,11 +945,7 @@ class ShardWorker:
         work = ForwardWork(
             step=unit.step,
             work_id=unit.work_id,
-            decode=unit.decode,
-            first_position=unit.first_position,
-            expected_past_len=unit.expected_past_len,
-            chunk_index=unit.chunk_index,
-            chunk_count=unit.chunk_count,
+            position=unit.position,
             deadline_unix_nanos=unit.deadline_ns,
             hidden=result.hidden,
         )
@@ -1010,9 +987,9 @@ class ShardWorker:
             session_id=unit.session.session_id,
             epoch=unit.session.epoch,
             step=unit.step,
-            decode=unit.decode,
-            first_position=unit.first_position,
-            token_count=unit.token_count,
+            decode=unit.position.decode,
+            first_position=unit.position.first_position,
+            token_count=unit.position.token_count,
             bundle=bundle,
         )
 

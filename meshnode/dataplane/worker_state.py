@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engines.interface import CancelToken, SessionKey
+from meshnode.dataplane.envelope import UnitPosition
 from meshnode.dataplane.lease import LOCAL_ORIGIN, ReleaseReason, StreamOrigin
 from meshnode.dataplane.payload import HopRole, StepInput
 from meshnode.dataplane.route import RoutePlan
@@ -82,14 +83,7 @@ class Unit:
     session: SessionState
     step: int
     work_id: str
-    decode: bool
-    first_position: int
-    token_count: int
-    # None: a fresh start at position 0.
-    expected_past_len: int | None
-    chunk_index: int
-    chunk_count: int
-    final: bool
+    position: UnitPosition
     deadline_ns: int
     input: StepInput | None
     token: CancelToken | None = None
@@ -97,10 +91,6 @@ class Unit:
     record: StepRecord | None = None
     # Answered from the replay record (a duplicate), not by running the engine.
     replay: bool = False
-
-    @property
-    def fresh_start(self) -> bool:
-        return self.expected_past_len is None
 
 
 __all__ = ["SessionState", "StreamPhase", "StreamState", "Unit"]

@@ -7,6 +7,7 @@ import numpy as np
 from engines.interface import GREEDY, EngineError, EngineErrorKind, SessionKey, StepRequest
 from meshnode.dataplane.actions import CancelDownstream, Forward, ReleaseDownstream, ReleaseEngine
 from meshnode.dataplane.client import ClientConfig, SessionReady, UnitDone, UnitFailed
+from meshnode.dataplane.envelope import UnitPosition
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import DownstreamResult
@@ -185,8 +186,10 @@ def test_forward_carries_the_unit_for_the_next_hop() -> None:
     assert forward.hop.shard_range.effective_start_layer == 2
     assert list(forward.route.downstream) == []
     work = forward.work
-    assert (work.step, work.work_id, work.first_position, work.expected_past_len) == (1, "w1", 0, None)
-    assert (work.chunk_index, work.chunk_count, work.deadline_unix_nanos) == (0, 1, deadline)
+    assert (work.step, work.work_id, work.deadline_unix_nanos) == (1, "w1", deadline)
+    assert work.position == UnitPosition(
+        decode=False, first_position=0, token_count=3, expected_past_len=None, chunk_index=0, chunk_count=1
+    )
     assert work.hidden.shape == (3, 8) and work.hidden.dtype == np.float32
 
 
