@@ -8,14 +8,14 @@ again as the very same bytes (same idempotency step, same work id), so the
 worker acknowledges an already-applied step as a duplicate instead of applying
 it twice.
 
-Edge loop::
+Edge loop (the :mod:`meshnode.sansio` convention)::
 
     write(encode_stream_open(StreamType.SHARD_SESSION, bodies[0]) + encode_frame(bodies[1]))
         where bodies = client.start_stream()
     on each frame:      client.receive_frame(body, now_ns)
     after every call:   for body in client.requests_to_send(): write(encode_frame(body))
-                        for event in client.events(): ...
-    at client.next_timer(): client.tick(now_ns)
+                        for event in client.take_events(): ...
+    at client.get_timer(): client.handle_timer(now_ns)
     stream reset/lost:  client.stream_lost(); then start_stream() again, or give up.
 
 :meth:`receive_frame` raises :class:`~meshnode.wire.errors.ShardProtocolError`
@@ -213,8 +213,8 @@ class SessionClient:
         """Units still owed an answer: waiting to be sent, or sent and not given up."""
         return len(self._pending) + sum(1 for u in self._sent.values() if u.state is _State.SENT)
 
-    def events(self) -> list[ClientEvent]:
-        """Everything that happened since the last call."""
+    def take_events(self) -> list[ClientEvent]:
+        """Everything that happened since the last call, in order."""
         drained, self._events = self._events, []
         return drained
 
@@ -525,9 +525,9 @@ class SessionClient:
             response.ParseFromString(body)
         except DecodeError:
             raise payload_corrupt("response frame is not a well-formed message") from None
-        self.receive(response, now_ns)
+        self.receive_response(response, now_ns)
 
-    def receive(self, response: shard.SessionResponse, now_ns: int = 0) -> None:
+    def receive_response(self, response: shard.SessionResponse, now_ns: int = 0) -> None:
         kind = response.WhichOneof("kind")
         if kind == "accepted":
             self._on_accepted(response.accepted)
@@ -613,7 +613,7 @@ class SessionClient:
 
     # ------------------------------------------------------------------ time
 
-    def tick(self, now_ns: int) -> None:
+    def handle_timer(self, now_ns: int) -> None:
         """Fail units whose deadline passed without an answer (a wedged or dead peer)."""
         late = [u for u in self._pending if u.deadline_ns and now_ns >= u.deadline_ns]
         if late:
@@ -632,7 +632,7 @@ class SessionClient:
                     )
                 )
 
-    def next_timer(self) -> int | None:
+    def get_timer(self) -> int | None:
         deadlines = [u.deadline_ns for u in self._pending if u.deadline_ns]
         grace = self.config.answer_grace_ns
         deadlines.extend(

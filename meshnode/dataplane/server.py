@@ -18,7 +18,8 @@ It only carries out the worker's actions:
   per route session toward the next hop (a link from ``links(node_id)``), and
   its outcome is reported exactly once; ``CancelDownstream``/``ReleaseDownstream``
   pass on out of band;
-- the worker's timer is re-armed after every call.
+- the worker's actions are taken (``take_events``) and its timer re-armed after
+  every call.
 
 Leases (:mod:`.lease`): each session stream is registered with its origin —
 the authenticated peer, and whether it is this node's own head
@@ -266,7 +267,8 @@ class ShardServer:
                 body = await framed.recv_frame()
                 if body is None:
                     break
-                self._apply(worker.receive_frame(stream_id, body, time.time_ns()))
+                worker.receive_frame(stream_id, body, time.time_ns())
+                self._apply(worker.take_events())
             clean = True
         except LinkClosed:
             link_lost = True
@@ -274,7 +276,8 @@ class ShardServer:
         finally:
             del self._outboxes[stream_id]
             if not self._closing:
-                self._apply(worker.stream_closed(stream_id, time.time_ns(), link_lost=link_lost))
+                worker.stream_closed(stream_id, time.time_ns(), link_lost=link_lost)
+                self._apply(worker.take_events())
             if clean:
                 await self._finish(framed, outbox)
             else:
@@ -287,7 +290,8 @@ class ShardServer:
     def peer_departed(self, peer_id: bytes) -> None:
         """Membership confirmed ``peer_id`` down, or it left: its sessions end after the owner grace."""
         if not self._closing and self._worker is not None:
-            self._apply(self._worker.peer_departed(peer_id, time.time_ns()))
+            self._worker.peer_departed(peer_id, time.time_ns())
+            self._apply(self._worker.take_events())
 
     async def _finish(self, framed: FramedStream, outbox: _Outbox) -> None:
         """Write what is queued and end our side; after a terminal status, give the peer a moment to
@@ -375,7 +379,8 @@ class ShardServer:
         self._running_tokens.pop(unit_id, None)
         if self._closing:
             return
-        self._apply(self.worker.engine_finished(unit_id, outcome, time.time_ns()))
+        self.worker.engine_finished(unit_id, outcome, time.time_ns())
+        self._apply(self.worker.take_events())
 
     # ------------------------------------------------------------------ next hops
 
@@ -418,7 +423,8 @@ class ShardServer:
     def _forward_done(self, unit_id: int, outcome: object) -> None:
         if self._closing:
             return
-        self._apply(self.worker.downstream_finished(unit_id, outcome, time.time_ns()))
+        self.worker.downstream_finished(unit_id, outcome, time.time_ns())
+        self._apply(self.worker.take_events())
 
     def _cancel_downstream(self, action: CancelDownstream) -> None:
         session = self._downstream.get(action.session)
@@ -439,11 +445,12 @@ class ShardServer:
 
     def _arm_timer(self) -> None:
         if self._worker is not None:
-            self._timer.arm(self._worker.next_timer())
+            self._timer.arm(self._worker.get_timer())
 
     def _on_timer(self) -> None:
         if not self._closing:
-            self._apply(self.worker.tick(time.time_ns()))
+            self.worker.handle_timer(time.time_ns())
+            self._apply(self.worker.take_events())
 
 
 async def _quietly(coro: Awaitable[object]) -> None:

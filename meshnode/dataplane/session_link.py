@@ -460,10 +460,10 @@ class ShardSession:
             and (self._flush_task is None or self._flush_task.done())
         ):
             self._flush_task = self._loop.create_task(self._flush())
-        self._timer.arm(self.client.next_timer())
+        self._timer.arm(self.client.get_timer())
 
     def _dispatch(self) -> None:
-        for event in self.client.events():
+        for event in self.client.take_events():
             kind = type(event)
             if kind is UnitDone:
                 future = self._futures.pop(event.unit_id, None)  # type: ignore[union-attr]
@@ -496,7 +496,7 @@ class ShardSession:
     # ------------------------------------------------------------------ internals: time
 
     def _on_timer(self) -> None:
-        self.client.tick(time.time_ns())
+        self.client.handle_timer(time.time_ns())
         self._after()
 
     # ------------------------------------------------------------------ internals: the stream
@@ -534,7 +534,7 @@ class ShardSession:
             _reset_quietly(framed)
         finally:
             self._writing = False
-            self._timer.arm(self.client.next_timer())
+            self._timer.arm(self.client.get_timer())
 
     async def _run(self) -> None:
         """Keep a stream open while there is work; re-open it after a failure."""

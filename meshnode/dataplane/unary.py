@@ -145,8 +145,8 @@ def handle_release(
         _check_unary(worker, request.schema_version, request.route_session_id, request.route_epoch)
     except ShardProtocolError as error:
         return shard.ReleaseResponse(released=False, error=error.to_pb()), []
-    released, actions = worker.release(request.route_session_id, request.route_epoch, now_ns)
-    return shard.ReleaseResponse(released=released), actions
+    released = worker.release(request.route_session_id, request.route_epoch, now_ns)
+    return shard.ReleaseResponse(released=released), worker.take_events()
 
 
 def handle_cancel(
@@ -156,8 +156,8 @@ def handle_cancel(
         _check_unary(worker, request.schema_version, request.route_session_id, request.route_epoch)
     except ShardProtocolError as error:
         return shard.CancelResponse(cancelled_work_items=0, error=error.to_pb()), []
-    count, actions = worker.cancel(request.route_session_id, request.route_epoch, request.work_id, now_ns)
-    return shard.CancelResponse(cancelled_work_items=count), actions
+    count = worker.cancel(request.route_session_id, request.route_epoch, request.work_id, now_ns)
+    return shard.CancelResponse(cancelled_work_items=count), worker.take_events()
 
 
 UNARY_REQUESTS = {

@@ -1,7 +1,7 @@
-"""One loop timer for a sans-IO machine's ``next_timer()``/``tick(now)`` pair, in unix nanoseconds.
+"""One loop timer for a sans-IO machine's ``get_timer()``/``handle_timer(now_ns)`` pair, in unix nanoseconds.
 
 Arming for a later time than the one already armed keeps the earlier call: it
-fires, the owner ticks (nothing is due yet) and re-arms. Most re-arms on the hot
+fires, the owner handles it (nothing is due yet) and re-arms. Most re-arms on the hot
 path move the time later (a new unit's deadline is after the previous one's), so
 they cost a comparison instead of a cancel and a new loop timer.
 """

@@ -4,10 +4,12 @@ One :class:`ShardWorker` per served shard holds the node-wide state: the route
 sessions (by id, at their current epoch) with their idempotency ledgers, the
 unit queue, the single engine slot, and the admission budgets. Streams are
 registered with :meth:`ShardWorker.open_stream`; everything that happens —
-a frame, an engine result, a next-hop result, time passing, a stream closing —
-is one method call that returns the :mod:`~meshnode.dataplane.actions` for the
-edge to carry out. Time is always the ``now_ns`` argument (unix nanoseconds,
-the clock deadlines are written in); nothing here reads a clock or does I/O.
+a frame (``receive_frame``), an engine result, a next-hop result, time passing
+(``handle_timer``), a stream closing — is one method call, and the
+:mod:`~meshnode.dataplane.actions` it leads to wait for the edge to carry them
+out, in order, from :meth:`ShardWorker.take_events` (the :mod:`meshnode.sansio`
+convention). Time is always the ``now_ns`` argument (unix nanoseconds, the clock
+deadlines are written in); nothing here reads a clock or does I/O.
 
 Stream lifecycle: the opener's first frame is a ``SessionRoute``, the second a
 ``SessionOpen``; the worker answers ``SessionAccepted`` or a terminal
@@ -184,6 +186,8 @@ class ShardWorker:
         self._followers: dict[int, Unit] = {}
         self._next_stream_id = 1
         self._next_unit_id = 1
+        # What the edge is to carry out, in order, until it calls take_events().
+        self._events: list[Action] = []
 
     # ------------------------------------------------------------------ public API
 
@@ -199,6 +203,11 @@ class ShardWorker:
             serving_state=self.serving_state,
         )
 
+    def take_events(self) -> list[Action]:
+        """The actions every call since the last one produced, in order, for the edge to carry out."""
+        events, self._events = self._events, []
+        return events
+
     def open_stream(self, origin: StreamOrigin = LOCAL_ORIGIN) -> int:
         """Register an accepted SHARD_SESSION stream (or relay channel) from ``origin``; returns its id."""
         stream_id = self._next_stream_id
@@ -206,13 +215,13 @@ class ShardWorker:
         self._streams[stream_id] = StreamState(stream_id, origin)
         return stream_id
 
-    def peer_departed(self, peer_id: bytes, now_ns: int) -> list[Action]:
+    def peer_departed(self, peer_id: bytes, now_ns: int) -> None:
         """Membership confirmed ``peer_id`` down, or it left: the sessions it opened end
         ``owner_grace_ns`` from now unless it shows up for them again."""
         for session in self._sessions.values():
             if not session.owner.local and session.owner.peer_id == peer_id:
                 self._orphan(session, now_ns, ReleaseReason.OWNER_DEPARTED)
-        return self.tick(now_ns)  # with no grace they end now; otherwise the timer ends them
+        self.handle_timer(now_ns)  # with no grace they end now; otherwise the timer ends them
 
     def owners(self) -> set[bytes]:
         """The peers (other than this node) that hold sessions here."""
@@ -222,12 +231,12 @@ class ShardWorker:
         """Sessions that ``peer_id`` holds here as a peer (its share's measure)."""
         return sum(1 for s in self._sessions.values() if not s.owner.local and s.owner.peer_id == peer_id)
 
-    def receive_frame(self, stream_id: int, body: bytes, now_ns: int) -> list[Action]:
+    def receive_frame(self, stream_id: int, body: bytes, now_ns: int) -> None:
         """One frame body from the stream: the route first, then SessionRequests."""
         stream = self._streams[stream_id]
-        out: list[Action] = []
+        out = self._events
         if stream.phase is StreamPhase.CLOSED:
-            return out
+            return
         awaiting_route = stream.phase is StreamPhase.AWAIT_ROUTE
         message = dataplane.SessionRoute() if awaiting_route else shard.SessionRequest()
         # An activation chunk's tensors are read in place (no copy of the payload);
@@ -242,15 +251,14 @@ class ShardWorker:
                 envelope.ParseFromString(lifted[0])
         except DecodeError:
             self._terminate(out, stream, errors.payload_corrupt("frame is not a well-formed message"))
-            return out
+            return
         if isinstance(message, dataplane.SessionRoute):
             self._on_route(out, stream, message)
         else:
             bundle = None if lifted is None else lifted[1]
             self._on_request(out, stream, message, bundle, len(body), now_ns)
-        return out
 
-    def stream_closed(self, stream_id: int, now_ns: int, *, link_lost: bool = False) -> list[Action]:
+    def stream_closed(self, stream_id: int, now_ns: int, *, link_lost: bool = False) -> None:
         """The transport finished or lost the stream. Its queued units are dropped (never applied);
         a running or forwarding unit completes and is recorded for a retry on another stream.
 
@@ -258,24 +266,22 @@ class ShardWorker:
         peer that no other open stream of the peer serves then end ``owner_grace_ns`` from now
         (their KV freed) unless the peer shows up for them again."""
         stream = self._streams.get(stream_id)
-        out: list[Action] = []
         if stream is not None:
             self._drop_stream(stream)
             del self._streams[stream_id]
             if link_lost:
                 self._orphan_unserved(stream.origin, now_ns)
-        self._pump(out, now_ns)
+        self._pump(self._events, now_ns)
         if link_lost:
-            out.extend(self.tick(now_ns))  # with no grace they end now; otherwise the timer ends them
-        return out
+            self.handle_timer(now_ns)  # with no grace they end now; otherwise the timer ends them
 
-    def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
+    def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> None:
         """Report a RunStep: ``outcome`` is the StepResult, or the exception the engine raised."""
         unit = self._running
         if unit is None or unit.id != unit_id:
             raise KeyError(f"unit {unit_id} is not running")
         self._running = None
-        out: list[Action] = []
+        out = self._events
         session = unit.session
         live = self._sessions.get(session.session_id) is session
         if live:
@@ -304,15 +310,14 @@ class ShardWorker:
                 if live:
                     self._applied(out, unit, result)
         self._pump(out, now_ns)
-        return out
 
-    def downstream_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
+    def downstream_finished(self, unit_id: int, outcome: object, now_ns: int) -> None:
         """Report a Forward: a :class:`DownstreamResult`, or the error the next hop's client raised
         (``ShardProtocolError`` for a refusal, anything else for a transport failure)."""
         unit = self._forwarding.pop(unit_id)
         record = unit.record
         assert record is not None
-        out: list[Action] = []
+        out = self._events
         waiting = [unit, *record.followers]
         for follower in record.followers:
             self._followers.pop(follower.id, None)
@@ -333,11 +338,10 @@ class ShardWorker:
         if self._sessions.get(unit.session.session_id) is unit.session:
             unit.session.last_active_ns = now_ns
         self._pump(out, now_ns)
-        return out
 
-    def tick(self, now_ns: int) -> list[Action]:
+    def handle_timer(self, now_ns: int) -> None:
         """Expire deadlines and idle sessions at ``now_ns``."""
-        out: list[Action] = []
+        out = self._events
         expired = errors.deadline_exceeded
         running = self._running
         if running is not None and not running.answered and _passed(running.deadline_ns, now_ns):
@@ -364,39 +368,38 @@ class ShardWorker:
             elif not self._busy(session) and self._lease_end(session) <= now_ns:
                 self._drop_session(out, session, ReleaseReason.IDLE)
         self._pump(out, now_ns)
-        return out
 
-    def next_timer(self) -> int | None:
-        """When :meth:`tick` next has work to do (unix ns), or None."""
+    def get_timer(self) -> int | None:
+        """When :meth:`handle_timer` next has work to do (unix ns), or None."""
         times = [u.deadline_ns for u in self._units_in_flight() if u.deadline_ns > 0 and not u.answered]
         times.extend(self._lease_end(s) for s in self._sessions.values() if not self._busy(s))
         times.extend(s.orphaned_until_ns for s in self._sessions.values() if s.orphaned_until_ns is not None)
         return min(times, default=None)
 
-    def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> tuple[int, list[Action]]:
+    def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> int:
         """Abandon the session's running, queued and forwarding units (only ``work_id`` if given).
 
         Each gets a CANCELLED status on its stream; returns how many. Nothing at that
         epoch (unknown session, other epoch) cancels nothing.
         """
-        out: list[Action] = []
         session = self._sessions.get(session_id)
         if session is None or session.epoch != epoch:
-            return 0, out
+            return 0
+        out = self._events
         count = self._cancel_units(out, session, work_id, errors.cancelled("cancelled by the peer"))
         self._pump(out, now_ns)
-        return count, out
+        return count
 
-    def release(self, session_id: str, epoch: int, now_ns: int) -> tuple[bool, list[Action]]:
+    def release(self, session_id: str, epoch: int, now_ns: int) -> bool:
         """Drop the session's state; False (not an error) when there was none at that epoch."""
-        out: list[Action] = []
         session = self._sessions.get(session_id)
         if session is None or session.epoch != epoch:
-            return False, out
+            return False
+        out = self._events
         self._cancel_units(out, session, "", errors.cancelled("session released"))
         self._drop_session(out, session, ReleaseReason.RELEASED)
         self._pump(out, now_ns)
-        return True, out
+        return True
 
     def session_epoch(self, session_id: str) -> int | None:
         session = self._sessions.get(session_id)
@@ -445,10 +448,10 @@ class ShardWorker:
             self._touch_stream_session(stream, now_ns)
             signal = request.cancel
             if self._on_signal(out, stream, signal.route_session_id, signal.work_id):
-                out.extend(self.cancel(stream.session_id, signal.route_epoch, signal.work_id, now_ns)[1])
+                self.cancel(stream.session_id, signal.route_epoch, signal.work_id, now_ns)
         elif kind == "release":
             if self._on_signal(out, stream, request.release.route_session_id, request.release.work_id):
-                out.extend(self.release(stream.session_id, request.release.route_epoch, now_ns)[1])
+                self.release(stream.session_id, request.release.route_epoch, now_ns)
         elif kind == "flow_control":
             self._touch_stream_session(stream, now_ns)
         else:

@@ -203,7 +203,7 @@ class WorkerHarness:
                     outcome: object = action.execute(self.engine)
                 except Exception as exc:
                     outcome = exc
-                queue.extend(self.worker.engine_finished(action.unit_id, outcome, self.now))
+                queue.extend(self.engine_finished(action.unit_id, outcome, self.now))
                 continue
             if isinstance(action, ReleaseEngine):
                 self.engine.release(action.session)
@@ -222,14 +222,48 @@ class WorkerHarness:
         **kwargs: object,
     ) -> tuple[int, list[shard.SessionResponse]]:
         stream = self.worker.open_stream(origin)
-        actions = self.worker.receive_frame(stream, (route or make_route()).SerializeToString(), self.now)
+        actions = self.receive_frame(stream, (route or make_route()).SerializeToString(), self.now)
         request = open_request(**kwargs)  # type: ignore[arg-type]
-        actions += self.worker.receive_frame(stream, request.SerializeToString(), self.now)
+        actions += self.receive_frame(stream, request.SerializeToString(), self.now)
         return stream, responses(self.run(actions), stream)
 
     def send(self, stream: int, request: shard.SessionRequest, *, run: bool = True) -> list[Action]:
-        actions = self.worker.receive_frame(stream, request.SerializeToString(), self.now)
+        actions = self.receive_frame(stream, request.SerializeToString(), self.now)
         return self.run(actions) if run else actions
+
+    # Each worker input, and the actions it led to (taken from the worker, not carried out).
+
+    def receive_frame(self, stream: int, body: bytes, now_ns: int) -> list[Action]:
+        self.worker.receive_frame(stream, body, now_ns)
+        return self.worker.take_events()
+
+    def stream_closed(self, stream: int, now_ns: int, *, link_lost: bool = False) -> list[Action]:
+        self.worker.stream_closed(stream, now_ns, link_lost=link_lost)
+        return self.worker.take_events()
+
+    def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
+        self.worker.engine_finished(unit_id, outcome, now_ns)
+        return self.worker.take_events()
+
+    def downstream_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
+        self.worker.downstream_finished(unit_id, outcome, now_ns)
+        return self.worker.take_events()
+
+    def peer_departed(self, peer_id: bytes, now_ns: int) -> list[Action]:
+        self.worker.peer_departed(peer_id, now_ns)
+        return self.worker.take_events()
+
+    def handle_timer(self, now_ns: int) -> list[Action]:
+        self.worker.handle_timer(now_ns)
+        return self.worker.take_events()
+
+    def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> tuple[int, list[Action]]:
+        count = self.worker.cancel(session_id, epoch, work_id, now_ns)
+        return count, self.worker.take_events()
+
+    def release(self, session_id: str, epoch: int, now_ns: int) -> tuple[bool, list[Action]]:
+        released = self.worker.release(session_id, epoch, now_ns)
+        return released, self.worker.take_events()
 
     def ask(self, stream: int, request: shard.SessionRequest) -> list[shard.SessionResponse]:
         return responses(self.send(stream, request), stream)
@@ -253,7 +287,7 @@ class Loopback:
             self.deliver(body)
 
     def deliver(self, body: bytes) -> None:
-        self.feed(self.harness.worker.receive_frame(self.stream, body, self.harness.now))
+        self.feed(self.harness.receive_frame(self.stream, body, self.harness.now))
 
     def feed(self, actions: list[Action]) -> None:
         if self.hold_engine:
@@ -276,7 +310,7 @@ class Loopback:
                 self.deliver(body)
 
     def lose_stream(self) -> None:
-        self.feed(self.harness.worker.stream_closed(self.stream, self.harness.now))
+        self.feed(self.harness.stream_closed(self.stream, self.harness.now))
         self.client.stream_lost()
 
 
@@ -333,11 +367,11 @@ class Chain:
 
     def _settle(self, session: SessionKey, link: Loopback) -> list[Action]:
         out: list[Action] = []
-        for event in link.client.events():
+        for event in link.client.take_events():
             if isinstance(event, UnitDone | UnitFailed):
                 head_unit = self.pending.pop((session, event.unit_id))
                 outcome = DownstreamResult(event.bundle) if isinstance(event, UnitDone) else event.error
-                out.extend(self.head.worker.downstream_finished(head_unit, outcome, self.head.now))
+                out.extend(self.head.downstream_finished(head_unit, outcome, self.head.now))
         return out
 
 

@@ -62,21 +62,21 @@ def head_link(chain: Chain, chunk_tokens: int = 3) -> Loopback:
     config = ClientConfig(proposed_flow_control=shard.FlowControl(max_prefill_chunk_tokens=chunk_tokens))
     link = Loopback(chain.head, make_client(srange(0, 2), chain.route, config=config))
     link.connect()
-    assert [type(e) for e in link.client.events()] == [SessionReady]
+    assert [type(e) for e in link.client.take_events()] == [SessionReady]
     return link
 
 
 def run_generation(link: Loopback, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
     link.client.submit_prefill(prompt)
     link.pump()
-    done = link.client.events()
+    done = link.client.take_events()
     assert all(isinstance(e, UnitDone) for e in done), done
     outputs = [done[-1].tensors()]
     position = len(prompt)
     for _ in range(steps):
         link.client.submit_decode(int(outputs[-1]["token_ids"].array[0]), position=position)
         link.pump()
-        (event,) = link.client.events()
+        (event,) = link.client.take_events()
         assert isinstance(event, UnitDone), event
         outputs.append(event.tensors())
         position += 1
@@ -135,7 +135,7 @@ def test_a_duplicated_step_through_the_chain_is_applied_once_everywhere() -> Non
     # And the following output is still identical.
     link.client.submit_decode(expected[1], position=len(prompt) + 1)
     link.pump()
-    (event,) = link.client.events()
+    (event,) = link.client.take_events()
     assert int(event.tensors()["token_ids"].array[0]) == expected[2]
 
 
@@ -149,7 +149,7 @@ def test_a_next_hop_refusal_travels_back_and_a_retry_re_forwards_without_re_runn
     chain.tail.engine.fail_next = EngineError(EngineErrorKind.RESOURCE_EXHAUSTED, "kv full")
     link.client.submit_decode(expected[0], position=len(prompt))
     link.pump()
-    (failed,) = link.client.events()
+    (failed,) = link.client.take_events()
     assert isinstance(failed, UnitFailed)
     assert failed.error.code == shard.ERROR_CODE_RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
     assert failed.error.retryable  # type: ignore[attr-defined]
@@ -157,7 +157,7 @@ def test_a_next_hop_refusal_travels_back_and_a_retry_re_forwards_without_re_runn
 
     link.client.retry(failed.unit_id)
     link.pump()
-    (done,) = link.client.events()
+    (done,) = link.client.take_events()
     assert isinstance(done, UnitDone) and done.duplicate  # the head did not apply it again
     assert int(done.tensors()["token_ids"].array[0]) == expected[1]
     assert len(chain.head.engine.calls) == head_calls
@@ -196,7 +196,7 @@ def test_forward_carries_the_unit_for_the_next_hop() -> None:
 def test_a_next_hop_transport_failure_is_internal_and_retryable() -> None:
     harness, stream = forwarding_worker()
     (forward,) = forwards(harness.send(stream, chunk_request(1, [1, 2], shard_range=srange(0, 2))))
-    actions = harness.worker.downstream_finished(forward.unit_id, SessionTransportError("reset"), harness.now)
+    actions = harness.downstream_finished(forward.unit_id, SessionTransportError("reset"), harness.now)
     status = only_status(responses(actions, stream))
     assert status.error.code == shard.ERROR_CODE_INTERNAL and status.error.retryable
     assert "reset" not in status.error.detail
@@ -205,11 +205,11 @@ def test_a_next_hop_transport_failure_is_internal_and_retryable() -> None:
 def test_a_duplicate_arriving_while_forwarding_is_answered_with_the_original() -> None:
     harness, stream = forwarding_worker()
     (forward,) = forwards(harness.send(stream, chunk_request(1, [1, 2], shard_range=srange(0, 2))))
-    harness.worker.stream_closed(stream, harness.now)
+    harness.stream_closed(stream, harness.now)
     retry_stream, _ = harness.open(make_route([make_hop(NODE_B, 2, 4, 2)]), shard_range=srange(0, 2))
     assert forwards(harness.send(retry_stream, chunk_request(1, [1, 2], shard_range=srange(0, 2)))) == []
     token = encode_bundle([])
-    actions = harness.worker.downstream_finished(forward.unit_id, DownstreamResult(token), harness.now)
+    actions = harness.downstream_finished(forward.unit_id, DownstreamResult(token), harness.now)
     out = responses(actions, retry_stream)
     assert kinds(out)[:2] == ["chunk", "ack"] and acks(out)[0].duplicate
     assert len(harness.engine.calls) == 1
@@ -218,20 +218,20 @@ def test_a_duplicate_arriving_while_forwarding_is_answered_with_the_original() -
 def test_cancel_while_forwarding_passes_on_and_the_late_result_is_kept() -> None:
     harness, stream = forwarding_worker()
     (forward,) = forwards(harness.send(stream, chunk_request(1, [1, 2], shard_range=srange(0, 2))))
-    count, actions = harness.worker.cancel("s1", 1, "", harness.now)
+    count, actions = harness.cancel("s1", 1, "", harness.now)
     assert count == 1
     assert only_status(responses(actions, stream)).error.code == shard.ERROR_CODE_CANCELLED
     assert [a for a in actions if isinstance(a, CancelDownstream)] == [
         CancelDownstream(SessionKey("s1", 1), "")
     ]
-    harness.worker.downstream_finished(forward.unit_id, DownstreamResult(None), harness.now)
+    harness.downstream_finished(forward.unit_id, DownstreamResult(None), harness.now)
     replay = harness.ask(stream, chunk_request(1, [1, 2], shard_range=srange(0, 2)))
     assert acks(replay)[0].duplicate and len(harness.engine.calls) == 1
 
 
 def test_release_passes_on_to_the_next_hop() -> None:
     harness, _ = forwarding_worker()
-    actions = harness.worker.release("s1", 1, harness.now)[1]
+    actions = harness.release("s1", 1, harness.now)[1]
     assert ReleaseEngine(SessionKey("s1", 1)) in actions
     assert ReleaseDownstream(SessionKey("s1", 1)) in actions
 

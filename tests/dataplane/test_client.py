@@ -38,7 +38,7 @@ def connected(
     config = client_kwargs.pop("config", None) or ClientConfig(proposed_flow_control=flow)
     link = Loopback(harness or WorkerHarness(), make_client(config=config, **client_kwargs))
     link.connect()
-    events = link.client.events()
+    events = link.client.take_events()
     assert [type(e) for e in events] == [SessionReady]
     return link
 
@@ -51,14 +51,14 @@ def token_of(event: object) -> int:
 def generate(link: Loopback, prompt: list[int], decode_steps: int) -> list[int]:
     ids = link.client.submit_prefill(prompt)
     link.pump()
-    done = link.client.events()
+    done = link.client.take_events()
     assert [e.unit_id for e in done] == ids
     tokens = [token_of(done[-1])]
     position = len(prompt)
     for _ in range(decode_steps):
         link.client.submit_decode(tokens[-1], position=position)
         link.pump()
-        (event,) = link.client.events()
+        (event,) = link.client.take_events()
         tokens.append(token_of(event))
         position += 1
     return tokens
@@ -89,7 +89,7 @@ def test_credits_are_respected_while_units_pipeline() -> None:
     while done < 10:
         link.release_held()
         link.hold_engine = True
-        done += sum(isinstance(e, UnitDone) for e in client.events())
+        done += sum(isinstance(e, UnitDone) for e in client.take_events())
         assert client.unacked <= client.window <= 8
         while bodies := client.requests_to_send():
             for body in bodies:
@@ -97,7 +97,7 @@ def test_credits_are_respected_while_units_pipeline() -> None:
             most_in_flight = max(most_in_flight, client.unacked)
             assert client.unacked <= client.window
     assert most_in_flight > 4  # the worker's grants widened the window
-    assert not any(isinstance(e, UnitFailed) for e in client.events())
+    assert not any(isinstance(e, UnitFailed) for e in client.take_events())
 
 
 def test_a_retry_after_a_transport_error_sends_the_same_step_and_is_a_duplicate() -> None:
@@ -112,14 +112,14 @@ def test_a_retry_after_a_transport_error_sends_the_same_step_and_is_a_duplicate(
     link.hold_engine = True
     link.client.submit_decode(expected[0], position=len(prompt))
     link.pump()
-    assert len(link.held) == 1 and link.client.events() == []
+    assert len(link.held) == 1 and link.client.take_events() == []
 
     link.lose_stream()
     link.release_held()  # the step completes on the worker; its answer has nowhere to go
     calls = len(link.harness.engine.calls)
     link.connect()
     link.pump()
-    events = link.client.events()
+    events = link.client.take_events()
     assert isinstance(events[0], SessionReady)
     (done,) = events[1:]
     assert isinstance(done, UnitDone) and done.duplicate
@@ -130,7 +130,7 @@ def test_a_retry_after_a_transport_error_sends_the_same_step_and_is_a_duplicate(
 
     link.client.submit_decode(expected[1], position=len(prompt) + 1)
     link.pump()
-    assert token_of(link.client.events()[0]) == expected[2]
+    assert token_of(link.client.take_events()[0]) == expected[2]
 
 
 def test_a_retry_runs_units_the_worker_never_applied() -> None:
@@ -143,7 +143,7 @@ def test_a_retry_runs_units_the_worker_never_applied() -> None:
     link.release_held()
     link.connect()
     link.pump()
-    done = [e for e in link.client.events() if isinstance(e, UnitDone)]
+    done = [e for e in link.client.take_events() if isinstance(e, UnitDone)]
     assert [e.duplicate for e in done] == [True, False, False]
     assert token_of(done[-1]) == reference(prompt, 0)[0]
 
@@ -154,15 +154,15 @@ def test_units_fail_with_a_transport_error_after_max_attempts() -> None:
     link.hold_engine = True
     link.pump()
     link.lose_stream()
-    (failed,) = link.client.events()
+    (failed,) = link.client.take_events()
     assert isinstance(failed, UnitFailed) and isinstance(failed.error, SessionTransportError)
     link.release_held()  # it did run on the worker
     # The caller can still send it again, as the same step: the worker knows it as applied.
     link.connect()
-    link.client.events()
+    link.client.take_events()
     link.client.retry(failed.unit_id)
     link.pump()
-    (done,) = link.client.events()
+    (done,) = link.client.take_events()
     assert isinstance(done, UnitDone) and done.step == failed.step and done.duplicate
     assert len(link.harness.engine.calls) == 1
 
@@ -175,7 +175,7 @@ def test_a_refused_open_surfaces_typed_errors_for_every_unit() -> None:
     link.client.fingerprint = other
     link.client.submit_decode(4, position=3)
     link.connect()
-    events = link.client.events()
+    events = link.client.take_events()
     assert [type(e) for e in events] == [UnitFailed, SessionFailed]
     for event in events:
         assert isinstance(event.error, ShardProtocolError)
@@ -190,7 +190,7 @@ def test_refusals_of_units_surface_as_typed_errors() -> None:
     generate(link, [1, 2, 3], 0)
     link.client.submit_decode(5, position=9)
     link.pump()
-    (failed,) = link.client.events()
+    (failed,) = link.client.take_events()
     assert isinstance(failed, UnitFailed)
     assert isinstance(failed.error, ShardProtocolError)
     assert failed.error.code == shard.ERROR_CODE_CACHE_MISS
@@ -204,16 +204,16 @@ def test_a_wedged_peer_fails_units_at_their_deadline() -> None:
     link.hold_engine = True
     link.client.submit_prefill([1, 2], deadline_ns=deadline)
     link.pump()
-    assert link.client.next_timer() == deadline
-    link.client.tick(deadline - 1)
-    assert link.client.events() == []
-    link.client.tick(deadline)
-    (failed,) = link.client.events()
+    assert link.client.get_timer() == deadline
+    link.client.handle_timer(deadline - 1)
+    assert link.client.take_events() == []
+    link.client.handle_timer(deadline)
+    (failed,) = link.client.take_events()
     assert isinstance(failed.error, SessionTransportError)
-    assert link.client.next_timer() is None
+    assert link.client.get_timer() is None
     # The late answer returns the credit and nothing else.
     link.release_held()
-    assert link.client.events() == [] and link.client.unacked == 0
+    assert link.client.take_events() == [] and link.client.unacked == 0
 
 
 def test_cancel_reaches_a_sender_blocked_on_credit() -> None:
@@ -223,14 +223,14 @@ def test_cancel_reaches_a_sender_blocked_on_credit() -> None:
     link.pump()
     assert link.client.pending == 6  # blocked: the window is full
     request = link.client.cancel_request(reason="user stopped")
-    local = link.client.events()
+    local = link.client.take_events()
     assert len(local) == 6
     assert all(isinstance(e, UnitFailed) and e.error.code == shard.ERROR_CODE_CANCELLED for e in local)
 
     response, actions = handle_cancel(link.harness.worker, request, link.harness.now)
     assert response.cancelled_work_items == 4
     link.feed(actions)
-    remote = link.client.events()
+    remote = link.client.take_events()
     assert len(remote) == 4 and all(e.error.code == shard.ERROR_CODE_CANCELLED for e in remote)
     assert link.client.unacked == 0 and link.client.pending == 0
 
@@ -244,7 +244,7 @@ def test_in_band_cancel_and_release() -> None:
     link.client.submit_prefill([4, 5])
     link.pump()
     link.deliver(link.client.cancel_signal())
-    (failed,) = link.client.events()
+    (failed,) = link.client.take_events()
     assert failed.error.code == shard.ERROR_CODE_CANCELLED
 
 
@@ -252,14 +252,14 @@ def test_peer_protocol_violations_raise_payload_corrupt() -> None:
     link = connected()
     stray = shard.SessionResponse(ack=shard.Ack(idempotency_step=77))
     with pytest.raises(ShardProtocolError) as info:
-        link.client.receive(stray)
+        link.client.receive_response(stray)
     assert info.value.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
     with pytest.raises(ShardProtocolError):
         link.client.receive_frame(b"\x1a\xff")
     fresh = make_client()
     fresh.start_stream()
     with pytest.raises(ShardProtocolError):
-        fresh.receive(shard.SessionResponse(flow_control=shard.FlowControl(credits_granted=1)))
+        fresh.receive_response(shard.SessionResponse(flow_control=shard.FlowControl(credits_granted=1)))
 
 
 def test_prefill_planning_needs_the_negotiated_limits() -> None:
@@ -286,6 +286,6 @@ def test_activations_use_the_route_compression_only_when_the_peer_accepts_it(wor
     expected = shard.COMPRESSION_ZSTD if worker_takes_zstd else shard.COMPRESSION_NONE
     assert request.chunk.bundle.tensors[0].compression == expected
     link.deliver(body)
-    (done,) = link.client.events()
+    (done,) = link.client.take_events()
     assert isinstance(done, UnitDone)
     np.testing.assert_array_equal(harness.engine.calls[-1].hidden, hidden)

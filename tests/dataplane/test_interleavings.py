@@ -76,9 +76,9 @@ def test_every_unit_is_answered_exactly_once(ops: list[str], chunk_tokens: int) 
             link.deliver(client.release_signal())
         elif op == "time":
             harness.now += 2 * SECOND
-            link.feed(harness.worker.tick(harness.now))
-            client.tick(harness.now)
-        events += client.events()
+            link.feed(harness.handle_timer(harness.now))
+            client.handle_timer(harness.now)
+        events += client.take_events()
 
     # Drain: let the engine run, reconnect, send what is left.
     link.release_held()
@@ -86,7 +86,7 @@ def test_every_unit_is_answered_exactly_once(ops: list[str], chunk_tokens: int) 
         reconnect()
         link.pump()
         link.release_held()
-        events += client.events()
+        events += client.take_events()
         if client.unacked == 0 and client.pending == 0:
             break
 

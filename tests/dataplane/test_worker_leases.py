@@ -73,10 +73,10 @@ def test_a_lost_links_sessions_end_after_the_grace_and_others_stay() -> None:
     open_prefilled(harness, "b", origin(PEER_B))
     worker = harness.worker
     for stream in (a1, a2):  # the link died: every stream on it ends
-        assert released(harness.run(worker.stream_closed(stream, harness.now, link_lost=True))) == []
-    assert worker.next_timer() == harness.now + 2 * SECOND
-    assert released(harness.run(worker.tick(harness.now + 2 * SECOND - 1))) == []
-    assert released(harness.run(worker.tick(harness.now + 2 * SECOND))) == ["a1", "a2"]
+        assert released(harness.run(harness.stream_closed(stream, harness.now, link_lost=True))) == []
+    assert worker.get_timer() == harness.now + 2 * SECOND
+    assert released(harness.run(harness.handle_timer(harness.now + 2 * SECOND - 1))) == []
+    assert released(harness.run(harness.handle_timer(harness.now + 2 * SECOND))) == ["a1", "a2"]
     assert worker.load().active_sessions == 1
     assert worker.releases[ReleaseReason.LINK_CLOSED] == 2
     # Their KV is freed: the engine was told to drop exactly those two.
@@ -86,36 +86,36 @@ def test_a_lost_links_sessions_end_after_the_grace_and_others_stay() -> None:
 def test_a_stream_that_merely_ended_leaves_its_session_for_the_owner_to_come_back() -> None:
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=0))
     stream = open_prefilled(harness, "a", origin(PEER_A))
-    assert released(harness.run(harness.worker.stream_closed(stream, harness.now))) == []
-    assert harness.worker.next_timer() == harness.now + harness.worker.config.session_idle_ttl_ns
+    assert released(harness.run(harness.stream_closed(stream, harness.now))) == []
+    assert harness.worker.get_timer() == harness.now + harness.worker.config.session_idle_ttl_ns
 
 
 def test_a_lost_link_with_no_grace_ends_its_sessions_at_once() -> None:
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=0))
     stream = open_prefilled(harness, "a", origin(PEER_A))
-    assert released(harness.run(harness.worker.stream_closed(stream, harness.now, link_lost=True))) == ["a"]
+    assert released(harness.run(harness.stream_closed(stream, harness.now, link_lost=True))) == ["a"]
 
 
 def test_an_owner_that_reopens_within_the_grace_keeps_its_session() -> None:
     harness = WorkerHarness()
     first = open_prefilled(harness, "a", origin(PEER_A))
     worker = harness.worker
-    harness.run(worker.stream_closed(first, harness.now, link_lost=True))
+    harness.run(harness.stream_closed(first, harness.now, link_lost=True))
     again, _ = harness.open(session_id="a", origin=origin(PEER_A))  # over its new link
     out = harness.ask(again, decode_request(2, 4, 3))
     assert kinds(out)[:2] == ["chunk", "ack"] and not acks(out)[0].duplicate  # the cache is still there
-    assert released(harness.run(worker.tick(harness.now + 60 * SECOND))) == []
-    harness.run(worker.stream_closed(again, harness.now, link_lost=True))
-    assert released(harness.run(worker.tick(harness.now + worker.config.owner_grace_ns))) == ["a"]
+    assert released(harness.run(harness.handle_timer(harness.now + 60 * SECOND))) == []
+    harness.run(harness.stream_closed(again, harness.now, link_lost=True))
+    assert released(harness.run(harness.handle_timer(harness.now + worker.config.owner_grace_ns))) == ["a"]
 
 
 def test_a_lost_link_also_orphans_the_peers_sessions_that_no_stream_serves() -> None:
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=0))
     idle = open_prefilled(harness, "idle", origin(PEER_A))
     live = open_prefilled(harness, "live", origin(PEER_A))
-    harness.run(harness.worker.stream_closed(idle, harness.now))  # ended earlier, cleanly
+    harness.run(harness.stream_closed(idle, harness.now))  # ended earlier, cleanly
     open_prefilled(harness, "elsewhere", origin(PEER_A))  # on another, live link
-    ended = harness.run(harness.worker.stream_closed(live, harness.now, link_lost=True))
+    ended = harness.run(harness.stream_closed(live, harness.now, link_lost=True))
     assert released(ended) == ["idle", "live"]
     assert harness.worker.sessions_of(PEER_A) == 1
 
@@ -124,8 +124,8 @@ def test_another_peers_stream_for_the_same_session_does_not_take_it_over() -> No
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=0))
     owners = open_prefilled(harness, "a", origin(PEER_A))
     strangers, _ = harness.open(session_id="a", origin=origin(PEER_B))
-    assert released(harness.run(harness.worker.stream_closed(strangers, harness.now, link_lost=True))) == []
-    assert released(harness.run(harness.worker.stream_closed(owners, harness.now, link_lost=True))) == ["a"]
+    assert released(harness.run(harness.stream_closed(strangers, harness.now, link_lost=True))) == []
+    assert released(harness.run(harness.stream_closed(owners, harness.now, link_lost=True))) == ["a"]
 
 
 def test_a_unit_running_when_the_grace_runs_out_is_cancelled_and_its_session_ended() -> None:
@@ -134,18 +134,18 @@ def test_a_unit_running_when_the_grace_runs_out_is_cancelled_and_its_session_end
     worker = harness.worker
     (running,) = [
         a
-        for a in worker.receive_frame(stream, decode_request(2, 4, 3).SerializeToString(), harness.now)
+        for a in harness.receive_frame(stream, decode_request(2, 4, 3).SerializeToString(), harness.now)
         if isinstance(a, RunStep)
     ]
-    harness.run(worker.stream_closed(stream, harness.now, link_lost=True))
-    ended = harness.run(worker.tick(harness.now + SECOND))
+    harness.run(harness.stream_closed(stream, harness.now, link_lost=True))
+    ended = harness.run(harness.handle_timer(harness.now + SECOND))
     assert [a.unit_id for a in ended if isinstance(a, FireCancel)] == [running.unit_id]
     assert released(ended) == ["a"]
     assert worker.load().active_sessions == 0
     # The engine notices the cancel and its answer, coming back later, changes nothing.
     with pytest.raises(EngineError) as cancelled:
         running.execute(harness.engine)
-    harness.run(worker.engine_finished(running.unit_id, cancelled.value, harness.now))
+    harness.run(harness.engine_finished(running.unit_id, cancelled.value, harness.now))
     assert worker.load().active_sessions == 0
 
 
@@ -160,19 +160,19 @@ def test_a_departed_owners_sessions_end_after_the_grace_and_nobody_elses() -> No
     open_prefilled(harness, "mine", origin(SELF))
     worker = harness.worker
     assert worker.owners() == {PEER_A, PEER_B}  # this node's own sessions are nobody's to lose
-    assert released(harness.run(worker.peer_departed(PEER_A, harness.now))) == []
+    assert released(harness.run(harness.peer_departed(PEER_A, harness.now))) == []
     # Membership keeps saying so (it is polled); that does not push the end out.
-    harness.run(worker.peer_departed(PEER_A, harness.now + 4 * SECOND))
-    assert released(harness.run(worker.tick(harness.now + 5 * SECOND))) == ["a1", "a2"]
+    harness.run(harness.peer_departed(PEER_A, harness.now + 4 * SECOND))
+    assert released(harness.run(harness.handle_timer(harness.now + 5 * SECOND))) == ["a1", "a2"]
     assert worker.releases[ReleaseReason.OWNER_DEPARTED] == 2
-    assert released(harness.run(worker.peer_departed(SELF, harness.now))) == []  # local is never a peer
+    assert released(harness.run(harness.peer_departed(SELF, harness.now))) == []  # local is never a peer
     assert worker.load().active_sessions == 2
 
 
 def test_a_departed_owner_with_no_grace_loses_its_sessions_at_once() -> None:
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=0))
     open_prefilled(harness, "a", origin(PEER_A))
-    assert released(harness.run(harness.worker.peer_departed(PEER_A, harness.now))) == ["a"]
+    assert released(harness.run(harness.peer_departed(PEER_A, harness.now))) == ["a"]
 
 
 def test_a_frame_from_an_owner_taken_for_dead_keeps_its_session() -> None:
@@ -180,13 +180,13 @@ def test_a_frame_from_an_owner_taken_for_dead_keeps_its_session() -> None:
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=5 * SECOND))
     stream = open_prefilled(harness, "a", origin(PEER_A))
     worker = harness.worker
-    harness.run(worker.peer_departed(PEER_A, harness.now))
+    harness.run(harness.peer_departed(PEER_A, harness.now))
     later = harness.now + 2 * SECOND
     out = responses(
-        harness.run(worker.receive_frame(stream, decode_request(2, 4, 3).SerializeToString(), later))
+        harness.run(harness.receive_frame(stream, decode_request(2, 4, 3).SerializeToString(), later))
     )
     assert "ack" in kinds(out) and not statuses(out)
-    assert released(harness.run(worker.tick(harness.now + 60 * SECOND))) == []
+    assert released(harness.run(harness.handle_timer(harness.now + 60 * SECOND))) == []
     assert worker.load().active_sessions == 1
 
 
@@ -194,11 +194,10 @@ def test_a_frame_from_another_peer_does_not_keep_a_departed_owners_session() -> 
     harness = WorkerHarness(config=WorkerConfig(owner_grace_ns=5 * SECOND))
     open_prefilled(harness, "a", origin(PEER_A))
     strangers, _ = harness.open(session_id="a", origin=origin(PEER_B))
-    worker = harness.worker
-    harness.run(worker.peer_departed(PEER_A, harness.now))
+    harness.run(harness.peer_departed(PEER_A, harness.now))
     flow = shard.SessionRequest(flow_control=shard.FlowControl())
-    worker.receive_frame(strangers, flow.SerializeToString(), harness.now + SECOND)
-    assert released(harness.run(worker.tick(harness.now + 5 * SECOND))) == ["a"]
+    harness.receive_frame(strangers, flow.SerializeToString(), harness.now + SECOND)
+    assert released(harness.run(harness.handle_timer(harness.now + 5 * SECOND))) == ["a"]
 
 
 # ---------------------------------------------------------------------------- idle timeouts
@@ -208,9 +207,9 @@ def test_an_idle_session_ends_when_its_units_deadline_has_passed_not_the_default
     harness = WorkerHarness(config=WorkerConfig(session_idle_ttl_ns=120 * SECOND))
     open_prefilled(harness, "a", origin(PEER_A), deadline=harness.now + 30 * SECOND)
     worker = harness.worker
-    assert worker.next_timer() == harness.now + 30 * SECOND
-    assert released(harness.run(worker.tick(harness.now + 30 * SECOND - 1))) == []
-    assert released(harness.run(worker.tick(harness.now + 30 * SECOND))) == ["a"]
+    assert worker.get_timer() == harness.now + 30 * SECOND
+    assert released(harness.run(harness.handle_timer(harness.now + 30 * SECOND - 1))) == []
+    assert released(harness.run(harness.handle_timer(harness.now + 30 * SECOND))) == ["a"]
     assert worker.releases[ReleaseReason.IDLE] == 1
 
 
@@ -220,15 +219,15 @@ def test_every_frame_for_a_session_renews_its_lease() -> None:
     worker = harness.worker
     later = harness.now + 8 * SECOND
     flow = shard.SessionRequest(flow_control=shard.FlowControl())
-    worker.receive_frame(stream, flow.SerializeToString(), later)
-    assert released(harness.run(worker.tick(harness.now + 10 * SECOND))) == []
-    assert worker.next_timer() == later + 10 * SECOND
+    harness.receive_frame(stream, flow.SerializeToString(), later)
+    assert released(harness.run(harness.handle_timer(harness.now + 10 * SECOND))) == []
+    assert worker.get_timer() == later + 10 * SECOND
 
 
 def test_a_far_deadline_cannot_hold_a_session_past_the_default() -> None:
     harness = WorkerHarness(config=WorkerConfig(session_idle_ttl_ns=10 * SECOND))
     open_prefilled(harness, "a", origin(PEER_A), deadline=harness.now + 3600 * SECOND)
-    assert harness.worker.next_timer() == harness.now + 10 * SECOND
+    assert harness.worker.get_timer() == harness.now + 10 * SECOND
 
 
 # ---------------------------------------------------------------------------- the per-peer share
@@ -259,7 +258,7 @@ def test_a_peers_share_frees_up_when_its_sessions_end() -> None:
     harness = share_harness()
     open_prefilled(harness, "a1", origin(PEER_A))
     open_prefilled(harness, "a2", origin(PEER_A))
-    ok, actions = harness.worker.release("a1", 1, harness.now)
+    ok, actions = harness.release("a1", 1, harness.now)
     assert ok and released(harness.run(actions)) == ["a1"]
     assert harness.worker.releases[ReleaseReason.RELEASED] == 1
     _, accepted = harness.open(session_id="a3", origin=origin(PEER_A))
@@ -271,7 +270,7 @@ def test_a_unit_that_would_readmit_a_released_session_counts_against_the_share()
     stream = open_prefilled(harness, "a1", origin(PEER_A))
     open_prefilled(harness, "a2", origin(PEER_A))
     open_prefilled(harness, "a3", origin(PEER_B))
-    harness.run(harness.worker.release("a1", 1, harness.now)[1])
+    harness.run(harness.release("a1", 1, harness.now)[1])
     open_prefilled(harness, "a4", origin(PEER_A))
     # a1's stream is still open: a fresh prefill on it would re-admit the session, over the share.
     status = only_status(harness.ask(stream, chunk_request(2, [1, 2], session_id="a1")))
@@ -285,5 +284,5 @@ def test_a_newer_epoch_supersedes_the_old_sessions_state() -> None:
     assert kinds(opened) == ["accepted"]
     assert harness.worker.releases[ReleaseReason.SUPERSEDED] == 1
     # The new epoch is PEER_B's: PEER_A leaving no longer touches it.
-    assert released(harness.run(harness.worker.peer_departed(PEER_A, harness.now))) == []
+    assert released(harness.run(harness.peer_departed(PEER_A, harness.now))) == []
     assert harness.worker.sessions_of(PEER_B) == 1

@@ -159,12 +159,12 @@ def test_bad_sampling_in_route_is_refused() -> None:
 def test_garbage_frame_closes_the_stream_and_the_worker_keeps_serving() -> None:
     harness = WorkerHarness()
     stream = harness.worker.open_stream()
-    actions = harness.worker.receive_frame(stream, b"\xff\xff\xff", harness.now)
+    actions = harness.receive_frame(stream, b"\xff\xff\xff", harness.now)
     status = only_status(responses(actions, stream))
     assert status.terminal and status.error.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
     assert isinstance(actions[-1], CloseStream)
     # Anything later on that stream is ignored; other streams are served.
-    assert harness.worker.receive_frame(stream, make_route().SerializeToString(), harness.now) == []
+    assert harness.receive_frame(stream, make_route().SerializeToString(), harness.now) == []
     _, items = harness.open()
     assert kinds(items) == ["accepted"]
 
@@ -172,7 +172,7 @@ def test_garbage_frame_closes_the_stream_and_the_worker_keeps_serving() -> None:
 def test_work_before_open_has_no_credit() -> None:
     harness = WorkerHarness()
     stream = harness.worker.open_stream()
-    harness.worker.receive_frame(stream, make_route().SerializeToString(), harness.now)
+    harness.receive_frame(stream, make_route().SerializeToString(), harness.now)
     out = harness.ask(stream, chunk_request(1, [1, 2]))
     status = only_status(out)
     assert status.terminal and status.error.code == shard.ERROR_CODE_FLOW_CONTROL_VIOLATION

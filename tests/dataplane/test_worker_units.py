@@ -78,10 +78,10 @@ def test_deadline_of_a_running_unit_fires_its_cancel_token() -> None:
     harness, stream = prefilled()
     deadline = harness.now + SECOND
     (running,) = held_steps(harness.send(stream, decode_request(2, 4, 3, deadline=deadline), run=False))
-    assert harness.worker.next_timer() == deadline
-    assert harness.worker.tick(deadline - 1) == []
+    assert harness.worker.get_timer() == deadline
+    assert harness.handle_timer(deadline - 1) == []
 
-    actions = harness.worker.tick(deadline)
+    actions = harness.handle_timer(deadline)
     fired = [a for a in actions if isinstance(a, FireCancel)]
     assert len(fired) == 1 and fired[0].token is running.request.cancel_token
     status = only_status(responses(actions, stream))
@@ -102,7 +102,7 @@ def test_a_running_unit_that_finishes_after_its_deadline_is_recorded_for_the_ret
         harness.send(stream, decode_request(2, 4, 3, deadline=harness.now + 1), run=False)
     )
     harness.now += 2
-    tick = harness.worker.tick(harness.now)
+    tick = harness.handle_timer(harness.now)
     assert only_status(responses(tick, stream)).error.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
     # The step races past its cancel (the FireCancel is not carried out) and completes.
     harness.run([running])
@@ -331,7 +331,7 @@ def test_node_wide_context_budget_is_resource_exhausted_and_retryable() -> None:
     status = only_status(harness.ask(b, chunk_request(1, [1] * 3, session_id="b")))
     assert status.error.code == shard.ERROR_CODE_RESOURCE_EXHAUSTED
     assert status.error.retryable is True
-    harness.worker.release("a", 1, harness.now)
+    harness.release("a", 1, harness.now)
     assert kinds(harness.ask(b, chunk_request(1, [1] * 3, session_id="b")))[:2] == ["chunk", "ack"]
 
 
@@ -521,7 +521,7 @@ def test_cancel_of_one_work_id_leaves_the_others() -> None:
     harness, stream = prefilled()
     (running,) = held_steps(harness.send(stream, decode_request(2, 4, 3), run=False))
     harness.send(stream, decode_request(3, 4, 4), run=False)
-    count, actions = harness.worker.cancel("s1", 1, "w3", harness.now)
+    count, actions = harness.cancel("s1", 1, "w3", harness.now)
     assert count == 1
     assert only_status(responses(actions, stream)).idempotency_step == 3
     assert not any(isinstance(a, FireCancel) for a in actions)
@@ -555,7 +555,7 @@ def test_closing_a_stream_drops_its_queued_units_and_a_retry_runs_them() -> None
     harness, stream = prefilled()
     (running,) = held_steps(harness.send(stream, decode_request(2, 4, 3), run=False))
     harness.send(stream, decode_request(3, 4, 4), run=False)
-    harness.worker.stream_closed(stream, harness.now)
+    harness.stream_closed(stream, harness.now)
     assert harness.worker.load().queued_units == 0
     harness.run([running])  # applied and recorded; its answer had nowhere to go
 
@@ -582,11 +582,11 @@ def test_decode_steps_are_scheduled_before_other_sessions_prefill() -> None:
 def test_idle_sessions_expire() -> None:
     ttl = 10 * SECOND
     harness, _ = prefilled(session_idle_ttl_ns=ttl)
-    assert harness.worker.next_timer() == harness.now + ttl
-    actions = harness.worker.tick(harness.now + ttl)
+    assert harness.worker.get_timer() == harness.now + ttl
+    actions = harness.handle_timer(harness.now + ttl)
     assert [a.session for a in actions if isinstance(a, ReleaseEngine)] == [SessionKey("s1", 1)]
     assert harness.worker.load().active_sessions == 0
-    assert harness.worker.next_timer() is None
+    assert harness.worker.get_timer() is None
 
 
 def test_stateless_cache_mode_runs_as_a_fresh_prefill() -> None:
@@ -606,7 +606,7 @@ def test_an_activation_chunk_reaches_the_engine_without_a_copy_of_its_payload() 
     stream, _ = harness.open(shard_range=srange(2, 4))
     hidden = np.arange(3 * HIDDEN, dtype=np.float32).reshape(3, HIDDEN)
     body = chunk_request(1, hidden, shard_range=srange(2, 4)).SerializeToString()
-    (run,) = held_steps(harness.worker.receive_frame(stream, body, harness.now))
+    (run,) = held_steps(harness.receive_frame(stream, body, harness.now))
     assert np.array_equal(run.request.hidden, hidden)
     assert np.shares_memory(run.request.hidden, np.frombuffer(body, np.uint8))
 
@@ -619,7 +619,7 @@ def test_a_chunk_encoded_unusually_is_answered_like_the_canonical_one() -> None:
         harness = WorkerHarness(RecordingEngine(2, 4))
         stream, _ = harness.open(shard_range=srange(2, 4))
         body = chunk_request(1, hidden, shard_range=srange(2, 4)).SerializeToString() + suffix
-        out = responses(harness.run(harness.worker.receive_frame(stream, body, harness.now)), stream)
+        out = responses(harness.run(harness.receive_frame(stream, body, harness.now)), stream)
         assert kinds(out)[:2] == ["chunk", "ack"]
         (call,) = harness.engine.calls
         for response in out:
