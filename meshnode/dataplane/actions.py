@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.interface import CancelToken, SessionKey, ShardEngine, StepRequest, StepResult
-from meshnode.dataplane.envelope import UnitPosition
+from meshnode.dataplane.envelope import Deadline, UnitPosition
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.pb import shard
 
@@ -68,7 +68,8 @@ class ForwardWork:
     work_id: str
     # The unit's own position: the next hop's cache must hold what this hop's did.
     position: UnitPosition
-    deadline_unix_nanos: int
+    # The deadline it arrived with, passed on unchanged.
+    deadline: Deadline | None
     hidden: np.ndarray
 
 

@@ -12,11 +12,15 @@ Edge loop (the :mod:`meshnode.sansio` convention)::
 
     write(encode_stream_open(StreamType.SHARD_SESSION, bodies[0]) + encode_frame(bodies[1]))
         where bodies = client.start_stream()
-    on each frame:      client.receive_frame(body, now_ns)
-    after every call:   for body in client.requests_to_send(): write(encode_frame(body))
+    on each frame:      client.receive_frame(body)
+    after every call:   for body in client.requests_to_send(now_ns): write(encode_frame(body))
                         for event in client.take_events(): ...
     at client.get_timer(): client.handle_timer(now_ns)
     stream reset/lost:  client.stream_lost(); then start_stream() again, or give up.
+
+``now_ns`` is monotonic nanoseconds. A unit's deadline is a
+:class:`~meshnode.dataplane.envelope.Deadline`: the wall-clock instant its envelope
+carries, and that instant on the monotonic clock the timers run on.
 
 :meth:`receive_frame` raises :class:`~meshnode.wire.errors.ShardProtocolError`
 (PAYLOAD_CORRUPT) when the peer breaks the protocol (garbage, an answer for a
@@ -36,8 +40,10 @@ from meshnode.dataplane.actions import ForwardWork
 from meshnode.dataplane.envelope import (
     HIGHEST_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
+    Deadline,
     UnitPosition,
     digests,
+    wire_deadline,
 )
 from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
@@ -136,13 +142,13 @@ class _Unit:
     step: int
     work_id: str
     position: UnitPosition
-    deadline_ns: int
+    deadline: Deadline | None
     tokens: np.ndarray | None
     hidden: np.ndarray | None
     state: _State = _State.PENDING
     body: bytes | None = None
     attempts: int = 0
-    # When it was last sent (0: the edge did not say); the answer grace counts from here too.
+    # When it was last sent (monotonic); the answer grace counts from here too.
     sent_ns: int = 0
     result: shard.TensorBundle | None = None
 
@@ -268,7 +274,7 @@ class SessionClient:
         inputs: np.ndarray | list[int] | tuple[int, ...],
         *,
         first_position: int = 0,
-        deadline_ns: int = 0,
+        deadline: Deadline | None = None,
     ) -> list[int]:
         """Split a prefill into chunks within the negotiated limits; returns their unit ids.
 
@@ -309,21 +315,23 @@ class SessionClient:
                         chunk_index=chunk.index,
                         chunk_count=chunk.count,
                     ),
-                    deadline_ns=deadline_ns,
+                    deadline=deadline,
                     tokens=None if tokens is None else tokens[lo:hi],
                     hidden=None if hidden is None else hidden[lo:hi],
                 )
             )
         return ids
 
-    def submit_decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> int:
+    def submit_decode(
+        self, value: int | np.ndarray, *, position: int, deadline: Deadline | None = None
+    ) -> int:
         """One token at ``position`` (the cache must hold ``position`` tokens): a token id for a head
         hop, a float32 hidden ``[1, hidden]`` otherwise. Sent as a DecodeStep."""
         tokens = np.asarray([value], dtype=np.int32) if self.takes_tokens else None
         hidden = None if self.takes_tokens else np.asarray(value, dtype=np.float32).reshape(1, -1)
         return self._add(
             UnitPosition(decode=True, first_position=position, token_count=1, expected_past_len=position),
-            deadline_ns=deadline_ns,
+            deadline=deadline,
             tokens=tokens,
             hidden=hidden,
         )
@@ -333,7 +341,7 @@ class SessionClient:
         hidden = np.asarray(work.hidden, dtype=np.float32)
         return self._add(
             work.position,
-            deadline_ns=work.deadline_unix_nanos,
+            deadline=work.deadline,
             tokens=None,
             hidden=hidden,
             step=work.step,
@@ -344,7 +352,7 @@ class SessionClient:
         self,
         position: UnitPosition,
         *,
-        deadline_ns: int,
+        deadline: Deadline | None,
         tokens: np.ndarray | None,
         hidden: np.ndarray | None,
         step: int | None = None,
@@ -360,7 +368,7 @@ class SessionClient:
             step=step,
             work_id=work_id if work_id is not None else f"{self.route_session_id}/{self.route_epoch}/{step}",
             position=position,
-            deadline_ns=deadline_ns,
+            deadline=deadline,
             tokens=tokens,
             hidden=hidden,
         )
@@ -391,7 +399,7 @@ class SessionClient:
 
     # ------------------------------------------------------------------ sending
 
-    def requests_to_send(self, now_ns: int = 0) -> list[bytes]:
+    def requests_to_send(self, now_ns: int) -> list[bytes]:
         """Bodies of the requests the current credit allows, in order; each moves to in flight.
 
         ``now_ns`` is when they leave: a unit sent after its deadline still gets the answer grace,
@@ -439,7 +447,7 @@ class SessionClient:
                     expected_past_len=position.first_position,
                     tensor=tensor,
                     work_id=unit.work_id,
-                    deadline_unix_nanos=unit.deadline_ns,
+                    deadline_unix_nanos=wire_deadline(unit.deadline),
                 )
             )
         fresh = position.fresh_start
@@ -459,7 +467,7 @@ class SessionClient:
                 mode=shard.CACHE_MODE_PREFILL if fresh else shard.CACHE_MODE_DECODE,
                 expected_past_len=0 if fresh else position.first_position,
             ),
-            deadline_unix_nanos=unit.deadline_ns,
+            deadline_unix_nanos=wire_deadline(unit.deadline),
             chunk=shard.ChunkInfo(
                 chunk_index=position.chunk_index,
                 chunk_count=position.chunk_count,
@@ -519,15 +527,15 @@ class SessionClient:
 
     # ------------------------------------------------------------------ receiving
 
-    def receive_frame(self, body: bytes, now_ns: int = 0) -> None:
+    def receive_frame(self, body: bytes) -> None:
         response = shard.SessionResponse()
         try:
             response.ParseFromString(body)
         except DecodeError:
             raise payload_corrupt("response frame is not a well-formed message") from None
-        self.receive_response(response, now_ns)
+        self.receive_response(response)
 
-    def receive_response(self, response: shard.SessionResponse, now_ns: int = 0) -> None:
+    def receive_response(self, response: shard.SessionResponse) -> None:
         kind = response.WhichOneof("kind")
         if kind == "accepted":
             self._on_accepted(response.accepted)
@@ -615,7 +623,7 @@ class SessionClient:
 
     def handle_timer(self, now_ns: int) -> None:
         """Fail units whose deadline passed without an answer (a wedged or dead peer)."""
-        late = [u for u in self._pending if u.deadline_ns and now_ns >= u.deadline_ns]
+        late = [u for u in self._pending if u.deadline is not None and now_ns >= u.deadline.at_ns]
         if late:
             self._pending = deque(u for u in self._pending if u not in late)
             for unit in late:
@@ -624,7 +632,11 @@ class SessionClient:
                 )
         grace = self.config.answer_grace_ns
         for unit in self._sent.values():
-            if unit.state is _State.SENT and unit.deadline_ns and now_ns >= _given_up_at(unit, grace):
+            if (
+                unit.state is _State.SENT
+                and unit.deadline is not None
+                and now_ns >= _given_up_at(unit, grace)
+            ):
                 unit.state = _State.ABANDONED
                 self._events.append(
                     UnitFailed(
@@ -633,10 +645,12 @@ class SessionClient:
                 )
 
     def get_timer(self) -> int | None:
-        deadlines = [u.deadline_ns for u in self._pending if u.deadline_ns]
+        deadlines = [u.deadline.at_ns for u in self._pending if u.deadline is not None]
         grace = self.config.answer_grace_ns
         deadlines.extend(
-            _given_up_at(u, grace) for u in self._sent.values() if u.deadline_ns and u.state is _State.SENT
+            _given_up_at(u, grace)
+            for u in self._sent.values()
+            if u.deadline is not None and u.state is _State.SENT
         )
         return min(deadlines, default=None)
 
@@ -667,7 +681,9 @@ class SessionClient:
 
 
 def _given_up_at(unit: _Unit, grace_ns: int) -> int:
-    return max(unit.deadline_ns, unit.sent_ns) + grace_ns if grace_ns else unit.deadline_ns
+    assert unit.deadline is not None
+    at_ns = unit.deadline.at_ns
+    return max(at_ns, unit.sent_ns) + grace_ns if grace_ns else at_ns
 
 
 __all__ = [

@@ -56,6 +56,33 @@ class UnitPosition:
         return self.first_position + self.token_count
 
 
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """A unit's deadline on both clocks.
+
+    ``unix_ns`` is the instant as the envelope carries it (``deadline_unix_nanos``: wall-clock,
+    so every hop reads the same instant); ``at_ns`` is that instant on the monotonic clock this
+    process's timers run on, fixed once, when the deadline arrived. A wall-clock step after that
+    moves neither the unit's timer nor the lease it sized.
+    """
+
+    unix_ns: int
+    at_ns: int
+
+    @classmethod
+    def from_unix(cls, unix_ns: int, *, now_ns: int, unix_now_ns: int) -> Deadline | None:
+        """The deadline ``unix_ns`` (0: none, as on the wire), read at monotonic ``now_ns``, which
+        was wall-clock ``unix_now_ns``."""
+        if unix_ns == 0:
+            return None
+        return cls(unix_ns, now_ns + (unix_ns - unix_now_ns))
+
+
+def wire_deadline(deadline: Deadline | None) -> int:
+    """``deadline_unix_nanos`` for an envelope or decode step (0: none)."""
+    return 0 if deadline is None else deadline.unix_ns
+
+
 def unit_position(envelope: shard.Envelope) -> UnitPosition:
     """Read an ActivationChunk's phase, position, cache expectation and chunk info together.
 
@@ -96,8 +123,10 @@ def unit_position(envelope: shard.Envelope) -> UnitPosition:
 __all__ = [
     "HIGHEST_SCHEMA_VERSION",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "Deadline",
     "UnitPosition",
     "digests",
     "range_tuple",
     "unit_position",
+    "wire_deadline",
 ]

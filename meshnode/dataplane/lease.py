@@ -63,14 +63,15 @@ class LeaseSettings:
     owner_grace_s: float = 5.0
 
 
-def idle_timeout_ns(deadline_ns: int, arrival_ns: int, *, default_ns: int, floor_ns: int) -> int:
-    """How long a session may go without a frame after one that carried ``deadline_ns`` (0: none).
+def idle_timeout_ns(deadline_ns: int | None, arrival_ns: int, *, default_ns: int, floor_ns: int) -> int:
+    """How long a session may go without a frame after one that carried ``deadline_ns`` (None:
+    none), both on one clock.
 
     The time left to the deadline, but never below ``floor_ns`` (a deadline that is nearly
     due must not drop the session the moment its unit finishes) nor above ``default_ns``.
     """
     floor_ns = min(floor_ns, default_ns)
-    if deadline_ns <= 0:
+    if deadline_ns is None:
         return default_ns
     return min(default_ns, max(floor_ns, deadline_ns - arrival_ns))
 

@@ -267,7 +267,7 @@ class ShardServer:
                 body = await framed.recv_frame()
                 if body is None:
                     break
-                worker.receive_frame(stream_id, body, time.time_ns())
+                worker.receive_frame(stream_id, body, time.monotonic_ns(), unix_now_ns=time.time_ns())
                 self._apply(worker.take_events())
             clean = True
         except LinkClosed:
@@ -276,7 +276,7 @@ class ShardServer:
         finally:
             del self._outboxes[stream_id]
             if not self._closing:
-                worker.stream_closed(stream_id, time.time_ns(), link_lost=link_lost)
+                worker.stream_closed(stream_id, time.monotonic_ns(), link_lost=link_lost)
                 self._apply(worker.take_events())
             if clean:
                 await self._finish(framed, outbox)
@@ -290,7 +290,7 @@ class ShardServer:
     def peer_departed(self, peer_id: bytes) -> None:
         """Membership confirmed ``peer_id`` down, or it left: its sessions end after the owner grace."""
         if not self._closing and self._worker is not None:
-            self._worker.peer_departed(peer_id, time.time_ns())
+            self._worker.peer_departed(peer_id, time.monotonic_ns())
             self._apply(self._worker.take_events())
 
     async def _finish(self, framed: FramedStream, outbox: _Outbox) -> None:
@@ -324,18 +324,18 @@ class ShardServer:
         except ShardProtocolError as exc:
             raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, exc.detail) from None
         worker = self._worker
-        now = time.time_ns()
+        now_ns = time.monotonic_ns()
         response: object
         if isinstance(request, shard.CapabilityRequest):
             response = capability_report(worker, request, self.validation)
         elif isinstance(request, shard.HealthRequest):
             response = health_report(worker, await self.engine_health())
         elif isinstance(request, shard.ReleaseRequest):
-            response, actions = handle_release(worker, request, now)
+            response, actions = handle_release(worker, request, now_ns)
             self._apply(actions)
         else:
             assert isinstance(request, shard.CancelRequest)
-            response, actions = handle_cancel(worker, request, now)
+            response, actions = handle_cancel(worker, request, now_ns)
             self._apply(actions)
         await framed.send_frame(response.SerializeToString())  # type: ignore[attr-defined]
 
@@ -379,7 +379,7 @@ class ShardServer:
         self._running_tokens.pop(unit_id, None)
         if self._closing:
             return
-        self.worker.engine_finished(unit_id, outcome, time.time_ns())
+        self.worker.engine_finished(unit_id, outcome, time.monotonic_ns())
         self._apply(self.worker.take_events())
 
     # ------------------------------------------------------------------ next hops
@@ -423,7 +423,7 @@ class ShardServer:
     def _forward_done(self, unit_id: int, outcome: object) -> None:
         if self._closing:
             return
-        self.worker.downstream_finished(unit_id, outcome, time.time_ns())
+        self.worker.downstream_finished(unit_id, outcome, time.monotonic_ns())
         self._apply(self.worker.take_events())
 
     def _cancel_downstream(self, action: CancelDownstream) -> None:
@@ -449,7 +449,7 @@ class ShardServer:
 
     def _on_timer(self) -> None:
         if not self._closing:
-            self.worker.handle_timer(time.time_ns())
+            self.worker.handle_timer(time.monotonic_ns())
             self._apply(self.worker.take_events())
 
 

@@ -19,6 +19,9 @@ runs unchanged over QUIC, a relay channel or the in-process loopback::
 
 ``return_logits=True`` adds the tail's last-position logits (``output.logits``);
 ``boundary_dtype=DTYPE_BFLOAT16`` halves the activation bytes between hops.
+Deadlines (``deadline_ns``) are wall-clock unix nanoseconds, as envelopes carry
+them (0: none); the session times them on the monotonic clock from when they are
+given, so a wall-clock step afterwards does not fail them early or late.
 
 Behaviour:
 
@@ -63,6 +66,7 @@ from meshnode.dataplane.client import (
     UnitDone,
     UnitFailed,
 )
+from meshnode.dataplane.envelope import Deadline
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.payload import HIDDEN_STATES, LOGITS, TOKEN_IDS
 from meshnode.dataplane.route import make_route
@@ -317,13 +321,15 @@ class ShardSession:
     ) -> list[UnitHandle]:
         """Chunk a prefill within the negotiated limits (needs the session accepted)."""
         self._raise_if_over()
-        ids = self.client.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
+        ids = self.client.submit_prefill(
+            inputs, first_position=first_position, deadline=_deadline(deadline_ns)
+        )
         return self._submitted(ids)
 
     def submit_decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> UnitHandle:
         self._raise_if_over()
         return self._submitted(
-            [self.client.submit_decode(value, position=position, deadline_ns=deadline_ns)]
+            [self.client.submit_decode(value, position=position, deadline=_deadline(deadline_ns))]
         )[0]
 
     def submit_forward(self, work: ForwardWork) -> UnitHandle:
@@ -351,7 +357,7 @@ class ShardSession:
     async def decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> StepOutput:
         """One token at ``position`` (the route's caches must hold ``position`` tokens)."""
         self._raise_if_over()
-        unit_id = self.client.submit_decode(value, position=position, deadline_ns=deadline_ns)
+        unit_id = self.client.submit_decode(value, position=position, deadline=_deadline(deadline_ns))
         (handle,) = self._submitted([unit_id], kick=False)
         # The hot path: write from this task rather than waking a writer task.
         await self._flush()
@@ -496,7 +502,7 @@ class ShardSession:
     # ------------------------------------------------------------------ internals: time
 
     def _on_timer(self) -> None:
-        self.client.handle_timer(time.time_ns())
+        self.client.handle_timer(time.monotonic_ns())
         self._after()
 
     # ------------------------------------------------------------------ internals: the stream
@@ -521,7 +527,7 @@ class ShardSession:
         try:
             while framed is not None and framed is self._framed:
                 bodies, self._signals = self._signals, []
-                bodies += self.client.requests_to_send(time.time_ns())
+                bodies += self.client.requests_to_send(time.monotonic_ns())
                 self._dispatch()  # an oversize unit fails as it is taken
                 if not bodies:
                     return
@@ -574,9 +580,8 @@ class ShardSession:
             limits = getattr(stream, "read_limits", None)
             decoder = FrameDecoder(expect_stream_type=False, budget=limits.budget if limits else None)
             while data := await stream.read(READ_CHUNK):
-                now = time.time_ns()
                 for body in decoder.feed(data):
-                    self.client.receive_frame(body, now)
+                    self.client.receive_frame(body)
                 self._after()
             decoder.end_of_stream()
             return "the worker ended the stream"
@@ -623,6 +628,11 @@ class _Opening:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._session is not None:
             await self._session.aclose()
+
+
+def _deadline(deadline_ns: int) -> Deadline | None:
+    """A caller's deadline (unix ns, 0: none) on both clocks, read now."""
+    return Deadline.from_unix(deadline_ns, now_ns=time.monotonic_ns(), unix_now_ns=time.time_ns())
 
 
 def _reset_quietly(framed: FramedStream | None) -> None:

@@ -1,4 +1,4 @@
-"""One loop timer for a sans-IO machine's ``get_timer()``/``handle_timer(now_ns)`` pair, in unix nanoseconds.
+"""One loop timer for a sans-IO machine's ``get_timer()``/``handle_timer(now_ns)`` pair, in monotonic nanoseconds.
 
 Arming for a later time than the one already armed keeps the earlier call: it
 fires, the owner handles it (nothing is due yet) and re-arms. Most re-arms on the hot
@@ -22,13 +22,13 @@ class WakeTimer:
         self._closed = False
 
     def arm(self, when_ns: int | None) -> None:
-        """Call back at ``when_ns`` (unix ns) unless an earlier call is armed; None arms nothing."""
+        """Call back at ``when_ns`` (monotonic ns) unless an earlier call is armed; None arms nothing."""
         if when_ns is None or self._closed or (self._at is not None and self._at <= when_ns):
             return
         if self._handle is not None:
             self._handle.cancel()
         self._at = when_ns
-        self._handle = self._loop.call_later(max(0.0, (when_ns - time.time_ns()) / 1e9), self._fire)
+        self._handle = self._loop.call_later(max(0.0, (when_ns - time.monotonic_ns()) / 1e9), self._fire)
 
     def cancel(self) -> None:
         """Disarm for good."""

@@ -8,8 +8,10 @@ a frame (``receive_frame``), an engine result, a next-hop result, time passing
 (``handle_timer``), a stream closing — is one method call, and the
 :mod:`~meshnode.dataplane.actions` it leads to wait for the edge to carry them
 out, in order, from :meth:`ShardWorker.take_events` (the :mod:`meshnode.sansio`
-convention). Time is always the ``now_ns`` argument (unix nanoseconds, the clock
-deadlines are written in); nothing here reads a clock or does I/O.
+convention). Time is always the ``now_ns`` argument, monotonic nanoseconds, and
+leases and timers run on it alone; a frame also comes with ``unix_now_ns``, the
+wall-clock time its envelope deadline (``deadline_unix_nanos``) is read against,
+once, on arrival. Nothing here reads a clock or does I/O.
 
 Stream lifecycle: the opener's first frame is a ``SessionRoute``, the second a
 ``SessionOpen``; the worker answers ``SessionAccepted`` or a terminal
@@ -73,6 +75,7 @@ from meshnode.dataplane.actions import (
 from meshnode.dataplane.envelope import (
     HIGHEST_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
+    Deadline,
     UnitPosition,
     digests,
     range_tuple,
@@ -231,8 +234,9 @@ class ShardWorker:
         """Sessions that ``peer_id`` holds here as a peer (its share's measure)."""
         return sum(1 for s in self._sessions.values() if not s.owner.local and s.owner.peer_id == peer_id)
 
-    def receive_frame(self, stream_id: int, body: bytes, now_ns: int) -> None:
-        """One frame body from the stream: the route first, then SessionRequests."""
+    def receive_frame(self, stream_id: int, body: bytes, now_ns: int, *, unix_now_ns: int) -> None:
+        """One frame body from the stream: the route first, then SessionRequests. A unit's
+        deadline is read against ``unix_now_ns``, the wall clock at ``now_ns``."""
         stream = self._streams[stream_id]
         out = self._events
         if stream.phase is StreamPhase.CLOSED:
@@ -256,7 +260,7 @@ class ShardWorker:
             self._on_route(out, stream, message)
         else:
             bundle = None if lifted is None else lifted[1]
-            self._on_request(out, stream, message, bundle, len(body), now_ns)
+            self._on_request(out, stream, message, bundle, len(body), now_ns, unix_now_ns)
 
     def stream_closed(self, stream_id: int, now_ns: int, *, link_lost: bool = False) -> None:
         """The transport finished or lost the stream. Its queued units are dropped (never applied);
@@ -344,18 +348,18 @@ class ShardWorker:
         out = self._events
         expired = errors.deadline_exceeded
         running = self._running
-        if running is not None and not running.answered and _passed(running.deadline_ns, now_ns):
+        if running is not None and not running.answered and _passed(running.deadline, now_ns):
             assert running.token is not None
             out.append(FireCancel(running.id, running.token))
             self._fail(out, running, expired())
         for session in list(self._ready.values()):
-            late = [u for u in session.queue if _passed(u.deadline_ns, now_ns)]
+            late = [u for u in session.queue if _passed(u.deadline, now_ns)]
             if late:
                 self._unqueue(session, late)
                 for unit in late:
                     self._fail(out, unit, expired())
         for unit in [*self._forwarding.values(), *self._followers.values()]:
-            if not unit.answered and _passed(unit.deadline_ns, now_ns):
+            if not unit.answered and _passed(unit.deadline, now_ns):
                 self._fail(out, unit, expired())
         for follower_id in [i for i, u in self._followers.items() if u.answered]:
             del self._followers[follower_id]
@@ -370,8 +374,10 @@ class ShardWorker:
         self._pump(out, now_ns)
 
     def get_timer(self) -> int | None:
-        """When :meth:`handle_timer` next has work to do (unix ns), or None."""
-        times = [u.deadline_ns for u in self._units_in_flight() if u.deadline_ns > 0 and not u.answered]
+        """When :meth:`handle_timer` next has work to do (monotonic ns), or None."""
+        times = [
+            u.deadline.at_ns for u in self._units_in_flight() if u.deadline is not None and not u.answered
+        ]
         times.extend(self._lease_end(s) for s in self._sessions.values() if not self._busy(s))
         times.extend(s.orphaned_until_ns for s in self._sessions.values() if s.orphaned_until_ns is not None)
         return min(times, default=None)
@@ -425,6 +431,7 @@ class ShardWorker:
         bundle: BundleParts | None,
         size: int,
         now_ns: int,
+        unix_now_ns: int,
     ) -> None:
         """``bundle``: the chunk's tensors when they were read in place, else None (read them from ``request``)."""
         kind = request.WhichOneof("kind")
@@ -434,7 +441,7 @@ class ShardWorker:
                     out, stream, errors.flow_control_violation("work sent before the session opened")
                 )
             else:
-                self._on_unit(out, stream, request, bundle, kind, size, now_ns)
+                self._on_unit(out, stream, request, bundle, kind, size, now_ns, unix_now_ns)
         elif kind == "open":
             if stream.phase is StreamPhase.OPEN:
                 self._terminate(out, stream, errors.payload_corrupt("the session is already open"))
@@ -548,6 +555,7 @@ class ShardWorker:
         kind: str,
         size: int,
         now_ns: int,
+        unix_now_ns: int,
     ) -> None:
         flow = stream.flow
         assert flow is not None
@@ -569,15 +577,18 @@ class ShardWorker:
         stream.unacked += 1
         if kind == "decode":
             step, work_id = request.decode.idempotency_step, request.decode.work_id
+            wire_deadline_ns = request.decode.deadline_unix_nanos
         else:
             step, work_id = request.chunk.envelope.idempotency_step, request.chunk.envelope.work_id
+            wire_deadline_ns = request.chunk.envelope.deadline_unix_nanos
+        deadline = Deadline.from_unix(wire_deadline_ns, now_ns=now_ns, unix_now_ns=unix_now_ns)
         try:
             if kind == "decode":
-                unit = self._decode_unit(out, stream, request.decode, now_ns)
+                unit = self._decode_unit(out, stream, request.decode, deadline, now_ns)
             else:
                 if bundle is None:
                     bundle = bundle_parts_from_pb(request.chunk.bundle)
-                unit = self._chunk_unit(out, stream, request.chunk.envelope, bundle, now_ns)
+                unit = self._chunk_unit(out, stream, request.chunk.envelope, bundle, deadline, now_ns)
             self._admit(out, unit, now_ns)
         except ShardProtocolError as error:
             self._status(out, stream, work_id, step, error)
@@ -588,7 +599,12 @@ class ShardWorker:
     # ------------------------------------------------------------------ building units
 
     def _decode_unit(
-        self, out: list[Action], stream: StreamState, step: shard.DecodeStep, now_ns: int
+        self,
+        out: list[Action],
+        stream: StreamState,
+        step: shard.DecodeStep,
+        deadline: Deadline | None,
+        now_ns: int,
     ) -> Unit:
         if step.expected_past_len != step.position:
             raise errors.payload_corrupt("a decode step's position must equal expected_past_len")
@@ -600,12 +616,18 @@ class ShardWorker:
             step=step.idempotency_step,
             work_id=step.work_id,
             position=UnitPosition(True, step.position, 1, step.expected_past_len),
-            deadline_ns=step.deadline_unix_nanos,
+            deadline=deadline,
             step_input=step_input,
         )
 
     def _chunk_unit(
-        self, out: list[Action], stream: StreamState, env: shard.Envelope, bundle: BundleParts, now_ns: int
+        self,
+        out: list[Action],
+        stream: StreamState,
+        env: shard.Envelope,
+        bundle: BundleParts,
+        deadline: Deadline | None,
+        now_ns: int,
     ) -> Unit:
         self._check_identity(stream, env)
         position = unit_position(env)
@@ -626,7 +648,7 @@ class ShardWorker:
             step=env.idempotency_step,
             work_id=env.work_id,
             position=position,
-            deadline_ns=env.deadline_unix_nanos,
+            deadline=deadline,
             step_input=step_input,
         )
 
@@ -654,7 +676,7 @@ class ShardWorker:
         step: int,
         work_id: str,
         position: UnitPosition,
-        deadline_ns: int,
+        deadline: Deadline | None,
         step_input: StepInput | None,
     ) -> Unit:
         unit_id = self._next_unit_id
@@ -666,7 +688,7 @@ class ShardWorker:
             step=step,
             work_id=work_id,
             position=position,
-            deadline_ns=deadline_ns,
+            deadline=deadline,
             input=step_input,
         )
 
@@ -760,16 +782,18 @@ class ShardWorker:
         self._drop_session(out, session, reason)
 
     def _touch(
-        self, session: SessionState, stream: StreamState, now_ns: int, deadline_ns: int | None = None
+        self, session: SessionState, stream: StreamState, now_ns: int, *, sized_by: Unit | None = None
     ) -> None:
-        """A frame for ``session`` arrived on ``stream``: its lease runs again, sized by a unit's
-        deadline; from the owner, it also shows the owner is there, on that stream."""
+        """A frame for ``session`` arrived on ``stream``: its lease runs again, sized by the unit
+        it carried (by its deadline, or the default without one); from the owner, it also shows
+        the owner is there, on that stream."""
         if session.owner == stream.origin:
             session.owner_stream = stream.id
             session.orphaned_until_ns = session.orphan_reason = None
-        if deadline_ns is not None:
+        if sized_by is not None:
+            deadline = sized_by.deadline
             session.idle_timeout_ns = idle_timeout_ns(
-                deadline_ns,
+                None if deadline is None else deadline.at_ns,
                 now_ns,
                 default_ns=self.config.session_idle_ttl_ns,
                 floor_ns=self.config.session_idle_floor_ns,
@@ -813,7 +837,7 @@ class ShardWorker:
         session = unit.session
         stream = self._streams.get(unit.stream_id)
         if stream is not None:
-            self._touch(session, stream, now_ns, unit.deadline_ns)
+            self._touch(session, stream, now_ns, sized_by=unit)
         position = unit.position
         verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=position.fresh_start)
         if verdict is Verdict.REPLAY:
@@ -873,7 +897,7 @@ class ShardWorker:
 
     def _start(self, out: list[Action], unit: Unit, now_ns: int) -> None:
         session = unit.session
-        if _passed(unit.deadline_ns, now_ns):
+        if _passed(unit.deadline, now_ns):
             self._fail(out, unit, errors.deadline_exceeded())
             return
         position = unit.position
@@ -949,7 +973,7 @@ class ShardWorker:
             step=unit.step,
             work_id=unit.work_id,
             position=unit.position,
-            deadline_unix_nanos=unit.deadline_ns,
+            deadline=unit.deadline,
             hidden=result.hidden,
         )
         record = StepRecord(
@@ -1006,7 +1030,7 @@ class ShardWorker:
             record.followers.append(unit)
             self._followers[unit.id] = unit
         else:
-            work = replace(record.forward, deadline_unix_nanos=unit.deadline_ns)
+            work = replace(record.forward, deadline=unit.deadline)
             record.forward = work
             self._forward(out, unit, record, work)
 
@@ -1123,8 +1147,8 @@ class ShardWorker:
         return units
 
 
-def _passed(deadline_ns: int, now_ns: int) -> bool:
-    return deadline_ns != 0 and now_ns >= deadline_ns
+def _passed(deadline: Deadline | None, now_ns: int) -> bool:
+    return deadline is not None and now_ns >= deadline.at_ns
 
 
 def _refusal_for(verdict: Verdict, session: SessionState) -> ShardProtocolError:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engines.interface import CancelToken, SessionKey
-from meshnode.dataplane.envelope import UnitPosition
+from meshnode.dataplane.envelope import Deadline, UnitPosition
 from meshnode.dataplane.lease import LOCAL_ORIGIN, ReleaseReason, StreamOrigin
 from meshnode.dataplane.payload import HopRole, StepInput
 from meshnode.dataplane.route import RoutePlan
@@ -84,7 +84,7 @@ class Unit:
     step: int
     work_id: str
     position: UnitPosition
-    deadline_ns: int
+    deadline: Deadline | None
     input: StepInput | None
     token: CancelToken | None = None
     answered: bool = False

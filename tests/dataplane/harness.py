@@ -25,6 +25,7 @@ from meshnode.dataplane.actions import (
     Send,
 )
 from meshnode.dataplane.client import SessionClient, UnitDone, UnitFailed
+from meshnode.dataplane.envelope import Deadline
 from meshnode.dataplane.lease import LOCAL_ORIGIN, StreamOrigin
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import make_hop, make_route
@@ -35,8 +36,11 @@ from meshnode.wire.tensor_codec import encode_bundle
 
 from .recording_engine import HIDDEN, LAYERS, RecordingEngine
 
-NOW = 1_700_000_000 * 1_000_000_000
 SECOND = 1_000_000_000
+# The two clocks start far apart, so a test that mixed them up would fail: the machines' timers
+# and leases run on the monotonic clock, envelope deadlines are wall-clock unix nanoseconds.
+NOW = 5_000 * SECOND
+UNIX_START = 1_700_000_000 * SECOND
 NODE_B = b"\x02" * 32
 
 _FINGERPRINT = RecordingEngine().capabilities().fingerprint
@@ -91,6 +95,7 @@ def chunk_request(
     session_id: str = "s1",
     epoch: int = 1,
     shard_range: shard.ShardRange | None = None,
+    # Wall-clock unix nanoseconds, as the envelope carries it (0: none).
     deadline: int = 0,
     phase: int = shard.PHASE_PREFILL,
     work_id: str | None = None,
@@ -185,7 +190,9 @@ class WorkerHarness:
     def __init__(self, engine: RecordingEngine | None = None, config: WorkerConfig | None = None) -> None:
         self.engine = engine or RecordingEngine()
         self.worker = ShardWorker(self.engine.capabilities(), config)
+        # Monotonic now; the wall clock reads ``now + wall_clock_offset`` (a test may step it).
         self.now = NOW
+        self.wall_clock_offset = UNIX_START - NOW
         # Carries out Forward / CancelDownstream / ReleaseDownstream; returns the worker actions
         # that the next hop's answers produced.
         self.downstream: Callable[[Action], list[Action]] | None = None
@@ -233,8 +240,18 @@ class WorkerHarness:
 
     # Each worker input, and the actions it led to (taken from the worker, not carried out).
 
+    @property
+    def unix_now(self) -> int:
+        return self.now + self.wall_clock_offset
+
+    def deadline(self, after_ns: int) -> Deadline:
+        """A deadline ``after_ns`` from now, as a caller gives it to a client."""
+        deadline = Deadline.from_unix(self.unix_now + after_ns, now_ns=self.now, unix_now_ns=self.unix_now)
+        assert deadline is not None
+        return deadline
+
     def receive_frame(self, stream: int, body: bytes, now_ns: int) -> list[Action]:
-        self.worker.receive_frame(stream, body, now_ns)
+        self.worker.receive_frame(stream, body, now_ns, unix_now_ns=now_ns + self.wall_clock_offset)
         return self.worker.take_events()
 
     def stream_closed(self, stream: int, now_ns: int, *, link_lost: bool = False) -> list[Action]:
@@ -295,7 +312,7 @@ class Loopback:
             actions = [a for a in actions if not isinstance(a, RunStep)]
         for action in self.harness.run(actions):
             if isinstance(action, Send) and action.stream_id == self.stream:
-                self.client.receive_frame(action.response.SerializeToString(), self.harness.now)
+                self.client.receive_frame(action.response.SerializeToString())
             else:
                 self.other.append(action)
 
@@ -305,7 +322,7 @@ class Loopback:
         self.feed(held)
 
     def pump(self) -> None:
-        while bodies := self.client.requests_to_send():
+        while bodies := self.client.requests_to_send(self.harness.now):
             for body in bodies:
                 self.deliver(body)
 
@@ -381,6 +398,7 @@ __all__ = [
     "NODE_B",
     "NOW",
     "SECOND",
+    "UNIX_START",
     "Chain",
     "Loopback",
     "WorkerHarness",

@@ -7,7 +7,7 @@ import numpy as np
 from engines.interface import GREEDY, EngineError, EngineErrorKind, SessionKey, StepRequest
 from meshnode.dataplane.actions import CancelDownstream, Forward, ReleaseDownstream, ReleaseEngine
 from meshnode.dataplane.client import ClientConfig, SessionReady, UnitDone, UnitFailed
-from meshnode.dataplane.envelope import UnitPosition
+from meshnode.dataplane.envelope import Deadline, UnitPosition
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import DownstreamResult
@@ -178,7 +178,7 @@ def forwards(actions: list) -> list[Forward]:
 
 def test_forward_carries_the_unit_for_the_next_hop() -> None:
     harness, stream = forwarding_worker()
-    deadline = harness.now + SECOND
+    deadline = harness.unix_now + SECOND
     (forward,) = forwards(
         harness.send(stream, chunk_request(1, [1, 2, 3], shard_range=srange(0, 2), deadline=deadline))
     )
@@ -186,7 +186,8 @@ def test_forward_carries_the_unit_for_the_next_hop() -> None:
     assert forward.hop.shard_range.effective_start_layer == 2
     assert list(forward.route.downstream) == []
     work = forward.work
-    assert (work.step, work.work_id, work.deadline_unix_nanos) == (1, "w1", deadline)
+    # The deadline travels on as it arrived, on both clocks.
+    assert (work.step, work.work_id, work.deadline) == (1, "w1", Deadline(deadline, harness.now + SECOND))
     assert work.position == UnitPosition(
         decode=False, first_position=0, token_count=3, expected_past_len=None, chunk_index=0, chunk_count=1
     )

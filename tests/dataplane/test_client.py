@@ -78,10 +78,10 @@ def test_credits_are_respected_while_units_pipeline() -> None:
     link.hold_engine = True
     client.submit_prefill(list(range(10)))
     assert client.window == 4
-    sent = client.requests_to_send()
+    sent = client.requests_to_send(link.harness.now)
     assert len(sent) == 4  # four units in flight before any answer: pipelined
     assert client.unacked == 4 and client.pending == 6
-    assert client.requests_to_send() == []  # blocked on credit
+    assert client.requests_to_send(link.harness.now) == []  # blocked on credit
     for body in sent:
         link.deliver(body)
     most_in_flight = client.unacked
@@ -91,7 +91,7 @@ def test_credits_are_respected_while_units_pipeline() -> None:
         link.hold_engine = True
         done += sum(isinstance(e, UnitDone) for e in client.take_events())
         assert client.unacked <= client.window <= 8
-        while bodies := client.requests_to_send():
+        while bodies := client.requests_to_send(link.harness.now):
             for body in bodies:
                 link.deliver(body)
             most_in_flight = max(most_in_flight, client.unacked)
@@ -202,7 +202,7 @@ def test_a_wedged_peer_fails_units_at_their_deadline() -> None:
     link = connected()
     deadline = link.harness.now + SECOND
     link.hold_engine = True
-    link.client.submit_prefill([1, 2], deadline_ns=deadline)
+    link.client.submit_prefill([1, 2], deadline=link.harness.deadline(SECOND))
     link.pump()
     assert link.client.get_timer() == deadline
     link.client.handle_timer(deadline - 1)
@@ -280,7 +280,7 @@ def test_activations_use_the_route_compression_only_when_the_peer_accepts_it(wor
     )
     hidden = np.linspace(-1, 1, 4 * HIDDEN, dtype=np.float32).reshape(4, HIDDEN)
     link.client.submit_prefill(hidden)
-    (body,) = link.client.requests_to_send()
+    (body,) = link.client.requests_to_send(link.harness.now)
     request = shard.SessionRequest()
     request.ParseFromString(body)
     expected = shard.COMPRESSION_ZSTD if worker_takes_zstd else shard.COMPRESSION_NONE

@@ -59,7 +59,7 @@ def test_every_unit_is_answered_exactly_once(ops: list[str], chunk_tokens: int) 
             submitted.append(client.submit_decode(7, position=position))
             position += 1
         elif op == "late_decode":
-            submitted.append(client.submit_decode(7, position=position, deadline_ns=harness.now + SECOND))
+            submitted.append(client.submit_decode(7, position=position, deadline=harness.deadline(SECOND)))
             position += 1
         elif op == "pump" and connected:
             link.pump()

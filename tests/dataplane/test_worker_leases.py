@@ -57,7 +57,7 @@ def test_a_peers_cap_is_the_ceiling_of_its_share_and_never_zero_nor_more_than_al
 def test_a_units_deadline_sizes_the_idle_timeout_within_the_floor_and_the_default() -> None:
     now = 1000 * SECOND
     default, floor = 120 * SECOND, 5 * SECOND
-    assert idle_timeout_ns(0, now, default_ns=default, floor_ns=floor) == default
+    assert idle_timeout_ns(None, now, default_ns=default, floor_ns=floor) == default
     assert idle_timeout_ns(now + 30 * SECOND, now, default_ns=default, floor_ns=floor) == 30 * SECOND
     assert idle_timeout_ns(now + SECOND, now, default_ns=default, floor_ns=floor) == floor
     assert idle_timeout_ns(now + 3600 * SECOND, now, default_ns=default, floor_ns=floor) == default
@@ -205,7 +205,7 @@ def test_a_frame_from_another_peer_does_not_keep_a_departed_owners_session() -> 
 
 def test_an_idle_session_ends_when_its_units_deadline_has_passed_not_the_default() -> None:
     harness = WorkerHarness(config=WorkerConfig(session_idle_ttl_ns=120 * SECOND))
-    open_prefilled(harness, "a", origin(PEER_A), deadline=harness.now + 30 * SECOND)
+    open_prefilled(harness, "a", origin(PEER_A), deadline=harness.unix_now + 30 * SECOND)
     worker = harness.worker
     assert worker.get_timer() == harness.now + 30 * SECOND
     assert released(harness.run(harness.handle_timer(harness.now + 30 * SECOND - 1))) == []
@@ -226,7 +226,7 @@ def test_every_frame_for_a_session_renews_its_lease() -> None:
 
 def test_a_far_deadline_cannot_hold_a_session_past_the_default() -> None:
     harness = WorkerHarness(config=WorkerConfig(session_idle_ttl_ns=10 * SECOND))
-    open_prefilled(harness, "a", origin(PEER_A), deadline=harness.now + 3600 * SECOND)
+    open_prefilled(harness, "a", origin(PEER_A), deadline=harness.unix_now + 3600 * SECOND)
     assert harness.worker.get_timer() == harness.now + 10 * SECOND
 
 

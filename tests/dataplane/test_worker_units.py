@@ -52,7 +52,7 @@ def test_deadline_passed_when_dequeued_is_not_executed() -> None:
     first = harness.send(stream, decode_request(2, 4, 3), run=False)
     (running,) = held_steps(first)
     # Queued behind the running step, with a deadline that passes while it waits.
-    queued = harness.send(stream, decode_request(3, 5, 4, deadline=harness.now + SECOND), run=False)
+    queued = harness.send(stream, decode_request(3, 5, 4, deadline=harness.unix_now + SECOND), run=False)
     assert held_steps(queued) == []
     calls_before = len(harness.engine.calls)
     harness.now += 2 * SECOND
@@ -69,15 +69,18 @@ def test_deadline_passed_when_dequeued_is_not_executed() -> None:
 def test_deadline_already_passed_on_arrival_is_refused() -> None:
     harness, stream = prefilled()
     calls = len(harness.engine.calls)
-    status = only_status(harness.ask(stream, decode_request(2, 4, 3, deadline=harness.now - 1)))
+    status = only_status(harness.ask(stream, decode_request(2, 4, 3, deadline=harness.unix_now - 1)))
     assert status.error.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
     assert len(harness.engine.calls) == calls
 
 
 def test_deadline_of_a_running_unit_fires_its_cancel_token() -> None:
     harness, stream = prefilled()
-    deadline = harness.now + SECOND
-    (running,) = held_steps(harness.send(stream, decode_request(2, 4, 3, deadline=deadline), run=False))
+    wall_clock_deadline = harness.unix_now + SECOND
+    (running,) = held_steps(
+        harness.send(stream, decode_request(2, 4, 3, deadline=wall_clock_deadline), run=False)
+    )
+    deadline = harness.now + SECOND  # the same instant on the monotonic clock
     assert harness.worker.get_timer() == deadline
     assert harness.handle_timer(deadline - 1) == []
 
@@ -99,7 +102,7 @@ def test_deadline_of_a_running_unit_fires_its_cancel_token() -> None:
 def test_a_running_unit_that_finishes_after_its_deadline_is_recorded_for_the_retry() -> None:
     harness, stream = prefilled()
     (running,) = held_steps(
-        harness.send(stream, decode_request(2, 4, 3, deadline=harness.now + 1), run=False)
+        harness.send(stream, decode_request(2, 4, 3, deadline=harness.unix_now + 1), run=False)
     )
     harness.now += 2
     tick = harness.handle_timer(harness.now)
@@ -111,6 +114,26 @@ def test_a_running_unit_that_finishes_after_its_deadline_is_recorded_for_the_ret
     assert acks(out)[0].duplicate
     assert len(harness.engine.calls) == calls
     assert len(result_tokens(out)) == 1
+
+
+def test_a_wall_clock_step_moves_neither_a_deadline_already_read_nor_a_lease() -> None:
+    harness, stream = prefilled()
+    (running,) = held_steps(
+        harness.send(stream, decode_request(2, 4, 3, deadline=harness.unix_now + 10 * SECOND), run=False)
+    )
+    timer = harness.worker.get_timer()
+    assert timer == harness.now + 10 * SECOND
+    # NTP steps the wall clock an hour ahead: the unit is not late, nor is the session idle.
+    harness.wall_clock_offset += 3600 * SECOND
+    assert harness.worker.get_timer() == timer
+    assert harness.handle_timer(harness.now + SECOND) == []
+    assert kinds(responses(harness.run([running]), stream))[:2] == ["chunk", "ack"]
+    # The unit's deadline sized the session's lease to 10 s, on the monotonic clock.
+    assert harness.handle_timer(harness.now + 5 * SECOND) == []
+    assert harness.worker.get_timer() == harness.now + 10 * SECOND
+    # A deadline that arrives after the step is read against the stepped wall clock.
+    late = decode_request(3, 5, 4, deadline=harness.unix_now - 3600 * SECOND + 10 * SECOND)
+    assert only_status(harness.ask(stream, late)).error.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
 
 
 # ---------------------------------------------------------------------------- idempotency
