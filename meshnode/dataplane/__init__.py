@@ -1,6 +1,6 @@
 """The shard data plane: sans-IO session machines, and their asyncio edges over any PeerLink.
 
-Sans-IO (pure, time is a parameter):
+Sans-IO (pure, time is a parameter; the :mod:`meshnode.sansio` convention):
 
 - :mod:`.worker` — :class:`ShardWorker`, the node-wide worker state machine;
 - :mod:`.client` — :class:`SessionClient`, one route session toward one peer hop;
