@@ -20,8 +20,6 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-SECOND_NS = 1_000_000_000
-
 
 class ReleaseReason(Enum):
     """Why a session's state was dropped (the label of ``meshnode_session_releases_total``)."""
@@ -85,7 +83,6 @@ def peer_session_cap(share: float, max_sessions: int) -> int:
 
 __all__ = [
     "LOCAL_ORIGIN",
-    "SECOND_NS",
     "LeaseSettings",
     "ReleaseReason",
     "StreamOrigin",

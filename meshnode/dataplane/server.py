@@ -184,7 +184,7 @@ class ShardServer:
         worker. Serving without a passed validation is allowed; capability reports say so."""
         capabilities = await self.engine_thread.call(self.engine.capabilities)
         self.validation = await self.engine_thread.call(
-            partial(validate_engine, self.engine, now_ns=time.time_ns())
+            partial(validate_engine, self.engine, unix_now_ns=time.time_ns())
         )
         self._worker = ShardWorker(capabilities, self.config.worker)
         self._arm_timer()

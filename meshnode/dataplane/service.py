@@ -22,9 +22,10 @@ from typing import Protocol
 
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
-from meshnode.dataplane.lease import SECOND_NS, LeaseSettings
+from meshnode.dataplane.lease import LeaseSettings
 from meshnode.dataplane.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.worker import WorkerConfig
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh, shard
 

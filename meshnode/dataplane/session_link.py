@@ -72,6 +72,7 @@ from meshnode.dataplane.payload import HIDDEN_STATES, LOGITS, TOKEN_IDS
 from meshnode.dataplane.route import make_route
 from meshnode.dataplane.wake_timer import WakeTimer
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import RESET_CANCELLED, PeerLink
 from meshnode.transport.framed import READ_CHUNK, FramedStream
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
@@ -84,7 +85,6 @@ log = logging.getLogger("meshnode.dataplane.session")
 LinkFactory = Callable[[], Awaitable[PeerLink]]
 LinkSource = PeerLink | LinkFactory
 
-SECOND_NS = 1_000_000_000
 # Frames below this are joined into one write (one QUIC frame); larger ones are written as they are.
 _JOIN_BELOW_BYTES = 64 * 1024
 

@@ -39,12 +39,13 @@ class Validation:
     validated_at_unix_nanos: int
 
 
-def validate_engine(engine: ShardEngine, *, now_ns: int, probe_tokens: int = PROBE_TOKENS) -> Validation:
+def validate_engine(engine: ShardEngine, *, unix_now_ns: int, probe_tokens: int = PROBE_TOKENS) -> Validation:
     """Run a few tokens through the served range on a scratch session and check the outputs.
 
     A prefill then one decode step; each output must be finite and correctly shaped
     for the range's role. The scratch state is always released. Runs on the engine
-    thread (it calls the engine). Failure details are fixed strings.
+    thread (it calls the engine). Failure details are fixed strings. ``unix_now_ns`` is the
+    wall-clock instant a passed validation reports (``validated_at_unix_nanos``).
     """
     try:
         caps = engine.capabilities()
@@ -82,7 +83,7 @@ def validate_engine(engine: ShardEngine, *, now_ns: int, probe_tokens: int = PRO
     finally:
         with contextlib.suppress(Exception):
             engine.release(PROBE_SESSION)
-    return Validation(True, "", now_ns)
+    return Validation(True, "", unix_now_ns)
 
 
 def capability_report(

@@ -51,13 +51,12 @@ from meshnode.head.planner import Hop, ModelIdentity, NoRouteError, Route, Shard
 from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy
 from meshnode.head.transcript import Transcript
 from meshnode.identity import short_id
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
 log = logging.getLogger("meshnode.head.driver")
-
-SECOND_NS = 1_000_000_000
 
 
 class RouteEnvironment(Protocol):

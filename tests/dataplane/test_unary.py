@@ -25,6 +25,8 @@ from .harness import WorkerHarness, chunk_request, decode_request, only_status, 
 from .recording_engine import RecordingEngine
 
 V1 = shard.SCHEMA_VERSION_1
+# A wall-clock instant, apart from the harness's monotonic clock.
+UNIX_NOW_NS = 1_800_000_000 * 10**9
 
 
 @pytest.mark.parametrize("served", [(0, 4), (0, 2), (2, 4), (1, 3)])
@@ -33,14 +35,14 @@ def test_capability_is_validated_only_after_a_real_bounded_forward(served: tuple
     before = capability_report(harness.worker, shard.CapabilityRequest(schema_version=V1), None)
     assert not before.validated and before.validated_at_unix_nanos == 0
 
-    validation = validate_engine(harness.engine, now_ns=harness.now)
+    validation = validate_engine(harness.engine, unix_now_ns=UNIX_NOW_NS)
     assert validation.validated
     assert len(harness.engine.calls) == 2  # a prefill and one decode step
     assert all(c.session == PROBE_SESSION for c in harness.engine.calls)
     assert PROBE_SESSION in harness.engine.released and harness.engine.health().active_sessions == 0
 
     report = capability_report(harness.worker, shard.CapabilityRequest(schema_version=V1), validation)
-    assert report.validated and report.validated_at_unix_nanos == harness.now
+    assert report.validated and report.validated_at_unix_nanos == UNIX_NOW_NS
     assert (report.shard_range.start_layer, report.shard_range.end_layer) == served
     assert report.fingerprint.model_artifact_digest == harness.worker.fingerprint.model_artifact_digest
     assert report.max_concurrent_sessions == 4 and report.max_context_tokens == 64
@@ -58,7 +60,7 @@ def test_capability_is_validated_only_after_a_real_bounded_forward(served: tuple
 def test_a_failing_forward_leaves_the_capability_unvalidated_with_a_fixed_detail(fault: Exception) -> None:
     engine = RecordingEngine()
     engine.fail_next = fault
-    validation = validate_engine(engine, now_ns=1)
+    validation = validate_engine(engine, unix_now_ns=UNIX_NOW_NS)
     assert not validation.validated and validation.detail == VALIDATION_FAILED_DETAIL
     assert PROBE_SESSION in engine.released
     report = capability_report(
@@ -71,11 +73,11 @@ def test_a_failing_forward_leaves_the_capability_unvalidated_with_a_fixed_detail
 @pytest.mark.parametrize("kind", [FaultKind.MALFORMED_NAN, FaultKind.MALFORMED_SHAPE])
 def test_non_finite_or_misshapen_outputs_do_not_validate(served: tuple[int, int], kind: FaultKind) -> None:
     engine = RecordingEngine(*served)
-    assert validate_engine(engine, now_ns=1).validated
+    assert validate_engine(engine, unix_now_ns=UNIX_NOW_NS).validated
     engine.inject(FaultRule(kind, times=1))
-    validation = validate_engine(engine, now_ns=1)
+    validation = validate_engine(engine, unix_now_ns=UNIX_NOW_NS)
     assert not validation.validated and validation.detail == VALIDATION_FAILED_DETAIL
-    assert validate_engine(engine, now_ns=1).validated  # the fault fired once
+    assert validate_engine(engine, unix_now_ns=UNIX_NOW_NS).validated  # the fault fired once
 
 
 def test_health_reports_engine_state_and_worker_load() -> None:
