@@ -90,7 +90,7 @@ class PeerHandler:
 def member(mesh_key: MeshKey, seed: bytes | None = None) -> tuple[NodeIdentity, object]:
     identity = NodeIdentity.from_seed(seed) if seed else NodeIdentity.generate()
     certificate = issue_certificate(
-        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
     )
     return identity, certificate_proof(certificate)
 

@@ -411,7 +411,7 @@ class RelayCore:
                 mesh_id=register.mesh_id,
                 verifier_id=self.relay_id,
                 authenticated_peer_id=node_id,
-                now=unix_now,
+                unix_now=unix_now,
             )
         except MeshRefusal as refusal:
             self._refuse_registration(

@@ -151,7 +151,7 @@ async def cmd_create(args: argparse.Namespace) -> int:
             raise CliError(f"{data_dir.path} is already a mesh member; use `meshnode start`")
         mesh_key = MeshKey.generate()
         certificate = issue_certificate(
-            mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+            mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
         )
         membership = MembershipState(mesh_key=mesh_key, certificate=certificate)
         data_dir.save_membership(membership)
@@ -171,7 +171,7 @@ def _read_invite_text(args: argparse.Namespace) -> str:
 async def cmd_join(args: argparse.Namespace) -> int:
     try:
         invite = decode_invite_token(_read_invite_text(args))
-        check_invite(invite, now=time.time())
+        check_invite(invite, unix_now=time.time())
     except MeshRefusal as refusal:
         raise CliError(f"invite refused: {refusal.detail}", code=2) from None
     data_dir = locked_node_data_dir(args)
@@ -244,7 +244,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
         bootstrap=bootstrap,
         relays=membership.relays,
         ttl_s=args.ttl,
-        now=time.time(),
+        unix_now=time.time(),
     )
     expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(invite.expires_unix))
     print(

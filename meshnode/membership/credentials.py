@@ -14,7 +14,9 @@ Trust model (``proto/meshnode/v1/membership.proto`` has the wire details):
   can invite and admit. Members show their certificate on every later admission.
 
 Every check raises :class:`~meshnode.wire.mesh_refusal.MeshRefusal` with the exact
-code. Time is a parameter (unix seconds). Nothing here logs; secrets are wrapped
+code. Time is a parameter, ``unix_now``: wall-clock seconds, because what it is
+compared with (an invite's ``expires_unix``) and stamped into (``issued_unix``) are
+wall-clock instants every member reads alike (:mod:`meshnode.sansio`). Nothing here logs; secrets are wrapped
 in objects whose ``repr`` does not show them.
 """
 
@@ -163,7 +165,7 @@ def create_invite(
     bootstrap: list[Endpoint],
     relays: list[Endpoint] | None = None,
     ttl_s: float = DEFAULT_INVITE_TTL_S,
-    now: float,
+    unix_now: float,
 ) -> Invite:
     if not bootstrap:
         raise ValueError("an invite needs at least one bootstrap peer")
@@ -174,8 +176,8 @@ def create_invite(
         mesh_public_key=mesh_key.public_key,
         bootstrap=[e.to_pb() for e in bootstrap[:MAX_ENDPOINTS]],
         relays=[e.to_pb() for e in (relays or [])[:MAX_ENDPOINTS]],
-        issued_unix=int(now),
-        expires_unix=int(now + ttl_s),
+        issued_unix=int(unix_now),
+        expires_unix=int(unix_now + ttl_s),
         invite_public_key=public_key_bytes(invite_key),
         issuer_id=issuer_id,
     )
@@ -249,17 +251,17 @@ def decode_invite_token(text: str) -> Invite:
 
 
 def _check_signed_invite(
-    body: membership.InviteBody, body_bytes: bytes, signature: bytes, now: float
+    body: membership.InviteBody, body_bytes: bytes, signature: bytes, unix_now: float
 ) -> None:
     if not verify_signature(bytes(body.mesh_public_key), signature, INVITE_BODY_TAG + body_bytes):
         raise MeshRefusal(FORGED, "invite signature does not verify")
-    if now >= body.expires_unix:
+    if unix_now >= body.expires_unix:
         raise MeshRefusal(EXPIRED, f"invite expired at unix time {body.expires_unix}")
 
 
-def check_invite(invite: Invite, *, now: float) -> None:
+def check_invite(invite: Invite, *, unix_now: float) -> None:
     """What a joiner can check before dialing: the mesh signature and the expiry."""
-    _check_signed_invite(invite.body, invite.body_bytes, invite.body_signature, now)
+    _check_signed_invite(invite.body, invite.body_bytes, invite.body_signature, unix_now)
 
 
 def possession_message(mesh_public_key: bytes, joiner_id: bytes, verifier_id: bytes) -> bytes:
@@ -278,10 +280,10 @@ def make_invite_proof(invite: Invite, *, joiner_id: bytes, verifier_id: bytes) -
 
 
 def issue_certificate(
-    mesh_key: MeshKey, *, node_id: bytes, issuer_id: bytes, now: float
+    mesh_key: MeshKey, *, node_id: bytes, issuer_id: bytes, unix_now: float
 ) -> membership.MemberCertificate:
     body = membership.MemberCertificateBody(
-        mesh_public_key=mesh_key.public_key, node_id=node_id, issued_unix=int(now), issuer_id=issuer_id
+        mesh_public_key=mesh_key.public_key, node_id=node_id, issued_unix=int(unix_now), issuer_id=issuer_id
     )
     body_bytes = body.SerializeToString(deterministic=True)
     return membership.MemberCertificate(body=body_bytes, signature=mesh_key.sign(CERTIFICATE_TAG, body_bytes))
@@ -319,7 +321,7 @@ def verify_membership_proof(
     mesh_id: str,
     verifier_id: bytes,
     authenticated_peer_id: bytes,
-    now: float,
+    unix_now: float,
 ) -> VerifiedMembership:
     """Check that the authenticated peer may be admitted to ``mesh_id`` by ``verifier_id``.
 
@@ -336,7 +338,7 @@ def verify_membership_proof(
         )
     invite_proof = proof.invite
     body = _parse_invite_body(invite_proof.body)
-    _check_signed_invite(body, invite_proof.body, invite_proof.body_signature, now)
+    _check_signed_invite(body, invite_proof.body, invite_proof.body_signature, unix_now)
     if mesh_id_from_public_key(body.mesh_public_key) != mesh_id:
         raise MeshRefusal(OTHER_MESH, "invite is for another mesh")
     message = possession_message(body.mesh_public_key, authenticated_peer_id, verifier_id)

@@ -151,7 +151,7 @@ class MeshState:
                     mesh.MESH_ERROR_NOT_ADMITTED, "this node is still joining; ask another member"
                 )
             certificate = issue_certificate(
-                self.membership.mesh_key, node_id=peer_id, issuer_id=self.node_id, now=now
+                self.membership.mesh_key, node_id=peer_id, issuer_id=self.node_id, unix_now=now
             )
             grant = make_grant(self.membership.mesh_key, certificate)
         self._admitted.add(peer_id)
@@ -197,7 +197,7 @@ class MeshState:
             return None
         proof = frame.membership_proof if frame.HasField("membership_proof") else None
         return verify_membership_proof(
-            proof, mesh_id=self.mesh_id, verifier_id=self.node_id, authenticated_peer_id=peer_id, now=now
+            proof, mesh_id=self.mesh_id, verifier_id=self.node_id, authenticated_peer_id=peer_id, unix_now=now
         )
 
     def _open_records(self, frame: mesh.GossipFrame, peer_id: bytes, now: float) -> OpenedGossip:

@@ -210,7 +210,7 @@ def write_member(data_dir: Path, mesh_key: MeshKey) -> NodeIdentity:
     identity = NodeIdentity.generate()
     write_private_file(data_dir / "node_key.pem", identity.to_pem())
     certificate = issue_certificate(
-        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
     )
     DataDir(data_dir).save_membership(MembershipState(mesh_key=mesh_key, certificate=certificate))
     return identity
@@ -249,7 +249,7 @@ class QuicCluster:
             self.mesh_key,
             issuer_id=self.first_id,
             bootstrap=[Endpoint(self.first_id, self.first_address)],
-            now=time.time(),
+            unix_now=time.time(),
         )
         return encode_invite_token(invite)
 

@@ -59,7 +59,9 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
     await relay_server.start("127.0.0.1", 0)
     relay = Endpoint(relay_server.relay_id, f"127.0.0.1:{relay_server.address[1]}")
     first = NodeIdentity.generate()
-    certificate = issue_certificate(mesh_key, node_id=first.node_id, issuer_id=first.node_id, now=time.time())
+    certificate = issue_certificate(
+        mesh_key, node_id=first.node_id, issuer_id=first.node_id, unix_now=time.time()
+    )
     head = Node(
         first,
         DataDir(tmp_path / "head"),
@@ -78,7 +80,7 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
                 issuer_id=head.node_id,
                 bootstrap=[Endpoint(head.node_id, head.addresses[0])],
                 relays=[relay],
-                now=time.time(),
+                unix_now=time.time(),
             )
             node = Node(NodeIdentity.generate(), DataDir(tmp_path / name), relayed(relay), invite=invite)
             nodes.append(node)

@@ -109,7 +109,7 @@ def fast_config(**overrides) -> NodeConfig:
 
 def new_membership(mesh_key: MeshKey, identity: NodeIdentity) -> MembershipState:
     certificate = issue_certificate(
-        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
     )
     return MembershipState(mesh_key=mesh_key, certificate=certificate)
 
@@ -135,7 +135,7 @@ async def start_joiner(tmp_path: Path, name: str, bootstrap: Node, **config) -> 
         membership.mesh_key,
         issuer_id=bootstrap.node_id,
         bootstrap=[Endpoint(bootstrap.node_id, bootstrap.addresses[0])],
-        now=time.time(),
+        unix_now=time.time(),
     )
     node = Node(NodeIdentity.generate(), DataDir(tmp_path / name), fast_config(**config), invite=invite)
     await node.start()

@@ -91,7 +91,7 @@ async def test_announced_frames_do_not_reserve_memory_and_the_node_keeps_answeri
             membership.mesh_key,
             issuer_id=target_id,
             bootstrap=[Endpoint(target_id, address)],
-            now=time.time(),
+            unix_now=time.time(),
         )
         for name in ("good", "attacker"):
             node = Node(

@@ -66,7 +66,7 @@ def make_token(*, ttl=3600.0, now=None) -> str:
         issuer_id=issuer.node_id,
         bootstrap=[Endpoint(issuer.node_id, "127.0.0.1:9")],
         ttl_s=ttl,
-        now=now or time.time(),
+        unix_now=now or time.time(),
     )
     return encode_invite_token(invite)
 
@@ -114,7 +114,7 @@ def test_invite_needs_a_running_node_or_an_address(tmp_path):
     write_private_file(data_dir / "node_key.pem", identity.to_pem())
     mesh_key = MeshKey.generate()
     certificate = issue_certificate(
-        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
     )
     DataDir(data_dir).save_membership(MembershipState(mesh_key=mesh_key, certificate=certificate))
 

@@ -34,7 +34,7 @@ def new_invite(mesh_key, issuer, *, ttl=3600.0, now=NOW):
     bootstrap = [Endpoint(issuer.node_id, "127.0.0.1:7447")]
     relays = [Endpoint(NodeIdentity.generate().node_id, "relay.example:443")]
     return create_invite(
-        mesh_key, issuer_id=issuer.node_id, bootstrap=bootstrap, relays=relays, ttl_s=ttl, now=now
+        mesh_key, issuer_id=issuer.node_id, bootstrap=bootstrap, relays=relays, ttl_s=ttl, unix_now=now
     )
 
 
@@ -67,7 +67,7 @@ def test_invite_token_round_trips_and_checks(mesh_key, issuer):
     token = encode_invite_token(invite)
     assert "=" not in token and "+" not in token and "/" not in token
     decoded = decode_invite_token(f"  {token}\n")
-    check_invite(decoded, now=NOW + 10)
+    check_invite(decoded, unix_now=NOW + 10)
     assert decoded.mesh_id == mesh_key.mesh_id
     assert decoded.bootstrap == invite.bootstrap and decoded.relays == invite.relays
     assert decoded.issuer_id == issuer.node_id
@@ -78,8 +78,8 @@ def test_invite_token_round_trips_and_checks(mesh_key, issuer):
 
 def test_expired_invite_is_refused_at_and_after_expiry(mesh_key, issuer):
     invite = decode_invite_token(encode_invite_token(new_invite(mesh_key, issuer, ttl=60)))
-    check_invite(invite, now=NOW + 59)
-    assert refusal_code(lambda: check_invite(invite, now=NOW + 60)) == mesh.MESH_ERROR_INVITE_EXPIRED
+    check_invite(invite, unix_now=NOW + 59)
+    assert refusal_code(lambda: check_invite(invite, unix_now=NOW + 60)) == mesh.MESH_ERROR_INVITE_EXPIRED
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_tampered_invite_body_is_forged(mesh_key, issuer):
     body.expires_unix += 10**6  # extend the validity without the mesh key
     raw.body = body.SerializeToString()
     tampered = decode_invite_token(base64.urlsafe_b64encode(raw.SerializeToString()).decode())
-    assert refusal_code(lambda: check_invite(tampered, now=NOW)) == mesh.MESH_ERROR_FORGED
+    assert refusal_code(lambda: check_invite(tampered, unix_now=NOW)) == mesh.MESH_ERROR_FORGED
 
 
 def test_every_single_bit_flip_of_a_token_is_refused(mesh_key, issuer):
@@ -134,7 +134,7 @@ def test_every_single_bit_flip_of_a_token_is_refused(mesh_key, issuer):
             flipped[position] ^= bit
             text = base64.urlsafe_b64encode(bytes(flipped)).decode()
             with pytest.raises(MeshRefusal) as info:
-                check_invite(decode_invite_token(text), now=NOW)
+                check_invite(decode_invite_token(text), unix_now=NOW)
             assert info.value.code in (mesh.MESH_ERROR_MALFORMED, mesh.MESH_ERROR_FORGED), (position, bit)
 
 
@@ -149,7 +149,7 @@ def test_invite_proof_admits_exactly_the_holder_at_the_named_verifier(mesh_key, 
             mesh_id=mesh_id,
             verifier_id=verifier.node_id,
             authenticated_peer_id=peer.node_id,
-            now=now,
+            unix_now=now,
         )
 
     verified = verify(joiner)
@@ -171,7 +171,7 @@ def test_invite_proof_admits_exactly_the_holder_at_the_named_verifier(mesh_key, 
 
 def test_member_certificate_is_bound_to_mesh_and_node(mesh_key, issuer):
     member = NodeIdentity.generate()
-    certificate = issue_certificate(mesh_key, node_id=member.node_id, issuer_id=issuer.node_id, now=NOW)
+    certificate = issue_certificate(mesh_key, node_id=member.node_id, issuer_id=issuer.node_id, unix_now=NOW)
     proof = certificate_proof(certificate)
 
     def verify(peer, the_proof=proof, mesh_id=mesh_key.mesh_id):
@@ -180,7 +180,7 @@ def test_member_certificate_is_bound_to_mesh_and_node(mesh_key, issuer):
             mesh_id=mesh_id,
             verifier_id=issuer.node_id,
             authenticated_peer_id=peer.node_id,
-            now=NOW,
+            unix_now=NOW,
         )
 
     assert not verify(member).via_invite
@@ -189,7 +189,7 @@ def test_member_certificate_is_bound_to_mesh_and_node(mesh_key, issuer):
         refusal_code(lambda: verify(member, mesh_id=MeshKey.generate().mesh_id)) == mesh.MESH_ERROR_OTHER_MESH
     )
     forged = certificate_proof(
-        issue_certificate(MeshKey.generate(), node_id=member.node_id, issuer_id=issuer.node_id, now=NOW)
+        issue_certificate(MeshKey.generate(), node_id=member.node_id, issuer_id=issuer.node_id, unix_now=NOW)
     )
     forged_body = membership.MemberCertificateBody.FromString(forged.certificate.body)
     forged_body.mesh_public_key = mesh_key.public_key  # claim our mesh, signed by another key
@@ -199,7 +199,7 @@ def test_member_certificate_is_bound_to_mesh_and_node(mesh_key, issuer):
 
 def test_grant_carries_a_usable_mesh_key_and_certificate(mesh_key, issuer):
     member = NodeIdentity.generate()
-    certificate = issue_certificate(mesh_key, node_id=member.node_id, issuer_id=issuer.node_id, now=NOW)
+    certificate = issue_certificate(mesh_key, node_id=member.node_id, issuer_id=issuer.node_id, unix_now=NOW)
     grant = make_grant(mesh_key, certificate)
     got_key, got_certificate = open_grant(grant, mesh_id=mesh_key.mesh_id, node_id=member.node_id)
     assert got_key.mesh_id == mesh_key.mesh_id and got_certificate == certificate
@@ -217,7 +217,7 @@ def test_grant_carries_a_usable_mesh_key_and_certificate(mesh_key, issuer):
 def test_membership_store_round_trips_with_private_files(tmp_path, mesh_key):
     member = NodeIdentity.generate()
     certificate = issue_certificate(
-        mesh_key, node_id=member.node_id, issuer_id=member.node_id, now=time.time()
+        mesh_key, node_id=member.node_id, issuer_id=member.node_id, unix_now=time.time()
     )
     peer = Endpoint(NodeIdentity.generate().node_id, "10.0.0.2:7447")
     data_dir = DataDir(tmp_path / "d")

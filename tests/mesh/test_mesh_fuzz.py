@@ -200,7 +200,7 @@ async def test_fuzzed_frames_never_stop_the_node_from_serving(tmp_path):
             membership.mesh_key,
             issuer_id=target_id,
             bootstrap=[Endpoint(target_id, address)],
-            now=time.time(),
+            unix_now=time.time(),
         )
         good = Node(
             NodeIdentity.generate(),

@@ -47,7 +47,7 @@ async def first(tmp_path):
 def certificate_for(node: Node, peer: RawPeer) -> membership.MembershipProof:
     mesh_key = node.state.membership.mesh_key
     return certificate_proof(
-        issue_certificate(mesh_key, node_id=peer.node_id, issuer_id=node.node_id, now=time.time())
+        issue_certificate(mesh_key, node_id=peer.node_id, issuer_id=node.node_id, unix_now=time.time())
     )
 
 
@@ -57,7 +57,7 @@ def invite_for(node: Node, *, mesh_key=None, ttl=3600.0, now=None):
         issuer_id=node.node_id,
         bootstrap=[Endpoint(node.node_id, node.addresses[0])],
         ttl_s=ttl,
-        now=now if now is not None else time.time(),
+        unix_now=now if now is not None else time.time(),
     )
 
 

@@ -278,7 +278,9 @@ def test_peer_table_is_bounded():
 
 
 def member_state(mesh_key, identity, **kwargs):
-    certificate = issue_certificate(mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=NOW)
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=NOW
+    )
     return MeshState(
         identity=identity,
         mesh_id=mesh_key.mesh_id,
@@ -302,7 +304,7 @@ def test_invite_join_grants_membership_and_admits_both_ways():
     mesh_key = MeshKey.generate()
     first, joiner = NodeIdentity.generate(), NodeIdentity.generate()
     bootstrap = [Endpoint(first.node_id, "127.0.0.1:1")]
-    invite = create_invite(mesh_key, issuer_id=first.node_id, bootstrap=bootstrap, now=NOW)
+    invite = create_invite(mesh_key, issuer_id=first.node_id, bootstrap=bootstrap, unix_now=NOW)
     acceptor, dialer = member_state(mesh_key, first), joiner_state(invite, joiner)
     assert not dialer.is_member
 

@@ -22,7 +22,9 @@ NOW_NS = 1_800_000_000 * 1_000_000_000
 
 
 def member(mesh_key: MeshKey, identity: NodeIdentity, address: str) -> MeshState:
-    certificate = issue_certificate(mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=NOW)
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=NOW
+    )
     return MeshState(
         identity=identity,
         mesh_id=mesh_key.mesh_id,

@@ -150,7 +150,9 @@ def test_a_replayed_older_record_loses_to_a_newer_one():
 
 
 def member(mesh_key, identity, address):
-    certificate = issue_certificate(mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=NOW)
+    certificate = issue_certificate(
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=NOW
+    )
     return MeshState(
         identity=identity,
         mesh_id=mesh_key.mesh_id,
@@ -228,7 +230,7 @@ def test_a_members_forged_record_of_another_node_is_dropped_and_counted(trio):
 def test_records_verify_without_the_mesh_key_and_travel_byte_for_byte(trio):
     a, b = trio.a, trio.b
     bootstrap = [Endpoint(a.node_id, "127.0.0.1:1")]
-    invite = create_invite(trio.mesh_key, issuer_id=a.node_id, bootstrap=bootstrap, now=NOW)
+    invite = create_invite(trio.mesh_key, issuer_id=a.node_id, bootstrap=bootstrap, unix_now=NOW)
     joiner = MeshState(
         identity=NodeIdentity.generate(),
         mesh_id=invite.mesh_id,

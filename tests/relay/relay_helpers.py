@@ -33,7 +33,7 @@ class Member:
 def new_member(mesh_key: MeshKey) -> Member:
     identity = NodeIdentity.generate()
     certificate = issue_certificate(
-        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, now=time.time()
+        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
     )
     return Member(identity=identity, proof=certificate_proof(certificate), mesh_id=mesh_key.mesh_id)
 
@@ -50,7 +50,7 @@ def invited_joiner(
         bootstrap=[Endpoint(id=issuer.node_id, address="198.18.0.1:4433")],
         relays=[Endpoint(id=verifier_id, address="198.18.0.1:4434")],
         ttl_s=ttl_s,
-        now=issued,
+        unix_now=issued,
     )
     identity = NodeIdentity.generate()
     proof = make_invite_proof(invite, joiner_id=identity.node_id, verifier_id=verifier_id)

@@ -55,7 +55,7 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
     relay = Endpoint(server.relay_id, f"127.0.0.1:{server.address[1]}")
     identity_a = NodeIdentity.generate()
     certificate = issue_certificate(
-        mesh_key, node_id=identity_a.node_id, issuer_id=identity_a.node_id, now=time.time()
+        mesh_key, node_id=identity_a.node_id, issuer_id=identity_a.node_id, unix_now=time.time()
     )
     node_a = Node(
         identity_a,
@@ -74,7 +74,7 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
             issuer_id=node_a.node_id,
             bootstrap=[Endpoint(node_a.node_id, node_a.addresses[0])],
             relays=node_a.state.membership.relays,
-            now=time.time(),
+            unix_now=time.time(),
         )
         node_b = Node(NodeIdentity.generate(), DataDir(tmp_path / "b"), config(), invite=invite)
         await node_b.start()
@@ -116,7 +116,7 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
             mesh_key,
             issuer_id=node_a.node_id,
             bootstrap=[Endpoint(node_a.node_id, node_a.addresses[0])],
-            now=time.time(),
+            unix_now=time.time(),
         )
         node_c = Node(
             NodeIdentity.generate(),
