@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+from helpers.polling import eventually
 
 from engines.interface import METRIC_STEPS_CANCELLED
 from meshnode.dataplane import rpc
@@ -82,12 +83,6 @@ async def generate(session: ShardSession, prompt: list[int], steps: int) -> list
     for position in range(len(prompt), len(prompt) + steps):
         tokens.append((await session.decode(tokens[-1], position=position)).token)
     return tokens  # type: ignore[return-value]
-
-
-async def eventually(predicate, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 async def test_a_chain_through_two_servers_generates_the_whole_models_tokens(edge: Edge) -> None:

@@ -7,12 +7,12 @@ The same rules between real processes over real QUIC are in test_session_leases.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.polling import eventually
 
 from engines.fake import FakeEngine
 from meshnode.dataplane.lease import LeaseSettings, ReleaseReason
@@ -69,12 +69,6 @@ async def served() -> AsyncIterator[Served]:
     yield Served(loopback, node, service, members)
     await service.aclose()
     await loopback.aclose()
-
-
-async def eventually(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def test_a_peer_that_membership_drops_loses_its_sessions(served: Served) -> None:

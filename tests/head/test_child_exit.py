@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dataplane.chain_fixtures import NodeProcess
+from helpers.node_processes import NodeProcess
 
 from meshnode.app.child_exit import describe_exit, log_tail
 from meshnode.app.local_mesh import Child, LocalMesh, LocalMeshError

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
+from helpers.polling import eventually
 
 from engines.fake import FaultKind, FaultRule
 from engines.interface import GREEDY, METRIC_STEPS_CANCELLED, SamplingParams
@@ -37,12 +38,6 @@ async def routes() -> AsyncIterator[LoopbackRoutes]:
     await routes.add_shard(TAIL, 3, 4)
     yield routes
     await routes.aclose()
-
-
-async def eventually(predicate, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def no_sessions_anywhere(routes: LoopbackRoutes) -> bool:

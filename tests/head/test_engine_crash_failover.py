@@ -20,21 +20,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dataplane.chain_fixtures import NodeProcess
+from helpers.node_processes import NodeProcess, QuicCluster
 
+from engines.tiny_model import ensure_tiny_model
 from meshnode.identity import short_id
 
-from . import test_mesh_acceptance as acceptance
-from .test_mesh_acceptance import (
+from .api_cluster import (
     MESSAGES,
     MODEL,
     SPLITS,
-    ApiCluster,
+    cluster_node_args,
     generations,
     node_ids,
-    process,
     route_ready,
     stream_chat,
+    unsplit_chat_answers,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -44,11 +44,6 @@ CRASH_AT_DECODE = 20
 REPLICAS = ("B", "B2")
 WRAPPER = Path(__file__).with_name("crash_on_decode.py")
 
-# The acceptance test's module fixtures (the tiny model, the unsplit model's greedy answers), set up
-# once more for this module.
-tiny_model = acceptance.tiny_model
-reference = acceptance.reference
-
 
 class CrashingNodeProcess(NodeProcess):
     """A ``meshnode`` process run through ``crash_on_decode.py``."""
@@ -57,61 +52,56 @@ class CrashingNodeProcess(NodeProcess):
         super().__init__(root, name)
         self.claim = claim
 
-    def start(self, command: str, *args: str) -> None:
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, str(WRAPPER), str(CRASH_AT_DECODE), str(self.claim),
-                 command, "--data-dir", str(self.data_dir), *args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            )  # fmt: skip
+    def command(self, command: str, *args: str) -> list[str]:
+        return [sys.executable, str(WRAPPER), str(CRASH_AT_DECODE), str(self.claim),
+                command, "--data-dir", str(self.data_dir), *args]  # fmt: skip
 
 
-class CrashingReplicasCluster(ApiCluster):
-    """The acceptance cluster with B and B2 armed to crash; ``claim`` names the one that did."""
-
-    def __init__(self, root: Path, model: Path) -> None:
-        super().__init__(root, model)
-        self.claim = root / "crashed"
-
-    def start_shard(self, name: str, start: int, end: int) -> NodeProcess:
-        if name not in REPLICAS:
-            return super().start_shard(name, start, end)
-        self._starting = name
-        node = CrashingNodeProcess(self.root, name, self.claim)
-        node.start("join", "--invite", self.invite(), *self._serve_args(start, end))
-        self.processes.append(node)
-        node.wait_ready()
-        return node
-
-    def crashed(self) -> str:
-        """The name of the replica that claimed the crash."""
-        pid = int(self.claim.read_text())
-        (name,) = [name for name in REPLICAS if _popen(process(self, name)).pid == pid]
-        return name
+def claim_file(root: Path) -> Path:
+    """Where the first replica to reach its crashing decode writes its pid."""
+    return root / "crashed"
 
 
 def _popen(node: NodeProcess) -> subprocess.Popen[bytes]:
-    assert node.process is not None, f"{node.data_dir.name} was never started"
+    assert node.process is not None, f"{node.name} was never started"
     return node.process
 
 
+def replica_that_crashed(cluster: QuicCluster) -> str:
+    """The name of the replica that claimed the crash."""
+    pid = int(claim_file(cluster.root).read_text())
+    (name,) = [name for name in REPLICAS if _popen(cluster.named(name)).pid == pid]
+    return name
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[CrashingReplicasCluster]:
-    cluster = CrashingReplicasCluster(tmp_path_factory.mktemp("crash"), tiny_model)
-    try:
-        for name, (start, end) in SPLITS.items():
-            cluster.start_shard(name, start, end)
+def tiny_model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> dict[int, str]:
+    return unsplit_chat_answers(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[QuicCluster]:
+    """The acceptance test's cluster, with B and B2 armed to crash."""
+
+    def process_for(root: Path, name: str) -> NodeProcess:
+        if name in REPLICAS:
+            return CrashingNodeProcess(root, name, claim_file(root))
+        return NodeProcess(root, name)
+
+    cluster = QuicCluster(tmp_path_factory.mktemp("crash"), tiny_model, cluster_node_args(), process_for)
+    with cluster.running(SPLITS):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 async def test_a_replica_dying_of_sigsegv_in_its_engine_mid_generation_keeps_the_greedy_text(
-    cluster: CrashingReplicasCluster, reference: dict[int, str]
+    cluster: QuicCluster, reference: dict[int, str]
 ) -> None:
-    status = process(cluster, "A").status()
-    assert status is not None
-    api = status["node"]["api_url"]
+    api = cluster.named("A").api_url()
     await route_ready(api, cluster)
     short = {name: short_id(node_id) for name, node_id in node_ids(cluster).items()}
     before = await generations(api)
@@ -120,15 +110,15 @@ async def test_a_replica_dying_of_sigsegv_in_its_engine_mid_generation_keeps_the
     text, _ = await stream_chat(api, body)
 
     after = await generations(api)
-    assert cluster.claim.exists(), "no replica reached its crashing decode"
-    crashed = cluster.crashed()
-    dead = process(cluster, crashed)
+    assert claim_file(cluster.root).exists(), "no replica reached its crashing decode"
+    crashed = replica_that_crashed(cluster)
+    dead = cluster.named(crashed)
     assert _popen(dead).wait(10) == -signal.SIGSEGV
     assert text == reference[300]
     assert after["tokens"] - before["tokens"] == 300, "the generation ended at the crash"
     assert after["reroutes"] - before["reroutes"] >= 1
     (survivor,) = set(REPLICAS) - {crashed}
-    assert _popen(process(cluster, survivor)).poll() is None
+    assert _popen(cluster.named(survivor)).poll() is None
     assert short[survivor] in after["last_route"] and short[crashed] not in after["last_route"]
     # The fault handler's report, and of its stacks the engine thread's, where the fault struck.
     log = dead.log_path.read_text()

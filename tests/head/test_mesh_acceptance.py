@@ -11,7 +11,6 @@ identical, including after the middle node is killed mid-generation.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -21,37 +20,27 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from dataplane.chain_fixtures import NodeProcess, QuicCluster, load_engine
+from helpers.node_processes import QuicCluster
 
-from engines.interface import GREEDY, SessionKey, StepRequest
-from engines.llama_engine import LlamaShardEngine
-from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
-from engines.tokenizer import Tokenizer
+from engines.tiny_model import ensure_tiny_model
 from meshnode.dataplane import rpc
 from meshnode.identity import short_id
 from meshnode.node import Node
 from meshnode.wire.pb import shard
 
+from .api_cluster import (
+    MESSAGES,
+    MODEL,
+    SPLITS,
+    cluster_node_args,
+    generations,
+    node_ids,
+    route_ready,
+    stream_chat,
+    unsplit_chat_answers,
+)
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-MESSAGES = [{"role": "user", "content": "hello mesh, tell me about the model"}]
-SPLITS = {"A": (0, 2), "B": (2, 4), "B2": (2, 4), "C": (4, TINY_N_LAYERS)}
-MODEL = "meshnode-tiny-llama-v1"
-
-
-API_NODES = ("A", "C")
-
-
-class ApiCluster(QuicCluster):
-    """The data plane's two-shard cluster, grown to four nodes; A and C serve the API."""
-
-    def start_shard(self, name: str, start: int, end: int) -> NodeProcess:
-        self._starting = name
-        return super().start_shard(name, start, end)
-
-    def _serve_args(self, start: int, end: int) -> list[str]:
-        api = "127.0.0.1:0" if self._starting in API_NODES else "off"
-        return [*super()._serve_args(start, end), "--api-listen", api, "--probe-timeout", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -60,106 +49,29 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[ApiCluster]:
-    cluster = ApiCluster(tmp_path_factory.mktemp("mesh"), tiny_model)
-    try:
-        for name, (start, end) in SPLITS.items():
-            cluster.start_shard(name, start, end)
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[QuicCluster]:
+    cluster = QuicCluster(tmp_path_factory.mktemp("mesh"), tiny_model, cluster_node_args())
+    with cluster.running(SPLITS):
         yield cluster
-    finally:
-        cluster.stop()
-
-
-def process(cluster: ApiCluster, name: str) -> NodeProcess:
-    return cluster.processes[list(SPLITS).index(name)]
 
 
 @pytest.fixture(scope="module")
-def api(cluster: ApiCluster) -> str:
-    status = process(cluster, "A").status()
-    assert status is not None and status["node"]["api_url"].startswith("http://127.0.0.1:")
-    return status["node"]["api_url"]
+def api(cluster: QuicCluster) -> str:
+    url = cluster.named("A").api_url()
+    assert url.startswith("http://127.0.0.1:")
+    return url
 
 
 @pytest.fixture
-async def client_node(cluster: ApiCluster, tmp_path: Path) -> AsyncIterator[Node]:
+async def client_node(cluster: QuicCluster, tmp_path: Path) -> AsyncIterator[Node]:
     node = await cluster.client_node(tmp_path / "client")
     yield node
     await node.shutdown()
 
 
-def node_ids(cluster: ApiCluster) -> dict[str, bytes]:
-    ids = {}
-    for name in SPLITS:
-        status = process(cluster, name).status()
-        assert status is not None
-        ids[name] = bytes.fromhex(status["node"]["id"])
-    return ids
-
-
-async def route_ready(api: str, cluster: ApiCluster) -> None:
-    """Every node sees every other one, and A's API lists the model (a complete route exists)."""
-    ids = set(node_ids(cluster).values())
-    async with asyncio.timeout(60), aiohttp.ClientSession() as session:
-        while True:
-            seen = all(
-                ids - {bytes.fromhex(s["node"]["id"])} <= {bytes.fromhex(p["id"]) for p in s["peers"]}
-                for s in (p.status() for p in cluster.processes if p.process.poll() is None)
-                if s is not None
-            )
-            async with session.get(f"{api}/v1/models") as response:
-                listed = [m["id"] for m in (await response.json())["data"]]
-            if seen and listed == [MODEL]:
-                return
-            await asyncio.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> dict[int, str]:
-    """The unsplit model's greedy chat answer, by max_tokens."""
-    tokenizer = Tokenizer.open(tiny_model)
-    engine: LlamaShardEngine = load_engine(tiny_model, 0, TINY_N_LAYERS)
-    prompt = tokenizer.encode_chat(MESSAGES)
-    key = SessionKey("reference", 1)
-    result = engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY))
-    tokens = [int(result.token_id)]  # type: ignore[arg-type]
-    while len(tokens) < 300 and not tokenizer.is_end_of_generation(tokens[-1]):
-        position = len(prompt) + len(tokens) - 1
-        result = engine.decode(
-            StepRequest(key, position, token_ids=(tokens[-1],), expected_past_len=position, sampling=GREEDY)
-        )
-        tokens.append(int(result.token_id))  # type: ignore[arg-type]
-    engine.close()
-
-    def text(count: int) -> str:
-        stream = tokenizer.detokenizer()
-        kept = [t for t in tokens[:count] if not tokenizer.is_end_of_generation(t)]
-        return "".join(stream.feed(t) for t in kept) + stream.flush()
-
-    return {count: text(count) for count in (24, 300)}
-
-
-async def stream_chat(api: str, body: dict, *, on_chunk=None) -> tuple[str, dict]:
-    """Streamed chat text and the usage chunk."""
-    pieces, usage = [], {}
-    async with aiohttp.ClientSession() as session, session.post(f"{api}/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            data = line.strip().removeprefix(b"data: ")
-            if not data or data == b"[DONE]":
-                continue
-            event = json.loads(data)
-            usage = event.get("usage") or usage
-            for choice in event["choices"]:
-                pieces.append(choice["delta"].get("content") or "")
-                if on_chunk is not None:
-                    on_chunk(len(pieces))
-    return "".join(pieces), usage
-
-
-async def generations(api: str) -> dict:
-    async with aiohttp.ClientSession() as session, session.get(f"{api}/meshnode/generations") as r:
-        return await r.json()
+    return unsplit_chat_answers(tiny_model)
 
 
 async def test_chat_completions_give_the_unsplit_models_greedy_text(api, cluster, reference):
@@ -223,12 +135,10 @@ async def test_a_node_whose_shard_is_not_first_answers_through_a_remote_first_ho
     """C serves the last layers: its driver opens the session to A over QUIC, and the route's
     tail — C itself — hands the token back through B and A."""
     await route_ready(api, cluster)
-    status = process(cluster, "C").status()
-    assert status is not None
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
     async with (
         aiohttp.ClientSession() as session,
-        session.post(f"{status['node']['api_url']}/v1/chat/completions", json=body) as r,
+        session.post(f"{cluster.named('C').api_url()}/v1/chat/completions", json=body) as r,
     ):
         assert r.status == 200
         assert (await r.json())["choices"][0]["message"]["content"] == reference[24]
@@ -261,7 +171,7 @@ async def test_meshnode_generate_streams_from_the_local_nodes_api(api, cluster, 
         "meshnode",
         "generate",
         "--data-dir",
-        str(process(cluster, "A").data_dir),
+        str(cluster.named("A").data_dir),
     ]
     command += ["--prompt", MESSAGES[0]["content"], "--chat", "--max-tokens", "24", "--temperature", "0"]
     done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
@@ -312,7 +222,7 @@ async def test_killing_the_middle_node_mid_generation_keeps_the_greedy_text(api,
         await twenty.wait()
     route = (await generations(api))["last_route"]
     (middle,) = [name for name in ("B", "B2") if short[name] in route]
-    process(cluster, middle).process.send_signal(signal.SIGKILL)
+    cluster.named(middle).process.send_signal(signal.SIGKILL)
     text, _ = await streaming
     after = await generations(api)
     assert after["tokens"] - before["tokens"] == 300, "the generation ended before the kill"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dataplane.chain_fixtures import CTX, THREADS, load_engine, run_unsplit
-from mesh.mesh_helpers import start_first_node, start_joiner
+from helpers.mesh_nodes import start_first_node, start_joiner
+from helpers.tiny_llama import CTX, THREADS, load_engine, run_unsplit
 
 from engines.interface import GREEDY, LoadRequest
 from engines.llama_engine import LlamaShardEngine, runtime_numerics

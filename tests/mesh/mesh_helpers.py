@@ -1,16 +1,17 @@
-"""Shared helpers for the mesh tests: link recorders, in-process nodes, raw QUIC peers."""
+"""Helpers of the mesh tests: link recorders, fake links, raw QUIC peers, signed gossip entries.
+
+In-process nodes (``fast_config``, ``start_first_node``, ``start_joiner``) and ``eventually``
+are in ``tests/helpers``, shared with the other test directories.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
-from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.signed_record import decode_record, sign_record
-from meshnode.node import Node, NodeConfig
+from meshnode.node import Node
 from meshnode.transport.base import MeshStream, PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicSettings
@@ -79,68 +80,6 @@ class FakeLink(PeerLink):
     @property
     def description(self) -> str:
         return self.name
-
-
-async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
-    """Wait until ``predicate()`` is true; fail with the predicate's name after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"condition not met in {timeout}s: {getattr(predicate, '__name__', predicate)}"
-            )
-        await asyncio.sleep(interval)
-
-
-def fast_config(**overrides) -> NodeConfig:
-    settings = {
-        "listen": "127.0.0.1:0",
-        "heartbeat_interval": 0.2,
-        # Short, but not so short that a loaded 2-core CI machine sees false failures.
-        "gossip_timeout": 2.0,
-        "probe_timeout": 2.0,
-        "connect_timeout": 2.0,
-        "stream_type_timeout": 1.0,
-        "tombstone_ttl": 30.0,
-    }
-    settings.update(overrides)
-    return NodeConfig(**settings)
-
-
-def new_membership(mesh_key: MeshKey, identity: NodeIdentity) -> MembershipState:
-    certificate = issue_certificate(
-        mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
-    )
-    return MembershipState(mesh_key=mesh_key, certificate=certificate)
-
-
-async def start_first_node(
-    tmp_path: Path, name: str = "first", mesh_key: MeshKey | None = None, **config
-) -> Node:
-    identity = NodeIdentity.generate()
-    node = Node(
-        identity,
-        DataDir(tmp_path / name),
-        fast_config(**config),
-        membership=new_membership(mesh_key or MeshKey.generate(), identity),
-    )
-    await node.start()
-    return node
-
-
-async def start_joiner(tmp_path: Path, name: str, bootstrap: Node, **config) -> Node:
-    membership = bootstrap.state.membership
-    assert membership is not None
-    invite = create_invite(
-        membership.mesh_key,
-        issuer_id=bootstrap.node_id,
-        bootstrap=[Endpoint(bootstrap.node_id, bootstrap.addresses[0])],
-        unix_now=time.time(),
-    )
-    node = Node(NodeIdentity.generate(), DataDir(tmp_path / name), fast_config(**config), invite=invite)
-    await node.start()
-    await node.join()
-    return node
 
 
 class RawPeer:

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from dataplane.chain_fixtures import SPLIT, NodeProcess, QuicCluster, serving_peer
-from mesh_helpers import eventually
+from helpers.polling import eventually
 
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.identity import short_id

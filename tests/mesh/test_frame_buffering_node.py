@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from mesh_helpers import fast_config
-from rss import MiB, PeakRss
+from helpers.mesh_nodes import fast_config
+from helpers.rss import MiB, PeakRss
 
 from meshnode.app.status import query_status
 from meshnode.identity import NodeIdentity, load_identity

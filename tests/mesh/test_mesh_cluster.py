@@ -13,10 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers.node_processes import NodeProcess
+from helpers.polling import wait_until
 
 from meshnode.identity import private_key_seed
 from meshnode.membership.credentials import decode_invite_token
@@ -38,28 +39,15 @@ TIMING = [
 DEADLINE_S = 20.0
 
 
-class NodeProcess:
+class CliNodeProcess(NodeProcess):
+    """A node process started with the test's timing, asked for its status with ``meshnode status``."""
+
     def __init__(self, root: Path, name: str) -> None:
-        self.name = name
-        self.data_dir = root / name
-        self.log_path = root / f"{name}.log"
-        self.process: subprocess.Popen | None = None
+        super().__init__(root, name)
         self.short_id = ""
 
-    def start(self, command: str, *args: str, stdin: str | None = None, env: dict | None = None) -> None:
-        log = self.log_path.open("a")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "meshnode", command, "--data-dir", str(self.data_dir), *TIMING, *args],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=log,
-            env=env,
-        )
-        log.close()
-        if stdin is not None:
-            self.process.stdin.write(stdin.encode() + b"\n")
-            self.process.stdin.flush()
-        self.process.stdin.close()
+    def command(self, command: str, *args: str) -> list[str]:
+        return super().command(command, *TIMING, *args)
 
     def status(self) -> dict | None:
         result = subprocess.run(
@@ -82,24 +70,6 @@ class NodeProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-
-
-def wait_until(predicate, what: str, timeout: float = DEADLINE_S) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.2)
-    return time.monotonic() - start
-
 
 def secret_encodings(secret: bytes) -> list[str]:
     return [
@@ -111,11 +81,11 @@ def secret_encodings(secret: bytes) -> list[str]:
 
 
 def test_four_processes_form_a_mesh_drop_failed_nodes_and_rejoin(tmp_path):
-    nodes = {name: NodeProcess(tmp_path, name) for name in ("n1", "n2", "n3", "n4")}
+    nodes = {name: CliNodeProcess(tmp_path, name) for name in ("n1", "n2", "n3", "n4")}
     n1, n2, n3, n4 = nodes.values()
     try:
         n1.start("create")
-        wait_until(lambda: n1.status() is not None, "n1 serves its status")
+        wait_until(lambda: n1.status() is not None, DEADLINE_S, "n1 serves its status")
         invite = subprocess.run(
             [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(n1.data_dir)],
             capture_output=True,
@@ -134,26 +104,28 @@ def test_four_processes_form_a_mesh_drop_failed_nodes_and_rejoin(tmp_path):
             ids = {node.name: node.short_id for node in members}
             return all(views[n.name] == {ids[m.name] for m in members if m is not n} for n in members)
 
-        wait_until(lambda: full_mesh([n1, n2, n3, n4]), "every node lists the other three")
+        wait_until(lambda: full_mesh([n1, n2, n3, n4]), DEADLINE_S, "every node lists the other three")
         ids = {node.name: node.short_id for node in nodes.values()}
 
         # SIGKILL: no goodbye; the others notice, probe, and drop it.
         n4.process.send_signal(signal.SIGKILL)
         n4.process.wait(10)
-        wait_until(lambda: all(ids["n4"] not in node.peers() for node in (n1, n2, n3)), "n4 dropped")
+        wait_until(
+            lambda: all(ids["n4"] not in node.peers() for node in (n1, n2, n3)), DEADLINE_S, "n4 dropped"
+        )
         assert any(f"dropped peer {ids['n4']}: unreachable, probe failed" in n.log() for n in (n1, n2, n3))
 
         # SIGTERM: PeerLeaving, dropped by everyone without probing.
         n3.stop()
         assert n3.process.returncode == 0
-        wait_until(lambda: all(ids["n3"] not in node.peers() for node in (n1, n2)), "n3 dropped", timeout=5)
+        wait_until(lambda: all(ids["n3"] not in node.peers() for node in (n1, n2)), 5, "n3 dropped")
         for node in (n1, n2):
             drops = [line for line in node.log().splitlines() if f"dropped peer {ids['n3']}:" in line]
             assert drops and drops[-1].endswith("left the mesh"), drops
 
         # The killed node restarts from its data directory and rejoins.
         n4.start("start")
-        wait_until(lambda: full_mesh([n1, n2, n4]), "n4 rejoined")
+        wait_until(lambda: full_mesh([n1, n2, n4]), DEADLINE_S, "n4 rejoined")
 
         logs = "".join(node.log() for node in nodes.values())
         assert "admitted peer" in logs and "joined mesh" in logs

@@ -17,7 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from mesh_helpers import RawPeer, fast_config
+from helpers.mesh_nodes import fast_config
+from mesh_helpers import RawPeer
 
 from meshnode.app.status import query_status
 from meshnode.identity import NodeIdentity, load_identity

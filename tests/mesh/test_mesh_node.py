@@ -8,16 +8,9 @@ import asyncio
 import time
 
 import pytest
-from mesh_helpers import (
-    RawPeer,
-    entry_ids,
-    eventually,
-    exchange,
-    fast_config,
-    reset_code_of,
-    start_first_node,
-    start_joiner,
-)
+from helpers.mesh_nodes import fast_config, start_first_node, start_joiner
+from helpers.polling import eventually
+from mesh_helpers import RawPeer, entry_ids, exchange, reset_code_of
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from netns import SERVICE_ADDRESS, NatLab, wait_for
+from helpers.polling import wait_until
+from netns import SERVICE_ADDRESS, NatLab
 
 from meshnode.app.status import query_status
 
@@ -60,7 +61,7 @@ class Mesh:
                 "5",
             ],
         )
-        wait_for(lambda: b"relay listening" in self.logs[name].read_bytes(), 20, "the relay to listen")
+        wait_until(lambda: b"relay listening" in self.logs[name].read_bytes(), 20, "the relay to listen")
 
     def status(self, name: str) -> dict | None:
         try:

@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -254,18 +253,6 @@ class NatLab:
         return process.wait()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
 __all__ = [
     "HOME_A",
     "HOME_B",
@@ -276,5 +263,4 @@ __all__ = [
     "NatLab",
     "sweep_stale",
     "unavailable_reason",
-    "wait_for",
 ]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.polling import wait_until
 from nat_mesh import RELAY_PORT, Mesh, node_args, peers_of, relay_registered
-from netns import SERVICE_ADDRESS, NatLab, wait_for
+from netns import SERVICE_ADDRESS, NatLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -90,7 +91,7 @@ def run_driver(
     mesh.logs[name] = log
     driver = mesh.lab.spawn("pub", argv, log=log)
     if restart_relay:
-        wait_for(
+        wait_until(
             lambda: b"RELAY-STOPPED" in log.read_bytes() or driver.poll() is not None, 120, "the relay stop"
         )
         assert mesh.relay is not None
@@ -121,11 +122,11 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
         mesh.spawn(
             "a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg, *shard_args(model, 0, SPLIT))
         )
-        wait_for(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
+        wait_until(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
         status_a = mesh.status("a")
         mesh.mesh_id = status_a["node"]["mesh_id"]
         mesh.start_relay(mesh.mesh_id)
-        wait_for(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
+        wait_until(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
 
         def invite() -> str:
             made = nat_lab.run(
@@ -141,9 +142,9 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
             stdin=invite(),
         )
         id_a = status_a["node"]["id"]
-        wait_for(lambda: (mesh.status("b") or {}).get("node", {}).get("serving"), 90, "B to serve")
+        wait_until(lambda: (mesh.status("b") or {}).get("node", {}).get("serving"), 90, "B to serve")
         id_b = mesh.status("b")["node"]["id"]
-        wait_for(
+        wait_until(
             lambda: id_b in peers_of(mesh.status("a")) and id_a in peers_of(mesh.status("b")),
             60,
             "A and B to meet",
@@ -172,7 +173,7 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
         # Only the step in flight during the restart may have been seen twice by the workers (when it
         # had reached them before the relay went down, its resend is answered as a duplicate).
         assert set(np.flatnonzero(restarted["duplicates"]).tolist()) <= {RESTART_AT_STEP}
-        wait_for(
+        wait_until(
             lambda: relay_registered(mesh.status("a")) and relay_registered(mesh.status("b")),
             30,
             "re-registration",

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.polling import wait_until
 from nat_mesh import NODE_PORT, RELAY_PORT, Mesh, node_args, peers_of, relay_registered
-from netns import HOME_A, HOME_B, ROUTER_B_WAN, SERVICE_ADDRESS, NatLab, wait_for
+from netns import HOME_A, HOME_B, ROUTER_B_WAN, SERVICE_ADDRESS, NatLab
 
 from meshnode.identity import short_id
 
@@ -56,10 +57,10 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
 
         # A, behind NAT A, creates the mesh and names the relay (it keeps retrying until the relay is up).
         mesh.spawn("a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg))
-        status_a = wait_for(lambda: mesh.status("a"), 30, "node A to start")
+        status_a = wait_until(lambda: mesh.status("a"), 30, "node A to start")
         mesh_id, id_a = status_a["node"]["mesh_id"], status_a["node"]["id"]
         mesh.start_relay(mesh_id)
-        wait_for(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
+        wait_until(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
 
         invite = nat_lab.run(
             "ha", [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(mesh.dir("a"))]
@@ -69,13 +70,13 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
 
         # B, behind NAT B, joins with the invite: A's address is unreachable, so it goes through the relay.
         mesh.spawn("b", "hb", node_args("join", mesh.dir("b"), "--invite", "-"), stdin=token)
-        status_b = wait_for(lambda: mesh.status("b"), 30, "node B to start")
+        status_b = wait_until(lambda: mesh.status("b"), 30, "node B to start")
         id_b = status_b["node"]["id"]
 
         def both_see_each_other() -> bool:
             return id_b in peers_of(mesh.status("a")) and id_a in peers_of(mesh.status("b"))
 
-        wait_for(both_see_each_other, 60, "A and B to see each other")
+        wait_until(both_see_each_other, 60, "A and B to see each other")
         status_a, status_b = mesh.status("a"), mesh.status("b")
         assert status_b["node"]["member"] is True
         for status, other in ((status_a, id_b), (status_b, id_a)):
@@ -105,15 +106,17 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
         assert HOME_A not in {a.split(":")[0] for a in status_b["node"]["addresses"]}
 
         # Their live link is the relayed one.
-        wait_for(lambda: (peers_of(mesh.status("a")).get(id_b) or {}).get("link") or "", 20, "A's link to B")
+        wait_until(
+            lambda: (peers_of(mesh.status("a")).get(id_b) or {}).get("link") or "", 20, "A's link to B"
+        )
         assert peers_of(mesh.status("a"))[id_b]["link"].startswith("relay ")
 
         # Restart the relay: both nodes re-register and keep each other.
         assert mesh.relay is not None
         NatLab.stop(mesh.relay)
-        wait_for(lambda: not relay_registered(mesh.status("a")), 20, "A to notice the relay is gone")
+        wait_until(lambda: not relay_registered(mesh.status("a")), 20, "A to notice the relay is gone")
         mesh.start_relay(mesh_id)
-        wait_for(
+        wait_until(
             lambda: relay_registered(mesh.status("a")) and relay_registered(mesh.status("b")),
             40,
             "re-registration",
@@ -123,7 +126,7 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
             peer = peers_of(mesh.status("a")).get(id_b) or {}
             return bool(peer.get("link")) and peer["link"].startswith("relay ") and both_see_each_other()
 
-        wait_for(relayed_link_again, 40, "a relayed link between A and B after the restart")
+        wait_until(relayed_link_again, 40, "a relayed link between A and B after the restart")
         if "MESHNODE_NAT_DUMP" in os.environ:
             print(mesh.dump())
     except BaseException:

@@ -28,8 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.rss import MiB, PeakRss
 from relay_helpers import Member, new_member
-from rss import MiB, PeakRss
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey

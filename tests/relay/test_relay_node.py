@@ -6,11 +6,11 @@ masquerading routers in network namespaces.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
 import pytest
+from helpers.polling import eventually
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
@@ -38,14 +38,6 @@ def config(relay: Endpoint | None = None, **overrides) -> NodeConfig:
     }
     settings.update(overrides)
     return NodeConfig(**settings)
-
-
-async def eventually(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout}s: {predicate.__name__}")
-        await asyncio.sleep(0.05)
 
 
 async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(tmp_path: Path) -> None:

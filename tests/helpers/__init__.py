@@ -1,0 +1,14 @@
+"""What more than one test directory uses, importable as ``helpers`` from every test.
+
+pyproject.toml puts ``tests/`` on ``sys.path``, so ``from helpers.polling import eventually``
+works the same in a test package (``tests/dataplane``) and in a plain directory
+(``tests/mesh``); a script a test runs as a process adds ``tests/`` itself. What only one
+directory uses stays there, in a module not named ``test_*`` (``tests/mesh/mesh_helpers.py``).
+
+- ``polling``: ``eventually`` (in a coroutine) and ``wait_until`` (in plain code).
+- ``mesh_nodes``: in-process mesh nodes: configs, memberships, invites, starting and
+  joining, finding the peer that serves a layer range.
+- ``node_processes``: ``meshnode`` processes: ``NodeProcess`` and ``QuicCluster``.
+- ``tiny_llama``: the tiny llama.cpp model's engines as the chain tests load them.
+- ``rss``: a process's resident memory, sampled while a test attacks it.
+"""
