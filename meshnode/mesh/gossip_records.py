@@ -59,9 +59,9 @@ class OpenedGossip:
 
 
 def open_gossip_entries(
-    entries: Iterable[mesh.GossipEntry], *, sender: bytes, mesh_id: str, now: float, held: HeldRecord
+    entries: Iterable[mesh.GossipEntry], *, sender: bytes, mesh_id: str, unix_now: float, held: HeldRecord
 ) -> OpenedGossip:
-    """Verify each entry's record against the node it names.
+    """Verify each entry's record against the node it names (incarnations against ``unix_now``).
 
     A record identical to the one ``held`` returns for its node was verified when
     it was merged and is not verified again: most of a frame repeats what we
@@ -83,7 +83,7 @@ def open_gossip_entries(
         _check_once(node_id, seen)
         try:
             if held(node_id) != signed:
-                verify_record(signed, announcement, mesh_id=mesh_id, now=now)
+                verify_record(signed, announcement, mesh_id=mesh_id, unix_now=unix_now)
         except RecordRejected as rejected:
             dropped.append(DroppedRecord(rejected.fault, rejected.detail, node_id))
             continue

@@ -1,7 +1,10 @@
 """The node's view of the mesh: one entry per known peer, plus tombstones. Pure; time is a parameter.
 
 Only verified records are merged (:mod:`meshnode.mesh.signed_record`), and each
-entry keeps the signed bytes it came from, which is what gossip relays.
+entry keeps the signed bytes it came from, which is what gossip relays. Every time
+here is monotonic nanoseconds (``now_ns``, :mod:`meshnode.sansio`): how long a peer
+has been quiet, or a tombstone has lived, is a span on this machine, which a step of
+the wall clock must neither stretch nor end.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ class PeerEntry:
     announcement: mesh.PeerAnnouncement
     # The peer's own signed bytes of `announcement`, relayed unchanged.
     record: mesh.SignedPeerRecord
-    first_seen: float
+    first_seen_ns: int
     # When a fresher announcement of this peer last arrived (from anyone).
-    last_heard: float
+    last_heard_ns: int
     # When the peer itself last gossiped with us; None if only heard about.
-    last_direct: float | None = None
+    last_direct_ns: int | None = None
 
     @property
     def peer_id(self) -> bytes:
@@ -38,7 +41,7 @@ class PeerEntry:
 @dataclass(frozen=True)
 class Tombstone:
     freshness: Freshness
-    expires_at: float
+    expires_at_ns: int
     reason: str
 
 
@@ -53,9 +56,9 @@ class MergeReport:
 
 
 class PeerTable:
-    def __init__(self, self_id: bytes, *, tombstone_ttl: float, max_peers: int = 1024) -> None:
+    def __init__(self, self_id: bytes, *, tombstone_ttl_ns: int, max_peers: int = 1024) -> None:
         self.self_id = self_id
-        self.tombstone_ttl = tombstone_ttl
+        self.tombstone_ttl_ns = tombstone_ttl_ns
         self.max_peers = max_peers
         self._entries: dict[bytes, PeerEntry] = {}
         self._tombstones: dict[bytes, Tombstone] = {}
@@ -90,9 +93,9 @@ class PeerTable:
     def tombstone_count(self) -> int:
         return len(self._tombstones)
 
-    def merge(self, records: Iterable[VerifiedRecord], *, from_peer: bytes, now: float) -> MergeReport:
+    def merge(self, records: Iterable[VerifiedRecord], *, from_peer: bytes, now_ns: int) -> MergeReport:
         """Merge gossip received from ``from_peer``; freshness is what each signer says."""
-        self.expire_tombstones(now)
+        self.expire_tombstones(now_ns)
         report = MergeReport()
         for record in records:
             announcement = record.announcement
@@ -112,37 +115,41 @@ class PeerTable:
             elif action is MergeAction.ADD:
                 copy = mesh.PeerAnnouncement()
                 copy.CopyFrom(announcement)
-                self._entries[peer_id] = PeerEntry(copy, record.signed, first_seen=now, last_heard=now)
+                self._entries[peer_id] = PeerEntry(
+                    copy, record.signed, first_seen_ns=now_ns, last_heard_ns=now_ns
+                )
                 self._tombstones.pop(peer_id, None)
                 report.added.append(peer_id)
             elif action is MergeAction.UPDATE:
                 assert entry is not None
                 entry.announcement.CopyFrom(announcement)
                 entry.record = record.signed
-                entry.last_heard = now
+                entry.last_heard_ns = now_ns
                 report.updated.append(peer_id)
             elif action is MergeAction.IGNORE_TOMBSTONED:
                 report.ignored_tombstoned.append(peer_id)
             entry = self._entries.get(peer_id)
             if direct and entry is not None:
-                entry.last_direct = now
+                entry.last_direct_ns = now_ns
         return report
 
-    def remove(self, peer_id: bytes, *, reason: str, now: float) -> bool:
+    def remove(self, peer_id: bytes, *, reason: str, now_ns: int) -> bool:
         """Drop a peer and tombstone its last known state; false if it was not known."""
         entry = self._entries.pop(peer_id, None)
         if entry is None:
             return False
-        self._tombstones[peer_id] = Tombstone(freshness(entry.announcement), now + self.tombstone_ttl, reason)
+        self._tombstones[peer_id] = Tombstone(
+            freshness(entry.announcement), now_ns + self.tombstone_ttl_ns, reason
+        )
         return True
 
-    def expire_tombstones(self, now: float) -> None:
-        for peer_id in [p for p, t in self._tombstones.items() if t.expires_at <= now]:
+    def expire_tombstones(self, now_ns: int) -> None:
+        for peer_id in [p for p, t in self._tombstones.items() if t.expires_at_ns <= now_ns]:
             del self._tombstones[peer_id]
 
-    def stale(self, *, now: float, timeout: float) -> list[bytes]:
-        """Peers with no fresher announcement for ``timeout`` seconds."""
-        return [p for p, e in self._entries.items() if now - e.last_heard > timeout]
+    def stale(self, *, now_ns: int, timeout_ns: int) -> list[bytes]:
+        """Peers with no fresher announcement for longer than ``timeout_ns``."""
+        return [p for p, e in self._entries.items() if now_ns - e.last_heard_ns > timeout_ns]
 
 
 __all__ = ["MergeReport", "PeerEntry", "PeerTable", "Tombstone", "freshness"]

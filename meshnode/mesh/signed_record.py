@@ -13,12 +13,15 @@ what gossip says about a node is that node's own record, signed by its node key:
 * a receiver decodes the bytes, verifies the signature against the record's own
   ``endpoint_id`` and only then believes anything in it;
 * freshness (incarnation, heartbeat_seq) is inside the signed bytes, so it comes
-  only from the signer; an incarnation further ahead of the receiver's clock than
+  only from the signer; an incarnation (the unix time in nanoseconds its node
+  started) further ahead of the receiver's wall clock than
   ``MAX_INCARNATION_AHEAD_NS`` is refused, so no record, not even a node's own
   written by a bug or a wrong clock, can outrank all its successors.
 
 The mesh key plays no part: who may sign a node's record does not depend on who
-holds the mesh key. Pure and synchronous; time is a parameter.
+holds the mesh key. Pure and synchronous; the receiver's wall-clock time is the
+parameter ``unix_now`` (seconds), as where credentials are checked
+(:mod:`meshnode.sansio`): incarnations are wall-clock instants of other machines.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode.identity import NODE_ID_BYTES, NodeIdentity, short_id, verify_signature
 from meshnode.mesh.validation import validate_announcement
+from meshnode.sansio import SECOND_NS
 from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
@@ -40,13 +44,11 @@ from meshnode.wire.pb import mesh
 # peer record, nor a record's signature as anything else.
 RECORD_DOMAIN = b"meshnode/v1/peer-record\0"
 
-# How far past the receiver's clock a record's incarnation may be. Nodes' clocks
-# are NTP-close in practice; five minutes (Kerberos's default skew) tolerates a
-# badly set clock, and bounds how long a record made by one can win over the
-# node's next incarnation.
-MAX_INCARNATION_AHEAD_NS = 300 * 1_000_000_000
-
-_NS_PER_S = 1_000_000_000
+# How far past the receiver's wall clock a record's incarnation may be. Nodes'
+# clocks are NTP-close in practice; five minutes (Kerberos's default skew)
+# tolerates a badly set clock, and bounds how long a record made by one can win
+# over the node's next incarnation.
+MAX_INCARNATION_AHEAD_NS = 300 * SECOND_NS
 
 
 class RecordFault(enum.Enum):
@@ -126,7 +128,7 @@ def decode_record(signed: mesh.SignedPeerRecord) -> mesh.PeerAnnouncement:
 
 
 def verify_record(
-    signed: mesh.SignedPeerRecord, announcement: mesh.PeerAnnouncement, *, mesh_id: str, now: float
+    signed: mesh.SignedPeerRecord, announcement: mesh.PeerAnnouncement, *, mesh_id: str, unix_now: float
 ) -> None:
     """Raise :class:`RecordRejected` unless ``announcement`` (decoded from ``signed``) is sound.
 
@@ -144,20 +146,20 @@ def verify_record(
         raise RecordRejected(RecordFault.MALFORMED, refusal.detail, node_id) from None
     if announcement.mesh_id != mesh_id:
         raise RecordRejected(RecordFault.OTHER_MESH, "the record names another mesh", node_id)
-    ahead_ns = announcement.incarnation - int(now * _NS_PER_S)
+    ahead_ns = announcement.incarnation - int(unix_now * SECOND_NS)
     if ahead_ns > MAX_INCARNATION_AHEAD_NS:
         raise RecordRejected(
             RecordFault.FUTURE_INCARNATION,
-            f"incarnation {ahead_ns / _NS_PER_S:.0f} s ahead of our clock "
-            f"(at most {MAX_INCARNATION_AHEAD_NS // _NS_PER_S} s); check that node's clock",
+            f"incarnation {ahead_ns / SECOND_NS:.0f} s ahead of our clock "
+            f"(at most {MAX_INCARNATION_AHEAD_NS // SECOND_NS} s); check that node's clock",
             node_id,
         )
 
 
-def open_record(signed: mesh.SignedPeerRecord, *, mesh_id: str, now: float) -> VerifiedRecord:
+def open_record(signed: mesh.SignedPeerRecord, *, mesh_id: str, unix_now: float) -> VerifiedRecord:
     """Decode and verify ``signed``, or raise :class:`RecordRejected`."""
     announcement = decode_record(signed)
-    verify_record(signed, announcement, mesh_id=mesh_id, now=now)
+    verify_record(signed, announcement, mesh_id=mesh_id, unix_now=unix_now)
     return VerifiedRecord(announcement, signed)
 
 

@@ -10,6 +10,20 @@ frames with the transport-authenticated peer id and sends what it returns:
 * ``receive_gossip_reply`` — the opening side: the same checks on the reply,
   and, while joining, taking the grant that makes this node a member.
 
+Both are one request and its reply on one stream, so they return what the edge
+sends back (or raise the :class:`~meshnode.wire.mesh_refusal.MeshRefusal` it sends
+instead). Liveness is a timer in the convention of :mod:`meshnode.sansio`: after
+``start_heartbeat(now_ns)``, ``handle_timer(now_ns)`` at ``get_timer()`` bumps the
+heartbeat and expires tombstones, and ``take_events()`` says what to do about it:
+:class:`HeartbeatDue` (gossip with every peer) and a :class:`PeerStale` for each
+peer quiet for longer than the peer timeout (probe it).
+
+Two clocks, never mixed: ``now_ns`` is monotonic and times liveness (when a peer
+was last heard, a tombstone's end, the next heartbeat), so a step of the wall clock
+makes no peer stale and ends no tombstone; ``unix_now`` (wall-clock seconds) is
+passed only beside it to what compares wall-clock instants: a membership proof's
+invite expiry, a granted certificate's issue time, a record's incarnation bound.
+
 Gossip carries signed peer records (:mod:`meshnode.mesh.signed_record`): this
 node signs its own announcement with its node key, relays others' records
 unchanged, and merges only records that verify against the node they name.
@@ -38,6 +52,7 @@ from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
 from meshnode.mesh.peer_table import MergeReport, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
 from meshnode.mesh.validation import validate_gossip_frame
+from meshnode.sansio import SECOND_NS
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
 from meshnode.wire.pb import mesh
@@ -58,6 +73,24 @@ class ReplyOutcome:
     merged: MergeReport
 
 
+@dataclass(frozen=True)
+class HeartbeatDue:
+    """A heartbeat interval passed: gossip with every peer (the announcement's heartbeat_seq is
+    already one higher)."""
+
+
+@dataclass(frozen=True)
+class PeerStale:
+    """No fresher announcement of ``peer_id`` for longer than the peer timeout; it is dropped only
+    once a probe confirms it down. Reported on every heartbeat until it is heard from again or
+    removed."""
+
+    peer_id: bytes
+
+
+MeshEvent = HeartbeatDue | PeerStale
+
+
 class MeshState:
     def __init__(
         self,
@@ -67,7 +100,10 @@ class MeshState:
         local: mesh.PeerAnnouncement,
         membership: MembershipState | None,
         invite: Invite | None = None,
-        tombstone_ttl: float = 60.0,
+        heartbeat_interval_ns: int = 5 * SECOND_NS,
+        # Four heartbeats, as the node's default.
+        peer_timeout_ns: int = 20 * SECOND_NS,
+        tombstone_ttl_ns: int = 60 * SECOND_NS,
         max_peers: int = 1024,
     ) -> None:
         if membership is None and invite is None:
@@ -80,10 +116,15 @@ class MeshState:
         self._local_record = LocalRecord(identity)
         self.membership = membership
         self.invite = invite
-        self.table = PeerTable(self.node_id, tombstone_ttl=tombstone_ttl, max_peers=max_peers)
+        self.table = PeerTable(self.node_id, tombstone_ttl_ns=tombstone_ttl_ns, max_peers=max_peers)
+        self.heartbeat_interval_ns = heartbeat_interval_ns
+        self.peer_timeout_ns = peer_timeout_ns
         self._admitted: set[bytes] = set()
         # Gossiped records refused, by RecordFault value ("bad_signature", ...).
         self.record_drops: Counter[str] = Counter()
+        # None until start_heartbeat: a state that never heartbeats has no timer.
+        self._next_heartbeat_ns: int | None = None
+        self._events: list[MeshEvent] = []
 
     @property
     def is_member(self) -> bool:
@@ -93,12 +134,43 @@ class MeshState:
         return peer_id in self._admitted
 
     def heartbeat(self) -> None:
+        """Make our announcement fresher, so peers hear from us again."""
         self.local.heartbeat_seq += 1
 
-    def remove_peer(self, peer_id: bytes, *, reason: str, now: float) -> bool:
+    def remove_peer(self, peer_id: bytes, *, reason: str, now_ns: int) -> bool:
         """Drop a peer (left, or confirmed down) and revoke its admission."""
         self._admitted.discard(peer_id)
-        return self.table.remove(peer_id, reason=reason, now=now)
+        return self.table.remove(peer_id, reason=reason, now_ns=now_ns)
+
+    # -- liveness timer ------------------------------------------------------------
+
+    def start_heartbeat(self, now_ns: int) -> None:
+        """Begin heartbeating: the first is due one interval after ``now_ns``."""
+        self._next_heartbeat_ns = now_ns + self.heartbeat_interval_ns
+
+    def handle_timer(self, now_ns: int) -> None:
+        """At or past the heartbeat: beat, expire tombstones, report quiet peers; earlier, nothing.
+
+        The next heartbeat is one interval after ``now_ns``, so a late call beats once, not
+        once for every interval it missed.
+        """
+        if self._next_heartbeat_ns is None or now_ns < self._next_heartbeat_ns:
+            return
+        self._next_heartbeat_ns = now_ns + self.heartbeat_interval_ns
+        self.heartbeat()
+        self.table.expire_tombstones(now_ns)
+        self._events.append(HeartbeatDue())
+        stale = self.table.stale(now_ns=now_ns, timeout_ns=self.peer_timeout_ns)
+        self._events.extend(PeerStale(peer_id) for peer_id in stale)
+
+    def get_timer(self) -> int | None:
+        """When the next heartbeat is due (monotonic ns); None before :meth:`start_heartbeat`."""
+        return self._next_heartbeat_ns
+
+    def take_events(self) -> list[MeshEvent]:
+        """What the timer produced since the last call, in order."""
+        events, self._events = self._events, []
+        return events
 
     # -- frames we send ----------------------------------------------------------
 
@@ -137,13 +209,15 @@ class MeshState:
 
     # -- frames we receive -------------------------------------------------------
 
-    def receive_gossip(self, frame: mesh.GossipFrame, *, peer_id: bytes, now: float) -> GossipOutcome:
+    def receive_gossip(
+        self, frame: mesh.GossipFrame, *, peer_id: bytes, now_ns: int, unix_now: float
+    ) -> GossipOutcome:
         validate_gossip_frame(frame, peer_id)
         if frame.HasField("refusal") or frame.HasField("membership_grant"):
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "an opening GossipFrame carries a reply-only field")
         # Membership first: a stranger does not get one signature check per record it sends.
-        verified = self._verify_unadmitted(frame, peer_id, now)
-        opened = self._open_records(frame, peer_id, now)
+        verified = self._verify_unadmitted(frame, peer_id, unix_now)
+        opened = self._open_records(frame, peer_id, unix_now)
         grant: membership.MembershipGrant | None = None
         if verified is not None and verified.via_invite:
             if self.membership is None:
@@ -151,11 +225,11 @@ class MeshState:
                     mesh.MESH_ERROR_NOT_ADMITTED, "this node is still joining; ask another member"
                 )
             certificate = issue_certificate(
-                self.membership.mesh_key, node_id=peer_id, issuer_id=self.node_id, unix_now=now
+                self.membership.mesh_key, node_id=peer_id, issuer_id=self.node_id, unix_now=unix_now
             )
             grant = make_grant(self.membership.mesh_key, certificate)
         self._admitted.add(peer_id)
-        merged = self._merge(opened, now)
+        merged = self._merge(opened, now_ns)
         reply = self.gossip_frame(peer_id)
         if grant is not None:
             reply.membership_grant.CopyFrom(grant)
@@ -166,16 +240,18 @@ class MeshState:
             merged=merged,
         )
 
-    def receive_gossip_reply(self, frame: mesh.GossipFrame, *, peer_id: bytes, now: float) -> ReplyOutcome:
+    def receive_gossip_reply(
+        self, frame: mesh.GossipFrame, *, peer_id: bytes, now_ns: int, unix_now: float
+    ) -> ReplyOutcome:
         if frame.HasField("refusal"):
             raise RemoteRefusal(frame.refusal.code, frame.refusal.detail)
         validate_gossip_frame(frame, peer_id)
-        verified = self._verify_unadmitted(frame, peer_id, now)
+        verified = self._verify_unadmitted(frame, peer_id, unix_now)
         if verified is not None and verified.via_invite:
             raise MeshRefusal(
                 mesh.MESH_ERROR_PROTOCOL, "a member answers with its certificate, not an invite"
             )
-        opened = self._open_records(frame, peer_id, now)
+        opened = self._open_records(frame, peer_id, unix_now)
         joined = False
         if frame.HasField("membership_grant") and self.membership is None:
             mesh_key, certificate = open_grant(
@@ -187,32 +263,36 @@ class MeshState:
         elif self.membership is None:
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "admitted without a membership grant")
         self._admitted.add(peer_id)
-        merged = self._merge(opened, now)
+        merged = self._merge(opened, now_ns)
         return ReplyOutcome(newly_admitted=verified is not None, joined=joined, merged=merged)
 
     def _verify_unadmitted(
-        self, frame: mesh.GossipFrame, peer_id: bytes, now: float
+        self, frame: mesh.GossipFrame, peer_id: bytes, unix_now: float
     ) -> VerifiedMembership | None:
         if peer_id in self._admitted:
             return None
         proof = frame.membership_proof if frame.HasField("membership_proof") else None
         return verify_membership_proof(
-            proof, mesh_id=self.mesh_id, verifier_id=self.node_id, authenticated_peer_id=peer_id, unix_now=now
+            proof,
+            mesh_id=self.mesh_id,
+            verifier_id=self.node_id,
+            authenticated_peer_id=peer_id,
+            unix_now=unix_now,
         )
 
-    def _open_records(self, frame: mesh.GossipFrame, peer_id: bytes, now: float) -> OpenedGossip:
+    def _open_records(self, frame: mesh.GossipFrame, peer_id: bytes, unix_now: float) -> OpenedGossip:
         """The frame's sound records; refuses the frame when the sender's own is not one."""
         opened = open_gossip_entries(
-            frame.entries, sender=peer_id, mesh_id=self.mesh_id, now=now, held=self.table.record_of
+            frame.entries, sender=peer_id, mesh_id=self.mesh_id, unix_now=unix_now, held=self.table.record_of
         )
         self.record_drops.update(drop.fault.value for drop in opened.dropped)
         opened.sender_record()
         return opened
 
-    def _merge(self, opened: OpenedGossip, now: float) -> MergeReport:
-        report = self.table.merge(opened.records, from_peer=opened.sender, now=now)
+    def _merge(self, opened: OpenedGossip, now_ns: int) -> MergeReport:
+        report = self.table.merge(opened.records, from_peer=opened.sender, now_ns=now_ns)
         report.dropped = opened.dropped
         return report
 
 
-__all__ = ["GossipOutcome", "MeshState", "ReplyOutcome"]
+__all__ = ["GossipOutcome", "HeartbeatDue", "MeshEvent", "MeshState", "PeerStale", "ReplyOutcome"]

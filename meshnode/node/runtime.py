@@ -1,11 +1,14 @@
 """The node runtime: identity + QUIC transport + dispatcher + membership, on asyncio.
 
 Protocol decisions live in :mod:`meshnode.mesh` (pure); this module only moves
-frames between streams and :class:`~meshnode.mesh.state.MeshState`, runs the
-heartbeat/probe timers and keeps the membership state on disk. The link kept per
-peer and how a peer is dialed are :mod:`meshnode.mesh.peer_links` and
-:mod:`meshnode.mesh.peer_dialer`; the status report and its socket are
-:mod:`meshnode.node.status_report` and :mod:`meshnode.node.status_server`.
+frames between streams and :class:`~meshnode.mesh.state.MeshState`, drives its
+heartbeat timer (and the probes it asks for) and keeps the membership state on disk.
+It gives the state two clocks, as :mod:`meshnode.sansio` says: ``time.monotonic_ns()``
+for liveness, and ``time.time()`` beside it where a credential or a record's
+incarnation is checked. The link kept per peer and how a peer is dialed are
+:mod:`meshnode.mesh.peer_links` and :mod:`meshnode.mesh.peer_dialer`; the status
+report and its socket are :mod:`meshnode.node.status_report` and
+:mod:`meshnode.node.status_server`.
 
 What later layers use:
 
@@ -48,7 +51,7 @@ from meshnode.mesh.rules import (
     resolve_peer_down,
     resolve_peer_leaving,
 )
-from meshnode.mesh.state import MeshState
+from meshnode.mesh.state import HeartbeatDue, MeshState, PeerStale
 from meshnode.mesh.validation import (
     decode,
     validate_peer_down,
@@ -59,6 +62,7 @@ from meshnode.mesh.validation import (
 from meshnode.node.status_report import StatusReport, status_report
 from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
@@ -117,6 +121,10 @@ class NodeConfig:
         return self.peer_timeout if self.peer_timeout is not None else 4 * self.heartbeat_interval
 
 
+def _to_ns(seconds: float) -> int:
+    return round(seconds * SECOND_NS)
+
+
 def _outbound_ip() -> str:
     """The local address used to reach other hosts (no packet is sent)."""
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -153,7 +161,9 @@ class Node:
             local=local,
             membership=membership,
             invite=invite,
-            tombstone_ttl=config.tombstone_ttl,
+            heartbeat_interval_ns=_to_ns(config.heartbeat_interval),
+            peer_timeout_ns=_to_ns(config.effective_peer_timeout),
+            tombstone_ttl_ns=_to_ns(config.tombstone_ttl),
         )
         if membership is not None:
             local.relays.extend(
@@ -174,7 +184,7 @@ class Node:
         self.dispatcher.register(StreamType.PROBE, self._serve_probe)
         self.endpoint: QuicEndpoint | None = None
         self.relay_links: RelayLinks | None = None
-        self.started_at = time.time()
+        self.started_at_ns = time.monotonic_ns()
         self.gossip_refusals: dict[str, int] = {}
         self._refusal_log = RateLimitedLog(log)
         # Peers to dial by address besides the peer table's: the stored known peers, or the invite's.
@@ -258,6 +268,7 @@ class Node:
         )
         self._status_server = StatusServer(self.data_dir.control_socket, self.status)
         await self._status_server.start()
+        self.state.start_heartbeat(time.monotonic_ns())
         self._spawn(self._heartbeat_loop())
         log.info(
             "node %s listening on %s (QUIC %s), advertising %s; mesh %s",
@@ -405,7 +416,10 @@ class Node:
                 raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "gossip stream ended without a reply")
             was_member = self.state.is_member
             outcome = self.state.receive_gossip_reply(
-                decode(mesh.GossipFrame, data), peer_id=link.peer_id, now=time.time()
+                decode(mesh.GossipFrame, data),
+                peer_id=link.peer_id,
+                now_ns=time.monotonic_ns(),
+                unix_now=time.time(),
             )
         except asyncio.CancelledError:
             done.cancel()
@@ -429,7 +443,9 @@ class Node:
         frame = await receive_message(stream, mesh.GossipFrame, self.config.gossip_timeout)
         peer_id = stream.peer_id
         try:
-            outcome = self.state.receive_gossip(frame, peer_id=peer_id, now=time.time())
+            outcome = self.state.receive_gossip(
+                frame, peer_id=peer_id, now_ns=time.monotonic_ns(), unix_now=time.time()
+            )
         except MeshRefusal as refusal:
             self.gossip_refusals[refusal.code_name] = self.gossip_refusals.get(refusal.code_name, 0) + 1
             self._refusal_log.log(
@@ -465,25 +481,28 @@ class Node:
     # -- liveness ----------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat_interval
         beats = 0
-        while True:
-            await asyncio.sleep(interval)
-            beats += 1
-            self.state.heartbeat()
-            now = time.time()
-            self.state.table.expire_tombstones(now)
-            for peer_id in self.state.table.peer_ids():
-                if peer_id not in self._heartbeating:
-                    self._spawn(self._heartbeat_peer(peer_id))
-            for peer_id in self.state.table.stale(now=now, timeout=self.config.effective_peer_timeout):
-                self._suspect(peer_id, reporter=None)
-            if not len(self.state.table) and self.state.is_member:
-                for endpoint in self._known_peers:
-                    if endpoint.id != self.node_id and endpoint.id not in self._heartbeating:
-                        self._spawn(self._bootstrap_one(endpoint))
-            if beats % 10 == 0 and self.state.is_member:
-                self._save_membership()
+        while (due_ns := self.state.get_timer()) is not None:
+            await asyncio.sleep(max(0, due_ns - time.monotonic_ns()) / SECOND_NS)
+            self.state.handle_timer(time.monotonic_ns())
+            for event in self.state.take_events():
+                if isinstance(event, HeartbeatDue):
+                    beats += 1
+                    self._heartbeat(beats)
+                elif isinstance(event, PeerStale):
+                    self._suspect(event.peer_id, reporter=None)
+
+    def _heartbeat(self, beats: int) -> None:
+        """Gossip with every peer (with the known peers while there is none); save them every tenth beat."""
+        for peer_id in self.state.table.peer_ids():
+            if peer_id not in self._heartbeating:
+                self._spawn(self._heartbeat_peer(peer_id))
+        if not len(self.state.table) and self.state.is_member:
+            for endpoint in self._known_peers:
+                if endpoint.id != self.node_id and endpoint.id not in self._heartbeating:
+                    self._spawn(self._bootstrap_one(endpoint))
+        if beats % 10 == 0 and self.state.is_member:
+            self._save_membership()
 
     async def _heartbeat_peer(self, peer_id: bytes) -> None:
         self._heartbeating.add(peer_id)
@@ -595,7 +614,7 @@ class Node:
             )
 
     def _drop(self, peer_id: bytes, reason: str, *, close_link: bool) -> bool:
-        if not self.state.remove_peer(peer_id, reason=reason, now=time.time()):
+        if not self.state.remove_peer(peer_id, reason=reason, now_ns=time.monotonic_ns()):
             return False
         log.info("dropped peer %s: %s", short_id(peer_id), reason)
         link = self._links.get(peer_id)
@@ -633,9 +652,9 @@ class Node:
             link_to=self._links.get,
             stream_refusals=self.dispatcher.refusals,
             gossip_refusals=self.gossip_refusals,
-            started_at=self.started_at,
+            started_at_ns=self.started_at_ns,
             api_url=self.api_url,
-            now=time.time(),
+            now_ns=time.monotonic_ns(),
         )
 
     def _spawn(self, coro: Awaitable[Any]) -> None:

@@ -17,6 +17,7 @@ from meshnode.identity import short_id
 from meshnode.mesh.peer_table import PeerEntry
 from meshnode.mesh.state import MeshState
 from meshnode.relaylink.manager import RelayLinks
+from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh
 
@@ -136,8 +137,8 @@ class StatusReport:
         return asdict(self)
 
 
-def _seconds(span: float) -> float:
-    return round(span, 3)
+def _seconds_since(then_ns: int, now_ns: int) -> float:
+    return round((now_ns - then_ns) / SECOND_NS, 3)
 
 
 def _relays(links: RelayLinks | None) -> list[RelayStatus]:
@@ -149,8 +150,9 @@ def _relays(links: RelayLinks | None) -> list[RelayStatus]:
     ]
 
 
-def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now: float) -> PeerStatus:
+def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: int) -> PeerStatus:
     announcement = entry.announcement
+    last_direct_ns = entry.last_direct_ns
     return PeerStatus(
         id=entry.peer_id.hex(),
         short_id=short_id(entry.peer_id),
@@ -170,8 +172,8 @@ def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now: float
         ),
         link=link.description if link is not None else None,
         admitted=admitted,
-        age_s=_seconds(now - entry.last_heard),
-        last_direct_s=_seconds(now - entry.last_direct) if entry.last_direct is not None else None,
+        age_s=_seconds_since(entry.last_heard_ns, now_ns),
+        last_direct_s=_seconds_since(last_direct_ns, now_ns) if last_direct_ns is not None else None,
         incarnation=announcement.incarnation,
         heartbeat_seq=announcement.heartbeat_seq,
         version=announcement.version,
@@ -185,11 +187,13 @@ def status_report(
     link_to: Callable[[bytes], PeerLink | None],
     stream_refusals: Mapping[str, int],
     gossip_refusals: Mapping[str, int],
-    started_at: float,
+    started_at_ns: int,
     api_url: str | None,
-    now: float,
+    now_ns: int,
 ) -> StatusReport:
-    """The report of the node whose membership state is ``state``, at wall-clock time ``now``.
+    """The report of the node whose membership state is ``state``, at ``now_ns``.
+
+    ``now_ns`` and ``started_at_ns`` are monotonic, the clock the peer table keeps its times on.
 
     ``link_to(peer_id)``: the live link to a peer, or ``None``.
     """
@@ -205,11 +209,11 @@ def status_report(
         incarnation=local.incarnation,
         heartbeat_seq=local.heartbeat_seq,
         serving=ServingStatus.of(local),
-        uptime_s=_seconds(now - started_at),
+        uptime_s=_seconds_since(started_at_ns, now_ns),
         api_url=api_url,
     )
     peers = [
-        _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now=now)
+        _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now_ns=now_ns)
         for entry in state.table.entries()
     ]
     return StatusReport(

@@ -1,5 +1,7 @@
 """Pure membership protocol: decision rules, validators, peer table, MeshState."""
 
+from functools import partial
+
 import pytest
 
 from meshnode.identity import NodeIdentity
@@ -25,7 +27,7 @@ from meshnode.mesh.rules import (
     stream_allowed_before_admission,
 )
 from meshnode.mesh.signed_record import RecordFault, VerifiedRecord, sign_record
-from meshnode.mesh.state import MeshState
+from meshnode.mesh.state import HeartbeatDue, MeshState, PeerStale
 from meshnode.mesh.validation import (
     MAX_PEERS_PER_FRAME,
     decode,
@@ -35,6 +37,7 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
+from meshnode.sansio import SECOND_NS
 from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, refusal_from_reset_code, reset_code
 from meshnode.wire.pb import mesh
@@ -42,7 +45,9 @@ from meshnode.wire.pb import mesh
 # Real keys (from fixed seeds): every gossiped record is signed by the node it names.
 IDENTITIES = {i.node_id: i for i in (NodeIdentity.from_seed(bytes([n]) * 32) for n in range(1, 20))}
 A, B, C, *MORE = sorted(IDENTITIES)  # A < B < C, as the tie-break tests assume
-NOW = 1_800_000_000.0
+NOW = 1_800_000_000.0  # unix time, which credentials and incarnations are checked against
+# An instant of the monotonic clock that liveness runs on (its origin is arbitrary).
+MONOTONIC_NS = 42 * SECOND_NS
 
 
 def code_of(call):
@@ -148,7 +153,7 @@ def gossip(sender=B, gen=1, entries=None):
 
 
 def opened(frame, sender=B):
-    return open_gossip_entries(frame.entries, sender=sender, mesh_id="m", now=NOW, held=lambda _: None)
+    return open_gossip_entries(frame.entries, sender=sender, mesh_id="m", unix_now=NOW, held=lambda _: None)
 
 
 def test_gossip_validation_follows_the_seed_order():
@@ -248,29 +253,30 @@ def test_refusals_round_trip_through_reset_codes():
 
 
 def test_peer_table_tombstones_stop_stale_gossip_until_they_expire():
-    table = PeerTable(A, tombstone_ttl=60.0)
-    report = table.merge([record(A), record(B, seq=3), record(C)], from_peer=B, now=0.0)
+    table = PeerTable(A, tombstone_ttl_ns=60 * SECOND_NS)
+    report = table.merge([record(A), record(B, seq=3), record(C)], from_peer=B, now_ns=0)
     assert report.added == [B, C] and A not in table
-    assert table.get(B).last_direct == 0.0 and table.get(C).last_direct is None
-    table.merge([record(B, seq=4)], from_peer=C, now=5.0)
-    assert table.get(B).last_heard == 5.0
-    table.merge([record(B, seq=4)], from_peer=C, now=9.0)
-    assert table.get(B).last_heard == 5.0  # not fresher: B is not heard from by repetition
-    assert table.stale(now=20.0, timeout=10.0) == [B, C]
-    assert table.remove(B, reason="left", now=10.0) and not table.remove(B, reason="left", now=10.0)
-    assert table.merge([record(B, seq=4)], from_peer=C, now=11.0).ignored_tombstoned == [B]
+    assert table.get(B).last_direct_ns == 0 and table.get(C).last_direct_ns is None
+    table.merge([record(B, seq=4)], from_peer=C, now_ns=5 * SECOND_NS)
+    assert table.get(B).last_heard_ns == 5 * SECOND_NS
+    table.merge([record(B, seq=4)], from_peer=C, now_ns=9 * SECOND_NS)
+    assert table.get(B).last_heard_ns == 5 * SECOND_NS  # not fresher: B is not heard from by repetition
+    assert table.stale(now_ns=20 * SECOND_NS, timeout_ns=10 * SECOND_NS) == [B, C]
+    assert table.remove(B, reason="left", now_ns=10 * SECOND_NS)
+    assert not table.remove(B, reason="left", now_ns=10 * SECOND_NS)
+    assert table.merge([record(B, seq=4)], from_peer=C, now_ns=11 * SECOND_NS).ignored_tombstoned == [B]
     assert B not in table
     # The restarted B (new incarnation) is accepted while the tombstone lives.
-    assert table.merge([record(B, incarnation=2)], from_peer=C, now=12.0).added == [B]
-    table.remove(B, reason="down", now=20.0)
+    assert table.merge([record(B, incarnation=2)], from_peer=C, now_ns=12 * SECOND_NS).added == [B]
+    table.remove(B, reason="down", now_ns=20 * SECOND_NS)
     assert table.tombstone_count == 1
-    assert table.merge([record(B, incarnation=2)], from_peer=C, now=81.0).added == [B]
+    assert table.merge([record(B, incarnation=2)], from_peer=C, now_ns=81 * SECOND_NS).added == [B]
     assert table.tombstone_count == 0
 
 
 def test_peer_table_is_bounded():
-    table = PeerTable(A, tombstone_ttl=1.0, max_peers=2)
-    report = table.merge([record(node_id) for node_id in MORE[:5]], from_peer=B, now=0.0)
+    table = PeerTable(A, tombstone_ttl_ns=SECOND_NS, max_peers=2)
+    report = table.merge([record(node_id) for node_id in MORE[:5]], from_peer=B, now_ns=0)
     assert len(table) == 2 and len(report.ignored_full) == 3
 
 
@@ -308,16 +314,22 @@ def test_invite_join_grants_membership_and_admits_both_ways():
     acceptor, dialer = member_state(mesh_key, first), joiner_state(invite, joiner)
     assert not dialer.is_member
 
-    outcome = acceptor.receive_gossip(dialer.gossip_frame(first.node_id), peer_id=joiner.node_id, now=NOW)
+    outcome = acceptor.receive_gossip(
+        dialer.gossip_frame(first.node_id), peer_id=joiner.node_id, now_ns=MONOTONIC_NS, unix_now=NOW
+    )
     assert outcome.newly_admitted and outcome.via_invite and acceptor.is_admitted(joiner.node_id)
     assert outcome.reply.HasField("membership_grant") and joiner.node_id in acceptor.table
 
-    reply = dialer.receive_gossip_reply(outcome.reply, peer_id=first.node_id, now=NOW)
+    reply = dialer.receive_gossip_reply(
+        outcome.reply, peer_id=first.node_id, now_ns=MONOTONIC_NS, unix_now=NOW
+    )
     assert reply.joined and dialer.is_member and dialer.membership.mesh_id == mesh_key.mesh_id
     assert dialer.is_admitted(first.node_id) and first.node_id in dialer.table
     # From now on the joiner shows its certificate; a second exchange grants nothing new.
     assert dialer.gossip_frame(first.node_id).membership_proof.WhichOneof("credential") == "certificate"
-    again = acceptor.receive_gossip(dialer.gossip_frame(first.node_id), peer_id=joiner.node_id, now=NOW)
+    again = acceptor.receive_gossip(
+        dialer.gossip_frame(first.node_id), peer_id=joiner.node_id, now_ns=MONOTONIC_NS, unix_now=NOW
+    )
     assert not again.newly_admitted and not again.reply.HasField("membership_grant")
 
 
@@ -334,24 +346,16 @@ def test_gossip_refusals_carry_exact_codes():
             setattr(f, name, value)
         return f
 
-    receive = state.receive_gossip
-    assert (
-        code_of(lambda: receive(frame(), peer_id=stranger.node_id, now=NOW)) == mesh.MESH_ERROR_NO_CREDENTIAL
-    )
-    assert (
-        code_of(lambda: receive(frame(gen=2), peer_id=stranger.node_id, now=NOW))
-        == mesh.MESH_ERROR_BAD_GENERATION
-    )
-    assert code_of(lambda: receive(frame(), peer_id=node.node_id, now=NOW)) == mesh.MESH_ERROR_SENDER_MISMATCH
+    receive = partial(state.receive_gossip, now_ns=MONOTONIC_NS, unix_now=NOW)
+    assert code_of(lambda: receive(frame(), peer_id=stranger.node_id)) == mesh.MESH_ERROR_NO_CREDENTIAL
+    assert code_of(lambda: receive(frame(gen=2), peer_id=stranger.node_id)) == mesh.MESH_ERROR_BAD_GENERATION
+    assert code_of(lambda: receive(frame(), peer_id=node.node_id)) == mesh.MESH_ERROR_SENDER_MISMATCH
     assert not state.is_admitted(stranger.node_id) and stranger.node_id not in state.table
     # A member of another mesh, with a valid certificate of its own mesh.
     other_key = MeshKey.generate()
     outsider = member_state(other_key, stranger)
     outsider_frame = outsider.gossip_frame(node.node_id)
-    assert (
-        code_of(lambda: receive(outsider_frame, peer_id=stranger.node_id, now=NOW))
-        == mesh.MESH_ERROR_OTHER_MESH
-    )
+    assert code_of(lambda: receive(outsider_frame, peer_id=stranger.node_id)) == mesh.MESH_ERROR_OTHER_MESH
 
 
 def test_a_refusal_reply_becomes_a_remote_refusal():
@@ -360,7 +364,7 @@ def test_a_refusal_reply_becomes_a_remote_refusal():
     state, other = member_state(mesh_key, node), member_state(mesh_key, peer)
     reply = other.refusal_frame(MeshRefusal(mesh.MESH_ERROR_INVITE_EXPIRED))
     with pytest.raises(RemoteRefusal) as info:
-        state.receive_gossip_reply(reply, peer_id=peer.node_id, now=NOW)
+        state.receive_gossip_reply(reply, peer_id=peer.node_id, now_ns=MONOTONIC_NS, unix_now=NOW)
     assert info.value.code == mesh.MESH_ERROR_INVITE_EXPIRED and "expired" in info.value.detail
 
 
@@ -368,14 +372,16 @@ def test_removed_peer_must_prove_membership_again():
     mesh_key = MeshKey.generate()
     node, peer = NodeIdentity.generate(), NodeIdentity.generate()
     state, other = member_state(mesh_key, node), member_state(mesh_key, peer)
-    state.receive_gossip(other.gossip_frame(node.node_id), peer_id=peer.node_id, now=NOW)
-    assert state.remove_peer(peer.node_id, reason="left", now=NOW)
+    state.receive_gossip(
+        other.gossip_frame(node.node_id), peer_id=peer.node_id, now_ns=MONOTONIC_NS, unix_now=NOW
+    )
+    assert state.remove_peer(peer.node_id, reason="left", now_ns=MONOTONIC_NS)
     assert not state.is_admitted(peer.node_id)
     no_proof = other.gossip_frame(node.node_id)
     no_proof.ClearField("membership_proof")
-    assert code_of(lambda: state.receive_gossip(no_proof, peer_id=peer.node_id, now=NOW)) == (
-        mesh.MESH_ERROR_NO_CREDENTIAL
-    )
+    assert code_of(
+        lambda: state.receive_gossip(no_proof, peer_id=peer.node_id, now_ns=MONOTONIC_NS, unix_now=NOW)
+    ) == (mesh.MESH_ERROR_NO_CREDENTIAL)
 
 
 def test_route_table_lists_everyone_without_admitting_the_requester():
@@ -386,12 +392,123 @@ def test_route_table_lists_everyone_without_admitting_the_requester():
         mesh.ServedShard(model_name="tiny", total_layers=8, shard_range={"start_layer": 0, "end_layer": 4})
     )
     state.receive_gossip(
-        member_state(mesh_key, peer).gossip_frame(node.node_id), peer_id=peer.node_id, now=NOW
+        member_state(mesh_key, peer).gossip_frame(node.node_id),
+        peer_id=peer.node_id,
+        now_ns=MONOTONIC_NS,
+        unix_now=NOW,
     )
     table = state.route_table()
     assert table.gen == 1 and table.mesh_id == mesh_key.mesh_id
     assert {e.endpoint_id for e in table.entries} == {node.node_id, peer.node_id}
     assert [e.model for e in table.entries if e.endpoint_id == node.node_id] == ["tiny"]
+
+
+# -- MeshState: the heartbeat timer, on the monotonic clock ----------------------------------------
+
+HEARTBEAT_NS = 5 * SECOND_NS
+PEER_TIMEOUT_NS = 20 * SECOND_NS
+
+
+def timed_member(mesh_key, identity):
+    return member_state(
+        mesh_key,
+        identity,
+        heartbeat_interval_ns=HEARTBEAT_NS,
+        peer_timeout_ns=PEER_TIMEOUT_NS,
+        tombstone_ttl_ns=60 * SECOND_NS,
+    )
+
+
+def test_the_heartbeat_timer_beats_once_per_interval_and_reports_quiet_peers_at_each_beat():
+    mesh_key = MeshKey.generate()
+    node, peer = NodeIdentity.generate(), NodeIdentity.generate()
+    state, other = timed_member(mesh_key, node), member_state(mesh_key, peer)
+    assert state.get_timer() is None
+    state.start_heartbeat(0)
+    assert state.get_timer() == HEARTBEAT_NS
+    state.handle_timer(HEARTBEAT_NS - 1)  # early: nothing yet
+    assert state.take_events() == [] and state.local.heartbeat_seq == 0
+
+    frame = other.gossip_frame(node.node_id)
+    state.receive_gossip(frame, peer_id=peer.node_id, now_ns=SECOND_NS, unix_now=NOW)
+    state.handle_timer(HEARTBEAT_NS)
+    assert state.take_events() == [HeartbeatDue()] and state.local.heartbeat_seq == 1
+    assert state.get_timer() == 2 * HEARTBEAT_NS
+    state.handle_timer(SECOND_NS + PEER_TIMEOUT_NS)  # quiet for exactly the timeout: not yet stale
+    assert state.take_events() == [HeartbeatDue()]
+    # Late by seconds: one beat, not one per missed interval, and the next one interval later.
+    late_ns = 30 * SECOND_NS
+    state.handle_timer(late_ns)
+    assert state.take_events() == [HeartbeatDue(), PeerStale(peer.node_id)]
+    assert state.get_timer() == late_ns + HEARTBEAT_NS and state.local.heartbeat_seq == 3
+    state.handle_timer(late_ns + HEARTBEAT_NS)  # still quiet: reported again, and never dropped here
+    assert state.take_events() == [HeartbeatDue(), PeerStale(peer.node_id)]
+    assert peer.node_id in state.table
+    other.heartbeat()
+    frame = other.gossip_frame(node.node_id)
+    state.receive_gossip(frame, peer_id=peer.node_id, now_ns=late_ns + HEARTBEAT_NS, unix_now=NOW)
+    state.handle_timer(late_ns + 2 * HEARTBEAT_NS)
+    assert state.take_events() == [HeartbeatDue()]
+
+
+def test_a_wall_clock_step_makes_no_peer_stale_and_ends_no_tombstone_while_invites_expire_by_it():
+    """Issue 18: liveness ran on the wall clock, so a step forward made every peer stale (and one
+    back kept a dead peer fresh for as long). The wall clock here jumps an hour ahead between a
+    peer's gossip and the next beat, and back an hour later: liveness follows only the monotonic
+    clock, while an invite's validity still follows the wall clock."""
+    mesh_key = MeshKey.generate()
+    node, peer, gone, newcomer = (NodeIdentity.generate() for _ in range(4))
+    state = timed_member(mesh_key, node)
+    other, departed = member_state(mesh_key, peer), member_state(mesh_key, gone)
+    bootstrap = [Endpoint(node.node_id, "127.0.0.1:1")]
+    invite = create_invite(mesh_key, issuer_id=node.node_id, bootstrap=bootstrap, ttl_s=1800, unix_now=NOW)
+    joiner = joiner_state(invite, newcomer)
+
+    def clocks(seconds):
+        """(now_ns, unix_now) ``seconds`` into the run: the wall clock is an hour ahead from 12 s to 27 s."""
+        return seconds * SECOND_NS, NOW + seconds + (3600 if 12 <= seconds < 27 else 0)
+
+    def gossip_from_peer(seconds):
+        other.heartbeat()
+        now_ns, unix_now = clocks(seconds)
+        frame = other.gossip_frame(node.node_id)
+        return state.receive_gossip(frame, peer_id=peer.node_id, now_ns=now_ns, unix_now=unix_now).merged
+
+    def join(seconds):
+        now_ns, unix_now = clocks(seconds)
+        frame = joiner.gossip_frame(node.node_id)
+        return state.receive_gossip(frame, peer_id=newcomer.node_id, now_ns=now_ns, unix_now=unix_now)
+
+    # A node that left: this node tombstones it, while the peer still relays its last record.
+    state.receive_gossip(departed.gossip_frame(node.node_id), peer_id=gone.node_id, now_ns=0, unix_now=NOW)
+    other.receive_gossip(departed.gossip_frame(peer.node_id), peer_id=gone.node_id, now_ns=0, unix_now=NOW)
+    assert state.remove_peer(gone.node_id, reason="left", now_ns=0)
+    assert gossip_from_peer(0).added == [peer.node_id]
+    state.start_heartbeat(0)
+
+    for seconds in range(1, 31):
+        if seconds % 5 == 1:  # the peer gossips a second after each beat
+            merged = gossip_from_peer(seconds)
+            assert merged.updated == [peer.node_id] and merged.ignored_tombstoned == [gone.node_id]
+        if seconds % 5 == 0:
+            state.handle_timer(clocks(seconds)[0])
+            assert state.take_events() == [HeartbeatDue()]
+        if seconds == 20:  # an hour ahead, the invite (valid for 30 minutes) has expired
+            assert code_of(lambda: join(20)) == mesh.MESH_ERROR_INVITE_EXPIRED
+    assert peer.node_id in state.table and state.table.tombstone(gone.node_id) is not None
+    assert join(31).via_invite  # the clock back, the same invite is valid again
+
+    # The peer stops: stale once quiet for longer than the timeout (last heard at 26 s), not an hour.
+    for seconds in (35, 40, 45):
+        state.handle_timer(clocks(seconds)[0])
+        assert state.take_events() == [HeartbeatDue()]
+    state.handle_timer(clocks(50)[0])
+    assert state.take_events() == [HeartbeatDue(), PeerStale(peer.node_id)]
+    # The tombstone ends its 60 s after the node left, by the same clock.
+    state.handle_timer(clocks(55)[0])
+    assert state.table.tombstone(gone.node_id) is not None
+    state.handle_timer(clocks(60)[0])
+    assert state.table.tombstone(gone.node_id) is None
 
 
 def test_refusal_logging_is_rate_limited(caplog):

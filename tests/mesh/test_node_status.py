@@ -15,10 +15,13 @@ from meshnode.membership.store import MembershipState
 from meshnode.mesh.state import MeshState
 from meshnode.node.status_report import StatusReport, status_report
 from meshnode.node.status_server import StatusServer
+from meshnode.sansio import SECOND_NS
 from meshnode.wire.pb import mesh, shard
 
 NOW = 1_800_000_000.0
 NOW_NS = 1_800_000_000 * 1_000_000_000
+# An instant of the monotonic clock that liveness runs on (its origin is arbitrary).
+MONOTONIC_NS = 42 * SECOND_NS
 
 
 def member(mesh_key: MeshKey, identity: NodeIdentity, address: str) -> MeshState:
@@ -55,7 +58,7 @@ def a_report_with_one_peer() -> tuple[StatusReport, MeshState, MeshState]:
     b.local.capacity.CopyFrom(mesh.Capacity(max_concurrent_sessions=4, max_context_tokens=4096))
     b.local.load.CopyFrom(mesh.Load(active_sessions=1, queued_chunks=2, kv_pressure=0.123456))
     b.local.relays.add(relay_id=b"\x09" * 32, address="relay.example:7448")
-    a.receive_gossip(b.gossip_frame(a.node_id), peer_id=b.node_id, now=NOW)
+    a.receive_gossip(b.gossip_frame(a.node_id), peer_id=b.node_id, now_ns=MONOTONIC_NS, unix_now=NOW)
     link = FakeLink(b.node_id, dialed_here=True, at=1.0, name="quic 10.0.0.2:7447")
     report = status_report(
         a,
@@ -63,9 +66,9 @@ def a_report_with_one_peer() -> tuple[StatusReport, MeshState, MeshState]:
         link_to={b.node_id: link}.get,
         stream_refusals={"MESH_ERROR_NOT_ADMITTED": 2},
         gossip_refusals={"MESH_ERROR_NO_CREDENTIAL": 1},
-        started_at=NOW - 5,
+        started_at_ns=MONOTONIC_NS - 5 * SECOND_NS,
         api_url="http://127.0.0.1:8080",
-        now=NOW + 1.5,
+        now_ns=MONOTONIC_NS + 1_500_000_000,
     )
     return report, a, b
 
@@ -128,16 +131,16 @@ def test_a_peer_without_a_live_link_shows_none():
     mesh_key = MeshKey.generate()
     a = member(mesh_key, NodeIdentity.generate(), "10.0.0.1:7447")
     b = member(mesh_key, NodeIdentity.generate(), "10.0.0.2:7447")
-    a.receive_gossip(b.gossip_frame(a.node_id), peer_id=b.node_id, now=NOW)
+    a.receive_gossip(b.gossip_frame(a.node_id), peer_id=b.node_id, now_ns=MONOTONIC_NS, unix_now=NOW)
     report = status_report(
         a,
         relays=None,
         link_to=lambda peer_id: None,
         stream_refusals={},
         gossip_refusals={},
-        started_at=NOW,
+        started_at_ns=MONOTONIC_NS,
         api_url=None,
-        now=NOW,
+        now_ns=MONOTONIC_NS,
     )
     (peer,) = report.peers
     assert peer.link is None and peer.serving is None and report.node.api_url is None
