@@ -21,8 +21,8 @@ peer quiet for longer than the peer timeout (probe it).
 Two clocks, never mixed: ``now_ns`` is monotonic and times liveness (when a peer
 was last heard, a tombstone's end, the next heartbeat), so a step of the wall clock
 makes no peer stale and ends no tombstone; ``unix_now`` (wall-clock seconds) is
-passed only beside it to what compares wall-clock instants: a membership proof's
-invite expiry, a granted certificate's issue time, a record's incarnation bound.
+passed only beside it where a wall-clock instant is read or written: a membership
+proof's invite expiry, a record's incarnation bound, a granted certificate's issue time.
 
 Gossip carries signed peer records (:mod:`meshnode.mesh.signed_record`): this
 node signs its own announcement with its node key, relays others' records
