@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from helpers.recording_engine import HIDDEN, LAYERS, RecordingEngine
+from helpers.tiny_llama import run_unsplit
 
 from engines.interface import SessionKey
 from meshnode.dataplane.actions import (
@@ -34,8 +36,6 @@ from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_bundle
 
-from .recording_engine import HIDDEN, LAYERS, RecordingEngine
-
 SECOND = 1_000_000_000
 # The two clocks start far apart, so a test that mixed them up would fail: the machines' timers
 # and leases run on the monotonic clock, envelope deadlines are wall-clock unix nanoseconds.
@@ -55,6 +55,12 @@ def srange(start: int = 0, end: int = LAYERS, effective: int | None = None) -> s
     return shard.ShardRange(
         start_layer=start, end_layer=end, effective_start_layer=start if effective is None else effective
     )
+
+
+def reference(prompt: list[int], decode_steps: int) -> list[int]:
+    """Greedy tokens of the whole fake model run directly on one engine (the first, then one a step)."""
+    tokens, _ = run_unsplit(RecordingEngine(), prompt, chunk_tokens=len(prompt), decode_steps=decode_steps)
+    return tokens
 
 
 def open_request(

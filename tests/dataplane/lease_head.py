@@ -15,50 +15,28 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
+
+from helpers.mesh_nodes import cluster_client_config, serving_peer, start_invited_node
+from helpers.tiny_llama import SPLIT
+
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import ShardSession
-from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import decode_invite_token
-from meshnode.membership.store import DataDir
-from meshnode.node import Node, NodeConfig
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import shard
 
-SPLIT = 3
 PROMPT = [1, 5, 9, 13]
 # What meshnode.head.driver gives a unit (DriverOptions.unit_timeout_s).
 UNIT_TIMEOUT_NS = 60 * 1_000_000_000
 PAUSE_S = 0.05
 
 
-async def serving(node: Node, start: int, end: int) -> tuple[bytes, shard.Fingerprint]:
-    async with asyncio.timeout(30):
-        while True:
-            for entry in node.peers():
-                served = entry.announcement.serving
-                if entry.announcement.HasField("serving") and (
-                    served.shard_range.start_layer,
-                    served.shard_range.end_layer,
-                ) == (start, end):
-                    return entry.peer_id, served.fingerprint
-            await asyncio.sleep(0.05)
-
-
 async def run(data_dir: Path, token: str, count: int) -> None:
-    config = NodeConfig(
-        listen="127.0.0.1:0",
-        heartbeat_interval=0.3,
-        gossip_timeout=2.0,
-        probe_timeout=2.0,
-        connect_timeout=2.0,
-        stream_type_timeout=2.0,
-    )
-    node = Node(NodeIdentity.generate(), DataDir(data_dir), config, invite=decode_invite_token(token))
-    await node.start()
-    await node.join()
-    first, fingerprint = await serving(node, 0, SPLIT)
-    tail, _ = await serving(node, SPLIT, TINY_N_LAYERS)
+    node = await start_invited_node(data_dir, cluster_client_config(), decode_invite_token(token))
+    first, fingerprint = await serving_peer(node, 0, SPLIT, timeout=30)
+    tail, _ = await serving_peer(node, SPLIT, TINY_N_LAYERS, timeout=30)
 
     async def link() -> PeerLink:
         return await node.get_link(first)

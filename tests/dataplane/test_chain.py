@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from helpers.recording_engine import RecordingEngine
 
 from engines.interface import GREEDY, EngineError, EngineErrorKind, SessionKey, StepRequest
 from meshnode.dataplane.actions import CancelDownstream, Forward, ReleaseDownstream, ReleaseEngine
@@ -26,12 +27,11 @@ from .harness import (
     kinds,
     make_client,
     only_status,
+    reference,
     responses,
     result_tokens,
     srange,
 )
-from .recording_engine import RecordingEngine
-from .test_client import reference
 
 
 def reference_logits(prompt: list[int], decode_steps: int) -> list[np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.recording_engine import RecordingEngine
 
 from meshnode.dataplane.client import (
     ClientConfig,
@@ -20,15 +21,7 @@ from meshnode.dataplane.worker import WorkerConfig
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-from .chain_fixtures import run_unsplit
-from .harness import FP, HIDDEN, SECOND, Loopback, WorkerHarness, make_client, srange
-from .recording_engine import RecordingEngine
-
-
-def reference(prompt: list[int], decode_steps: int) -> list[int]:
-    """Greedy tokens of the whole tiny model run directly on one engine."""
-    tokens, _ = run_unsplit(RecordingEngine(), prompt, chunk_tokens=len(prompt), decode_steps=decode_steps)
-    return tokens
+from .harness import FP, HIDDEN, SECOND, Loopback, WorkerHarness, make_client, reference, srange
 
 
 def connected(

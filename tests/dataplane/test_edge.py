@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+from helpers.loopback_mesh import LoopbackMesh, MeshPeer
 from helpers.polling import eventually
+from helpers.recording_engine import LAYERS, RecordingEngine
 
 from engines.interface import METRIC_STEPS_CANCELLED
 from meshnode.dataplane import rpc
@@ -28,10 +30,7 @@ from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import reset_code
 from meshnode.wire.pb import mesh, shard
 
-from .harness import FP, srange
-from .loopback_mesh import LoopbackMesh, MeshPeer
-from .recording_engine import LAYERS, RecordingEngine
-from .test_client import reference
+from .harness import FP, reference, srange
 
 pytestmark = pytest.mark.timeout(30)
 

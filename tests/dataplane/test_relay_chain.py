@@ -8,42 +8,27 @@ travel as sealed relay channels, served by the same dispatcher as QUIC streams.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
+from helpers.mesh_nodes import invite_from, new_membership, relay_only_config
+from helpers.recording_engine import LAYERS, SPEC
 
 from engines.fake import FakeEngine
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.service import ShardService, ShardServiceOptions
 from meshnode.dataplane.session_link import ShardSession
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
-from meshnode.membership.store import DataDir, MembershipState
-from meshnode.node import Node, NodeConfig
+from meshnode.membership.credentials import Endpoint, MeshKey
+from meshnode.membership.store import DataDir
+from meshnode.node import Node
 from relay.server import RelayServer
 
-from .harness import srange
-from .recording_engine import LAYERS, SPEC
-from .test_client import reference
+from .harness import reference, srange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 PROMPT = [5, 3, 8, 1, 9, 2, 7]
-
-
-def relayed(relay: Endpoint) -> NodeConfig:
-    return NodeConfig(
-        listen="127.0.0.1:0",
-        heartbeat_interval=0.3,
-        gossip_timeout=2.0,
-        probe_timeout=2.0,
-        connect_timeout=3.0,
-        stream_type_timeout=2.0,
-        directly_reachable=False,
-        relay_only=True,
-        relays=[relay],
-    )
 
 
 async def serve(node: Node, layers: tuple[int, int]) -> ShardService:
@@ -59,14 +44,11 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
     await relay_server.start("127.0.0.1", 0)
     relay = Endpoint(relay_server.relay_id, f"127.0.0.1:{relay_server.address[1]}")
     first = NodeIdentity.generate()
-    certificate = issue_certificate(
-        mesh_key, node_id=first.node_id, issuer_id=first.node_id, unix_now=time.time()
-    )
     head = Node(
         first,
         DataDir(tmp_path / "head"),
-        relayed(relay),
-        membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
+        relay_only_config(relay),
+        membership=new_membership(mesh_key, first),
     )
     nodes = [head]
     services: list[ShardService] = []
@@ -75,14 +57,10 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
         await head.start()
 
         async def joiner(name: str) -> Node:
-            invite = create_invite(
-                mesh_key,
-                issuer_id=head.node_id,
-                bootstrap=[Endpoint(head.node_id, head.addresses[0])],
-                relays=[relay],
-                unix_now=time.time(),
+            invite = invite_from(head, relays=[relay])
+            node = Node(
+                NodeIdentity.generate(), DataDir(tmp_path / name), relay_only_config(relay), invite=invite
             )
-            node = Node(NodeIdentity.generate(), DataDir(tmp_path / name), relayed(relay), invite=invite)
             nodes.append(node)
             return node
 

@@ -9,50 +9,21 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.loopback_mesh import AnnouncingPeer, LoopbackMesh
+from helpers.node_processes import write_member
+from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine, FaultKind, FaultRule
 from engines.tiny_model import ensure_tiny_model
 from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
 from meshnode.dataplane.session_link import ShardSession
 from meshnode.membership.credentials import MeshKey
-from meshnode.transport.base import PeerLink
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh, shard
 
-from .chain_fixtures import write_member
 from .harness import srange
-from .loopback_mesh import LoopbackMesh
-from .recording_engine import SPEC
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class AnnouncingPeer:
-    """A loopback mesh peer with the announcement setters of ``meshnode.node.Node``."""
-
-    def __init__(self, mesh_: LoopbackMesh, index: int) -> None:
-        self.peer = mesh_.add(index)
-        self.node_id = self.peer.node_id
-        self.serving: mesh.ServedShard | None = None
-        self.capacity: mesh.Capacity | None = None
-        self.loads: list[mesh.Load] = []
-        self.registered: list[StreamType] = []
-
-    def register_handler(self, stream_type: StreamType, handler: object) -> None:
-        self.registered.append(stream_type)
-        self.peer.register_handler(stream_type, handler)  # type: ignore[arg-type]
-
-    async def get_link(self, peer_id: bytes) -> PeerLink:
-        return await self.peer.get_link(peer_id)
-
-    def set_serving(self, serving: mesh.ServedShard | None) -> None:
-        self.serving = serving
-
-    def set_capacity(self, capacity: mesh.Capacity) -> None:
-        self.capacity = capacity
-
-    def set_load(self, load: mesh.Load) -> None:
-        self.loads.append(load)
 
 
 def fake_options(layers: tuple[int, int] = (0, SPEC.total_layers)) -> ShardServiceOptions:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.loopback_mesh import AnnouncingPeer, LoopbackMesh
 from helpers.polling import eventually
+from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine
 from meshnode.dataplane.lease import LeaseSettings, ReleaseReason
@@ -23,9 +25,6 @@ from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
 from .harness import srange
-from .loopback_mesh import LoopbackMesh
-from .recording_engine import SPEC
-from .test_service import AnnouncingPeer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -29,13 +29,16 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers.node_processes import QuicCluster
+from helpers.polling import eventually
+from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.dataplane.lease import LeaseSettings
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-from .chain_fixtures import SPLIT, NodeProcess, QuicCluster, quic_chain
+from .chain_fixtures import quic_chain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -45,22 +48,6 @@ MAX_SESSIONS = 4  # ShardServiceOptions.max_sessions, what the command line serv
 RELEASE_TIMEOUT_S = 90.0
 
 
-class LeaseCluster(QuicCluster):
-    """The two-shard cluster with extra command-line options per node."""
-
-    def __init__(self, root: Path, model: Path, extra: dict[str, list[str]]) -> None:
-        super().__init__(root, model)
-        self.extra = extra
-        self._starting = ""
-
-    def start_shard(self, name: str, start: int, end: int) -> NodeProcess:
-        self._starting = name
-        return super().start_shard(name, start, end)
-
-    def _serve_args(self, start: int, end: int) -> list[str]:
-        return [*super()._serve_args(start, end), *self.extra.get(self._starting, [])]
-
-
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     return ensure_tiny_model()
@@ -68,22 +55,17 @@ def tiny_model() -> Path:
 
 @pytest.fixture
 def cluster_factory(tmp_path: Path, tiny_model: Path) -> Iterator[object]:
-    clusters: list[LeaseCluster] = []
+    """Makes the two-shard cluster with extra command-line options per node."""
+    clusters: list[QuicCluster] = []
 
-    def make(extra: dict[str, list[str]]) -> LeaseCluster:
-        cluster = LeaseCluster(tmp_path, tiny_model, extra)
+    def make(extra: dict[str, list[str]]) -> QuicCluster:
+        cluster = QuicCluster(tmp_path, tiny_model, extra)
         clusters.append(cluster)
         return cluster
 
     yield make
     for cluster in clusters:
         cluster.stop()
-
-
-def api_of(process: NodeProcess) -> str:
-    status = process.status()
-    assert status is not None and status["node"]["api_url"]
-    return status["node"]["api_url"]
 
 
 async def scrape(api: str) -> dict[str, float]:
@@ -105,9 +87,11 @@ def released(reason: str) -> str:
 
 async def until_no_sessions(api: str, since: float) -> float:
     """Wait until ``api``'s shard holds no session; the seconds since ``since`` (for the printout)."""
-    async with asyncio.timeout(RELEASE_TIMEOUT_S):
-        while (await scrape(api))["meshnode_sessions_active"]:
-            await asyncio.sleep(0.1)
+
+    async def no_sessions() -> bool:
+        return not (await scrape(api))["meshnode_sessions_active"]
+
+    await eventually(no_sessions, RELEASE_TIMEOUT_S, interval=0.1)
     return time.monotonic() - since
 
 
@@ -118,7 +102,7 @@ async def test_a_head_killed_mid_generation_leaves_no_session_on_the_hops_after_
     cluster = cluster_factory({"A": [*link, *slow_membership], "B": link})
     a = cluster.start_shard("A", 0, SPLIT)
     b = cluster.start_shard("B", SPLIT, TINY_N_LAYERS)
-    apis = {"A": api_of(a), "B": api_of(b)}
+    apis = {"A": a.api_url(), "B": b.api_url()}
     before = {name: await scrape(api) for name, api in apis.items()}
     log = (cluster.root / "head.log").open("wb")
     head = subprocess.Popen(
@@ -166,7 +150,7 @@ async def test_a_member_that_abandons_sessions_gets_its_share_and_the_api_keeps_
     cluster = cluster_factory({"A": ["--api-listen", "127.0.0.1:0"]})
     a = cluster.start_shard("A", 0, SPLIT)
     cluster.start_shard("B", SPLIT, TINY_N_LAYERS)
-    api = api_of(a)
+    api = a.api_url()
     before = await scrape(api)
     member = await cluster.client_node(tmp_path / "member")
     held = []

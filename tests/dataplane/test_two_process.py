@@ -17,6 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.loopback_mesh import LoopbackMesh
+from helpers.mesh_nodes import serving_peer
+from helpers.node_processes import QuicCluster
+from helpers.tiny_llama import CTX, SPLIT, load_engine, run_unsplit
 
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
@@ -27,18 +31,7 @@ from meshnode.dataplane.session_link import SessionOptions, ShardSession, defaul
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-from .chain_fixtures import (
-    CTX,
-    SPLIT,
-    ChainUnderTest,
-    LoopbackChain,
-    QuicCluster,
-    load_engine,
-    quic_chain,
-    run_unsplit,
-    serving_peer,
-)
-from .loopback_mesh import LoopbackMesh
+from .chain_fixtures import ChainUnderTest, LoopbackChain, quic_chain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -77,12 +70,8 @@ def unsplit(whole_model: LlamaShardEngine, prompt: list[int]) -> tuple[list[int]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[QuicCluster]:
     cluster = QuicCluster(tmp_path_factory.mktemp("cluster"), tiny_model)
-    try:
-        cluster.start_shard("head", 0, SPLIT)
-        cluster.start_shard("tail", SPLIT, TINY_N_LAYERS)
+    with cluster.running({"head": (0, SPLIT), "tail": (SPLIT, TINY_N_LAYERS)}):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

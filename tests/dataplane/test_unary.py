@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.recording_engine import RecordingEngine
 
 from engines.fake import FaultKind, FaultRule
 from engines.interface import EngineError, EngineErrorKind
@@ -22,7 +23,6 @@ from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import shard
 
 from .harness import WorkerHarness, chunk_request, decode_request, only_status, responses, statuses
-from .recording_engine import RecordingEngine
 
 V1 = shard.SCHEMA_VERSION_1
 # A wall-clock instant, apart from the harness's monotonic clock.

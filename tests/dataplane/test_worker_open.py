@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.recording_engine import RecordingEngine
 
 from meshnode.dataplane.actions import CloseStream
 from meshnode.dataplane.route import make_hop, make_route
@@ -25,7 +26,6 @@ from .harness import (
     result_tokens,
     srange,
 )
-from .recording_engine import RecordingEngine
 
 
 def refused_open(harness: WorkerHarness, route: dataplane.SessionRoute | None = None, **kwargs: object):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.recording_engine import RecordingEngine
 
 from engines.fake import FaultKind, FaultRule
 from engines.interface import EngineError, EngineErrorKind, SessionKey
@@ -29,7 +30,6 @@ from .harness import (
     srange,
     statuses,
 )
-from .recording_engine import RecordingEngine
 
 
 def prefilled(tokens: tuple[int, ...] = (1, 2, 3), **config: object) -> tuple[WorkerHarness, int]:

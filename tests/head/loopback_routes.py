@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dataplane.loopback_mesh import LoopbackMesh, MeshPeer
-from dataplane.recording_engine import RecordingEngine
+from helpers.loopback_mesh import LoopbackMesh, MeshPeer
+from helpers.recording_engine import RecordingEngine
 
 from engines.interface import GREEDY, SamplingParams, SessionKey, StepRequest
 from engines.sampling import sample_token

@@ -10,5 +10,8 @@ directory uses stays there, in a module not named ``test_*`` (``tests/mesh/mesh_
   joining, finding the peer that serves a layer range.
 - ``node_processes``: ``meshnode`` processes: ``NodeProcess`` and ``QuicCluster``.
 - ``tiny_llama``: the tiny llama.cpp model's engines as the chain tests load them.
+- ``loopback_mesh``: the in-process loopback mesh (and a peer recording what a shard service
+  announces) that the data-plane and head tests run on.
+- ``recording_engine``: the fake engine on a small model, recording every step.
 - ``rss``: a process's resident memory, sampled while a test attacks it.
 """

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dataplane.chain_fixtures import SPLIT, NodeProcess, QuicCluster, serving_peer
+from helpers.mesh_nodes import serving_peer
+from helpers.node_processes import NodeProcess, QuicCluster, api_node_args
 from helpers.polling import eventually
+from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.identity import short_id
@@ -37,30 +39,19 @@ CLOSED_PORT_ADDRESS = "127.0.0.1:9"  # discard: nothing of ours listens there
 COMPLETIONS_AFTER = 5
 
 
-class TwoNodeCluster(QuicCluster):
-    """A [0, 3) with the API, B [3, 6) without."""
-
-    def start_named(self, name: str, start: int, end: int) -> NodeProcess:
-        self._api = "127.0.0.1:0" if name == "A" else "off"
-        return self.start_shard(name, start, end)
-
-    def _serve_args(self, start: int, end: int) -> list[str]:
-        return [*super()._serve_args(start, end), "--api-listen", self._api]
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodeCluster]:
-    cluster = TwoNodeCluster(tmp_path_factory.mktemp("forged"), ensure_tiny_model())
-    try:
-        cluster.start_named("A", 0, SPLIT)
-        cluster.start_named("B", SPLIT, TINY_N_LAYERS)
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuicCluster]:
+    """A [0, 3) with the API, B [3, 6) without."""
+    splits = {"A": (0, SPLIT), "B": (SPLIT, TINY_N_LAYERS)}
+    cluster = QuicCluster(
+        tmp_path_factory.mktemp("forged"), ensure_tiny_model(), api_node_args(splits, ["A"])
+    )
+    with cluster.running(splits):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture
-async def member(cluster: TwoNodeCluster, tmp_path: Path) -> AsyncIterator[Node]:
+async def member(cluster: QuicCluster, tmp_path: Path) -> AsyncIterator[Node]:
     node = await cluster.client_node(tmp_path / "member")
     yield node
     await node.shutdown()
@@ -117,7 +108,7 @@ async def test_a_members_forged_record_of_another_node_is_refused_and_changes_no
     api = status_of(a)["node"]["api_url"]
     async with asyncio.timeout(60):
         await api_ready(api)
-        assert (await serving_peer(member, SPLIT))[0] == b_id
+        assert (await serving_peer(member, SPLIT, TINY_N_LAYERS))[0] == b_id
     before_text = await complete(api)
     real_b = peer_in(status_of(a), b_id)
     assert real_b is not None and real_b["serving"]["start_layer"] == SPLIT

@@ -26,34 +26,24 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
+
 import numpy as np
+from helpers.mesh_nodes import serving_peer, start_invited_node
+from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
-from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import decode_invite_token
-from meshnode.membership.store import DataDir
-from meshnode.node import Node, NodeConfig
+from meshnode.node import NodeConfig
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-SPLIT = 3
 CHUNK_TOKENS = 16
 DECODE_STEPS = 20
 RETRY_WINDOW_S = 60.0
-
-
-async def serving(node: Node, start: int, end: int) -> tuple[bytes, shard.Fingerprint]:
-    async with asyncio.timeout(60):
-        while True:
-            for entry in node.peers():
-                announced = entry.announcement
-                served = announced.serving.shard_range
-                if announced.HasField("serving") and (served.start_layer, served.end_layer) == (start, end):
-                    return entry.peer_id, announced.serving.fingerprint
-            await asyncio.sleep(0.1)
 
 
 async def decode_with_retries(session: ShardSession, handle, on_retry) -> object:
@@ -81,13 +71,11 @@ async def main(args: argparse.Namespace) -> int:
         stream_type_timeout=3.0,
     )
     invite = decode_invite_token(Path(args.invite_file).read_text())
-    node = Node(NodeIdentity.generate(), DataDir(Path(args.data_dir)), config, invite=invite)
-    await node.start()
+    node = await start_invited_node(Path(args.data_dir), config, invite)
     retries: list[str] = []
     try:
-        await node.join()
-        head_id, fingerprint = await serving(node, 0, SPLIT)
-        tail_id, tail_fingerprint = await serving(node, SPLIT, TINY_N_LAYERS)
+        head_id, fingerprint = await serving_peer(node, 0, SPLIT, timeout=60)
+        tail_id, tail_fingerprint = await serving_peer(node, SPLIT, TINY_N_LAYERS, timeout=60)
         assert tail_fingerprint == fingerprint
         flow = shard.FlowControl(max_prefill_chunk_tokens=CHUNK_TOKENS)
         client_config = ClientConfig(

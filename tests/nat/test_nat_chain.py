@@ -51,7 +51,7 @@ def data_plane_missing() -> str | None:
 def unsplit_reference(model: Path) -> tuple[list[int], list[int], list[np.ndarray]]:
     """A prompt, and the whole model's greedy tokens and logits for it, prefilled in the chunks the
     client sends."""
-    from dataplane.chain_fixtures import load_engine, run_unsplit
+    from helpers.tiny_llama import load_engine, run_unsplit
 
     from engines.tiny_model import TINY_N_LAYERS
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dataplane.chain_fixtures import NodeProcess, QuicCluster, load_engine, shard_range
+from helpers.node_processes import QuicCluster, api_node_args
+from helpers.polling import eventually
+from helpers.tiny_llama import load_engine
 
 from engines.interface import GREEDY, SessionKey, StepRequest
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
@@ -35,13 +37,7 @@ TOKENS = 200
 MODEL = "meshnode-tiny-llama-v1"
 
 
-class DrainCluster(QuicCluster):
-    def start_shard(self, name: str, start: int, end: int) -> NodeProcess:
-        self._api = "127.0.0.1:0" if name == "A" else "off"
-        return super().start_shard(name, start, end)
-
-    def _serve_args(self, start: int, end: int) -> list[str]:
-        return [*super()._serve_args(start, end), "--api-listen", self._api, "--drain-timeout", "60"]
+SPLITS = {"A": (0, 3), "B": (3, TINY_N_LAYERS), "B2": (3, TINY_N_LAYERS)}
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +46,12 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[DrainCluster]:
-    cluster = DrainCluster(tmp_path_factory.mktemp("drain"), tiny_model)
-    try:
-        for name, (start, end) in {"A": (0, 3), "B": (3, TINY_N_LAYERS), "B2": (3, TINY_N_LAYERS)}.items():
-            cluster.start_shard(name, start, end)
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[QuicCluster]:
+    """A serves the API; every node drains for up to 60 s."""
+    node_args = api_node_args(SPLITS, ["A"], "--drain-timeout", "60")
+    cluster = QuicCluster(tmp_path_factory.mktemp("drain"), tiny_model, node_args)
+    with cluster.running(SPLITS):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +73,10 @@ def reference(tiny_model: Path) -> str:
     return "".join(stream.feed(t) for t in kept) + stream.flush()
 
 
-def named(cluster: DrainCluster, name: str) -> NodeProcess:
-    return cluster.processes[["A", "B", "B2"].index(name)]
-
-
-def node_id(process: NodeProcess) -> bytes:
-    status = process.status()
-    assert status is not None
-    return bytes.fromhex(status["node"]["id"])
-
-
-async def wait_for(predicate, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.05)
-
-
-async def api_ready(api: str, cluster: DrainCluster, peers: int) -> None:
+async def api_ready(api: str, cluster: QuicCluster, peers: int) -> None:
     async with asyncio.timeout(60), aiohttp.ClientSession() as session:
         while True:
-            status = named(cluster, "A").status()
+            status = cluster.named("A").status()
             async with session.get(f"{api}/v1/models") as response:
                 listed = [m["id"] for m in (await response.json())["data"]]
             if status is not None and len(status["peers"]) >= peers and listed == [MODEL]:
@@ -136,19 +114,19 @@ class StreamingCompletion:
 async def test_a_draining_worker_finishes_its_session_refuses_new_ones_then_leaves(
     cluster, reference, tmp_path
 ):
-    a, b = named(cluster, "A"), named(cluster, "B")
+    a, b = cluster.named("A"), cluster.named("B")
     api = a.status()["node"]["api_url"]
     await api_ready(api, cluster, peers=2)
     client = await cluster.client_node(tmp_path / "client")
     try:
-        b_id = node_id(b)
+        b_id = b.node_id()
         link = await client.get_link(b_id)
         fingerprint = next(
             p.announcement.serving.fingerprint for p in client.peers() if p.announcement.endpoint_id == b_id
         )
         # B2 serves the same layers: stop it so the generation certainly runs through B.
-        named(cluster, "B2").stop()
-        await wait_for(lambda: len(a.status()["peers"]) == 2)  # B and the client
+        cluster.named("B2").stop()
+        await eventually(lambda: len(a.status()["peers"]) == 2, 30)  # B and the client
 
         generation = StreamingCompletion(api)
         await asyncio.wait_for(generation.started.wait(), 30)
@@ -158,12 +136,12 @@ async def test_a_draining_worker_finishes_its_session_refuses_new_ones_then_leav
             health = await rpc.get_health(link)
             return health.state == shard.SERVING_STATE_DRAINING
 
-        async with asyncio.timeout(10):
-            while not await draining():
-                await asyncio.sleep(0.02)
+        await eventually(draining, 10)
         with pytest.raises(ShardProtocolError) as refused:
             async with ShardSession.open(
-                link, fingerprint=fingerprint, shard_range=shard_range(3, TINY_N_LAYERS)
+                link,
+                fingerprint=fingerprint,
+                shard_range=shard.ShardRange(start_layer=3, end_layer=TINY_N_LAYERS, effective_start_layer=3),
             ):
                 pass
         checked_while_running = not generation.done
@@ -177,15 +155,15 @@ async def test_a_draining_worker_finishes_its_session_refuses_new_ones_then_leav
         log = b.log_path.read_text()
         assert "drained: no work in flight" in log
         assert log.index("draining:") < log.index("drained:") < log.index("telling peers we are leaving")
-        await wait_for(lambda: b_id.hex() not in {p["id"] for p in a.status()["peers"]}, 10)
+        await eventually(lambda: b_id.hex() not in {p["id"] for p in a.status()["peers"]}, 10)
     finally:
         await client.shutdown()
 
 
 async def test_a_draining_head_refuses_new_requests_and_finishes_the_running_one(cluster, reference):
-    a = named(cluster, "A")
-    b2 = named(cluster, "B2")
-    b2.start("start", *cluster._serve_args(3, TINY_N_LAYERS))
+    a = cluster.named("A")
+    b2 = cluster.named("B2")
+    b2.start("start", *cluster.serve_args("B2", 3, TINY_N_LAYERS))
     b2.wait_ready()
     api = a.status()["node"]["api_url"]
     await api_ready(api, cluster, peers=1)

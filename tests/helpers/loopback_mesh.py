@@ -3,7 +3,8 @@
 Each :class:`MeshPeer` has an id, a :class:`~meshnode.mesh.dispatcher.Dispatcher`
 that admits every peer, and ``get_link(peer_id)`` that makes (once) a loopback
 link pair to another peer of the same :class:`LoopbackMesh` — the same calls a
-``ShardServer`` and a ``ShardSession`` make on a real ``Node``.
+``ShardServer`` and a ``ShardSession`` make on a real ``Node``. An :class:`AnnouncingPeer`
+adds ``Node``'s announcement setters, recording what a ``ShardService`` announces.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.loopback import LoopbackLink, loopback_link_pair
 from meshnode.wire.framing import StreamType
+from meshnode.wire.pb import mesh as mesh_pb
 
 
 class MeshPeer:
@@ -90,4 +92,32 @@ class LoopbackMesh:
         await asyncio.gather(*(p.aclose() for p in self.peers.values()))
 
 
-__all__ = ["LoopbackMesh", "MeshPeer"]
+class AnnouncingPeer:
+    """A loopback mesh peer with the announcement setters of ``meshnode.node.Node``."""
+
+    def __init__(self, loopback: LoopbackMesh, index: int) -> None:
+        self.peer = loopback.add(index)
+        self.node_id = self.peer.node_id
+        self.serving: mesh_pb.ServedShard | None = None
+        self.capacity: mesh_pb.Capacity | None = None
+        self.loads: list[mesh_pb.Load] = []
+        self.registered: list[StreamType] = []
+
+    def register_handler(self, stream_type: StreamType, handler: object) -> None:
+        self.registered.append(stream_type)
+        self.peer.register_handler(stream_type, handler)  # type: ignore[arg-type]
+
+    async def get_link(self, peer_id: bytes) -> PeerLink:
+        return await self.peer.get_link(peer_id)
+
+    def set_serving(self, serving: mesh_pb.ServedShard | None) -> None:
+        self.serving = serving
+
+    def set_capacity(self, capacity: mesh_pb.Capacity) -> None:
+        self.capacity = capacity
+
+    def set_load(self, load: mesh_pb.Load) -> None:
+        self.loads.append(load)
+
+
+__all__ = ["AnnouncingPeer", "LoopbackMesh", "MeshPeer"]
