@@ -106,10 +106,10 @@ async def start_first_node(
 
 
 async def start_invited_node(data_dir: Path, config: NodeConfig, invite: Invite) -> Node:
-    """A new node that has started and joined with ``invite`` (shut down again if it cannot join)."""
+    """A new node that has started and joined with ``invite`` (shut down again if it cannot)."""
     node = Node(NodeIdentity.generate(), DataDir(data_dir), config, invite=invite)
-    await node.start()
     try:
+        await node.start()
         await node.join()
     except BaseException:
         await node.shutdown()

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import fast_config
+from helpers.mesh_nodes import fast_config, start_invited_node
+from helpers.node_processes import NodeProcess
+from helpers.polling import eventually
 from helpers.rss import MiB, PeakRss
 
 from meshnode.app.status import query_status
-from meshnode.identity import NodeIdentity, load_identity
-from meshnode.membership.credentials import Endpoint, create_invite
-from meshnode.membership.store import DataDir
 from meshnode.node import Node
 from meshnode.transport.base import MeshStream, StreamReset
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
@@ -42,28 +38,6 @@ STREAMS = 64
 RSS_GROWTH_LIMIT = 64 * MiB
 # The target's gossip handler gives a frame this long; the stalled streams end with it.
 GOSSIP_TIMEOUT_S = 3.0
-
-
-async def start_target(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, dict]:
-    data_dir = tmp_path / "target"
-    log = (tmp_path / "target.log").open("w")
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "meshnode", "create", "--data-dir", str(data_dir)),
-            *("--listen", "127.0.0.1:0", "--heartbeat-interval", "0.5"),
-            *("--gossip-timeout", str(GOSSIP_TIMEOUT_S), "--probe-timeout", "2"),
-        ],
-        stdout=log,
-        stderr=log,
-    )
-    log.close()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return process, data_dir, query_status(data_dir)
-        except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, "node did not start"
-            await asyncio.sleep(0.1)
 
 
 async def announce_and_stall(stream: MeshStream) -> int:
@@ -81,28 +55,22 @@ async def announce_and_stall(stream: MeshStream) -> int:
 
 
 async def test_announced_frames_do_not_reserve_memory_and_the_node_keeps_answering(tmp_path: Path) -> None:
-    process, data_dir, status = await start_target(tmp_path)
+    target = NodeProcess(tmp_path, "target")
+    target.start(
+        "create",
+        *("--listen", "127.0.0.1:0", "--heartbeat-interval", "0.5"),
+        *("--gossip-timeout", str(GOSSIP_TIMEOUT_S), "--probe-timeout", "2"),
+    )
+    process, data_dir = target.process, target.data_dir
     nodes: list[Node] = []
     try:
-        target_id = load_identity(data_dir).node_id
-        membership = DataDir(data_dir).load_membership(target_id)
-        address = status["node"]["addresses"][0]
-        invite = create_invite(
-            membership.mesh_key,
-            issuer_id=target_id,
-            bootstrap=[Endpoint(target_id, address)],
-            unix_now=time.time(),
-        )
+        await eventually(target.live_status, 30, "the target to answer status", interval=0.1)
+        target_id = target.node_id()
+        invite = target.invite()
         for name in ("good", "attacker"):
-            node = Node(
-                NodeIdentity.generate(),
-                DataDir(tmp_path / name),
-                fast_config(heartbeat_interval=0.5),
-                invite=invite,
+            nodes.append(
+                await start_invited_node(tmp_path / name, fast_config(heartbeat_interval=0.5), invite)
             )
-            nodes.append(node)
-            await node.start()
-            await node.join()
         good, attacker = nodes
         link = await attacker.get_link(target_id)
         assert await good.probe(target_id)
@@ -135,5 +103,4 @@ async def test_announced_frames_do_not_reserve_memory_and_the_node_keeps_answeri
     finally:
         for node in nodes:
             await node.shutdown()
-        process.terminate()
-        process.wait(10)
+        target.stop()

@@ -10,20 +10,16 @@ must be served throughout; the node's memory must stay bounded.
 import asyncio
 import json
 import random
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import fast_config
+from helpers.mesh_nodes import fast_config, start_invited_node
+from helpers.node_processes import NodeProcess
+from helpers.polling import eventually
 from mesh_helpers import RawPeer
 
 from meshnode.app.status import query_status
-from meshnode.identity import NodeIdentity, load_identity
-from meshnode.membership.credentials import Endpoint, create_invite
-from meshnode.membership.store import DataDir
 from meshnode.node import Node
 from meshnode.transport.base import StreamError, StreamReset
 from meshnode.transport.framed import FramedStream
@@ -162,55 +158,23 @@ async def fuzz(get_link, bodies, seed: int, outcomes: Counter) -> None:
 
 
 async def test_fuzzed_frames_never_stop_the_node_from_serving(tmp_path):
-    data_dir = tmp_path / "target"
-    log = (tmp_path / "target.log").open("w")
-    process = subprocess.Popen(
-        [
-            *(
-                sys.executable,
-                "-m",
-                "meshnode",
-                "create",
-                "--data-dir",
-                str(data_dir),
-                "--listen",
-                "127.0.0.1:0",
-            ),
-            *("--heartbeat-interval", "0.5", "--gossip-timeout", "1", "--probe-timeout", "1"),
-        ],
-        stdout=log,
-        stderr=log,
+    target = NodeProcess(tmp_path, "target")
+    target.start(
+        "create",
+        *("--listen", "127.0.0.1:0"),
+        *("--heartbeat-interval", "0.5", "--gossip-timeout", "1", "--probe-timeout", "1"),
     )
+    process, data_dir = target.process, target.data_dir
     good: Node | None = None
     member: Node | None = None
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                status = query_status(data_dir)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "node did not start"
-                await asyncio.sleep(0.1)
-        target_id = load_identity(data_dir).node_id
-        membership = DataDir(data_dir).load_membership(target_id)
+        status = await eventually(target.live_status, 30, "the target to answer status", interval=0.1)
+        target_id = target.node_id()
         address = status["node"]["addresses"][0]
 
         # The well-behaved peer: a real node that joined with an invite.
-        invite = create_invite(
-            membership.mesh_key,
-            issuer_id=target_id,
-            bootstrap=[Endpoint(target_id, address)],
-            unix_now=time.time(),
-        )
-        good = Node(
-            NodeIdentity.generate(),
-            DataDir(tmp_path / "good"),
-            fast_config(heartbeat_interval=0.5),
-            invite=invite,
-        )
-        await good.start()
-        await good.join()
+        invite = target.invite()
+        good = await start_invited_node(tmp_path / "good", fast_config(heartbeat_interval=0.5), invite)
 
         probes = Counter()
         stop_probing = asyncio.Event()
@@ -222,14 +186,7 @@ async def test_fuzzed_frames_never_stop_the_node_from_serving(tmp_path):
 
         # The fuzzing member is a real node too (it must answer the target's heartbeats
         # and probes, or it would rightly be dropped); garbage goes over its link.
-        member = Node(
-            NodeIdentity.generate(),
-            DataDir(tmp_path / "member"),
-            fast_config(heartbeat_interval=0.5),
-            invite=invite,
-        )
-        await member.start()
-        await member.join()
+        member = await start_invited_node(tmp_path / "member", fast_config(heartbeat_interval=0.5), invite)
         async with RawPeer() as stranger:
             stranger_link = await stranger.endpoint.dial(address, target_id)
 
@@ -239,10 +196,8 @@ async def test_fuzzed_frames_never_stop_the_node_from_serving(tmp_path):
             async def the_stranger_link():
                 return stranger_link
 
-            member_bodies = templates(
-                member, membership.mesh_id, member.state.our_proof(target_id), good.node_id
-            )
-            stranger_bodies = templates(stranger, membership.mesh_id, None, good.node_id)
+            member_bodies = templates(member, invite.mesh_id, member.state.our_proof(target_id), good.node_id)
+            stranger_bodies = templates(stranger, invite.mesh_id, None, good.node_id)
 
             prober = asyncio.create_task(keep_probing())
             outcomes = Counter()
@@ -288,6 +243,4 @@ async def test_fuzzed_frames_never_stop_the_node_from_serving(tmp_path):
         for node in (good, member):
             if node is not None:
                 await node.shutdown()
-        process.terminate()
-        process.wait(10)
-        log.close()
+        target.stop()

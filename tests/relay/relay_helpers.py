@@ -1,7 +1,9 @@
-"""Shared test helpers for the relay tests: meshes, members and registration frames."""
+"""Helpers of the relay tests: members, registration frames, echoing peers and their relay links."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -15,8 +17,11 @@ from meshnode.membership.credentials import (
     issue_certificate,
     make_invite_proof,
 )
+from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
+from meshnode.transport.base import MeshStream, PeerLink
+from meshnode.transport.framed import FramedStream
 
 
 @dataclass
@@ -76,3 +81,53 @@ def register_frame(
     if chosen:
         register.membership_proof.CopyFrom(chosen)
     return relay.RelayClientMessage(register=register).SerializeToString()
+
+
+class EchoHandler:
+    """LinkHandler that echoes every frame on every accepted stream."""
+
+    def __init__(self) -> None:
+        self.links: list[PeerLink] = []
+        self.closed: list[str] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def link_established(self, link: PeerLink) -> None:
+        self.links.append(link)
+
+    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(stream))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        self.closed.append(reason)
+
+    async def _serve(self, stream: MeshStream) -> None:
+        framed = FramedStream(stream, expect_stream_type=True)
+        with contextlib.suppress(Exception):
+            await framed.read_stream_type(5)
+            while (frame := await framed.recv_frame()) is not None:
+                await framed.send_frame(frame)
+            framed.finish()
+
+
+async def registered_links(
+    member: Member,
+    relay: Endpoint,
+    handler: EchoHandler,
+    *,
+    handshake_timeout: float = 3.0,
+    within: float = 5.0,
+) -> RelayLinks:
+    """``member``'s relay links through ``relay``, once registered there (waiting at most ``within`` s)."""
+    links = RelayLinks(
+        member.identity,
+        handler,
+        mesh_id=member.mesh_id,
+        proof_for=lambda _relay_id: member.proof,
+        settings=RelayLinkSettings(handshake_timeout=handshake_timeout),
+        local_host="127.0.0.1",
+    )
+    await links.add_relays([relay])
+    await links.wait_registered(within)
+    return links

@@ -20,7 +20,6 @@ that every attacking connection (all from 127.0.0.1) reaches the frame check;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -29,14 +28,14 @@ from pathlib import Path
 
 import pytest
 from helpers.rss import MiB, PeakRss
-from relay_helpers import Member, new_member
+from relay_helpers import EchoHandler, new_member, registered_links
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer
-from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
+from meshnode.relaylink.manager import RelayLinks
 from meshnode.relaywire import protocol as p
-from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
+from meshnode.transport.base import LinkClosed, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
 
@@ -44,32 +43,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 ATTACKERS = 100
 RSS_GROWTH_LIMIT = 64 * MiB
-
-
-class Echo:
-    """LinkHandler echoing every frame of every stream a peer opens."""
-
-    def __init__(self) -> None:
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    def link_established(self, link: PeerLink) -> None:
-        pass
-
-    def link_closed(self, link: PeerLink, reason: str) -> None:
-        pass
-
-    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(stream))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _serve(self, stream: MeshStream) -> None:
-        framed = FramedStream(stream, expect_stream_type=True)
-        with contextlib.suppress(Exception):
-            await framed.read_stream_type(5)
-            while (frame := await framed.recv_frame()) is not None:
-                await framed.send_frame(frame)
-            framed.finish()
 
 
 async def start_relay(tmp_path: Path, mesh_id: str) -> tuple[subprocess.Popen[str], Endpoint]:
@@ -91,20 +64,6 @@ async def start_relay(tmp_path: Path, mesh_id: str) -> tuple[subprocess.Popen[st
     assert address_line.startswith("relay listening on "), address_line
     relay_id = bytes.fromhex(id_line.removeprefix("relay id: ").strip())
     return process, Endpoint(relay_id, address_line.removeprefix("relay listening on ").strip())
-
-
-async def member_links(member: Member, relay_endpoint: Endpoint, handler: Echo) -> RelayLinks:
-    links = RelayLinks(
-        member.identity,
-        handler,
-        mesh_id=member.mesh_id,
-        proof_for=lambda _relay_id: member.proof,
-        settings=RelayLinkSettings(handshake_timeout=5.0),
-        local_host="127.0.0.1",
-    )
-    await links.add_relays([relay_endpoint])
-    await links.wait_registered(10)
-    return links
 
 
 async def stranger_announces_a_big_frame(relay_endpoint: Endpoint, dialing: asyncio.Semaphore) -> str:
@@ -142,7 +101,10 @@ async def test_announced_frames_from_strangers_do_not_reserve_relay_memory(tmp_p
     links: list[RelayLinks] = []
     try:
         a, b = new_member(mesh_key), new_member(mesh_key)
-        links = [await member_links(a, relay_endpoint, Echo()), await member_links(b, relay_endpoint, Echo())]
+        links = [
+            await registered_links(m, relay_endpoint, EchoHandler(), handshake_timeout=5.0, within=10)
+            for m in (a, b)
+        ]
         link = await links[0].open_link(b.node_id, timeout=10)
         session = await link.open_stream(StreamType.PROBE)
         await session.send_frame(b"warm-up")

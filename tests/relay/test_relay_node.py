@@ -6,16 +6,16 @@ masquerading routers in network namespaces.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
+from helpers.mesh_nodes import invite_from, new_membership, relay_only_config
 from helpers.polling import eventually
 
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, issue_certificate
-from meshnode.membership.store import DataDir, MembershipState
-from meshnode.node import Node, NodeConfig
+from meshnode.membership.credentials import Endpoint, MeshKey
+from meshnode.membership.store import DataDir
+from meshnode.node import Node
 from meshnode.node.status_report import AnnouncedRelay, RelayStatus
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
@@ -24,36 +24,17 @@ from relay.server import RelayServer
 pytestmark = pytest.mark.timeout(60)
 
 
-def config(relay: Endpoint | None = None, **overrides) -> NodeConfig:
-    settings = {
-        "listen": "127.0.0.1:0",
-        "heartbeat_interval": 0.3,
-        "gossip_timeout": 2.0,
-        "probe_timeout": 2.0,
-        "connect_timeout": 3.0,
-        "stream_type_timeout": 2.0,
-        "directly_reachable": False,
-        "relay_only": True,
-        "relays": [relay] if relay is not None else [],
-    }
-    settings.update(overrides)
-    return NodeConfig(**settings)
-
-
 async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(tmp_path: Path) -> None:
     mesh_key = MeshKey.generate()
     server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id})
     await server.start("127.0.0.1", 0)
     relay = Endpoint(server.relay_id, f"127.0.0.1:{server.address[1]}")
     identity_a = NodeIdentity.generate()
-    certificate = issue_certificate(
-        mesh_key, node_id=identity_a.node_id, issuer_id=identity_a.node_id, unix_now=time.time()
-    )
     node_a = Node(
         identity_a,
         DataDir(tmp_path / "a"),
-        config(relay),
-        membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
+        relay_only_config(relay),
+        membership=new_membership(mesh_key, identity_a),
     )
     node_b: Node | None = None
     node_c: Node | None = None
@@ -61,14 +42,8 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
         await node_a.start()
         # The first member keeps the relay in its membership, so its invites carry it.
         assert [r.id for r in node_a.state.membership.relays] == [server.relay_id]
-        invite = create_invite(
-            mesh_key,
-            issuer_id=node_a.node_id,
-            bootstrap=[Endpoint(node_a.node_id, node_a.addresses[0])],
-            relays=node_a.state.membership.relays,
-            unix_now=time.time(),
-        )
-        node_b = Node(NodeIdentity.generate(), DataDir(tmp_path / "b"), config(), invite=invite)
+        invite = invite_from(node_a, relays=node_a.state.membership.relays)
+        node_b = Node(NodeIdentity.generate(), DataDir(tmp_path / "b"), relay_only_config(), invite=invite)
         await node_b.start()
         await (
             node_b.join()
@@ -104,16 +79,11 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
         assert node_a.relay_links.frames_dropped == node_b.relay_links.frames_dropped == 0
 
         # A public node configured with no relay at all reaches NATed B through the relay B announces.
-        plain_invite = create_invite(
-            mesh_key,
-            issuer_id=node_a.node_id,
-            bootstrap=[Endpoint(node_a.node_id, node_a.addresses[0])],
-            unix_now=time.time(),
-        )
+        plain_invite = invite_from(node_a)
         node_c = Node(
             NodeIdentity.generate(),
             DataDir(tmp_path / "c"),
-            config(directly_reachable=True, relay_only=False),
+            relay_only_config(directly_reachable=True, relay_only=False),
             invite=plain_invite,
         )
         await node_c.start()

@@ -9,16 +9,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-from relay_helpers import Member, new_member
+from relay_helpers import EchoHandler, Member, new_member, registered_links
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer, RelaySession
-from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
+from meshnode.relaylink.manager import RelayLinks
 from meshnode.relaylink.seal import KIND_SEALED
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
-from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
+from meshnode.transport.base import LinkClosed
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicSettings
 from meshnode.wire.framing import StreamType
@@ -261,46 +261,8 @@ async def test_keepalive_keeps_an_idle_client_registered() -> None:
 # -- sealed relayed links ---------------------------------------------------------------
 
 
-class EchoHandler:
-    """LinkHandler that echoes every frame on every accepted stream."""
-
-    def __init__(self) -> None:
-        self.links: list[PeerLink] = []
-        self.closed: list[str] = []
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    def link_established(self, link: PeerLink) -> None:
-        self.links.append(link)
-
-    def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(stream))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def link_closed(self, link: PeerLink, reason: str) -> None:
-        self.closed.append(reason)
-
-    async def _serve(self, stream: MeshStream) -> None:
-        framed = FramedStream(stream, expect_stream_type=True)
-        with contextlib.suppress(Exception):
-            await framed.read_stream_type(5)
-            while (frame := await framed.recv_frame()) is not None:
-                await framed.send_frame(frame)
-            framed.finish()
-
-
 async def relay_links(env: RelayEnv, member: Member, handler: EchoHandler | None = None) -> RelayLinks:
-    links = RelayLinks(
-        member.identity,
-        handler or EchoHandler(),
-        mesh_id=member.mesh_id,
-        proof_for=lambda _relay_id: member.proof,
-        settings=RelayLinkSettings(handshake_timeout=3.0),
-        local_host="127.0.0.1",
-    )
-    await links.add_relays([env.endpoint])
-    await links.wait_registered(5)
-    return links
+    return await registered_links(member, env.endpoint, handler or EchoHandler())
 
 
 async def test_relayed_link_carries_framed_streams_both_ways() -> None:
