@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import invite_from, new_membership, relay_only_config
+from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
 from helpers.recording_engine import LAYERS, SPEC
 
 from engines.fake import FakeEngine
@@ -19,10 +19,9 @@ from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.service import ShardService, ShardServiceOptions
 from meshnode.dataplane.session_link import ShardSession
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint, MeshKey
+from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
-from relay.server import RelayServer
 
 from .harness import reference, srange
 
@@ -40,16 +39,8 @@ async def serve(node: Node, layers: tuple[int, int]) -> ShardService:
 
 async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
     mesh_key = MeshKey.generate()
-    relay_server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id})
-    await relay_server.start("127.0.0.1", 0)
-    relay = Endpoint(relay_server.relay_id, f"127.0.0.1:{relay_server.address[1]}")
-    first = NodeIdentity.generate()
-    head = Node(
-        first,
-        DataDir(tmp_path / "head"),
-        relay_only_config(relay),
-        membership=new_membership(mesh_key, first),
-    )
+    relay_server, relay = await start_relay_server(mesh_key)
+    head = first_member(tmp_path / "head", relay_only_config(relay), mesh_key)
     nodes = [head]
     services: list[ShardService] = []
     try:

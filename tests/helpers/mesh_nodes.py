@@ -1,6 +1,6 @@
 """In-process mesh nodes for tests: configs, memberships, invites, starting and joining.
 
-``start_first_node`` creates a mesh (or joins ``mesh_key``'s) as its first member;
+``start_first_node`` creates a mesh (or ``mesh_key``'s) as its first member;
 ``start_joiner`` joins another node's mesh with an invite it issued; ``start_invited_node``
 joins with any invite (one a ``meshnode`` process issued, say). ``serving_peer`` waits
 until a node's peer table shows who serves a layer range.
@@ -18,6 +18,7 @@ from meshnode.membership.credentials import Endpoint, Invite, MeshKey, create_in
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.node import Node, NodeConfig
 from meshnode.wire.pb import shard
+from relay.server import RelayServer
 
 
 def fast_config(**overrides: object) -> NodeConfig:
@@ -91,16 +92,16 @@ def invite_from(node: Node, relays: Sequence[Endpoint] = ()) -> Invite:
     return invite_to(membership.mesh_key, node.node_id, node.addresses[0], relays)
 
 
+def first_member(data_dir: Path, config: NodeConfig, mesh_key: MeshKey) -> Node:
+    """A node that is a member of ``mesh_key``'s mesh from the start (it holds the key); not started."""
+    identity = NodeIdentity.generate()
+    return Node(identity, DataDir(data_dir), config, membership=new_membership(mesh_key, identity))
+
+
 async def start_first_node(
     tmp_path: Path, name: str = "first", mesh_key: MeshKey | None = None, **config: object
 ) -> Node:
-    identity = NodeIdentity.generate()
-    node = Node(
-        identity,
-        DataDir(tmp_path / name),
-        fast_config(**config),
-        membership=new_membership(mesh_key or MeshKey.generate(), identity),
-    )
+    node = first_member(tmp_path / name, fast_config(**config), mesh_key or MeshKey.generate())
     await node.start()
     return node
 
@@ -119,6 +120,13 @@ async def start_invited_node(data_dir: Path, config: NodeConfig, invite: Invite)
 
 async def start_joiner(tmp_path: Path, name: str, bootstrap: Node, **config: object) -> Node:
     return await start_invited_node(tmp_path / name, fast_config(**config), invite_from(bootstrap))
+
+
+async def start_relay_server(mesh_key: MeshKey) -> tuple[RelayServer, Endpoint]:
+    """An in-process relay serving ``mesh_key``'s mesh on a free loopback port, and where it listens."""
+    server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id})
+    await server.start("127.0.0.1", 0)
+    return server, Endpoint(server.relay_id, f"127.0.0.1:{server.address[1]}")
 
 
 def serving(node: Node, start_layer: int, end_layer: int) -> tuple[bytes, shard.Fingerprint] | None:
@@ -149,6 +157,7 @@ async def serving_peer(
 __all__ = [
     "cluster_client_config",
     "fast_config",
+    "first_member",
     "invite_from",
     "invite_to",
     "new_membership",
@@ -158,4 +167,5 @@ __all__ = [
     "start_first_node",
     "start_invited_node",
     "start_joiner",
+    "start_relay_server",
 ]

@@ -133,12 +133,16 @@ async def exchange(
     return await stream.recv_frame(timeout)
 
 
-async def reset_code_of(stream: FramedStream, timeout: float = 3.0) -> int:
-    """Read until the stream is reset; return the mesh error code the reset carries."""
+async def reset_code_of(stream: FramedStream | MeshStream, timeout: float = 3.0) -> int:
+    """Read (frames, or raw bytes) until the stream is reset; return the mesh error code the reset carries."""
     try:
         async with asyncio.timeout(timeout):
-            while await stream.recv_frame() is not None:
-                pass
+            if isinstance(stream, FramedStream):
+                while await stream.recv_frame() is not None:
+                    pass
+            else:
+                while await stream.read():
+                    pass
     except StreamReset as exc:
         refusal = refusal_from_reset_code(exc.error_code)
         assert refusal is not None, f"reset code 0x{exc.error_code:x} is not a mesh refusal"

@@ -24,12 +24,12 @@ from helpers.mesh_nodes import fast_config, start_invited_node
 from helpers.node_processes import NodeProcess
 from helpers.polling import eventually
 from helpers.rss import MiB, PeakRss
+from mesh_helpers import reset_code_of
 
 from meshnode.app.status import query_status
 from meshnode.node import Node
-from meshnode.transport.base import MeshStream, StreamReset
+from meshnode.transport.base import MeshStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
-from meshnode.wire.mesh_refusal import refusal_from_reset_code
 from meshnode.wire.pb import mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -43,15 +43,7 @@ GOSSIP_TIMEOUT_S = 3.0
 async def announce_and_stall(stream: MeshStream) -> int:
     """Type byte, an 8 MiB length prefix and 3 body bytes; then wait for the node's reset code."""
     await stream.write(bytes([StreamType.GOSSIP]) + MAX_FRAME_BYTES.to_bytes(4, "little") + b"abc")
-    try:
-        async with asyncio.timeout(4 * GOSSIP_TIMEOUT_S):
-            while await stream.read():
-                pass
-    except StreamReset as exc:
-        refusal = refusal_from_reset_code(exc.error_code)
-        assert refusal is not None, f"reset 0x{exc.error_code:x} is not a mesh refusal"
-        return refusal.code
-    raise AssertionError("the node ended a stalled stream without resetting it")
+    return await reset_code_of(stream, 4 * GOSSIP_TIMEOUT_S)
 
 
 async def test_announced_frames_do_not_reserve_memory_and_the_node_keeps_answering(tmp_path: Path) -> None:

@@ -9,33 +9,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import invite_from, new_membership, relay_only_config
+from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
 from helpers.polling import eventually
 
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint, MeshKey
+from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
 from meshnode.node.status_report import AnnouncedRelay, RelayStatus
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
-from relay.server import RelayServer
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(tmp_path: Path) -> None:
     mesh_key = MeshKey.generate()
-    server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id})
-    await server.start("127.0.0.1", 0)
-    relay = Endpoint(server.relay_id, f"127.0.0.1:{server.address[1]}")
-    identity_a = NodeIdentity.generate()
-    node_a = Node(
-        identity_a,
-        DataDir(tmp_path / "a"),
-        relay_only_config(relay),
-        membership=new_membership(mesh_key, identity_a),
-    )
+    server, relay = await start_relay_server(mesh_key)
+    node_a = first_member(tmp_path / "a", relay_only_config(relay), mesh_key)
     node_b: Node | None = None
     node_c: Node | None = None
     try:

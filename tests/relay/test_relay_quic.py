@@ -297,11 +297,11 @@ class TamperingCore(RelayCore):
     """A relay that flips one bit in, or delivers twice, the next sealed stream payload it forwards."""
 
     mode = "off"
-    _again: tuple[int, bytes] | None = None
+    replay_pending: tuple[int, bytes] | None = None
 
     def next_frame(self, conn_id: int) -> bytes | None:
-        if self._again is not None and self._again[0] == conn_id:
-            body, self._again = self._again[1], None
+        if self.replay_pending is not None and self.replay_pending[0] == conn_id:
+            body, self.replay_pending = self.replay_pending[1], None
             return body
         body = super().next_frame(conn_id)
         if body is None or self.mode == "off":
@@ -317,13 +317,17 @@ class TamperingCore(RelayCore):
             payload[-5] ^= 0x10
             message.deliver.payload = bytes(payload)
             return message.SerializeToString()
-        self._again = (conn_id, body)  # "replay": the same frame goes out again right after
+        self.replay_pending = (conn_id, body)  # "replay": the same frame goes out again right after
         return body
 
 
-async def test_frame_altered_by_a_tampering_relay_is_rejected_by_the_receiver() -> None:
+@contextlib.asynccontextmanager
+async def echo_through_a_tampering_relay() -> AsyncIterator[tuple[TamperingCore, FramedStream, RelayLinks]]:
+    """A warmed-up echo stream from member A to member B through a relay that tampers when told to,
+    that relay's core, and B's relay links (which count the payloads they drop)."""
     async with relay_env() as env:
-        env.server.core.__class__ = TamperingCore
+        env.server.core.__class__ = TamperingCore  # fault injection: the running relay's core tampers
+        core: TamperingCore = env.server.core  # type: ignore[assignment]
         a, b = env.member(), env.member()
         la, lb = await relay_links(env, a), await relay_links(env, b)
         try:
@@ -331,45 +335,39 @@ async def test_frame_altered_by_a_tampering_relay_is_rejected_by_the_receiver() 
             stream = await link.open_stream(StreamType.PROBE)
             await stream.send_frame(b"warm-up")
             assert await stream.recv_frame(5) == b"warm-up"
-            before = lb.frames_dropped
-            env.server.core.mode = "flip"
-            await stream.send_frame(b"the relay flips a bit in this frame")
-            await stream.send_frame(b"an intact frame after it")
-            # The receiver drops the altered frame (counted) and never serves altered bytes:
-            # the hole it leaves is detected and ends the relayed link instead of corrupting it.
-            with pytest.raises(LinkClosed, match="frame lost"):
-                reply = await stream.recv_frame(5)
-                raise AssertionError(f"a frame was served after tampering: {reply!r}")
-            assert lb.frames_dropped == before + 1
+            yield core, stream, lb
         finally:
             await la.close()
             await lb.close()
+
+
+async def test_frame_altered_by_a_tampering_relay_is_rejected_by_the_receiver() -> None:
+    async with echo_through_a_tampering_relay() as (relay_core, stream, receiver):
+        before = receiver.frames_dropped
+        relay_core.mode = "flip"
+        await stream.send_frame(b"the relay flips a bit in this frame")
+        await stream.send_frame(b"an intact frame after it")
+        # The receiver drops the altered frame (counted) and never serves altered bytes:
+        # the hole it leaves is detected and ends the relayed link instead of corrupting it.
+        with pytest.raises(LinkClosed, match="frame lost"):
+            reply = await stream.recv_frame(5)
+            raise AssertionError(f"a frame was served after tampering: {reply!r}")
+        assert receiver.frames_dropped == before + 1
 
 
 async def test_frame_replayed_by_the_relay_is_rejected() -> None:
-    async with relay_env() as env:
-        env.server.core.__class__ = TamperingCore
-        a, b = env.member(), env.member()
-        la, lb = await relay_links(env, a), await relay_links(env, b)
-        try:
-            link = await la.open_link(b.node_id)
-            stream = await link.open_stream(StreamType.PROBE)
-            await stream.send_frame(b"warm-up")
-            assert await stream.recv_frame(5) == b"warm-up"
-            before = lb.frames_dropped
-            env.server.core.mode = "replay"
-            await stream.send_frame(b"once")
-            assert await stream.recv_frame(5) == b"once"
-            assert env.server.core.mode == "off" and env.server.core._again is None  # it did replay
-            assert lb.frames_dropped == before + 1  # the second copy was refused by the replay window
-            await stream.send_frame(b"next")
-            # The echo stream is intact: nothing was served twice.
-            assert await stream.recv_frame(5) == b"next"
-            stream.finish()
-            assert await stream.recv_frame(5) is None
-        finally:
-            await la.close()
-            await lb.close()
+    async with echo_through_a_tampering_relay() as (relay_core, stream, receiver):
+        before = receiver.frames_dropped
+        relay_core.mode = "replay"
+        await stream.send_frame(b"once")
+        assert await stream.recv_frame(5) == b"once"
+        assert relay_core.mode == "off" and relay_core.replay_pending is None  # it did replay
+        assert receiver.frames_dropped == before + 1  # the second copy was refused by the replay window
+        await stream.send_frame(b"next")
+        # The echo stream is intact: nothing was served twice.
+        assert await stream.recv_frame(5) == b"next"
+        stream.finish()
+        assert await stream.recv_frame(5) is None
 
 
 async def test_relay_restart_ends_links_and_nodes_re_register() -> None:
