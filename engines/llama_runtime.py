@@ -116,6 +116,11 @@ class LlamaRuntime:
         self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
         self._build_batch()
 
+    @property
+    def native_capture(self) -> bool | None:
+        """Whether the hidden-state capture runs the C callback; None on a tail, which captures nothing."""
+        return None if self._capture is None else self._capture.native
+
     def _build_batch(self) -> None:
         n = self.n_batch
         self._tokens = np.zeros(n, dtype=np.int32)

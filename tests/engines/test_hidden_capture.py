@@ -71,8 +71,8 @@ def runtimes(head_slice: tuple[Path, int]) -> Iterator[dict[bool, LlamaRuntime]]
 
 
 def test_c_and_python_callbacks_capture_identical_rows(runtimes: dict[bool, LlamaRuntime]) -> None:
-    assert runtimes[True]._capture is not None and runtimes[True]._capture.native
-    assert runtimes[False]._capture is not None and not runtimes[False]._capture.native
+    assert runtimes[True].native_capture is True
+    assert runtimes[False].native_capture is False
     # 70 tokens in batches of 32: the rows of three llama_decode calls land in one array.
     prompt = np.array(prompt_tokens(70, 500, seed=3), dtype=np.int32)
     prefills = {native: runtime.run(0, 0, prompt, want_logits=False) for native, runtime in runtimes.items()}
@@ -136,6 +136,8 @@ def c_capture() -> Iterator[tuple[HiddenCapture, FakeTensors, _EVAL]]:
     }
     fakes = FakeTensors(rows)
     capture = HiddenCapture(b"l_out-2", ROW_BYTES, native=True)
+    # The C callback calls the tensor functions named in the state struct it is given; pointing
+    # them at the fakes needs that private struct (nothing public swaps them).
     state = capture._state
     state.tensor_name = ctypes.cast(fakes.name_fn, ctypes.c_void_p).value
     state.tensor_nbytes = ctypes.cast(fakes.nbytes_fn, ctypes.c_void_p).value
@@ -186,12 +188,12 @@ def test_c_callback_outside_a_run_refuses(c_capture: tuple[HiddenCapture, FakeTe
     capture, _, evaluate = c_capture
     # No destination between runs: a stray call must not write through a stale address.
     assert evaluate(2, False, capture.user_data) is False
-    assert capture._state.failed == 1 and capture._state.written == 0
+    assert capture._state.failed == 1 and capture._state.written == 0  # the C side's own counters
     capture.begin(np.zeros((2, ROW_FLOATS), dtype=np.float32))
     assert capture.finish() == 0, "begin starts clean"
 
 
 def test_python_twin_is_used_when_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hidden_capture, "_NATIVE", False)
+    monkeypatch.setattr(hidden_capture, "_NATIVE", False)  # as if the extension had not been built
     capture = HiddenCapture(b"l_out-2", ROW_BYTES)
     assert not capture.native and capture.user_data is None

@@ -99,7 +99,7 @@ def test_every_buffer_kind_is_read_in_place() -> None:
 
 
 def test_the_fallback_matches_when_the_extension_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(crc_module, "_SIMD", None)
+    monkeypatch.setattr(crc_module, "_SIMD", None)  # as if the extension had not been built
     assert not crc_module.simd_in_use()
     data = np.random.default_rng(3).bytes(1 << 19)
     assert crc_module.crc32c(memoryview(data)[3:]) == reference(data[3:])
