@@ -80,6 +80,26 @@ class DialError(ConnectionError):
     pass
 
 
+class PeerStreamIds:
+    """The peer-opened bidirectional stream ids a link has seen: every id below ``next_unseen``,
+    plus those in ``seen_ahead`` (streams can surface out of order after loss). Memory stays
+    bounded by the peer's stream limit."""
+
+    def __init__(self, first: int) -> None:
+        self.next_unseen = first
+        self.seen_ahead: set[int] = set()
+
+    def first_sight(self, stream_id: int) -> bool:
+        """True once per peer stream."""
+        if stream_id < self.next_unseen or stream_id in self.seen_ahead:
+            return False
+        self.seen_ahead.add(stream_id)
+        while self.next_unseen in self.seen_ahead:
+            self.seen_ahead.remove(self.next_unseen)
+            self.next_unseen += 4
+        return True
+
+
 class QuicMeshStream(MeshStream):
     def __init__(self, link: QuicLink, stream_id: int) -> None:
         self._link = link
@@ -202,10 +222,7 @@ class QuicLink(PeerLink):
         self._closed = asyncio.Event()
         self._terminated = False
         self._streams: dict[int, QuicMeshStream] = {}
-        # Peer-opened bidirectional streams seen so far: every id below _next_unseen,
-        # plus those in _seen_ahead (streams can surface out of order after loss).
-        self._next_unseen = 1 if initiated_locally else 0
-        self._seen_ahead: set[int] = set()
+        self.peer_streams = PeerStreamIds(first=1 if initiated_locally else 0)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_handle: asyncio.Handle | None = None
@@ -232,6 +249,11 @@ class QuicLink(PeerLink):
     @property
     def description(self) -> str:
         return f"quic {format_host_port(*self.remote_address[:2])}"
+
+    @property
+    def stream_count(self) -> int:
+        """Streams the link still tracks (a stream is forgotten once both its directions are done)."""
+        return len(self._streams)
 
     # -- used by streams ------------------------------------------------------
 
@@ -346,22 +368,12 @@ class QuicLink(PeerLink):
         if stream_id & 2 or not self.peer_id:
             self.quic.stop_stream(stream_id, 0)  # mesh-llm/1 has no unidirectional streams
             return None
-        if not self._first_sight(stream_id):
+        if not self.peer_streams.first_sight(stream_id):
             return None  # served and forgotten already
         stream = QuicMeshStream(self, stream_id)
         self._streams[stream_id] = stream
         self.endpoint.handler.stream_accepted(self, stream)
         return stream
-
-    def _first_sight(self, stream_id: int) -> bool:
-        """True once per peer stream. Memory stays bounded by the peer's stream limit."""
-        if stream_id < self._next_unseen or stream_id in self._seen_ahead:
-            return False
-        self._seen_ahead.add(stream_id)
-        while self._next_unseen in self._seen_ahead:
-            self._seen_ahead.remove(self._next_unseen)
-            self._next_unseen += 4
-        return True
 
     def _authenticate(self, event: events.HandshakeCompleted) -> None:
         peer_key = self.quic.peer_public_key()
@@ -594,4 +606,4 @@ class QuicEndpoint(asyncio.DatagramProtocol):
                     link.ping()
 
 
-__all__ = ["DialError", "QuicEndpoint", "QuicLink", "QuicMeshStream", "QuicSettings"]
+__all__ = ["DialError", "PeerStreamIds", "QuicEndpoint", "QuicLink", "QuicMeshStream", "QuicSettings"]

@@ -337,6 +337,7 @@ async def test_a_crashed_node_is_dropped_after_probing_by_everyone(tmp_path, fir
         # Crash: the socket goes away with no PeerLeaving and no CONNECTION_CLOSE.
         for task in crashed.background_tasks:
             task.cancel()
+        # Fault injection: nothing public drops a socket without closing its connections.
         crashed.endpoint._transport.abort()
         await eventually(lambda: crashed.node_id not in first.state.table, timeout=15)
         await eventually(lambda: crashed.node_id not in second.state.table, timeout=15)
@@ -354,7 +355,7 @@ async def test_streams_the_peer_abandons_do_not_exhaust_the_connection(first):
             await stream.write(bytes([StreamType.GOSSIP]) + (100).to_bytes(4, "little") + b"partial")
             stream.reset(0x1)  # in the same packet as the data: the node sees STOP_SENDING first
         assert (await route_table(link)).mesh_id == first.mesh_id
-        await eventually(lambda: not any(link._streams for link in first.endpoint.links))
+        await eventually(lambda: not any(link.stream_count for link in first.endpoint.links))
 
 
 async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):

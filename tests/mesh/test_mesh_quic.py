@@ -173,7 +173,7 @@ async def test_closing_a_link_tells_both_sides():
 async def test_peer_streams_are_recognised_once_even_out_of_order():
     async with Endpoints() as ep:
         _link, accepted = await ep.link()  # accepted: the server side, so peer streams are 0, 4, 8...
-        assert [accepted._first_sight(i) for i in (8, 0, 4, 8, 0, 12, 4)] == [
+        assert [accepted.peer_streams.first_sight(i) for i in (8, 0, 4, 8, 0, 12, 4)] == [
             True,
             True,
             True,
@@ -182,7 +182,7 @@ async def test_peer_streams_are_recognised_once_even_out_of_order():
             True,
             False,
         ]
-        assert accepted._seen_ahead == set()  # nothing held once the gap closed
+        assert accepted.peer_streams.seen_ahead == set()  # nothing held once the gap closed
 
 
 async def test_closing_a_stream_discards_what_the_peer_still_sends():

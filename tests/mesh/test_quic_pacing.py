@@ -71,4 +71,5 @@ def test_meshnode_connections_pace_with_it():
     connection = MeshQuicConnection(
         stream_window=1 << 20, connection_window=4 << 20, configuration=configuration
     )
+    # aioquic has no public view of the pacer its loss recovery paces with; MeshQuicConnection sets it.
     assert isinstance(connection._loss._pacer, LoopClockPacer)
