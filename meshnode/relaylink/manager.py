@@ -94,6 +94,14 @@ class RelayLinks:
         self._pending: dict[_Key, asyncio.Future[RelayedPeerLink]] = {}
         self._any_registered = asyncio.Event()
         self._closed = False
+        # What each of this manager's relay clients reports into.
+        self.client_callbacks = RelayCallbacks(
+            deliver=self._on_deliver,
+            peer_gone=self._on_peer_gone,
+            send_refused=self._on_send_refused,
+            up=self._on_up,
+            down=self._on_down,
+        )
 
     # -- relays ------------------------------------------------------------------------
 
@@ -107,13 +115,7 @@ class RelayLinks:
                 endpoint,
                 mesh_id=self.mesh_id,
                 proof_for=self._proof_for,
-                callbacks=RelayCallbacks(
-                    deliver=self._on_deliver,
-                    peer_gone=self._on_peer_gone,
-                    send_refused=self._on_send_refused,
-                    up=self._on_up,
-                    down=self._on_down,
-                ),
+                callbacks=self.client_callbacks,
                 settings=self.settings.client,
             )
             self._clients[endpoint.id] = client
@@ -139,6 +141,10 @@ class RelayLinks:
             link.close("node shutting down")
         await asyncio.gather(*(client.close() for client in self._clients.values()), return_exceptions=True)
         self._clients.clear()
+
+    def sealed_peers(self) -> set[bytes]:
+        """The peers this node holds sealed-session state for (through any relay)."""
+        return {peer for _relay, peer in self._sealers}
 
     @property
     def frames_dropped(self) -> int:

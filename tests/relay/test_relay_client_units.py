@@ -47,18 +47,18 @@ async def test_per_peer_state_is_bounded_and_idle_peers_are_evicted() -> None:
     senders = [NodeIdentity.generate() for _ in range(3)]
     for sender in senders:
         init = PeerSealer(sender, me.node_id).start()
-        links._on_deliver(client, sender.node_id, CONTROL_CHANNEL, init)  # type: ignore[arg-type]
+        links.client_callbacks.deliver(client, sender.node_id, CONTROL_CHANNEL, init)  # type: ignore[arg-type]
     # Every handshake was answered, but only two peers' state is kept: the oldest idle one went.
     assert [destination for destination, _, _ in client.sent] == [s.node_id for s in senders]
-    assert {peer for _, peer in links._sealers} == {senders[1].node_id, senders[2].node_id}
+    assert links.sealed_peers() == {senders[1].node_id, senders[2].node_id}
 
 
 async def test_garbage_from_a_member_is_dropped_and_counted() -> None:
     me, other = NodeIdentity.generate(), NodeIdentity.generate()
     links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None)
     client = FakeClient()
-    links._on_deliver(client, other.node_id, 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]
-    links._on_deliver(client, other.node_id, 4, b"")  # type: ignore[arg-type]
+    links.client_callbacks.deliver(client, other.node_id, 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]
+    links.client_callbacks.deliver(client, other.node_id, 4, b"")  # type: ignore[arg-type]
     assert links.frames_dropped == 2
 
 
@@ -75,6 +75,8 @@ async def test_a_dial_the_relay_refused_does_not_make_us_ignore_the_peers_own_ha
     me, other = sorted((NodeIdentity.generate(), NodeIdentity.generate()), key=lambda i: i.node_id)
     links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None)
     client = RegisteredClient()
+    # A fake registered relay client, put where add_relays would put a real one (which dials): the
+    # manager has no public way to take a client it did not make.
     links._clients[client.relay_id] = client  # type: ignore[assignment]
 
     dial = asyncio.create_task(links.open_link(other.node_id, timeout=5.0))
@@ -86,12 +88,13 @@ async def test_a_dial_the_relay_refused_does_not_make_us_ignore_the_peers_own_ha
         channel=CONTROL_CHANNEL,
         refusal=relay.RelayRefusal(code=relay.RELAY_ERROR_DESTINATION_UNKNOWN, detail="not registered here"),
     )
-    links._on_send_refused(client, refusal)  # type: ignore[arg-type]
+    links.client_callbacks.send_refused(client, refusal)  # type: ignore[arg-type]
     with pytest.raises(RelayDialError, match="refused"):
         await dial
 
     client.sent.clear()
-    links._on_deliver(client, other.node_id, CONTROL_CHANNEL, PeerSealer(other, me.node_id).start())  # type: ignore[arg-type]
+    their_init = PeerSealer(other, me.node_id).start()
+    links.client_callbacks.deliver(client, other.node_id, CONTROL_CHANNEL, their_init)  # type: ignore[arg-type]
     assert [(destination, payload[0]) for destination, _, payload in client.sent] == [
         (other.node_id, KIND_RESPONSE)
     ]
