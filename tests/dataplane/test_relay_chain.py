@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
+from helpers.polling import eventually
 from helpers.recording_engine import LAYERS, SPEC
 
 from engines.fake import FakeEngine
@@ -79,9 +80,8 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
         # The head reached the tail through the relay too.
         head_to_tail = await head.get_link(tail.node_id)
         assert head_to_tail.description.startswith("relay ")
-        async with asyncio.timeout(10):  # the release passed along the chain
-            while services[1].server.load().active_sessions:
-                await asyncio.sleep(0.02)
+        # The release passed along the chain.
+        await eventually(lambda: not services[1].server.load().active_sessions, 10)
     finally:
         for service in services:
             await service.aclose()

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from helpers.loopback_mesh import AnnouncingPeer, LoopbackMesh
 from helpers.node_processes import write_member
+from helpers.polling import eventually
 from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine, FaultKind, FaultRule
@@ -60,10 +59,11 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
         async with ShardSession.open(link, fingerprint=fingerprint, shard_range=srange(0, 4)) as session:
             await session.prefill([1, 2, 3])
             seen = len(node.loads)
-            deadline = time.monotonic() + 5
-            while not (len(node.loads) > seen and node.loads[-1].active_sessions == 1):
-                assert time.monotonic() < deadline, "the load was not refreshed"
-                await asyncio.sleep(0.01)
+            await eventually(
+                lambda: len(node.loads) > seen and node.loads[-1].active_sessions == 1,
+                5,
+                "the load to be refreshed",
+            )
             assert node.loads[-1].kv_pressure > 0
     finally:
         await service.aclose()

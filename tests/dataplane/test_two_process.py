@@ -20,6 +20,7 @@ import pytest
 from helpers.loopback_mesh import LoopbackMesh
 from helpers.mesh_nodes import serving_peer
 from helpers.node_processes import QuicCluster
+from helpers.polling import eventually
 from helpers.tiny_llama import CTX, SPLIT, load_engine, run_unsplit
 
 from engines.llama_engine import LlamaShardEngine
@@ -282,9 +283,7 @@ async def test_the_served_shards_are_announced_with_capacity_and_live_load(
     async with chain.open(config=chunked()) as session:
         await session.prefill(prompt)
         # The load is refreshed from the worker and gossiped with the heartbeats.
-        async with asyncio.timeout(10):
-            while head_load()[0] != 1 or head_load()[1] <= 0:
-                await asyncio.sleep(0.05)
+        await eventually(lambda: head_load()[0] == 1 and head_load()[1] > 0, 10)
 
 
 # ---------------------------------------------------------------------------- a worker that dies

@@ -11,7 +11,6 @@ response, the driver's stats and ``meshnode status`` name both numerics.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from helpers.mesh_nodes import start_first_node, start_joiner
+from helpers.polling import eventually
 from helpers.tiny_llama import CTX, THREADS, load_engine, run_unsplit
 
 from engines.interface import GREEDY, LoadRequest
@@ -80,9 +80,7 @@ async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
         served = shards["b"].state.local.serving
         options = HeadOptions(api_host="127.0.0.1", api_port=0, driver=DriverOptions(open_timeout_s=10.0))
         service = await HeadService.start(NodeRoutes(head), model_path=model, served=served, options=options)
-        async with asyncio.timeout(30):
-            while not service.backend.model_names():  # gossip has brought both shards to A
-                await asyncio.sleep(0.05)
+        await eventually(service.backend.model_names, 30)  # gossip has brought both shards to A
         yield Pool(head, shards, servers, service)
     finally:
         if service is not None:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+from helpers.polling import eventually
 from mesh_helpers import Recorder, reset_code_of
 
 from meshnode.app.cli import build_parser
@@ -110,9 +111,7 @@ async def test_the_stream_that_passes_its_connections_cap_is_reset_and_the_other
         for stream in survivors:
             await stream.write(b"q" * 20 * KiB)
             stream.finish()
-        async with asyncio.timeout(10):
-            while len(server.frames) < 2:
-                await asyncio.sleep(0.01)
+        await eventually(lambda: len(server.frames) >= 2, 10)
         assert server.frames == [b"p" * 100 * KiB + b"q" * 20 * KiB] * 2
         assert server_links_hold(server) == 0
         assert not link.is_closed
@@ -127,9 +126,7 @@ async def test_the_stream_that_passes_the_process_cap_is_reset() -> None:
         peer(server) as second,
     ):
         holding = await partial_frame(first, 200 * KiB, 100 * KiB)
-        async with asyncio.timeout(10):
-            while process.held < 100 * KiB:
-                await asyncio.sleep(0.01)
+        await eventually(lambda: process.held >= 100 * KiB, 10)
         crossing = await partial_frame(second, 200 * KiB, 100 * KiB)
         assert (
             await reset_code_of(FramedStream(crossing, expect_stream_type=False))
@@ -138,9 +135,7 @@ async def test_the_stream_that_passes_the_process_cap_is_reset() -> None:
         assert reset_counts()["process_buffer"] == before["process_buffer"] + 1
         assert process.held == 100 * KiB  # the first stream's, still being received
         holding.reset(1)
-        async with asyncio.timeout(10):
-            while process.held:
-                await asyncio.sleep(0.01)
+        await eventually(lambda: not process.held, 10)
 
 
 async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_is_not() -> None:

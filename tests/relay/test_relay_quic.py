@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+from helpers.polling import eventually
 from relay_helpers import EchoHandler, Member, new_member, registered_links
 
 from meshnode.identity import NodeIdentity
@@ -152,9 +153,7 @@ async def test_flood_from_one_sender_does_not_starve_another_over_quic() -> None
         for i in range(flood):
             await sf.send(b.node_id, 2, i.to_bytes(4, "little") + b"f" * (64 * 1024))
         # Wait until the flood is queued at the relay, then the quiet sender speaks.
-        async with asyncio.timeout(10):
-            while env.server.core.queued_bytes_for(b.node_id) < 30 * 64 * 1024:
-                await asyncio.sleep(0.01)
+        await eventually(lambda: env.server.core.queued_bytes_for(b.node_id) >= 30 * 64 * 1024, 10)
         for i in range(3):
             await sq.send(b.node_id, 2, b"quiet %d" % i)
         order = []
@@ -387,9 +386,7 @@ async def test_relay_restart_ends_links_and_nodes_re_register() -> None:
         server = RelayServer(identity, {mesh_key.mesh_id})
         await server.start("127.0.0.1", port)
         client_a = la.client(identity.node_id)
-        async with asyncio.timeout(15):
-            while not (client_a.registered and lb.client(identity.node_id).registered):
-                await asyncio.sleep(0.05)
+        await eventually(lambda: client_a.registered and lb.client(identity.node_id).registered, 15)
         assert client_a.registrations == 2
         link = await la.open_link(b.node_id)
         stream = await link.open_stream(StreamType.PROBE)
