@@ -6,7 +6,7 @@ works the same in a test package (``tests/dataplane``) and in a plain directory
 directory uses stays there, in a module not named ``test_*`` (``tests/mesh/mesh_helpers.py``).
 
 - ``polling``: ``eventually`` (in a coroutine) and ``wait_until`` (in plain code).
-- ``mesh_nodes``: in-process mesh nodes: configs, memberships, invites, starting and
+- ``mesh_nodes``: in-process mesh nodes (and a relay): configs, memberships, invites, starting and
   joining, finding the peer that serves a layer range.
 - ``node_processes``: ``meshnode`` processes: ``NodeProcess`` and ``QuicCluster``.
 - ``tiny_llama``: the tiny llama.cpp model's engines as the chain tests load them.
