@@ -31,7 +31,8 @@ from meshnode.relaylink.mux import (
 )
 from meshnode.relaylink.seal import SealedSession, SealError
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
-from meshnode.transport.buffers import Progress, ReceiveBuffer, write_as_credit_allows
+from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.credited_stream import CreditedStream
 from meshnode.transport.read_limits import ReadLimits
 
 log = logging.getLogger("meshnode.relaylink")
@@ -40,7 +41,7 @@ log = logging.getLogger("meshnode.relaylink")
 SendPayload = Callable[[int, bytes], None]
 
 
-class RelayChannelStream(MeshStream):
+class RelayChannelStream(CreditedStream):
     def __init__(self, link: RelayedPeerLink, channel: int) -> None:
         self._link = link
         self._channel = channel
@@ -58,21 +59,6 @@ class RelayChannelStream(MeshStream):
         if data:
             self._link.consumed(self._channel, len(data))
         return data
-
-    async def write(self, data: bytes) -> None:
-        await write_as_credit_allows(
-            data,
-            self._link.progress,
-            check_writable=self._check_writable,
-            credit=self._send_credit,
-            send=self._send_piece,
-        )
-
-    def _check_writable(self) -> None:
-        if self.send_error is not None:
-            raise self.send_error
-        if self._link.is_closed:
-            raise LinkClosed(self._link.close_reason)
 
     def _send_credit(self) -> int:
         return self._link.mux.send_credit(self._channel)

@@ -33,7 +33,8 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
-from meshnode.transport.buffers import Progress, ReceiveBuffer, write_as_credit_allows
+from meshnode.transport.buffers import Progress, ReceiveBuffer
+from meshnode.transport.credited_stream import CreditedStream
 from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
 from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,
@@ -100,7 +101,7 @@ class PeerStreamIds:
         return True
 
 
-class QuicMeshStream(MeshStream):
+class QuicMeshStream(CreditedStream):
     def __init__(self, link: QuicLink, stream_id: int) -> None:
         self._link = link
         self._id = stream_id
@@ -121,21 +122,6 @@ class QuicMeshStream(MeshStream):
         elif self.recv.at_eof:
             self._link.maybe_forget(self)
         return data
-
-    async def write(self, data: bytes) -> None:
-        await write_as_credit_allows(
-            data,
-            self._link.progress,
-            check_writable=self._check_writable,
-            credit=self._send_credit,
-            send=self._send_piece,
-        )
-
-    def _check_writable(self) -> None:
-        if self.send_error is not None:
-            raise self.send_error
-        if self._link.is_closed:
-            raise LinkClosed(self._link.close_reason)
 
     def _send_credit(self) -> int:
         # aioquic buffers without bound, so the credit is what the unacknowledged backlogs allow.
