@@ -23,7 +23,7 @@ connection:
   ``next_frame`` is empty.
 * ``connection_lost(conn)``; ``handle_timer(now_ns)`` / ``get_timer()``.
 
-Policies (each has a test in ``tests/relay/test_core.py``):
+Policies (each has a test in ``tests/relay/test_relay_core.py``):
 
 * Only mesh members register: the TLS key must equal the claimed node id, the
   challenge signature must verify, and the membership proof must verify for a
