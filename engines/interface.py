@@ -26,6 +26,7 @@ thread. ``cancel`` and ``CancelToken.cancel`` may be called from any thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -220,6 +221,18 @@ class StepResult:
     execution_nanos: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class BatchStep:
+    """One session's step within a batch: a prefill chunk, or a decode (``decode=True``)."""
+
+    request: StepRequest
+    decode: bool
+
+
+# What one step of a batch came to: its result, or the typed refusal it met.
+StepOutcome = StepResult | EngineError
+
+
 @dataclass(frozen=True)
 class EngineHealth:
     loaded: bool
@@ -275,6 +288,22 @@ class ShardEngine(ABC):
     def decode(self, request: StepRequest) -> StepResult:
         """Run one token whose session cache must hold ``expected_past_len`` tokens."""
 
+    def step_batch(self, steps: Sequence[BatchStep]) -> list[StepOutcome]:
+        """Run several sessions' steps together, at most one per session, and return each one's
+        outcome in order: exactly what that step would have given run alone (its result, or
+        the EngineError it raised; one step's failure never fails the others).
+
+        The default runs them one after another; an engine that can compute them in one
+        forward (llama.cpp: one ``llama_decode``, a sequence per session) overrides it.
+        """
+        outcomes: list[StepOutcome] = []
+        for step in steps:
+            try:
+                outcomes.append(self.decode(step.request) if step.decode else self.prefill(step.request))
+            except EngineError as error:
+                outcomes.append(error)
+        return outcomes
+
     @abstractmethod
     def cancel(self, session: SessionKey) -> int:
         """Cancel the session: abandon its running step and refuse further steps
@@ -296,6 +325,7 @@ class ShardEngine(ABC):
 
 __all__ = [
     "GREEDY",
+    "BatchStep",
     "CancelToken",
     "EngineCapabilities",
     "EngineError",
@@ -307,6 +337,7 @@ __all__ = [
     "SamplingParams",
     "SessionKey",
     "ShardEngine",
+    "StepOutcome",
     "StepRequest",
     "StepResult",
 ]
