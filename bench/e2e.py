@@ -50,6 +50,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.default_model import default_model_path
+from engines.engine_guard import choose_weight_repack
+from engines.engine_probe import ProbeTarget
+from engines.weight_repack import WeightRepack
 from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
 from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.wire.pb import shard
@@ -90,7 +93,7 @@ def median_run(runs: list[Run]) -> Run:
 class Monolithic:
     """llama-cpp-python's low-level API: one context, one sequence, greedy."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int = 1024) -> None:
+    def __init__(self, path: Path, threads: int, weight_repack: bool, n_ctx: int = 1024) -> None:
         # Imported late: libgomp reads its settings (see --node-env) when llama.cpp loads.
         import llama_cpp
 
@@ -99,6 +102,9 @@ class Monolithic:
         ensure_llama_backend()
         self.lib = llama_cpp
         params = self.lib.llama_model_default_params()
+        # The nodes' setting (the probe's choice), not llama.cpp's default: on an AMX CPU the
+        # default repacks weights and the pinned build dies in its first decode.
+        params.use_extra_bufts = weight_repack
         self.model = self.lib.llama_model_load_from_file(str(path).encode(), params)
         ctx_params = self.lib.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
@@ -187,7 +193,7 @@ async def bench(
     meshes: dict[str, LocalMesh] = {}
     hops: tuple[list[HopTiming], float] = ([], 0.0)
     apis: dict[str, str] = {}
-    mono = Monolithic(model, args.threads)
+    mono = Monolithic(model, args.threads, args.repack)
     with contextlib.ExitStack() as stack:
         try:
             for key in keys:
@@ -195,6 +201,7 @@ async def bench(
                 work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-e2e-{key}-")))
                 print(f"  starting {label}", file=sys.stderr, flush=True)
                 env = dict(item.split("=", 1) for item in args.node_env)
+                env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
                 mesh, apis[key] = await start_mesh(work, model, layout, threads or args.threads, env)
                 meshes[key] = mesh
                 await api_run(apis[key], prompt, 8)  # warm: page faults, graph allocation, links
@@ -349,6 +356,10 @@ def main() -> None:
     os.environ.update(dict(item.split("=", 1) for item in args.node_env))
 
     model = default_model_path(progress=True)
+    # One repack setting for (a) and every node: what a node's own probe chooses here.
+    args.repack = choose_weight_repack(
+        WeightRepack.AUTO, ProbeTarget(model, threads=args.threads)
+    ).weight_repack
     # Ordinary text-like ids; a fixed seed so every configuration prefills the same prompt.
     rng = np.random.default_rng(7)
     prompt = [2] + [int(t) for t in rng.integers(1000, 50_000, size=args.prompt_tokens - 1)]
@@ -356,7 +367,8 @@ def main() -> None:
 
     base = median_run(runs["a"])
     print(f"Gemma 3 270M Q4_K_M, greedy, prompt {args.prompt_tokens} tokens, {args.tokens} generated per request, "
-          f"medians of {args.rounds} alternating rounds; (a) = monolithic llama-cpp-python, {args.threads} threads")  # fmt: skip
+          f"medians of {args.rounds} alternating rounds; (a) = monolithic llama-cpp-python, {args.threads} threads; "
+          f"weight repack {'on' if args.repack else 'off'} everywhere")  # fmt: skip
     print(f"{'configuration':<34} {'decode tok/s':>12} {'ratio':>7} {'ms/token':>9} {'+ms/token':>10} "
           f"{'TTFT s':>8} {'ratio':>7}")  # fmt: skip
     for key, label in [("a", "(a) monolithic"), *((k, CONFIGS[k][0]) for k in runs if k != "a")]:
