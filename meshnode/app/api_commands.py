@@ -24,6 +24,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.head_service import DEFAULT_API_LISTEN, HeadError, start_standalone
 from meshnode.app.lifecycle import run_drain
+from meshnode.app.session_options import add_session_options, max_sessions
 from meshnode.app.status import query_status
 from meshnode.head.api_client import (
     ApiError,
@@ -116,6 +117,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model,
         threads=args.threads,
         ctx=args.ctx,
+        max_sessions=max_sessions(args, args.model, None, args.ctx),
         n_gpu_layers=args.n_gpu_layers,
         weight_repack=args.weight_repack,
     )
@@ -180,6 +182,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
     p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
+    add_session_options(p)
     add_weight_repack_option(p)
     p.add_argument(
         "--api-listen",

@@ -30,6 +30,7 @@ from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
 from meshnode.app.lease_options import add_lease_options, link_settings
 from meshnode.app.node_serving import serve_node
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
+from meshnode.app.session_options import add_session_options
 from meshnode.app.status import format_status, query_status
 from meshnode.identity import IdentityError, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
@@ -95,6 +96,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     model.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     model.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
+    add_session_options(model)
     add_weight_repack_option(model)
     add_api_listen_option(model)
     add_lease_options(parser)

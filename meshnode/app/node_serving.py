@@ -16,6 +16,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
+from meshnode.app.session_options import max_sessions
 from meshnode.node import Node
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         weight_repack=args.weight_repack,
         threads=args.threads,
         ctx=args.ctx,
+        max_sessions=max_sessions(args, args.model, args.layers, args.ctx),
         leases=lease_settings(args, serves_api=args.api_listen is not False),
     )
     try:

@@ -34,7 +34,8 @@ def format_status(status: dict[str, Any]) -> str:
     node = status["node"]
     lines = [
         f"node {node['short_id']}  mesh {node['mesh_id']}  {'member' if node['member'] else 'joining'}",
-        f"  addresses: {', '.join(node['addresses'])}   serving: {_serving_text(node['serving'])}",
+        f"  addresses: {', '.join(node['addresses'])}   serving: {_serving_text(node['serving'])}"
+        f"{_sessions_text(node)}",
     ]
     if node.get("api_url"):
         lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
@@ -44,9 +45,19 @@ def format_status(status: dict[str, Any]) -> str:
         link = peer["link"] or "no link"
         lines.append(
             f"  {peer['short_id']}  {', '.join(peer['addresses']) or '-'}  {reach}  {link}  "
-            f"serving {_serving_text(peer['serving'])}  heard {peer['age_s']:.1f}s ago"
+            f"serving {_serving_text(peer['serving'])}{_sessions_text(peer)}  heard {peer['age_s']:.1f}s ago"
         )
     return "\n".join(lines)
+
+
+def _sessions_text(entry: dict[str, Any]) -> str:
+    """``  sessions 3/28``: the announced load against the announced capacity (nothing when serving
+    nothing; an older node's report may lack them)."""
+    capacity = (entry.get("capacity") or {}).get("max_concurrent_sessions")
+    if not entry.get("serving") or not capacity:
+        return ""
+    active = (entry.get("load") or {}).get("active_sessions", 0)
+    return f"  sessions {active}/{capacity}"
 
 
 def _serving_text(serving: dict[str, Any] | None) -> str:

@@ -92,6 +92,9 @@ class NodeStatus:
     uptime_s: float
     # Where this node's OpenAI-compatible API listens (None: no API here).
     api_url: str | None
+    # What this node announces of its own shard (zero while it serves none).
+    capacity: CapacityStatus
+    load: LoadStatus
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,21 @@ def _relays(links: RelayLinks | None) -> list[RelayStatus]:
     ]
 
 
+def _capacity(announcement: mesh.PeerAnnouncement) -> CapacityStatus:
+    return CapacityStatus(
+        max_concurrent_sessions=announcement.capacity.max_concurrent_sessions,
+        max_context_tokens=announcement.capacity.max_context_tokens,
+    )
+
+
+def _load(announcement: mesh.PeerAnnouncement) -> LoadStatus:
+    return LoadStatus(
+        active_sessions=announcement.load.active_sessions,
+        queued_chunks=announcement.load.queued_chunks,
+        kv_pressure=round(announcement.load.kv_pressure, 4),
+    )
+
+
 def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: int) -> PeerStatus:
     announcement = entry.announcement
     last_direct_ns = entry.last_direct_ns
@@ -161,15 +179,8 @@ def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: in
         directly_reachable=announcement.directly_reachable,
         relays=[AnnouncedRelay(id=r.relay_id.hex(), address=r.address) for r in announcement.relays],
         serving=ServingStatus.of(announcement),
-        capacity=CapacityStatus(
-            max_concurrent_sessions=announcement.capacity.max_concurrent_sessions,
-            max_context_tokens=announcement.capacity.max_context_tokens,
-        ),
-        load=LoadStatus(
-            active_sessions=announcement.load.active_sessions,
-            queued_chunks=announcement.load.queued_chunks,
-            kv_pressure=round(announcement.load.kv_pressure, 4),
-        ),
+        capacity=_capacity(announcement),
+        load=_load(announcement),
         link=link.description if link is not None else None,
         admitted=admitted,
         age_s=_seconds_since(entry.last_heard_ns, now_ns),
@@ -211,6 +222,8 @@ def status_report(
         serving=ServingStatus.of(local),
         uptime_s=_seconds_since(started_at_ns, now_ns),
         api_url=api_url,
+        capacity=_capacity(local),
+        load=_load(local),
     )
     peers = [
         _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now_ns=now_ns)

@@ -174,6 +174,26 @@ def test_number_arguments_refuse_values_outside_their_range_and_keep_their_edges
             parse("x")
 
 
+def test_status_text_says_how_many_sessions_each_shard_holds_and_serves():
+    from meshnode.app.status import format_status
+
+    served = {"model": "m", "start_layer": 0, "end_layer": 3, "total_layers": 6, "numerics": "cpu"}
+    capacity = {"max_concurrent_sessions": 28, "max_context_tokens": 4096}
+    node = {"short_id": "aaaa", "mesh_id": "m1", "member": True, "addresses": ["127.0.0.1:1"]}
+    peer = {"short_id": "bbbb", "addresses": [], "directly_reachable": True, "link": None, "age_s": 0.5}
+    status = {
+        "node": {**node, "serving": served, "capacity": capacity, "load": {"active_sessions": 3}},
+        "peers": [
+            {**peer, "serving": served, "capacity": {**capacity, "max_concurrent_sessions": 56}},
+            {**peer, "short_id": "cccc", "serving": None, "capacity": {"max_concurrent_sessions": 0}},
+        ],
+    }
+    lines = format_status(status).splitlines()
+    assert lines[1].endswith("serving: m [0:3) of 6 (cpu)  sessions 3/28")
+    assert "serving m [0:3) of 6 (cpu)  sessions 0/56  heard" in lines[3]
+    assert "serving nothing  heard" in lines[4]
+
+
 def test_status_text_says_how_each_served_range_is_computed():
     from meshnode.app.status import format_status
 

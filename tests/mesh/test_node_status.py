@@ -89,6 +89,8 @@ def test_the_report_serializes_to_the_status_sockets_json():
             "serving": None,
             "uptime_s": 6.5,
             "api_url": "http://127.0.0.1:8080",
+            "capacity": {"max_concurrent_sessions": 0, "max_context_tokens": 0},
+            "load": {"active_sessions": 0, "queued_chunks": 0, "kv_pressure": 0.0},
         },
         "peers": [
             {
