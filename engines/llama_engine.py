@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -31,9 +31,9 @@ from engines.interface import (
     LoadRequest,
 )
 from engines.llama_lib import ensure_llama_backend, llama_cpp_version
-from engines.llama_runtime import LlamaRuntime
+from engines.llama_runtime import BatchSequence, LlamaRuntime
 from engines.session_table import Session
-from engines.sessioned_engine import ForwardOutput, SessionedEngine
+from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
 from engines.slicing import SLICE_RECIPE_VERSION, check_sliceable, ensure_slice, plan_slice
 
 RECIPE_ID = "llama.cpp-layer-range"
@@ -223,6 +223,41 @@ class LlamaShardEngine(SessionedEngine):
         if runtime.captures:
             return ForwardOutput(hidden=hidden)
         return ForwardOutput(logits=runtime.last_logits() if want_logits else None)
+
+    def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
+        """All entries' one-token decodes in one ``llama_decode`` of their start layer's runtime
+        (a sequence per session slot); up to ``n_batch`` entries a pass.
+
+        A failure of a shared pass (no KV slot, an internal error) is not any one entry's, so
+        after ``run_batch`` has rolled every entry back they run again one by one, and each
+        gets exactly the outcome it would have had alone.
+        """
+        try:
+            runtime = self._runtime(entries[0].session.start_layer)
+        except EngineError as error:
+            return [error] * len(entries)
+        outputs: list[ForwardOutput | EngineError] = []
+        for start in range(0, len(entries), runtime.n_batch):
+            chunk = entries[start : start + runtime.n_batch]
+            sequences = [
+                BatchSequence(entry.session.slot, entry.first_position, entry.inputs, entry.want_logits)
+                for entry in chunk
+            ]
+            try:
+                results = runtime.run_batch(sequences)
+            except EngineError:
+                outputs += super()._forward_batch(chunk)
+                continue
+            # The logits are views of llama.cpp's output buffer: copy them when another pass follows.
+            another_pass = start + runtime.n_batch < len(entries)
+            for entry, result in zip(chunk, results, strict=True):
+                if runtime.captures:
+                    outputs.append(ForwardOutput(hidden=result))
+                elif entry.want_logits and result is not None:
+                    outputs.append(ForwardOutput(logits=result.copy() if another_pass else result))
+                else:
+                    outputs.append(ForwardOutput())
+        return outputs
 
     def _truncate(self, session: Session, length: int) -> None:
         if session.start_layer == self._layer_start:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
@@ -27,6 +28,63 @@ _DECODE_NO_KV_SLOT = 1
 _DECODE_ABORTED = 2
 
 _NO_ABORT = llama_cpp.ggml_abort_callback()
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSequence:
+    """One sequence's tokens in a multi-sequence ``llama_decode`` (``LlamaRuntime.run_batch``)."""
+
+    seq_id: int
+    first_position: int
+    # int32 token ids [n] (head) or float32 hidden states [n, n_embd].
+    inputs: np.ndarray
+    # Tail only: the logits of this sequence's last token.
+    want_logits: bool = False
+
+
+def ubatch_row_order(seq_ids: Sequence[int], n_ubatch: int) -> list[int]:
+    """The batch indices of a batch's tokens in the order llama.cpp computes them.
+
+    ``seq_ids`` holds each token's (single) sequence, in batch order. With a KV stream per
+    sequence llama.cpp splits a batch with ``llama_batch_allocr::split_equal(n_ubatch,
+    sequential=true)`` (src/llama-batch.cpp): a ubatch takes the sequence of the first unused
+    token and then, in batch order, only sequences whose id is one more than the last one
+    taken (a ubatch's KV view spans a contiguous range of streams), the same number of
+    tokens from each, and lists its tokens sequence by sequence. The captured ``l_out`` rows
+    arrive ubatch after ubatch in exactly that order; this mirror of the split says which
+    row is which token. A parity test against solo runs fails if the two ever disagree.
+    """
+    n_tokens = len(seq_ids)
+    per_seq: dict[int, list[int]] = {}
+    for index, seq_id in enumerate(seq_ids):
+        per_seq.setdefault(seq_id, []).append(index)
+    used = [False] * n_tokens
+    taken = dict.fromkeys(per_seq, 0)
+    order: list[int] = []
+    while len(order) < n_tokens:
+        chosen: list[int] = []
+        last = -1
+        for index in range(n_tokens):
+            seq_id = seq_ids[index]
+            if used[index] or seq_id in chosen:
+                continue
+            if not chosen or seq_id == last + 1:
+                chosen.append(seq_id)
+                last = seq_id
+                if len(chosen) > n_ubatch:
+                    break
+        rows: dict[int, list[int]] = {seq_id: [] for seq_id in chosen}
+        while all(taken[s] < len(per_seq[s]) for s in chosen):
+            for seq_id in chosen:
+                index = per_seq[seq_id][taken[seq_id]]
+                rows[seq_id].append(index)
+                used[index] = True
+                taken[seq_id] += 1
+            if (len(rows[chosen[0]]) + 1) * len(chosen) > n_ubatch:
+                break
+        for seq_id in chosen:
+            order += rows[seq_id]
+    return order
 
 
 class LlamaRuntime:
@@ -129,6 +187,9 @@ class LlamaRuntime:
         self._n_seq_id = np.ones(n, dtype=np.int32)
         self._seq_ids = np.zeros(n, dtype=np.int32)
         self._logit_flags = np.zeros(n, dtype=np.int8)
+        # What run_batch feeds a gap's stream; any valid input does, its rows are thrown away.
+        self._filler_token = np.zeros(1, dtype=np.int32)
+        self._filler_embd = np.zeros((1, self.n_embd), dtype=np.float32)
         int_ptr = ctypes.POINTER(ctypes.c_int32)
         base = self._seq_ids.ctypes.data
         self._seq_id_ptrs = (int_ptr * n)(*(ctypes.cast(base + 4 * i, int_ptr) for i in range(n)))
@@ -208,6 +269,114 @@ class LlamaRuntime:
             )
         return out
 
+    def run_batch(
+        self, sequences: Sequence[BatchSequence], *, fill_gaps: bool = True
+    ) -> list[np.ndarray | None]:
+        """Run several sequences' tokens in one ``llama_decode``.
+
+        Sequences need distinct ``seq_id``s and at most ``n_batch`` tokens in all. Returns, per
+        sequence, its captured hidden rows [n, n_embd] on a capturing runtime, else the logits
+        of its last token where ``want_logits`` (a view, valid until the next decode), else
+        ``None``. Not abortable: callers check cancellation before the batch and discard
+        what a session cancelled meanwhile computed. On any failure every sequence is rolled
+        back to its ``first_position`` before the error is raised.
+
+        llama.cpp computes a ubatch only over a contiguous range of KV streams, so sequences
+        1 and 3 without 2 would take two graph passes, each reading all the weights. With
+        ``fill_gaps`` every missing stream in between gets one throwaway token (at its own
+        next position, never computed into anything but its own rows and cell) that is
+        removed again afterwards, so the batch stays one pass.
+        """
+        ordered = sorted(sequences, key=lambda s: s.seq_id)
+        seq_ids = [s.seq_id for s in ordered]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, "a batch holds each sequence at most once")
+        fillers = self._gap_fillers(seq_ids) if fill_gaps else []
+        if sum(int(s.inputs.shape[0]) for s in ordered) + len(fillers) > self.n_batch:
+            fillers = []  # no room: the batch then takes one graph pass per contiguous run
+        entries = sorted([*ordered, *fillers], key=lambda s: s.seq_id)
+        starts: dict[int, int] = {}
+        n_tokens = 0
+        for entry in entries:
+            starts[entry.seq_id] = n_tokens
+            n_tokens += int(entry.inputs.shape[0])
+        if n_tokens > self.n_batch:
+            raise EngineError(
+                EngineErrorKind.INVALID_REQUEST,
+                f"a batch of {n_tokens} tokens exceeds n_batch {self.n_batch}",
+            )
+        self._batch.n_tokens = n_tokens
+        self._logit_flags[:n_tokens] = 0
+        for entry in entries:
+            start = starts[entry.seq_id]
+            count = int(entry.inputs.shape[0])
+            if self._embd is not None:
+                self._embd[start : start + count] = entry.inputs
+            else:
+                self._tokens[start : start + count] = entry.inputs
+            self._pos[start : start + count] = np.arange(
+                entry.first_position, entry.first_position + count, dtype=np.int32
+            )
+            self._seq_ids[start : start + count] = entry.seq_id
+            if entry.want_logits:
+                self._logit_flags[start + count - 1] = 1
+
+        captured_rows = None
+        if self._capture is not None:
+            captured_rows = np.empty((n_tokens, self.n_embd), dtype=np.float32)
+            self._capture.begin(captured_rows)
+        captured: int | None = None
+        try:
+            status = llama_cpp.llama_decode(self._ctx, self._batch)
+        finally:
+            if self._capture is not None:
+                captured = self._capture.finish()
+            for filler in fillers:
+                self.truncate(filler.seq_id, filler.first_position)
+        if status != _DECODE_OK or (captured_rows is not None and captured != n_tokens):
+            for entry in ordered:
+                self.truncate(entry.seq_id, entry.first_position)
+            if status != _DECODE_OK:
+                raise _decode_error(status, self.model_path)
+            assert self._capture is not None
+            got = "a tensor that did not fit" if captured is None else f"{captured} of {n_tokens} rows"
+            raise EngineError(
+                EngineErrorKind.INTERNAL,
+                f"captured {got} from {self._capture.tensor_name.decode()} (expected {n_tokens} hidden rows)",
+            )
+
+        results: list[np.ndarray | None] = []
+        if captured_rows is not None:
+            # Row r of the capture is token order[r] of the batch.
+            by_index = np.empty_like(captured_rows)
+            by_index[ubatch_row_order(self._seq_ids[:n_tokens].tolist(), self.n_batch)] = captured_rows
+            for entry in sequences:
+                start = starts[entry.seq_id]
+                results.append(by_index[start : start + int(entry.inputs.shape[0])])
+            return results
+        for entry in sequences:
+            if entry.want_logits:
+                last = starts[entry.seq_id] + int(entry.inputs.shape[0]) - 1
+                results.append(self._logits_at(last))
+            else:
+                results.append(None)
+        return results
+
+    def _gap_fillers(self, seq_ids: list[int]) -> list[BatchSequence]:
+        """One throwaway token for each stream strictly between the batch's sequences, at the
+        stream's next position; a full stream gets none (the batch then splits there)."""
+        present = set(seq_ids)
+        fillers = []
+        for seq_id in range(seq_ids[0] + 1, seq_ids[-1]):
+            if seq_id in present:
+                continue
+            position = self.cached_length(seq_id)
+            if position >= self.n_ctx_seq:
+                continue
+            filler = self._filler_embd if self._embd is not None else self._filler_token
+            fillers.append(BatchSequence(seq_id, position, filler))
+        return fillers
+
     def _fill(self, seq_id: int, first_position: int, chunk: np.ndarray, logits_for_last: bool) -> None:
         count = chunk.shape[0]
         self._batch.n_tokens = count
@@ -223,7 +392,10 @@ class LlamaRuntime:
 
     def last_logits(self) -> np.ndarray:
         """A view of the last output row's logits; valid until the next ``run``."""
-        pointer = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+        return self._logits_at(-1)
+
+    def _logits_at(self, batch_index: int) -> np.ndarray:
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
         if not pointer:
             raise EngineError(EngineErrorKind.INTERNAL, "llama.cpp produced no logits")
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))

@@ -3,7 +3,16 @@
 ``SessionedEngine`` owns everything the fake and the llama.cpp engine must do alike:
 input validation, epochs, cache expectations (``CACHE_MISS`` with the actual length),
 cancellation (per step and per session), TTL and LRU eviction, metrics, and tail-side
-sampling. A backend implements four hooks: load, forward, truncate and close.
+sampling. A backend implements four hooks: load, forward, truncate and close, and may
+implement a fifth, ``_forward_batch``, to compute several sessions' decodes together.
+
+Batches (``step_batch``): the decode steps are admitted in order under the same rules as
+alone, then computed together per start layer (one ``_forward_batch`` each), then the
+prefill chunks run one by one exactly as ``prefill`` runs them; each step's outcome is what
+it would have been run alone in that order (decodes first, which the one-after-another
+default could equally have done: steps of distinct sessions do not depend on each other).
+Prefills stay alone because a prefill chunk is the step worth aborting, and aborting a
+shared forward pass would abort every session in it.
 
 Threads: steps, release, health and metrics run on the caller's worker thread and hold
 ``_compute_lock``; ``cancel`` and ``CancelToken.cancel`` may come from any thread. A
@@ -18,7 +27,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +44,7 @@ from engines.interface import (
     METRIC_SESSIONS_RELEASED,
     METRIC_STEPS_CANCELLED,
     METRIC_TOKENS_PROCESSED,
+    BatchStep,
     EngineCapabilities,
     EngineError,
     EngineErrorKind,
@@ -43,6 +53,7 @@ from engines.interface import (
     LoadRequest,
     SessionKey,
     ShardEngine,
+    StepOutcome,
     StepRequest,
     StepResult,
 )
@@ -60,6 +71,25 @@ class ForwardOutput:
     logits: np.ndarray | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class BatchEntry:
+    """One session's admitted decode within a ``_forward_batch``."""
+
+    session: Session
+    first_position: int
+    # int32 token ids or float32 [1, hidden], validated.
+    inputs: np.ndarray
+    want_logits: bool
+    should_abort: Callable[[], bool]
+
+
+@dataclass(slots=True)
+class _AdmittedDecode:
+    index: int
+    request: StepRequest
+    entry: BatchEntry
+
+
 class SessionedEngine(ShardEngine):
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -70,8 +100,9 @@ class SessionedEngine(ShardEngine):
         self._compute_lock = threading.Lock()
         # Guards the table and the running-step fields against a concurrent cancel.
         self._state_lock = threading.Lock()
-        self._running: SessionKey | None = None
-        self._running_cancelled = False
+        # The sessions whose step is computing, and those of them cancelled meanwhile.
+        self._running: set[SessionKey] = set()
+        self._cancelled_running: set[SessionKey] = set()
         self._pending_drops: list[Session] = []
 
     # --- backend hooks ---
@@ -93,6 +124,30 @@ class SessionedEngine(ShardEngine):
 
         On an exception the session's backend state must be back at ``first_position``.
         """
+
+    def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
+        """Run one-token decodes of distinct sessions that all start at the same layer, each
+        with exactly the result it would get alone; an entry's refusal is its own.
+
+        The default runs them one after another through ``_forward``. An override that
+        computes them together must leave every entry whose outcome is an EngineError back
+        at its ``first_position``, and may not poll ``should_abort`` (one entry's cancel must
+        not abort the others). An exception that is not an EngineError fails the batch.
+        """
+        outputs: list[ForwardOutput | EngineError] = []
+        for index, entry in enumerate(entries):
+            try:
+                output = self._forward(
+                    entry.session, entry.first_position, entry.inputs, entry.want_logits, entry.should_abort
+                )
+            except EngineError as error:
+                outputs.append(error)
+                continue
+            if output.logits is not None and index + 1 < len(entries):
+                # A backend's logits may be a view of a buffer the next forward overwrites.
+                output = ForwardOutput(output.hidden, np.array(output.logits, dtype=np.float32, copy=True))
+            outputs.append(output)
+        return outputs
 
     @abstractmethod
     def _truncate(self, session: Session, length: int) -> None:
@@ -134,9 +189,9 @@ class SessionedEngine(ShardEngine):
         with self._state_lock:
             if self._table is None:
                 return 0
-            running = self._running == session
+            running = session in self._running
             if running:
-                self._running_cancelled = True
+                self._cancelled_running.add(session)
             dropped = self._table.cancel(session)
             if dropped is not None:
                 self._counters[METRIC_SESSIONS_CANCELLED] += 1
@@ -198,24 +253,29 @@ class SessionedEngine(ShardEngine):
 
     def _step(self, request: StepRequest, *, decode: bool) -> StepResult:
         with self._compute_lock:
-            try:
-                return self._step_locked(request, decode)
-            except EngineError as error:
-                self._count(METRIC_ERRORS)
-                if error.kind == EngineErrorKind.CACHE_MISS:
-                    self._count(METRIC_CACHE_MISSES)
-                elif error.kind == EngineErrorKind.CANCELLED:
-                    self._count(METRIC_STEPS_CANCELLED)
-                    # Asked for (cancel, deadline): not a failure, whatever llama.cpp printed.
-                    _log.debug(
-                        "session %s: step aborted as asked (%s)", request.session.session_id, error.detail
-                    )
-                raise
-            except Exception:
-                self._count(METRIC_ERRORS)
-                raise
-            finally:
-                self._free_pending()
+            return self._counted_step(request, decode)
+
+    def _counted_step(self, request: StepRequest, decode: bool) -> StepResult:
+        """One step with its error accounting (caller holds the compute lock)."""
+        try:
+            return self._step_locked(request, decode)
+        except EngineError as error:
+            self._count_refusal(request, error)
+            raise
+        except Exception:
+            self._count(METRIC_ERRORS)
+            raise
+        finally:
+            self._free_pending()
+
+    def _count_refusal(self, request: StepRequest, error: EngineError) -> None:
+        self._count(METRIC_ERRORS)
+        if error.kind == EngineErrorKind.CACHE_MISS:
+            self._count(METRIC_CACHE_MISSES)
+        elif error.kind == EngineErrorKind.CANCELLED:
+            self._count(METRIC_STEPS_CANCELLED)
+            # Asked for (cancel, deadline): not a failure, whatever llama.cpp printed.
+            _log.debug("session %s: step aborted as asked (%s)", request.session.session_id, error.detail)
 
     def _step_locked(self, request: StepRequest, decode: bool) -> StepResult:
         caps, table = self._loaded()
@@ -236,41 +296,172 @@ class SessionedEngine(ShardEngine):
                 self._counters[METRIC_SESSIONS_OPENED] += 1
             else:
                 session = self._continuing_session(table, request, decode, start_layer)
-            self._running, self._running_cancelled = key, False
+            self._running.add(key)
         if fresh:
             self._free_pending()  # a reused slot must be empty before the step writes to it
 
-        token = request.cancel_token
-        should_abort = (
-            (lambda: self._running_cancelled or token.cancelled)
-            if token
-            else (lambda: self._running_cancelled)
-        )
         want_logits = caps.is_tail and (request.sampling is not None or request.want_logits)
         started = time.perf_counter_ns()
         try:
-            output = self._forward(session, request.first_position, inputs, want_logits, should_abort)
+            output = self._forward(
+                session, request.first_position, inputs, want_logits, self._abort_check(request)
+            )
         except EngineError as error:
-            if error.kind not in (EngineErrorKind.CANCELLED, EngineErrorKind.RESOURCE_EXHAUSTED):
-                self._forget(session)  # state after an internal failure cannot be trusted
+            self._after_failed_forward(session, error)
             raise
         except BaseException:
             self._forget(session)
             raise
         finally:
-            with self._state_lock:
-                self._running = None
+            self._finish_running((key,))
         elapsed = time.perf_counter_ns() - started
+        return self._commit(request, session, output, fresh, elapsed, decode)
 
+    def _abort_check(self, request: StepRequest) -> Callable[[], bool]:
+        key, token = request.session, request.cancel_token
+        if token is not None:
+            return lambda: key in self._cancelled_running or token.cancelled
+        return lambda: key in self._cancelled_running
+
+    def _after_failed_forward(self, session: Session, error: EngineError) -> None:
+        if error.kind not in (EngineErrorKind.CANCELLED, EngineErrorKind.RESOURCE_EXHAUSTED):
+            self._forget(session)  # state after an internal failure cannot be trusted
+
+    def _finish_running(self, keys: Sequence[SessionKey]) -> None:
+        """Mark the keys' steps done; returns nothing, a cancel that landed meanwhile has
+        already dropped its session from the table (``_commit`` sees it there)."""
         with self._state_lock:
-            if self._running_cancelled or table.lookup(key) is not session:
-                # Cancelled while finishing: cancel() already dropped the session.
+            for key in keys:
+                self._running.discard(key)
+                self._cancelled_running.discard(key)
+
+    def _commit(
+        self,
+        request: StepRequest,
+        session: Session,
+        output: ForwardOutput,
+        fresh: bool,
+        elapsed: int,
+        decode: bool,
+    ) -> StepResult:
+        table = self._table
+        with self._state_lock:
+            if table is None or table.lookup(request.session) is not session:
+                # Cancelled while computing: cancel() already dropped the session, and its
+                # storage is freed with the pending drops; what the step computed is discarded.
                 raise EngineError(EngineErrorKind.CANCELLED, "session was cancelled during the step")
             session.past_len = request.first_position + request.n_tokens
             table.touch(session, self._clock())
         self._count(METRIC_DECODE_STEPS if decode else METRIC_PREFILL_STEPS)
         self._count(METRIC_TOKENS_PROCESSED, request.n_tokens)
         return self._result(request, session, output, fresh, elapsed)
+
+    # --- batches ---
+
+    def step_batch(self, steps: Sequence[BatchStep]) -> list[StepOutcome]:
+        """Each step's outcome as if it ran alone: the decodes are admitted in order and
+        computed together per start layer, then the prefill chunks run one by one."""
+        outcomes: list[StepOutcome | None] = [None] * len(steps)
+        with self._compute_lock:
+            admitted: list[_AdmittedDecode] = []
+            try:
+                self._admit_decodes(steps, outcomes, admitted)
+                groups: dict[int, list[_AdmittedDecode]] = {}
+                for decode in admitted:
+                    groups.setdefault(decode.entry.session.start_layer, []).append(decode)
+                for group in groups.values():
+                    self._run_decode_group(group, outcomes)
+            finally:
+                # Also the groups a failed group kept from running: a key left marked running
+                # would turn a later cancel of it into an abort of its next, unrelated step.
+                self._finish_running([decode.request.session for decode in admitted])
+                self._free_pending()
+            for index, step in enumerate(steps):
+                if outcomes[index] is None:
+                    try:
+                        outcomes[index] = self._counted_step(step.request, decode=False)
+                    except EngineError as error:
+                        outcomes[index] = error
+        assert all(outcome is not None for outcome in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def _admit_decodes(
+        self,
+        steps: Sequence[BatchStep],
+        outcomes: list[StepOutcome | None],
+        admitted: list[_AdmittedDecode],
+    ) -> None:
+        """Check every step's session and cache as its step would alone; record refusals in
+        ``outcomes`` and append the decodes to compute to ``admitted`` (as each is marked
+        running, so the caller can unmark them whatever happens). Prefills are left for later."""
+        seen: set[SessionKey] = set()
+        now = self._clock()
+        self._expire(now)
+        for index, step in enumerate(steps):
+            request = step.request
+            if request.session in seen:
+                outcomes[index] = self._refuse(
+                    request,
+                    EngineError(
+                        EngineErrorKind.INVALID_REQUEST, "a batch carries at most one step per session"
+                    ),
+                )
+                continue
+            seen.add(request.session)
+            if not step.decode:
+                continue
+            try:
+                admitted.append(_AdmittedDecode(index, request, self._admit_decode(request)))
+            except EngineError as error:
+                outcomes[index] = self._refuse(request, error)
+
+    def _admit_decode(self, request: StepRequest) -> BatchEntry:
+        caps, table = self._loaded()
+        start_layer, inputs = self._validate(caps, request, True)
+        if request.cancel_token is not None and request.cancel_token.cancelled:
+            raise EngineError(EngineErrorKind.CANCELLED, "step was cancelled before it started")
+        with self._state_lock:
+            self._pending_drops += table.admit_epoch(request.session)
+            session = self._continuing_session(table, request, True, start_layer)
+            self._running.add(request.session)
+        want_logits = caps.is_tail and (request.sampling is not None or request.want_logits)
+        return BatchEntry(session, request.first_position, inputs, want_logits, self._abort_check(request))
+
+    def _refuse(self, request: StepRequest, error: EngineError) -> EngineError:
+        self._count_refusal(request, error)
+        return error
+
+    def _run_decode_group(self, group: list[_AdmittedDecode], outcomes: list[StepOutcome | None]) -> None:
+        keys = [decode.request.session for decode in group]
+        started = time.perf_counter_ns()
+        try:
+            outputs = self._forward_batch([decode.entry for decode in group])
+            # Nothing polls a shared pass, so a cancel (of the step's token or of its session)
+            # that landed while it computed is honoured here: that step alone is CANCELLED and
+            # what it computed is rolled back, as a solo step aborted in time would leave it.
+            aborted = [decode.entry.should_abort() for decode in group]
+        except BaseException:
+            # What the batch left in any of its sessions cannot be trusted.
+            for decode in group:
+                self._forget(decode.entry.session)
+            self._count(METRIC_ERRORS)
+            raise
+        finally:
+            self._finish_running(keys)
+        # Every step of a batch reports the batch's time: that is what it waited for.
+        elapsed = time.perf_counter_ns() - started
+        for decode, output, abort in zip(group, outputs, aborted, strict=True):
+            request, session = decode.request, decode.entry.session
+            if abort and not isinstance(output, EngineError):
+                self._truncate(session, request.first_position)
+                output = EngineError(EngineErrorKind.CANCELLED, "step was cancelled during the batch")
+            try:
+                if isinstance(output, EngineError):
+                    self._after_failed_forward(session, output)
+                    raise output
+                outcomes[decode.index] = self._commit(request, session, output, False, elapsed, True)
+            except EngineError as error:
+                outcomes[decode.index] = self._refuse(request, error)
 
     def _continuing_session(
         self, table: SessionTable, request: StepRequest, decode: bool, start_layer: int
