@@ -8,6 +8,10 @@ cancellation) or its next write fails, and either way the completion's token
 stream is closed, which cancels the work on every hop. ``system_fingerprint``
 says how the route behind a response computes (null when the backend cannot
 tell): equal values mean the same contract, boundary and per-layer numerics.
+A request the mesh has no room for (:class:`~meshnode.head.backend.MeshBusy`)
+is a 429 with ``Retry-After`` and OpenAI's rate-limit error object, decided
+before any byte of the answer: it is never queued without bound, and a
+request answered 200 is never dropped for capacity.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from meshnode.head.backend import (
     ContextLengthExceeded,
     GenerationBackend,
     GenerationFailed,
+    MeshBusy,
     UnknownModel,
 )
 from meshnode.head.completions import CompletionRequest, CompletionResult, TextDelta, run_completion
@@ -54,6 +59,17 @@ class InvalidRequest(Exception):
 def error_response(error: InvalidRequest, error_type: str = "invalid_request_error") -> web.Response:
     body = {"error": {"message": error.message, "type": error_type, "param": error.param, "code": error.code}}
     return web.json_response(body, status=error.status)
+
+
+# OpenAI's error type for a 429; `code` says which capacity ran out here.
+RATE_LIMIT_TYPE = "rate_limit_exceeded"
+MESH_BUSY_CODE = "mesh_at_capacity"
+
+
+def busy_response(busy: MeshBusy) -> web.Response:
+    """429: the mesh (or this head) has no room now; ``Retry-After`` says when to ask again."""
+    body = {"error": {"message": str(busy), "type": RATE_LIMIT_TYPE, "param": None, "code": MESH_BUSY_CODE}}
+    return web.json_response(body, status=429, headers={"Retry-After": str(busy.retry_after_s)})
 
 
 @dataclass(frozen=True)
@@ -246,6 +262,9 @@ class OpenAIApi:
         except ContextLengthExceeded as exc:
             error = InvalidRequest(str(exc), "messages" if chat else "prompt", code="context_length_exceeded")
             return error_response(error)
+        except MeshBusy as exc:
+            log.info("generation %s refused: %s", ident, exc)
+            return busy_response(exc)
         except GenerationFailed as exc:
             log.warning("generation %s failed: %s", ident, exc)
             return error_response(InvalidRequest(str(exc), status=503), "service_unavailable")

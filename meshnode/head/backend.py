@@ -29,6 +29,17 @@ class GenerationFailed(MeshnodeError):
     """
 
 
+class MeshBusy(GenerationFailed):
+    """No route has room for another generation now (every replica's shards at capacity, or the
+    head at its limit of concurrent generations); the client should retry after ``retry_after_s``.
+
+    Raised only before the first token: a generation that started is never failed for capacity."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, int(retry_after_s))
+
+
 class ContextLengthExceeded(GenerationFailed):
     """The prompt does not fit a session's context on the route (a client error, not a failure)."""
 

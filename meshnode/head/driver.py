@@ -21,6 +21,16 @@ numerics) within one hop contract. Such a route is used like any other; the
 driver logs the mix and the token stream says how its route computes
 (``system_fingerprint``, see :mod:`meshnode.head.numerics`).
 
+Capacity (:mod:`meshnode.head.session_load`): routes avoid shards at capacity
+while others exist, counting the sessions this head holds there even before
+gossip reports them. A shard that refuses a new session for capacity
+(RESOURCE_EXHAUSTED, retryable, before the session's first result) is left out
+of this generation's routes and the next replica tried; when none is left,
+a generation that has produced nothing yet fails with
+:class:`~meshnode.head.backend.MeshBusy` (the API's 429), as does one over the
+head's own limit of concurrent generations. One that has produced tokens is
+never dropped for capacity: it waits for room, up to ``capacity_wait_s``.
+
 Closing the token stream ends the generation everywhere: when a unit is still
 running, the session's out-of-band Cancel goes to the first hop (which passes it
 on) and a unary Cancel goes to every other hop directly, so a chain wedged
@@ -44,11 +54,19 @@ from meshnode.dataplane import rpc
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
-from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
+from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, MeshBusy
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.numerics import describe_numerics, mixes_numerics, system_fingerprint
-from meshnode.head.planner import Hop, ModelIdentity, NoRouteError, Route, ShardCandidate, plan_route
-from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy
+from meshnode.head.planner import (
+    Hop,
+    ModelIdentity,
+    NoRouteError,
+    Route,
+    ShardCandidate,
+    plan_route_with_room,
+)
+from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy, describe
+from meshnode.head.session_load import SessionLedger
 from meshnode.head.transcript import Transcript
 from meshnode.identity import short_id
 from meshnode.sansio import SECOND_NS
@@ -91,6 +109,14 @@ class DriverOptions:
     # its own probes); a route that exists only through it is still tried.
     dead_memory_s: float = 30.0
     budget: RecoveryBudget = field(default_factory=RecoveryBudget)
+    # Generations this head runs at once; one more is refused (MeshBusy) rather than queued.
+    max_generations: int = 256
+    # What a refusal for capacity tells the client to wait (the API's Retry-After, seconds).
+    busy_retry_after_s: int = 1
+    # A generation that has produced tokens and finds every replica full waits this long for room,
+    # trying again every `capacity_retry_s`, before it fails.
+    capacity_wait_s: float = 30.0
+    capacity_retry_s: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -116,6 +142,10 @@ class DriverStats:
     # Closed by the consumer between tokens (it had what it wanted).
     closed: int = 0
     failed: int = 0
+    # Refused before they started: every route at capacity, or the head at its limit.
+    busy: int = 0
+    # New sessions a shard refused for capacity (each sent the generation to another replica).
+    capacity_refusals: int = 0
     tokens: int = 0
     rebuilds: int = 0
     reroutes: int = 0
@@ -138,6 +168,8 @@ class GenerationDriver:
         self._background: set[asyncio.Task[Any]] = set()
         # Node id -> monotonic time until which it stays out of new routes.
         self._found_dead: dict[bytes, float] = {}
+        # The sessions this head's generations hold, per shard.
+        self.sessions = SessionLedger()
 
     def generate(
         self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
@@ -152,11 +184,12 @@ class GenerationDriver:
         """The cheapest route avoiding ``exclude`` and, when possible, hops found dead lately."""
         now = time.monotonic()
         self._found_dead = {node: until for node, until in self._found_dead.items() if until > now}
-        candidates = self.env.candidates()
+        candidates = self.sessions.adjust(self.env.candidates())
         if self._found_dead:
             with contextlib.suppress(NoRouteError):
-                return plan_route(candidates, model, exclude=frozenset(exclude | self._found_dead.keys()))
-        return plan_route(candidates, model, exclude=frozenset(exclude))
+                dead = frozenset(exclude | self._found_dead.keys())
+                return plan_route_with_room(candidates, model, exclude=dead)
+        return plan_route_with_room(candidates, model, exclude=frozenset(exclude))
 
     def found_dead(self, node_ids: set[bytes]) -> None:
         until = time.monotonic() + self.options.dead_memory_s
@@ -199,6 +232,17 @@ class _Generation:
         self.route: Route | None = None
         self.session: ShardSession | None = None
         self.excluded: set[bytes] = set()
+        # Shards that refused this generation a session for capacity: out of its routes until no
+        # route is left without them.
+        self.busy: set[bytes] = set()
+        # Monotonic time until which a started generation waits for room (None: not waiting).
+        self.room_deadline: float | None = None
+        # The hops of the session open now, as counted in the driver's ledger.
+        self.held: tuple[bytes, ...] = ()
+        # Where the current epoch's session is: the first hop accepted it (opened), and every hop
+        # did (admitted, once the first unit came back).
+        self.opened = False
+        self.admitted = False
         # Hops of the current route the watchdog found gone.
         self.found_dead: set[bytes] = set()
         # Monotonic time the unit now awaited was sent; None between units. Left set when the
@@ -215,6 +259,12 @@ class _Generation:
     # ------------------------------------------------------------------ the token stream
 
     async def run(self) -> AsyncGenerator[int, None]:
+        if self.stats.active >= self.options.max_generations:
+            self.stats.busy += 1
+            raise MeshBusy(
+                f"this node already runs {self.stats.active} generations, its limit",
+                retry_after_s=self.options.busy_retry_after_s,
+            )
         self.stats.started += 1
         self.stats.active += 1
         outcome = "failed"
@@ -242,12 +292,20 @@ class _Generation:
                 except GenerationFailed:
                     raise
                 except ROUTE_FAILURES as error:
+                    refusers = self._capacity_refusers(error)
+                    if refusers:
+                        self._refused_for_capacity(refusers, error)
+                        synced = False
+                        continue
                     if self._context_full(error):
                         log.info("generation %s: the context is full", self.session_id[:8])
                         break
                     await self._recover(error)
                     synced = False
             outcome = "completed"
+        except MeshBusy:
+            outcome = "busy"
+            raise
         except GeneratorExit:
             outcome = "cancelled" if self.waiting_since is not None else "closed"
             raise
@@ -261,12 +319,36 @@ class _Generation:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(cleanup)
 
+    async def _plan(self) -> Route:
+        """The next route: around dead hops and hops that refused for capacity; with none left
+        but for those, MeshBusy before the first token, or a wait for room after it."""
+        while True:
+            try:
+                return self.driver.plan(self.model, self.excluded | self.busy)
+            except NoRouteError as exc:
+                if not self.busy:
+                    raise GenerationFailed(str(exc)) from None
+                if not self.transcript.started:
+                    raise MeshBusy(
+                        f"every route's shards are at capacity ({len(self.busy)} refused a new session); "
+                        "retry shortly",
+                        retry_after_s=self.options.busy_retry_after_s,
+                    ) from None
+            now = time.monotonic()
+            if self.room_deadline is None:
+                self.room_deadline = now + self.options.capacity_wait_s
+            if now >= self.room_deadline:
+                raise GenerationFailed(
+                    f"no shard had room to continue the generation within {self.options.capacity_wait_s:g} s"
+                )
+            await asyncio.sleep(self.options.capacity_retry_s)
+            # Sessions end all the time: every replica may be asked again.
+            self.busy.clear()
+
     async def _open_route(self) -> None:
         self.epoch += 1
-        try:
-            route = self.driver.plan(self.model, self.excluded)
-        except NoRouteError as exc:
-            raise GenerationFailed(str(exc)) from None
+        self.opened = self.admitted = False
+        route = await self._plan()
         self.route = route
         self.found_dead = set()
         self.stats.last_route = tuple(short_id(hop.node_id) for hop in route.hops)
@@ -307,6 +389,10 @@ class _Generation:
             config=default_client_config(),
             options=SessionOptions(open_timeout_s=self.options.open_timeout_s),
         )
+        self.opened = True
+        self.room_deadline = None
+        self.held = route.node_ids
+        self.driver.sessions.hold(self.held)
 
     def _deadline(self, queued: int = 0) -> int:
         allowance = self.options.unit_timeout_s + queued * self.options.queued_unit_allowance_s
@@ -327,6 +413,7 @@ class _Generation:
         output: StepOutput | None = None
         for handle in prefill:
             output = await handle
+            self.admitted = True
             self.waiting_since = time.monotonic()
         assert output is not None
         first = _token(output)
@@ -368,6 +455,54 @@ class _Generation:
 
     # ------------------------------------------------------------------ failures
 
+    def _capacity_refusers(self, error: BaseException) -> set[bytes]:
+        """The hops that refused the epoch's new session for capacity (empty: not such a refusal).
+
+        The first hop refuses at open; a later hop's refusal comes back on the first unit, passed on
+        as "next hop refused" without naming the hop: of the hops after the first, those this head
+        sees the most loaded (gossip and its own sessions) are taken for it."""
+        route = self.route
+        if (
+            route is None
+            or self.admitted
+            or not isinstance(error, ShardProtocolError)
+            or error.code != shard.ERROR_CODE_RESOURCE_EXHAUSTED
+            or not error.retryable
+        ):
+            return set()
+        if not self.opened:
+            return {route.hops[0].node_id}
+        downstream = [hop.node_id for hop in route.hops[1:]]
+        if not downstream or not error.detail.startswith("next hop refused"):
+            return {route.hops[0].node_id}
+        load = {c.node_id: c.load for c in self.driver.sessions.adjust(self.env.candidates())}
+        most = max(load.get(node_id, 0.0) for node_id in downstream)
+        return {node_id for node_id in downstream if load.get(node_id, 0.0) == most}
+
+    def _refused_for_capacity(self, refusers: set[bytes], error: BaseException) -> None:
+        """Leave the refusing hops out of this generation's routes and drop the epoch's session."""
+        self.stats.capacity_refusals += 1
+        self.busy |= refusers
+        self.waiting_since = None
+        log.info(
+            "generation %s epoch %d: %s refused a new session (%s); trying another replica",
+            self.session_id[:8],
+            self.epoch,
+            ", ".join(short_id(node_id) for node_id in refusers),
+            describe(error),
+        )
+        route, session = self.route, self.session
+        self.session = None
+        self._drop_hold()
+        if session is not None:
+            session.abort()
+            if route is not None:
+                self.driver.spawn(self._release_quietly(route.hops, self.epoch))
+
+    def _drop_hold(self) -> None:
+        self.driver.sessions.release(self.held)
+        self.held = ()
+
     def _context_full(self, error: BaseException) -> bool:
         """A step past a session's context once tokens were generated ends the generation normally."""
         return (
@@ -394,6 +529,7 @@ class _Generation:
         self.stats.reroutes += 1
         route, session, old_epoch = self.route, self.session, self.epoch
         self.session = None
+        self._drop_hold()
         if session is not None:
             session.abort()
         if route is not None:
@@ -445,6 +581,7 @@ class _Generation:
         try:
             await self._finish(interrupted=interrupted)
         finally:
+            self._drop_hold()
             self.stats.active -= 1
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
 

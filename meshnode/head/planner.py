@@ -5,7 +5,11 @@ output is an ordered list of hops, each told where to start executing
 (``effective_start_layer``) so that overlapping ranges never apply a layer
 twice. Among the chains that cover ``[0, total_layers)`` the cheapest wins,
 where a hop costs a fixed per-hop overhead plus its round-trip time plus a
-load penalty: fewer, closer, idler hops first.
+load penalty: fewer, closer, idler hops first. Load is a shard's share of its
+capacity in use (active / max sessions), so of two replicas of a range the
+less loaded takes the next session; equal costs go to the lower node id, so
+every head plans alike. :func:`plan_route_with_room` leaves shards at capacity
+out while another chain exists.
 
 Candidates of one model must share its :class:`ModelIdentity` (the hop contract);
 their numerics (backend, weight layout, build) may differ and never bar a chain.
@@ -64,6 +68,11 @@ class ShardCandidate:
         return min(1.0, self.active_sessions / self.max_sessions)
 
     @property
+    def full(self) -> bool:
+        """Every session it announced is in use (a shard without a capacity is never full)."""
+        return 0 < self.max_sessions <= self.active_sessions
+
+    @property
     def cost_ms(self) -> float:
         return HOP_OVERHEAD_MS + max(0.0, self.rtt_ms) + FULL_LOAD_PENALTY_MS * self.load
 
@@ -117,6 +126,25 @@ def plan_route(
         position = candidate.end_layer
     name = chain[0].model_name
     return Route(model=model, model_name=name, hops=tuple(hops))
+
+
+def plan_route_with_room(
+    candidates: Iterable[ShardCandidate],
+    model: ModelIdentity,
+    *,
+    exclude: frozenset[bytes] = frozenset(),
+) -> Route:
+    """:func:`plan_route` among the shards with a session free; when only full ones complete a
+    chain, among all of them: a load record is a heartbeat old, and the shard's own admission
+    decides."""
+    pool = list(candidates)
+    full = frozenset(c.node_id for c in pool if c.full)
+    if full:
+        try:
+            return plan_route(pool, model, exclude=exclude | full)
+        except NoRouteError:
+            pass
+    return plan_route(pool, model, exclude=exclude)
 
 
 def _usable(candidates: Iterable[ShardCandidate], model: ModelIdentity) -> list[ShardCandidate]:
