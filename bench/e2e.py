@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,18 +166,19 @@ async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
 
 
 async def start_mesh(
-    work: Path, model: Path, layout: Layout, threads: int, env: dict[str, str]
+    work: Path, model: Path, layout: Layout, threads: int, env: dict[str, str], *, extra: Sequence[str] = ()
 ) -> tuple[LocalMesh, str]:
-    """The configuration's processes, ready (its API lists the model); returns the API URL."""
+    """The configuration's processes, ready (its API lists the model), ``extra`` arguments given to
+    each; returns the API URL."""
     mesh = LocalMesh(work, model, threads=threads, ctx=1024, env=env)
     mesh.create_mesh("n0")
     if any(nat for _, nat in layout):
         await mesh.start_relay()
-    await mesh.start_first("n0", layout[0][0])
+    await mesh.start_first("n0", layout[0][0], extra=extra)
     if len(layout) > 1:
         token = mesh.invite("n0")
         joining = [
-            mesh.join(f"n{i}", layers, token, behind_nat=nat)
+            mesh.join(f"n{i}", layers, token, behind_nat=nat, extra=extra)
             for i, (layers, nat) in enumerate(layout[1:], start=1)
         ]
         for child in joining:

@@ -1,0 +1,316 @@
+"""Many people at once: aggregate decode throughput and inter-token latency at concurrency 1, 2, 4, 8.
+
+    python bench/concurrency.py [--tokens 32] [--rounds 2] [--prompt-tokens 32] [--threads 2]
+                                [--levels 1,2,4,8] [--configs b,c,d] [--node-arg ARG ...]
+
+Gemma 3 270M Q4_K_M, greedy, loopback, one machine, all in one run:
+
+    (a)  monolithic llama-cpp-python answering the k requests one after another (one
+         context, one sequence), in this process;
+    (a') one llama.cpp context decoding the k sequences together, one token of each per
+         ``llama_decode`` (each prompt prefilled on its own first): the limit of batching
+         on this machine;
+    (b)  one meshnode node serving all 18 layers;
+    (c)  two nodes, [0, 9) and [9, 18);
+    (d)  three nodes, [0, 6), [6, 12) and [12, 18).
+
+(b)-(d) are real ``meshnode`` processes started once and left running; the bench streams
+k ``/v1/completions`` requests at the same time to the first node's API, each with its own
+prompt of token ids. Aggregate tokens/s = every request's completion tokens over the wall
+time from sending the first request to the end of the last (prefills included, the same
+for every configuration); inter-token latency = the gaps between one stream's successive
+text chunks (one token each for ordinary text), p50 and p95 over all streams. Every
+configuration runs each concurrency once per round, alternating, so load drifting on a
+shared machine hits them alike; figures are medians over the rounds.
+
+Targets (issue 15): (d) at concurrency 4 >= 2.5x (d) at concurrency 1, and >= 0.7x (a') at k=4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import CONFIGS, Monolithic, start_mesh
+
+from engines.default_model import default_model_path
+from engines.engine_guard import choose_weight_repack
+from engines.engine_probe import ProbeTarget
+from engines.weight_repack import WeightRepack
+from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
+from meshnode.head.api_client import StreamSummary, TextChunk, stream_completion
+
+TARGET_SCALING = 2.5  # (d)@4 over (d)@1
+TARGET_VS_BATCHED = 0.7  # (d)@4 over (a')@4
+BATCHED = "a'"
+BATCHED_LABEL = "(a')"
+
+
+@dataclass(frozen=True)
+class Trial:
+    tokens: int
+    wall_s: float
+    gaps_s: tuple[float, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+# ---------------------------------------------------------------------------- (a) and (a')
+
+
+def one_after_another(mono: Monolithic, prompts: list[list[int]], count: int) -> Trial:
+    """(a): each request alone, the next one after it."""
+    gaps: list[float] = []
+    started = time.perf_counter()
+    for prompt in prompts:
+        mono.lib.llama_memory_clear(mono.memory, True)
+        token = mono._decode(prompt, 0)
+        last = time.perf_counter()
+        for offset in range(count - 1):
+            token = mono._decode([token], len(prompt) + offset)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+    return Trial(len(prompts) * count, time.perf_counter() - started, tuple(gaps))
+
+
+class MultiSequence:
+    """(a'): one context, up to ``max_seqs`` sequences, one token of each per ``llama_decode``."""
+
+    def __init__(
+        self, path: Path, threads: int, weight_repack: bool, max_seqs: int, n_ctx_seq: int = 1024
+    ) -> None:
+        import llama_cpp
+
+        from engines.llama_lib import ensure_llama_backend
+
+        ensure_llama_backend()
+        self.lib = llama_cpp
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = weight_repack
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = n_ctx_seq * max_seqs
+        ctx_params.n_batch = 512
+        ctx_params.n_seq_max = max_seqs
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, ctx_params)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+
+    def _decode(self, entries: list[tuple[int, list[int], int]]) -> list[int]:
+        """``(seq_id, tokens, first_position)`` each; the greedy next token of each sequence."""
+        batch = self.batch
+        index = 0
+        last_rows = []
+        for seq_id, tokens, first in entries:
+            for offset, token in enumerate(tokens):
+                batch.token[index] = token
+                batch.pos[index] = first + offset
+                batch.n_seq_id[index] = 1
+                batch.seq_id[index][0] = seq_id
+                batch.logits[index] = offset == len(tokens) - 1
+                index += 1
+            last_rows.append(index - 1)
+        batch.n_tokens = index
+        if self.lib.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = []
+        for row in last_rows:
+            logits = np.ctypeslib.as_array(
+                ctypes.cast(self.lib.llama_get_logits_ith(self.ctx, row), ctypes.POINTER(ctypes.c_float)),
+                shape=(self.n_vocab,),
+            )
+            out.append(int(np.argmax(logits)))
+        return out
+
+    def run(self, prompts: list[list[int]], count: int) -> Trial:
+        self.lib.llama_memory_clear(self.memory, True)
+        started = time.perf_counter()
+        tokens = [self._decode([(seq, prompt, 0)])[0] for seq, prompt in enumerate(prompts)]
+        gaps: list[float] = []
+        last = time.perf_counter()
+        for offset in range(count - 1):
+            tokens = self._decode([(seq, [tokens[seq]], len(p) + offset) for seq, p in enumerate(prompts)])
+            now = time.perf_counter()
+            gaps += [now - last] * len(prompts)
+            last = now
+        return Trial(len(prompts) * count, time.perf_counter() - started, tuple(gaps))
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+
+# ---------------------------------------------------------------------------- (b)-(d) meshnode
+
+
+async def one_stream(api: str, prompt: list[int], count: int) -> tuple[int, list[float]]:
+    body = {"prompt": prompt, "max_tokens": count, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    arrivals: list[float] = []
+    summary: StreamSummary | None = None
+    async for event in stream_completion(api, "/v1/completions", body):
+        if isinstance(event, TextChunk):
+            arrivals.append(time.perf_counter())
+        else:
+            summary = event
+    assert summary is not None
+    return summary.completion_tokens, [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+async def concurrent_streams(api: str, prompts: list[list[int]], count: int) -> Trial:
+    started = time.perf_counter()
+    done = await asyncio.gather(*(one_stream(api, prompt, count) for prompt in prompts))
+    wall = time.perf_counter() - started
+    return Trial(sum(tokens for tokens, _ in done), wall, tuple(g for _, gaps in done for g in gaps))
+
+
+# ---------------------------------------------------------------------------- main
+
+
+async def bench(
+    args: argparse.Namespace, model: Path, prompts: list[list[int]]
+) -> dict[tuple[str, int], list[Trial]]:
+    keys = args.configs.split(",")
+    levels = [int(level) for level in args.levels.split(",")]
+    trials: dict[tuple[str, int], list[Trial]] = {}
+    meshes: dict[str, LocalMesh] = {}
+    apis: dict[str, str] = {}
+    mono = Monolithic(model, args.threads, args.repack)
+    multi = MultiSequence(model, args.threads, args.repack, max(levels))
+    with contextlib.ExitStack() as stack:
+        try:
+            for key in keys:
+                label, layout, _ = CONFIGS[key]
+                work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-conc-{key}-")))
+                print(f"  starting {label}", file=sys.stderr, flush=True)
+                env = dict(item.split("=", 1) for item in args.node_env)
+                env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
+                mesh, apis[key] = await start_mesh(
+                    work, model, layout, args.threads, env, extra=args.node_arg
+                )
+                meshes[key] = mesh
+                await concurrent_streams(apis[key], prompts[:2], 8)  # warm: page faults, graphs, links
+            one_after_another(mono, prompts[:1], 8)
+            multi.run(prompts[:2], 8)
+            for round_index in range(args.rounds):
+                for level in levels:
+                    chosen = prompts[:level]
+                    trials.setdefault(("a", level), []).append(one_after_another(mono, chosen, args.tokens))
+                    trials.setdefault((BATCHED, level), []).append(multi.run(chosen, args.tokens))
+                    for key in keys:
+                        trial = await concurrent_streams(apis[key], chosen, args.tokens)
+                        trials.setdefault((key, level), []).append(trial)
+                    line = ", ".join(
+                        f"{k} {t[-1].tokens_per_s:.1f}" for (k, lv), t in trials.items() if lv == level
+                    )
+                    print(
+                        f"  round {round_index + 1}, concurrency {level}: tok/s {line}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        finally:
+            for mesh in meshes.values():
+                await asyncio.to_thread(mesh.stop_all)
+            mono.close()
+            multi.close()
+    return trials
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=32, help="generated per request (32)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2, help="threads of (a), (a') and of each node (2)")
+    parser.add_argument("--levels", default="1,2,4,8", help="concurrencies (1,2,4,8)")
+    parser.add_argument("--configs", default="b,c,d", help="meshnode configurations of bench/e2e.py (b,c,d)")
+    parser.add_argument(
+        "--node-arg",
+        action="append",
+        default=None,
+        metavar="ARG",
+        help="extra argument of every node (default: --max-sessions 8)",
+    )
+    parser.add_argument(
+        "--node-env",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="environment of the node processes and of (a) (default: what meshnode demo sets)",
+    )
+    args = parser.parse_args()
+    if args.node_arg is None:
+        args.node_arg = ["--max-sessions", "8"]
+    if args.node_env is None:
+        args.node_env = [f"{k}={v}" for k, v in SHARED_CORES_ENV.items()]
+    os.environ.update(dict(item.split("=", 1) for item in args.node_env))
+
+    model = default_model_path(progress=True)
+    args.repack = choose_weight_repack(
+        WeightRepack.AUTO, ProbeTarget(model, threads=args.threads)
+    ).weight_repack
+    rng = np.random.default_rng(11)
+    levels = [int(level) for level in args.levels.split(",")]
+    prompts = [
+        [2] + [int(t) for t in rng.integers(1000, 50_000, size=args.prompt_tokens - 1)]
+        for _ in range(max(levels))
+    ]
+    trials = asyncio.run(bench(args, model, prompts))
+
+    print(f"Gemma 3 270M Q4_K_M, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
+          f"medians of {args.rounds} alternating rounds, {args.threads} threads per process; "
+          f"weight repack {'on' if args.repack else 'off'}")  # fmt: skip
+    labels = {"a": "(a) monolithic, one after another", BATCHED: f"{BATCHED_LABEL} one context, k per batch"}
+    labels.update({key: CONFIGS[key][0] for key in args.configs.split(",")})
+    print(f"{'configuration':<36} {'k':>3} {'tok/s':>8} {'vs k=1':>7} {'vs (a)':>7} {'vs ' + BATCHED_LABEL:>7} "
+          f"{'ITL p50 ms':>11} {'ITL p95 ms':>11}")  # fmt: skip
+    medians = {cell: statistics.median(t.tokens_per_s for t in runs) for cell, runs in trials.items()}
+    for key in labels:
+        for level in levels:
+            gaps = [g for t in trials[(key, level)] for g in t.gaps_s]
+            tps = medians[(key, level)]
+            print(f"{labels[key]:<36} {level:>3} {tps:>8.1f} {tps / medians[(key, levels[0])]:>6.2f}x "
+                  f"{tps / medians[('a', level)]:>6.2f}x {tps / medians[(BATCHED, level)]:>6.2f}x "
+                  f"{percentile(gaps, 50) * 1000:>11.1f} {percentile(gaps, 95) * 1000:>11.1f}")  # fmt: skip
+    if "d" in labels and 4 in levels and 1 in levels:
+        scaling = medians[("d", 4)] / medians[("d", 1)]
+        versus = medians[("d", 4)] / medians[(BATCHED, 4)]
+        print()
+        print(f"(d) at 4 over (d) at 1: {scaling:.2f}x, target >= {TARGET_SCALING}x: "
+              f"{'met' if scaling >= TARGET_SCALING else 'MISSED'}")  # fmt: skip
+        print(f"(d) at 4 over (a') at 4: {versus:.2f}x, target >= {TARGET_VS_BATCHED}x: "
+              f"{'met' if versus >= TARGET_VS_BATCHED else 'MISSED'}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
