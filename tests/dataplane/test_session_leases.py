@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 LEASE_HEAD = Path(__file__).with_name("lease_head.py")
 LINK_TIMEOUT_S = 3.0
-MAX_SESSIONS = 4  # ShardServiceOptions.max_sessions, what the command line serves with
+MAX_SESSIONS = 4  # what these nodes serve with (--max-sessions; the command line's default is auto)
 RELEASE_TIMEOUT_S = 90.0
 
 
@@ -59,7 +59,9 @@ def cluster_factory(tmp_path: Path, tiny_model: Path) -> Iterator[object]:
     clusters: list[QuicCluster] = []
 
     def make(extra: dict[str, list[str]]) -> QuicCluster:
-        cluster = QuicCluster(tmp_path, tiny_model, extra)
+        # The share arithmetic below counts on MAX_SESSIONS, not on what auto finds room for.
+        sized = {name: ["--max-sessions", str(MAX_SESSIONS), *extra.get(name, [])] for name in ("A", "B")}
+        cluster = QuicCluster(tmp_path, tiny_model, sized)
         clusters.append(cluster)
         return cluster
 
