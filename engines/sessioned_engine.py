@@ -12,7 +12,9 @@ prefill chunks run one by one exactly as ``prefill`` runs them; each step's outc
 it would have been run alone in that order (decodes first, which the one-after-another
 default could equally have done: steps of distinct sessions do not depend on each other).
 Prefills stay alone because a prefill chunk is the step worth aborting, and aborting a
-shared forward pass would abort every session in it.
+shared forward pass would abort every session in it. So nothing polls a shared pass: a
+cancel that lands while it computes (the step's token, or its session) makes that step
+alone CANCELLED once the pass returns, its computed position rolled back.
 
 Threads: steps, release, health and metrics run on the caller's worker thread and hold
 ``_compute_lock``; ``cancel`` and ``CancelToken.cancel`` may come from any thread. A

@@ -17,7 +17,7 @@ The slow Gemma tests assert 0.0; the tiny ones assert the bound below and identi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -115,11 +115,11 @@ def test_tiny_greedy_text_is_identical(tiny_model: Path) -> None:
 class _Hooked(LlamaShardEngine):
     """Runs ``during`` while a batch is computing: after the shared pass, before any commit."""
 
-    during: object = None
+    during: Callable[[], object] | None = None
 
-    def _forward_batch(self, entries: list[BatchEntry]) -> list[ForwardOutput | EngineError]:  # type: ignore[override]
+    def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
         outputs = super()._forward_batch(entries)
-        if callable(self.during):
+        if self.during is not None:
             self.during()
         return outputs
 
