@@ -24,20 +24,23 @@ class Family:
     """One metric family: a name, a type, help text and its labelled samples."""
 
     name: str
-    kind: str  # "counter" or "gauge"
+    kind: str  # "counter", "gauge" or "histogram"
     help: str
     samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+    # Per sample, what follows the family's name: "" but in a histogram ("_bucket", "_sum", "_count").
+    suffixes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name) or self.kind not in ("counter", "gauge"):
+        if not _NAME.match(self.name) or self.kind not in ("counter", "gauge", "histogram"):
             raise ValueError(f"bad metric {self.name!r} ({self.kind})")
 
-    def add(self, value: float, labels: Mapping[str, str] | None = None) -> Family:
+    def add(self, value: float, labels: Mapping[str, str] | None = None, *, suffix: str = "") -> Family:
         labels = dict(labels or {})
         for key in labels:
             if not _LABEL.match(key):
                 raise ValueError(f"bad label name {key!r}")
         self.samples.append((labels, float(value)))
+        self.suffixes.append(suffix)
         return self
 
 
@@ -49,6 +52,15 @@ def counter(name: str, help: str, value: float | None = None) -> Family:
 def gauge(name: str, help: str, value: float | None = None) -> Family:
     family = Family(name, "gauge", help)
     return family if value is None else family.add(value)
+
+
+def histogram(name: str, help: str, buckets: Iterable[tuple[float, int]], total: float) -> Family:
+    """``buckets``: (upper bound, observations at or below it), cumulative, ending with +Inf."""
+    family = Family(name, "histogram", help)
+    count = 0
+    for bound, count in buckets:
+        family.add(count, {"le": _format_value(float(bound))}, suffix="_bucket")
+    return family.add(total, suffix="_sum").add(count, suffix="_count")
 
 
 def _escape_label(value: str) -> str:
@@ -72,10 +84,10 @@ def render(families: Iterable[Family]) -> str:
         seen.add(family.name)
         lines.append(f"# HELP {family.name} {family.help.replace(chr(10), ' ')}")
         lines.append(f"# TYPE {family.name} {family.kind}")
-        for labels, value in family.samples:
+        for (labels, value), series in zip(family.samples, family.suffixes, strict=True):
             label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sorted(labels.items()))
             suffix = f"{{{label_text}}}" if label_text else ""
-            lines.append(f"{family.name}{suffix} {_format_value(value)}")
+            lines.append(f"{family.name}{series}{suffix} {_format_value(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -92,6 +104,7 @@ class MetricSources:
     server: Any = None  # meshnode.dataplane.server.ShardServer
     driver: Any = None  # meshnode.head.driver.GenerationDriver
     _last_tokens: tuple[float, int] | None = None
+    _last_busy: tuple[float, float] | None = None
 
     def tokens_per_second(self, now: float, tokens: int) -> float:
         """Generated tokens per second since the previous scrape (0 on the first)."""
@@ -99,6 +112,13 @@ class MetricSources:
         if previous is None or now <= previous[0]:
             return 0.0
         return max(0, tokens - previous[1]) / (now - previous[0])
+
+    def busy_fraction(self, now: float, busy_s: float) -> float:
+        """The shard engine's busy share of the time since the previous scrape (0 on the first)."""
+        previous, self._last_busy = self._last_busy, (now, busy_s)
+        if previous is None or now <= previous[0]:
+            return 0.0
+        return min(1.0, max(0.0, busy_s - previous[1]) / (now - previous[0]))
 
 
 async def collect(sources: MetricSources, *, now: float) -> list[Family]:
@@ -165,6 +185,7 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
         for name, value in sorted(server.engine.metrics().counters.items()):
             engine_events.add(value, {"event": name})
         families += [errors, engine_events, *_lease_families(server.worker)]
+        families += _batch_families(server.worker, sources, now)
     driver = sources.driver
     if driver is not None:
         stats = driver.stats
@@ -199,6 +220,41 @@ def _lease_families(worker: Any) -> list[Family]:
         worker.share_refusals,
     )
     return [releases, refused]
+
+
+def _batch_families(worker: Any, sources: MetricSources, now: float) -> list[Family]:
+    """The shard's engine batches (meshnode.dataplane.batch_stats): sizes, queue waits, busy time.
+
+    ``now``: the monotonic clock in seconds, the clock the worker counts busy time on."""
+    from meshnode.sansio import SECOND_NS
+
+    stats = worker.batch_stats
+    busy_s = stats.busy_ns_at(round(now * SECOND_NS)) / SECOND_NS
+    units = counter("meshnode_batch_units_total", "Units of work run in engine batches, by kind")
+    units.add(stats.decode_units, {"kind": "decode"}).add(stats.prefill_units, {"kind": "prefill"})
+    return [
+        counter("meshnode_batches_total", "Engine batches this shard ran", stats.batches),
+        units,
+        counter("meshnode_batch_tokens_total", "Tokens in engine batches", stats.tokens),
+        histogram(
+            "meshnode_batch_size",
+            "Units of work per engine batch",
+            stats.sizes.cumulative(),
+            stats.sizes.total,
+        ),
+        histogram(
+            "meshnode_queue_wait_seconds",
+            "From a unit's arrival to the start of the engine batch that runs it",
+            stats.queue_wait_s.cumulative(),
+            stats.queue_wait_s.total,
+        ),
+        counter("meshnode_engine_busy_seconds_total", "Time this shard's engine spent on batches", busy_s),
+        gauge(
+            "meshnode_engine_busy_fraction",
+            "Share of the time since the previous scrape this shard's engine spent on batches (0..1)",
+            sources.busy_fraction(now, busy_s),
+        ),
+    ]
 
 
 def _frame_buffer_families() -> list[Family]:

@@ -11,7 +11,7 @@ convention (``receive_datagram``, ``datagrams_to_send``, ``get_timer``/``handle_
 
 - **Inputs return nothing** (but for the one case below). What arrives from the peer is a ``receive_*`` call
   (``receive_frame``, ``receive_record``, ``receive_payload``); anything else that
-  happened is a call named for it (``stream_closed``, ``engine_finished``,
+  happened is a call named for it (``stream_closed``, ``batch_finished``,
   ``connection_made``); time passing is ``handle_timer(now_ns)``.
 - **Outputs are drained, one way.** What a machine tells or asks its edge (a unit
   done, a frame to send, a step to run) waits inside it until the edge calls

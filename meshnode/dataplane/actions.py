@@ -1,6 +1,6 @@
 """What the worker machine asks its edge to do. Small frozen values; the edge only carries them out.
 
-Engine actions (:class:`RunStep`, :class:`ReleaseEngine`) must run on one engine
+Engine actions (:class:`RunBatch`, :class:`ReleaseEngine`) must run on one engine
 thread in the order they were emitted; :class:`FireCancel` may run anywhere,
 immediately. Everything else is I/O on the stream or next-hop session named.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.interface import CancelToken, SessionKey, ShardEngine, StepRequest, StepResult
+from engines.interface import BatchStep, CancelToken, SessionKey, ShardEngine, StepOutcome
 from meshnode.dataplane.envelope import Deadline, UnitPosition
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.pb import shard
@@ -34,15 +34,16 @@ class CloseStream:
 
 
 @dataclass(frozen=True, slots=True)
-class RunStep:
-    """Run one unit on the engine; report with ``ShardWorker.engine_finished(unit_id, ...)``."""
+class RunBatch:
+    """Run units of several sessions (at most one each) in one engine call, ``steps[i]`` being
+    unit ``unit_ids[i]``; report with ``ShardWorker.batch_finished(batch_id, outcomes, ...)``."""
 
-    unit_id: int
-    request: StepRequest
-    decode: bool
+    batch_id: int
+    unit_ids: tuple[int, ...]
+    steps: tuple[BatchStep, ...]
 
-    def execute(self, engine: ShardEngine) -> StepResult:
-        return engine.decode(self.request) if self.decode else engine.prefill(self.request)
+    def execute(self, engine: ShardEngine) -> list[StepOutcome]:
+        return engine.step_batch(self.steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,14 @@ class ReleaseDownstream:
 
 
 Action = (
-    Send | CloseStream | RunStep | FireCancel | ReleaseEngine | Forward | CancelDownstream | ReleaseDownstream
+    Send
+    | CloseStream
+    | RunBatch
+    | FireCancel
+    | ReleaseEngine
+    | Forward
+    | CancelDownstream
+    | ReleaseDownstream
 )
 
 __all__ = [
@@ -115,6 +123,6 @@ __all__ = [
     "ForwardWork",
     "ReleaseDownstream",
     "ReleaseEngine",
-    "RunStep",
+    "RunBatch",
     "Send",
 ]

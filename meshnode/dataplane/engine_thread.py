@@ -4,7 +4,7 @@ Engines are synchronous and not re-entrant, and a step may take seconds, so no
 engine call ever runs on the event loop. A plain thread with a FIFO queue is
 cheaper on the hot path than an executor (one queue put and one
 ``call_soon_threadsafe`` per call) and makes the order explicit: a
-``ReleaseEngine`` submitted after a ``RunStep`` runs after it.
+``ReleaseEngine`` submitted after a ``RunBatch`` runs after it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ It only carries out the worker's actions:
 
 - ``Send``/``CloseStream`` go to the stream's outbox, written in order by one
   writer task per stream (several frames coalesce into one write);
-- ``RunStep``/``ReleaseEngine`` run on the engine's single FIFO thread, and the
-  result comes back to the worker on the loop; ``FireCancel`` fires at once;
+- ``RunBatch``/``ReleaseEngine`` run on the engine's single FIFO thread, and the
+  batch's outcomes come back to the worker on the loop; ``FireCancel`` fires at once;
 - ``Forward`` goes through one :class:`~meshnode.dataplane.session_link.ShardSession`
   per route session toward the next hop (a link from ``links(node_id)``), and
   its outcome is reported exactly once; ``CancelDownstream``/``ReleaseDownstream``
@@ -51,7 +51,7 @@ from meshnode.dataplane.actions import (
     Forward,
     ReleaseDownstream,
     ReleaseEngine,
-    RunStep,
+    RunBatch,
     Send,
 )
 from meshnode.dataplane.client import ClientConfig
@@ -171,7 +171,8 @@ class ShardServer:
         self._outboxes: dict[int, _Outbox] = {}
         self._downstream: dict[SessionKey, ShardSession] = {}
         self._background: set[asyncio.Task[object]] = set()
-        self._running_tokens: dict[int, CancelToken | None] = {}
+        # The cancel tokens of the batch on the engine (by batch id), fired when the server closes.
+        self._running_tokens: dict[int, list[CancelToken | None]] = {}
         self._timer = WakeTimer(self._on_timer)
         self._closing = False
         # ShardStatus refusals sent, by ErrorCode value (for /metrics).
@@ -234,9 +235,10 @@ class ShardServer:
         self._timer.cancel()
         if self._worker is not None:
             self._worker.set_serving_state(shard.SERVING_STATE_NOT_SERVING)
-        for token in list(self._running_tokens.values()):
-            if token is not None:
-                token.cancel()
+        for tokens in list(self._running_tokens.values()):
+            for token in tokens:
+                if token is not None:
+                    token.cancel()
         for session in list(self._downstream.values()):
             session.abort()
         self._downstream.clear()
@@ -351,8 +353,8 @@ class ShardServer:
                 outbox = self._outboxes.get(action.stream_id)  # type: ignore[union-attr]
                 if outbox is not None:
                     outbox.send(response)
-            elif kind is RunStep:
-                self._run_step(action)  # type: ignore[arg-type]
+            elif kind is RunBatch:
+                self._run_batch(action)  # type: ignore[arg-type]
             elif kind is FireCancel:
                 action.token.cancel()  # type: ignore[union-attr]
             elif kind is ReleaseEngine:
@@ -369,17 +371,17 @@ class ShardServer:
                 self._release_downstream(action.session)  # type: ignore[union-attr]
         self._arm_timer()
 
-    def _run_step(self, action: RunStep) -> None:
-        self._running_tokens[action.unit_id] = action.request.cancel_token
+    def _run_batch(self, action: RunBatch) -> None:
+        self._running_tokens[action.batch_id] = [step.request.cancel_token for step in action.steps]
         self.engine_thread.submit(
-            action.execute, self.engine, on_done=partial(self._step_done, action.unit_id)
+            action.execute, self.engine, on_done=partial(self._batch_done, action.batch_id)
         )
 
-    def _step_done(self, unit_id: int, outcome: object) -> None:
-        self._running_tokens.pop(unit_id, None)
+    def _batch_done(self, batch_id: int, outcome: object) -> None:
+        self._running_tokens.pop(batch_id, None)
         if self._closing:
             return
-        self.worker.engine_finished(unit_id, outcome, time.monotonic_ns())
+        self.worker.batch_finished(batch_id, outcome, time.monotonic_ns())
         self._apply(self.worker.take_events())
 
     # ------------------------------------------------------------------ next hops

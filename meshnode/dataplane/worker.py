@@ -2,7 +2,7 @@
 
 One :class:`ShardWorker` per served shard holds the node-wide state: the route
 sessions (by id, at their current epoch) with their idempotency ledgers, the
-unit queue, the single engine slot, and the admission budgets. Streams are
+unit queues, the engine batch running, and the admission budgets. Streams are
 registered with :meth:`ShardWorker.open_stream`; everything that happens —
 a frame (``receive_frame``), an engine result, a next-hop result, time passing
 (``handle_timer``), a stream closing — is one method call, and the
@@ -18,6 +18,19 @@ Stream lifecycle: the opener's first frame is a ``SessionRoute``, the second a
 ``ShardStatus``. Then each ``ActivationChunk``/``DecodeStep`` is one unit that
 takes one credit and is answered exactly once: an optional result ``chunk``
 then an ``Ack``, or a ``ShardStatus``. Both return the credit.
+
+Batching (continuous, per shard): whenever the engine is free, the head units of the
+sessions with work queued form one engine batch — every ready decode that fits plus at
+most one bounded prefill chunk, at most one unit per session, in the fair order of
+:mod:`.batching` (round robin across owners, then sessions) — emitted as one
+:class:`~meshnode.dataplane.actions.RunBatch` and reported with
+:meth:`ShardWorker.batch_finished`. A unit that arrives while a batch runs waits for the
+next one, formed as soon as this one's results are answered or forwarded (never waiting
+on the next hop). Every per-unit rule holds inside a batch: each unit is checked
+(deadline, replay, cache) as it leaves its queue and takes no room when refused, has its
+own cancel token (a cancel or deadline fires that unit's only), and gets its own outcome;
+an exception failing the whole batch fails each unit as it would have failed it alone.
+:attr:`ShardWorker.batch_stats` counts sizes, queue waits and busy time for ``/metrics``.
 
 Choices the schema leaves open, made here:
 
@@ -58,7 +71,7 @@ from dataclasses import dataclass, replace
 
 from google.protobuf.message import DecodeError
 
-from engines.interface import CancelToken, EngineCapabilities, EngineError, StepRequest, StepResult
+from engines.interface import BatchStep, CancelToken, EngineCapabilities, EngineError, StepRequest, StepResult
 from meshnode.dataplane import errors, responses
 from meshnode.dataplane.actions import (
     Action,
@@ -69,9 +82,11 @@ from meshnode.dataplane.actions import (
     ForwardWork,
     ReleaseDownstream,
     ReleaseEngine,
-    RunStep,
+    RunBatch,
     Send,
 )
+from meshnode.dataplane.batch_stats import BatchStats
+from meshnode.dataplane.batching import BatchLimits, BatchScheduler
 from meshnode.dataplane.envelope import (
     HIGHEST_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
@@ -99,7 +114,7 @@ from meshnode.dataplane.payload import (
 )
 from meshnode.dataplane.route import RoutePlan, validate_route
 from meshnode.dataplane.steps import RecordState, StepLedger, StepRecord, Verdict
-from meshnode.dataplane.worker_state import SessionState, StreamPhase, StreamState, Unit
+from meshnode.dataplane.worker_state import RunningBatch, SessionState, StreamPhase, StreamState, Unit
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.bundle_reader import read_activation_chunk
 from meshnode.wire.errors import ShardProtocolError
@@ -136,6 +151,9 @@ class WorkerConfig:
     # When a session's owner seems gone, how long the session waits for it to show up again.
     owner_grace_ns: int = 5 * 1_000_000_000
     max_session_id_length: int = 128
+    # What one engine batch may carry (meshnode.dataplane.batching); None: every session's decode
+    # plus one prefill chunk of the largest size flow control admits.
+    batch_limits: BatchLimits | None = None
 
 
 @dataclass(frozen=True)
@@ -181,10 +199,19 @@ class ShardWorker:
         self._streams: dict[int, StreamState] = {}
         self._sessions: dict[str, SessionState] = {}
         self._retired_epochs: OrderedDict[str, int] = OrderedDict()
-        # Sessions with queued units, in round-robin order.
-        self._ready: OrderedDict[str, SessionState] = OrderedDict()
+        # Sessions with queued units; the scheduler holds their turns.
+        self._ready: dict[str, SessionState] = {}
+        self.batch_limits = self.config.batch_limits or BatchLimits(
+            max_units=max(1, self.max_sessions),
+            max_tokens=max(1, self.max_sessions) + self.local_flow_control.max_prefill_chunk_tokens,
+        )
+        self._scheduler = BatchScheduler(self.batch_limits)
+        self.batch_stats = BatchStats()
         self._queued = 0
-        self._running: Unit | None = None
+        # The batch the engine is computing; one at a time, since each session's next unit
+        # continues the cache its unit in this batch leaves.
+        self._running: RunningBatch | None = None
+        self._next_batch_id = 1
         self._forwarding: dict[int, Unit] = {}
         self._followers: dict[int, Unit] = {}
         self._next_stream_id = 1
@@ -202,7 +229,7 @@ class ShardWorker:
         return WorkerLoad(
             active_sessions=len(self._sessions),
             queued_units=self._queued,
-            running_units=1 if self._running is not None else 0,
+            running_units=len(self._running.units) if self._running is not None else 0,
             serving_state=self.serving_state,
         )
 
@@ -279,13 +306,33 @@ class ShardWorker:
         if link_lost:
             self.handle_timer(now_ns)  # with no grace they end now; otherwise the timer ends them
 
-    def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> None:
-        """Report a RunStep: ``outcome`` is the StepResult, or the exception the engine raised."""
-        unit = self._running
-        if unit is None or unit.id != unit_id:
-            raise KeyError(f"unit {unit_id} is not running")
+    def batch_finished(self, batch_id: int, outcomes: object, now_ns: int) -> None:
+        """Report a RunBatch: ``outcomes`` is the list the engine returned (a StepResult or an
+        EngineError per unit, in the batch's order), or the exception that failed the whole
+        batch, which then fails each of its units as that exception would have failed it alone."""
+        batch = self._running
+        if batch is None or batch.id != batch_id:
+            raise KeyError(f"batch {batch_id} is not running")
         self._running = None
+        self.batch_stats.finished(now_ns)
         out = self._events
+        per_unit: list[object]
+        if isinstance(outcomes, BaseException):
+            per_unit = [outcomes] * len(batch.units)
+        elif isinstance(outcomes, list | tuple) and len(outcomes) == len(batch.units):
+            per_unit = list(outcomes)
+        else:
+            # An engine that broke the one-outcome-per-step contract: nothing in it can be trusted.
+            count = len(outcomes) if isinstance(outcomes, list | tuple) else type(outcomes).__name__
+            failure = RuntimeError(f"engine returned {count} outcomes for {len(batch.units)} steps")
+            per_unit = [failure] * len(batch.units)
+        for unit, outcome in zip(batch.units, per_unit, strict=True):
+            self._unit_finished(out, unit, outcome, now_ns)
+        # Results are answered or forwarded above; the next batch starts now, without waiting for
+        # the next hop (its answers arrive through downstream_finished).
+        self._pump(out, now_ns)
+
+    def _unit_finished(self, out: list[Action], unit: Unit, outcome: object, now_ns: int) -> None:
         session = unit.session
         live = self._sessions.get(session.session_id) is session
         if live:
@@ -296,24 +343,23 @@ class ShardWorker:
                 is_miss = error.code == shard.ERROR_CODE_CACHE_MISS
                 session.past_len = error.actual_past_len if is_miss else None
             self._fail(out, unit, error)
+            return
+        try:
+            sampled = unit.position.final and session.role.is_tail
+            result = check_result(
+                outcome,
+                session.role,
+                unit.position.token_count,
+                sampled=sampled,
+                want_logits=session.plan.return_logits,
+            )
+        except ShardProtocolError as error:
+            if live:
+                session.past_len = None
+            self._fail(out, unit, error)
         else:
-            try:
-                sampled = unit.position.final and session.role.is_tail
-                result = check_result(
-                    outcome,
-                    session.role,
-                    unit.position.token_count,
-                    sampled=sampled,
-                    want_logits=session.plan.return_logits,
-                )
-            except ShardProtocolError as error:
-                if live:
-                    session.past_len = None
-                self._fail(out, unit, error)
-            else:
-                if live:
-                    self._applied(out, unit, result)
-        self._pump(out, now_ns)
+            if live:
+                self._applied(out, unit, result)
 
     def downstream_finished(self, unit_id: int, outcome: object, now_ns: int) -> None:
         """Report a Forward: a :class:`DownstreamResult`, or the error the next hop's client raised
@@ -347,11 +393,12 @@ class ShardWorker:
         """Expire deadlines and idle sessions at ``now_ns``."""
         out = self._events
         expired = errors.deadline_exceeded
-        running = self._running
-        if running is not None and not running.answered and _passed(running.deadline, now_ns):
-            assert running.token is not None
-            out.append(FireCancel(running.id, running.token))
-            self._fail(out, running, expired())
+        for running in self._running.units if self._running is not None else ():
+            if not running.answered and _passed(running.deadline, now_ns):
+                # Only this unit's token: the others in its batch run on.
+                assert running.token is not None
+                out.append(FireCancel(running.id, running.token))
+                self._fail(out, running, expired())
         for session in list(self._ready.values()):
             late = [u for u in session.queue if _passed(u.deadline, now_ns)]
             if late:
@@ -815,9 +862,9 @@ class ShardWorker:
         """Forget the session (its units already answered) and release its engine and next-hop state."""
         self.releases[reason] += 1
         del self._sessions[session.session_id]
-        self._ready.pop(session.session_id, None)
         self._queued -= len(session.queue)
         session.queue.clear()
+        self._refile(session)
         self._retired_epochs[session.session_id] = session.epoch
         self._retired_epochs.move_to_end(session.session_id)
         while len(self._retired_epochs) > RETIRED_EPOCHS_KEPT:
@@ -827,7 +874,7 @@ class ShardWorker:
             out.append(ReleaseDownstream(session.key))
 
     def _busy(self, session: SessionState) -> bool:
-        if session.queue or (self._running is not None and self._running.session is session):
+        if session.queue or any(u.session is session for u in self._running_units()):
             return True
         return any(u.session is session for u in self._forwarding.values())
 
@@ -864,51 +911,76 @@ class ShardWorker:
         session.context_tokens = session_tokens
         session.ledger.admitted(unit.step)
         session.last_active_ns = now_ns
+        unit.arrived_ns = now_ns
         session.queue.append(unit)
         self._queued += 1
-        if session.session_id not in self._ready:
-            self._ready[session.session_id] = session
+        if len(session.queue) == 1:
+            self._refile(session)
+
+    def _refile(self, session: SessionState) -> None:
+        """``session``'s queue head changed: tell the scheduler what it now is (or that it is gone)."""
+        if not session.queue:
+            # Only if it is the one filed: a session of an older epoch must not unfile its successor.
+            if self._ready.get(session.session_id) is session:
+                del self._ready[session.session_id]
+                self._scheduler.remove(session.session_id)
+            return
+        self._ready[session.session_id] = session
+        head = session.queue[0].position
+        self._scheduler.file(session.session_id, session.owner, decode=head.decode, tokens=head.token_count)
 
     def _pump(self, out: list[Action], now_ns: int) -> None:
-        while self._running is None:
-            unit = self._dequeue()
-            if unit is None:
-                return
-            self._start(out, unit, now_ns)
+        while self._running is None and self._ready:
+            self._start_batch(out, now_ns)
 
-    def _dequeue(self) -> Unit | None:
-        # Decode steps go first so a long prefill cannot starve another session's tokens.
-        chosen: SessionState | None = None
-        for session in self._ready.values():
-            if session.queue[0].position.decode:
-                chosen = session
-                break
-            if chosen is None:
-                chosen = session
-        if chosen is None:
-            return None
-        unit = chosen.queue.popleft()
-        self._queued -= 1
-        if chosen.queue:
-            self._ready.move_to_end(chosen.session_id)
-        else:
-            del self._ready[chosen.session_id]
-        return unit
+    def _start_batch(self, out: list[Action], now_ns: int) -> None:
+        """Form the next batch from the sessions' head units, in the scheduler's fair order, and
+        ask the edge to run it. A head unit refused before the engine (deadline, replay, cache
+        miss) takes no room; its session's next unit waits for the next batch, whose plan sees
+        what that unit is. Every call takes at least one unit off a queue, so the pump ends."""
+        plan = self._scheduler.plan()
+        units: list[Unit] = []
+        steps: list[BatchStep] = []
+        while (session_id := plan.next()) is not None:
+            session = self._ready[session_id]
+            unit = session.queue.popleft()
+            self._queued -= 1
+            step = self._prepare(out, unit, now_ns)
+            if step is not None:
+                plan.accept(session_id)
+                units.append(unit)
+                steps.append(step)
+            self._refile(session)
+        if not units:
+            return
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        self._running = RunningBatch(batch_id, units)
+        decodes = sum(1 for step in steps if step.decode)
+        self.batch_stats.started(
+            decodes=decodes,
+            prefills=len(steps) - decodes,
+            tokens=plan.tokens,
+            waits_ns=[now_ns - unit.arrived_ns for unit in units],
+            now_ns=now_ns,
+        )
+        out.append(RunBatch(batch_id, tuple(u.id for u in units), tuple(steps)))
 
-    def _start(self, out: list[Action], unit: Unit, now_ns: int) -> None:
+    def _prepare(self, out: list[Action], unit: Unit, now_ns: int) -> BatchStep | None:
+        """The engine step for a unit leaving its queue, or None when it was answered instead."""
         session = unit.session
         if _passed(unit.deadline, now_ns):
             self._fail(out, unit, errors.deadline_exceeded())
-            return
+            return None
         position = unit.position
         verdict, record = session.ledger.judge(unit.step, unit.work_id, fresh_start=position.fresh_start)
         if verdict is Verdict.REPLAY:
             assert record is not None
             self._replay(out, unit, record)
-            return
+            return None
         if verdict is not Verdict.ADMIT:
             self._fail(out, unit, _refusal_for(verdict, session))
-            return
+            return None
         expected = position.expected_past_len
         if expected is not None and session.past_len is not None and session.past_len != expected:
             self._fail(
@@ -918,8 +990,9 @@ class ShardWorker:
                     f"session holds {session.past_len} tokens, not {expected}", session.past_len
                 ),
             )
-            return
+            return None
         assert unit.input is not None
+        # A token per unit, so that cancelling one unit leaves the rest of its batch running.
         token = CancelToken()
         sample = position.final and session.role.is_tail
         try:
@@ -938,11 +1011,10 @@ class ShardWorker:
             )
         except EngineError as error:
             self._fail(out, unit, errors.from_engine_failure(error))
-            return
+            return None
         unit.token = token
         unit.input = None
-        self._running = unit
-        out.append(RunStep(unit.id, request, position.decode))
+        return BatchStep(request, position.decode)
 
     # ------------------------------------------------------------------ results
 
@@ -1105,10 +1177,11 @@ class ShardWorker:
 
     def _unqueue(self, session: SessionState, units: list[Unit]) -> None:
         gone = {u.id for u in units}
+        head = session.queue[0] if session.queue else None
         session.queue = deque(u for u in session.queue if u.id not in gone)
         self._queued -= len(gone)
-        if not session.queue:
-            self._ready.pop(session.session_id, None)
+        if not session.queue or session.queue[0] is not head:
+            self._refile(session)
 
     def _cancel_units(
         self, out: list[Action], session: SessionState, work_id: str, error: ShardProtocolError
@@ -1117,12 +1190,13 @@ class ShardWorker:
             return not unit.answered and (not work_id or unit.work_id == work_id)
 
         count = 0
-        running = self._running
-        if running is not None and running.session is session and matches(running):
-            assert running.token is not None
-            out.append(FireCancel(running.id, running.token))
-            self._fail(out, running, error)
-            count += 1
+        for running in self._running_units():
+            if running.session is session and matches(running):
+                # This unit's token only: the other sessions' units in the batch are not touched.
+                assert running.token is not None
+                out.append(FireCancel(running.id, running.token))
+                self._fail(out, running, error)
+                count += 1
         queued = [u for u in session.queue if matches(u)]
         if queued:
             self._unqueue(session, queued)
@@ -1140,11 +1214,13 @@ class ShardWorker:
 
     def _units_in_flight(self) -> list[Unit]:
         units = [u for s in self._ready.values() for u in s.queue]
-        if self._running is not None:
-            units.append(self._running)
+        units.extend(self._running_units())
         units.extend(self._forwarding.values())
         units.extend(self._followers.values())
         return units
+
+    def _running_units(self) -> list[Unit]:
+        return self._running.units if self._running is not None else []
 
 
 def _passed(deadline: Deadline | None, now_ns: int) -> bool:

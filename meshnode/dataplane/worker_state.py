@@ -86,6 +86,8 @@ class Unit:
     position: UnitPosition
     deadline: Deadline | None
     input: StepInput | None
+    # When it arrived (monotonic ns): its queue wait runs from here to its batch's start.
+    arrived_ns: int = 0
     token: CancelToken | None = None
     answered: bool = False
     record: StepRecord | None = None
@@ -93,4 +95,12 @@ class Unit:
     replay: bool = False
 
 
-__all__ = ["SessionState", "StreamPhase", "StreamState", "Unit"]
+@dataclass(eq=False)
+class RunningBatch:
+    """The units the engine is computing together, one per session."""
+
+    id: int
+    units: list[Unit]
+
+
+__all__ = ["RunningBatch", "SessionState", "StreamPhase", "StreamState", "Unit"]

@@ -23,7 +23,7 @@ from meshnode.dataplane.actions import (
     Forward,
     ReleaseDownstream,
     ReleaseEngine,
-    RunStep,
+    RunBatch,
     Send,
 )
 from meshnode.dataplane.client import SessionClient, UnitDone, UnitFailed
@@ -211,12 +211,12 @@ class WorkerHarness:
         while queue:
             action = queue.pop(0)
             self.log.append(action)
-            if isinstance(action, RunStep):
+            if isinstance(action, RunBatch):
                 try:
                     outcome: object = action.execute(self.engine)
                 except Exception as exc:
                     outcome = exc
-                queue.extend(self.engine_finished(action.unit_id, outcome, self.now))
+                queue.extend(self.batch_finished(action.batch_id, outcome, self.now))
                 continue
             if isinstance(action, ReleaseEngine):
                 self.engine.release(action.session)
@@ -264,8 +264,8 @@ class WorkerHarness:
         self.worker.stream_closed(stream, now_ns, link_lost=link_lost)
         return self.worker.take_events()
 
-    def engine_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
-        self.worker.engine_finished(unit_id, outcome, now_ns)
+    def batch_finished(self, batch_id: int, outcome: object, now_ns: int) -> list[Action]:
+        self.worker.batch_finished(batch_id, outcome, now_ns)
         return self.worker.take_events()
 
     def downstream_finished(self, unit_id: int, outcome: object, now_ns: int) -> list[Action]:
@@ -314,8 +314,8 @@ class Loopback:
 
     def feed(self, actions: list[Action]) -> None:
         if self.hold_engine:
-            self.held.extend(a for a in actions if isinstance(a, RunStep))
-            actions = [a for a in actions if not isinstance(a, RunStep)]
+            self.held.extend(a for a in actions if isinstance(a, RunBatch))
+            actions = [a for a in actions if not isinstance(a, RunBatch)]
         for action in self.harness.run(actions):
             if isinstance(action, Send) and action.stream_id == self.stream:
                 self.client.receive_frame(action.response.SerializeToString())

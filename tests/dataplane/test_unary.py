@@ -7,7 +7,7 @@ from helpers.recording_engine import RecordingEngine
 
 from engines.fake import FaultKind, FaultRule
 from engines.interface import EngineError, EngineErrorKind
-from meshnode.dataplane.actions import FireCancel, ReleaseEngine, RunStep
+from meshnode.dataplane.actions import FireCancel, ReleaseEngine, RunBatch
 from meshnode.dataplane.unary import (
     PROBE_SESSION,
     VALIDATION_FAILED_DETAIL,
@@ -113,7 +113,7 @@ def test_unary_cancel_reaches_units_of_a_wedged_stream() -> None:
     stream, _ = harness.open()
     harness.ask(stream, chunk_request(1, [1, 2, 3]))
     actions = harness.send(stream, decode_request(2, 4, 3), run=False)
-    (running,) = [a for a in actions if isinstance(a, RunStep)]
+    (running,) = [a for a in actions if isinstance(a, RunBatch)]
     harness.send(stream, decode_request(3, 4, 4), run=False)
 
     request = shard.CancelRequest(schema_version=V1, route_session_id="s1", route_epoch=1, reason="user")
@@ -121,7 +121,7 @@ def test_unary_cancel_reaches_units_of_a_wedged_stream() -> None:
     assert response.cancelled_work_items == 2
     assert response.error.code == shard.ERROR_CODE_UNSPECIFIED
     assert [s.error.code for s in statuses(responses(actions, stream))] == [shard.ERROR_CODE_CANCELLED] * 2
-    assert [a.token for a in actions if isinstance(a, FireCancel)] == [running.request.cancel_token]
+    assert [a.token for a in actions if isinstance(a, FireCancel)] == [running.steps[0].request.cancel_token]
 
     again, _ = handle_cancel(harness.worker, request, harness.now)
     assert again.cancelled_work_items == 0

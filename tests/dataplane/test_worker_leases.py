@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
-from engines.interface import EngineError, SessionKey
-from meshnode.dataplane.actions import FireCancel, ReleaseEngine, RunStep
+from engines.interface import EngineError, EngineErrorKind, SessionKey
+from meshnode.dataplane.actions import FireCancel, ReleaseEngine, RunBatch
 from meshnode.dataplane.lease import ReleaseReason, StreamOrigin, idle_timeout_ns, peer_session_cap
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.wire.pb import shard
@@ -135,17 +133,17 @@ def test_a_unit_running_when_the_grace_runs_out_is_cancelled_and_its_session_end
     (running,) = [
         a
         for a in harness.receive_frame(stream, decode_request(2, 4, 3).SerializeToString(), harness.now)
-        if isinstance(a, RunStep)
+        if isinstance(a, RunBatch)
     ]
     harness.run(harness.stream_closed(stream, harness.now, link_lost=True))
     ended = harness.run(harness.handle_timer(harness.now + SECOND))
-    assert [a.unit_id for a in ended if isinstance(a, FireCancel)] == [running.unit_id]
+    assert [a.unit_id for a in ended if isinstance(a, FireCancel)] == list(running.unit_ids)
     assert released(ended) == ["a"]
     assert worker.load().active_sessions == 0
     # The engine notices the cancel and its answer, coming back later, changes nothing.
-    with pytest.raises(EngineError) as cancelled:
-        running.execute(harness.engine)
-    harness.run(harness.engine_finished(running.unit_id, cancelled.value, harness.now))
+    (cancelled,) = running.execute(harness.engine)
+    assert isinstance(cancelled, EngineError) and cancelled.kind is EngineErrorKind.CANCELLED
+    harness.run(harness.batch_finished(running.batch_id, [cancelled], harness.now))
     assert worker.load().active_sessions == 0
 
 

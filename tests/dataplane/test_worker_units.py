@@ -8,7 +8,7 @@ from helpers.recording_engine import RecordingEngine
 
 from engines.fake import FaultKind, FaultRule
 from engines.interface import EngineError, EngineErrorKind, SessionKey
-from meshnode.dataplane.actions import CloseStream, FireCancel, Forward, ReleaseEngine, RunStep
+from meshnode.dataplane.actions import CloseStream, FireCancel, Forward, ReleaseEngine, RunBatch
 from meshnode.dataplane.errors import ENGINE_ERROR_TABLE, ENGINE_FAILURE_DETAIL, MALFORMED_RESULT_DETAIL
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import WorkerConfig
@@ -40,8 +40,8 @@ def prefilled(tokens: tuple[int, ...] = (1, 2, 3), **config: object) -> tuple[Wo
     return harness, stream
 
 
-def held_steps(actions: list) -> list[RunStep]:
-    return [a for a in actions if isinstance(a, RunStep)]
+def held_steps(actions: list) -> list[RunBatch]:
+    return [a for a in actions if isinstance(a, RunBatch)]
 
 
 # ---------------------------------------------------------------------------- deadlines
@@ -86,7 +86,7 @@ def test_deadline_of_a_running_unit_fires_its_cancel_token() -> None:
 
     actions = harness.handle_timer(deadline)
     fired = [a for a in actions if isinstance(a, FireCancel)]
-    assert len(fired) == 1 and fired[0].token is running.request.cancel_token
+    assert len(fired) == 1 and fired[0].token is running.steps[0].request.cancel_token
     status = only_status(responses(actions, stream))
     assert status.error.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
     assert not status.error.retryable
@@ -243,8 +243,10 @@ def test_a_newer_epoch_abandons_the_old_epochs_queued_and_running_units() -> Non
     stale = statuses(responses(harness.log, old_stream))
     assert [s.idempotency_step for s in stale] == [2, 3]
     assert {s.error.code for s in stale} == {shard.ERROR_CODE_EPOCH_STALE}
-    assert any(isinstance(a, FireCancel) and a.token is running.request.cancel_token for a in harness.log)
-    assert running.request.cancel_token.cancelled  # type: ignore[union-attr]
+    assert any(
+        isinstance(a, FireCancel) and a.token is running.steps[0].request.cancel_token for a in harness.log
+    )
+    assert running.steps[0].request.cancel_token.cancelled  # type: ignore[union-attr]
     assert responses(harness.run([running]), old_stream) == []
     # Old stream's DecodeSteps (epoch 1) are stale from now on.
     status = only_status(harness.ask(old_stream, decode_request(4, 4, 5)))
@@ -532,7 +534,7 @@ def test_in_band_cancel_abandons_running_and_queued_units() -> None:
     cancelled = statuses(responses(actions, stream))
     assert [s.idempotency_step for s in cancelled] == [2, 3, 4]
     assert all(s.error.code == shard.ERROR_CODE_CANCELLED and not s.error.retryable for s in cancelled)
-    assert [a.token for a in actions if isinstance(a, FireCancel)] == [running.request.cancel_token]
+    assert [a.token for a in actions if isinstance(a, FireCancel)] == [running.steps[0].request.cancel_token]
     calls = len(harness.engine.calls)
     harness.run([a for a in actions if isinstance(a, FireCancel)])
     assert responses(harness.run([running]), stream) == []
@@ -589,7 +591,7 @@ def test_closing_a_stream_drops_its_queued_units_and_a_retry_runs_them() -> None
     assert acks(fresh)[0].duplicate is False
 
 
-def test_decode_steps_are_scheduled_before_other_sessions_prefill() -> None:
+def test_another_sessions_decode_rides_along_with_the_next_prefill_chunk() -> None:
     harness = WorkerHarness()
     a, _ = harness.open(session_id="a")
     b, _ = harness.open(session_id="b")
@@ -598,8 +600,12 @@ def test_decode_steps_are_scheduled_before_other_sessions_prefill() -> None:
     harness.send(a, chunk_request(2, [3, 4], session_id="a", first_position=2, chunk=(1, 2)), run=False)
     harness.send(b, decode_request(2, 4, 2), run=False)
     harness.run([running])
-    order = [(c.session.session_id, c.first_position) for c in harness.engine.calls[-3:]]
-    assert order == [("a", 0), ("b", 2), ("a", 2)]
+    # b's decode did not wait for a's prompt to finish: it ran in the batch with a's next chunk.
+    batches = [
+        [(s.request.session.session_id, s.request.first_position, s.decode) for s in batch]
+        for batch in harness.engine.batches[-2:]
+    ]
+    assert batches == [[("a", 0, False)], [("a", 2, False), ("b", 2, True)]]
 
 
 def test_idle_sessions_expire() -> None:
@@ -630,8 +636,8 @@ def test_an_activation_chunk_reaches_the_engine_without_a_copy_of_its_payload() 
     hidden = np.arange(3 * HIDDEN, dtype=np.float32).reshape(3, HIDDEN)
     body = chunk_request(1, hidden, shard_range=srange(2, 4)).SerializeToString()
     (run,) = held_steps(harness.receive_frame(stream, body, harness.now))
-    assert np.array_equal(run.request.hidden, hidden)
-    assert np.shares_memory(run.request.hidden, np.frombuffer(body, np.uint8))
+    assert np.array_equal(run.steps[0].request.hidden, hidden)
+    assert np.shares_memory(run.steps[0].request.hidden, np.frombuffer(body, np.uint8))
 
 
 def test_a_chunk_encoded_unusually_is_answered_like_the_canonical_one() -> None:

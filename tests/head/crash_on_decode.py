@@ -2,7 +2,7 @@
 
 Test-only fault injection, kept out of the product: this process's llama.cpp
 engine sends SIGSEGV to the thread running its STEP-th decode (counted from
-the process start, the start-up validation's decode included), where a fault
+the process start, the start-up validation's decode included, a batch's decodes each), where a fault
 in llama.cpp's C code would strike, and the process dies as it would of one.
 Only if it is the first to create the file CLAIM (it writes its pid there): of several replicas started
 this way exactly one dies, whichever the route reaches step STEP on first, and
@@ -15,27 +15,46 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
-from engines.interface import StepRequest, StepResult
+from engines.interface import BatchStep, StepOutcome, StepRequest, StepResult
 from engines.llama_engine import LlamaShardEngine
 from meshnode.app.cli import main
 
 
 def arm(step: int, claim: Path) -> None:
     decode = LlamaShardEngine.decode
+    step_batch = LlamaShardEngine.step_batch
     decodes = 0
+    # Set while a batch runs: an engine whose step_batch calls decode must not count it twice.
+    batching = threading.local()
 
-    def crashing_decode(self: LlamaShardEngine, request: StepRequest) -> StepResult:
+    # Named so: the test finds this frame in the fault handler's report of the engine thread.
+    def crashing_decode(count: int) -> None:
         nonlocal decodes
-        decodes += 1
-        if decodes == step and _first_to_claim(claim):
+        before, decodes = decodes, decodes + count
+        if before < step <= decodes and _first_to_claim(claim):
             # To this thread, not the process: a fault in C code is delivered to the faulting thread,
             # so the report's "Current thread" is the engine's, as it would be in a real crash.
             signal.pthread_kill(threading.get_ident(), signal.SIGSEGV)
+
+    def counted_decode(self: LlamaShardEngine, request: StepRequest) -> StepResult:
+        if not getattr(batching, "active", False):
+            crashing_decode(1)
         return decode(self, request)
 
-    LlamaShardEngine.decode = crashing_decode  # type: ignore[method-assign]
+    # The worker runs its decodes in batches (step_batch); the start-up validation calls decode.
+    def counted_step_batch(self: LlamaShardEngine, steps: Sequence[BatchStep]) -> list[StepOutcome]:
+        crashing_decode(sum(1 for s in steps if s.decode))
+        batching.active = True
+        try:
+            return step_batch(self, steps)
+        finally:
+            batching.active = False
+
+    LlamaShardEngine.decode = counted_decode  # type: ignore[method-assign]
+    LlamaShardEngine.step_batch = counted_step_batch  # type: ignore[method-assign]
 
 
 def _first_to_claim(claim: Path) -> bool:

@@ -2,14 +2,18 @@
 
 The fake engine provides the model math, cache semantics and its own fault rules;
 this subclass adds what protocol tests need on top: the list of step requests the
-worker made, the sessions it released, and ``fail_next`` to make the next step
-raise an arbitrary exception (any ``EngineError`` kind, or text with a path in it).
+worker made (a batch's in its order), the batches (``batches``: each one's steps), the
+sessions it released, and ``fail_next`` to make the next step raise an arbitrary
+exception (any ``EngineError`` kind, or text with a path in it); within a batch the
+exception fails the whole ``step_batch`` call, as an engine crashing mid-batch would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engines.fake import FAKE_NUMERICS, FakeEngine, FakeModelSpec
-from engines.interface import LoadRequest, SessionKey, StepRequest, StepResult
+from engines.interface import BatchStep, LoadRequest, SessionKey, StepOutcome, StepRequest, StepResult
 
 HIDDEN = 8
 VOCAB = 32
@@ -38,8 +42,10 @@ class RecordingEngine(FakeEngine):
             )
         )
         self.calls: list[StepRequest] = []
+        self.batches: list[tuple[BatchStep, ...]] = []
         self.released: list[SessionKey] = []
         self.fail_next: BaseException | None = None
+        self._in_batch = False
 
     def prefill(self, request: StepRequest) -> StepResult:
         self._record(request)
@@ -49,11 +55,24 @@ class RecordingEngine(FakeEngine):
         self._record(request)
         return super().decode(request)
 
+    def step_batch(self, steps: Sequence[BatchStep]) -> list[StepOutcome]:
+        self.batches.append(tuple(steps))
+        for step in steps:
+            self._record(step.request)
+        # The engine's own batch path may run the steps through prefill/decode (recorded above).
+        self._in_batch = True
+        try:
+            return super().step_batch(steps)
+        finally:
+            self._in_batch = False
+
     def release(self, session: SessionKey) -> bool:
         self.released.append(session)
         return super().release(session)
 
     def _record(self, request: StepRequest) -> None:
+        if self._in_batch:
+            return
         self.calls.append(request)
         if self.fail_next is not None:
             failure, self.fail_next = self.fail_next, None

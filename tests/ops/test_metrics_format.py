@@ -1,6 +1,6 @@
 import pytest
 
-from meshnode.metrics import counter, gauge, render
+from meshnode.metrics import counter, gauge, histogram, render
 
 
 def test_prometheus_text_format():
@@ -25,3 +25,18 @@ def test_bad_names_and_duplicates_are_refused():
         counter("ok_total", "x").add(1, {"bad-label": "v"})
     with pytest.raises(ValueError, match="twice"):
         render([gauge("a", "x", 1), gauge("a", "x", 2)])
+
+
+def test_a_histogram_renders_its_buckets_sum_and_count():
+    text = render(
+        [histogram("meshnode_batch_size", "Units per batch", [(1, 2), (4, 3), (float("inf"), 4)], 12)]
+    )
+    assert text.splitlines() == [
+        "# HELP meshnode_batch_size Units per batch",
+        "# TYPE meshnode_batch_size histogram",
+        'meshnode_batch_size_bucket{le="1"} 2',
+        'meshnode_batch_size_bucket{le="4"} 3',
+        'meshnode_batch_size_bucket{le="+Inf"} 4',
+        "meshnode_batch_size_sum 12",
+        "meshnode_batch_size_count 4",
+    ]

@@ -1,0 +1,82 @@
+"""What a shard's engine batches came to, for ``/metrics``: sizes, busy time, queue waits.
+
+The worker counts as it forms and finishes batches, on the ``now_ns`` it is given (so
+the counts are as testable as the rest of it); :mod:`meshnode.metrics` reads them at
+scrape time. Plain counters and fixed-bucket histograms, nothing that grows.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshnode.sansio import SECOND_NS
+
+# Units per batch: a bucket per doubling up to what one shard's sessions can make.
+BATCH_SIZE_BOUNDS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
+# Seconds from a unit's arrival to the start of the batch that runs it.
+QUEUE_WAIT_BOUNDS_S: tuple[float, ...] = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class Histogram:
+    """Observations counted in fixed buckets (each an upper bound, the last one +Inf), with their sum."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        # counts[i]: observations <= bounds[i] and > bounds[i - 1]; the extra last one: above them all.
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations at or below it)`` per bucket, ending with ``(inf, count)``."""
+        running, out = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    # Units that ran in batches, by kind.
+    decode_units: int = 0
+    prefill_units: int = 0
+    tokens: int = 0
+    # Engine busy: from a batch's start to its outcome, summed; and when the running one started.
+    busy_ns: int = 0
+    running_since_ns: int | None = None
+    sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BOUNDS))
+    queue_wait_s: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BOUNDS_S))
+
+    def started(
+        self, *, decodes: int, prefills: int, tokens: int, waits_ns: Sequence[int], now_ns: int
+    ) -> None:
+        self.batches += 1
+        self.decode_units += decodes
+        self.prefill_units += prefills
+        self.tokens += tokens
+        self.sizes.observe(decodes + prefills)
+        for wait in waits_ns:
+            self.queue_wait_s.observe(max(0, wait) / SECOND_NS)
+        self.running_since_ns = now_ns
+
+    def finished(self, now_ns: int) -> None:
+        if self.running_since_ns is not None:
+            self.busy_ns += max(0, now_ns - self.running_since_ns)
+            self.running_since_ns = None
+
+    def busy_ns_at(self, now_ns: int) -> int:
+        """Engine busy time up to ``now_ns``, the running batch's share so far included."""
+        running = 0 if self.running_since_ns is None else max(0, now_ns - self.running_since_ns)
+        return self.busy_ns + running
+
+
+__all__ = ["BATCH_SIZE_BOUNDS", "QUEUE_WAIT_BOUNDS_S", "BatchStats", "Histogram"]
