@@ -18,15 +18,17 @@ import pytest
 from helpers.recording_engine import RecordingEngine
 
 from engines.interface import EngineHealth
-from meshnode.dataplane.actions import Action, FireCancel, RunBatch
+from meshnode.dataplane.actions import Action, FireCancel, Forward, RunBatch
 from meshnode.dataplane.batching import BatchLimits
 from meshnode.dataplane.errors import ENGINE_FAILURE_DETAIL
 from meshnode.dataplane.lease import LOCAL_ORIGIN, StreamOrigin
+from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import WorkerConfig, WorkerLoad
 from meshnode.metrics import MetricSources, collect, render
 from meshnode.wire.pb import shard
 
 from .harness import (
+    NODE_B,
     SECOND,
     WorkerHarness,
     acks,
@@ -37,6 +39,7 @@ from .harness import (
     reference,
     responses,
     result_tokens,
+    srange,
     statuses,
 )
 
@@ -223,6 +226,43 @@ def test_a_lone_session_gets_a_turn_every_round_beside_an_owner_with_six() -> No
     assert all(len(batch) <= 2 for batch in batches)
     for live in [*many, lone]:
         assert [ack.idempotency_step for ack in acks(responses(out, live.stream))] == [2, 3, 4]
+
+
+def test_a_hop_forwards_each_result_at_once_and_starts_the_next_batch_without_waiting_downstream() -> None:
+    harness = WorkerHarness(RecordingEngine(0, 2))  # no next-hop answer ever comes back here
+    route = make_route([make_hop(NODE_B, 2, 4, 2)])
+    streams = {}
+    for name in "abc":
+        streams[name], _ = harness.open(route, session_id=name, shard_range=srange(0, 2))
+    actions = []
+    for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6])):
+        request = chunk_request(1, prompt, session_id=name, shard_range=srange(0, 2))
+        actions += harness.send(streams[name], request, run=False)
+    for name, position in (("a", 3), ("b", 2), ("c", 1)):
+        actions += harness.send(streams[name], decode_request(2, 7, position), run=False)
+    out = harness.run(actions)
+
+    def sessions(action: Action) -> tuple[str, ...]:
+        if isinstance(action, RunBatch):
+            return tuple(step.request.session.session_id for step in action.steps)
+        assert isinstance(action, Forward)
+        return (action.session.session_id,)
+
+    order = [(type(a).__name__, sessions(a)) for a in harness.log if isinstance(a, RunBatch | Forward)]
+    # One prefill chunk a batch, the decodes riding along; each result goes on as its batch ends.
+    assert order == [
+        ("RunBatch", ("a",)),
+        ("Forward", ("a",)),
+        ("RunBatch", ("b", "a")),
+        ("Forward", ("b",)),
+        ("Forward", ("a",)),
+        ("RunBatch", ("c", "b")),
+        ("Forward", ("c",)),
+        ("Forward", ("b",)),
+        ("RunBatch", ("c",)),
+        ("Forward", ("c",)),
+    ]
+    assert acks(responses(out)) == []  # nobody is answered before the next hop is
 
 
 # ---------------------------------------------------------------------------- one unit's fate
