@@ -68,9 +68,15 @@ def unsplit(whole_model: LlamaShardEngine, prompt: list[int]) -> tuple[list[int]
 # ---------------------------------------------------------------------------- the chain, two ways
 
 
+MAX_SESSIONS = 4
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[QuicCluster]:
-    cluster = QuicCluster(tmp_path_factory.mktemp("cluster"), tiny_model)
+    # Sessions fixed, not auto (the command line's default, sized by the KV budget): the
+    # announced capacity is asserted below.
+    sized = {name: ["--max-sessions", str(MAX_SESSIONS)] for name in ("head", "tail")}
+    cluster = QuicCluster(tmp_path_factory.mktemp("cluster"), tiny_model, sized)
     with cluster.running({"head": (0, SPLIT), "tail": (SPLIT, TINY_N_LAYERS)}):
         yield cluster
 
@@ -273,7 +279,7 @@ async def test_the_served_shards_are_announced_with_capacity_and_live_load(
         TINY_N_LAYERS,
     )
     assert head.serving.fingerprint.model_artifact_digest  # the engine's digest of the GGUF
-    assert (head.capacity.max_concurrent_sessions, head.capacity.max_context_tokens) == (4, CTX)
+    assert (head.capacity.max_concurrent_sessions, head.capacity.max_context_tokens) == (MAX_SESSIONS, CTX)
     assert head.load.serving_state == shard.SERVING_STATE_SERVING
 
     def head_load() -> tuple[int, float]:
