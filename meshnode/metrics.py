@@ -104,7 +104,6 @@ class MetricSources:
     server: Any = None  # meshnode.dataplane.server.ShardServer
     driver: Any = None  # meshnode.head.driver.GenerationDriver
     _last_tokens: tuple[float, int] | None = None
-    _last_busy: tuple[float, float] | None = None
 
     def tokens_per_second(self, now: float, tokens: int) -> float:
         """Generated tokens per second since the previous scrape (0 on the first)."""
@@ -112,13 +111,6 @@ class MetricSources:
         if previous is None or now <= previous[0]:
             return 0.0
         return max(0, tokens - previous[1]) / (now - previous[0])
-
-    def busy_fraction(self, now: float, busy_s: float) -> float:
-        """The shard engine's busy share of the time since the previous scrape (0 on the first)."""
-        previous, self._last_busy = self._last_busy, (now, busy_s)
-        if previous is None or now <= previous[0]:
-            return 0.0
-        return min(1.0, max(0.0, busy_s - previous[1]) / (now - previous[0]))
 
 
 async def collect(sources: MetricSources, *, now: float) -> list[Family]:
@@ -185,7 +177,7 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
         for name, value in sorted(server.engine.metrics().counters.items()):
             engine_events.add(value, {"event": name})
         families += [errors, engine_events, *_lease_families(server.worker)]
-        families += _batch_families(server.worker, sources, now)
+        families += _batch_families(server.worker, now)
     driver = sources.driver
     if driver is not None:
         stats = driver.stats
@@ -222,7 +214,7 @@ def _lease_families(worker: Any) -> list[Family]:
     return [releases, refused]
 
 
-def _batch_families(worker: Any, sources: MetricSources, now: float) -> list[Family]:
+def _batch_families(worker: Any, now: float) -> list[Family]:
     """The shard's engine batches (meshnode.dataplane.batch_stats): sizes, queue waits, busy time.
 
     ``now``: the monotonic clock in seconds, the clock the worker counts busy time on."""
@@ -251,8 +243,8 @@ def _batch_families(worker: Any, sources: MetricSources, now: float) -> list[Fam
         counter("meshnode_engine_busy_seconds_total", "Time this shard's engine spent on batches", busy_s),
         gauge(
             "meshnode_engine_busy_fraction",
-            "Share of the time since the previous scrape this shard's engine spent on batches (0..1)",
-            sources.busy_fraction(now, busy_s),
+            "Share of the last 10 s this shard's engine spent on batches (0..1)",
+            stats.busy_fraction(round(now * SECOND_NS)),
         ),
     ]
 

@@ -8,6 +8,7 @@ scrape time. Plain counters and fixed-bucket histograms, nothing that grows.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,12 @@ from meshnode.sansio import SECOND_NS
 BATCH_SIZE_BOUNDS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
 # Seconds from a unit's arrival to the start of the batch that runs it.
 QUEUE_WAIT_BOUNDS_S: tuple[float, ...] = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# The trailing window the busy fraction covers: a property of the shard, so every scraper
+# reads the same value (a share "since the previous scrape" would differ per scraper).
+BUSY_WINDOW_NS = 10 * SECOND_NS
+# Batches remembered for that window; a batch takes at least a millisecond or so, and when
+# more end within the window the fraction undercounts rather than the memory growing.
+_BUSY_INTERVALS_KEPT = 16_384
 
 
 class Histogram:
@@ -53,6 +60,10 @@ class BatchStats:
     # Engine busy: from a batch's start to its outcome, summed; and when the running one started.
     busy_ns: int = 0
     running_since_ns: int | None = None
+    # When the first batch started (the window never reaches before it), and the recent
+    # batches' (start, end) for the busy fraction.
+    first_started_ns: int | None = None
+    recent_busy: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=_BUSY_INTERVALS_KEPT))
     sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BOUNDS))
     queue_wait_s: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BOUNDS_S))
 
@@ -67,10 +78,13 @@ class BatchStats:
         for wait in waits_ns:
             self.queue_wait_s.observe(max(0, wait) / SECOND_NS)
         self.running_since_ns = now_ns
+        if self.first_started_ns is None:
+            self.first_started_ns = now_ns
 
     def finished(self, now_ns: int) -> None:
         if self.running_since_ns is not None:
             self.busy_ns += max(0, now_ns - self.running_since_ns)
+            self.recent_busy.append((self.running_since_ns, now_ns))
             self.running_since_ns = None
 
     def busy_ns_at(self, now_ns: int) -> int:
@@ -78,5 +92,21 @@ class BatchStats:
         running = 0 if self.running_since_ns is None else max(0, now_ns - self.running_since_ns)
         return self.busy_ns + running
 
+    def busy_fraction(self, now_ns: int, window_ns: int = BUSY_WINDOW_NS) -> float:
+        """The engine's busy share of the ``window_ns`` before ``now_ns`` (of the time since the
+        first batch, when that is shorter); 0 before any batch."""
+        if self.first_started_ns is None:
+            return 0.0
+        begin = max(now_ns - window_ns, self.first_started_ns)
+        if now_ns <= begin:
+            return 1.0 if self.running_since_ns is not None else 0.0
+        while self.recent_busy and self.recent_busy[0][1] <= begin:
+            self.recent_busy.popleft()
+        intervals = list(self.recent_busy)
+        if self.running_since_ns is not None:
+            intervals.append((self.running_since_ns, now_ns))
+        busy = sum(max(0, min(end, now_ns) - max(start, begin)) for start, end in intervals)
+        return min(1.0, busy / (now_ns - begin))
 
-__all__ = ["BATCH_SIZE_BOUNDS", "QUEUE_WAIT_BOUNDS_S", "BatchStats", "Histogram"]
+
+__all__ = ["BATCH_SIZE_BOUNDS", "BUSY_WINDOW_NS", "QUEUE_WAIT_BOUNDS_S", "BatchStats", "Histogram"]

@@ -435,14 +435,23 @@ async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> No
     assert metric_lines(text, "meshnode_engine_busy_seconds_total") == [
         "meshnode_engine_busy_seconds_total 0.015"
     ]
-    assert metric_lines(text, "meshnode_engine_busy_fraction") == ["meshnode_engine_busy_fraction 0"]
+    # Every batch so far fell within the last 10 s: busy 15 ms of the time since the first began.
+    assert stats.first_started_ns is not None
+    since_first = harness.now - stats.first_started_ns
+    assert since_first >= 15 * MS
+    (busy_line,) = metric_lines(text, "meshnode_engine_busy_fraction")
+    assert float(busy_line.split(" ")[1]) == pytest.approx(15 * MS / since_first)
 
-    # 20 ms later, 5 of them in a batch: the engine was busy a quarter of the time between scrapes.
-    scraped = harness.now
-    harness.now = scraped + 15 * MS
+    # 20 s later, a 5 ms batch: of the trailing 10 s window the engine was busy 5 ms, and a
+    # second scraper reads the same share as the first.
+    later = harness.now + 20 * SECOND
+    harness.now = later - 5 * MS
     third = batch_of(harness.send(a.stream, a.decode(), run=False))
-    harness.now = scraped + 20 * MS
+    harness.now = later
     harness.run(harness.batch_finished(third.batch_id, third.execute(harness.engine), harness.now))
-    families = {f.name: f for f in await collect(sources, now=harness.now / SECOND)}
-    assert families["meshnode_engine_busy_fraction"].samples[0][1] == pytest.approx(0.25)
+    for _ in range(2):
+        families = {f.name: f for f in await collect(sources, now=harness.now / SECOND)}
+        assert families["meshnode_engine_busy_fraction"].samples[0][1] == pytest.approx(
+            5 * MS / (10 * SECOND)
+        )
     assert families["meshnode_engine_busy_seconds_total"].samples[0][1] == pytest.approx(0.020)
