@@ -85,6 +85,7 @@ from meshnode.dataplane.actions import (
     RunBatch,
     Send,
 )
+from meshnode.dataplane.arrival_forecast import ArrivalForecast
 from meshnode.dataplane.batch_stats import BatchStats
 from meshnode.dataplane.batching import BatchLimits, BatchScheduler
 from meshnode.dataplane.envelope import (
@@ -154,6 +155,10 @@ class WorkerConfig:
     # What one engine batch may carry (meshnode.dataplane.batching); None: every session's decode
     # plus one prefill chunk of the largest size flow control admits.
     batch_limits: BatchLimits | None = None
+    # The longest the free engine waits for sessions due back (meshnode.dataplane.arrival_forecast),
+    # as a share of the last batch's time and at most max_batch_hold_ns; 0 turns waiting off.
+    batch_hold_share: float = 1.0
+    max_batch_hold_ns: int = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,10 @@ class ShardWorker:
         )
         self._scheduler = BatchScheduler(self.batch_limits)
         self.batch_stats = BatchStats()
+        self._forecast = ArrivalForecast()
+        # While the free engine waits for sessions due back: until when (monotonic ns).
+        self._hold_until_ns: int | None = None
+        self._last_batch_ns = 0
         self._queued = 0
         # The batch the engine is computing; one at a time, since each session's next unit
         # continues the cache its unit in this batch leaves.
@@ -314,6 +323,8 @@ class ShardWorker:
         if batch is None or batch.id != batch_id:
             raise KeyError(f"batch {batch_id} is not running")
         self._running = None
+        if self.batch_stats.running_since_ns is not None:
+            self._last_batch_ns = max(0, now_ns - self.batch_stats.running_since_ns)
         self.batch_stats.finished(now_ns)
         out = self._events
         per_unit: list[object]
@@ -328,6 +339,9 @@ class ShardWorker:
             per_unit = [failure] * len(batch.units)
         for unit, outcome in zip(batch.units, per_unit, strict=True):
             self._unit_finished(out, unit, outcome, now_ns)
+            session = unit.session
+            if self._sessions.get(session.session_id) is session and not session.queue:
+                self._forecast.answered(session.session_id, now_ns)
         # Results are answered or forwarded above; the next batch starts now, without waiting for
         # the next hop (its answers arrive through downstream_finished).
         self._pump(out, now_ns)
@@ -427,6 +441,8 @@ class ShardWorker:
         ]
         times.extend(self._lease_end(s) for s in self._sessions.values() if not self._busy(s))
         times.extend(s.orphaned_until_ns for s in self._sessions.values() if s.orphaned_until_ns is not None)
+        if self._hold_until_ns is not None:
+            times.append(self._hold_until_ns)
         return min(times, default=None)
 
     def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> int:
@@ -862,6 +878,7 @@ class ShardWorker:
         """Forget the session (its units already answered) and release its engine and next-hop state."""
         self.releases[reason] += 1
         del self._sessions[session.session_id]
+        self._forecast.forget(session.session_id)
         self._queued -= len(session.queue)
         session.queue.clear()
         self._refile(session)
@@ -912,6 +929,7 @@ class ShardWorker:
         session.ledger.admitted(unit.step)
         session.last_active_ns = now_ns
         unit.arrived_ns = now_ns
+        self._forecast.arrived(session.session_id, now_ns)
         session.queue.append(unit)
         self._queued += 1
         if len(session.queue) == 1:
@@ -930,8 +948,31 @@ class ShardWorker:
         self._scheduler.file(session.session_id, session.owner, decode=head.decode, tokens=head.token_count)
 
     def _pump(self, out: list[Action], now_ns: int) -> None:
-        while self._running is None and self._ready:
+        while self._running is None and self._ready and not self._holding(now_ns):
             self._start_batch(out, now_ns)
+
+    def _holding(self, now_ns: int) -> bool:
+        """Whether the free engine waits for sessions due back within about one batch
+        (meshnode.dataplane.arrival_forecast), so that they share the next batch instead of
+        taking turns; each wait has one end, fixed when it begins."""
+        if self._hold_until_ns is not None:
+            if now_ns < self._hold_until_ns and self._forecast.due_within(
+                self._ready, now_ns, self._hold_horizon()
+            ):
+                return True
+            self._hold_until_ns = None
+            return False
+        if len(self._ready) >= self.batch_limits.max_units:
+            return False
+        due = self._forecast.due_within(self._ready, now_ns, self._hold_horizon())
+        if due is None or due <= now_ns:
+            return False
+        self._hold_until_ns = due
+        return True
+
+    def _hold_horizon(self) -> int:
+        share = self.config.batch_hold_share
+        return min(round(self._last_batch_ns * share), self.config.max_batch_hold_ns) if share > 0 else 0
 
     def _start_batch(self, out: list[Action], now_ns: int) -> None:
         """Form the next batch from the sessions' head units, in the scheduler's fair order, and

@@ -67,8 +67,11 @@ class Live:
         return request
 
 
-def harness_for(*, max_sessions: int = 4, limits: BatchLimits | None = None) -> WorkerHarness:
-    return WorkerHarness(RecordingEngine(max_sessions=max_sessions), WorkerConfig(batch_limits=limits))
+def harness_for(
+    *, max_sessions: int = 4, limits: BatchLimits | None = None, hold_share: float = 1.0
+) -> WorkerHarness:
+    config = WorkerConfig(batch_limits=limits, batch_hold_share=hold_share)
+    return WorkerHarness(RecordingEngine(max_sessions=max_sessions), config)
 
 
 def open_prefilled(
@@ -383,7 +386,8 @@ def metric_lines(text: str, *names: str) -> list[str]:
 
 
 async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> None:
-    harness = harness_for()
+    # No waiting for sessions due back: the batches here are the ones the test lays out.
+    harness = harness_for(hold_share=0)
     a, b, c = (open_prefilled(harness, name, [1, 2, 3]) for name in "abc")  # three 3-token batches
     stats = harness.worker.batch_stats
     t0 = harness.now
@@ -455,3 +459,65 @@ async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> No
             5 * MS / (10 * SECOND)
         )
     assert families["meshnode_engine_busy_seconds_total"].samples[0][1] == pytest.approx(0.020)
+
+
+# ---------------------------------------------------------------------------- sessions due back
+
+
+def two_out_of_step(harness: WorkerHarness) -> tuple[Live, Live, RunBatch]:
+    """a's decode running alone with b's queued behind it: the pattern that, left alone, repeats
+    for ever (b alone while a's next step comes back, then a alone, ...). Both answered their
+    prefills and sent their next unit at once, so each is learnt to come back with no delay."""
+    a, b = open_prefilled(harness, "a", [1, 2, 3]), open_prefilled(harness, "b", [4, 5])
+    first = batch_of(harness.send(a.stream, a.decode(), run=False))
+    harness.now += 2 * MS
+    assert batch_of_none(harness.send(b.stream, b.decode(), run=False))
+    return a, b, first
+
+
+def batch_of_none(actions: list[Action]) -> bool:
+    return not [a for a in actions if isinstance(a, RunBatch)]
+
+
+def test_the_free_engine_waits_for_a_session_due_back_and_both_share_the_next_batch() -> None:
+    harness = harness_for()
+    a, _, first = two_out_of_step(harness)
+    harness.now += 8 * MS  # a's batch took 10 ms
+    finished = harness.batch_finished(first.batch_id, first.execute(harness.engine), harness.now)
+    # b is ready, but a is due back at once: the engine waits instead of running b alone...
+    assert batch_of_none(finished)
+    harness.run(finished)
+    timer = harness.worker.get_timer()
+    assert timer is not None and harness.now < timer <= harness.now + 10 * MS
+    # ... and a's next step, arriving within the wait, rides with b's.
+    harness.now += 100_000
+    together = batch_of(harness.send(a.stream, a.decode(), run=False))
+    assert sorted(step.request.session.session_id for step in together.steps) == ["a", "b"]
+
+
+def test_a_session_that_does_not_come_back_costs_one_wait_and_is_not_waited_for_again() -> None:
+    harness = harness_for()
+    _, b, first = two_out_of_step(harness)
+    harness.now += 8 * MS
+    harness.run(harness.batch_finished(first.batch_id, first.execute(harness.engine), harness.now))
+    timer = harness.worker.get_timer()
+    assert timer is not None and timer <= harness.now + 10 * MS
+    # a stays away: at the wait's end b runs alone.
+    harness.now = timer
+    alone = batch_of(harness.handle_timer(harness.now))
+    assert [step.request.session.session_id for step in alone.steps] == ["b"]
+    harness.now += 10 * MS
+    finished = harness.batch_finished(alone.batch_id, alone.execute(harness.engine), harness.now)
+    harness.run(finished)
+    # b's next step arrives later than b was learnt to; a, late now, is not waited for.
+    harness.now += 5 * MS
+    next_alone = batch_of(harness.send(b.stream, b.decode(), run=False))
+    assert [step.request.session.session_id for step in next_alone.steps] == ["b"]
+
+
+def test_with_waiting_off_the_free_engine_runs_whatever_is_ready() -> None:
+    harness = harness_for(hold_share=0)
+    _, _, first = two_out_of_step(harness)
+    harness.now += 8 * MS
+    alone = batch_of(harness.batch_finished(first.batch_id, first.execute(harness.engine), harness.now))
+    assert [step.request.session.session_id for step in alone.steps] == ["b"]
