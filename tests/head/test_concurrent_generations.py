@@ -99,6 +99,19 @@ def solo(api: str) -> dict[str, str]:
     return asyncio.run(run())
 
 
+async def until_idle(api: str) -> None:
+    """Until A holds no session: each test starts with all of A's sessions free."""
+    async with asyncio.timeout(30), aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{api}/metrics") as r:
+                text = await r.text()
+            active = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("meshnode_sessions_active")]  # fmt: skip
+            if active and sum(active) == 0:
+                return
+            await asyncio.sleep(0.1)
+
+
 async def batch_counts(api: str) -> tuple[float, float]:
     """A's engine batches so far, and those of them that ran one unit only (its /metrics)."""
     async with aiohttp.ClientSession() as session, session.get(f"{api}/metrics") as r:
@@ -109,6 +122,7 @@ async def batch_counts(api: str) -> tuple[float, float]:
 
 
 async def test_concurrent_streams_each_get_their_solo_greedy_text(api, solo):
+    await until_idle(api)
     batches, alone = await batch_counts(api)
     texts = await asyncio.gather(*(stream_text(api, prompt) for prompt in PROMPTS))
     assert dict(zip(PROMPTS, texts, strict=True)) == {prompt: solo[prompt] for prompt in PROMPTS}
@@ -119,6 +133,7 @@ async def test_concurrent_streams_each_get_their_solo_greedy_text(api, solo):
 
 
 async def test_a_stream_hung_up_inside_a_batch_leaves_the_others_untouched(api, solo):
+    await until_idle(api)
     kept = PROMPTS[1:]
     hung_up, *texts = await asyncio.gather(
         stream_text(api, PROMPTS[0], hang_up_after=3), *(stream_text(api, prompt) for prompt in kept)
@@ -128,6 +143,8 @@ async def test_a_stream_hung_up_inside_a_batch_leaves_the_others_untouched(api, 
 
 
 async def test_requests_beyond_capacity_get_429_and_every_accepted_one_completes(api, solo):
+    await until_idle(api)
+
     async def attempt(prompt: str) -> tuple[int, str | None, dict | str]:
         body = {"model": await served_model(api), "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
         async with aiohttp.ClientSession() as session, session.post(f"{api}/v1/completions", json=body) as r:
@@ -162,6 +179,7 @@ async def test_the_middle_node_killed_mid_batch_fails_every_session_over_to_iden
     api, cluster, solo
 ):
     # Runs last: it leaves the mesh without B or B2.
+    await until_idle(api)
     started = [asyncio.Event() for _ in PROMPTS]
 
     def seen(index: int) -> Callable[[int], object]:
