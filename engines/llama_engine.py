@@ -20,7 +20,6 @@ import llama_cpp
 import numpy as np
 
 from engines.cache import cache_root
-from engines.file_digest import cached_sha256
 from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from engines.gguf_info import ModelInfo, model_info
 from engines.interface import (
@@ -32,6 +31,7 @@ from engines.interface import (
 )
 from engines.llama_lib import ensure_llama_backend, llama_cpp_version
 from engines.llama_runtime import BatchSequence, LlamaRuntime
+from engines.model_manifest import cached_manifest
 from engines.session_table import Session
 from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
 from engines.slicing import SLICE_RECIPE_VERSION, check_sliceable, ensure_slice, plan_slice
@@ -115,7 +115,8 @@ class LlamaShardEngine(SessionedEngine):
 
         self._request, self._gguf, self._info = request, gguf, info
         self._cache_dir = Path(request.cache_dir) if request.cache_dir else cache_root()
-        self._source_digest = cached_sha256(path, self._cache_dir)
+        # The model fingerprint: the root of its per-tensor manifest (engines.model_manifest).
+        self._source_digest = cached_manifest(path, self._cache_dir).root
         self._layer_start, self._layer_end = request.layer_start, layer_end
         self._main = self._build_runtime(request.layer_start)
 

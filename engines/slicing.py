@@ -128,7 +128,7 @@ def _slice_metadata(gguf: GGUFFile, plan: SlicePlan, source_digest: str) -> list
         flags = [swa[i] for i in layer_ids]
         metadata.append(encode_key_value(pattern_key, GGUFValueType.ARRAY, flags, GGUFValueType.BOOL))
     provenance = {
-        "meshnode.slice.source_sha256": source_digest,
+        "meshnode.slice.source_fingerprint": source_digest,
         "meshnode.slice.layer_start": plan.layer_start,
         "meshnode.slice.layer_end": plan.layer_end,
         "meshnode.slice.passthrough": plan.passthrough,

@@ -236,10 +236,10 @@ def check_membership(path: Path) -> tuple[list[Finding], list[tuple[bytes, str]]
 
 
 def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
-    from engines.file_digest import cached_sha256
     from engines.gguf_file import read_gguf
     from engines.gguf_info import read_model_info
     from engines.interface import EngineError
+    from engines.model_manifest import cached_manifest
     from engines.slicing import check_sliceable
 
     name = "model"
@@ -260,9 +260,10 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
                 "re-download or re-assemble the model",
             )
         ]
+    manifest = cached_manifest(model)
     findings = [
         ok(name, f"{model.name}: {info.architecture}, {info.n_layers} layers, hidden {info.hidden_size}"),
-        ok("model digest", f"sha256 {cached_sha256(model)}"),
+        ok("model fingerprint", f"manifest root {manifest.root} ({len(manifest.tensors)} tensors)"),
     ]
     if layers is not None and not (0 <= layers[0] < layers[1] <= info.n_layers):
         findings.append(

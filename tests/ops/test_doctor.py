@@ -46,7 +46,7 @@ def test_a_healthy_environment_passes(tmp_path, tiny_model):
     )
     assert result.returncode == 0, result.stdout
     assert "no problems found" in result.stdout
-    assert "model digest: sha256" in result.stdout
+    assert "model fingerprint: manifest root" in result.stdout
 
 
 def test_every_problem_is_named_with_its_fix(tmp_path, tiny_model):
