@@ -1,0 +1,139 @@
+"""Which contiguous layer range a node should serve, from what the mesh already covers (issue 16).
+
+A node that joins with no ``--layers`` takes the range that helps most: layers nobody
+serves first, then the least-replicated ones, as many as its memory budget holds.
+Before it loads, it announces its choice as a claim; of two nodes joining at the same
+moment, the one with the lower node id keeps a contested range and the other counts
+that claim as served, so they end on different ranges. Once serving, a node moves only
+when another range would cover at least ``min_gain_layers`` more uncovered layers and
+that stays true for ``settle_ns`` (:class:`Replacement`): a gap that closes by itself, or
+coverage that flickers while nodes come and go, moves nobody (the oscillation Petals'
+rebalancing is known for).
+
+Pure: coverage comes in as ranges, time as ``now_ns``. Not yet wired into ``join``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A range a node announced it is about to load (or serves)."""
+
+    node_id: bytes
+    layers: Range
+
+
+def replica_counts(n_layers: int, served: Sequence[Range]) -> list[int]:
+    """How many of ``served`` cover each layer."""
+    counts = [0] * n_layers
+    for start, end in served:
+        for layer in range(max(0, start), min(n_layers, end)):
+            counts[layer] += 1
+    return counts
+
+
+def _score(counts: Sequence[int], start: int, end: int) -> tuple[int, int, int]:
+    """Higher is better: uncovered layers taken, then layers taken (the budget used: the rest add
+    replicas where they are fewest), then fewer replicas over the range."""
+    window = counts[start:end]
+    return sum(1 for c in window if c == 0), end - start, -sum(window)
+
+
+def affordable_layers(layer_bytes: Sequence[int], start: int, budget_bytes: int) -> int:
+    """How many layers from ``start`` fit in ``budget_bytes`` (0 when not even one)."""
+    total, count = 0, 0
+    for size in layer_bytes[start:]:
+        if total + size > budget_bytes:
+            break
+        total += size
+        count += 1
+    return count
+
+
+def best_range(counts: Sequence[int], layer_bytes: Sequence[int], budget_bytes: int) -> Range | None:
+    """The affordable window with the best score; ties go to the lowest start."""
+    best: tuple[tuple[int, int, int], Range] | None = None
+    for start in range(len(counts)):
+        length = affordable_layers(layer_bytes, start, budget_bytes)
+        if length == 0:
+            continue
+        candidate = (_score(counts, start, start + length), (start, start + length))
+        if best is None or candidate[0] > best[0]:
+            best = candidate
+    return None if best is None else best[1]
+
+
+def choose_range(
+    n_layers: int,
+    layer_bytes: Sequence[int],
+    budget_bytes: int,
+    served: Sequence[Range],
+    claims: Sequence[Claim],
+    node_id: bytes,
+) -> Range | None:
+    """The range ``node_id`` should take, given the ranges served and the other nodes' claims;
+    None when its budget holds no layer. Claims of lower node ids count as served; claims of
+    higher ones yield to this node, so simultaneous joiners never settle on the same gap."""
+    if len(layer_bytes) != n_layers:
+        raise ValueError(f"{len(layer_bytes)} layer sizes for {n_layers} layers")
+    taken = [*served, *(claim.layers for claim in claims if claim.node_id < node_id)]
+    return best_range(replica_counts(n_layers, taken), layer_bytes, budget_bytes)
+
+
+def uncovered(counts: Sequence[int], layers: Range) -> int:
+    return sum(1 for layer in range(*layers) if counts[layer] == 0)
+
+
+class Replacement:
+    """Whether a serving node should move, with hysteresis: only for a large and lasting gain."""
+
+    def __init__(self, *, min_gain_layers: int = 1, settle_ns: int = 60_000_000_000) -> None:
+        if min_gain_layers < 1 or settle_ns < 0:
+            raise ValueError("a move needs a positive gain and a non-negative settle time")
+        self.min_gain_layers = min_gain_layers
+        self.settle_ns = settle_ns
+        # The better range seen, and since when it has stayed better.
+        self._candidate: Range | None = None
+        self._since_ns = 0
+
+    def consider(
+        self,
+        current: Range,
+        n_layers: int,
+        layer_bytes: Sequence[int],
+        budget_bytes: int,
+        others_served: Sequence[Range],
+        now_ns: int,
+    ) -> Range | None:
+        """The range to move to now, or None to stay. ``others_served``: what the rest of the mesh
+        serves (this node's own range left out)."""
+        counts = replica_counts(n_layers, others_served)
+        best = best_range(counts, layer_bytes, budget_bytes)
+        gain = 0 if best is None else uncovered(counts, best) - uncovered(counts, current)
+        if best is None or best == current or gain < self.min_gain_layers:
+            self._candidate = None
+            return None
+        if best != self._candidate:
+            self._candidate, self._since_ns = best, now_ns
+        if now_ns - self._since_ns < self.settle_ns:
+            return None
+        self._candidate = None
+        return best
+
+
+__all__ = [
+    "Claim",
+    "Range",
+    "Replacement",
+    "affordable_layers",
+    "best_range",
+    "choose_range",
+    "replica_counts",
+    "uncovered",
+]
