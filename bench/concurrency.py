@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import ctypes
 import itertools
-import os
 import statistics
 import sys
 import tempfile
@@ -47,13 +46,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import CONFIGS, Monolithic, start_mesh
+from e2e import CONFIGS, Monolithic, prepare_run, random_prompt, start_mesh
 
-from engines.default_model import default_model_path
-from engines.engine_guard import choose_weight_repack
-from engines.engine_probe import ProbeTarget
-from engines.weight_repack import WeightRepack
-from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
+from meshnode.app.local_mesh import LocalMesh
 from meshnode.head.api_client import StreamSummary, TextChunk, stream_completion
 
 TARGET_SCALING = 2.5  # (d)@4 over (d)@1
@@ -271,20 +266,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.node_arg is None:
         args.node_arg = ["--max-sessions", "8"]
-    if args.node_env is None:
-        args.node_env = [f"{k}={v}" for k, v in SHARED_CORES_ENV.items()]
-    os.environ.update(dict(item.split("=", 1) for item in args.node_env))
-
-    model = default_model_path(progress=True)
-    args.repack = choose_weight_repack(
-        WeightRepack.AUTO, ProbeTarget(model, threads=args.threads)
-    ).weight_repack
+    model = prepare_run(args)
     rng = np.random.default_rng(11)
     levels = [int(level) for level in args.levels.split(",")]
-    prompts = [
-        [2] + [int(t) for t in rng.integers(1000, 50_000, size=args.prompt_tokens - 1)]
-        for _ in range(max(levels))
-    ]
+    prompts = [random_prompt(rng, args.prompt_tokens) for _ in range(max(levels))]
     trials = asyncio.run(bench(args, model, prompts))
 
     print(f"Gemma 3 270M Q4_K_M, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "

@@ -327,6 +327,26 @@ async def hop_breakdown(
 # ---------------------------------------------------------------------------- main
 
 
+def prepare_run(args: argparse.Namespace) -> Path:
+    """The model, with ``args.repack`` set and this process under the nodes' environment.
+
+    (a) runs under the same runtime settings as the nodes (same threads, same OpenMP waiting),
+    and one repack setting serves (a) and every node: what a node's own probe chooses here."""
+    if args.node_env is None:
+        args.node_env = [f"{k}={v}" for k, v in SHARED_CORES_ENV.items()]
+    os.environ.update(dict(item.split("=", 1) for item in args.node_env))
+    model = default_model_path(progress=True)
+    args.repack = choose_weight_repack(
+        WeightRepack.AUTO, ProbeTarget(model, threads=args.threads)
+    ).weight_repack
+    return model
+
+
+def random_prompt(rng: np.random.Generator, tokens: int) -> list[int]:
+    """BOS and ordinary text-like token ids."""
+    return [2] + [int(t) for t in rng.integers(1000, 50_000, size=tokens - 1)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -352,19 +372,9 @@ def main() -> None:
         + ")",
     )
     args = parser.parse_args()
-    if args.node_env is None:
-        args.node_env = [f"{k}={v}" for k, v in SHARED_CORES_ENV.items()]
-    # (a) runs under the same runtime settings as the nodes: same threads, same OpenMP waiting.
-    os.environ.update(dict(item.split("=", 1) for item in args.node_env))
-
-    model = default_model_path(progress=True)
-    # One repack setting for (a) and every node: what a node's own probe chooses here.
-    args.repack = choose_weight_repack(
-        WeightRepack.AUTO, ProbeTarget(model, threads=args.threads)
-    ).weight_repack
-    # Ordinary text-like ids; a fixed seed so every configuration prefills the same prompt.
-    rng = np.random.default_rng(7)
-    prompt = [2] + [int(t) for t in rng.integers(1000, 50_000, size=args.prompt_tokens - 1)]
+    model = prepare_run(args)
+    # A fixed seed so every configuration prefills the same prompt.
+    prompt = random_prompt(np.random.default_rng(7), args.prompt_tokens)
     runs, (hops, chain_ms) = asyncio.run(bench(args, model, prompt))
 
     base = median_run(runs["a"])

@@ -23,12 +23,14 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
     return digest.hexdigest()
 
 
-def _record_path(path: Path, cache_dir: Path | None) -> Path:
+def record_path(path: Path, cache_dir: Path | None, kind: str = "digests") -> Path:
+    """Where what is remembered of ``path`` (its ``kind``: digests, manifests) lives in the cache."""
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-    return (cache_dir or cache_root()) / "digests" / f"{key}.json"
+    return (cache_dir or cache_root()) / kind / f"{key}.json"
 
 
-def _identity(path: Path) -> dict[str, object]:
+def file_identity(path: Path) -> dict[str, object]:
+    """The file version a remembered record is valid for: its path, size and mtime."""
     stat = path.stat()
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
@@ -36,20 +38,20 @@ def _identity(path: Path) -> dict[str, object]:
 def remembered_sha256(path: Path, cache_dir: Path | None = None) -> str | None:
     """The digest recorded for this exact file version, or ``None``."""
     try:
-        record = json.loads(_record_path(path, cache_dir).read_text())
+        record = json.loads(record_path(path, cache_dir).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or {k: record.get(k) for k in ("path", "size", "mtime_ns")} != _identity(
-        path
-    ):
+    if not isinstance(record, dict) or {
+        k: record.get(k) for k in ("path", "size", "mtime_ns")
+    } != file_identity(path):
         return None
     digest = record.get("sha256")
     return digest if isinstance(digest, str) and len(digest) == 64 else None
 
 
 def remember_sha256(path: Path, digest: str, cache_dir: Path | None = None) -> None:
-    record = {**_identity(path), "sha256": digest}
-    write_bytes_atomically(_record_path(path, cache_dir), json.dumps(record).encode())
+    record = {**file_identity(path), "sha256": digest}
+    write_bytes_atomically(record_path(path, cache_dir), json.dumps(record).encode())
 
 
 def cached_sha256(path: Path, cache_dir: Path | None = None) -> str:

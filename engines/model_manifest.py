@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.cache import cache_root, write_bytes_atomically
+from engines.cache import write_bytes_atomically
+from engines.file_digest import file_identity, record_path
 from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 
 # What the root digests; a new layout of the manifest gets a new tag.
@@ -140,35 +141,25 @@ def _tensor_digests(gguf: GGUFFile, progress: Callable[[int], None] | None) -> t
 # ---------------------------------------------------------------------------- remembered manifests
 
 
-def _record_path(path: Path, cache_dir: Path | None) -> Path:
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-    return (cache_dir or cache_root()) / "manifests" / f"{key}.json"
-
-
-def _identity(path: Path) -> dict[str, object]:
-    stat = path.stat()
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
 def cached_manifest(
     path: Path, cache_dir: Path | None = None, progress: Callable[[int], None] | None = None
 ) -> ModelManifest:
     """:func:`build_manifest`, reusing the one recorded while the file's size and mtime are unchanged."""
     path = Path(path)
-    record_path = _record_path(path, cache_dir)
+    remembered = record_path(path, cache_dir, "manifests")
     with contextlib.suppress(OSError, ValueError):
-        record = json.loads(record_path.read_text())
+        record = json.loads(remembered.read_text())
         if (
             isinstance(record, dict)
             and record.get("version") == _RECORD_VERSION
-            and record.get("file") == _identity(path)
+            and record.get("file") == file_identity(path)
         ):
             return ModelManifest.from_json(record.get("manifest"))
     manifest = build_manifest(path, progress)
-    record = {"version": _RECORD_VERSION, "file": _identity(path), "manifest": manifest.to_json()}
+    record = {"version": _RECORD_VERSION, "file": file_identity(path), "manifest": manifest.to_json()}
     # An unwritable cache costs a re-hash next time, nothing more.
     with contextlib.suppress(OSError):
-        write_bytes_atomically(record_path, json.dumps(record).encode())
+        write_bytes_atomically(remembered, json.dumps(record).encode())
     return manifest
 
 
