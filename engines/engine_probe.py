@@ -58,6 +58,8 @@ class ProbeTarget:
     weight_repack: bool = False
     threads: int | None = None
     cache_dir: Path | None = None
+    # Passed to the engine so that a fetched file with holes is not hashed (LoadRequest).
+    model_fingerprint: str | None = None
 
     def describe(self) -> str:
         layers = f"{self.layer_start}:{self.layer_end}" if self.layer_end is not None else "all layers"
@@ -322,6 +324,7 @@ def _child(spec: dict[str, object]) -> int:
         n_gpu_layers=int(str(spec["n_gpu_layers"])),
         weight_repack=bool(spec["weight_repack"]),
         cache_dir=None if cache_dir is None else str(cache_dir),
+        model_fingerprint=None if spec.get("model_fingerprint") is None else str(spec["model_fingerprint"]),
     )
     engine = LlamaShardEngine()
     caps = engine.load(request)

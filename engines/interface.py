@@ -121,6 +121,10 @@ class LoadRequest:
     session_ttl_s: float = 600.0
     # Where derived artifacts (GGUF slices) are cached; ``None`` picks a default.
     cache_dir: str | None = None
+    # The model fingerprint (manifest root) when the caller already holds it verified: a file
+    # fetched tensor by tensor has holes where this range's tensors are not, and hashing it
+    # would name another model. ``None``: hash the file (remembered in the cache).
+    model_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class LlamaShardEngine(SessionedEngine):
         self._request, self._gguf, self._info = request, gguf, info
         self._cache_dir = Path(request.cache_dir) if request.cache_dir else cache_root()
         # The model fingerprint: the root of its per-tensor manifest (engines.model_manifest).
-        self._source_digest = cached_manifest(path, self._cache_dir).root
+        self._source_digest = request.model_fingerprint or cached_manifest(path, self._cache_dir).root
         self._layer_start, self._layer_end = request.layer_start, layer_end
         self._main = self._build_runtime(request.layer_start)
 

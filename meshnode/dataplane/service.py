@@ -51,6 +51,11 @@ class ShardServiceOptions:
     max_sessions: int = 4
     cache_dir: Path | None = None
     leases: LeaseSettings = field(default_factory=LeaseSettings)
+    # The name announced (default: the file's stem) and the fingerprint when it is already known
+    # verified: a model fetched tensor by tensor (meshnode.autoplace) is a file with holes that
+    # must not be hashed (engines.interface.LoadRequest.model_fingerprint).
+    model_name: str | None = None
+    model_fingerprint: str | None = None
 
 
 async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
@@ -66,6 +71,7 @@ async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
         n_gpu_layers=options.n_gpu_layers,
         threads=options.threads,
         cache_dir=options.cache_dir,
+        model_fingerprint=options.model_fingerprint,
     )
     try:
         choice = await asyncio.to_thread(choose_weight_repack, options.weight_repack, target)
@@ -194,6 +200,7 @@ class ShardService:
             n_gpu_layers=options.n_gpu_layers,
             weight_repack=weight_repack,
             cache_dir=str(options.cache_dir) if options.cache_dir else None,
+            model_fingerprint=options.model_fingerprint,
         )
         try:
             caps = await server.engine_thread.call(engine.load, request)
@@ -207,7 +214,7 @@ class ShardService:
         if not validation.validated:
             await server.aclose()
             raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
-        service = cls(node, server, served_shard(caps, options.model.stem))
+        service = cls(node, server, served_shard(caps, options.model_name or options.model.stem))
         server.register(node.register_handler)
         service._is_member = is_member
         node.set_serving(service.served)

@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +196,8 @@ class Node:
         self._heartbeating: set[bytes] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._status_server: StatusServer | None = None
+        # Named sections `meshnode status` shows besides the mesh view (added by what runs on the node).
+        self.status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._stopped = False
         # Where this node's OpenAI-compatible API listens (set by the head), for `meshnode generate`.
         self.api_url: str | None = None
@@ -646,7 +648,7 @@ class Node:
 
     def status(self) -> StatusReport:
         """What ``meshnode status`` shows; its ``to_json()`` is what the status socket serves."""
-        return status_report(
+        report = status_report(
             self.state,
             relays=self.relay_links,
             link_to=self._links.get,
@@ -656,6 +658,8 @@ class Node:
             api_url=self.api_url,
             now_ns=time.monotonic_ns(),
         )
+        report.sections.update({name: section() for name, section in self.status_sections.items()})
+        return report
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -10,7 +10,7 @@ millisecond.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshnode.identity import short_id
@@ -134,6 +134,8 @@ class StatusReport:
     peers: list[PeerStatus]
     tombstones: int
     refusals: Refusals
+    # Sections other parts of the node add by name (e.g. "placement": a model transfer's progress).
+    sections: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The status socket's JSON object."""
