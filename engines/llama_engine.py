@@ -135,7 +135,8 @@ class LlamaShardEngine(SessionedEngine):
             layer_start=request.layer_start,
             layer_end=layer_end,
             hidden_size=info.hidden_size,
-            vocab_size=self._main.n_vocab,
+            # The model's vocabulary: a middle slice loads with none of its own.
+            vocab_size=info.vocab_size,
             max_sessions=request.n_seq_max,
             max_context_tokens=request.n_ctx,
             backend=f"llama.cpp ({llama_cpp_version()})",

@@ -10,6 +10,12 @@ layer; with the passthrough layer last, the real last layer's ``l_out`` keeps ev
 and the slice can request no outputs at all, which skips the vocabulary projection. The
 runtime's capture ends the graph once that ``l_out`` is copied (``hidden_capture``), so the
 passthrough layer is loaded but not computed (unless GPU offload puts it in a split of its own).
+
+Roles (``tensors_for_range``): a slice reads from the source only the tensors its range needs;
+the vocabulary tables of a range that does not use them are written as stand-ins, because the
+loader insists on their presence. A middle slice (neither head nor tail) declares no tokenizer
+(``tokenizer.ggml.model = "none"``, which llama.cpp loads as an empty vocabulary), so its stand-in
+``token_embd`` has no rows at all and the slice carries no vocabulary-sized table.
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from engines.cache import atomic_path
 from engines.gguf_file import GGUFFile, KeyValue, TensorInfo, TensorSource, encode_key_value, write_gguf
 from engines.interface import EngineError, EngineErrorKind
 
 # Bump whenever the bytes a slice contains would change.
-SLICE_RECIPE_VERSION = 1
+# 2: tensors outside the range's roles are stand-ins; a middle slice has an empty vocabulary.
+SLICE_RECIPE_VERSION = 2
 
 # Only architectures whose split has been checked bit-exact by a parity test.
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "gemma3"})
@@ -39,6 +46,17 @@ _INDEX_DERIVED_SWA_PATTERN = {"gemma3": 6}
 _PASSTHROUGH_ZEROED = ("attn_output.", "ffn_down.")
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+# Non-layer tensors by role, named by the part of the name before the first dot
+# (``output.weight``, ``output.bias``): the input table only the head uses, and what only the
+# tail uses to turn the last hidden state into logits.
+_INPUT_TABLE = "token_embd"
+_OUTPUT_TENSORS = frozenset({"output_norm", "output"})
+
+# What a middle slice declares as its tokenizer: llama.cpp loads "none" as a vocabulary of
+# ``<arch>.vocab_size`` dummy tokens, or of none when that key is absent.
+_NO_TOKENIZER = "none"
+_TOKENIZER_PREFIX = "tokenizer."
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,12 @@ class SlicePlan:
         """Index, inside the slice, of the last layer that belongs to the range."""
         return self.layer_end - self.layer_start - 1
 
+    @property
+    def keeps_vocabulary(self) -> bool:
+        """Whether the slice keeps the model's vocabulary: the head reads token ids and the tail
+        produces logits over it; a middle slice does neither."""
+        return self.layer_start == 0 or not self.passthrough
+
 
 def plan_slice(total_layers: int, layer_start: int, layer_end: int) -> SlicePlan | None:
     """The slice for ``[layer_start, layer_end)``, or ``None`` when the range is the whole model."""
@@ -69,6 +93,48 @@ def plan_slice(total_layers: int, layer_start: int, layer_end: int) -> SlicePlan
     if layer_start == 0 and layer_end == total_layers:
         return None
     return SlicePlan(layer_start, layer_end, passthrough=layer_end < total_layers)
+
+
+def _tensor_role(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def tensors_for_range(gguf: GGUFFile, layer_start: int, layer_end: int) -> frozenset[str]:
+    """The source tensors a shard serving ``[layer_start, layer_end)`` needs: its layers'
+    ``blk.N.*``; ``token_embd`` for the first range, and for the last one when the model ties
+    its output to the embedding (no ``output`` tensor); ``output_norm`` and ``output`` for the
+    last range; every other non-layer tensor (rope factors and the like: the layers use them).
+
+    The slice of that range reads nothing else from the source, so a node may hold only these."""
+    total = _block_count(gguf)
+    if not 0 <= layer_start < layer_end <= total:
+        raise EngineError(
+            EngineErrorKind.INVALID_REQUEST,
+            f"layer range [{layer_start}, {layer_end}) is not inside a {total}-layer model",
+        )
+    first, last = layer_start == 0, layer_end == total
+    tied = not any(_tensor_role(tensor.name) == "output" for tensor in gguf.tensors)
+    needed = set()
+    for tensor in gguf.tensors:
+        match = _BLOCK_TENSOR.fullmatch(tensor.name)
+        if match is not None:
+            wanted = layer_start <= int(match.group(1)) < layer_end
+        elif _tensor_role(tensor.name) == _INPUT_TABLE:
+            wanted = first or (last and tied)
+        elif _tensor_role(tensor.name) in _OUTPUT_TENSORS:
+            wanted = last
+        else:
+            wanted = True
+        if wanted:
+            needed.add(tensor.name)
+    return frozenset(needed)
+
+
+def _block_count(gguf: GGUFFile) -> int:
+    value = gguf.get(f"{gguf.architecture}.block_count")
+    if value is None:
+        raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"{gguf.path.name} has no block_count")
+    return int(value)  # type: ignore[call-overload]
 
 
 def check_sliceable(gguf: GGUFFile) -> None:
@@ -110,7 +176,13 @@ def _slice_metadata(gguf: GGUFFile, plan: SlicePlan, source_digest: str) -> list
     swa = _swa_layers(gguf, arch, total)
 
     metadata = []
+    if not plan.keeps_vocabulary:
+        metadata.append(encode_key_value("tokenizer.ggml.model", GGUFValueType.STRING, _NO_TOKENIZER))
     for entry in gguf.metadata:
+        if not plan.keeps_vocabulary and (
+            entry.key.startswith(_TOKENIZER_PREFIX) or entry.key == f"{arch}.vocab_size"
+        ):
+            continue  # the empty vocabulary replaces them (a vocab_size would add dummy tokens)
         if entry.key == f"{arch}.block_count":
             entry = encode_key_value(entry.key, entry.value_type, plan.n_layers)
         elif entry.key == pattern_key and swa is not None:
@@ -144,14 +216,35 @@ def _slice_metadata(gguf: GGUFFile, plan: SlicePlan, source_digest: str) -> list
     return metadata
 
 
+def _stand_in(tensor: TensorInfo, plan: SlicePlan) -> TensorSource | None:
+    """What a slice writes for a source tensor its range does not need (``None``: nothing).
+
+    llama.cpp requires ``token_embd`` and ``output_norm`` in every file; their values never
+    reach a result outside their role (a non-head slice is fed hidden states, a non-tail slice
+    requests no outputs), so zeros do. ``output`` is optional: without it llama.cpp points the
+    output at ``token_embd``."""
+    role = _tensor_role(tensor.name)
+    if role == _INPUT_TABLE and not plan.keeps_vocabulary:
+        # The empty vocabulary makes the table {n_embd, 0}: no bytes at all.
+        empty = TensorInfo(tensor.name, (tensor.shape[0], 0), int(GGMLQuantizationType.F32), 0, 0)
+        return TensorSource(empty, None)
+    if role == "output":
+        return None
+    return TensorSource(TensorInfo(tensor.name, tensor.shape, tensor.ggml_type, 0, tensor.nbytes), None)
+
+
 def _slice_tensors(gguf: GGUFFile, plan: SlicePlan) -> list[TensorSource]:
+    needed = tensors_for_range(gguf, plan.layer_start, plan.layer_end)
     kept: list[TensorSource] = []
     last_layer: list[tuple[str, TensorInfo]] = []
     for tensor in gguf.tensors:
         source_offset = gguf.data_offset + tensor.offset
         match = _BLOCK_TENSOR.fullmatch(tensor.name)
         if match is None:
-            kept.append(TensorSource(tensor, source_offset))
+            if tensor.name in needed:
+                kept.append(TensorSource(tensor, source_offset))
+            elif (stand_in := _stand_in(tensor, plan)) is not None:
+                kept.append(stand_in)
             continue
         layer, suffix = int(match.group(1)), match.group(2)
         if not plan.layer_start <= layer < plan.layer_end:

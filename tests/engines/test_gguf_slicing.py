@@ -78,8 +78,10 @@ def test_slice_renumbers_layers_and_adds_a_zeroing_passthrough_layer(
         info = next(t for t in gguf.tensors if t.name == name)
         return raw[gguf.data_offset + info.offset : gguf.data_offset + info.offset + info.nbytes]
 
-    for name in ("token_embd.weight", "output.weight", "output_norm.weight"):
-        assert tensor_bytes(sliced, raw_slice, name) == tensor_bytes(source, raw_source, name)
+    # A middle slice: an empty input table, no output, zeros for the final norm (test_slice_roles).
+    tables = {t.name: t for t in sliced.tensors if not t.name.startswith("blk.")}
+    assert tables["token_embd.weight"].shape == (TINY_N_EMBD, 0) and "output.weight" not in tables
+    assert not any(tensor_bytes(sliced, raw_slice, "output_norm.weight"))
     for suffix in ("attn_q.weight", "ffn_up.weight", "attn_norm.weight"):
         original = tensor_bytes(source, raw_source, f"blk.3.{suffix}")
         assert tensor_bytes(sliced, raw_slice, f"blk.1.{suffix}") == original
