@@ -52,6 +52,8 @@ class StreamType(IntEnum):
     SHARD_HEALTH = 0x22
     SHARD_RELEASE = 0x23
     SHARD_CANCEL = 0x24
+    # Model artifacts (manifest, metadata, tensor bytes): meshnode/artifacts.
+    ARTIFACT = 0x30
 
 
 def parse_stream_type(value: int) -> StreamType:

@@ -1,0 +1,358 @@
+"""Fetch a model's manifest and tensors from peers over ARTIFACT streams (the asyncio edge).
+
+``open_link`` is ``node.get_link``; ``sources`` are peer ids. :func:`fetch_manifest`
+asks sources in turn until one answers with a manifest that hashes to the root and a
+metadata blob that matches its digest. :func:`fetch_tensors` asks every source what it
+holds, then runs a few workers per source over one :class:`~.schedule.FetchPlan`:
+each tensor streams into the :class:`~.store.PartialModel` and is journaled only once
+its digest matches. A source whose bytes do not match (or who breaks the protocol) is
+quarantined and its tensor goes to another source; a source whose link fails is
+dropped the same way, without blame. When no live source holds what is still
+missing, :class:`TransferError` names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engines.model_manifest import ModelManifest
+from meshnode.artifacts.progress import TransferProgress
+from meshnode.artifacts.protocol import (
+    NOT_HELD,
+    OVERLOADED,
+    ArtifactError,
+    BadReply,
+    ChunkReceiver,
+    Item,
+    MetadataItem,
+    PeerManifest,
+    PeerRefused,
+    encode_fetch,
+    encode_manifest_query,
+    parse_reply,
+    verified_manifest,
+)
+from meshnode.artifacts.schedule import FetchPlan, Quarantine
+from meshnode.artifacts.store import PartialModel, TensorDigestMismatch
+from meshnode.identity import short_id
+from meshnode.transport.base import PeerLink
+from meshnode.transport.request_reply import REQUEST_FAILURES
+from meshnode.wire.framing import StreamType
+
+log = logging.getLogger("meshnode.artifacts")
+
+OpenLink = Callable[[bytes], Awaitable[PeerLink]]
+
+# Tensors in flight per source: enough to keep a link busy across request round trips.
+IN_FLIGHT_PER_SOURCE = 2
+# A frame must arrive within this long, or the source is treated as failed.
+FRAME_TIMEOUT_S = 30.0
+# An overloaded source is retried after a growing pause, this many times per worker.
+OVERLOAD_RETRIES = 6
+_OVERLOAD_BACKOFF_S = 0.1
+
+# What talking to one source can raise, all of it handled by dropping or quarantining it.
+_SOURCE_FAILURES: tuple[type[Exception], ...] = (*REQUEST_FAILURES, ArtifactError, OSError)
+
+
+class TransferError(Exception):
+    """The fetch ended with tensors still missing: no live source holds them."""
+
+    def __init__(self, missing: Sequence[str], reasons: dict[bytes, str]) -> None:
+        self.missing = tuple(missing)
+        self.reasons = dict(reasons)
+        why = "; ".join(f"{short_id(peer)}: {reason}" for peer, reason in reasons.items()) or "no sources"
+        shown = ", ".join(self.missing[:5]) + (" ..." if len(self.missing) > 5 else "")
+        super().__init__(f"{len(self.missing)} tensors could not be fetched ({shown}); sources: {why}")
+
+
+@dataclass
+class FetchReport:
+    # Reply bytes (frames' bodies) received from each source during the fetch.
+    bytes_by_source: dict[bytes, int] = field(default_factory=dict)
+    fetched: tuple[str, ...] = ()
+    # Asked for but already verified on disk (a resumed fetch).
+    resumed: tuple[str, ...] = ()
+    quarantined: dict[bytes, str] = field(default_factory=dict)
+    # Sources dropped without blame (link failed, refused, overloaded).
+    failed_sources: dict[bytes, str] = field(default_factory=dict)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(self.bytes_by_source.values())
+
+
+def _root_bytes(root: bytes | str) -> bytes:
+    return bytes.fromhex(root) if isinstance(root, str) else root
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+async def _query_manifest(link: PeerLink, root: bytes, received: Counter[bytes]) -> PeerManifest:
+    stream = await link.open_stream(StreamType.ARTIFACT)
+    try:
+        await stream.send_frame(encode_manifest_query(root))
+        stream.finish()
+        body = await stream.recv_frame(timeout=FRAME_TIMEOUT_S)
+    finally:
+        stream.close()
+    if body is None:
+        raise BadReply("stream ended without a manifest reply")
+    received[link.peer_id] += len(body)
+    return verified_manifest(parse_reply(body), root)
+
+
+async def _fetch_item(
+    link: PeerLink,
+    root: bytes,
+    item: Item,
+    nbytes: int,
+    sink: Callable[[bytes], None],
+    received: Counter[bytes],
+) -> None:
+    """Stream item ``item`` (``nbytes`` long, from the verified manifest) into ``sink``."""
+    stream = await link.open_stream(StreamType.ARTIFACT)
+    try:
+        await stream.send_frame(encode_fetch(root, item))
+        stream.finish()
+        receiver = ChunkReceiver(0, nbytes)
+        while not receiver.finished:
+            body = await stream.recv_frame(timeout=FRAME_TIMEOUT_S)
+            if body is None:
+                raise BadReply(f"stream ended at byte {receiver.next_offset} of {nbytes}")
+            received[link.peer_id] += len(body)
+            data = receiver.accept(parse_reply(body))
+            if data is not None:
+                sink(data)
+    finally:
+        stream.close()
+
+
+# ------------------------------------------------------------------------------ manifest
+
+
+async def fetch_manifest(
+    open_link: OpenLink,
+    root: bytes | str,
+    sources: Iterable[bytes],
+    *,
+    quarantine: Quarantine | None = None,
+) -> tuple[ModelManifest, bytes]:
+    """The verified manifest and metadata blob of model ``root``, from the first source that has them.
+
+    The blob's length is the one thing taken from a peer before it can be checked (the root
+    covers its digest, not its size); it is capped at ``MAX_METADATA_BYTES`` and the blob is
+    checked against the digest before it is returned. A source whose reply does not verify
+    is quarantined; :class:`TransferError` when no source answers."""
+    root = _root_bytes(root)
+    quarantine = quarantine if quarantine is not None else Quarantine()
+    received: Counter[bytes] = Counter()
+    reasons: dict[bytes, str] = {}
+    for source in sources:
+        if source in quarantine:
+            continue
+        try:
+            link = await open_link(source)
+            answer = await _query_manifest(link, root, received)
+            blob = bytearray()
+            await _fetch_item(link, root, MetadataItem.BLOB, answer.metadata_nbytes, blob.extend, received)
+        except BadReply as error:
+            quarantine.add(source, f"manifest: {error}")
+            reasons[source] = str(error)
+            continue
+        except _SOURCE_FAILURES as error:
+            reasons[source] = _describe(error)
+            continue
+        if hashlib.sha256(blob).hexdigest() != answer.manifest.metadata_sha256:
+            quarantine.add(source, "metadata blob does not match its digest")
+            reasons[source] = "metadata blob does not match its digest"
+            continue
+        return answer.manifest, bytes(blob)
+    raise TransferError(["<manifest>"], reasons)
+
+
+# ------------------------------------------------------------------------------- tensors
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+class _TensorFetch:
+    """One fetch_tensors call: the plan, the workers, and what they report."""
+
+    def __init__(
+        self,
+        open_link: OpenLink,
+        partial: PartialModel,
+        root: bytes,
+        progress: TransferProgress | None,
+        quarantine: Quarantine,
+    ) -> None:
+        self.open_link = open_link
+        self.partial = partial
+        self.root = root
+        self.progress = progress
+        self.quarantine = quarantine
+        self.received: Counter[bytes] = Counter()
+        self.failed: dict[bytes, str] = {}
+        self.plan = FetchPlan((), {})
+        self.changed = asyncio.Condition()
+        self.links: dict[bytes, PeerLink] = {}
+
+    async def holdings_of(self, source: bytes) -> frozenset[int] | None:
+        try:
+            link = await self.open_link(source)
+            answer = await _query_manifest(link, self.root, self.received)
+        except BadReply as error:
+            self.quarantine.add(source, f"manifest: {error}")
+            return None
+        except _SOURCE_FAILURES as error:
+            self.failed[source] = _describe(error)
+            return None
+        self.links[source] = link
+        return answer.held
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def next_tensor(self, source: bytes) -> int | None:
+        """The next tensor for ``source``, waiting while one it holds is in flight elsewhere
+        (it may come back); ``None`` when there is nothing left it could fetch."""
+        async with self.changed:
+            # Checked and waited for under the lock, so no notify falls between the two.
+            while (index := self.plan.take(source)) is None:
+                if not self.plan.may_get_work(source):
+                    return None
+                await self.changed.wait()
+            return index
+
+    async def worker(self, source: bytes, workers_left: list[int]) -> None:
+        overloads = 0
+        try:
+            while True:
+                index = await self.next_tensor(source)
+                if index is None:
+                    return
+                outcome = await self.fetch_one(source, index)
+                if outcome == "overloaded":
+                    overloads += 1
+                    if overloads > OVERLOAD_RETRIES:
+                        return
+                    await asyncio.sleep(_OVERLOAD_BACKOFF_S * 2**overloads)
+                else:
+                    overloads = 0
+                await self.notify()
+        finally:
+            workers_left[0] -= 1
+            if workers_left[0] == 0:
+                self.plan.lose(source, self.failed.get(source, "no more work"))
+            await self.notify()
+
+    async def fetch_one(self, source: bytes, index: int) -> str:
+        tensor = self.partial.manifest.tensors[index]
+        writer = self.partial.writer(tensor.name)
+
+        def sink(data: bytes) -> None:
+            writer.write(data)
+            if self.progress is not None:
+                self.progress.advance(len(data), time.monotonic_ns())
+
+        try:
+            await _fetch_item(self.links[source], self.root, index, tensor.nbytes, sink, self.received)
+            await asyncio.to_thread(writer.commit)
+        except (TensorDigestMismatch, BadReply) as error:
+            self._rewind(writer.written)
+            self.plan.give_back(index)
+            self.plan.lose(source, "quarantined")
+            self.quarantine.add(source, f"tensor {tensor.name!r}: {error}")
+            return "quarantined"
+        except PeerRefused as refusal:
+            self._rewind(writer.written)
+            if refusal.code == NOT_HELD:
+                self.plan.give_back(index, not_held_by=source)
+                return "not held"
+            self.plan.give_back(index)
+            if refusal.code == OVERLOADED:
+                return "overloaded"
+            self.failed[source] = str(refusal)
+            self.plan.lose(source, str(refusal))
+            return "refused"
+        except _SOURCE_FAILURES as error:
+            self._rewind(writer.written)
+            self.plan.give_back(index)
+            self.failed[source] = _describe(error)
+            self.plan.lose(source, _describe(error))
+            log.info("source %s failed on %s: %s", short_id(source), tensor.name, _describe(error))
+            return "failed"
+        except BaseException:
+            self.plan.give_back(index)
+            raise
+        self.plan.succeeded(index, source)
+        return "done"
+
+    def _rewind(self, nbytes: int) -> None:
+        # Progress counts verified-or-arriving bytes; a discarded attempt's bytes are not done.
+        if self.progress is not None and nbytes:
+            self.progress.advance(-nbytes, time.monotonic_ns())
+
+
+async def fetch_tensors(
+    open_link: OpenLink,
+    partial: PartialModel,
+    names: Iterable[str],
+    sources: Iterable[bytes],
+    *,
+    progress: TransferProgress | None = None,
+    quarantine: Quarantine | None = None,
+    in_flight_per_source: int = IN_FLIGHT_PER_SOURCE,
+) -> FetchReport:
+    """Fetch and verify every tensor of ``names`` that ``partial`` does not hold yet.
+
+    Raises :class:`TransferError` naming the tensors no source could provide (those
+    fetched before that stay journaled, so a retry resumes).
+    """
+    names = tuple(dict.fromkeys(names))
+    missing = partial.missing(names)
+    resumed = tuple(name for name in names if name not in missing)
+    quarantine = quarantine if quarantine is not None else Quarantine()
+    sources = [s for s in dict.fromkeys(sources) if s not in quarantine]
+    run = _TensorFetch(open_link, partial, bytes.fromhex(partial.manifest.root), progress, quarantine)
+    if progress is not None:
+        manifest = partial.manifest
+        total = sum(manifest.tensors[partial.index_of(n)].nbytes for n in names)
+        done = sum(manifest.tensors[partial.index_of(n)].nbytes for n in resumed)
+        progress.begin(total, done, time.monotonic_ns())
+    if missing:
+        held = await asyncio.gather(*(run.holdings_of(source) for source in sources))
+        holders = {s: h for s, h in zip(sources, held, strict=True) if h is not None}
+        run.plan = FetchPlan((partial.index_of(n) for n in missing), holders)
+        workers = []
+        for source in holders:
+            left = [in_flight_per_source]
+            workers += [run.worker(source, left) for _ in range(in_flight_per_source)]
+        await asyncio.gather(*workers)
+    if progress is not None:
+        progress.finish()
+    report = FetchReport(
+        bytes_by_source=dict(run.received),
+        fetched=tuple(n for n in missing if n in partial.verified),
+        resumed=resumed,
+        quarantined=quarantine.peers,
+        failed_sources=dict(run.failed),
+    )
+    still_missing = partial.missing(names)
+    if still_missing:
+        raise TransferError(still_missing, {**run.failed, **report.quarantined})
+    return report
+
+
+__all__ = ["FetchReport", "OpenLink", "TransferError", "fetch_manifest", "fetch_tensors"]

@@ -1,0 +1,251 @@
+"""Where fetched tensors land: a sparse GGUF per model, and a journal of the verified ones.
+
+``<store_dir>/<root>/model.gguf`` gets the model's whole header at once (metadata from
+the verified blob, tensor infos from the verified manifest, canonical offsets) and is
+truncated to its full size, so unfetched tensors are holes that cost no disk. The file
+parses with :func:`engines.gguf_file.read_gguf` from the start, and the slicing code
+reads whatever tensors are in it.
+
+A tensor is streamed to its place in bounded chunks while it is hashed
+(:class:`TensorWriter`); only when the digest matches the manifest are its bytes
+fsync'd and then its name appended to ``journal`` and the journal fsync'd. That
+order is the crash rule: after a SIGKILL (or a power cut) a journaled tensor's bytes
+are on disk, and reopening trusts the journal and nothing else, so a tensor cut off
+mid-write is simply fetched again. A torn last journal line is ignored and cut away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from engines.model_manifest import ModelManifest, TensorDigest
+from meshnode.artifacts.gguf_layout import GGUFLayout, canonical_layout
+
+MODEL_FILE = "model.gguf"
+JOURNAL_FILE = "journal"
+
+
+class StoreError(Exception):
+    """The store cannot hold this model (bad metadata, or a file it cannot write)."""
+
+
+class TensorDigestMismatch(StoreError):
+    """The bytes written for a tensor are not the manifest's: nothing of them is trusted."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"tensor {name!r} does not match its manifest digest")
+        self.name = name
+
+
+class ArtifactStore:
+    def __init__(self, store_dir: Path) -> None:
+        self.store_dir = Path(store_dir)
+
+    def open(self, manifest: ModelManifest, metadata_blob: bytes) -> PartialModel:
+        """The partial model for ``manifest`` (created on first use, resumed after that).
+
+        ``metadata_blob`` must already be verified against ``manifest.metadata_sha256``;
+        a blob that does not do so is refused here too.
+        """
+        if hashlib.sha256(metadata_blob).hexdigest() != manifest.metadata_sha256:
+            raise StoreError("metadata blob does not match the manifest's metadata digest")
+        try:
+            layout = canonical_layout(manifest, metadata_blob)
+        except ValueError as error:
+            raise StoreError(f"metadata cannot be laid out: {error}") from None
+        return PartialModel(self.store_dir / manifest.root, manifest, metadata_blob, layout)
+
+
+class PartialModel:
+    """One model's sparse GGUF and its journal. Use :meth:`ArtifactStore.open` to get one."""
+
+    def __init__(self, directory: Path, manifest: ModelManifest, metadata_blob: bytes, layout: GGUFLayout):
+        self.directory = directory
+        self.manifest = manifest
+        self.metadata_blob = metadata_blob
+        self.layout = layout
+        self._index = {t.name: i for i, t in enumerate(manifest.tensors)}
+        directory.mkdir(parents=True, exist_ok=True)
+        self._verified: set[str] = set()
+        # Commits run in worker threads (fsync blocks); journal lines must not interleave.
+        self._journal_lock = threading.Lock()
+        fresh = not self._header_matches()
+        if fresh:
+            # A new model, or a header from another layout: nothing in the old file is trusted.
+            with contextlib.suppress(FileNotFoundError):
+                self.journal_path.unlink()
+            self._create_file()
+        else:
+            self._verified = self._read_journal()
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._journal = open(self.journal_path, "ab")  # noqa: SIM115 -- lives as long as the model
+
+    @property
+    def path(self) -> Path:
+        return self.directory / MODEL_FILE
+
+    @property
+    def journal_path(self) -> Path:
+        return self.directory / JOURNAL_FILE
+
+    @property
+    def verified(self) -> frozenset[str]:
+        return frozenset(self._verified)
+
+    @property
+    def verified_indices(self) -> frozenset[int]:
+        return frozenset(self._index[name] for name in self._verified)
+
+    def index_of(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the manifest") from None
+
+    def missing(self, names: list[str] | tuple[str, ...] | frozenset[str]) -> tuple[str, ...]:
+        """Those of ``names`` not verified yet, in file order; KeyError for a name not in the model."""
+        wanted = {self.index_of(name) for name in names}
+        return tuple(
+            self.manifest.tensors[i].name
+            for i in sorted(wanted)
+            if self.manifest.tensors[i].name not in self._verified
+        )
+
+    def bytes_on_disk(self) -> int:
+        """Disk space the sparse file and the journal take (allocated blocks, holes excluded)."""
+        total = 0
+        for path in (self.path, self.journal_path):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(path).st_blocks * 512
+        return total
+
+    def tensor_offset(self, index: int) -> int:
+        """Absolute file offset of tensor ``index``'s bytes."""
+        return self.layout.tensor_offsets[index]
+
+    def read(self, index: int, offset: int, length: int) -> bytes:
+        """``length`` bytes of tensor ``index`` from ``offset`` (for uploading a verified tensor)."""
+        return os.pread(self._fd, length, self.tensor_offset(index) + offset)
+
+    def writer(self, name: str) -> TensorWriter:
+        """A writer for tensor ``name``'s bytes, start to end."""
+        index = self.index_of(name)
+        return TensorWriter(self, self.manifest.tensors[index], self.tensor_offset(index))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._journal.close()
+
+    def __enter__(self) -> PartialModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- inside ------------------------------------------------------------------------
+
+    def _header_matches(self) -> bool:
+        header = self.layout.header
+        try:
+            with self.path.open("rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                return size == self.layout.file_size and file.read(len(header)) == header
+        except FileNotFoundError:
+            return False
+
+    def _create_file(self) -> None:
+        temporary = self.path.with_name(f".{MODEL_FILE}.tmp")
+        with temporary.open("wb") as file:
+            file.write(self.layout.header)
+            file.write(bytes(self.layout.data_offset - len(self.layout.header)))
+            # Holes for every tensor: the file has its full size and costs only its header.
+            file.truncate(self.layout.file_size)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+        _fsync_directory(self.directory)
+
+    def _read_journal(self) -> set[str]:
+        try:
+            data = self.journal_path.read_bytes()
+        except FileNotFoundError:
+            return set()
+        verified: set[str] = set()
+        complete = data.rfind(b"\n") + 1
+        for line in data[:complete].splitlines():
+            entry = _parse_journal_line(line, self.manifest)
+            if entry is not None:
+                verified.add(entry)
+        if complete != len(data):
+            # A line torn by a crash: cut it so the next entry starts on a line of its own.
+            with self.journal_path.open("r+b") as journal:
+                journal.truncate(complete)
+                os.fsync(journal.fileno())
+        return verified
+
+    def _commit(self, tensor: TensorDigest) -> None:
+        os.fsync(self._fd)  # the bytes first, then the journal line that vouches for them
+        index = self._index[tensor.name]
+        with self._journal_lock:
+            self._journal.write(f"{index}\t{tensor.sha256}\t{tensor.name}\n".encode())
+            self._journal.flush()
+            os.fsync(self._journal.fileno())
+            self._verified.add(tensor.name)
+
+
+def _parse_journal_line(line: bytes, manifest: ModelManifest) -> str | None:
+    """The tensor a journal line vouches for, if it names one of this manifest exactly."""
+    try:
+        index_text, sha256, name = line.decode().split("\t", 2)
+        index = int(index_text)
+    except ValueError:
+        return None
+    if not 0 <= index < len(manifest.tensors):
+        return None
+    tensor = manifest.tensors[index]
+    return name if (tensor.name, tensor.sha256) == (name, sha256) else None
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TensorWriter:
+    """Writes one tensor's bytes in order, hashing as it goes; :meth:`commit` verifies and journals.
+
+    Memory stays bounded by the chunk a caller passes: nothing of the tensor is kept.
+    """
+
+    def __init__(self, model: PartialModel, tensor: TensorDigest, file_offset: int) -> None:
+        self._model = model
+        self.tensor = tensor
+        self._file_offset = file_offset
+        self._digest = hashlib.sha256()
+        self.written = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.written + len(data) > self.tensor.nbytes:
+            raise TensorDigestMismatch(self.tensor.name)
+        os.pwrite(self._model._fd, data, self._file_offset + self.written)
+        self._digest.update(data)
+        self.written += len(data)
+
+    def commit(self) -> None:
+        """Journal the tensor if its bytes are the manifest's; :class:`TensorDigestMismatch` if not
+        (the bytes stay unjournaled, so they are never trusted and a refetch overwrites them)."""
+        if self.written != self.tensor.nbytes or self._digest.hexdigest() != self.tensor.sha256:
+            raise TensorDigestMismatch(self.tensor.name)
+        self._model._commit(self.tensor)
+
+
+__all__ = ["ArtifactStore", "PartialModel", "StoreError", "TensorDigestMismatch", "TensorWriter"]

@@ -1,0 +1,90 @@
+"""Real nodes over real QUIC serving the tiny model's artifacts, and a holding that lies."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers.mesh_nodes import start_first_node, start_joiner
+from helpers.polling import eventually
+
+from meshnode.artifacts.holdings import HeldArtifact, Holdings
+from meshnode.artifacts.server import ArtifactServer
+from meshnode.artifacts.upload_limit import UploadLimiter
+from meshnode.node import Node
+
+
+class FlippingHolding:
+    """A holding that serves another's bytes with one bit flipped in every tensor."""
+
+    def __init__(self, honest: HeldArtifact) -> None:
+        self.honest = honest
+        self.manifest = honest.manifest
+        self.metadata_blob = honest.metadata_blob
+
+    def held_indices(self) -> frozenset[int]:
+        return self.honest.held_indices()
+
+    def read(self, index: int, offset: int, length: int) -> bytes:
+        data = bytearray(self.honest.read(index, offset, length))
+        if offset == 0:
+            data[0] ^= 0x01
+        return bytes(data)
+
+
+class LyingMetadata:
+    """A holding whose metadata blob has its first byte changed (the digest no longer matches)."""
+
+    def __init__(self, honest: HeldArtifact) -> None:
+        self.honest = honest
+        self.manifest = honest.manifest
+        self.metadata_blob = b"\x00" + honest.metadata_blob[1:]
+
+    def held_indices(self) -> frozenset[int]:
+        return self.honest.held_indices()
+
+    def read(self, index: int, offset: int, length: int) -> bytes:
+        return self.honest.read(index, offset, length)
+
+
+@dataclass
+class Peer:
+    node: Node
+    server: ArtifactServer
+
+    @property
+    def id(self) -> bytes:
+        return self.node.node_id
+
+
+def serve(
+    node: Node, *artifacts: HeldArtifact, limiter: UploadLimiter | None = None, **options: object
+) -> Peer:
+    holdings = Holdings()
+    for artifact in artifacts:
+        holdings.add(artifact)
+    server = ArtifactServer(holdings, limiter or UploadLimiter(bytes_per_s=0), **options)  # type: ignore[arg-type]
+    server.register(node)
+    return Peer(node, server)
+
+
+@contextlib.asynccontextmanager
+async def mesh_of(tmp_path: Path, count: int) -> AsyncIterator[list[Node]]:
+    """``count`` started nodes in one mesh, each seeing every other."""
+    first = await start_first_node(tmp_path)
+    nodes = [first]
+    try:
+        for index in range(1, count):
+            nodes.append(await start_joiner(tmp_path, f"node{index}", first))
+        await eventually(
+            lambda: all(
+                other.node_id in node.state.table for node in nodes for other in nodes if other is not node
+            ),
+            what="every node sees every other",
+        )
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
