@@ -63,6 +63,7 @@ class ArtifactServer:
         self.request_timeout = request_timeout
         self._uploads: Counter[bytes] = Counter()
         self.uploaded_bytes = 0
+        self.uploaded_by_peer: Counter[bytes] = Counter()
         self.refusals: Counter[str] = Counter()
 
     def register(self, node: HandlerRegistry) -> None:
@@ -127,6 +128,7 @@ class ArtifactServer:
                 offset += size
                 sent += size
                 self.uploaded_bytes += size
+                self.uploaded_by_peer[peer] += size
             await stream.send_frame(encode_end(sent))
         finally:
             self._uploads[peer] -= 1

@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
 
+from engines.cache import write_bytes_atomically
 from engines.model_manifest import ModelManifest, TensorDigest
 from meshnode.artifacts.gguf_layout import GGUFLayout, canonical_layout
 
 MODEL_FILE = "model.gguf"
 JOURNAL_FILE = "journal"
+# The verified manifest and metadata blob, kept so a restarted node resumes without asking a peer.
+MANIFEST_FILE = "manifest.json"
+METADATA_FILE = "metadata.bin"
 
 
 class StoreError(Exception):
@@ -57,7 +62,28 @@ class ArtifactStore:
             layout = canonical_layout(manifest, metadata_blob)
         except ValueError as error:
             raise StoreError(f"metadata cannot be laid out: {error}") from None
-        return PartialModel(self.store_dir / manifest.root, manifest, metadata_blob, layout)
+        directory = self.store_dir / manifest.root
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / MANIFEST_FILE).exists():
+            write_bytes_atomically(directory / METADATA_FILE, metadata_blob)
+            write_bytes_atomically(directory / MANIFEST_FILE, json.dumps(manifest.to_json()).encode())
+        return PartialModel(directory, manifest, metadata_blob, layout)
+
+    def reopen(self, root: str) -> PartialModel | None:
+        """The partial model of ``root`` (hex) as a previous run left it, or ``None`` when there
+        is none whose saved manifest still hashes to ``root``."""
+        directory = self.store_dir / root
+        try:
+            manifest = ModelManifest.from_json(json.loads((directory / MANIFEST_FILE).read_bytes()))
+            blob = (directory / METADATA_FILE).read_bytes()
+        except (OSError, ValueError):
+            return None
+        if manifest.root != root:
+            return None
+        try:
+            return self.open(manifest, blob)
+        except StoreError:
+            return None
 
 
 class PartialModel:

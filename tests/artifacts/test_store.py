@@ -154,3 +154,20 @@ def test_a_metadata_blob_that_is_not_the_manifests_is_refused(tmp_path, tiny_man
 def test_unknown_tensor_names_are_refused(tmp_path, tiny_manifest, tiny_metadata):
     with ArtifactStore(tmp_path).open(tiny_manifest, tiny_metadata) as partial, pytest.raises(KeyError):
         partial.missing(["no.such.tensor"])
+
+
+def test_a_restarted_node_reopens_its_partial_model_by_root(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    store = ArtifactStore(tmp_path)
+    assert store.reopen(tiny_manifest.root) is None
+    with store.open(tiny_manifest, tiny_metadata) as partial:
+        write_tensor(partial, tiny_model, "output_norm.weight")
+    with store.reopen(tiny_manifest.root) as reopened:  # type: ignore[union-attr]
+        assert reopened.manifest == tiny_manifest
+        assert reopened.verified == frozenset({"output_norm.weight"})
+    # A saved manifest that no longer hashes to its directory's name is not trusted.
+    (tmp_path / tiny_manifest.root / "manifest.json").write_text(
+        '{"gguf_version": 3, "metadata_sha256": "' + "0" * 64 + '", "tensors": []}'
+    )
+    assert store.reopen(tiny_manifest.root) is None
