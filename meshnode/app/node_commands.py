@@ -28,12 +28,15 @@ from meshnode.app.cli_args import (
 from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
 from meshnode.app.lease_options import add_lease_options, link_settings
+from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
 from meshnode.app.node_serving import serve_node
+from meshnode.app.placement_options import add_placement_options
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.app.session_options import add_session_options
 from meshnode.app.status import format_status, query_status
 from meshnode.identity import IdentityError, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
+    DEFAULT_CERTIFICATE_TTL_S,
     Endpoint,
     MeshKey,
     check_invite,
@@ -42,6 +45,7 @@ from meshnode.membership.credentials import (
     encode_invite_token,
     issue_certificate,
 )
+from meshnode.membership.invite_ledger import record_issued
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig
 from meshnode.wire.mesh_refusal import MeshRefusal
@@ -99,6 +103,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     add_session_options(model)
     add_weight_repack_option(model)
     add_api_listen_option(model)
+    add_placement_options(parser)
     add_lease_options(parser)
     add_read_limit_options(parser)
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
@@ -109,6 +114,10 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--peer-timeout", type=positive, default=None, help="probe a peer silent this long (4 heartbeats)"
     )
     timing.add_argument("--tombstone-ttl", type=positive, default=60.0, help="remember departed peers (60)")
+    # Hidden: the lifetime of the certificates this node issues as an admin; tests shorten it.
+    timing.add_argument(
+        "--certificate-ttl", type=positive, default=DEFAULT_CERTIFICATE_TTL_S, help=argparse.SUPPRESS
+    )
     timing.add_argument(
         "--drain-timeout",
         type=positive,
@@ -131,6 +140,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         relays=list(args.relay),
         relay_only=args.relay_only,
         quic=apply_read_limit_options(args, link_settings(args)),
+        certificate_ttl=args.certificate_ttl,
     )
 
 
@@ -153,7 +163,12 @@ async def cmd_create(args: argparse.Namespace) -> int:
             raise CliError(f"{data_dir.path} is already a mesh member; use `meshnode start`")
         mesh_key = MeshKey.generate()
         certificate = issue_certificate(
-            mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
+            mesh_key,
+            node_id=identity.node_id,
+            issuer_id=identity.node_id,
+            unix_now=time.time(),
+            ttl_s=args.certificate_ttl,
+            admin=True,
         )
         membership = MembershipState(mesh_key=mesh_key, certificate=certificate)
         data_dir.save_membership(membership)
@@ -221,12 +236,18 @@ async def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_invite(args: argparse.Namespace) -> int:
+    if args.list:
+        return list_invites(args)
+    if args.revoke:
+        return revoke_invite_command(args)
     path = node_data_dir(args)
     try:
         identity = load_identity(path)
     except IdentityError as exc:
         raise CliError(str(exc)) from None
     membership = _load_membership(DataDir(path), identity.node_id)
+    if membership.mesh_key is None:
+        raise CliError(NOT_ADMIN)
     bootstrap = [Endpoint(identity.node_id, address) for address in args.address]
     if not bootstrap:
         try:
@@ -248,9 +269,10 @@ def cmd_invite(args: argparse.Namespace) -> int:
         ttl_s=args.ttl,
         unix_now=time.time(),
     )
+    record_issued(path, invite)
     expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(invite.expires_unix))
     print(
-        f"invite for mesh {membership.mesh_id}, valid until {expires}, bootstrap: "
+        f"invite {short_id(invite.invite_id)} for mesh {membership.mesh_id}, valid until {expires}, bootstrap: "
         + ", ".join(str(e) for e in bootstrap),
         file=sys.stderr,
     )
@@ -320,8 +342,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "invite",
         parents=[common],
         help="print an invite token for this mesh",
-        description="Print an invite token (stdout) for the mesh this data directory belongs to. It names "
-        "the running node (and a few of its peers) as bootstrap peers, pinned by node id.",
+        description="Print an invite token (stdout) for the mesh this data directory belongs to (admins "
+        "only). It names the running node (and a few of its peers) as bootstrap peers, pinned by node "
+        "id. --list shows the invites issued here; --revoke ID withdraws one.",
     )
     p.add_argument(
         "--ttl", type=parse_duration, default=24 * 3600.0, help="validity, e.g. 30m, 24h (default 24h)"
@@ -335,6 +358,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="bootstrap address of this node (default: ask the running node)",
     )
     p.add_argument("--extra-peers", type=int, default=3, help="also list up to N connected peers (default 3)")
+    add_invite_options(p)
     p.set_defaults(handler=cmd_invite)
 
     p = subparsers.add_parser(

@@ -1,5 +1,7 @@
 """A node running as a process: its shard service and head (with ``--model``), drained before it leaves.
 
+A node without ``--model`` places itself (:mod:`.placed_serving`) unless ``--placement off``.
+
 :func:`serve_node` is where ``meshnode create``, ``join`` and ``start`` go once
 the node is built; a bad ``--model`` or ``--layers`` is refused before anything
 loads (:func:`meshnode.dataplane.service.describe_served_model`).
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshnode.app.api_options import head_options
@@ -32,7 +35,11 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     if args.model is None:
         if args.layers is not None:
             raise CliError("--layers needs --model", code=2)
-        return await run_node(node)
+        if args.placement == "off":
+            return await run_node(node)
+        from meshnode.app.placed_serving import serve_placed_node
+
+        return await serve_placed_node(node, args, node.data_dir.path)
     # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
     from meshnode.dataplane.service import (
         ShardService,
@@ -63,7 +70,11 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None
     try:
-        head = await _start_head(node, service, args)
+        from meshnode.app.placed_serving import offer_model_file
+
+        # Joiners with no --model fetch their layers from nodes that hold them (meshnode.artifacts).
+        await offer_model_file(node, args.model, args)
+        head = await start_head(node, service, args, args.model)
 
         async def drain() -> None:
             # The API first: it refuses new requests and waits for the generations it
@@ -82,12 +93,14 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         await service.aclose()
 
 
-async def _start_head(node: Node, service: ShardService, args: argparse.Namespace) -> HeadService | None:
+async def start_head(
+    node: Node, service: ShardService, args: argparse.Namespace, model_path: Path
+) -> HeadService | None:
     """The API on a node serving a shard (``--api-listen``); a busy default port only warns."""
     if args.api_listen is False:
         return None
     try:
-        return await start_node_head(node, service, args.model, head_options(args.api_listen))
+        return await start_node_head(node, service, model_path, head_options(args.api_listen))
     except HeadError as exc:
         if args.api_listen is not None:
             raise CliError(str(exc)) from None
@@ -95,4 +108,4 @@ async def _start_head(node: Node, service: ShardService, args: argparse.Namespac
         return None
 
 
-__all__ = ["serve_node"]
+__all__ = ["serve_node", "start_head"]

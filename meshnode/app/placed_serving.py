@@ -1,0 +1,140 @@
+"""A node started without ``--model``: it places itself (:mod:`meshnode.autoplace`) and serves.
+
+The composition root of placement: the shard service and the head are built here for
+each range :class:`~meshnode.autoplace.auto_shard.AutoShard` chooses, on a
+:class:`~meshnode.autoplace.switched_handlers.SwitchedNode` so that a node that moves
+to another range can register its new shard server's handlers. Every node serving
+a model also offers its tensors to joiners (:func:`offer_artifacts`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from meshnode.app.cli_error import CliError
+from meshnode.app.head_service import HeadService
+from meshnode.app.lease_options import lease_settings
+from meshnode.app.lifecycle import run_node
+from meshnode.app.placement_options import placement_settings, upload_limiter
+from meshnode.app.session_options import max_sessions
+from meshnode.artifacts.holdings import FullModel, Holdings
+from meshnode.artifacts.server import ArtifactServer
+from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeRequest
+from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
+from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
+from meshnode.node import Node
+from meshnode.wire.framing import StreamType
+
+log = logging.getLogger("meshnode.cli")
+
+
+def offer_artifacts(node: Node, holdings: Holdings, args: argparse.Namespace) -> ArtifactServer:
+    """Serve model tensors to peers that fetch them (StreamType.ARTIFACT), at most ``--upload-limit``."""
+    server = ArtifactServer(holdings, upload_limiter(args))
+    node.register_handler(StreamType.ARTIFACT, server.handle)
+    return server
+
+
+async def offer_model_file(node: Node, path: Path, args: argparse.Namespace) -> None:
+    """A node serving ``--model PATH`` offers the whole file's tensors (a file it cannot offer
+    is only logged: the node still serves its layers)."""
+    holdings = Holdings()
+    try:
+        holdings.add(await asyncio.to_thread(FullModel, path))
+    except (OSError, ValueError) as exc:
+        log.warning("not offering %s to joining nodes: %s", path.name, exc)
+        return
+    offer_artifacts(node, holdings, args)
+
+
+class _PlacedShard:
+    """The shard service and head of one placed range."""
+
+    def __init__(self, service: ShardService, head: HeadService | None, handlers: SwitchedHandlers) -> None:
+        self.service = service
+        self.head = head
+        self._handlers = handlers
+
+    async def drain(self) -> None:
+        if self.head is not None:
+            await self.head.drain()
+        await self.service.drain()
+
+    async def aclose(self) -> None:
+        self._handlers.clear()
+        if self.head is not None:
+            await self.head.aclose()
+        await self.service.aclose()
+
+
+async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path) -> int:
+    """Run ``node`` until a signal, serving the range the mesh needs most once it has fetched it."""
+    from meshnode.app.node_serving import start_head  # node_serving sends nodes without --model here
+
+    if args.n_gpu_layers > 0 and args.memory_budget is None:
+        log.warning("--n-gpu-layers without --memory-budget: the range is sized to free RAM, not VRAM")
+    holdings = Holdings()
+    offer_artifacts(node, holdings, args)
+    handlers = SwitchedHandlers(node.register_handler)
+    switched = SwitchedNode(node, handlers)
+
+    async def start_serving(request: ServeRequest) -> _PlacedShard:
+        options = ShardServiceOptions(
+            model=request.model_path,
+            layers=request.layers,
+            n_gpu_layers=args.n_gpu_layers,
+            weight_repack=args.weight_repack,
+            threads=args.threads,
+            ctx=args.ctx,
+            max_sessions=max_sessions(args, request.model_path, request.layers, args.ctx),
+            leases=lease_settings(args, serves_api=args.api_listen is not False),
+            model_name=request.model_name,
+            model_fingerprint=request.fingerprint,
+        )
+        try:
+            service = await ShardService.start(
+                switched,
+                options,
+                refresh_interval_s=args.heartbeat_interval,
+                is_member=node.state.is_admitted,
+            )
+        except ShardServiceError as exc:
+            handlers.clear()
+            raise PlacementError(str(exc)) from None
+        try:
+            head = await start_head(node, service, args, request.model_path)
+        except BaseException as exc:
+            await service.aclose()
+            handlers.clear()
+            if isinstance(exc, CliError):
+                raise PlacementError(str(exc)) from None
+            raise
+        return _PlacedShard(service, head, handlers)
+
+    placement = AutoShard(node, placement_settings(args, data_dir), start_serving, holdings)
+    node.status_sections["placement"] = placement.status
+    running: list[asyncio.Task[None]] = []
+
+    def place(_: Node) -> None:
+        running.append(asyncio.ensure_future(placement.run()))
+
+    async def drain() -> None:
+        serving = placement.serving
+        if serving is not None:
+            await serving.drain()
+
+    try:
+        return await run_node(node, on_ready=place, drain=drain, drain_timeout=args.drain_timeout)
+    finally:
+        for task in running:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await placement.aclose()
+
+
+__all__ = ["offer_artifacts", "offer_model_file", "serve_placed_node"]

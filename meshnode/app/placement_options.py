@@ -1,0 +1,92 @@
+"""The command-line options of a node that places itself (:mod:`meshnode.autoplace`).
+
+A node started with no ``--model`` (``meshnode join --invite TOKEN`` alone) learns from
+gossip what the mesh serves, takes the layer range that helps most within
+``--memory-budget`` and fetches just those tensors from its peers into
+``--model-store``. ``--placement off`` keeps such a node a plain member that serves no
+layers. ``--claim-settle`` and ``--move-settle`` are the waits that keep two joiners
+off one gap and a serving node from chasing coverage that flickers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshnode.app.cli_args import positive
+from meshnode.app.session_options import parse_size
+from meshnode.artifacts.upload_limit import DEFAULT_UPLOAD_BYTES_PER_S, UploadLimiter
+from meshnode.autoplace.auto_shard import AutoPlaceSettings
+
+AUTO, OFF = "auto", "off"
+# Gossip rounds a claim stands before the node loads it; two rounds let a claim made at the
+# same moment reach every node and come back.
+_CLAIM_ROUNDS = 3
+DEFAULT_MOVE_SETTLE_S = 60.0
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("placement and model transfer (a node started without --model)")
+    group.add_argument(
+        "--placement",
+        choices=(AUTO, OFF),
+        default=AUTO,
+        help="auto (the default): take the layer range the mesh needs most and fetch it from peers; "
+        "off: serve no layers (a member that only sends requests)",
+    )
+    group.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most memory the layers this node takes may use, e.g. 4G (default: half the memory "
+        "available; say it with --n-gpu-layers, whose VRAM is not measured)",
+    )
+    group.add_argument(
+        "--model-store",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where fetched model tensors are kept and resumed from (default: <data-dir>/models)",
+    )
+    group.add_argument(
+        "--upload-limit",
+        type=parse_size,
+        default=DEFAULT_UPLOAD_BYTES_PER_S,
+        metavar="SIZE",
+        help="most bytes per second this node sends to nodes fetching model tensors from it, all "
+        f"together, so its own decode barely slows (default {DEFAULT_UPLOAD_BYTES_PER_S // 2**20}M)",
+    )
+    group.add_argument(
+        "--claim-settle",
+        type=positive,
+        default=None,
+        metavar="SECONDS",
+        help=f"how long a claimed range stands before it is loaded (default {_CLAIM_ROUNDS} heartbeats)",
+    )
+    group.add_argument(
+        "--move-settle",
+        type=positive,
+        default=DEFAULT_MOVE_SETTLE_S,
+        metavar="SECONDS",
+        help="how long another range must stay more useful before a serving node moves to it "
+        f"(default {DEFAULT_MOVE_SETTLE_S:g})",
+    )
+
+
+def upload_limiter(args: argparse.Namespace) -> UploadLimiter:
+    return UploadLimiter(float(args.upload_limit))
+
+
+def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceSettings:
+    interval = float(args.heartbeat_interval)
+    return AutoPlaceSettings(
+        store_dir=args.model_store or data_dir / "models",
+        memory_budget=args.memory_budget,
+        poll_s=interval,
+        claim_settle_s=args.claim_settle if args.claim_settle is not None else _CLAIM_ROUNDS * interval,
+        move_settle_s=args.move_settle,
+    )
+
+
+__all__ = ["add_placement_options", "placement_settings", "upload_limiter"]

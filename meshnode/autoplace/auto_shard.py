@@ -1,0 +1,359 @@
+"""A node with no ``--model`` places itself: wait for a model in gossip, claim, fetch, serve, move.
+
+The steps, each logged:
+
+1. **Wait** until gossip shows a model this node can fetch (:func:`.mesh_models.most_needed`).
+2. **Manifest**: ask the nodes announcing it for its manifest and metadata, verified against
+   the fingerprint, and open the local copy (:class:`meshnode.artifacts.store.PartialModel`),
+   resuming what an earlier run verified. What it holds is offered to other joiners at once.
+3. **Claim**: choose the range (:func:`meshnode.mesh.placement.choose_range`) within the
+   budget (:mod:`.memory_budget`), announce it as a claim, and wait ``claim_settle_s`` (a few
+   gossip rounds) for the claims of nodes joining at the same moment; of two claims on one
+   gap the lower node id keeps it, and the other chooses again.
+4. **Fetch** exactly the tensors the range needs, from every node that holds them.
+5. **Serve** through ``start_serving`` (the shard service and the API, built by the caller).
+6. **Watch**: every ``poll_s``, ask :class:`meshnode.mesh.placement.Replacement` whether another
+   range would cover enough layers nobody serves, for long enough; only then drain, claim the
+   new range and go back to step 4. The settle time is stretched by a share of the node id,
+   so two nodes that see the same gap do not both move at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from engines.gguf_file import read_gguf
+from engines.slicing import tensors_for_range
+from meshnode.artifacts.fetcher import Quarantine, TransferError, fetch_manifest, fetch_tensors
+from meshnode.artifacts.holdings import Holdings, PartialHolding
+from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
+from meshnode.artifacts.store import ArtifactStore, PartialModel
+from meshnode.autoplace.layer_costs import LayerCosts, layer_costs
+from meshnode.autoplace.memory_budget import read_machine_budget
+from meshnode.autoplace.mesh_models import (
+    MeshModel,
+    ModelCoverage,
+    claim_announcement,
+    coverage,
+    most_needed,
+)
+from meshnode.identity import short_id
+from meshnode.mesh.placement import Range, Replacement, choose_range
+from meshnode.sansio import SECOND_NS
+from meshnode.transport.base import PeerLink
+from meshnode.wire.pb import mesh
+
+log = logging.getLogger("meshnode.autoplace")
+
+# Placement gives up a failed step for this long before trying again (doubling, capped).
+_RETRY_FIRST_S = 1.0
+_RETRY_MAX_S = 30.0
+
+
+class PlacingNode(Protocol):
+    """What placement needs from :class:`meshnode.node.Node`."""
+
+    node_id: bytes
+
+    def peers(self) -> Iterable[Any]: ...  # PeerEntry: .peer_id, .announcement
+
+    async def get_link(self, peer_id: bytes) -> PeerLink: ...
+
+    def set_serving(self, serving: mesh.ServedShard | None) -> None: ...
+
+    def set_load(self, load: mesh.Load) -> None: ...
+
+
+class Serving(Protocol):
+    async def drain(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """A range of a fetched model to serve: the file has the tensors of ``layers``, not all."""
+
+    model_path: Path
+    layers: Range
+    fingerprint: str
+    model_name: str
+
+
+StartServing = Callable[[ServeRequest], Awaitable[Serving]]
+
+
+@dataclass(frozen=True)
+class AutoPlaceSettings:
+    store_dir: Path
+    # Bytes of weights at most (--memory-budget); None: half the memory available.
+    memory_budget: int | None = None
+    # How often gossip is looked at (the heartbeat interval).
+    poll_s: float = 5.0
+    # How long a claim stands before the node loads it: a few gossip rounds.
+    claim_settle_s: float = 15.0
+    # How long a better range must stay better before a serving node moves to it.
+    move_settle_s: float = 60.0
+    min_gain_layers: int = 1
+    # How long a moving node waits for the generations through it before it lets go.
+    move_drain_s: float = 10.0
+
+
+class AutoShard:
+    def __init__(
+        self,
+        node: PlacingNode,
+        settings: AutoPlaceSettings,
+        start_serving: StartServing,
+        holdings: Holdings,
+        *,
+        budget: Callable[[], int | None] | None = None,
+    ) -> None:
+        self._node = node
+        self._settings = settings
+        self._start_serving = start_serving
+        self._holdings = holdings
+        self._store = ArtifactStore(settings.store_dir)
+        self._budget = budget or (lambda: read_machine_budget(settings.memory_budget))
+        self._state = "waiting for a model in gossip"
+        self._model: MeshModel | None = None
+        self._layers: Range | None = None
+        self._progress: TransferProgress | None = None
+        self._serving: Serving | None = None
+        # Peers caught sending a wrong byte: never asked again by this node.
+        self._quarantine = Quarantine()
+        # Reply bytes received for tensors, all fetches together (what joining cost the network).
+        self.fetched_bytes = 0
+        # The id's first byte stretches the move settle time by up to half of it.
+        self._move_settle_ns = round(settings.move_settle_s * SECOND_NS * (1 + node.node_id[0] / 510))
+
+    # -- what `meshnode status` shows -------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"state": self._state}
+        if self._model is not None:
+            report["model"] = {"name": self._model.name, "fingerprint": self._model.fingerprint}
+        if self._layers is not None:
+            report["layers"] = list(self._layers)
+        if self._progress is not None:
+            report["transfer"] = self._progress.as_status()
+        report["fetched_bytes"] = self.fetched_bytes
+        return report
+
+    @property
+    def serving(self) -> Serving | None:
+        """What serves the placed range now (None while waiting, claiming, fetching or moving)."""
+        return self._serving
+
+    @property
+    def layers(self) -> Range | None:
+        """The range claimed or served, once chosen."""
+        return self._layers
+
+    # -- the steps ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Place, serve and watch until cancelled; a failed step is logged and tried again."""
+        retry_s = _RETRY_FIRST_S
+        while True:
+            try:
+                await self._place_and_serve()
+                return
+            except (TransferError, PlacementError, OSError, ValueError) as exc:
+                log.warning("placement: %s; trying again in %.0f s", exc, retry_s)
+                self._state = f"retrying: {exc}"
+                await self._let_go()
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, _RETRY_MAX_S)
+
+    async def _place_and_serve(self) -> None:
+        found = await self._wait_for_model()
+        model = found.model
+        self._model = model
+        self._state = "fetching the manifest"
+        manifest, metadata = await fetch_manifest(
+            self._node.get_link, model.fingerprint, found.sources, quarantine=self._quarantine
+        )
+        partial = self._store.open(manifest, metadata)
+        self._holdings.add(PartialHolding(partial))
+        header = read_gguf(partial.path)
+        costs = layer_costs(
+            model.total_layers,
+            {tensor.name: tensor.nbytes for tensor in manifest.tensors},
+            lambda start, end: tensors_for_range(header, start, end),
+        )
+        layers = await self._claim(model, costs)
+        while True:
+            await self._fetch(partial, layers, header)
+            self._state = "loading"
+            self._serving = await self._start_serving(
+                ServeRequest(partial.path, layers, model.fingerprint, model.name)
+            )
+            self._state = "serving"
+            log.info("serving %s layers [%d, %d) placed by the mesh", model.name, *layers)
+            moved_to = await self._watch(model, costs, layers)
+            log.info(
+                "moving from layers [%d, %d) to [%d, %d): they cover layers nobody serves", *layers, *moved_to
+            )
+            self._state = "moving"
+            await self._let_go(drain=True)
+            layers = await self._claim(model, costs, preferred=moved_to)
+
+    async def _wait_for_model(self) -> ModelCoverage:
+        announced = False
+        while True:
+            found = most_needed(self._announcements(), exclude=self._node.node_id)
+            if found is not None and found.sources:
+                log.info(
+                    "the mesh serves %s (%d layers, fingerprint %s…) on %d node(s)",
+                    found.model.name,
+                    found.model.total_layers,
+                    found.model.fingerprint[:12],
+                    len(found.sources),
+                )
+                return found
+            if not announced:
+                log.info("no model in the mesh yet; this node serves layers once one is announced")
+                announced = True
+            await asyncio.sleep(self._settings.poll_s)
+
+    def _announcements(self) -> list[tuple[bytes, mesh.PeerAnnouncement]]:
+        return [(entry.peer_id, entry.announcement) for entry in self._node.peers()]
+
+    def _choose(self, model: MeshModel, costs: LayerCosts) -> Range:
+        budget = self._budget()
+        if budget is None:
+            raise PlacementError("cannot tell this machine's free memory; say --memory-budget")
+        found = coverage(self._announcements(), model, exclude=self._node.node_id)
+        layers = choose_range(
+            model.total_layers,
+            list(costs.per_layer),
+            max(0, budget - costs.shared),
+            found.served_ranges,
+            found.claims,
+            self._node.node_id,
+        )
+        if layers is None:
+            cheapest = min(costs.per_layer) + costs.shared
+            raise PlacementError(
+                f"a budget of {_mib(budget)} holds no layer of {model.name} (the cheapest needs "
+                f"{_mib(cheapest)}); raise --memory-budget or free memory"
+            )
+        return layers
+
+    async def _claim(self, model: MeshModel, costs: LayerCosts, preferred: Range | None = None) -> Range:
+        """Announce a claim and keep it once it has stood ``claim_settle_s`` uncontested."""
+        layers = preferred or self._choose(model, costs)
+        while True:
+            self._layers = layers
+            self._state = "claiming"
+            served, load = claim_announcement(model, layers)
+            self._node.set_serving(served)
+            self._node.set_load(load)
+            log.info(
+                "claiming layers [%d, %d) of %s (%s); waiting %.0f s for other claims",
+                *layers,
+                model.name,
+                _mib(costs.range_bytes(*layers)),
+                self._settings.claim_settle_s,
+            )
+            await asyncio.sleep(self._settings.claim_settle_s)
+            settled = self._choose(model, costs)
+            if settled == layers or (preferred is not None and not self._contested(model, layers)):
+                return layers
+            log.info("layers [%d, %d) were claimed by a node that keeps them; choosing again", *layers)
+            layers, preferred = settled, None
+
+    def _contested(self, model: MeshModel, layers: Range) -> bool:
+        """Whether a node with a lower id claims layers overlapping ``layers``."""
+        found = coverage(self._announcements(), model, exclude=self._node.node_id)
+        return any(
+            claim.node_id < self._node.node_id and claim.layers[0] < layers[1] and layers[0] < claim.layers[1]
+            for claim in found.claims
+        )
+
+    async def _fetch(self, partial: PartialModel, layers: Range, header: Any) -> None:
+        assert self._model is not None
+        wanted = tensors_for_range(header, *layers)
+        if not partial.missing(wanted):
+            log.info("layers [%d, %d): every tensor is already verified on disk", *layers)
+            return
+        self._state = "fetching"
+        sources = coverage(self._announcements(), self._model, exclude=self._node.node_id).sources
+        progress = TransferProgress(f"layers {layers[0]}:{layers[1]}")
+        self._progress = progress
+        display = asyncio.ensure_future(ProgressDisplay(progress).run())
+        try:
+            report = await fetch_tensors(
+                self._node.get_link, partial, wanted, sources, progress=progress, quarantine=self._quarantine
+            )
+        finally:
+            progress.finish()
+            display.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await display
+        self.fetched_bytes += report.bytes_received
+        log.info(
+            "fetched layers [%d, %d): %d tensor(s), %s from %s%s",
+            *layers,
+            len(report.fetched),
+            _mib(report.bytes_received),
+            describe_sources(report.bytes_by_source),
+            f"; quarantined {describe_sources(report.quarantined)}" if report.quarantined else "",
+        )
+
+    async def _watch(self, model: MeshModel, costs: LayerCosts, layers: Range) -> Range:
+        replacement = Replacement(
+            min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
+        )
+        while True:
+            await asyncio.sleep(self._settings.poll_s)
+            budget = self._budget()
+            if budget is None:
+                continue
+            found = coverage(self._announcements(), model, exclude=self._node.node_id)
+            others = [*found.served_ranges, *(claim.layers for claim in found.claims)]
+            moved_to = replacement.consider(
+                layers,
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                others,
+                time.monotonic_ns(),
+            )
+            if moved_to is not None:
+                return moved_to
+
+    async def _let_go(self, *, drain: bool = False) -> None:
+        serving, self._serving = self._serving, None
+        if serving is not None:
+            if drain:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(serving.drain(), self._settings.move_drain_s)
+            await serving.aclose()
+        self._node.set_serving(None)
+
+    async def aclose(self) -> None:
+        await self._let_go()
+
+
+class PlacementError(Exception):
+    """This node cannot place itself now; the message says why and what to change."""
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
+
+
+def describe_sources(sources: Iterable[bytes]) -> str:
+    return ", ".join(short_id(source) for source in sources)
+
+
+__all__ = ["AutoPlaceSettings", "AutoShard", "PlacementError", "ServeRequest", "Serving", "StartServing"]
