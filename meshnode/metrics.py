@@ -126,6 +126,13 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
         info.samples[0][0].update(node_id=node.node_id.hex()[:16], mesh_id=node.mesh_id or "")
         peers = node.peers()
         families.append(gauge("meshnode_peers", "Peers in this node's view of the mesh", len(peers)))
+        revoked = counter(
+            "meshnode_revoked_credential_refusals_total",
+            "Frames and streams refused to removed members, withdrawn invites and expired certificates",
+        )
+        for code, count in sorted(node.revoked_refusals().items()):
+            revoked.add(count, {"code": code.removeprefix("MESH_ERROR_")})
+        families.append(revoked)
         relays = node.relay_links
         if relays is not None:
             stats = relays.stats

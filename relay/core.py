@@ -43,6 +43,13 @@ Policies (each has a test in ``tests/relay/test_relay_core.py``):
   registered in the sender's mesh are refused with ``DESTINATION_UNKNOWN``.
 * When a registration ends, its queue is dropped and every client that sent to
   it is told ``peer_gone``.
+* Removals: a registered client hands over the admin-signed revocations it knows
+  (``RelayRevocations``); each is verified against the mesh key of the client's
+  mesh and kept (``revocations_changed`` tells the edge to save them). A removed
+  node's registration is ended and any later one refused with
+  ``RELAY_ERROR_NOT_A_MEMBER`` carrying ``MESH_ERROR_REVOKED``; a withdrawn
+  invite's proof with ``MESH_ERROR_INVITE_REVOKED``; an expired certificate is
+  refused by the membership check itself (``MESH_ERROR_CERTIFICATE_EXPIRED``).
 """
 
 from __future__ import annotations
@@ -50,13 +57,14 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NODE_ID_BYTES, short_id, verify_signature
 from meshnode.membership.credentials import verify_membership_proof
+from meshnode.membership.revocation import RevocationList
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.relaywire.ratelimit import TokenBucket
@@ -179,6 +187,7 @@ class RelayCore:
         policy: RelayPolicy | None = None,
         *,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        revocations: Iterable[membership.Revocation] = (),
     ) -> None:
         if len(relay_id) != NODE_ID_BYTES:
             raise ValueError("relay id must be 32 bytes")
@@ -195,6 +204,20 @@ class RelayCore:
         self._unregistered_by_source: Counter[str] = Counter()
         self._shutting_down = False
         self.stats = RelayStats()
+        self._revocations = {mesh_id: RevocationList(mesh_id) for mesh_id in self.meshes}
+        self._learn_revocations(revocations)
+        # Set when a revocation was learned since the edge last saved them.
+        self.revocations_changed = False
+
+    def revocations(self) -> list[membership.Revocation]:
+        """Every verified revocation this relay keeps, of all its meshes."""
+        return [r for revocations in self._revocations.values() for r in revocations.signed()]
+
+    def _learn_revocations(self, revocations: Iterable[membership.Revocation]) -> None:
+        """Keep the stored ones that verify for a mesh this relay serves (each list refuses the rest)."""
+        stored = list(revocations)
+        for known in self._revocations.values():
+            known.learn(stored)
 
     # -- inputs ------------------------------------------------------------------
 
@@ -270,12 +293,31 @@ class RelayCore:
         # Every frame costs tokens, valid or not.
         conn.frame_bucket.charge(1, now_ns)
         conn.byte_bucket.charge(len(body), now_ns)
-        if message.WhichOneof("kind") == "register":
+        kind = message.WhichOneof("kind")
+        if kind == "register":
             self._on_register(conn, message.register, unix_now)
         elif conn.state is not ConnState.REGISTERED:
             self._fail(conn, RelayRefused(p.PROTOCOL, "send before registration"))
+        elif kind == "revocations":
+            self._on_revocations(conn, message.revocations)
         else:
             self._on_send(conn, message.send)
+
+    def _on_revocations(self, conn: _Conn, message: relay.RelayRevocations) -> None:
+        # Only revocations of the sender's own mesh: one mesh's member cannot feed another's list.
+        known = self._revocations[conn.mesh_id]
+        for revoked in known.learn(message.revocations).new:
+            self.revocations_changed = True
+            if revoked.kind == "node":
+                self._end_revoked(revoked.target, conn.mesh_id, revoked.describe())
+
+    def _end_revoked(self, node_id: bytes, mesh_id: str, detail: str) -> None:
+        registration = self._registered.get(node_id)
+        if registration is None or registration.mesh_id != mesh_id:
+            return
+        conn = self._conns.get(registration.conn_id)
+        if conn is not None:
+            self._fail(conn, RelayRefused(p.NOT_A_MEMBER, detail, membership_error=mesh.MESH_ERROR_REVOKED))
 
     def stream_failed(self, conn_id: int, refusal: RelayRefused) -> None:
         """The edge stopped reading ``conn_id``'s stream; tell the client why, then close."""
@@ -406,13 +448,14 @@ class RelayCore:
             register.membership_proof if register.HasField("membership_proof") else None
         )
         try:
-            verify_membership_proof(
+            verified = verify_membership_proof(
                 proof,
                 mesh_id=register.mesh_id,
                 verifier_id=self.relay_id,
                 authenticated_peer_id=node_id,
                 unix_now=unix_now,
             )
+            self._revocations[register.mesh_id].refuse_revoked(node_id, verified)
         except MeshRefusal as refusal:
             self._refuse_registration(
                 conn, RelayRefused(p.NOT_A_MEMBER, refusal.detail, membership_error=refusal.code)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnode.identity import NodeIdentity, load_or_create_identity, short_id
+from meshnode.membership.store import DataDir
 from meshnode.relaywire import protocol as p
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import MeshStream, PeerLink, StreamError
@@ -71,10 +72,14 @@ class RelayServer:
         *,
         quic: QuicSettings | None = None,
         flush_timeout: float = _FLUSH_TIMEOUT_S,
+        data_dir: Path | None = None,
     ) -> None:
         self.identity = identity
         self.policy = policy or RelayPolicy()
-        self.core = RelayCore(identity.node_id, meshes, self.policy)
+        # Where the revocations members hand over are kept, so a restarted relay still refuses them.
+        self._store = DataDir(data_dir) if data_dir is not None else None
+        stored = self._store.load_revocations() if self._store is not None else []
+        self.core = RelayCore(identity.node_id, meshes, self.policy, revocations=stored)
         base = quic or QuicSettings()
         self.quic_settings = dataclasses.replace(
             base,
@@ -176,6 +181,16 @@ class RelayServer:
         client.tasks.append(asyncio.get_running_loop().create_task(self._read_loop(client, client.framed)))
         await self._write_loop(client, client.framed)
 
+    def _save_revocations(self) -> None:
+        self.core.revocations_changed = False
+        if self._store is None:
+            return
+        try:
+            self._store.save_revocations(self.core.revocations())
+        except OSError as exc:
+            log.warning("could not save revocations: %s", exc)
+        log.info("now refusing %d revoked member(s) or invite(s)", len(self.core.revocations()))
+
     async def _read_loop(self, client: _Client, framed: FramedStream) -> None:
         core = self.core
         try:
@@ -185,6 +200,8 @@ class RelayServer:
                     client.link.close("client finished its relay stream")
                     return
                 core.receive_frame(client.conn_id, body, time.monotonic_ns(), unix_now=time.time())
+                if core.revocations_changed:
+                    self._save_revocations()
                 framed.max_recv_frame_bytes = core.max_frame_bytes(client.conn_id)
                 self._wake()
                 delay_ns = core.read_delay_ns(client.conn_id, time.monotonic_ns())

@@ -9,7 +9,8 @@ subcommand (``relay``, ``generate``, ``demo``, ...), write such a module and add
 it to :data:`COMMAND_MODULES`.
 
 Exit codes: 0 ok, 1 error, 2 bad input (e.g. an invite refused before dialing),
-3 the mesh refused to admit us.
+3 the mesh refused to admit us, 4 this node was removed from the mesh (or its
+certificate expired unrenewed) while running.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from meshnode import __version__
-from meshnode.app import api_commands, demo, doctor, node_commands, relay_command
+from meshnode.app import api_commands, demo, doctor, member_commands, node_commands, relay_command
 from meshnode.app.cli_error import CliError
 from meshnode.app.config import ConfigError, add_config_option, parse_args_with_config
 from meshnode.app.event_loop import run_async
@@ -30,7 +31,14 @@ from meshnode.identity import DATA_DIR_ENV
 from meshnode.logs import configure_logging
 
 # Modules that add subcommands, in the order ``--help`` lists them; see the module docstring.
-COMMAND_MODULES: tuple[ModuleType, ...] = (node_commands, relay_command, api_commands, demo, doctor)
+COMMAND_MODULES: tuple[ModuleType, ...] = (
+    node_commands,
+    member_commands,
+    relay_command,
+    api_commands,
+    demo,
+    doctor,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

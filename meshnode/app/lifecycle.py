@@ -45,9 +45,13 @@ async def run_node(
             except JoinError as exc:
                 log.error("%s", exc)
                 return 3
+        if node.removal.is_set():
+            return _removed(node)
         if on_ready is not None:
             on_ready(node)
-        await stop.wait()
+        await _until_stopped_or_removed(stop, node)
+        if node.removal.is_set():
+            return _removed(node)
         if drain is not None:
             stop.clear()
             await run_drain(drain, stop, drain_timeout)
@@ -57,6 +61,26 @@ async def run_node(
         await node.shutdown()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+
+
+REMOVED_EXIT_CODE = 4
+
+
+def _removed(node: Node) -> int:
+    """A removed node (or one whose certificate expired) leaves without draining: nobody will
+    serve its work any more."""
+    log.error("exiting: %s", node.removal_reason)
+    return REMOVED_EXIT_CODE
+
+
+async def _until_stopped_or_removed(stop: asyncio.Event, node: Node) -> None:
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(node.removal.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def run_drain(drain: Callable[[], Awaitable[None]], stop: asyncio.Event, timeout: float) -> None:
@@ -81,4 +105,4 @@ async def run_drain(drain: Callable[[], Awaitable[None]], stop: asyncio.Event, t
         log.warning("drain did not finish within %.0f s: stopping with work in flight", timeout)
 
 
-__all__ = ["run_drain", "run_node"]
+__all__ = ["REMOVED_EXIT_CODE", "run_drain", "run_node"]

@@ -194,7 +194,7 @@ class LocalMesh:
         identity, _ = load_or_create_identity(data_dir)
         mesh_key = MeshKey.generate()
         certificate = issue_certificate(
-            mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time()
+            mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=time.time(), admin=True
         )
         DataDir(data_dir).save_membership(MembershipState(mesh_key=mesh_key, certificate=certificate))
         self.mesh_id = mesh_key.mesh_id

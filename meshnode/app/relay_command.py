@@ -23,6 +23,7 @@ from meshnode.app.event_loop import run_async
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.identity import IdentityError
 from meshnode.logs import configure_logging
+from meshnode.membership.store import StoreError
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from relay.core import RelayPolicy
 from relay.server import RelayServer, load_relay_identity
@@ -108,7 +109,17 @@ async def run_relay(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"meshnode relay: {exc}", file=sys.stderr)
         return 2
-    server = RelayServer(identity, set(args.mesh), policy, quic=apply_read_limit_options(args))
+    try:
+        server = RelayServer(
+            identity,
+            set(args.mesh),
+            policy,
+            quic=apply_read_limit_options(args),
+            data_dir=relay_data_dir(args),
+        )
+    except (StoreError, IdentityError) as exc:
+        print(f"meshnode relay: {exc}", file=sys.stderr)
+        return 1
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

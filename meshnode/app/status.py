@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,17 @@ from meshnode.membership.store import DataDir
 
 def query_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
     """Ask the node running on ``data_dir`` for its status; ``OSError`` when none answers."""
+    return ask_node(data_dir, "status", timeout)
+
+
+def ask_node(data_dir: Path, request: str, timeout: float = 3.0) -> dict[str, Any]:
+    """Send one request line to the node running on ``data_dir``; its JSON answer, ``OSError`` when
+    none answers."""
     path = DataDir(data_dir).control_socket
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.settimeout(timeout)
         client.connect(str(path))
-        client.sendall(b"status\n")
+        client.sendall(request.encode("ascii") + b"\n")
         chunks = []
         while chunk := client.recv(65536):
             chunks.append(chunk)
@@ -39,6 +46,9 @@ def format_status(status: dict[str, Any]) -> str:
     ]
     if node.get("api_url"):
         lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
+    memory = (status.get("sections") or {}).get("memory")
+    if memory:
+        lines.append(_memory_text(memory))
     lines.append(f"peers ({len(status['peers'])}):")
     for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
         reach = "direct" if peer["directly_reachable"] else "relay"
@@ -47,7 +57,28 @@ def format_status(status: dict[str, Any]) -> str:
             f"  {peer['short_id']}  {', '.join(peer['addresses']) or '-'}  {reach}  {link}  "
             f"serving {_serving_text(peer['serving'])}{_sessions_text(peer)}  heard {peer['age_s']:.1f}s ago"
         )
+    lines += _membership_lines(status.get("membership") or {})
     return "\n".join(lines)
+
+
+def _membership_lines(membership: dict[str, Any]) -> list[str]:
+    """Who is admin, when each member's certificate expires, and the removals this node knows."""
+    if not membership:
+        return []
+    lines = [f"  this node is {'an admin' if membership.get('admin') else 'a plain member'}"]
+    members = membership.get("members", [])
+    lines.append(f"members ({len(members)} known certificates):")
+    for member in members:
+        expires = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(member["certificate_expires_unix"]))
+        role = "admin" if member["admin"] else "member"
+        this = "  (this node)" if member.get("self") else ""
+        lines.append(f"  {role:6} {member['short_id']}  certificate expires {expires}{this}")
+    removals = membership.get("removals", [])
+    lines.append(f"removals ({len(removals)}):")
+    for removal in removals:
+        reason = f": {removal['reason']}" if removal["reason"] else ""
+        lines.append(f"  removed {removal['kind']} {removal['short_id']}  by admin {removal['by']}{reason}")
+    return lines
 
 
 def _sessions_text(entry: dict[str, Any]) -> str:
@@ -60,6 +91,23 @@ def _sessions_text(entry: dict[str, Any]) -> str:
     return f"  sessions {active}/{capacity}"
 
 
+def _memory_text(memory: dict[str, Any]) -> str:
+    """``  memory: 96 MiB resident (46 file-backed); the shard 41 MiB against its budget 44 MiB
+    (weights 25, KV 14, compute 4.9, output 0)`` (engines.resident_memory.ShardMemory.to_json)."""
+
+    def mib(value: int) -> str:
+        return f"{value / (1 << 20):.2g}" if value < 10 << 20 else f"{value / (1 << 20):.0f}"
+
+    budget = memory["budget"]
+    parts = ", ".join(
+        f"{name.removesuffix('_bytes').replace('kv', 'KV')} {mib(value)}" for name, value in budget.items()
+    )
+    return (
+        f"  memory: {mib(memory['rss_bytes'])} MiB resident ({mib(memory['rss_file_bytes'])} file-backed); "
+        f"the shard {mib(memory['shard_bytes'])} MiB against its budget {mib(memory['budget_bytes'])} MiB ({parts})"
+    )
+
+
 def _serving_text(serving: dict[str, Any] | None) -> str:
     if not serving:
         return "nothing"
@@ -67,4 +115,4 @@ def _serving_text(serving: dict[str, Any] | None) -> str:
     return f"{serving['model']} {span} ({serving.get('numerics') or 'numerics unreported'})"
 
 
-__all__ = ["format_status", "query_status"]
+__all__ = ["ask_node", "format_status", "query_status"]

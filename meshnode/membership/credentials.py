@@ -1,17 +1,27 @@
 """Mesh keys, invites, member certificates and membership proofs. Pure functions.
 
-Trust model (``proto/meshnode/v1/membership.proto`` has the wire details):
+Trust model (``proto/meshnode/v1/membership.proto`` has the wire details; the
+README's "Trust model" section says it for users):
 
 * A mesh is one Ed25519 *mesh key*; the mesh id is derived from its public key,
   so any credential can be checked against the mesh id alone.
+* Only *admins* hold the mesh key: the node that created the mesh, and the nodes
+  an admin promotes (``meshnode admin grant NODE``, delivered in a
+  :class:`MembershipGrant` over the mutually authenticated link). Everything the
+  mesh trusts is signed by it: invites, certificates and revocations
+  (:mod:`meshnode.membership.revocation`). A plain member holds no key, so
+  nothing it signs is accepted: it cannot invite, admit by invite, renew or remove.
 * An invite is signed by the mesh key and carries a fresh invite key pair; the
   private half travels in the token and is the bearer secret.
 * A joiner proves possession by signing (mesh, its own node id, the verifier's
   node id) with the invite key. The transport authenticates the joiner's node id,
   so a captured proof is useless to any other identity or against another verifier.
-* An admitting member answers with a :class:`MembershipGrant`: a member
-  certificate (mesh-key-signed node id) and the mesh key itself, so every member
-  can invite and admit. Members show their certificate on every later admission.
+* An admitting admin answers with a :class:`MembershipGrant`: a member
+  certificate (mesh-key-signed node id, an expiry, the admin flag). Members show
+  their certificate on every gossip frame; it is refused once expired
+  (``MESH_ERROR_CERTIFICATE_EXPIRED``), so an admin renews it (a fresh grant in a
+  gossip reply) while the member is online and not revoked. An expired
+  certificate is never renewed: the member needs a new invite.
 
 Every check raises :class:`~meshnode.wire.mesh_refusal.MeshRefusal` with the exact
 code. Time is a parameter, ``unix_now``: wall-clock seconds, because what it is
@@ -52,6 +62,7 @@ TOKEN_VERSION = 1
 MAX_TOKEN_CHARS = 16 * 1024
 MAX_ENDPOINTS = 16
 DEFAULT_INVITE_TTL_S = 24 * 3600
+DEFAULT_CERTIFICATE_TTL_S = 24 * 3600
 
 MALFORMED = mesh.MESH_ERROR_MALFORMED
 FORGED = mesh.MESH_ERROR_FORGED
@@ -59,6 +70,7 @@ EXPIRED = mesh.MESH_ERROR_INVITE_EXPIRED
 OTHER_MESH = mesh.MESH_ERROR_OTHER_MESH
 WRONG_IDENTITY = mesh.MESH_ERROR_WRONG_IDENTITY
 NO_CREDENTIAL = mesh.MESH_ERROR_NO_CREDENTIAL
+CERTIFICATE_EXPIRED = mesh.MESH_ERROR_CERTIFICATE_EXPIRED
 
 
 def mesh_id_from_public_key(mesh_public_key: bytes) -> str:
@@ -136,6 +148,11 @@ class Invite:
         return bytes(self.body.issuer_id)
 
     @property
+    def invite_id(self) -> bytes:
+        """The invite's public key: how ``meshnode invite --list`` and a revocation name it."""
+        return bytes(self.body.invite_public_key)
+
+    @property
     def bootstrap(self) -> list[Endpoint]:
         return [Endpoint.from_pb(e) for e in self.body.bootstrap]
 
@@ -156,6 +173,10 @@ class VerifiedMembership:
     via_invite: bool
     mesh_public_key: bytes
     issuer_id: bytes
+    # The invite's id (its public key) when admitted by invite, else b"".
+    invite_public_key: bytes = b""
+    # The certificate presented, when admitted by certificate.
+    certificate: membership.MemberCertificateBody | None = None
 
 
 def create_invite(
@@ -280,10 +301,24 @@ def make_invite_proof(invite: Invite, *, joiner_id: bytes, verifier_id: bytes) -
 
 
 def issue_certificate(
-    mesh_key: MeshKey, *, node_id: bytes, issuer_id: bytes, unix_now: float
+    mesh_key: MeshKey,
+    *,
+    node_id: bytes,
+    issuer_id: bytes,
+    unix_now: float,
+    ttl_s: float = DEFAULT_CERTIFICATE_TTL_S,
+    admin: bool = False,
 ) -> membership.MemberCertificate:
+    if ttl_s <= 0:
+        raise ValueError("certificate ttl must be positive")
     body = membership.MemberCertificateBody(
-        mesh_public_key=mesh_key.public_key, node_id=node_id, issued_unix=int(unix_now), issuer_id=issuer_id
+        mesh_public_key=mesh_key.public_key,
+        node_id=node_id,
+        issued_unix=int(unix_now),
+        issuer_id=issuer_id,
+        # At least one second: int() of a short test ttl must not make it expire as issued.
+        expires_unix=int(unix_now) + max(1, round(ttl_s)),
+        admin=admin,
     )
     body_bytes = body.SerializeToString(deterministic=True)
     return membership.MemberCertificate(body=body_bytes, signature=mesh_key.sign(CERTIFICATE_TAG, body_bytes))
@@ -295,9 +330,30 @@ def certificate_proof(certificate: membership.MemberCertificate) -> membership.M
     return proof
 
 
+def decode_certificate_body(certificate: membership.MemberCertificate) -> membership.MemberCertificateBody:
+    """The body, decoded but not verified (for showing our own certificate's expiry)."""
+    try:
+        return membership.MemberCertificateBody.FromString(certificate.body)
+    except DecodeError:
+        raise MeshRefusal(MALFORMED, "member certificate does not decode") from None
+
+
+def check_certificate_current(body: membership.MemberCertificateBody, *, unix_now: float) -> None:
+    if unix_now >= body.expires_unix:
+        raise MeshRefusal(
+            CERTIFICATE_EXPIRED, f"member certificate expired at unix time {body.expires_unix} (not renewed)"
+        )
+
+
 def verify_certificate(
-    certificate: membership.MemberCertificate, *, mesh_id: str, node_id: bytes
+    certificate: membership.MemberCertificate,
+    *,
+    mesh_id: str,
+    node_id: bytes,
+    unix_now: float | None = None,
 ) -> membership.MemberCertificateBody:
+    """Signature, mesh and holder; with ``unix_now``, the expiry too (a data directory is loaded
+    without it, so that its node starts and is told by its peers, or sees for itself, that it expired)."""
     try:
         body = membership.MemberCertificateBody.FromString(certificate.body)
     except DecodeError:
@@ -312,6 +368,10 @@ def verify_certificate(
         raise MeshRefusal(OTHER_MESH, "member certificate is for another mesh")
     if body.node_id != node_id:
         raise MeshRefusal(WRONG_IDENTITY, "member certificate names another node")
+    if body.expires_unix <= 0:
+        raise MeshRefusal(MALFORMED, "member certificate has no expiry")
+    if unix_now is not None:
+        check_certificate_current(body, unix_now=unix_now)
     return body
 
 
@@ -332,9 +392,14 @@ def verify_membership_proof(
     if kind is None:
         raise MeshRefusal(NO_CREDENTIAL)
     if kind == "certificate":
-        body = verify_certificate(proof.certificate, mesh_id=mesh_id, node_id=authenticated_peer_id)
+        body = verify_certificate(
+            proof.certificate, mesh_id=mesh_id, node_id=authenticated_peer_id, unix_now=unix_now
+        )
         return VerifiedMembership(
-            via_invite=False, mesh_public_key=bytes(body.mesh_public_key), issuer_id=bytes(body.issuer_id)
+            via_invite=False,
+            mesh_public_key=bytes(body.mesh_public_key),
+            issuer_id=bytes(body.issuer_id),
+            certificate=body,
         )
     invite_proof = proof.invite
     body = _parse_invite_body(invite_proof.body)
@@ -345,36 +410,50 @@ def verify_membership_proof(
     if not verify_signature(bytes(body.invite_public_key), invite_proof.possession_signature, message):
         raise MeshRefusal(FORGED, "invite possession proof does not verify for this joiner and verifier")
     return VerifiedMembership(
-        via_invite=True, mesh_public_key=bytes(body.mesh_public_key), issuer_id=bytes(body.issuer_id)
+        via_invite=True,
+        mesh_public_key=bytes(body.mesh_public_key),
+        issuer_id=bytes(body.issuer_id),
+        invite_public_key=bytes(body.invite_public_key),
     )
 
 
-def make_grant(mesh_key: MeshKey, certificate: membership.MemberCertificate) -> membership.MembershipGrant:
-    return membership.MembershipGrant(certificate=certificate, mesh_private_key=mesh_key.seed())
+def make_grant(
+    certificate: membership.MemberCertificate, *, admin_key: MeshKey | None = None
+) -> membership.MembershipGrant:
+    """A certificate for the peer; the mesh key only with ``admin_key`` (a promotion to admin)."""
+    grant = membership.MembershipGrant(certificate=certificate)
+    if admin_key is not None:
+        grant.mesh_private_key = admin_key.seed()
+    return grant
 
 
 def open_grant(
-    grant: membership.MembershipGrant, *, mesh_id: str, node_id: bytes
-) -> tuple[MeshKey, membership.MemberCertificate]:
-    """Check a grant received from the member that admitted us."""
-    if len(grant.mesh_private_key) != 32:
-        raise MeshRefusal(MALFORMED, "granted mesh key must be 32 bytes")
-    mesh_key = MeshKey.from_seed(bytes(grant.mesh_private_key))
-    if mesh_key.mesh_id != mesh_id:
-        raise MeshRefusal(OTHER_MESH, "granted mesh key is for another mesh")
-    verify_certificate(grant.certificate, mesh_id=mesh_id, node_id=node_id)
+    grant: membership.MembershipGrant, *, mesh_id: str, node_id: bytes, unix_now: float
+) -> tuple[MeshKey | None, membership.MemberCertificate]:
+    """Check a grant received from an admin: a current certificate for us, and the mesh key if any."""
+    mesh_key: MeshKey | None = None
+    if grant.mesh_private_key:
+        if len(grant.mesh_private_key) != 32:
+            raise MeshRefusal(MALFORMED, "granted mesh key must be 32 bytes")
+        mesh_key = MeshKey.from_seed(bytes(grant.mesh_private_key))
+        if mesh_key.mesh_id != mesh_id:
+            raise MeshRefusal(OTHER_MESH, "granted mesh key is for another mesh")
+    verify_certificate(grant.certificate, mesh_id=mesh_id, node_id=node_id, unix_now=unix_now)
     return mesh_key, grant.certificate
 
 
 __all__ = [
+    "DEFAULT_CERTIFICATE_TTL_S",
     "DEFAULT_INVITE_TTL_S",
     "Endpoint",
     "Invite",
     "MeshKey",
     "VerifiedMembership",
     "certificate_proof",
+    "check_certificate_current",
     "check_invite",
     "create_invite",
+    "decode_certificate_body",
     "decode_invite_token",
     "encode_invite_token",
     "issue_certificate",

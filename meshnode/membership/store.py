@@ -3,8 +3,10 @@
 Layout (all files 0600, the directory 0700)::
 
     node_key.pem        node identity (meshnode.identity)
-    mesh_key            32-byte mesh key seed (secret)
+    mesh_key            32-byte mesh key seed (secret; admins only)
     membership.json     mesh id, member certificate, last known peers and relays
+    revocations.pb      the admin-signed revocations this node knows (RevocationSet)
+    invites.json        the invites this admin issued, and who used them
     control.sock        loopback status socket of the running node
     node.lock           held by the running node
 """
@@ -18,12 +20,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import ensure_private_dir, read_private_file, write_private_file
-from meshnode.membership.credentials import Endpoint, MeshKey, verify_certificate
+from meshnode.membership.credentials import (
+    Endpoint,
+    MeshKey,
+    decode_certificate_body,
+    mesh_id_from_public_key,
+    verify_certificate,
+)
 
 MESH_KEY_FILE = "mesh_key"
 MEMBERSHIP_FILE = "membership.json"
+REVOCATIONS_FILE = "revocations.pb"
 CONTROL_SOCKET = "control.sock"
 LOCK_FILE = "node.lock"
 MAX_KNOWN_PEERS = 64
@@ -35,14 +46,23 @@ class StoreError(Exception):
 
 @dataclass(repr=False)
 class MembershipState:
-    mesh_key: MeshKey
+    # Admins only (the creator and the nodes it promoted); None on a plain member.
+    mesh_key: MeshKey | None
     certificate: membership.MemberCertificate
     known_peers: list[Endpoint] = field(default_factory=list)
     relays: list[Endpoint] = field(default_factory=list)
 
     @property
+    def certificate_body(self) -> membership.MemberCertificateBody:
+        return decode_certificate_body(self.certificate)
+
+    @property
     def mesh_id(self) -> str:
-        return self.mesh_key.mesh_id
+        return mesh_id_from_public_key(bytes(self.certificate_body.mesh_public_key))
+
+    @property
+    def is_admin(self) -> bool:
+        return self.mesh_key is not None
 
     def __repr__(self) -> str:
         return f"MembershipState(mesh_id={self.mesh_id}, known_peers={len(self.known_peers)})"
@@ -71,9 +91,10 @@ class DataDir:
     def load_membership(self, node_id: bytes) -> MembershipState:
         """The stored membership, checked: the certificate must be ours and match the mesh key."""
         try:
-            mesh_key = MeshKey.from_seed(read_private_file(self.path / MESH_KEY_FILE))
             data = json.loads(read_private_file(self.path / MEMBERSHIP_FILE))
             certificate = membership.MemberCertificate.FromString(base64.b64decode(data["certificate"]))
+            mesh_id = mesh_id_from_public_key(bytes(decode_certificate_body(certificate).mesh_public_key))
+            mesh_key = self._load_mesh_key()
             known = _endpoints_from_json(data.get("known_peers", []))
             relays = _endpoints_from_json(data.get("relays", []))
         except FileNotFoundError:
@@ -82,14 +103,37 @@ class DataDir:
             ) from None
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"membership state in {self.path} is corrupt: {type(exc).__name__}") from None
-        if data.get("mesh_id") != mesh_key.mesh_id:
+        if data.get("mesh_id") != mesh_id or (mesh_key is not None and mesh_key.mesh_id != mesh_id):
             raise StoreError(f"membership state in {self.path} does not match its mesh key")
-        verify_certificate(certificate, mesh_id=mesh_key.mesh_id, node_id=node_id)
+        # No expiry check here: an expired member still starts, and exits saying so (Node).
+        verify_certificate(certificate, mesh_id=mesh_id, node_id=node_id)
         return MembershipState(mesh_key=mesh_key, certificate=certificate, known_peers=known, relays=relays)
 
+    def _load_mesh_key(self) -> MeshKey | None:
+        try:
+            return MeshKey.from_seed(read_private_file(self.path / MESH_KEY_FILE))
+        except FileNotFoundError:
+            return None  # a plain member
+
     def save_membership(self, state: MembershipState) -> None:
-        write_private_file(self.path / MESH_KEY_FILE, state.mesh_key.seed())
+        if state.mesh_key is not None:
+            write_private_file(self.path / MESH_KEY_FILE, state.mesh_key.seed())
         self.save_peers(state)
+
+    def load_revocations(self) -> list[membership.Revocation]:
+        """The stored revocations, unverified (the caller's RevocationList verifies them)."""
+        try:
+            raw = read_private_file(self.path / REVOCATIONS_FILE)
+        except FileNotFoundError:
+            return []
+        try:
+            return list(membership.RevocationSet.FromString(raw).revocations)
+        except DecodeError:
+            raise StoreError(f"revocations in {self.path} are corrupt") from None
+
+    def save_revocations(self, revocations: list[membership.Revocation]) -> None:
+        data = membership.RevocationSet(revocations=revocations).SerializeToString(deterministic=True)
+        write_private_file(self.path / REVOCATIONS_FILE, data)
 
     def save_peers(self, state: MembershipState) -> None:
         data = {

@@ -55,8 +55,12 @@ class Dispatcher:
         is_admitted: Callable[[bytes], bool],
         stream_type_timeout: float = 5.0,
         max_concurrent_streams: int = 1024,
+        check_peer: Callable[[bytes], None] | None = None,
     ) -> None:
         self._is_admitted = is_admitted
+        # Raises the MeshRefusal that says why a peer is shut out (MESH_ERROR_REVOKED), which
+        # is more use to it than NOT_ADMITTED; gossip is still served, to show it the revocation.
+        self._check_peer = check_peer
         self.stream_type_timeout = stream_type_timeout
         self._handlers: dict[StreamType, _Registration] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -100,6 +104,8 @@ class Dispatcher:
                 raise MeshRefusal(
                     mesh.MESH_ERROR_UNKNOWN_STREAM_TYPE, f"{stream_type.name} is not served here"
                 )
+            if not registration.before_admission and self._check_peer is not None:
+                self._check_peer(stream.peer_id)
             if not registration.before_admission and not self._is_admitted(stream.peer_id):
                 raise MeshRefusal(mesh.MESH_ERROR_NOT_ADMITTED, f"{stream_type.name} before admission")
             try:

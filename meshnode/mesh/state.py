@@ -24,6 +24,13 @@ makes no peer stale and ends no tombstone; ``unix_now`` (wall-clock seconds) is
 passed only beside it where a wall-clock instant is read or written: a membership
 proof's invite expiry, a record's incarnation bound, a granted certificate's issue time.
 
+Authority (who may join, who was removed, whose certificate expired, what an admin
+grants) is :class:`~meshnode.mesh.credential_gate.CredentialGate`'s; this machine
+asks it on every frame, carries its revocations on every frame it sends (refusals
+included) and says through ``take_new_revocations()`` and ``removed`` what the
+node must act on: close the links of removed peers, tell its relays, and exit
+when a verified revocation names this node.
+
 Gossip carries signed peer records (:mod:`meshnode.mesh.signed_record`): this
 node signs its own announcement with its node key, relays others' records
 unchanged, and merges only records that verify against the node they name.
@@ -38,16 +45,17 @@ from dataclasses import dataclass
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import (
+    DEFAULT_CERTIFICATE_TTL_S,
     Invite,
-    VerifiedMembership,
+    MeshKey,
     certificate_proof,
     issue_certificate,
-    make_grant,
     make_invite_proof,
     open_grant,
-    verify_membership_proof,
 )
+from meshnode.membership.revocation import Learned, RevocationList, Revoked
 from meshnode.membership.store import MembershipState
+from meshnode.mesh.credential_gate import Admission, CredentialGate
 from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
 from meshnode.mesh.peer_table import MergeReport, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
@@ -64,6 +72,8 @@ class GossipOutcome:
     newly_admitted: bool
     via_invite: bool
     merged: MergeReport
+    # The invite (its id) the peer was admitted with, when via_invite.
+    invite_id: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,8 @@ class ReplyOutcome:
     newly_admitted: bool
     joined: bool
     merged: MergeReport
+    # An admin renewed our certificate (or promoted us) in this reply.
+    renewed: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,8 @@ class MeshState:
         peer_timeout_ns: int = 20 * SECOND_NS,
         tombstone_ttl_ns: int = 60 * SECOND_NS,
         max_peers: int = 1024,
+        revocations: RevocationList | None = None,
+        certificate_ttl_s: float = DEFAULT_CERTIFICATE_TTL_S,
     ) -> None:
         if membership is None and invite is None:
             raise ValueError("a node needs either a membership or an invite")
@@ -125,6 +139,16 @@ class MeshState:
         # None until start_heartbeat: a state that never heartbeats has no timer.
         self._next_heartbeat_ns: int | None = None
         self._events: list[MeshEvent] = []
+        self.gate = CredentialGate(
+            node_id=self.node_id,
+            mesh_id=mesh_id,
+            revocations=revocations,
+            certificate_ttl_s=certificate_ttl_s,
+        )
+        # Learned since the last take_new_revocations(): the node persists and spreads them.
+        self._new_revocations: list[Revoked] = []
+        # The verified revocation naming this node, once one arrived: the node must leave.
+        self.removed: Revoked | None = self.gate.revocations.node(self.node_id)
 
     @property
     def is_member(self) -> bool:
@@ -136,6 +160,50 @@ class MeshState:
     def heartbeat(self) -> None:
         """Make our announcement fresher, so peers hear from us again."""
         self.local.heartbeat_seq += 1
+
+    @property
+    def revocations(self) -> RevocationList:
+        return self.gate.revocations
+
+    def take_new_revocations(self) -> list[Revoked]:
+        new, self._new_revocations = self._new_revocations, []
+        return new
+
+    def learn_revocations(self, revocations: list[membership.Revocation], *, now_ns: int) -> Learned:
+        """Verify and apply: a removed peer loses its admission and its table entry at once."""
+        learned = self.gate.learn(revocations)
+        new = learned.new
+        for revoked in new:
+            if revoked.kind != "node":
+                continue
+            if revoked.target == self.node_id:
+                self.removed = revoked
+            else:
+                self.remove_peer(revoked.target, reason=revoked.describe(), now_ns=now_ns)
+                self.gate.forget(revoked.target)
+        self._new_revocations.extend(new)
+        return learned
+
+    def own_certificate_expired(self, unix_now: float) -> bool:
+        return self.membership is not None and unix_now >= self.membership.certificate_body.expires_unix
+
+    def renew_own_certificate(self, unix_now: float) -> bool:
+        """An admin renews its own certificate past half its lifetime (nobody else needs to)."""
+        ours = self.membership
+        if ours is None or ours.mesh_key is None:
+            return False
+        body = ours.certificate_body
+        if unix_now < body.expires_unix - (body.expires_unix - body.issued_unix) / 2:
+            return False
+        ours.certificate = issue_certificate(
+            ours.mesh_key,
+            node_id=self.node_id,
+            issuer_id=self.node_id,
+            unix_now=unix_now,
+            ttl_s=self.gate.certificate_ttl_s,
+            admin=True,
+        )
+        return True
 
     def remove_peer(self, peer_id: bytes, *, reason: str, now_ns: int) -> bool:
         """Drop a peer (left, or confirmed down) and revoke its admission."""
@@ -190,11 +258,15 @@ class MeshState:
         for entry in self.table.entries():
             frame.entries.add().record.CopyFrom(entry.record)
         frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
+        frame.revocations.extend(self.revocations.signed())
         return frame
 
     def refusal_frame(self, refusal: MeshRefusal) -> mesh.GossipFrame:
+        """A refusal, with our revocations: a removed node is shown the signed reason, which it can
+        verify, instead of a bare code any member could send."""
         frame = mesh.GossipFrame(gen=NODE_PROTOCOL_GENERATION, sender_id=self.node_id)
         frame.refusal.CopyFrom(refusal.to_pb())
+        frame.revocations.extend(self.revocations.signed())
         return frame
 
     def route_table(self) -> mesh.RouteTable:
@@ -215,8 +287,10 @@ class MeshState:
         validate_gossip_frame(frame, peer_id)
         if frame.HasField("refusal") or frame.HasField("membership_grant"):
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "an opening GossipFrame carries a reply-only field")
+        self._learn_from(frame, now_ns)
         # Membership first: a stranger does not get one signature check per record it sends.
-        verified = self._verify_unadmitted(frame, peer_id, unix_now)
+        admission = self._check_credentials(frame, peer_id, unix_now)
+        verified = admission.verified
         opened = self._open_records(frame, peer_id, unix_now)
         grant: membership.MembershipGrant | None = None
         if verified is not None and verified.via_invite:
@@ -224,10 +298,12 @@ class MeshState:
                 raise MeshRefusal(
                     mesh.MESH_ERROR_NOT_ADMITTED, "this node is still joining; ask another member"
                 )
-            certificate = issue_certificate(
-                self.membership.mesh_key, node_id=peer_id, issuer_id=self.node_id, unix_now=unix_now
-            )
-            grant = make_grant(self.membership.mesh_key, certificate)
+            if not self.membership.is_admin:
+                raise MeshRefusal(
+                    mesh.MESH_ERROR_NOT_ADMITTED,
+                    "only an admin admits by invite; this node is a plain member",
+                )
+        grant = self.gate.grant_for(peer_id, admission, self.membership, unix_now=unix_now)
         self._admitted.add(peer_id)
         merged = self._merge(opened, now_ns)
         reply = self.gossip_frame(peer_id)
@@ -238,47 +314,69 @@ class MeshState:
             newly_admitted=verified is not None,
             via_invite=verified is not None and verified.via_invite,
             merged=merged,
+            invite_id=verified.invite_public_key if verified is not None else b"",
         )
 
     def receive_gossip_reply(
         self, frame: mesh.GossipFrame, *, peer_id: bytes, now_ns: int, unix_now: float
     ) -> ReplyOutcome:
         if frame.HasField("refusal"):
+            # Checked, not believed: only a verified revocation naming us makes us leave.
+            self._learn_from(frame, now_ns)
             raise RemoteRefusal(frame.refusal.code, frame.refusal.detail)
         validate_gossip_frame(frame, peer_id)
-        verified = self._verify_unadmitted(frame, peer_id, unix_now)
+        self._learn_from(frame, now_ns)
+        verified = self._check_credentials(frame, peer_id, unix_now).verified
         if verified is not None and verified.via_invite:
             raise MeshRefusal(
                 mesh.MESH_ERROR_PROTOCOL, "a member answers with its certificate, not an invite"
             )
         opened = self._open_records(frame, peer_id, unix_now)
-        joined = False
-        if frame.HasField("membership_grant") and self.membership is None:
+        joined = renewed = False
+        if frame.HasField("membership_grant"):
             mesh_key, certificate = open_grant(
-                frame.membership_grant, mesh_id=self.mesh_id, node_id=self.node_id
+                frame.membership_grant, mesh_id=self.mesh_id, node_id=self.node_id, unix_now=unix_now
             )
-            relays = self.invite.relays if self.invite is not None else []
-            self.membership = MembershipState(mesh_key=mesh_key, certificate=certificate, relays=relays)
-            joined = True
+            if self.membership is None:
+                relays = self.invite.relays if self.invite is not None else []
+                self.membership = MembershipState(mesh_key=mesh_key, certificate=certificate, relays=relays)
+                joined = True
+            else:
+                renewed = self._take_renewal(mesh_key, certificate)
         elif self.membership is None:
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "admitted without a membership grant")
         self._admitted.add(peer_id)
         merged = self._merge(opened, now_ns)
-        return ReplyOutcome(newly_admitted=verified is not None, joined=joined, merged=merged)
-
-    def _verify_unadmitted(
-        self, frame: mesh.GossipFrame, peer_id: bytes, unix_now: float
-    ) -> VerifiedMembership | None:
-        if peer_id in self._admitted:
-            return None
-        proof = frame.membership_proof if frame.HasField("membership_proof") else None
-        return verify_membership_proof(
-            proof,
-            mesh_id=self.mesh_id,
-            verifier_id=self.node_id,
-            authenticated_peer_id=peer_id,
-            unix_now=unix_now,
+        return ReplyOutcome(
+            newly_admitted=verified is not None, joined=joined, merged=merged, renewed=renewed
         )
+
+    def _take_renewal(self, mesh_key: MeshKey | None, certificate: membership.MemberCertificate) -> bool:
+        """A renewed certificate replaces ours only if it lasts longer; the mesh key makes us an admin."""
+        ours = self.membership
+        assert ours is not None
+        took = False
+        new_body = membership.MemberCertificateBody.FromString(certificate.body)
+        if new_body.expires_unix > ours.certificate_body.expires_unix:
+            ours.certificate = certificate
+            took = True
+        if mesh_key is not None and ours.mesh_key is None:
+            ours.mesh_key = mesh_key
+            took = True
+        return took
+
+    def _learn_from(self, frame: mesh.GossipFrame, now_ns: int) -> None:
+        if frame.revocations:
+            self.learn_revocations(list(frame.revocations), now_ns=now_ns)
+
+    def _check_credentials(self, frame: mesh.GossipFrame, peer_id: bytes, unix_now: float) -> Admission:
+        try:
+            return self.gate.check(
+                frame, peer_id=peer_id, admitted=peer_id in self._admitted, unix_now=unix_now
+            )
+        except MeshRefusal:
+            self._admitted.discard(peer_id)  # refused now: no stream of it is served until it proves again
+            raise
 
     def _open_records(self, frame: mesh.GossipFrame, peer_id: bytes, unix_now: float) -> OpenedGossip:
         """The frame's sound records; refuses the frame when the sender's own is not one."""
@@ -287,6 +385,11 @@ class MeshState:
         )
         self.record_drops.update(drop.fault.value for drop in opened.dropped)
         opened.sender_record()
+        # A removed node's record is not merged from anyone: others may not have heard of its removal yet.
+        kept = [r for r in opened.records if self.revocations.node(r.node_id) is None]
+        if len(kept) != len(opened.records):
+            self.record_drops["revoked"] += len(opened.records) - len(kept)
+            opened = OpenedGossip(sender=opened.sender, records=kept, dropped=opened.dropped)
         return opened
 
     def _merge(self, opened: OpenedGossip, now_ns: int) -> MergeReport:

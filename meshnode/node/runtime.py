@@ -8,7 +8,9 @@ for liveness, and ``time.time()`` beside it where a credential or a record's
 incarnation is checked. The link kept per peer and how a peer is dialed are
 :mod:`meshnode.mesh.peer_links` and :mod:`meshnode.mesh.peer_dialer`; the status
 report and its socket are :mod:`meshnode.node.status_report` and
-:mod:`meshnode.node.status_server`.
+:mod:`meshnode.node.status_server`; revocations, renewals and this node's own
+removal are :mod:`meshnode.node.membership_keeper`'s (``node.removal`` is set,
+with ``node.removal_reason``, once this node is out of the mesh).
 
 What later layers use:
 
@@ -37,8 +39,9 @@ from typing import Any
 
 from meshnode import __version__
 from meshnode.identity import NodeIdentity, short_id
-from meshnode.membership.credentials import Endpoint, Invite
+from meshnode.membership.credentials import DEFAULT_CERTIFICATE_TTL_S, Endpoint, Invite
 from meshnode.membership.store import DataDir, MembershipState
+from meshnode.mesh.credential_gate import REVOCATION_CODES
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
 from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable
 from meshnode.mesh.peer_links import PeerLinks
@@ -59,6 +62,7 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
+from meshnode.node.membership_keeper import MembershipKeeper, load_revocations
 from meshnode.node.status_report import StatusReport, status_report
 from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
@@ -69,7 +73,7 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
 from meshnode.transport.request_reply import REQUEST_FAILURES, request_reply
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
-from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
+from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, in_words
 from meshnode.wire.pb import mesh
 
 # Named for the package, as when the node was one module: operators filter on it.
@@ -114,6 +118,8 @@ class NodeConfig:
     relay_only: bool = False
     role: int = mesh.NODE_ROLE_WORKER
     http_port: int = 0
+    # Lifetime of the member certificates this node issues and renews, as an admin.
+    certificate_ttl: float = DEFAULT_CERTIFICATE_TTL_S
     quic: QuicSettings = field(default_factory=QuicSettings)
 
     @property
@@ -164,6 +170,8 @@ class Node:
             heartbeat_interval_ns=_to_ns(config.heartbeat_interval),
             peer_timeout_ns=_to_ns(config.effective_peer_timeout),
             tombstone_ttl_ns=_to_ns(config.tombstone_ttl),
+            revocations=load_revocations(data_dir, mesh_id),
+            certificate_ttl_s=config.certificate_ttl,
         )
         if membership is not None:
             local.relays.extend(
@@ -175,7 +183,9 @@ class Node:
             local.relays.extend(mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in invite.relays)
             known_peers = list(invite.bootstrap)
         self.dispatcher = Dispatcher(
-            is_admitted=self.state.is_admitted, stream_type_timeout=config.stream_type_timeout
+            is_admitted=self.state.is_admitted,
+            stream_type_timeout=config.stream_type_timeout,
+            check_peer=self.state.revocations.check_node,
         )
         self.dispatcher.register(StreamType.GOSSIP, self._serve_gossip, before_admission=True)
         self.dispatcher.register(StreamType.ROUTE_REQUEST, self._serve_route_request, before_admission=True)
@@ -201,6 +211,18 @@ class Node:
         self._stopped = False
         # Where this node's OpenAI-compatible API listens (set by the head), for `meshnode generate`.
         self.api_url: str | None = None
+        self.keeper = MembershipKeeper(
+            self.state,
+            data_dir,
+            spawn=self._spawn,
+            link_to=self._links.get,
+            exchange=self._exchange,
+            gossip_with_all=self._gossip_with_all,
+            save_membership=self._save_membership,
+            relay_links=lambda: self.relay_links,
+        )
+        # Set once this node is out of the mesh (removed, or its certificate expired); see keeper.
+        self.removal = self.keeper.removal
 
     # -- identity and announcement -------------------------------------------------
 
@@ -211,6 +233,10 @@ class Node:
     @property
     def mesh_id(self) -> str:
         return self.state.mesh_id
+
+    @property
+    def removal_reason(self) -> str:
+        return self.keeper.removal_reason
 
     @property
     def addresses(self) -> list[str]:
@@ -268,7 +294,9 @@ class Node:
             connect_timeout=self.config.connect_timeout,
             relay_only=self.config.relay_only,
         )
-        self._status_server = StatusServer(self.data_dir.control_socket, self.status)
+        self._status_server = StatusServer(
+            self.data_dir.control_socket, self.status, control=self.keeper.control
+        )
         await self._status_server.start()
         self.state.start_heartbeat(time.monotonic_ns())
         self._spawn(self._heartbeat_loop())
@@ -299,7 +327,11 @@ class Node:
         # Always present: a node with no relays of its own still reaches NATed peers through the
         # relays they announce (registered on first use, see PeerDialer.dial_peer).
         self.relay_links = RelayLinks(
-            self.identity, self, mesh_id=self.mesh_id, proof_for=self.state.our_proof
+            self.identity,
+            self,
+            mesh_id=self.mesh_id,
+            proof_for=self.state.our_proof,
+            revocations=self.state.revocations.signed,
         )
         await self.relay_links.add_relays(
             Endpoint(id=bytes(r.relay_id), address=r.address) for r in local.relays
@@ -314,8 +346,12 @@ class Node:
                 link = await self._started_dialer().dial_endpoint(endpoint)
                 await self._exchange(link)
             except RemoteRefusal as refusal:
-                log.warning("bootstrap peer %s refused us: %s", endpoint, refusal.detail)
-                reasons.append(refusal.detail)
+                log.warning(
+                    "bootstrap peer %s refused us: %s", endpoint, in_words(refusal.code, refusal.detail)
+                )
+                reasons.append(in_words(refusal.code, refusal.detail))
+                if self.removal.is_set():
+                    break  # a verified revocation names us: no other member will admit us
                 continue
             except PEER_FAILURES as exc:
                 log.warning("bootstrap peer %s failed: %s", endpoint, exc or type(exc).__name__)
@@ -429,8 +465,16 @@ class Node:
         except Exception as exc:
             done.set_exception(exc)
             done.exception()  # retrieved: callers see `exc` re-raised below
+            if isinstance(exc, RemoteRefusal):
+                self.keeper.remote_refused(exc)
+            else:
+                self.keeper.after_gossip()
             raise
         done.set_result(None)
+        self.keeper.after_gossip()
+        if outcome.renewed:
+            log.info("membership certificate renewed by %s", short_id(link.peer_id))
+            self._save_membership()
         if outcome.joined and not was_member:
             log.info(
                 "admitted to mesh %s by %s; stored membership certificate",
@@ -451,10 +495,17 @@ class Node:
         except MeshRefusal as refusal:
             self.gossip_refusals[refusal.code_name] = self.gossip_refusals.get(refusal.code_name, 0) + 1
             self._refusal_log.log(
-                logging.INFO, "refused gossip from %s: %s", short_id(peer_id), refusal.detail
+                logging.INFO,
+                "refused gossip from %s: %s",
+                short_id(peer_id),
+                in_words(refusal.code, refusal.detail),
             )
+            self.keeper.after_gossip()
             await stream.send_frame(self.state.refusal_frame(refusal).SerializeToString())
             return
+        self.keeper.after_gossip()
+        if outcome.invite_id:
+            self.keeper.invite_used(outcome.invite_id, peer_id)
         if outcome.newly_admitted:
             how = "invite" if outcome.via_invite else "member certificate"
             log.info("admitted peer %s (%s)", short_id(peer_id), how)
@@ -496,15 +547,19 @@ class Node:
 
     def _heartbeat(self, beats: int) -> None:
         """Gossip with every peer (with the known peers while there is none); save them every tenth beat."""
-        for peer_id in self.state.table.peer_ids():
-            if peer_id not in self._heartbeating:
-                self._spawn(self._heartbeat_peer(peer_id))
+        self.keeper.on_heartbeat()
+        self._gossip_with_all()
         if not len(self.state.table) and self.state.is_member:
             for endpoint in self._known_peers:
                 if endpoint.id != self.node_id and endpoint.id not in self._heartbeating:
                     self._spawn(self._bootstrap_one(endpoint))
         if beats % 10 == 0 and self.state.is_member:
             self._save_membership()
+
+    def _gossip_with_all(self) -> None:
+        for peer_id in self.state.table.peer_ids():
+            if peer_id not in self._heartbeating:
+                self._spawn(self._heartbeat_peer(peer_id))
 
     async def _heartbeat_peer(self, peer_id: bytes) -> None:
         self._heartbeating.add(peer_id)
@@ -646,6 +701,14 @@ class Node:
         except OSError as exc:
             log.warning("could not save membership state: %s", exc)
 
+    def revoked_refusals(self) -> dict[str, int]:
+        """Refusals of revoked or expired credentials, by code name (gossip frames and streams)."""
+        counts = dict.fromkeys(sorted(mesh.MeshErrorCode.Name(c) for c in REVOCATION_CODES), 0)
+        for source in (self.state.gate.revoked_refusals, self.dispatcher.refusals):
+            for name in counts:
+                counts[name] += source.get(name, 0)
+        return counts
+
     def status(self) -> StatusReport:
         """What ``meshnode status`` shows; its ``to_json()`` is what the status socket serves."""
         report = status_report(
@@ -657,6 +720,7 @@ class Node:
             started_at_ns=self.started_at_ns,
             api_url=self.api_url,
             now_ns=time.monotonic_ns(),
+            membership=self.keeper.status_json(),
         )
         report.sections.update({name: section() for name, section in self.status_sections.items()})
         return report

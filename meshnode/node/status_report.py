@@ -136,6 +136,8 @@ class StatusReport:
     refusals: Refusals
     # Sections other parts of the node add by name (e.g. "placement": a model transfer's progress).
     sections: dict[str, Any] = field(default_factory=dict)
+    # Admins, members' certificate expiry, removals (meshnode.node.membership_keeper.status_json).
+    membership: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The status socket's JSON object."""
@@ -203,6 +205,7 @@ def status_report(
     started_at_ns: int,
     api_url: str | None,
     now_ns: int,
+    membership: dict[str, Any] | None = None,
 ) -> StatusReport:
     """The report of the node whose membership state is ``state``, at ``now_ns``.
 
@@ -238,6 +241,7 @@ def status_report(
         refusals=Refusals(
             streams=dict(stream_refusals), gossip=dict(gossip_refusals), records=dict(state.record_drops)
         ),
+        membership=membership or {},
     )
 
 

@@ -1,5 +1,8 @@
 """The status socket: a local client sends the line ``status`` and reads the node's report as JSON.
 
+Other one-line requests (``revoke ...``, ``grant-admin ...``: the membership
+commands) go to ``control``, which answers a JSON object too.
+
 It is the data directory's control socket (mode 0600 in a private directory, so
 only the node's user can ask); :mod:`meshnode.app.status` is its client. One
 request per connection, answered with one JSON line, then the node closes it.
@@ -12,6 +15,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from meshnode.identity import ensure_private_dir
 from meshnode.node.status_report import StatusReport
@@ -19,15 +23,22 @@ from meshnode.node.status_report import StatusReport
 # The node's logger, as when this lived in the node module.
 log = logging.getLogger("meshnode.node")
 
-# A request longer than this is not "status"; nothing more of it is kept.
-REQUEST_LIMIT = 1024
+# A request longer than this is refused; nothing more of it is kept (a revocation is ~200 bytes).
+REQUEST_LIMIT = 4096
 REQUEST_TIMEOUT_S = 2.0
 
 
 class StatusServer:
-    def __init__(self, path: Path, report: Callable[[], StatusReport]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        report: Callable[[], StatusReport],
+        *,
+        control: Callable[[str], dict[str, Any]] | None = None,
+    ) -> None:
         self.path = path
         self._report = report
+        self._control = control
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -51,8 +62,15 @@ class StatusServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                request = (await reader.readline())[:REQUEST_LIMIT].strip()
-            answer = self._report().to_json() if request == b"status" else {"error": "unknown request"}
+                line = await reader.readline()
+            request = line.strip() if len(line) <= REQUEST_LIMIT else b""
+            answer: dict[str, Any]
+            if request == b"status":
+                answer = self._report().to_json()
+            elif self._control is not None and request:
+                answer = self._control(request.decode("ascii", "replace"))
+            else:
+                answer = {"error": "unknown request"}
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (TimeoutError, ConnectionError):

@@ -319,6 +319,13 @@ class RelayClient:
         self._outgoing.append(p.encode_send(destination, channel, payload))
         self._wake.set()
 
+    def send_revocations(self, revocations: list[membership.Revocation]) -> None:
+        """Hand the relay the revocations we know (it ends and refuses the registrations they name)."""
+        if not self.registered or not revocations:
+            return
+        self._outgoing.extend(p.encode_revocations(revocations))
+        self._wake.set()
+
     async def close(self) -> None:
         self._closed = True
         if self._task is not None:

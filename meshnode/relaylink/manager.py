@@ -80,6 +80,7 @@ class RelayLinks:
         proof_for: Callable[[bytes], membership.MembershipProof | None],
         settings: RelayLinkSettings | None = None,
         local_host: str = "0.0.0.0",
+        revocations: Callable[[], list[membership.Revocation]] = list,
     ) -> None:
         self.identity = identity
         self.handler = handler
@@ -87,6 +88,7 @@ class RelayLinks:
         self.settings = settings or RelayLinkSettings()
         self.stats = RelayLinkStats()
         self._proof_for = proof_for
+        self._revocations = revocations
         self._local_host = local_host
         self._clients: dict[bytes, RelayClient] = {}
         self._sealers: dict[_Key, PeerSealer] = {}
@@ -318,6 +320,13 @@ class RelayLinks:
 
     def _on_up(self, client: RelayClient) -> None:
         self._any_registered.set()
+        # Each registration hands over what we know: a relay that restarted or never heard learns it.
+        client.send_revocations(self._revocations())
+
+    def publish_revocations(self, revocations: list[membership.Revocation]) -> None:
+        """Tell every relay we are registered with (the others hear on registration)."""
+        for client in self._clients.values():
+            client.send_revocations(revocations)
 
     def _on_down(self, client: RelayClient, reason: str) -> None:
         for key in [k for k in self._links if k[0] == client.relay_id]:

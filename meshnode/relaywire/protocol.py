@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.gen.meshnode.v1 import relay_pb2 as relay
 from meshnode.identity import NODE_ID_BYTES, SIGNATURE_BYTES, NodeIdentity
 from meshnode.membership.credentials import MAX_TOKEN_CHARS
@@ -37,6 +38,7 @@ MAX_REGISTRATION_FRAME_BYTES = MAX_TOKEN_CHARS
 MAX_MESH_ID_CHARS = 64
 # Channel numbers are the nodes' business; the relay only bounds them.
 MAX_CHANNEL = (1 << 62) - 1
+MAX_REVOCATIONS_PER_MESSAGE = 1024
 
 REGISTER_TAG = b"meshnode/v1/relay-register\0"
 
@@ -146,6 +148,11 @@ def decode_client_message(
             raise RelayRefused(MALFORMED, f"signature must be {SIGNATURE_BYTES} bytes")
         if not register.mesh_id or len(register.mesh_id) > MAX_MESH_ID_CHARS:
             raise RelayRefused(MALFORMED, "mesh id missing or too long")
+    elif kind == "revocations":
+        if len(message.revocations.revocations) > MAX_REVOCATIONS_PER_MESSAGE:
+            raise RelayRefused(
+                MALFORMED, f"more than {MAX_REVOCATIONS_PER_MESSAGE} revocations in one message"
+            )
     else:
         raise RelayRefused(MALFORMED, "empty relay frame")
     return message
@@ -175,6 +182,17 @@ def encode_send(destination_id: bytes, channel: int, payload: bytes, send_id: in
     return relay.RelayClientMessage(
         send=relay.RelaySend(destination_id=destination_id, channel=channel, payload=payload, send_id=send_id)
     ).SerializeToString()
+
+
+def encode_revocations(revocations: list[membership.Revocation]) -> list[bytes]:
+    """``RelayRevocations`` messages carrying ``revocations``, at most the per-message cap each."""
+    step = MAX_REVOCATIONS_PER_MESSAGE
+    return [
+        relay.RelayClientMessage(
+            revocations=relay.RelayRevocations(revocations=revocations[start : start + step])
+        ).SerializeToString()
+        for start in range(0, len(revocations), step)
+    ]
 
 
 def encode_deliver(source_id: bytes, channel: int, payload: bytes) -> bytes:

@@ -65,6 +65,9 @@ _REASONS = {
     mesh.MESH_ERROR_OVERLOADED: "overloaded",
     mesh.MESH_ERROR_INTERNAL: "internal error",
     mesh.MESH_ERROR_PROTOCOL: "protocol violation",
+    mesh.MESH_ERROR_REVOKED: "removed from the mesh by an admin",
+    mesh.MESH_ERROR_INVITE_REVOKED: "invite withdrawn by an admin",
+    mesh.MESH_ERROR_CERTIFICATE_EXPIRED: "member certificate expired and was not renewed",
 }
 
 
@@ -73,6 +76,13 @@ def code_name(code: int) -> str:
         return mesh.MeshErrorCode.Name(code)  # type: ignore[arg-type]
     except ValueError:
         return f"MESH_ERROR_{code}"
+
+
+def in_words(code: int, detail: str = "") -> str:
+    """How the command line says a refusal: its reason in words, the detail, and the code to search for."""
+    words = reason_text(code)
+    said = f"{words}: {detail}" if detail and detail != words else words
+    return f"{said} ({code_name(code)})"
 
 
 def reason_text(code: int) -> str:
@@ -96,6 +106,7 @@ __all__ = [
     "MeshRefusal",
     "RemoteRefusal",
     "code_name",
+    "in_words",
     "reason_text",
     "refusal_from_reset_code",
     "reset_code",

@@ -197,21 +197,22 @@ def test_member_certificate_is_bound_to_mesh_and_node(mesh_key, issuer):
     assert refusal_code(lambda: verify(member, the_proof=forged)) == mesh.MESH_ERROR_FORGED
 
 
-def test_grant_carries_a_usable_mesh_key_and_certificate(mesh_key, issuer):
+def test_admin_grant_carries_a_usable_mesh_key_and_a_plain_grant_none(mesh_key, issuer):
     member = NodeIdentity.generate()
     certificate = issue_certificate(mesh_key, node_id=member.node_id, issuer_id=issuer.node_id, unix_now=NOW)
-    grant = make_grant(mesh_key, certificate)
-    got_key, got_certificate = open_grant(grant, mesh_id=mesh_key.mesh_id, node_id=member.node_id)
+    grant = make_grant(certificate, admin_key=mesh_key)
+
+    def open_it(the_grant, node_id=member.node_id, now=NOW):
+        return open_grant(the_grant, mesh_id=mesh_key.mesh_id, node_id=node_id, unix_now=now)
+
+    got_key, got_certificate = open_it(grant)
     assert got_key.mesh_id == mesh_key.mesh_id and got_certificate == certificate
-    other = make_grant(MeshKey.generate(), certificate)
-    assert (
-        refusal_code(lambda: open_grant(other, mesh_id=mesh_key.mesh_id, node_id=member.node_id))
-        == mesh.MESH_ERROR_OTHER_MESH
-    )
-    assert (
-        refusal_code(lambda: open_grant(grant, mesh_id=mesh_key.mesh_id, node_id=issuer.node_id))
-        == mesh.MESH_ERROR_WRONG_IDENTITY
-    )
+    plain_key, plain_certificate = open_it(make_grant(certificate))
+    assert plain_key is None and plain_certificate == certificate
+    other = make_grant(certificate, admin_key=MeshKey.generate())
+    assert refusal_code(lambda: open_it(other)) == mesh.MESH_ERROR_OTHER_MESH
+    assert refusal_code(lambda: open_it(grant, node_id=issuer.node_id)) == mesh.MESH_ERROR_WRONG_IDENTITY
+    assert refusal_code(lambda: open_it(grant, now=NOW + 25 * 3600)) == mesh.MESH_ERROR_CERTIFICATE_EXPIRED
 
 
 def test_membership_store_round_trips_with_private_files(tmp_path, mesh_key):

@@ -125,6 +125,8 @@ def test_the_report_serializes_to_the_status_sockets_json():
             "gossip": {"MESH_ERROR_NO_CREDENTIAL": 1},
             "records": {},
         },
+        "sections": {},
+        "membership": {},
     }
     assert json.loads(json.dumps(report.to_json())) == report.to_json()
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshnode/v1/membership.proto\x12\x0bmeshnode.v1\"-\n\x0ePinnedEndpoint\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xdb\x01\n\nInviteBody\x12\x17\n\x0fmesh_public_key\x18\x01 \x01(\x0c\x12.\n\tbootstrap\x18\x02 \x03(\x0b\x32\x1b.meshnode.v1.PinnedEndpoint\x12+\n\x06relays\x18\x03 \x03(\x0b\x32\x1b.meshnode.v1.PinnedEndpoint\x12\x13\n\x0bissued_unix\x18\x04 \x01(\x03\x12\x14\n\x0c\x65xpires_unix\x18\x05 \x01(\x03\x12\x19\n\x11invite_public_key\x18\x06 \x01(\x0c\x12\x11\n\tissuer_id\x18\x07 \x01(\x0c\"`\n\x0bInviteToken\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\x12\x16\n\x0e\x62ody_signature\x18\x03 \x01(\x0c\x12\x1a\n\x12invite_private_key\x18\x04 \x01(\x0c\"Q\n\x0bInviteProof\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x16\n\x0e\x62ody_signature\x18\x02 \x01(\x0c\x12\x1c\n\x14possession_signature\x18\x03 \x01(\x0c\"i\n\x15MemberCertificateBody\x12\x17\n\x0fmesh_public_key\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\x0c\x12\x13\n\x0bissued_unix\x18\x03 \x01(\x03\x12\x11\n\tissuer_id\x18\x04 \x01(\x0c\"4\n\x11MemberCertificate\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\x82\x01\n\x0fMembershipProof\x12*\n\x06invite\x18\x01 \x01(\x0b\x32\x18.meshnode.v1.InviteProofH\x00\x12\x35\n\x0b\x63\x65rtificate\x18\x02 \x01(\x0b\x32\x1e.meshnode.v1.MemberCertificateH\x00\x42\x0c\n\ncredential\"`\n\x0fMembershipGrant\x12\x33\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0b\x32\x1e.meshnode.v1.MemberCertificate\x12\x18\n\x10mesh_private_key\x18\x02 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshnode/v1/membership.proto\x12\x0bmeshnode.v1\"-\n\x0ePinnedEndpoint\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xdb\x01\n\nInviteBody\x12\x17\n\x0fmesh_public_key\x18\x01 \x01(\x0c\x12.\n\tbootstrap\x18\x02 \x03(\x0b\x32\x1b.meshnode.v1.PinnedEndpoint\x12+\n\x06relays\x18\x03 \x03(\x0b\x32\x1b.meshnode.v1.PinnedEndpoint\x12\x13\n\x0bissued_unix\x18\x04 \x01(\x03\x12\x14\n\x0c\x65xpires_unix\x18\x05 \x01(\x03\x12\x19\n\x11invite_public_key\x18\x06 \x01(\x0c\x12\x11\n\tissuer_id\x18\x07 \x01(\x0c\"`\n\x0bInviteToken\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\x12\x16\n\x0e\x62ody_signature\x18\x03 \x01(\x0c\x12\x1a\n\x12invite_private_key\x18\x04 \x01(\x0c\"Q\n\x0bInviteProof\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x16\n\x0e\x62ody_signature\x18\x02 \x01(\x0c\x12\x1c\n\x14possession_signature\x18\x03 \x01(\x0c\"\x8e\x01\n\x15MemberCertificateBody\x12\x17\n\x0fmesh_public_key\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\x0c\x12\x13\n\x0bissued_unix\x18\x03 \x01(\x03\x12\x11\n\tissuer_id\x18\x04 \x01(\x0c\x12\x14\n\x0c\x65xpires_unix\x18\x05 \x01(\x03\x12\r\n\x05\x61\x64min\x18\x06 \x01(\x08\"4\n\x11MemberCertificate\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\x82\x01\n\x0fMembershipProof\x12*\n\x06invite\x18\x01 \x01(\x0b\x32\x18.meshnode.v1.InviteProofH\x00\x12\x35\n\x0b\x63\x65rtificate\x18\x02 \x01(\x0b\x32\x1e.meshnode.v1.MemberCertificateH\x00\x42\x0c\n\ncredential\"`\n\x0fMembershipGrant\x12\x33\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0b\x32\x1e.meshnode.v1.MemberCertificate\x12\x18\n\x10mesh_private_key\x18\x02 \x01(\x0c\"\x9b\x01\n\x0eRevocationBody\x12\x17\n\x0fmesh_public_key\x18\x01 \x01(\x0c\x12\x11\n\x07node_id\x18\x02 \x01(\x0cH\x00\x12\x1b\n\x11invite_public_key\x18\x03 \x01(\x0cH\x00\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bissued_unix\x18\x05 \x01(\x03\x12\x11\n\tissuer_id\x18\x06 \x01(\x0c\x42\x08\n\x06target\"-\n\nRevocation\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"=\n\rRevocationSet\x12,\n\x0brevocations\x18\x01 \x03(\x0b\x32\x17.meshnode.v1.Revocationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,12 +40,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVITETOKEN']._serialized_end=410
   _globals['_INVITEPROOF']._serialized_start=412
   _globals['_INVITEPROOF']._serialized_end=493
-  _globals['_MEMBERCERTIFICATEBODY']._serialized_start=495
-  _globals['_MEMBERCERTIFICATEBODY']._serialized_end=600
-  _globals['_MEMBERCERTIFICATE']._serialized_start=602
-  _globals['_MEMBERCERTIFICATE']._serialized_end=654
-  _globals['_MEMBERSHIPPROOF']._serialized_start=657
-  _globals['_MEMBERSHIPPROOF']._serialized_end=787
-  _globals['_MEMBERSHIPGRANT']._serialized_start=789
-  _globals['_MEMBERSHIPGRANT']._serialized_end=885
+  _globals['_MEMBERCERTIFICATEBODY']._serialized_start=496
+  _globals['_MEMBERCERTIFICATEBODY']._serialized_end=638
+  _globals['_MEMBERCERTIFICATE']._serialized_start=640
+  _globals['_MEMBERCERTIFICATE']._serialized_end=692
+  _globals['_MEMBERSHIPPROOF']._serialized_start=695
+  _globals['_MEMBERSHIPPROOF']._serialized_end=825
+  _globals['_MEMBERSHIPGRANT']._serialized_start=827
+  _globals['_MEMBERSHIPGRANT']._serialized_end=923
+  _globals['_REVOCATIONBODY']._serialized_start=926
+  _globals['_REVOCATIONBODY']._serialized_end=1081
+  _globals['_REVOCATION']._serialized_start=1083
+  _globals['_REVOCATION']._serialized_end=1128
+  _globals['_REVOCATIONSET']._serialized_start=1130
+  _globals['_REVOCATIONSET']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

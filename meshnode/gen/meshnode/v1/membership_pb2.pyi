@@ -56,16 +56,20 @@ class InviteProof(_message.Message):
     def __init__(self, body: _Optional[bytes] = ..., body_signature: _Optional[bytes] = ..., possession_signature: _Optional[bytes] = ...) -> None: ...
 
 class MemberCertificateBody(_message.Message):
-    __slots__ = ("mesh_public_key", "node_id", "issued_unix", "issuer_id")
+    __slots__ = ("mesh_public_key", "node_id", "issued_unix", "issuer_id", "expires_unix", "admin")
     MESH_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ISSUED_UNIX_FIELD_NUMBER: _ClassVar[int]
     ISSUER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
     mesh_public_key: bytes
     node_id: bytes
     issued_unix: int
     issuer_id: bytes
-    def __init__(self, mesh_public_key: _Optional[bytes] = ..., node_id: _Optional[bytes] = ..., issued_unix: _Optional[int] = ..., issuer_id: _Optional[bytes] = ...) -> None: ...
+    expires_unix: int
+    admin: bool
+    def __init__(self, mesh_public_key: _Optional[bytes] = ..., node_id: _Optional[bytes] = ..., issued_unix: _Optional[int] = ..., issuer_id: _Optional[bytes] = ..., expires_unix: _Optional[int] = ..., admin: _Optional[bool] = ...) -> None: ...
 
 class MemberCertificate(_message.Message):
     __slots__ = ("body", "signature")
@@ -90,3 +94,33 @@ class MembershipGrant(_message.Message):
     certificate: MemberCertificate
     mesh_private_key: bytes
     def __init__(self, certificate: _Optional[_Union[MemberCertificate, _Mapping]] = ..., mesh_private_key: _Optional[bytes] = ...) -> None: ...
+
+class RevocationBody(_message.Message):
+    __slots__ = ("mesh_public_key", "node_id", "invite_public_key", "reason", "issued_unix", "issuer_id")
+    MESH_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INVITE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ISSUER_ID_FIELD_NUMBER: _ClassVar[int]
+    mesh_public_key: bytes
+    node_id: bytes
+    invite_public_key: bytes
+    reason: str
+    issued_unix: int
+    issuer_id: bytes
+    def __init__(self, mesh_public_key: _Optional[bytes] = ..., node_id: _Optional[bytes] = ..., invite_public_key: _Optional[bytes] = ..., reason: _Optional[str] = ..., issued_unix: _Optional[int] = ..., issuer_id: _Optional[bytes] = ...) -> None: ...
+
+class Revocation(_message.Message):
+    __slots__ = ("body", "signature")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    signature: bytes
+    def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class RevocationSet(_message.Message):
+    __slots__ = ("revocations",)
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    revocations: _containers.RepeatedCompositeFieldContainer[Revocation]
+    def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ...) -> None: ...

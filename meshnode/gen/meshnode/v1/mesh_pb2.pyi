@@ -31,6 +31,9 @@ class MeshErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MESH_ERROR_INTERNAL: _ClassVar[MeshErrorCode]
     MESH_ERROR_PROTOCOL: _ClassVar[MeshErrorCode]
     MESH_ERROR_FUTURE_INCARNATION: _ClassVar[MeshErrorCode]
+    MESH_ERROR_REVOKED: _ClassVar[MeshErrorCode]
+    MESH_ERROR_INVITE_REVOKED: _ClassVar[MeshErrorCode]
+    MESH_ERROR_CERTIFICATE_EXPIRED: _ClassVar[MeshErrorCode]
 
 class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +60,9 @@ MESH_ERROR_OVERLOADED: MeshErrorCode
 MESH_ERROR_INTERNAL: MeshErrorCode
 MESH_ERROR_PROTOCOL: MeshErrorCode
 MESH_ERROR_FUTURE_INCARNATION: MeshErrorCode
+MESH_ERROR_REVOKED: MeshErrorCode
+MESH_ERROR_INVITE_REVOKED: MeshErrorCode
+MESH_ERROR_CERTIFICATE_EXPIRED: MeshErrorCode
 NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_WORKER: NodeRole
 NODE_ROLE_HOST: NodeRole
@@ -173,20 +179,22 @@ class GossipEntry(_message.Message):
     def __init__(self, record: _Optional[_Union[SignedPeerRecord, _Mapping]] = ..., rtt_ms: _Optional[int] = ...) -> None: ...
 
 class GossipFrame(_message.Message):
-    __slots__ = ("gen", "sender_id", "membership_proof", "membership_grant", "refusal", "entries")
+    __slots__ = ("gen", "sender_id", "membership_proof", "membership_grant", "refusal", "entries", "revocations")
     GEN_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_GRANT_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     gen: int
     sender_id: bytes
     membership_proof: _membership_pb2.MembershipProof
     membership_grant: _membership_pb2.MembershipGrant
     refusal: Refusal
     entries: _containers.RepeatedCompositeFieldContainer[GossipEntry]
-    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ...) -> None: ...
+    revocations: _containers.RepeatedCompositeFieldContainer[_membership_pb2.Revocation]
+    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ...) -> None: ...
 
 class RouteTableRequest(_message.Message):
     __slots__ = ("requester_id", "gen")

@@ -1,0 +1,208 @@
+"""``meshnode remove``, ``meshnode admin grant``, and ``invite --list`` / ``--revoke``: an admin's commands.
+
+Each signs on the command line with the mesh key in the data directory (only an
+admin has one, so a plain member is told so and nothing is signed), then hands
+the result to the node running on it through its control socket, which spreads
+it (:mod:`meshnode.node.membership_keeper`). A revocation made while the node is
+down is kept in the data directory; the node spreads it when it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import time
+from typing import Any
+
+from meshnode.app.cli_error import CliError
+from meshnode.app.data_dirs import node_data_dir
+from meshnode.app.status import ask_node, query_status
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import IdentityError, load_identity, short_id
+from meshnode.membership.credentials import MeshKey
+from meshnode.membership.invite_ledger import invite_state, load_ledger
+from meshnode.membership.revocation import MAX_REASON_CHARS, RevocationList, revoke_invite, revoke_node
+from meshnode.membership.store import DataDir, MembershipState, StoreError
+from meshnode.wire.mesh_refusal import MeshRefusal
+
+NOT_ADMIN = (
+    "this node is not an admin of its mesh: only admins hold the mesh key, so nothing it signed "
+    "would be accepted (an admin can promote it with `meshnode admin grant NODE`)"
+)
+
+
+def _membership(args: argparse.Namespace) -> tuple[bytes, DataDir, MembershipState]:
+    path = node_data_dir(args)
+    try:
+        identity = load_identity(path)
+        data_dir = DataDir(path)
+        return identity.node_id, data_dir, data_dir.load_membership(identity.node_id)
+    except (IdentityError, StoreError, MeshRefusal) as exc:
+        raise CliError(str(exc)) from None
+
+
+def _admin_key(membership_state: MembershipState) -> MeshKey:
+    if membership_state.mesh_key is None:
+        raise CliError(NOT_ADMIN)
+    return membership_state.mesh_key
+
+
+def _running_status(args: argparse.Namespace) -> dict[str, Any] | None:
+    try:
+        return query_status(node_data_dir(args))
+    except OSError:
+        return None
+
+
+def resolve_id(text: str, candidates: list[bytes], what: str) -> bytes:
+    """A full hex id, or a unique prefix of a candidate's hex or short id."""
+    text = text.strip().lower()
+    if len(text) == 64:
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            pass
+    matches = {c for c in candidates if c.hex().startswith(text) or short_id(c).startswith(text)}
+    if len(matches) == 1:
+        return matches.pop()
+    if not matches:
+        raise CliError(f"no {what} matches {text!r} (give its full 64-hex id)", code=2)
+    raise CliError(f"{text!r} matches {len(matches)} {what}s; give more of its id", code=2)
+
+
+def _publish(args: argparse.Namespace, data_dir: DataDir, revocation: membership.Revocation) -> str:
+    """Hand ``revocation`` to the running node, or keep it for the node's next start."""
+    line = "revoke " + base64.b64encode(revocation.SerializeToString()).decode("ascii")
+    try:
+        answer = ask_node(data_dir.path, line)
+    except OSError:
+        stored = data_dir.load_revocations()
+        data_dir.save_revocations([*stored, revocation])
+        return "the node is not running: it spreads the revocation when it starts"
+    if "error" in answer:
+        raise CliError(f"the node refused the revocation: {answer['error']}")
+    return "the node is spreading it to every peer and relay"
+
+
+def _reason(args: argparse.Namespace) -> str:
+    if len(args.reason) > MAX_REASON_CHARS:
+        raise CliError(f"--reason is at most {MAX_REASON_CHARS} characters", code=2)
+    return str(args.reason)
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    node_id, data_dir, ours = _membership(args)
+    mesh_key = _admin_key(ours)
+    status = _running_status(args)
+    candidates: list[bytes] = []
+    if status is not None:
+        candidates += [bytes.fromhex(p["id"]) for p in status["peers"]]
+        candidates += [bytes.fromhex(m["id"]) for m in status.get("membership", {}).get("members", [])]
+    target = resolve_id(args.node, [c for c in candidates if c != node_id], "member")
+    if target == node_id:
+        raise CliError("an admin cannot remove itself (another admin can)", code=2)
+    revocation = revoke_node(
+        mesh_key, node_id=target, reason=_reason(args), issuer_id=node_id, unix_now=time.time()
+    )
+    how = _publish(args, data_dir, revocation)
+    print(f"removed node {short_id(target)} ({target.hex()}) from mesh {ours.mesh_id}; {how}")
+    return 0
+
+
+def cmd_admin_grant(args: argparse.Namespace) -> int:
+    _node_id, data_dir, ours = _membership(args)
+    _admin_key(ours)
+    status = _running_status(args)
+    if status is None:
+        raise CliError("the node is not running: it hands the mesh key over on the member's next gossip")
+    candidates = [bytes.fromhex(p["id"]) for p in status["peers"]]
+    target = resolve_id(args.node, candidates, "peer")
+    answer = ask_node(data_dir.path, f"grant-admin {target.hex()}")
+    if "error" in answer:
+        raise CliError(str(answer["error"]))
+    print(
+        f"node {short_id(target)} becomes an admin on its next gossip with this node "
+        "(it receives the mesh key and an admin certificate)"
+    )
+    return 0
+
+
+def list_invites(args: argparse.Namespace) -> int:
+    _node_id, data_dir, ours = _membership(args)
+    revocations = RevocationList(ours.mesh_id)
+    revocations.learn(data_dir.load_revocations())
+    entries = load_ledger(data_dir.path)
+    now = time.time()
+    print(f"invites issued by this node ({len(entries)}):")
+    for entry in entries:
+        state = invite_state(entry, revocations, unix_now=now)
+        expires = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.expires_unix))
+        used = ", ".join(short_id(n) for n in entry.used_by)
+        used_text = f"  used by {used}" if used else ""
+        print(f"  {short_id(entry.invite_id)}  {state:8}  expires {expires}{used_text}")
+    return 0
+
+
+def revoke_invite_command(args: argparse.Namespace) -> int:
+    node_id, data_dir, ours = _membership(args)
+    mesh_key = _admin_key(ours)
+    entries = load_ledger(data_dir.path)
+    invite_id = resolve_id(args.revoke, [e.invite_id for e in entries], "invite")
+    entry = next((e for e in entries if e.invite_id == invite_id), None)
+    revocation = revoke_invite(
+        mesh_key, invite_id=invite_id, reason=_reason(args), issuer_id=node_id, unix_now=time.time()
+    )
+    how = _publish(args, data_dir, revocation)
+    print(f"withdrew invite {short_id(invite_id)}; {how}")
+    if entry is not None and entry.used_by:
+        print(
+            "it was already used by " + ", ".join(short_id(n) for n in entry.used_by) + ": they stay "
+            "members unless you `meshnode remove` them"
+        )
+    return 0
+
+
+def add_invite_options(parser: argparse.ArgumentParser) -> None:
+    """``meshnode invite``'s --list, --revoke and --reason (the command itself is node_commands')."""
+    parser.add_argument(
+        "--list", action="store_true", help="list the invites this node issued and their state"
+    )
+    parser.add_argument("--revoke", metavar="ID", help="withdraw an invite (its id from --list)")
+    parser.add_argument("--reason", default="", help="with --revoke: why, shown to whoever tries it")
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
+    p = subparsers.add_parser(
+        "remove",
+        parents=[common],
+        help="remove a member from the mesh (admins)",
+        description="Sign a revocation of NODE with the mesh key: every node refuses its links, "
+        "certificate, gossip and sessions, every relay its registration, and it exits saying why. "
+        "Permanent: the machine needs a new identity and invite to come back.",
+    )
+    p.add_argument("node", metavar="NODE", help="the member's id (hex or short id, or a unique prefix)")
+    p.add_argument("--reason", default="", help="why; shown to the removed node and in status")
+    p.set_defaults(handler=cmd_remove)
+
+    p = subparsers.add_parser(
+        "admin",
+        parents=[common],
+        help="make another member an admin (admins)",
+        description="`meshnode admin grant NODE`: hand NODE the mesh key and an admin certificate on "
+        "its next gossip with this node. An admin can invite, renew, remove and grant.",
+    )
+    actions = p.add_subparsers(dest="admin_action", required=True, metavar="ACTION")
+    grant = actions.add_parser("grant", parents=[common], help="make NODE an admin")
+    grant.add_argument("node", metavar="NODE", help="the member's id (hex or short id, or a unique prefix)")
+    grant.set_defaults(handler=cmd_admin_grant)
+
+
+__all__ = [
+    "NOT_ADMIN",
+    "add_invite_options",
+    "list_invites",
+    "register",
+    "resolve_id",
+    "revoke_invite_command",
+]

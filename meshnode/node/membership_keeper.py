@@ -1,0 +1,223 @@
+"""The node's side of authority: revocations kept and spread, certificates renewed, removal obeyed.
+
+The rules are pure (:mod:`meshnode.membership.revocation`,
+:mod:`meshnode.mesh.credential_gate`); this is their asyncio edge, which the
+:class:`~meshnode.node.runtime.Node` calls in a few places:
+
+* after every gossip exchange, :meth:`MembershipKeeper.after_gossip` takes what
+  the state learned: new revocations are saved in the data directory, handed to
+  every relay, and pushed to every peer at once (so the whole mesh knows within
+  one exchange per link, not one heartbeat per hop); a removed peer is sent one
+  last gossip frame, which carries the revocation that names it, and its link is
+  closed, which ends its sessions;
+* when a verified revocation names this node, or its own certificate expired and
+  a peer refused it for that, :attr:`removal` is set and the process exits saying
+  why (:func:`meshnode.app.lifecycle.run_node`). A bare refusal code is never
+  believed on its own: any member could send one.
+* on each heartbeat an admin renews its own certificate; a plain member's is
+  renewed by the admins it gossips with.
+* the control socket's ``revoke`` and ``grant-admin`` requests (``meshnode
+  remove``, ``invite --revoke``, ``admin grant``) arrive here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.identity import short_id
+from meshnode.membership.invite_ledger import record_used
+from meshnode.membership.revocation import RevocationList, Revoked
+from meshnode.membership.store import DataDir, StoreError
+from meshnode.mesh.state import MeshState
+from meshnode.relaylink.manager import RelayLinks
+from meshnode.transport.base import PeerLink
+from meshnode.wire.mesh_refusal import MeshRefusal, in_words
+from meshnode.wire.pb import mesh
+
+log = logging.getLogger("meshnode.node")
+
+# How long the last frame to a removed peer may take before its link is closed anyway.
+_FAREWELL_TIMEOUT_S = 2.0
+
+
+def load_revocations(data_dir: DataDir, mesh_id: str) -> RevocationList:
+    """The revocations stored in ``data_dir``, verified again (a file is not trusted more than a peer)."""
+    revocations = RevocationList(mesh_id)
+    try:
+        learned = revocations.learn(data_dir.load_revocations())
+    except StoreError as exc:
+        log.warning("%s; starting with none (peers will gossip them again)", exc)
+        return revocations
+    if learned.refused:
+        log.warning("ignored %d stored revocation(s) that do not verify for this mesh", learned.refused)
+    return revocations
+
+
+class MembershipKeeper:
+    def __init__(
+        self,
+        state: MeshState,
+        data_dir: DataDir,
+        *,
+        spawn: Callable[[Awaitable[Any]], None],
+        link_to: Callable[[bytes], PeerLink | None],
+        exchange: Callable[[PeerLink], Awaitable[None]],
+        gossip_with_all: Callable[[], None],
+        save_membership: Callable[[], None],
+        relay_links: Callable[[], RelayLinks | None],
+    ) -> None:
+        self.state = state
+        self.data_dir = data_dir
+        self._spawn = spawn
+        self._link_to = link_to
+        self._exchange = exchange
+        self._gossip_with_all = gossip_with_all
+        self._save_membership = save_membership
+        self._relay_links = relay_links
+        self.removal = asyncio.Event()
+        self.removal_reason = ""
+
+    # -- what the node calls -------------------------------------------------------------
+
+    def after_gossip(self) -> None:
+        new = self.state.take_new_revocations()
+        if new:
+            self._apply(new)
+        if self.state.removed is not None:
+            self._removed(in_words(mesh.MESH_ERROR_REVOKED, self.state.removed.describe()))
+
+    def remote_refused(self, refusal: MeshRefusal) -> None:
+        """A peer refused us. Expiry is believed only when our own clock agrees."""
+        self.after_gossip()
+        if refusal.code == mesh.MESH_ERROR_CERTIFICATE_EXPIRED and self.state.own_certificate_expired(
+            time.time()
+        ):
+            self._removed(in_words(refusal.code, "ask an admin for a new invite"))
+
+    def on_heartbeat(self) -> None:
+        unix_now = time.time()
+        if self.state.renew_own_certificate(unix_now):
+            self._save_membership()
+        # An expired certificate is never renewed (admins refuse it like everyone), so this is final.
+        if self.state.own_certificate_expired(unix_now):
+            self._removed(
+                in_words(mesh.MESH_ERROR_CERTIFICATE_EXPIRED, "no admin renewed it; ask for a new invite")
+            )
+
+    def invite_used(self, invite_id: bytes, node_id: bytes) -> None:
+        try:
+            record_used(self.data_dir.path, invite_id, node_id)
+        except OSError as exc:
+            log.warning("could not record the invite's use: %s", exc)
+
+    # -- control requests ---------------------------------------------------------------
+
+    def control(self, request: str) -> dict[str, Any]:
+        """``revoke BASE64`` (a signed Revocation) or ``grant-admin NODE_ID_HEX``."""
+        verb, _, argument = request.partition(" ")
+        if verb == "revoke":
+            return self._control_revoke(argument.strip())
+        if verb == "grant-admin":
+            return self._control_grant_admin(argument.strip())
+        return {"error": "unknown request"}
+
+    def _control_revoke(self, text: str) -> dict[str, Any]:
+        try:
+            revocation = membership.Revocation.FromString(base64.b64decode(text, validate=True))
+        except (binascii.Error, ValueError):
+            return {"error": "not a revocation"}
+        learned = self.state.learn_revocations([revocation], now_ns=time.monotonic_ns())
+        if learned.refused:
+            return {"error": "the revocation does not verify for this mesh"}
+        self.after_gossip()  # applied as if gossip had brought it
+        return {"ok": True, "new": len(learned.new)}
+
+    def _control_grant_admin(self, text: str) -> dict[str, Any]:
+        try:
+            node_id = bytes.fromhex(text)
+        except ValueError:
+            return {"error": "not a node id"}
+        if self.state.membership is None or not self.state.membership.is_admin:
+            return {"error": "this node is not an admin"}
+        if self.state.revocations.node(node_id) is not None:
+            return {"error": "that node was removed"}
+        self.state.gate.pending_admins.add(node_id)
+        return {"ok": True}
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status_json(self) -> dict[str, Any]:
+        ours = self.state.membership
+        members = []
+        if ours is not None:
+            body = ours.certificate_body
+            members.append(
+                {
+                    "id": self.state.node_id.hex(),
+                    "short_id": short_id(self.state.node_id),
+                    "admin": ours.is_admin,
+                    "certificate_expires_unix": body.expires_unix,
+                    "self": True,
+                }
+            )
+        for node_id, certificate in sorted(self.state.gate.certificates.items()):
+            members.append(
+                {
+                    "id": node_id.hex(),
+                    "short_id": short_id(node_id),
+                    "admin": certificate.admin,
+                    "certificate_expires_unix": certificate.expires_unix,
+                    "self": False,
+                }
+            )
+        return {
+            "admin": ours is not None and ours.is_admin,
+            "members": members,
+            "removals": [revoked.to_json() for revoked in self.state.revocations.all()],
+            "revoked_refusals": dict(self.state.gate.revoked_refusals),
+        }
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _apply(self, new: list[Revoked]) -> None:
+        for revoked in new:
+            log.warning("learned: %s", revoked.describe())
+        try:
+            self.data_dir.save_revocations(self.state.revocations.signed())
+        except OSError as exc:
+            log.warning("could not save revocations: %s", exc)
+        relays = self._relay_links()
+        if relays is not None:
+            relays.publish_revocations([revoked.signed for revoked in new])
+        for revoked in new:
+            if revoked.kind == "node" and revoked.target != self.state.node_id:
+                link = self._link_to(revoked.target)
+                if link is not None:
+                    self._spawn(self._farewell(link, revoked))
+        self._gossip_with_all()
+
+    async def _farewell(self, link: PeerLink, revoked: Revoked) -> None:
+        """One last frame to the removed node (it carries the revocation naming it), then close."""
+        try:
+            async with asyncio.timeout(_FAREWELL_TIMEOUT_S):
+                await self._exchange(link)
+        except Exception as exc:  # its refusal, or its silence, changes nothing now
+            log.debug("last frame to removed %s: %s", short_id(revoked.target), exc or type(exc).__name__)
+        link.close(f"removed: {revoked.describe()}")
+
+    def _removed(self, reason: str) -> None:
+        if self.removal.is_set():
+            return
+        self.removal_reason = reason
+        log.error("this node is no longer a member of mesh %s: %s", self.state.mesh_id, reason)
+        self.removal.set()
+
+
+__all__ = ["MembershipKeeper", "load_revocations"]
