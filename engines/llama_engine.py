@@ -32,6 +32,14 @@ from engines.interface import (
 from engines.llama_lib import ensure_llama_backend, llama_cpp_version
 from engines.llama_runtime import BatchSequence, LlamaRuntime
 from engines.model_manifest import cached_manifest
+from engines.resident_memory import (
+    ShardBudget,
+    ShardMemory,
+    process_memory,
+    shard_memory,
+    track_shard,
+    untrack_shard,
+)
 from engines.session_table import Session
 from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
 from engines.slicing import SLICE_RECIPE_VERSION, check_sliceable, ensure_slice, plan_slice
@@ -96,6 +104,9 @@ class LlamaShardEngine(SessionedEngine):
         self._main: LlamaRuntime | None = None
         # Runtimes for other start layers, least recently used first.
         self._extra: OrderedDict[int, LlamaRuntime] = OrderedDict()
+        # The runtimes' buffers together, replaced whenever a runtime comes or goes, so that
+        # status and metrics read it from their own thread without walking ``_extra``.
+        self._budget = ShardBudget()
 
     # --- loading ---
 
@@ -119,6 +130,8 @@ class LlamaShardEngine(SessionedEngine):
         self._source_digest = request.model_fingerprint or cached_manifest(path, self._cache_dir).root
         self._layer_start, self._layer_end = request.layer_start, layer_end
         self._main = self._build_runtime(request.layer_start)
+        self._refresh_budget()
+        track_shard(self)
 
         offload = request.n_gpu_layers > 0 and bool(llama_cpp.llama_supports_gpu_offload())
         backend = "gpu" if offload else "cpu"
@@ -191,8 +204,10 @@ class LlamaShardEngine(SessionedEngine):
             evicted_start, evicted = self._extra.popitem(last=False)
             self._discard_sessions_starting_at(evicted_start)
             evicted.close()
+            self._refresh_budget()
         runtime = self._build_runtime(start_layer)
         self._extra[start_layer] = runtime
+        self._refresh_budget()
         return runtime
 
     @property
@@ -201,12 +216,14 @@ class LlamaShardEngine(SessionedEngine):
         return dict(self._main.weight_buffers) if self._main is not None else {}
 
     def _close_backend(self) -> None:
+        untrack_shard(self)
         for runtime in self._extra.values():
             runtime.close()
         self._extra.clear()
         if self._main is not None:
             self._main.close()
             self._main = None
+        self._refresh_budget()
 
     # --- stepping ---
 
@@ -269,6 +286,24 @@ class LlamaShardEngine(SessionedEngine):
         if runtime is not None:
             runtime.truncate(session.slot, length)
 
+    def _runtimes(self) -> list[LlamaRuntime]:
+        return [self._main, *self._extra.values()] if self._main is not None else []
+
+    def _refresh_budget(self) -> None:
+        self._budget = sum((runtime.memory_budget for runtime in self._runtimes()), ShardBudget())
+
+    def memory_budget(self) -> ShardBudget:
+        """What this shard's runtimes hold by llama.cpp's report: weights, KV, compute, output."""
+        return self._budget
+
+    def memory(self) -> ShardMemory | None:
+        """The process's resident memory against this shard's budget (``None``: not on Linux)."""
+        return shard_memory([self])
+
     def _resident_bytes(self) -> int:
-        runtimes = [self._main, *self._extra.values()] if self._main is not None else []
-        return sum(runtime.resident_bytes() for runtime in runtimes)
+        # What the process holds (the engine's memory is the node process's); the weights'
+        # size where /proc cannot be read.
+        process = process_memory()
+        if process is not None:
+            return process.rss_bytes
+        return sum(runtime.resident_bytes() for runtime in self._runtimes())

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
+from engines import llama_lib
 from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
 from engines.llama_lib import ensure_llama_backend, requested_abort, weight_buffers
+from engines.resident_memory import BufferReport, record_baseline
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -28,6 +31,36 @@ _DECODE_NO_KV_SLOT = 1
 _DECODE_ABORTED = 2
 
 _NO_ABORT = llama_cpp.ggml_abort_callback()
+
+# The buffer sizes llama.cpp logs while a runtime loads (weights, KV, compute, output) are the
+# only report of its compute buffers: this callback reads them, then hands every line on to
+# llama_lib's, which stays the one that routes llama.cpp's logs to ``logging``. Reports are
+# taken one at a time so that each gets only its own runtime's lines.
+_report_lock = threading.Lock()
+_active_reports: list[BufferReport] = []
+_tap_installed = False
+
+
+@llama_cpp.llama_log_callback
+def _buffer_log_tap(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if _active_reports and text:
+        _active_reports[0].note(text.decode("utf-8", "replace"))
+    llama_lib._forward_log(level, text, user_data)
+
+
+@contextlib.contextmanager
+def _reporting_buffers(report: BufferReport) -> Iterator[None]:
+    """Count into ``report`` the buffers llama.cpp allocates meanwhile."""
+    global _tap_installed
+    with _report_lock:
+        if not _tap_installed:
+            llama_cpp.llama_log_set(_buffer_log_tap, None)
+            _tap_installed = True
+        _active_reports.append(report)
+        try:
+            yield
+        finally:
+            _active_reports.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +146,7 @@ class LlamaRuntime:
         native_capture: bool | None = None,
     ) -> None:
         ensure_llama_backend()
+        record_baseline()
         self.model_path = model_path
         self.takes_embeddings = takes_embeddings
         self.captures = capture_layer is not None
@@ -122,7 +156,8 @@ class LlamaRuntime:
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = weight_repack
-        with weight_buffers() as buffers:
+        buffer_report = BufferReport()
+        with weight_buffers() as buffers, _reporting_buffers(buffer_report):
             self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
         # Weight buffer types and their MiB, as llama.cpp reported them (AMX, CPU_REPACK, CUDA0, ...).
         self.weight_buffers = dict(buffers)
@@ -162,7 +197,10 @@ class LlamaRuntime:
         if self._capture is not None:
             context_params.cb_eval = self._capture.callback
             context_params.cb_eval_user_data = self._capture.user_data
-        self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
+        with _reporting_buffers(buffer_report):
+            self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
+        # Weights, KV, compute and output buffers as llama.cpp reported them (resident_memory).
+        self.memory_budget = buffer_report.budget()
         if not self._ctx:
             self.close()
             raise EngineError(

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.resident_memory import ShardMemory, shard_memory
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -173,8 +175,13 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
             gauge("meshnode_kv_pressure", "Fraction of the KV cache in use (0..1)", health.kv_pressure),
             gauge("meshnode_kv_tokens_used", "KV cache tokens in use", health.kv_tokens_used),
             gauge("meshnode_kv_tokens_capacity", "KV cache tokens available", health.kv_tokens_capacity),
-            gauge("meshnode_resident_bytes", "Engine memory in use", health.resident_bytes),
+            gauge(
+                "meshnode_resident_bytes",
+                "Resident memory of the engine's process (VmRSS where the OS reports it)",
+                health.resident_bytes,
+            ),
         ]
+        families += _memory_families(shard_memory())
         errors = counter("meshnode_shard_errors_total", "Refusals this shard sent, by error code")
         for code in shard.ErrorCode.values():
             if code != shard.ERROR_CODE_UNSPECIFIED:
@@ -204,6 +211,31 @@ async def collect(sources: MetricSources, *, now: float) -> list[Family]:
             counter("meshnode_cache_rebuilds_total", "Re-prefills after a cache miss", stats.rebuilds),
         ]
     return families
+
+
+def _memory_families(memory: ShardMemory | None) -> list[Family]:
+    """The process's resident memory against the budget of the shards loaded in it."""
+    if memory is None:
+        return []
+    budget = gauge(
+        "meshnode_shard_memory_budget_bytes",
+        "What the loaded shards should hold, by buffer (as llama.cpp reports them)",
+    )
+    for name, value in memory.to_json()["budget"].items():
+        budget.add(value, {"buffer": name.removesuffix("_bytes")})
+    return [
+        gauge(
+            "meshnode_resident_file_bytes",
+            "File-backed part of the process's resident memory (mapped model files)",
+            memory.process.file_bytes,
+        ),
+        gauge(
+            "meshnode_shard_resident_bytes",
+            "The shards' resident share: mapped model files, and anonymous memory gained since the first load",
+            memory.shard_bytes,
+        ),
+        budget,
+    ]
 
 
 def _lease_families(worker: Any) -> list[Family]:

@@ -49,6 +49,9 @@ def format_status(status: dict[str, Any]) -> str:
     memory = (status.get("sections") or {}).get("memory")
     if memory:
         lines.append(_memory_text(memory))
+    placement = (status.get("sections") or {}).get("placement")
+    if placement:
+        lines.append(_placement_text(placement))
     lines.append(f"peers ({len(status['peers'])}):")
     for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
         reach = "direct" if peer["directly_reachable"] else "relay"
@@ -106,6 +109,26 @@ def _memory_text(memory: dict[str, Any]) -> str:
         f"  memory: {mib(memory['rss_bytes'])} MiB resident ({mib(memory['rss_file_bytes'])} file-backed); "
         f"the shard {mib(memory['shard_bytes'])} MiB against its budget {mib(memory['budget_bytes'])} MiB ({parts})"
     )
+
+
+def _placement_text(placement: dict[str, Any]) -> str:
+    """``  placement: fetching layers [6, 18) of gemma: 120.0/216.9 MiB 55.3% 8.1 MiB/s ETA 0:12``
+    (meshnode.autoplace.auto_shard.AutoShard.status)."""
+    text = f"  placement: {placement['state']}"
+    if placement.get("layers"):
+        start, end = placement["layers"]
+        text += f" layers [{start}, {end})"
+    if placement.get("model"):
+        text += f" of {placement['model']['name']}"
+    transfer = placement.get("transfer")
+    if transfer and not transfer.get("finished"):
+        eta = transfer.get("eta_s")
+        text += (
+            f": {transfer['done_bytes'] / 2**20:.1f}/{transfer['total_bytes'] / 2**20:.1f} MiB "
+            f"{transfer['fraction'] * 100:.1f}% {transfer['rate_bytes_per_s'] / 2**20:.1f} MiB/s"
+            + ("" if eta is None else f" ETA {eta:.0f} s")
+        )
+    return text
 
 
 def _serving_text(serving: dict[str, Any] | None) -> str:

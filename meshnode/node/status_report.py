@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engines.resident_memory import shard_memory
 from meshnode.identity import short_id
 from meshnode.mesh.peer_table import PeerEntry
 from meshnode.mesh.state import MeshState
@@ -234,6 +235,10 @@ def status_report(
         _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now_ns=now_ns)
         for entry in state.table.entries()
     ]
+    # Resident memory against the budget of the shards this process loaded (engines.resident_memory):
+    # the engine runs in the node's process. Absent while it holds none.
+    memory = shard_memory()
+    sections = {"memory": memory.to_json()} if memory is not None and memory.budget.total_bytes else {}
     return StatusReport(
         node=node,
         peers=peers,
@@ -242,6 +247,7 @@ def status_report(
             streams=dict(stream_refusals), gossip=dict(gossip_refusals), records=dict(state.record_drops)
         ),
         membership=membership or {},
+        sections=sections,
     )
 
 

@@ -1,0 +1,250 @@
+"""A shard's resident memory against its budget.
+
+The budget is what a shard has to hold: its weights, its KV cache, and the compute and output
+buffers of its context, as llama.cpp reports them while it loads the model and creates the
+context (``BufferReport`` reads those log lines). Resident memory is what the process holds
+(``/proc/self/status``: ``VmRSS`` and its file-backed part ``RssFile``; llama.cpp maps the GGUF
+and pre-faults every page, so a slice file is resident in full). The shard's own share is its
+mapped model files' resident pages (``/proc/self/smaps``) plus the growth of the process's
+anonymous memory since just before its first model loaded: the interpreter, numpy, and the
+llama.cpp libraries' code (file-backed pages that its first load faults in) are not the shard's.
+
+No llama.cpp here: the node's status and metrics read this without loading a model.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+MIB = 1 << 20
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_SMAPS = Path("/proc/self/smaps")
+MODEL_FILE_SUFFIX = ".gguf"
+# A mapping's header line in smaps: "7f..-7f.. r--s 00000000 08:01 1234   /path/to/file".
+_SMAPS_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """Resident memory of a process: all of it, and its file-backed and anonymous parts."""
+
+    rss_bytes: int
+    file_bytes: int
+    anon_bytes: int
+
+
+def parse_proc_status(text: str) -> ProcessMemory:
+    """The resident figures of a ``/proc/<pid>/status`` text (its values are in kB)."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "RssFile", "RssAnon"):
+            values[name] = int(rest.split()[0]) * 1024
+    return ProcessMemory(values.get("VmRSS", 0), values.get("RssFile", 0), values.get("RssAnon", 0))
+
+
+def process_memory(status_path: Path = _PROC_STATUS) -> ProcessMemory | None:
+    """This process's resident memory; ``None`` where there is no ``/proc`` (not Linux)."""
+    try:
+        return parse_proc_status(status_path.read_text())
+    except OSError:
+        return None
+
+
+def parse_smaps_file_rss(text: str, suffix: str = MODEL_FILE_SUFFIX) -> int:
+    """Resident bytes of the mappings of files whose name ends with ``suffix``, in an smaps text."""
+    total, counting = 0, False
+    for line in text.splitlines():
+        mapping = _SMAPS_MAPPING.match(line)
+        if mapping is not None:
+            counting = mapping.group(1).endswith(suffix)
+        elif counting and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def model_file_memory(smaps_path: Path = _PROC_SMAPS) -> int:
+    """Resident bytes of the GGUF files this process maps (0 where there is no ``/proc``)."""
+    try:
+        return parse_smaps_file_rss(smaps_path.read_text())
+    except OSError:
+        return 0
+
+
+class BufferKind(StrEnum):
+    WEIGHTS = "weights"
+    KV = "kv"
+    COMPUTE = "compute"
+    OUTPUT = "output"
+
+
+# llama.cpp's INFO lines, e.g. "load_tensors:   CPU_Mapped model buffer size =    24.77 MiB",
+# "llama_kv_cache:        CPU KV buffer size =     2.00 MiB" (one per cache: a sliding-window
+# model has two), "sched_reserve:        CPU compute buffer size =     4.69 MiB",
+# "llama_context:        CPU  output buffer size =     0.00 MiB". Only "size =": the context's
+# destructor logs "compute buffer size is ..." again.
+_BUFFER_LINES = (
+    (BufferKind.WEIGHTS, re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) MiB")),
+    (BufferKind.KV, re.compile(r":\s+(\S+) KV buffer size =\s+([0-9.]+) MiB")),
+    (BufferKind.COMPUTE, re.compile(r":\s+(\S+) compute buffer size =\s+([0-9.]+) MiB")),
+    (BufferKind.OUTPUT, re.compile(r":\s+(\S+)\s+output buffer size =\s+([0-9.]+) MiB")),
+)
+
+
+@dataclass(frozen=True)
+class ShardBudget:
+    """What a shard has to hold, in bytes (llama.cpp prints MiB with two decimals)."""
+
+    weights_bytes: int = 0
+    kv_bytes: int = 0
+    compute_bytes: int = 0
+    output_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
+
+    def __add__(self, other: ShardBudget) -> ShardBudget:
+        return ShardBudget(
+            self.weights_bytes + other.weights_bytes,
+            self.kv_bytes + other.kv_bytes,
+            self.compute_bytes + other.compute_bytes,
+            self.output_bytes + other.output_bytes,
+        )
+
+
+class BufferReport:
+    """Collects the buffer sizes llama.cpp logs while one model loads and its context is made."""
+
+    def __init__(self) -> None:
+        self._bytes = dict.fromkeys(BufferKind, 0)
+        # Per kind, per buffer type (CPU_Mapped, CPU, CUDA0, ...), in MiB as logged.
+        self.by_type: dict[BufferKind, dict[str, float]] = {kind: {} for kind in BufferKind}
+
+    def note(self, line: str) -> bool:
+        """Count ``line`` if it reports a buffer; whether it did."""
+        for kind, pattern in _BUFFER_LINES:
+            match = pattern.search(line)
+            if match is not None:
+                name, mib = match.group(1), float(match.group(2))
+                self._bytes[kind] += round(mib * MIB)
+                self.by_type[kind][name] = self.by_type[kind].get(name, 0.0) + mib
+                return True
+        return False
+
+    def budget(self) -> ShardBudget:
+        return ShardBudget(
+            self._bytes[BufferKind.WEIGHTS],
+            self._bytes[BufferKind.KV],
+            self._bytes[BufferKind.COMPUTE],
+            self._bytes[BufferKind.OUTPUT],
+        )
+
+
+@dataclass(frozen=True)
+class ShardMemory:
+    """Resident memory of the process holding shards, against the shards' budget."""
+
+    process: ProcessMemory
+    # Resident pages of the model files (slices) the process maps.
+    model_file_bytes: int
+    budget: ShardBudget
+    # The process before its first model loaded; ``None`` when none has loaded yet.
+    baseline: ProcessMemory | None
+
+    @property
+    def shard_bytes(self) -> int:
+        """The shards' resident share: their mapped model files, and the anonymous memory the
+        process gained since before its first model loaded."""
+        before = self.baseline.anon_bytes if self.baseline is not None else 0
+        return max(0, self.process.anon_bytes - before) + self.model_file_bytes
+
+    @property
+    def budget_ratio(self) -> float:
+        """The shards' resident share over their budget (0.0 with no budget)."""
+        total = self.budget.total_bytes
+        return self.shard_bytes / total if total else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rss_bytes": self.process.rss_bytes,
+            "rss_file_bytes": self.process.file_bytes,
+            "model_file_bytes": self.model_file_bytes,
+            "shard_bytes": self.shard_bytes,
+            "budget_bytes": self.budget.total_bytes,
+            "budget": {
+                "weights_bytes": self.budget.weights_bytes,
+                "kv_bytes": self.budget.kv_bytes,
+                "compute_bytes": self.budget.compute_bytes,
+                "output_bytes": self.budget.output_bytes,
+            },
+        }
+
+
+# --- the shards of this process -------------------------------------------------------------
+
+
+class BudgetedShard(Protocol):
+    def memory_budget(self) -> ShardBudget: ...
+
+
+_lock = threading.Lock()
+_baseline: ProcessMemory | None = None
+# Loaded shards (engines), weakly: a shard dropped without close stops counting.
+_shards: weakref.WeakSet[BudgetedShard] = weakref.WeakSet()
+
+
+def record_baseline() -> None:
+    """Remember the process's resident memory before its first model loads (later calls keep it)."""
+    global _baseline
+    with _lock:
+        if _baseline is None:
+            _baseline = process_memory()
+
+
+def track_shard(shard: BudgetedShard) -> None:
+    with _lock:
+        _shards.add(shard)
+
+
+def untrack_shard(shard: BudgetedShard) -> None:
+    with _lock:
+        _shards.discard(shard)
+
+
+def shard_memory(shards: list[BudgetedShard] | None = None) -> ShardMemory | None:
+    """This process's resident memory against the budget of ``shards`` (default: every shard
+    loaded in it); ``None`` where resident memory cannot be read."""
+    process = process_memory()
+    if process is None:
+        return None
+    with _lock:
+        chosen = list(_shards) if shards is None else shards
+        baseline = _baseline
+    budget = sum((shard.memory_budget() for shard in chosen), ShardBudget())
+    return ShardMemory(process, model_file_memory(), budget, baseline)
+
+
+__all__ = [
+    "MIB",
+    "BudgetedShard",
+    "BufferKind",
+    "BufferReport",
+    "ProcessMemory",
+    "ShardBudget",
+    "ShardMemory",
+    "model_file_memory",
+    "parse_proc_status",
+    "parse_smaps_file_rss",
+    "process_memory",
+    "record_baseline",
+    "shard_memory",
+    "track_shard",
+    "untrack_shard",
+]
