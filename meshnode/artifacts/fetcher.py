@@ -14,6 +14,7 @@ missing, :class:`TransferError` names it.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import logging
 import time
@@ -185,6 +186,17 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
+class _Outcome(enum.Enum):
+    """How one tensor request to one source ended."""
+
+    DONE = "done"
+    QUARANTINED = "quarantined"
+    NOT_HELD = "not held"
+    OVERLOADED = "overloaded"
+    REFUSED = "refused"
+    FAILED = "failed"
+
+
 class _TensorFetch:
     """One fetch_tensors call: the plan, the workers, and what they report."""
 
@@ -205,7 +217,7 @@ class _TensorFetch:
         self.failed: dict[bytes, str] = {}
         self.plan = FetchPlan((), {})
         self.changed = asyncio.Condition()
-        self.links: dict[bytes, PeerLink] = {}
+        self.workers: Counter[bytes] = Counter()
 
     async def holdings_of(self, source: bytes) -> frozenset[int] | None:
         try:
@@ -217,7 +229,6 @@ class _TensorFetch:
         except _SOURCE_FAILURES as error:
             self.failed[source] = _describe(error)
             return None
-        self.links[source] = link
         return answer.held
 
     async def notify(self) -> None:
@@ -235,7 +246,7 @@ class _TensorFetch:
                 await self.changed.wait()
             return index
 
-    async def worker(self, source: bytes, workers_left: list[int]) -> None:
+    async def worker(self, source: bytes) -> None:
         overloads = 0
         try:
             while True:
@@ -243,7 +254,7 @@ class _TensorFetch:
                 if index is None:
                     return
                 outcome = await self.fetch_one(source, index)
-                if outcome == "overloaded":
+                if outcome is _Outcome.OVERLOADED:
                     overloads += 1
                     if overloads > OVERLOAD_RETRIES:
                         return
@@ -252,12 +263,12 @@ class _TensorFetch:
                     overloads = 0
                 await self.notify()
         finally:
-            workers_left[0] -= 1
-            if workers_left[0] == 0:
+            self.workers[source] -= 1
+            if self.workers[source] == 0:
                 self.plan.lose(source, self.failed.get(source, "no more work"))
             await self.notify()
 
-    async def fetch_one(self, source: bytes, index: int) -> str:
+    async def fetch_one(self, source: bytes, index: int) -> _Outcome:
         tensor = self.partial.manifest.tensors[index]
         writer = self.partial.writer(tensor.name)
 
@@ -267,37 +278,39 @@ class _TensorFetch:
                 self.progress.advance(len(data), time.monotonic_ns())
 
         try:
-            await _fetch_item(self.links[source], self.root, index, tensor.nbytes, sink, self.received)
+            # Asked per tensor: the node keeps one link per peer and redials one that dropped.
+            link = await self.open_link(source)
+            await _fetch_item(link, self.root, index, tensor.nbytes, sink, self.received)
             await asyncio.to_thread(writer.commit)
         except (TensorDigestMismatch, BadReply) as error:
             self._rewind(writer.written)
             self.plan.give_back(index)
             self.plan.lose(source, "quarantined")
             self.quarantine.add(source, f"tensor {tensor.name!r}: {error}")
-            return "quarantined"
+            return _Outcome.QUARANTINED
         except PeerRefused as refusal:
             self._rewind(writer.written)
             if refusal.code == NOT_HELD:
                 self.plan.give_back(index, not_held_by=source)
-                return "not held"
+                return _Outcome.NOT_HELD
             self.plan.give_back(index)
             if refusal.code == OVERLOADED:
-                return "overloaded"
+                return _Outcome.OVERLOADED
             self.failed[source] = str(refusal)
             self.plan.lose(source, str(refusal))
-            return "refused"
+            return _Outcome.REFUSED
         except _SOURCE_FAILURES as error:
             self._rewind(writer.written)
             self.plan.give_back(index)
             self.failed[source] = _describe(error)
             self.plan.lose(source, _describe(error))
             log.info("source %s failed on %s: %s", short_id(source), tensor.name, _describe(error))
-            return "failed"
+            return _Outcome.FAILED
         except BaseException:
             self.plan.give_back(index)
             raise
         self.plan.succeeded(index, source)
-        return "done"
+        return _Outcome.DONE
 
     def _rewind(self, nbytes: int) -> None:
         # Progress counts verified-or-arriving bytes; a discarded attempt's bytes are not done.
@@ -337,8 +350,8 @@ async def fetch_tensors(
         run.plan = FetchPlan((partial.index_of(n) for n in missing), holders)
         workers = []
         for source in holders:
-            left = [in_flight_per_source]
-            workers += [run.worker(source, left) for _ in range(in_flight_per_source)]
+            run.workers[source] = in_flight_per_source
+            workers += [run.worker(source) for _ in range(in_flight_per_source)]
         await asyncio.gather(*workers)
     if progress is not None:
         progress.finish()

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 from meshnode.sansio import SECOND_NS
 
-# What one process uploads per second unless configured otherwise (bench/RESULTS.md,
-# "Transfer (issue 16)": at this rate a peer decoding Gemma 3 270M slows by under 10%).
-DEFAULT_UPLOAD_BYTES_PER_S = 8 * 1024 * 1024
+# What one process uploads per second unless configured otherwise. aioquic is pure Python:
+# sending costs about a core per 12 MB/s, taken from the serving peer's decode. At this rate a
+# peer decoding Gemma 3 270M on 2 cores slowed by under 10% (bench/RESULTS.md, "Transfer
+# (issue 16)"); at 4 MiB/s it slowed by half. A joiner fetching from several peers gets this
+# from each.
+DEFAULT_UPLOAD_BYTES_PER_S = 2 * 1024 * 1024
 # Enough for a couple of chunks at once, so pacing is smooth but a burst stays small.
 DEFAULT_BURST_BYTES = 512 * 1024
 

@@ -26,7 +26,7 @@ from meshnode.artifacts.store import ArtifactStore
 from meshnode.artifacts.upload_limit import UploadLimiter
 from meshnode.wire.framing import StreamType
 
-from .transfer_nodes import FlippingHolding, LyingMetadata, mesh_of, serve
+from .transfer_nodes import DisconnectingHolding, FlippingHolding, LyingMetadata, mesh_of, serve
 
 # Frame headers and protobuf fields per chunk, plus the manifest replies: far below this.
 OVERHEAD_BYTES = 64 * 1024
@@ -124,6 +124,23 @@ async def test_a_liar_is_quarantined_when_asked_for_the_metadata(tmp_path, tiny_
         assert manifest == tiny_manifest
         assert liar.id in quarantine and honest.id not in quarantine
         assert blob == honest.server.holdings.get(bytes.fromhex(manifest.root)).metadata_blob
+
+
+async def test_a_source_that_disconnects_mid_tensor_is_dropped_and_another_finishes(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    async with mesh_of(tmp_path, 3) as (honest_node, leaving_node, joiner):
+        honest = serve(honest_node, FullModel(tiny_model))
+        holding = DisconnectingHolding(FullModel(tiny_model), leaving_node)
+        leaving = serve(leaving_node, holding)
+        wanted = head_range(tiny_manifest, 2)
+        with ArtifactStore(tmp_path / "store").open(tiny_manifest, tiny_metadata) as partial:
+            report = await fetch_tensors(joiner.get_link, partial, wanted, [leaving.id, honest.id])
+            assert partial.verified == frozenset(wanted)
+        assert holding.shutdown is not None
+        await holding.shutdown
+        assert leaving.id in report.failed_sources and report.quarantined == {}
+        assert set(report.fetched) == set(wanted)
 
 
 async def test_when_no_source_holds_a_tensor_the_error_names_it(

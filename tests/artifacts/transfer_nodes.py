@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,6 +47,25 @@ class LyingMetadata:
         return self.honest.held_indices()
 
     def read(self, index: int, offset: int, length: int) -> bytes:
+        return self.honest.read(index, offset, length)
+
+
+class DisconnectingHolding:
+    """A holding whose node goes away (shuts down) in the middle of its first upload."""
+
+    def __init__(self, honest: HeldArtifact, node: Node) -> None:
+        self.honest = honest
+        self.node = node
+        self.manifest = honest.manifest
+        self.metadata_blob = honest.metadata_blob
+        self.shutdown: asyncio.Task[None] | None = None
+
+    def held_indices(self) -> frozenset[int]:
+        return self.honest.held_indices()
+
+    def read(self, index: int, offset: int, length: int) -> bytes:
+        if self.shutdown is None:
+            self.shutdown = asyncio.get_running_loop().create_task(self.node.shutdown())
         return self.honest.read(index, offset, length)
 
 
