@@ -4,8 +4,12 @@
 # /bootstrap volume: the relay publishes its id, the first node publishes the
 # mesh id and one invite per member. Invites are secrets: the volume is only
 # mounted into these containers.
+#
+# Every role ends in `exec meshnode ...`: the node replaces this shell, so the
+# SIGTERM of `docker stop` reaches it and it drains (a shell as PID 1 would
+# swallow the signal). MESHNODE_BOOTSTRAP_DIR moves the shared directory (tests).
 set -eu
-shared=/bootstrap
+shared=${MESHNODE_BOOTSTRAP_DIR:-/bootstrap}
 role=$1
 shift
 
@@ -23,19 +27,18 @@ case "$role" in
   first)
     wait_for "$shared/relay_id"
     relay="$(cat "$shared/relay_id")@relay:7448"
-    if [ -s "$MESHNODE_DATA_DIR/membership.json" ]; then
-      meshnode start --relay "$relay" "$@" &
-    else
-      meshnode create --relay "$relay" "$@" &
-    fi
-    node=$!
-    until meshnode status --json > "$shared/status.json" 2>/dev/null; do sleep 1; done
-    python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["node"]["mesh_id"])' \
-      "$shared/status.json" > "$shared/mesh_id"
-    for member in $MESHNODE_MEMBERS; do
-      [ -s "$shared/invite-$member" ] || meshnode invite --ttl 1h > "$shared/invite-$member"
-    done
-    wait "$node"
+    # Once the node answers, publish its mesh id and an invite per member (from a
+    # helper in the background, since the node itself takes over this process).
+    (
+      until meshnode status --json > "$shared/status.json" 2>/dev/null; do sleep 1; done
+      python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["node"]["mesh_id"])' \
+        "$shared/status.json" > "$shared/mesh_id"
+      for member in ${MESHNODE_MEMBERS:-}; do
+        [ -s "$shared/invite-$member" ] || meshnode invite --ttl 1h > "$shared/invite-$member"
+      done
+    ) &
+    # `up` creates the mesh on the first run and starts the member on every later one.
+    exec meshnode up --relay "$relay" "$@"
     ;;
   member)
     if [ -s "$MESHNODE_DATA_DIR/membership.json" ]; then

@@ -67,6 +67,8 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop or None,
     )
     summary = await print_stream(base, path, body)
+    if summary.error is not None:
+        raise CliError(f"the generation failed mid-stream: {summary.error}")
     if not args.quiet:
         print(describe_summary(summary), file=sys.stderr)
     return 0

@@ -23,7 +23,15 @@ from types import ModuleType
 from typing import Any
 
 from meshnode import __version__
-from meshnode.app import api_commands, demo, doctor, member_commands, node_commands, relay_command
+from meshnode.app import (
+    api_commands,
+    demo,
+    doctor,
+    member_commands,
+    node_commands,
+    relay_command,
+    up_command,
+)
 from meshnode.app.cli_error import CliError
 from meshnode.app.config import ConfigError, add_config_option, parse_args_with_config
 from meshnode.app.event_loop import run_async
@@ -33,6 +41,7 @@ from meshnode.logs import configure_logging
 # Modules that add subcommands, in the order ``--help`` lists them; see the module docstring.
 COMMAND_MODULES: tuple[ModuleType, ...] = (
     node_commands,
+    up_command,
     member_commands,
     relay_command,
     api_commands,

@@ -126,6 +126,10 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Public for `meshnode up` (meshnode.app.up_command), which takes the same options.
+add_node_options = _add_node_options
+
+
 def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node's settings from its command-line options."""
     return NodeConfig(
@@ -372,4 +376,4 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=cmd_status)
 
 
-__all__ = ["INVITE_ENV", "node_config", "register"]
+__all__ = ["INVITE_ENV", "add_node_options", "node_config", "register"]

@@ -34,6 +34,8 @@ class StreamSummary:
     # Seconds from sending the request to the first text, and to the end of the stream.
     time_to_first_token_s: float
     total_s: float
+    # The message of an error event the server sent after the stream began (it ended the answer).
+    error: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -77,6 +79,7 @@ async def stream_completion(
     pieces: list[str] = []
     finish: str | None = None
     usage: dict[str, int] = {}
+    error: str | None = None
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
     try:
         async with (
@@ -93,6 +96,10 @@ async def stream_completion(
                 if data == b"[DONE]":
                     break
                 event = json.loads(data)
+                if isinstance(event.get("error"), dict):
+                    # Past the status line a failure can only be said in the stream (OpenAI's way).
+                    error = str(event["error"].get("message") or "the generation failed")
+                    continue
                 usage = event.get("usage") or usage
                 for choice in event.get("choices") or []:
                     text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
@@ -114,6 +121,7 @@ async def stream_completion(
         completion_tokens=int(usage.get("completion_tokens", 0)),
         time_to_first_token_s=first if first is not None else total,
         total_s=total,
+        error=error,
     )
 
 
