@@ -64,7 +64,7 @@ from enum import Enum
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NODE_ID_BYTES, short_id, verify_signature
 from meshnode.membership.credentials import verify_membership_proof
-from meshnode.membership.revocation import RevocationList
+from meshnode.membership.revocation import RevocationList, Revoked
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.relaywire.ratelimit import TokenBucket
@@ -309,15 +309,22 @@ class RelayCore:
         for revoked in known.learn(message.revocations).new:
             self.revocations_changed = True
             if revoked.kind == "node":
-                self._end_revoked(revoked.target, conn.mesh_id, revoked.describe())
+                self._end_revoked(revoked, conn.mesh_id)
 
-    def _end_revoked(self, node_id: bytes, mesh_id: str, detail: str) -> None:
-        registration = self._registered.get(node_id)
+    def _end_revoked(self, revoked: Revoked, mesh_id: str) -> None:
+        registration = self._registered.get(revoked.target)
         if registration is None or registration.mesh_id != mesh_id:
             return
         conn = self._conns.get(registration.conn_id)
         if conn is not None:
-            self._fail(conn, RelayRefused(p.NOT_A_MEMBER, detail, membership_error=mesh.MESH_ERROR_REVOKED))
+            # With the signed revocation: it may be the only way the removed node hears why.
+            refusal = RelayRefused(
+                p.NOT_A_MEMBER,
+                revoked.describe(),
+                membership_error=mesh.MESH_ERROR_REVOKED,
+                revocation=revoked.signed,
+            )
+            self._fail(conn, refusal)
 
     def stream_failed(self, conn_id: int, refusal: RelayRefused) -> None:
         """The edge stopped reading ``conn_id``'s stream; tell the client why, then close."""
@@ -457,8 +464,15 @@ class RelayCore:
             )
             self._revocations[register.mesh_id].refuse_revoked(node_id, verified)
         except MeshRefusal as refusal:
+            revoked = self._revocations[register.mesh_id].node(node_id)
             self._refuse_registration(
-                conn, RelayRefused(p.NOT_A_MEMBER, refusal.detail, membership_error=refusal.code)
+                conn,
+                RelayRefused(
+                    p.NOT_A_MEMBER,
+                    refusal.detail,
+                    membership_error=refusal.code,
+                    revocation=revoked.signed if revoked is not None else None,
+                ),
             )
             return
         self._register(conn, node_id, register.mesh_id)

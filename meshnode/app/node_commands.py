@@ -261,7 +261,9 @@ def cmd_invite(args: argparse.Namespace) -> int:
                 "the node is not running; start it (the invite carries its address) or pass --address"
             ) from None
         bootstrap = [Endpoint(identity.node_id, address) for address in status["node"]["addresses"]]
-        connected = [p for p in status["peers"] if p["link"] and p["addresses"]]
+        # Only admins admit by invite: a plain member listed as bootstrap would only refuse the joiner.
+        admins = {m["id"] for m in status.get("membership", {}).get("members", []) if m["admin"]}
+        connected = [p for p in status["peers"] if p["link"] and p["addresses"] and p["id"] in admins]
         bootstrap += [
             Endpoint(bytes.fromhex(p["id"]), p["addresses"][0]) for p in connected[: args.extra_peers]
         ]

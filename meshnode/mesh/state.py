@@ -357,7 +357,8 @@ class MeshState:
         assert ours is not None
         took = False
         new_body = membership.MemberCertificateBody.FromString(certificate.body)
-        if new_body.expires_unix > ours.certificate_body.expires_unix:
+        held = ours.certificate_body
+        if new_body.expires_unix > held.expires_unix or (new_body.admin and not held.admin):
             ours.certificate = certificate
             took = True
         if mesh_key is not None and ours.mesh_key is None:

@@ -101,6 +101,11 @@ class MembershipKeeper:
         ):
             self._removed(in_words(refusal.code, "ask an admin for a new invite"))
 
+    def relayed_revocation(self, revocation: membership.Revocation) -> None:
+        """A relay refused us with this revocation: believed once it verifies, like one in gossip."""
+        self.state.learn_revocations([revocation], now_ns=time.monotonic_ns())
+        self.after_gossip()
+
     def on_heartbeat(self) -> None:
         unix_now = time.time()
         if self.state.renew_own_certificate(unix_now):

@@ -332,6 +332,7 @@ class Node:
             mesh_id=self.mesh_id,
             proof_for=self.state.our_proof,
             revocations=self.state.revocations.signed,
+            on_revocation=self.keeper.relayed_revocation,
         )
         await self.relay_links.add_relays(
             Endpoint(id=bytes(r.relay_id), address=r.address) for r in local.relays

@@ -295,6 +295,8 @@ class RelayClient:
         self.last_error = ""
         self.registrations = 0
         self._closed = False
+        # Told a revocation the relay refused us with (RelayRefusal.revocation); the node verifies it.
+        self.on_revocation: Callable[[membership.Revocation], None] | None = None
 
     @property
     def relay_id(self) -> bytes:
@@ -352,6 +354,8 @@ class RelayClient:
                     register_timeout=self.settings.register_timeout,
                 )
             except (DialError, RelayRefused, StreamError, FramingError) as exc:
+                if isinstance(exc, RelayRefused):
+                    self._pass_revocation(exc)
                 delay = self._backoff.next()
                 # Say it once per distinct reason; a relay that stays down must not flood the log.
                 level = logging.DEBUG if str(exc) == self.last_error else logging.WARNING
@@ -402,11 +406,17 @@ class RelayClient:
                 elif kind == "send_refused":
                     callbacks.send_refused(self, message.send_refused)
                 elif kind == "refused":
-                    return str(RelayRefused.from_pb(message.refused))
+                    refused = RelayRefused.from_pb(message.refused)
+                    self._pass_revocation(refused)
+                    return str(refused)
         except LinkClosed as exc:
             return exc.reason
         except (StreamError, FramingError, RelayRefused) as exc:
             return str(exc)
+
+    def _pass_revocation(self, refused: RelayRefused) -> None:
+        if refused.revocation is not None and self.on_revocation is not None:
+            self.on_revocation(refused.revocation)
 
     async def _write_loop(self, session: RelaySession) -> None:
         outgoing = self._outgoing

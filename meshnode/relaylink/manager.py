@@ -81,6 +81,7 @@ class RelayLinks:
         settings: RelayLinkSettings | None = None,
         local_host: str = "0.0.0.0",
         revocations: Callable[[], list[membership.Revocation]] = list,
+        on_revocation: Callable[[membership.Revocation], None] | None = None,
     ) -> None:
         self.identity = identity
         self.handler = handler
@@ -89,6 +90,7 @@ class RelayLinks:
         self.stats = RelayLinkStats()
         self._proof_for = proof_for
         self._revocations = revocations
+        self._on_revocation = on_revocation
         self._local_host = local_host
         self._clients: dict[bytes, RelayClient] = {}
         self._sealers: dict[_Key, PeerSealer] = {}
@@ -120,6 +122,7 @@ class RelayLinks:
                 callbacks=self.client_callbacks,
                 settings=self.settings.client,
             )
+            client.on_revocation = self._on_revocation
             self._clients[endpoint.id] = client
             await client.start(self._local_host)
 

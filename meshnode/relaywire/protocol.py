@@ -67,10 +67,18 @@ def relay_code_name(code: int) -> str:
 class RelayRefused(MeshnodeError):
     """The relay refused something; ``code`` is a ``RelayErrorCode``."""
 
-    def __init__(self, code: int, detail: str = "", *, membership_error: int = 0) -> None:
+    def __init__(
+        self,
+        code: int,
+        detail: str = "",
+        *,
+        membership_error: int = 0,
+        revocation: membership.Revocation | None = None,
+    ) -> None:
         self.code = code
         self.detail = detail
         self.membership_error = membership_error
+        self.revocation = revocation
         text = relay_code_name(code)
         if detail:
             text += f": {detail}"
@@ -81,15 +89,21 @@ class RelayRefused(MeshnodeError):
         return relay_code_name(self.code)
 
     def to_pb(self) -> relay.RelayRefusal:
-        return relay.RelayRefusal(
+        refusal = relay.RelayRefusal(
             code=self.code,  # type: ignore[arg-type]
             detail=self.detail,
             membership_error=self.membership_error,  # type: ignore[arg-type]
         )
+        if self.revocation is not None:
+            refusal.revocation.CopyFrom(self.revocation)
+        return refusal
 
     @classmethod
     def from_pb(cls, refusal: relay.RelayRefusal) -> RelayRefused:
-        return cls(refusal.code, refusal.detail, membership_error=refusal.membership_error)
+        revocation = refusal.revocation if refusal.HasField("revocation") else None
+        return cls(
+            refusal.code, refusal.detail, membership_error=refusal.membership_error, revocation=revocation
+        )
 
 
 class PayloadTooLarge(RelayRefused):

@@ -42,14 +42,16 @@ RELAY_ERROR_OVERLOADED: RelayErrorCode
 RELAY_ERROR_FRAME_STALLED: RelayErrorCode
 
 class RelayRefusal(_message.Message):
-    __slots__ = ("code", "detail", "membership_error")
+    __slots__ = ("code", "detail", "membership_error", "revocation")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_ERROR_FIELD_NUMBER: _ClassVar[int]
+    REVOCATION_FIELD_NUMBER: _ClassVar[int]
     code: RelayErrorCode
     detail: str
     membership_error: _mesh_pb2.MeshErrorCode
-    def __init__(self, code: _Optional[_Union[RelayErrorCode, str]] = ..., detail: _Optional[str] = ..., membership_error: _Optional[_Union[_mesh_pb2.MeshErrorCode, str]] = ...) -> None: ...
+    revocation: _membership_pb2.Revocation
+    def __init__(self, code: _Optional[_Union[RelayErrorCode, str]] = ..., detail: _Optional[str] = ..., membership_error: _Optional[_Union[_mesh_pb2.MeshErrorCode, str]] = ..., revocation: _Optional[_Union[_membership_pb2.Revocation, _Mapping]] = ...) -> None: ...
 
 class RelayLimits(_message.Message):
     __slots__ = ("max_payload_bytes", "rate_bytes_per_s", "burst_bytes", "rate_frames_per_s", "burst_frames", "source_queue_bytes", "keepalive_ms")
