@@ -18,6 +18,17 @@ Edge loop (the :mod:`meshnode.sansio` convention)::
     at client.get_timer(): client.handle_timer(now_ns)
     stream reset/lost:  client.stream_lost(); then start_stream() again, or give up.
 
+Direct answer (the head's client, ``direct_answers=True``): the head also opens an
+*answer stream* to the route's tail (:meth:`SessionClient.answer_stream_start`), and
+the tail sends the result chunk of every unit it samples a token for there, while the
+Acks still come back hop by hop on the work stream, saying ``answered_directly``.
+A unit is done at whichever comes first, its result (direct or relayed) or an Ack
+with a result; an Ack that says the result went direct, before it arrived, returns
+the unit's credit and leaves the unit owed until the answer comes
+(:meth:`SessionClient.receive_answer_frame`) or the answer stream is lost
+(:meth:`SessionClient.answers_lost`, which fails the owed units). A unit answered
+directly is never sent again after a stream loss: every hop has applied it.
+
 ``now_ns`` is monotonic nanoseconds. A unit's deadline is a
 :class:`~meshnode.dataplane.envelope.Deadline`: the wall-clock instant its envelope
 carries, and that instant on the monotonic clock the timers run on.
@@ -73,6 +84,9 @@ class ClientConfig:
     # A sent unit is given up (SessionTransportError) this long after its deadline, so that the
     # worker's own DEADLINE_EXCEEDED, which it sends at the deadline, can still arrive first.
     answer_grace_ns: int = 0
+    # This client opens an answer stream to the tail and waits there for results that Acks say
+    # went direct (the session's head); a forwarding hop's client passes such Acks on instead.
+    direct_answers: bool = False
 
 
 # ---------------------------------------------------------------------------- events
@@ -93,6 +107,9 @@ class UnitDone:
     cache_result: shard.CacheResult
     duplicate: bool
     execution_nanos: int
+    # The tail sent the result to the session's head, not back along the route: for a forwarding
+    # hop, ``bundle`` is then None; for the head, the result came on its answer stream.
+    answered_directly: bool = False
 
     def tensors(self) -> dict[str, WireTensor]:
         """Decode (and checksum-verify) the result; PayloadCorrupt if it does not decode."""
@@ -134,6 +151,8 @@ class _State(Enum):
     SENT = "sent"
     # Failed locally (deadline) while the peer still owes an answer that returns its credit.
     ABANDONED = "abandoned"
+    # Done: its result came on the answer stream; the Ack that returns its credit is still owed.
+    ANSWERED = "answered"
 
 
 @dataclass(eq=False)
@@ -189,6 +208,9 @@ class SessionClient:
         self._events: list[ClientEvent] = []
         self._failed: OrderedDict[int, _Unit] = OrderedDict()
         self._next_unit_id = 1
+        # Units whose Ack said the result went to the answer stream, until it arrives (by step).
+        self._owed: dict[int, tuple[_Unit, shard.Ack]] = {}
+        self._answers_lost = False
 
     # ------------------------------------------------------------------ state
 
@@ -217,7 +239,8 @@ class SessionClient:
     @property
     def outstanding(self) -> int:
         """Units still owed an answer: waiting to be sent, or sent and not given up."""
-        return len(self._pending) + sum(1 for u in self._sent.values() if u.state is _State.SENT)
+        sent = sum(1 for u in self._sent.values() if u.state is _State.SENT)
+        return len(self._pending) + sent + len(self._owed)
 
     def take_events(self) -> list[ClientEvent]:
         """Everything that happened since the last call, in order."""
@@ -245,16 +268,32 @@ class SessionClient:
         )
         return [self.route.SerializeToString(), shard.SessionRequest(open=open_).SerializeToString()]
 
+    def answer_stream_start(self, tail_range: shard.ShardRange) -> list[bytes]:
+        """Bodies of the first two frames of the answer stream to the route's tail (``tail_range``):
+        an empty route, then a SessionOpen that asks for this session's direct answers."""
+        open_ = shard.SessionOpen(
+            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            route_session_id=self.route_session_id,
+            route_epoch=self.route_epoch,
+            fingerprint=self.fingerprint,
+            shard_range=tail_range,
+            proposed_flow_control=self.config.proposed_flow_control or default_flow_control(),
+            accepted_compression=list(self.config.accepted_compression),  # type: ignore[arg-type]
+            answer_stream=True,
+        )
+        route = dataplane.SessionRoute(gen=self.route.gen)
+        return [route.SerializeToString(), shard.SessionRequest(open=open_).SerializeToString()]
+
     def stream_lost(self) -> None:
         """The stream failed before every unit was answered. Unanswered units are queued to be sent
         again as the same bytes on the next stream, or fail with SessionTransportError once they
-        have been sent ``max_attempts`` times."""
+        have been sent ``max_attempts`` times. Units answered directly are done: not sent again."""
         self._accepted = False
         self._window = 0
         self._unacked = 0
         retry: list[_Unit] = []
         for unit in sorted(self._sent.values(), key=lambda u: u.step):
-            if unit.state is _State.ABANDONED:
+            if unit.state is _State.ABANDONED or unit.state is _State.ANSWERED:
                 continue
             if unit.attempts >= self.config.max_attempts:
                 self._fail(
@@ -527,6 +566,75 @@ class SessionClient:
 
     # ------------------------------------------------------------------ receiving
 
+    def receive_answer_frame(self, body: bytes) -> None:
+        """One frame from the answer stream: its SessionAccepted, then the tail's direct answers.
+        Raises PAYLOAD_CORRUPT for anything else, or an answer naming another session; a
+        refusal (the tail would not answer directly) raises it: the edge drops the answer stream
+        and calls :meth:`answers_lost`. An answer for no unit owed (a duplicate) is ignored."""
+        response = shard.SessionResponse()
+        try:
+            response.ParseFromString(body)
+        except DecodeError:
+            raise payload_corrupt("answer frame is not a well-formed message") from None
+        kind = response.WhichOneof("kind")
+        if kind == "accepted" or kind == "flow_control":
+            return
+        if kind == "status":
+            raise ShardProtocolError.from_pb(response.status.error)
+        if kind != "chunk":
+            raise payload_corrupt(f"{kind or 'empty response'} on the answer stream")
+        envelope = response.chunk.envelope
+        if envelope.route_session_id != self.route_session_id or envelope.route_epoch != self.route_epoch:
+            raise payload_corrupt("direct answer for another session")
+        self._on_direct_answer(envelope.idempotency_step, envelope.work_id, response.chunk.bundle)
+
+    def _on_direct_answer(self, step: int, work_id: str, bundle: shard.TensorBundle) -> None:
+        owed = self._owed.pop(step, None)
+        if owed is not None:
+            unit, ack = owed
+            if unit.work_id == work_id:
+                self._done(unit, bundle, ack, answered_directly=True)
+            else:
+                self._owed[step] = owed
+            return
+        unit = self._sent.get(step)
+        if unit is not None and unit.state is _State.SENT and unit.work_id == work_id:
+            # Ahead of its Ack, as it usually is: done now; the Ack only returns the credit.
+            unit.state = _State.ANSWERED
+            self._done(unit, bundle, shard.Ack(), answered_directly=True)
+            return
+        for unit in self._pending:
+            if unit.step == step and unit.work_id == work_id:
+                # Waiting to go out again after a stream loss, yet every hop has applied it.
+                self._pending.remove(unit)
+                self._done(unit, bundle, shard.Ack(), answered_directly=True)
+                return
+
+    def answers_lost(self) -> None:
+        """The answer stream ended: the units owed a direct answer fail (SessionTransportError), as
+        does any later Ack that says its result went direct; the tail, seeing the stream gone,
+        answers along the route again."""
+        self._answers_lost = True
+        owed, self._owed = list(self._owed.values()), {}
+        for unit, _ack in owed:
+            self._fail(unit, SessionTransportError("the tail's direct answer was lost"))
+
+    def _done(
+        self, unit: _Unit, bundle: shard.TensorBundle | None, ack: shard.Ack, *, answered_directly: bool
+    ) -> None:
+        self._events.append(
+            UnitDone(
+                unit_id=unit.id,
+                step=unit.step,
+                work_id=unit.work_id,
+                bundle=bundle,
+                cache_result=ack.cache_result,
+                duplicate=ack.duplicate,
+                execution_nanos=ack.execution_nanos,
+                answered_directly=answered_directly,
+            )
+        )
+
     def receive_frame(self, body: bytes) -> None:
         response = shard.SessionResponse()
         try:
@@ -590,19 +698,15 @@ class SessionClient:
         if unit is None:
             raise payload_corrupt("ack for a unit not in flight")
         self._unacked -= 1
-        if unit.state is _State.ABANDONED:
+        if unit.state is _State.ABANDONED or unit.state is _State.ANSWERED:
             return
-        self._events.append(
-            UnitDone(
-                unit_id=unit.id,
-                step=unit.step,
-                work_id=unit.work_id,
-                bundle=unit.result,
-                cache_result=ack.cache_result,
-                duplicate=ack.duplicate,
-                execution_nanos=ack.execution_nanos,
-            )
-        )
+        if ack.answered_directly and unit.result is None and self.config.direct_answers:
+            if self._answers_lost:
+                self._fail(unit, SessionTransportError("the tail answered on a lost answer stream"))
+            else:
+                self._owed[unit.step] = (unit, ack)
+            return
+        self._done(unit, unit.result, ack, answered_directly=ack.answered_directly)
 
     def _on_status(self, status: shard.ShardStatus) -> None:
         error = ShardProtocolError.from_pb(status.error)
@@ -616,7 +720,8 @@ class SessionClient:
             self._events.append(PeerRefusal(error))
             return
         self._unacked -= 1
-        if unit.state is not _State.ABANDONED:
+        # A unit answered directly is done whatever befell the Acks behind it.
+        if unit.state is _State.SENT:
             self._fail(unit, error)
 
     # ------------------------------------------------------------------ time
@@ -631,6 +736,10 @@ class SessionClient:
                     unit, refusal(shard.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed before sending")
                 )
         grace = self.config.answer_grace_ns
+        for step, (unit, _ack) in list(self._owed.items()):
+            if unit.deadline is not None and now_ns >= _given_up_at(unit, grace):
+                del self._owed[step]
+                self._fail(unit, SessionTransportError("no direct answer by the deadline"))
         for unit in self._sent.values():
             if (
                 unit.state is _State.SENT
@@ -652,6 +761,7 @@ class SessionClient:
             for u in self._sent.values()
             if u.deadline is not None and u.state is _State.SENT
         )
+        deadlines.extend(_given_up_at(u, grace) for u, _ack in self._owed.values() if u.deadline is not None)
         return min(deadlines, default=None)
 
     # ------------------------------------------------------------------ failures
@@ -672,10 +782,12 @@ class SessionClient:
     def _fail_session(self, error: MeshnodeError) -> None:
         self.failed = error
         self._accepted = False
-        for unit in [*sorted(self._sent.values(), key=lambda u: u.step), *self._pending]:
-            if unit.state is not _State.ABANDONED:
+        owed = [unit for unit, _ack in self._owed.values()]
+        for unit in [*sorted(self._sent.values(), key=lambda u: u.step), *owed, *self._pending]:
+            if unit.state is not _State.ABANDONED and unit.state is not _State.ANSWERED:
                 self._fail(unit, error)
         self._sent.clear()
+        self._owed.clear()
         self._pending.clear()
         self._events.append(SessionFailed(error))
 

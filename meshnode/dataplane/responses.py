@@ -8,7 +8,13 @@ from meshnode.wire.pb import shard
 
 
 def ack(
-    work_id: str, step: int, cache_result: shard.CacheResult, *, duplicate: bool, execution_nanos: int
+    work_id: str,
+    step: int,
+    cache_result: shard.CacheResult,
+    *,
+    duplicate: bool,
+    execution_nanos: int,
+    answered_directly: bool = False,
 ) -> shard.SessionResponse:
     return shard.SessionResponse(
         ack=shard.Ack(
@@ -17,6 +23,7 @@ def ack(
             cache_result=cache_result,
             duplicate=duplicate,
             execution_nanos=execution_nanos,
+            answered_directly=answered_directly,
         )
     )
 

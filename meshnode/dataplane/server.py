@@ -419,7 +419,8 @@ class ShardServer:
         elif future.exception() is not None:
             outcome = future.exception()
         else:
-            outcome = DownstreamResult(future.result().done.bundle)
+            done = future.result().done
+            outcome = DownstreamResult(done.bundle, answered_directly=done.answered_directly)
         self._forward_done(unit_id, outcome)
 
     def _forward_done(self, unit_id: int, outcome: object) -> None:

@@ -38,6 +38,12 @@ Behaviour:
   (a unit with a deadline fails that way shortly after its deadline).
 - :meth:`ShardSession.cancel` goes out of band by default (a fresh SHARD_CANCEL
   stream), so it reaches a worker even when this session's stream is wedged.
+- Direct answer (``answers=DirectAnswers(...)``, for a head whose route has more than one
+  hop): the session also opens an answer stream to the tail, over the tail's own link
+  (a relayed tail through the relay, with the same frames), and the tail's tokens come
+  straight back on it instead of through every stage; Acks and credits still come hop
+  by hop. Until the tail has the answer stream, and after it is lost, the tail answers
+  along the route as before, so the session never depends on it.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -92,6 +98,15 @@ _JOIN_BELOW_BYTES = 64 * 1024
 def default_client_config() -> ClientConfig:
     # The grace lets the worker's own DEADLINE_EXCEEDED win over a local "no answer".
     return ClientConfig(answer_grace_ns=SECOND_NS // 4)
+
+
+@dataclass(frozen=True)
+class DirectAnswers:
+    """Where a head's session gets its tail's tokens directly: a link to the tail, and the tail's
+    range (its answer stream is opened as for the tail's own session)."""
+
+    links: LinkSource
+    tail_range: shard.ShardRange
 
 
 @dataclass(frozen=True)
@@ -203,7 +218,11 @@ class ShardSession:
     or :meth:`create` (connects in the background; units queue until the session is accepted)."""
 
     def __init__(
-        self, links: LinkSource, client: SessionClient, options: SessionOptions | None = None
+        self,
+        links: LinkSource,
+        client: SessionClient,
+        options: SessionOptions | None = None,
+        answers: DirectAnswers | None = None,
     ) -> None:
         self.client = client
         self.options = options or SessionOptions()
@@ -223,6 +242,14 @@ class ShardSession:
         self._closed = False
         self.error: MeshnodeError | None = None
         self._task = self._loop.create_task(self._run())
+        # The answer stream to the tail: accepted (True), lost or refused (False), or opening.
+        self._answers_ready: asyncio.Future[bool] = self._loop.create_future()
+        self._answer_stream: FramedStream | None = None
+        self._answer_task: asyncio.Task[None] | None = None
+        if answers is not None:
+            self._answer_task = self._loop.create_task(self._serve_answers(answers))
+        else:
+            self._answers_ready.set_result(False)
 
     # ------------------------------------------------------------------ construction
 
@@ -244,10 +271,12 @@ class ShardSession:
         first_step: int = 1,
         config: ClientConfig | None = None,
         options: SessionOptions | None = None,
+        answers: DirectAnswers | None = None,
     ) -> ShardSession:
         """A session that connects in the background. ``route`` (the SessionRoute first frame) is
         built from ``downstream``/``sampling``/``boundary_dtype``/``compression``/``return_logits``
-        unless given. ``route_session_id`` defaults to a fresh random id."""
+        unless given. ``route_session_id`` defaults to a fresh random id. ``answers``: take the
+        tail's tokens directly from it (a head's session with ``downstream`` hops)."""
         if route is None:
             route = make_route(
                 list(downstream),
@@ -256,16 +285,19 @@ class ShardSession:
                 compression=compression,
                 return_logits=return_logits,
             )
+        config = config or default_client_config()
+        if answers is not None and not config.direct_answers:
+            config = replace(config, direct_answers=True)
         client = SessionClient(
             route_session_id=route_session_id or uuid.uuid4().hex,
             route_epoch=route_epoch,
             fingerprint=fingerprint,
             shard_range=shard_range,
             route=route,
-            config=config or default_client_config(),
+            config=config,
             first_step=first_step,
         )
-        return cls(links, client, options)
+        return cls(links, client, options, answers)
 
     @classmethod
     def open(cls, links: LinkSource, **kwargs: Any) -> _Opening:
@@ -309,6 +341,11 @@ class ShardSession:
     @property
     def link(self) -> PeerLink | None:
         return self._link
+
+    async def answers_ready(self) -> bool:
+        """Whether the tail accepted this session's answer stream (False: none asked for, lost or
+        refused; the tokens then come back along the route)."""
+        return await asyncio.shield(self._answers_ready)
 
     # ------------------------------------------------------------------ work
 
@@ -412,7 +449,9 @@ class ShardSession:
         flusher = self._flush_task
         if flusher is not None:
             flusher.cancel()
-        await asyncio.gather(self._task, *([flusher] if flusher else []), return_exceptions=True)
+        self._stop_answers()
+        tasks = [t for t in (self._task, flusher, self._answer_task) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
         if framed is not None:
             # The stream may already be gone: nothing to finish then.
             with contextlib.suppress(Exception):
@@ -428,9 +467,18 @@ class ShardSession:
         self._task.cancel()
         if self._flush_task is not None:
             self._flush_task.cancel()
+        self._stop_answers()
         framed, self._framed = self._framed, None
         _reset_quietly(framed)
         self._abandon(SessionTransportError("the session was aborted"))
+
+    def _stop_answers(self) -> None:
+        if self._answer_task is not None:
+            self._answer_task.cancel()
+        stream, self._answer_stream = self._answer_stream, None
+        _reset_quietly(stream)
+        if not self._answers_ready.done():
+            self._answers_ready.set_result(False)
 
     # ------------------------------------------------------------------ internals: units
 
@@ -600,6 +648,43 @@ class ShardSession:
             if self._framed is framed:
                 self._framed = None
 
+    async def _serve_answers(self, answers: DirectAnswers) -> None:
+        """Open the answer stream to the tail and hand its direct answers to the client until it
+        ends. Not re-opened: without it the tail answers along the route, as before."""
+        framed: FramedStream | None = None
+        reason = "the tail ended the answer stream"
+        try:
+            source = answers.links
+            link = source if isinstance(source, PeerLink) else await source()
+            framed = await link.open_stream(StreamType.SHARD_SESSION)
+            self._answer_stream = framed
+            await _write_frames(framed, self.client.answer_stream_start(answers.tail_range))
+            stream = framed.stream
+            limits = getattr(stream, "read_limits", None)
+            # The tail is a member, not trusted: its answers charge the link's budget too.
+            decoder = FrameDecoder(expect_stream_type=False, budget=limits.budget if limits else None)
+            while data := await stream.read(READ_CHUNK):
+                for body in decoder.feed(data):
+                    self.client.receive_answer_frame(body)
+                    if not self._answers_ready.done():
+                        self._answers_ready.set_result(True)
+                self._after()
+            decoder.end_of_stream()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = str(exc) or type(exc).__name__
+            _reset_quietly(framed)
+        finally:
+            if self._answer_stream is framed:
+                self._answer_stream = None
+            if not self._answers_ready.done():
+                self._answers_ready.set_result(False)
+        if not self._closed:
+            log.debug("session %s: no direct answers any more: %s", self.route_session_id, reason)
+            self.client.answers_lost()
+            self._after()
+
 
 class _Opening:
     """What :meth:`ShardSession.open` returns: awaitable, or an async context manager that closes
@@ -653,6 +738,7 @@ async def _write_frames(framed: FramedStream, bodies: list[bytes]) -> None:
 
 
 __all__ = [
+    "DirectAnswers",
     "LinkFactory",
     "LinkSource",
     "PrefillOutput",

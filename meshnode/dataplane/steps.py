@@ -57,6 +57,9 @@ class StepRecord:
     forward: Any = None
     # Duplicates that arrived while the original was forwarding; answered with it.
     followers: list[Any] = field(default_factory=list)
+    # The tail sent the result to the session's head on its answer stream (direct answer): the
+    # Acks for this step say so instead of carrying a result.
+    answered_directly: bool = False
 
 
 class Verdict(Enum):

@@ -163,9 +163,11 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class DownstreamResult:
-    """What the next hop returned for a forwarded unit: its result tensors, if any."""
+    """What the next hop returned for a forwarded unit: its result tensors, if any, or word that the
+    tail sent the result to the session's head directly (``answered_directly``)."""
 
     bundle: shard.TensorBundle | None = None
+    answered_directly: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,8 @@ class ShardWorker:
         # Sessions ended, by why (for /metrics); opens refused for a peer over its share.
         self.releases: Counter[ReleaseReason] = Counter()
         self.share_refusals = 0
+        # Results sent straight to a session's head on its answer stream (direct answer).
+        self.direct_answers = 0
         fp = capabilities.fingerprint
         self.fingerprint = shard.Fingerprint(
             model_artifact_digest=fp.model_artifact_digest,
@@ -225,6 +229,8 @@ class ShardWorker:
         self._followers: dict[int, Unit] = {}
         self._next_stream_id = 1
         self._next_unit_id = 1
+        # Direct answer: the answer stream a head opened for (session id, epoch), newest kept.
+        self._answer_streams: dict[tuple[str, int], int] = {}
         # What the edge is to carry out, in order, until it calls take_events().
         self._events: list[Action] = []
 
@@ -389,6 +395,7 @@ class ShardWorker:
         if isinstance(outcome, DownstreamResult):
             record.state = RecordState.COMPLETE
             record.forward = None
+            record.answered_directly = outcome.answered_directly
             if outcome.bundle is not None:
                 record.result = self._result_chunk(unit, outcome.bundle)
             for waiter in waiting:
@@ -498,6 +505,10 @@ class ShardWorker:
     ) -> None:
         """``bundle``: the chunk's tensors when they were read in place, else None (read them from ``request``)."""
         kind = request.WhichOneof("kind")
+        if stream.answer_only and kind != "flow_control":
+            # It was granted no credit, and signals belong on the session's work streams.
+            self._terminate(out, stream, errors.flow_control_violation("an answer stream carries no work"))
+            return
         if kind == "decode" or kind == "chunk":
             if stream.phase is not StreamPhase.OPEN:
                 self._terminate(
@@ -578,6 +589,9 @@ class ShardWorker:
                 out, stream, errors.payload_corrupt("route session id is empty, too long or not printable")
             )
             return
+        if open_.answer_stream:
+            self._on_answer_open(out, stream, open_)
+            return
         stream.session_id = session_id
         stream.epoch = open_.route_epoch
         stream.shard_range = range_tuple(r)
@@ -608,6 +622,46 @@ class ShardWorker:
                 fingerprint=self.fingerprint,
             ),
         )
+
+    def _on_answer_open(self, out: list[Action], stream: StreamState, open_: shard.SessionOpen) -> None:
+        """A head opened the stream its session's direct answers go to. Only a tail answers; the
+        stream holds no session state and takes no share: the route session id, which only the
+        route's members know, names the session it serves."""
+        if not self.capabilities.is_tail:
+            self._terminate(
+                out,
+                stream,
+                errors.refusal(
+                    shard.ERROR_CODE_SHARD_RANGE_MISMATCH, "only the tail answers the head directly"
+                ),
+            )
+            return
+        stream.session_id = open_.route_session_id
+        stream.epoch = open_.route_epoch
+        stream.shard_range = range_tuple(open_.shard_range)
+        stream.schema_version = min(open_.schema_version, HIGHEST_SCHEMA_VERSION)
+        stream.answer_only = True
+        stream.flow = negotiate_flow_control(open_.proposed_flow_control, self.local_flow_control)
+        stream.phase = StreamPhase.OPEN
+        self._answer_streams[(stream.session_id, stream.epoch)] = stream.id
+        self._send(
+            out,
+            stream,
+            responses.accepted(
+                schema_version=stream.schema_version,
+                session_id=stream.session_id,
+                epoch=stream.epoch,
+                flow=stream.flow,
+                compressions=self.accepted_compression,
+                fingerprint=self.fingerprint,
+            ),
+        )
+
+    def _answer_stream(self, session: SessionState) -> StreamState | None:
+        """The open answer stream of ``session``'s head, if it opened one."""
+        stream_id = self._answer_streams.get((session.session_id, session.epoch))
+        stream = None if stream_id is None else self._streams.get(stream_id)
+        return stream if stream is not None and stream.phase is StreamPhase.OPEN else None
 
     def _on_unit(
         self,
@@ -1156,14 +1210,24 @@ class ShardWorker:
         stream = self._streams.get(unit.stream_id)
         if stream is None or stream.phase is not StreamPhase.OPEN:
             return
+        answered_directly = record.answered_directly
         if record.result is not None:
-            out.append(Send(stream.id, record.result))
+            # The tail's token goes straight to the head when the head opened an answer stream;
+            # the sender still gets its Ack (credit, cache position) on its own stream.
+            answers = self._answer_stream(unit.session)
+            if answers is not None:
+                out.append(Send(answers.id, record.result))
+                answered_directly = True
+                self.direct_answers += 1
+            else:
+                out.append(Send(stream.id, record.result))
         ack = responses.ack(
             unit.work_id,
             unit.step,
             record.cache_result,
             duplicate=duplicate,
             execution_nanos=record.execution_nanos,
+            answered_directly=answered_directly,
         )
         out.append(Send(stream.id, ack))
         self._credit_returned(out, stream)
@@ -1210,6 +1274,11 @@ class ShardWorker:
 
     def _drop_stream(self, stream: StreamState) -> None:
         stream.phase = StreamPhase.CLOSED
+        if stream.answer_only:
+            key = (stream.session_id, stream.epoch)
+            if self._answer_streams.get(key) == stream.id:
+                del self._answer_streams[key]
+            return
         session = self._sessions.get(stream.session_id)
         if session is not None:
             mine = [u for u in session.queue if u.stream_id == stream.id]

@@ -41,6 +41,9 @@ class StreamState:
     window: int = 0
     unacked: int = 0
     result_compression: int = shard.COMPRESSION_NONE
+    # An answer stream (SessionOpen.answer_stream): it carries the tail's direct answers for its
+    # session to the head that opened it, and no work.
+    answer_only: bool = False
 
 
 @dataclass(eq=False)

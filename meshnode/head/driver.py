@@ -4,7 +4,10 @@ For each generation the driver plans a route from gossip, opens one
 :class:`~meshnode.dataplane.session_link.ShardSession` to the first hop with the
 other hops as its downstream (activations flow shard to shard; only the tail's
 sampled token comes back), prefills the prompt in pipelined chunks and then
-decodes one token per step. The first hop may be this very node: the
+decodes one token per step. On a route of more than one hop the token comes
+back directly: the session opens an answer stream to the tail (over the head's
+own link to it), so a token costs one message back instead of one per stage
+(``DriverOptions.direct_answer``); acknowledgements still come hop by hop. The first hop may be this very node: the
 environment hands out an in-process link for it, and the code path is the same.
 
 Recovery follows :mod:`meshnode.head.recovery`: a ``CACHE_MISS`` rebuilds the
@@ -53,7 +56,13 @@ from engines.interface import SamplingParams
 from meshnode.dataplane import rpc
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
+from meshnode.dataplane.session_link import (
+    DirectAnswers,
+    SessionOptions,
+    ShardSession,
+    StepOutput,
+    default_client_config,
+)
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, MeshBusy
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.numerics import describe_numerics, mixes_numerics, system_fingerprint
@@ -117,6 +126,8 @@ class DriverOptions:
     # trying again every `capacity_retry_s`, before it fails.
     capacity_wait_s: float = 30.0
     capacity_retry_s: float = 0.25
+    # The tail answers the head directly on a route of more than one hop (else along the route).
+    direct_answer: bool = True
 
 
 @dataclass(frozen=True)
@@ -370,6 +381,18 @@ class _Generation:
             self.epoch,
             " -> ".join(_hop_text(hop) for hop in route.hops),
         )
+        tail = route.hops[-1]
+        answers = None
+        if self.options.direct_answer and len(route.hops) > 1:
+            link_to_tail = tail.node_id
+            answers = DirectAnswers(
+                links=lambda: self.env.link(link_to_tail),
+                tail_range=shard.ShardRange(
+                    start_layer=tail.start_layer,
+                    end_layer=tail.end_layer,
+                    effective_start_layer=tail.effective_start_layer,
+                ),
+            )
         self.session = await ShardSession.open(
             lambda: self.env.link(link_to_first),
             fingerprint=session_fingerprint(self.model),
@@ -388,6 +411,7 @@ class _Generation:
             route_epoch=self.epoch,
             config=default_client_config(),
             options=SessionOptions(open_timeout_s=self.options.open_timeout_s),
+            answers=answers,
         )
         self.opened = True
         self.room_deadline = None

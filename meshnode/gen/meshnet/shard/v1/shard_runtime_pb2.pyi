@@ -286,7 +286,7 @@ class FlowControl(_message.Message):
     def __init__(self, credits_granted: _Optional[int] = ..., max_inflight_chunks: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "answer_stream")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class SessionOpen(_message.Message):
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FLOW_CONTROL_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_STREAM_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
@@ -301,7 +302,8 @@ class SessionOpen(_message.Message):
     shard_range: ShardRange
     proposed_flow_control: FlowControl
     accepted_compression: _containers.RepeatedScalarFieldContainer[Compression]
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ...) -> None: ...
+    answer_stream: bool
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., answer_stream: _Optional[bool] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "flow_control", "accepted_compression", "fingerprint")
@@ -366,18 +368,20 @@ class CancelSignal(_message.Message):
     def __init__(self, route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., work_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("work_id", "idempotency_step", "cache_result", "duplicate", "execution_nanos")
+    __slots__ = ("work_id", "idempotency_step", "cache_result", "duplicate", "execution_nanos", "answered_directly")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     CACHE_RESULT_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_NANOS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     idempotency_step: int
     cache_result: CacheResult
     duplicate: bool
     execution_nanos: int
-    def __init__(self, work_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., cache_result: _Optional[_Union[CacheResult, _Mapping]] = ..., duplicate: _Optional[bool] = ..., execution_nanos: _Optional[int] = ...) -> None: ...
+    answered_directly: bool
+    def __init__(self, work_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., cache_result: _Optional[_Union[CacheResult, _Mapping]] = ..., duplicate: _Optional[bool] = ..., execution_nanos: _Optional[int] = ..., answered_directly: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("work_id", "route_session_id", "idempotency_step", "error", "terminal")
