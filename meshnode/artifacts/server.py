@@ -41,6 +41,10 @@ from meshnode.wire.framing import StreamType
 log = logging.getLogger("meshnode.artifacts.server")
 
 DEFAULT_MAX_UPLOADS_PER_PEER = 4
+# Data per chunk frame sent (the protocol allows up to CHUNK_BYTES). Each chunk is one
+# stretch of QUIC work on the event loop, holding the GIL the engine thread needs between
+# its llama.cpp calls; short stretches keep the serving peer's decode steps from waiting.
+UPLOAD_CHUNK_BYTES = 64 * 1024
 REQUEST_TIMEOUT_S = 10.0
 
 
@@ -56,7 +60,11 @@ class ArtifactServer:
         *,
         max_uploads_per_peer: int = DEFAULT_MAX_UPLOADS_PER_PEER,
         request_timeout: float = REQUEST_TIMEOUT_S,
+        chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> None:
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise ValueError(f"upload chunks are 1 to {CHUNK_BYTES} bytes")
+        self.chunk_bytes = chunk_bytes
         self.holdings = holdings
         self.limiter = limiter or UploadLimiter()
         self.max_uploads_per_peer = max_uploads_per_peer
@@ -118,7 +126,7 @@ class ArtifactServer:
         try:
             end, sent = offset + length, 0
             while offset < end:
-                size = min(CHUNK_BYTES, end - offset)
+                size = min(self.chunk_bytes, end - offset)
                 await self.limiter.acquire(size)
                 if request.item is MetadataItem.BLOB:
                     data = blob[offset : offset + size]

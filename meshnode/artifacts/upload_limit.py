@@ -17,13 +17,16 @@ from dataclasses import dataclass
 from meshnode.sansio import SECOND_NS
 
 # What one process uploads per second unless configured otherwise. aioquic is pure Python:
-# sending costs about a core per 12 MB/s, taken from the serving peer's decode. At this rate a
-# peer decoding Gemma 3 270M on 2 cores slowed by under 10% (bench/RESULTS.md, "Transfer
-# (issue 16)"); at 4 MiB/s it slowed by half. A joiner fetching from several peers gets this
-# from each.
-DEFAULT_UPLOAD_BYTES_PER_S = 2 * 1024 * 1024
-# Enough for a couple of chunks at once, so pacing is smooth but a burst stays small.
-DEFAULT_BURST_BYTES = 512 * 1024
+# the serving node's event loop spends about 5% of a core per MiB/s sent, and that loop
+# shares the GIL with the engine thread between its llama.cpp calls. bench/transfer.py on a
+# shared 2-core VM (bench/RESULTS.md, "Transfer (issue 16)") saw a decoding peer slow by
+# about a third at 1 MiB/s and by half or more at 2 MiB/s, the fetcher on the same cores:
+# the default is the lower. A joiner fetching from several peers gets this from each, and
+# ``is_busy`` lifts the limit while the peer serves no session.
+DEFAULT_UPLOAD_BYTES_PER_S = 1024 * 1024
+# One upload chunk (server.UPLOAD_CHUNK_BYTES): chunks go out evenly spaced, never in a burst
+# that would keep the event loop (and the GIL) from the engine thread for long.
+DEFAULT_BURST_BYTES = 64 * 1024
 
 
 @dataclass
@@ -53,23 +56,39 @@ class ByteBucket:
 
 
 class UploadLimiter:
-    """The bucket, shared by every upload stream of the process."""
+    """The bucket, shared by every upload stream of the process.
+
+    With ``is_busy`` (say, "the engine has sessions"), uploads are paced only while it is
+    true: a peer that serves no one can give a joiner its full speed.
+    """
 
     def __init__(
         self,
         bytes_per_s: float = DEFAULT_UPLOAD_BYTES_PER_S,
         burst_bytes: float = DEFAULT_BURST_BYTES,
         clock_ns: Callable[[], int] = time.monotonic_ns,
+        *,
+        is_busy: Callable[[], bool] | None = None,
     ) -> None:
         self._clock_ns = clock_ns
+        self._is_busy = is_busy
         self.bucket = ByteBucket.full(bytes_per_s, burst_bytes, clock_ns())
 
     @property
     def bytes_per_s(self) -> float:
         return self.bucket.rate
 
+    def delay_ns(self, nbytes: int) -> int:
+        """Charge ``nbytes``; nanoseconds to wait before sending them."""
+        now_ns = self._clock_ns()
+        if self._is_busy is not None and not self._is_busy():
+            # Idle: the bytes pass unpaced, and the bucket starts from full when work comes.
+            self.bucket.tokens, self.bucket.updated_ns = self.bucket.burst, now_ns
+            return 0
+        return self.bucket.charge(nbytes, now_ns)
+
     async def acquire(self, nbytes: int) -> None:
-        delay_ns = self.bucket.charge(nbytes, self._clock_ns())
+        delay_ns = self.delay_ns(nbytes)
         if delay_ns:
             await asyncio.sleep(delay_ns / SECOND_NS)
 

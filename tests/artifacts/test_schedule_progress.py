@@ -6,7 +6,7 @@ import io
 
 from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
 from meshnode.artifacts.schedule import FetchPlan, Quarantine
-from meshnode.artifacts.upload_limit import ByteBucket
+from meshnode.artifacts.upload_limit import ByteBucket, UploadLimiter
 from meshnode.sansio import SECOND_NS
 
 A, B = b"a" * 32, b"b" * 32
@@ -63,6 +63,16 @@ def test_the_upload_bucket_paces_to_its_rate():
     assert bucket.charge(1000, 0) == SECOND_NS  # 1000 bytes of debt at 1000 B/s
     assert bucket.charge(0, SECOND_NS) == 0
     assert ByteBucket.full(rate=0, burst=1, now_ns=0).charge(10**9, 0) == 0
+
+
+def test_uploads_are_paced_only_while_the_node_is_busy():
+    now = [0]
+    busy = [False]
+    limiter = UploadLimiter(1000, 500, clock_ns=lambda: now[0], is_busy=lambda: busy[0])
+    assert limiter.delay_ns(10_000) == 0
+    busy[0] = True
+    assert limiter.delay_ns(500) == 0  # a full bucket to start from
+    assert limiter.delay_ns(1000) == SECOND_NS
 
 
 def test_progress_reports_rate_and_eta():
