@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from meshnode.api.openai_api import start_api_server
+from meshnode.console.server import add_console_routes, mesh_source
 from meshnode.head.driver import DriverOptions, GenerationDriver, RouteEnvironment
 from meshnode.head.environment import NodeRoutes, StandaloneShardHost
 from meshnode.head.local_link import LocalShardLink
@@ -115,6 +116,8 @@ class HeadService:
         def extra_routes(app: web.Application) -> None:
             app.router.add_get("/meshnode/generations", generations)
             app.router.add_get("/metrics", prometheus)
+            read_mesh = mesh_source(node=sources.node, driver=driver, server=sources.server, served=served)
+            add_console_routes(app, read_mesh)
 
         try:
             runner, port = await start_api_server(
