@@ -242,6 +242,12 @@ class SessionClient:
         sent = sum(1 for u in self._sent.values() if u.state is _State.SENT)
         return len(self._pending) + sent + len(self._owed)
 
+    @property
+    def acks_owed(self) -> int:
+        """Units done by their direct answer whose Acks are still on their way back along the route
+        (a release sent now would cancel them on the hops that have not acknowledged yet)."""
+        return sum(1 for u in self._sent.values() if u.state is _State.ANSWERED)
+
     def take_events(self) -> list[ClientEvent]:
         """Everything that happened since the last call, in order."""
         drained, self._events = self._events, []

@@ -245,6 +245,9 @@ class ShardSession:
         # The answer stream to the tail: accepted (True), lost or refused (False), or opening.
         self._answers_ready: asyncio.Future[bool] = self._loop.create_future()
         self._answer_stream: FramedStream | None = None
+        # Set while no Ack of a unit answered directly is owed (see aclose).
+        self._acks_settled = asyncio.Event()
+        self._acks_settled.set()
         self._answer_task: asyncio.Task[None] | None = None
         if answers is not None:
             self._answer_task = self._loop.create_task(self._serve_answers(answers))
@@ -431,6 +434,12 @@ class ShardSession:
         if self._closed:
             return
         if release and self.client.failed is None and self.client.flow is not None:
+            if self._framed is not None and not self._acks_settled.is_set():
+                # The last tokens came straight from the tail: let their Acks come back along the
+                # route first (for half the time), or the release would cancel them on the way.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout / 2):
+                        await self._acks_settled.wait()
             try:
                 async with asyncio.timeout(timeout):
                     if self._framed is not None and self.client.accepted:
@@ -507,6 +516,10 @@ class ShardSession:
     def _after(self) -> None:
         """After anything touched the client: settle futures, send what credit allows, re-arm time."""
         self._dispatch()
+        if self.client.acks_owed:
+            self._acks_settled.clear()
+        else:
+            self._acks_settled.set()
         if (
             self._framed is not None
             and not self._writing

@@ -317,6 +317,10 @@ async def test_the_driver_gets_every_decoded_token_straight_from_the_tail(routes
     # The prefill's token may beat the answer stream to the tail; every decoded one goes direct.
     assert direct_answers(routes, TAIL) >= 11
     assert direct_answers(routes, MIDDLE) == 0
+    await eventually(lambda: all(s.server.load().active_sessions == 0 for s in routes.shards.values()))
+    # The end of the generation waited for the last token's Acks to come back along the route:
+    # its release cancelled nothing on the way.
+    assert [dict(s.server.errors_sent) for s in routes.shards.values()] == [{}, {}, {}]
 
 
 async def test_with_the_direct_answer_off_the_tokens_are_the_same_and_come_along_the_route(routes):
