@@ -2,6 +2,7 @@
 
     python bench/e2e.py [--tokens 32] [--rounds 6] [--prompt-tokens 96] [--threads 2]
                         [--configs b,c,d,e] [--no-breakdown] [--node-env KEY=VALUE]
+                        [--delay-ms 10 --delay-ms 20]
 
 Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
 
@@ -12,7 +13,11 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
     (d)  three nodes, [0, 6), [6, 12) and [12, 18);
     (e)  two nodes through a relay: the second node is "behind NAT" (--relay-only
          --not-directly-reachable), so every activation and token crosses the relay;
-    (c1), (d1): (c) and (d) with one compute thread per node instead of ``--threads``.
+    (c1), (d1): (c) and (d) with one compute thread per node instead of ``--threads``;
+    (d+N ms), one per ``--delay-ms N``: (d) with N ms of added one-way delay between every two
+         nodes: each node listens behind a UDP delay proxy (tests/helpers/delay_proxy.py, run
+         on a thread of its own in this process) and advertises the proxy's port, so every
+         datagram between nodes, either way, waits N ms (a round trip of 2N ms).
 
 (b)–(e) are real ``meshnode`` processes (``meshnode start``/``join`` with an invite, a
 ``meshnode relay`` for (e)), all started first and left running; the bench process is an
@@ -57,6 +62,7 @@ from engines.weight_repack import WeightRepack
 from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
 from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.wire.pb import shard
+from tests.helpers.delay_proxy import DelayProxy, free_udp_port
 
 Layout = list[tuple[tuple[int, int] | None, bool]]
 TWO: Layout = [((0, 9), False), ((9, 18), False)]
@@ -71,6 +77,46 @@ CONFIGS: dict[str, tuple[str, Layout, int | None]] = {
     "d1": ("(d1) 3 nodes, 1 thread each", THREE, 1),
 }
 TARGETS = {"c": 0.85, "d": 0.80, "c1": 0.85, "d1": 0.80}
+
+
+# Configurations run behind delay proxies: key -> added one-way delay in ms (from --delay-ms).
+DELAYS_MS: dict[str, float] = {}
+
+
+def delayed_key(delay_ms: float) -> str:
+    return f"d+{delay_ms:g}ms"
+
+
+class DelayProxies:
+    """One UDP delay proxy per node, on an event loop of its own thread, so that the bench's own
+    work (the HTTP client, (a) on this thread) never holds a datagram back."""
+
+    def __init__(self, delay_ms: float) -> None:
+        import threading
+
+        self.delay_s = delay_ms / 1000
+        self.loop = asyncio.new_event_loop()
+        self.proxies: list[DelayProxy] = []
+        self._thread = threading.Thread(target=self.loop.run_forever, name="delay-proxies", daemon=True)
+        self._thread.start()
+
+    def node_args(self) -> list[str]:
+        """Arguments for one more node: it listens on a free port behind a new proxy it advertises."""
+        node_port = free_udp_port()
+        proxy = asyncio.run_coroutine_threadsafe(
+            DelayProxy.start(("127.0.0.1", node_port), self.delay_s), self.loop
+        ).result(10)
+        self.proxies.append(proxy)
+        return ["--listen", f"127.0.0.1:{node_port}", "--advertise", f"127.0.0.1:{proxy.port}"]
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for proxy in self.proxies:
+                proxy.close()
+
+        asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
 
 
 @dataclass(frozen=True)
@@ -166,19 +212,30 @@ async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
 
 
 async def start_mesh(
-    work: Path, model: Path, layout: Layout, threads: int, env: dict[str, str], *, extra: Sequence[str] = ()
+    work: Path,
+    model: Path,
+    layout: Layout,
+    threads: int,
+    env: dict[str, str],
+    *,
+    extra: Sequence[str] = (),
+    proxies: DelayProxies | None = None,
 ) -> tuple[LocalMesh, str]:
     """The configuration's processes, ready (its API lists the model), ``extra`` arguments given to
-    each; returns the API URL."""
+    each (and each behind a delay proxy of ``proxies``); returns the API URL."""
     mesh = LocalMesh(work, model, threads=threads, ctx=1024, env=env)
+
+    def node_extra() -> list[str]:
+        return [*extra, *(proxies.node_args() if proxies is not None else [])]
+
     mesh.create_mesh("n0")
     if any(nat for _, nat in layout):
         await mesh.start_relay()
-    await mesh.start_first("n0", layout[0][0], extra=extra)
+    await mesh.start_first("n0", layout[0][0], extra=node_extra())
     if len(layout) > 1:
         token = mesh.invite("n0")
         joining = [
-            mesh.join(f"n{i}", layers, token, behind_nat=nat, extra=extra)
+            mesh.join(f"n{i}", layers, token, behind_nat=nat, extra=node_extra())
             for i, (layers, nat) in enumerate(layout[1:], start=1)
         ]
         for child in joining:
@@ -190,7 +247,7 @@ async def start_mesh(
 async def bench(
     args: argparse.Namespace, model: Path, prompt: list[int]
 ) -> tuple[dict[str, list[Run]], tuple[list[HopTiming], float]]:
-    keys = args.configs.split(",")
+    keys = args.configs.split(",") + [delayed_key(ms) for ms in args.delay_ms]
     runs: dict[str, list[Run]] = {key: [] for key in ["a", *keys]}
     meshes: dict[str, LocalMesh] = {}
     hops: tuple[list[HopTiming], float] = ([], 0.0)
@@ -204,7 +261,13 @@ async def bench(
                 print(f"  starting {label}", file=sys.stderr, flush=True)
                 env = dict(item.split("=", 1) for item in args.node_env)
                 env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
-                mesh, apis[key] = await start_mesh(work, model, layout, threads or args.threads, env)
+                proxies = None
+                if key in DELAYS_MS:
+                    proxies = DelayProxies(DELAYS_MS[key])
+                    stack.callback(proxies.close)
+                mesh, apis[key] = await start_mesh(
+                    work, model, layout, threads or args.threads, env, proxies=proxies
+                )
                 meshes[key] = mesh
                 await api_run(apis[key], prompt, 8)  # warm: page faults, graph allocation, links
             mono.run(prompt, 8)
@@ -371,7 +434,19 @@ def main() -> None:
         + " ".join(f"{k}={v}" for k, v in SHARED_CORES_ENV.items())
         + ")",
     )
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        action="append",
+        default=[],
+        metavar="MS",
+        help="also run (d) with MS ms of added one-way delay between nodes (repeatable: 10 and 20)",
+    )
     args = parser.parse_args()
+    for delay_ms in args.delay_ms:
+        key = delayed_key(delay_ms)
+        CONFIGS[key] = (f"(d+{delay_ms:g} ms) 3 nodes, +{delay_ms:g} ms one way", THREE, None)
+        DELAYS_MS[key] = delay_ms
     model = prepare_run(args)
     # A fixed seed so every configuration prefills the same prompt.
     prompt = random_prompt(np.random.default_rng(7), args.prompt_tokens)
