@@ -29,8 +29,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engines.sampling import PenaltyHistory
 
 
 class EngineErrorKind(Enum):
@@ -83,18 +87,60 @@ class SessionKey:
     epoch: int
 
 
+# How many recent tokens the penalties look back on unless told (llama.cpp's default), and
+# the most a request may ask for (the window travels in the route, token by token).
+DEFAULT_PENALTY_LAST_N = 64
+MAX_PENALTY_LAST_N = 4096
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Tail-side sampling. ``temperature == 0`` is greedy (argmax)."""
+    """Tail-side sampling. ``temperature == 0`` is greedy (argmax).
+
+    Logits are adjusted before greedy or sampled choice, in llama.cpp's order: ``logit_bias``
+    added, then the penalties over ``recent_tokens`` (llama.cpp's penalties sampler: a
+    repeated token's positive logit divided by ``repeat_penalty``, a negative one multiplied;
+    then ``frequency_penalty`` times its count and ``presence_penalty`` once subtracted).
+    Sampling then keeps ``top_k``, the ``top_p`` nucleus and tokens at least ``min_p`` times
+    as likely as the best. With every adjustment at its default, greedy is a plain argmax.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    penalty_last_n: int = DEFAULT_PENALTY_LAST_N
+    # (token id, bias) pairs, ascending ids.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The tokens at positions [recent_tokens_end - len, recent_tokens_end), at most
+    # penalty_last_n, oldest first: what the penalties look back on. The head sends the
+    # prompt's last ones; the tail sets them for each position it samples.
+    recent_tokens: tuple[int, ...] = ()
+    recent_tokens_end: int = 0
+    # At a tail: the session's penalty history, which the sampler reads for the tokens
+    # before the sampled position and extends with the token it draws. It lives with the
+    # session's route plan (one per session and epoch), so neither the data plane nor the
+    # engine keeps a token list of their own. Not part of what the parameters mean.
+    history: PenaltyHistory | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (and so the tail needs the recent tokens)."""
+        return self.penalty_last_n > 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
 
 
 GREEDY = SamplingParams()

@@ -1,29 +1,99 @@
-"""Tail-side token sampling: greedy, or temperature / top-k / top-p with a seed.
+"""Tail-side token sampling: greedy, or temperature / top-k / top-p / min-p with a seed, after
+llama.cpp's logit adjustments (logit bias, then repeat / frequency / presence penalties).
 
 A seeded draw depends only on (logits, params, sample_index), never on earlier draws, so a
-retried or replayed step samples the same token.
+retried or replayed step samples the same token. The penalties depend on the tokens before the
+sampled position, which the caller passes in ``params.recent_tokens``; those are the same on a
+retry or a replay, so the same token is drawn again.
+
+The adjustments run in numpy on a copy of the logits rather than through llama.cpp's sampler
+objects: those keep their own token history, which a retried, replayed or re-routed step would
+have to rebuild, and a request with no adjustment would no longer be the bare argmax it is now
+(bit-identical greedy output is what the parity tests pin). The arithmetic is llama.cpp's
+(``llama_sampler_penalties_apply``, float32).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from engines.interface import EngineError, EngineErrorKind, SamplingParams
+from engines.interface import MAX_PENALTY_LAST_N, EngineError, EngineErrorKind, SamplingParams
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(EngineErrorKind.INVALID_REQUEST, message)
 
 
 def validate_sampling(params: SamplingParams) -> None:
     if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise EngineError(EngineErrorKind.INVALID_REQUEST, f"temperature {params.temperature} is not >= 0")
+        raise _invalid(f"temperature {params.temperature} is not >= 0")
     if params.top_k < 0:
-        raise EngineError(EngineErrorKind.INVALID_REQUEST, f"top_k {params.top_k} is negative")
+        raise _invalid(f"top_k {params.top_k} is negative")
     if not 0.0 < params.top_p <= 1.0:
-        raise EngineError(EngineErrorKind.INVALID_REQUEST, f"top_p {params.top_p} is not in (0, 1]")
+        raise _invalid(f"top_p {params.top_p} is not in (0, 1]")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise _invalid(f"min_p {params.min_p} is not in [0, 1]")
+    if not math.isfinite(params.repeat_penalty) or params.repeat_penalty <= 0:
+        raise _invalid(f"repeat_penalty {params.repeat_penalty} is not > 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise _invalid(f"{name} is not finite")
+    if not 0 <= params.penalty_last_n <= MAX_PENALTY_LAST_N:
+        raise _invalid(f"penalty_last_n {params.penalty_last_n} is not in [0, {MAX_PENALTY_LAST_N}]")
+    if len(params.recent_tokens) > params.penalty_last_n:
+        raise _invalid("more recent tokens than the penalty window")
+    if any(not math.isfinite(bias) for _, bias in params.logit_bias):
+        raise _invalid("a logit bias is not finite")
+
+
+def adjusted_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """A float32 copy of ``logits`` with the bias and penalties applied (the input is untouched:
+    it may be a view into the engine's memory)."""
+    adjusted = np.array(logits, dtype=np.float32, copy=True)
+    vocab = adjusted.shape[0]
+    for token, bias in params.logit_bias:
+        if 0 <= token < vocab:
+            adjusted[token] += np.float32(bias)
+    if params.penalized and params.recent_tokens:
+        counts = Counter(t for t in params.recent_tokens if 0 <= t < vocab)
+        tokens = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        repeats = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        values = adjusted[tokens]
+        repeat = np.float32(params.repeat_penalty)
+        values = np.where(values <= 0, values * repeat, values / repeat)
+        values -= repeats * np.float32(params.frequency_penalty) + np.float32(params.presence_penalty)
+        adjusted[tokens] = values
+    return adjusted
+
+
+def recent_window(tokens: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+    """The last ``penalty_last_n`` of ``tokens`` (nothing when no penalty applies)."""
+    if not params.penalized:
+        return ()
+    return tuple(tokens[-params.penalty_last_n :])
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, sample_index: int = 0) -> int:
-    """The token for one position's logits (a 1-D float array, possibly a view into C memory)."""
+    """The token for one position's logits (a 1-D float array, possibly a view into C memory).
+
+    ``sample_index`` is the position of the sampled token; with a penalty history the
+    penalties look at the tokens before it, and the drawn token is recorded there."""
+    history = params.history
+    if history is None:
+        return _draw(logits, params, sample_index)
+    token = _draw(logits, history.params_at(sample_index), sample_index)
+    history.record(sample_index, token)
+    return token
+
+
+def _draw(logits: np.ndarray, params: SamplingParams, sample_index: int) -> int:
+    if params.adjusts_logits:
+        logits = adjusted_logits(logits, params)
     if params.greedy:
         return int(np.argmax(logits))
     vocab = logits.shape[0]
@@ -43,7 +113,62 @@ def sample_token(logits: np.ndarray, params: SamplingParams, sample_index: int =
         keep = int(np.searchsorted(cumulative, params.top_p)) + 1
         candidates, probabilities = candidates[:keep], probabilities[:keep]
         probabilities /= probabilities.sum()
+    if params.min_p > 0.0:
+        # Sorted descending: the kept tokens are a prefix, and the best one always stays.
+        keep = max(1, int(np.count_nonzero(probabilities >= params.min_p * probabilities[0])))
+        candidates, probabilities = candidates[:keep], probabilities[:keep]
+        probabilities /= probabilities.sum()
     rng = np.random.default_rng([params.seed & 0xFFFFFFFFFFFFFFFF, sample_index])
     draw = rng.random()
     index = int(np.searchsorted(np.cumsum(probabilities), draw, side="right"))
     return int(candidates[min(index, len(candidates) - 1)])
+
+
+class PenaltyHistory:
+    """What one tail session's penalties look back on: the tokens its route was opened with
+    (the prompt's last ones, ``base.recent_tokens``) and every token it sampled since, by position.
+
+    A retried step records the same token at the same position again; a replay after a
+    re-prefill samples the generated tokens again in order, so the history is rebuilt by the
+    same steps that rebuild the cache. Only the last ``penalty_last_n`` positions are kept."""
+
+    def __init__(self, base: SamplingParams) -> None:
+        self.base = replace(base, history=None)
+        self._sampled: dict[int, int] = {}
+
+    def params_at(self, position: int) -> SamplingParams:
+        """The parameters for sampling the token at ``position``, with the tokens before it."""
+        base = self.base
+        if not base.penalized:
+            return base
+        given_start = base.recent_tokens_end - len(base.recent_tokens)
+        window: list[int] = []
+        for earlier in range(max(0, position - base.penalty_last_n), position):
+            if given_start <= earlier < base.recent_tokens_end:
+                window.append(base.recent_tokens[earlier - given_start])
+            elif (token := self._sampled.get(earlier)) is not None:
+                window.append(token)
+        return replace(base, recent_tokens=tuple(window), recent_tokens_end=position)
+
+    def record(self, position: int, token: int) -> None:
+        if not self.base.penalized:
+            return
+        self._sampled[position] = token
+        oldest = position + 1 - self.base.penalty_last_n
+        for stale in [p for p in self._sampled if p < oldest]:
+            del self._sampled[stale]
+
+
+def with_history(params: SamplingParams) -> SamplingParams:
+    """``params`` with a fresh penalty history for one tail session (unchanged without penalties)."""
+    if not params.penalized:
+        return params
+    return replace(params, history=PenaltyHistory(params))
+
+
+def with_prompt_history(params: SamplingParams, prompt: Sequence[int]) -> SamplingParams:
+    """``params`` carrying the prompt's last tokens for the tail's penalties (llama-server
+    counts the prompt in the penalty window too); unchanged when no penalty applies."""
+    if not params.penalized:
+        return params
+    return replace(params, recent_tokens=recent_window(prompt, params), recent_tokens_end=len(prompt))

@@ -1,222 +1,109 @@
 """OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
-Requests are validated into typed settings (a bad request is a 400 with an
-OpenAI-style error body naming the parameter); ``stream: true`` answers with
-server-sent events ending in ``data: [DONE]``. A client that disconnects
-cancels its generation: the handler is cancelled (aiohttp handler
-cancellation) or its next write fails, and either way the completion's token
-stream is closed, which cancels the work on every hop. ``system_fingerprint``
-says how the route behind a response computes (null when the backend cannot
-tell): equal values mean the same contract, boundary and per-layer numerics.
-A request the mesh has no room for (:class:`~meshnode.head.backend.MeshBusy`)
-is a 429 with ``Retry-After`` and OpenAI's rate-limit error object, decided
-before any byte of the answer: it is never queued without bound, and a
-request answered 200 is never dropped for capacity.
+Requests are validated into typed settings (:mod:`.request_fields`): every field is
+honoured or refused with a 400 naming it, never silently ignored. Every error status —
+refusals, 404, 405, 413, a bug's 500 — answers OpenAI's JSON error object
+(:mod:`.errors`); ``--api-key`` and ``--cors-origin`` are enforced by :mod:`.auth`.
+``stream: true`` answers with server-sent events ending in ``data: [DONE]``; with
+``stream_options.include_usage`` every chunk says ``"usage": null`` and a last chunk with
+no choices carries the usage, as OpenAI sends it. A client that disconnects cancels its
+generation: the handler is cancelled (aiohttp handler cancellation) or its next write
+fails, and either way the completion's token stream is closed, which cancels the work on
+every hop. ``system_fingerprint`` says how the route behind a response computes (null
+when the backend cannot tell): equal values mean the same contract, boundary and
+per-layer numerics. A request the mesh has no room for
+(:class:`~meshnode.head.backend.MeshBusy`) is a 429 with ``Retry-After`` and OpenAI's
+rate-limit error object, decided before any byte of the answer: it is never queued
+without bound, and a request answered 200 is never dropped for capacity.
+
+``/health`` is readiness (200 only while a generation could start here: a complete route
+for a model and not draining; else 503 with the reason); ``/livez`` (also
+``/health/live``) is liveness, 200 while the process serves HTTP.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from engines.interface import SamplingParams
+from meshnode.api.auth import ApiAccess, access_middleware, add_cors_on_prepare
+from meshnode.api.errors import RATE_LIMIT, SERVICE_UNAVAILABLE, ApiError, error_body, openai_errors
+from meshnode.api.request_fields import ParsedRequest, check_against_model, parse_request
 from meshnode.head.backend import (
     ContextLengthExceeded,
+    ContextReporting,
     GenerationBackend,
     GenerationFailed,
     MeshBusy,
+    ReadinessReporting,
     UnknownModel,
 )
 from meshnode.head.completions import CompletionRequest, CompletionResult, TextDelta, run_completion
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DEFAULT_CHAT_MAX_TOKENS = 512
-MAX_TOKENS_LIMIT = 8192
 MAX_BODY_BYTES = 4 * 1024 * 1024
-UNSUPPORTED_PARAMETERS = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "functions", "suffix")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
-class InvalidRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-
-
-def error_response(error: InvalidRequest, error_type: str = "invalid_request_error") -> web.Response:
-    body = {"error": {"message": error.message, "type": error_type, "param": error.param, "code": error.code}}
-    return web.json_response(body, status=error.status)
-
-
-# OpenAI's error type for a 429; `code` says which capacity ran out here.
-RATE_LIMIT_TYPE = "rate_limit_exceeded"
 MESH_BUSY_CODE = "mesh_at_capacity"
+LIVENESS_PATHS = ("/livez", "/health/live")
 
 
-def busy_response(busy: MeshBusy) -> web.Response:
+def busy_error(busy: MeshBusy) -> ApiError:
     """429: the mesh (or this head) has no room now; ``Retry-After`` says when to ask again."""
-    body = {"error": {"message": str(busy), "type": RATE_LIMIT_TYPE, "param": None, "code": MESH_BUSY_CODE}}
-    return web.json_response(body, status=429, headers={"Retry-After": str(busy.retry_after_s)})
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    model: str
-    prompt_text: str | None
-    prompt_tokens: list[int] | None
-    messages: list[dict[str, str]] | None
-    max_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-
-
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise InvalidRequest(f"'{name}' must be a number between {low} and {high}", name)
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidRequest(f"'{name}' must be an integer between {low} and {high}", name)
-    return value
-
-
-def _content_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise InvalidRequest("only text content parts are supported", f"messages[{index}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidRequest(
-        "message content must be a string or a list of text parts", f"messages[{index}].content"
-    )
-
-
-def parse_request(body: Any, *, chat: bool, served: list[str]) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is None and len(served) == 1:
-        model = served[0]
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required", "model")
-    for name in UNSUPPORTED_PARAMETERS:
-        if body.get(name) not in (None, False, 0, []):
-            raise InvalidRequest(f"'{name}' is not supported", name)
-    if _integer(body, "n", 1, 1, 1) != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
-
-    prompt_text = prompt_tokens = messages = None
-    if chat:
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise InvalidRequest("'messages' must be a non-empty list", "messages")
-        messages = []
-        for index, message in enumerate(raw):
-            if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-                raise InvalidRequest(
-                    f"role must be one of {', '.join(CHAT_ROLES)}", f"messages[{index}].role"
-                )
-            role = "system" if message["role"] == "developer" else message["role"]
-            messages.append({"role": role, "content": _content_text(message.get("content", ""), index)})
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
-            prompt_tokens = list(prompt)
-        else:
-            raise InvalidRequest("'prompt' must be a string or a list of token ids", "prompt")
-
-    default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    max_tokens = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", default_max, 1, MAX_TOKENS_LIMIT)
-    assert max_tokens is not None
-
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise InvalidRequest("'stop' must be a string or a list of up to 4 strings", "stop")
-
-    seed = _integer(body, "seed", None, -(2**63), 2**64 - 1)
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, 0, 1_000_000) or 0,
-        seed=(seed if seed is not None else int.from_bytes(os.urandom(8), "little")) % 2**64,
-    )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    return ParsedRequest(
-        model=model,
-        prompt_text=prompt_text,
-        prompt_tokens=prompt_tokens,
-        messages=messages,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        stop=stops,
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+    return ApiError(
+        str(busy),
+        status=429,
+        code=MESH_BUSY_CODE,
+        error_type=RATE_LIMIT,
+        headers={"Retry-After": str(busy.retry_after_s)},
     )
 
 
 class OpenAIApi:
     def __init__(
-        self, backend: GenerationBackend, *, extra_routes: Callable[[web.Application], None] | None = None
+        self,
+        backend: GenerationBackend,
+        *,
+        extra_routes: Callable[[web.Application], None] | None = None,
+        access: ApiAccess | None = None,
     ):
         self.backend = backend
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        access = access or ApiAccess()
+        # Outermost first: errors of the access check are OpenAI objects too.
+        self.app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors, access_middleware(access)]
+        )
+        add_cors_on_prepare(self.app, access)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/health", self.health)
+        for path in LIVENESS_PATHS:
+            self.app.router.add_get(path, self.live)
         if extra_routes is not None:
             extra_routes(self.app)
 
+    async def live(self, request: web.Request) -> web.Response:
+        """Liveness: the process serves HTTP (whether it can generate is /health's question)."""
+        return web.json_response({"status": "alive"})
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "models": self.backend.model_names()})
+        """Readiness: 200 only when a generation could start here now, else 503 with the reason."""
+        models = self.backend.model_names()
+        if isinstance(self.backend, ReadinessReporting):
+            reason = self.backend.not_ready_reason()
+        else:
+            reason = None if models else "no model has a complete route"
+        if reason is not None:
+            return web.json_response(
+                {"status": "unavailable", "reason": reason, "models": models}, status=503
+            )
+        return web.json_response({"status": "ok", "models": models})
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
@@ -234,25 +121,12 @@ class OpenAIApi:
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise InvalidRequest("the request body is not valid JSON") from None
-            parsed = parse_request(body, chat=chat, served=self.backend.model_names())
-            try:
-                tokenizer = self.backend.tokenizer(parsed.model)
-            except UnknownModel as exc:
-                raise InvalidRequest(str(exc), "model", status=404, code="model_not_found") from None
-            if parsed.messages is not None:
-                prompt = tokenizer.encode_chat(parsed.messages)
-            elif parsed.prompt_text is not None:
-                prompt = tokenizer.encode_prompt(parsed.prompt_text)
-            else:
-                assert parsed.prompt_tokens is not None
-                prompt = parsed.prompt_tokens
-        except InvalidRequest as exc:
-            return error_response(exc)
-        completion = CompletionRequest(parsed.model, prompt, parsed.max_tokens, parsed.sampling, parsed.stop)
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError("the request body is not valid JSON") from None
+        parsed = parse_request(body, chat=chat, served=self.backend.model_names())
+        prompt, max_tokens = self._prompt(parsed)
+        completion = CompletionRequest(parsed.model, prompt, max_tokens, parsed.sampling, parsed.stop)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         events = run_completion(self.backend, completion)
         try:
@@ -260,16 +134,47 @@ class OpenAIApi:
                 return await self._stream(request, events, parsed, ident, chat=chat)
             return await self._whole(events, parsed, ident, chat=chat)
         except ContextLengthExceeded as exc:
-            error = InvalidRequest(str(exc), "messages" if chat else "prompt", code="context_length_exceeded")
-            return error_response(error)
+            raise ApiError(
+                str(exc), "messages" if chat else "prompt", code="context_length_exceeded"
+            ) from None
         except MeshBusy as exc:
             log.info("generation %s refused: %s", ident, exc)
-            return busy_response(exc)
+            raise busy_error(exc) from None
         except GenerationFailed as exc:
             log.warning("generation %s failed: %s", ident, exc)
-            return error_response(InvalidRequest(str(exc), status=503), "service_unavailable")
+            raise ApiError(str(exc), status=503, error_type=SERVICE_UNAVAILABLE) from None
         finally:
             await events.aclose()
+
+    def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], int]:
+        """The prompt's tokens and the request's max_tokens, checked against the model."""
+        try:
+            tokenizer = self.backend.tokenizer(parsed.model)
+            context = (
+                self.backend.context_tokens(parsed.model)
+                if isinstance(self.backend, ContextReporting)
+                else None
+            )
+        except UnknownModel as exc:
+            raise ApiError(str(exc), "model", status=404, code="model_not_found") from None
+        max_tokens = check_against_model(
+            parsed, context_tokens=context, vocab_size=getattr(tokenizer, "n_vocab", None)
+        )
+        if parsed.prompt_tokens is not None:
+            return parsed.prompt_tokens, max_tokens
+        try:
+            if parsed.messages is not None:
+                return tokenizer.encode_chat(parsed.messages), max_tokens
+            assert parsed.prompt_text is not None
+            return tokenizer.encode_prompt(parsed.prompt_text), max_tokens
+        except ValueError as exc:
+            # The tokenizer's refusal, e.g. a chat template llama.cpp does not know: the model's
+            # limit, not the client's mistake, but no retry helps (hence 400, not 500).
+            param = "messages" if parsed.messages is not None else "prompt"
+            code = "unsupported_chat_template" if parsed.messages is not None else None
+            raise ApiError(
+                f"{exc} (try /v1/completions with a prompt)" if code else str(exc), param, code=code
+            ) from None
 
     async def _whole(
         self,
@@ -331,6 +236,8 @@ class OpenAIApi:
                 "system_fingerprint": event.system_fingerprint,
                 "choices": choices,
             }
+            if parsed.include_usage:
+                body["usage"] = None  # OpenAI's chunks say so until the last one carries it
             body.update(extra)
             return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -369,9 +276,7 @@ class OpenAIApi:
         except GenerationFailed as exc:
             # The status line is long gone: say it in the stream, as OpenAI's API does.
             log.warning("generation %s failed mid-stream: %s", ident, exc)
-            error = {
-                "error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": None}
-            }
+            error = error_body(str(exc), SERVICE_UNAVAILABLE)
             await response.write(b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -393,9 +298,10 @@ async def start_api_server(
     port: int = 0,
     *,
     extra_routes: Callable[[web.Application], None] | None = None,
+    access: ApiAccess | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the API; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
-    api = OpenAIApi(backend, extra_routes=extra_routes)
+    api = OpenAIApi(backend, extra_routes=extra_routes, access=access)
     runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshnode.app.api_options import head_options, parse_api_listen
+from meshnode.app.api_options import (
+    add_api_access_options,
+    add_api_key_option,
+    api_access,
+    head_options,
+    parse_api_listen,
+)
 from meshnode.app.cli_args import add_weight_repack_option, positive_int
 from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import node_data_dir
@@ -66,7 +72,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop or None,
     )
-    summary = await print_stream(base, path, body)
+    summary = await print_stream(base, path, body, api_key=args.api_key)
     if summary.error is not None:
         raise CliError(f"the generation failed mid-stream: {summary.error}")
     if not args.quiet:
@@ -74,11 +80,13 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def print_stream(base: str, path: str, body: dict[str, Any], *, indent: str = "") -> StreamSummary:
+async def print_stream(
+    base: str, path: str, body: dict[str, Any], *, indent: str = "", api_key: str | None = None
+) -> StreamSummary:
     """Stream a completion to stdout as it arrives; returns its summary."""
     summary: StreamSummary | None = None
     try:
-        async for event in stream_completion(base, path, body):
+        async for event in stream_completion(base, path, body, api_key=api_key):
             if isinstance(event, TextChunk):
                 sys.stdout.write(event.text.replace("\n", "\n" + indent) if indent else event.text)
                 sys.stdout.flush()
@@ -129,7 +137,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         try:
-            running = await start_standalone(shard_options, head_options(args.api_listen))
+            running = await start_standalone(shard_options, head_options(args.api_listen, api_access(args)))
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
         try:
@@ -170,6 +178,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--model", metavar="NAME", help="model id (default: the one the node serves)")
     p.add_argument("--api", metavar="URL", help="API base URL, e.g. http://127.0.0.1:8080")
+    add_api_key_option(p, client=True)
     p.add_argument("--quiet", action="store_true", help="no timing line on stderr")
     p.set_defaults(handler=cmd_generate)
 
@@ -193,6 +202,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help=f"where the API listens (default {DEFAULT_API_LISTEN}; 0.0.0.0:PORT exposes it)",
     )
+    add_api_access_options(p)
     p.set_defaults(handler=cmd_serve)
 
 

@@ -1,10 +1,16 @@
-"""``--api-listen``: where a node's or ``meshnode serve``'s OpenAI-compatible API listens, or ``off``."""
+"""The API's options on ``create``/``join``/``start`` and ``serve``: where it listens
+(``--api-listen``, or ``off``), the bearer key it demands (``--api-key``) and the browser
+origins it answers (``--cors-origin``). Like every option they may come from the environment
+(``MESHNODE_API_KEY``) or the config file (``api-key = "..."``); a key in the environment or a
+file 0600 stays out of ``ps``, which a key on the command line does not.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from meshnode.api.auth import ANY_ORIGIN, ApiAccess
 from meshnode.app.head_service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
 from meshnode.transport.addresses import AddressError, parse_host_port
 
@@ -24,7 +30,7 @@ def parse_api_listen(text: str) -> tuple[str, int] | bool:
         raise argparse.ArgumentTypeError(f"{exc} (or 'off')") from None
 
 
-def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
+def _add_api_listen(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--api-listen",
         type=parse_api_listen,
@@ -35,10 +41,68 @@ def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
     )
 
 
-def head_options(api_listen: ApiListen) -> HeadOptions:
+def parse_api_key(text: str) -> str:
+    key = text.strip()
+    if not key or any(c.isspace() for c in key):
+        # A bearer token is one word: a key with spaces could never be sent.
+        raise argparse.ArgumentTypeError("an API key must be one word, without spaces")
+    return key
+
+
+def parse_cors_origin(text: str) -> str:
+    origin = text.strip().rstrip("/")
+    if origin != ANY_ORIGIN and not origin.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"a CORS origin is '*' or scheme://host[:port], not {text!r}")
+    return origin
+
+
+def add_api_key_option(parser: argparse.ArgumentParser | Any, *, client: bool = False) -> None:
+    help_text = (
+        "the key the API demands, sent as 'Authorization: Bearer KEY' (or $MESHNODE_API_KEY)"
+        if client
+        else "require 'Authorization: Bearer KEY' on /v1 and /metrics (or $MESHNODE_API_KEY, "
+        "or api-key in the config file); default: no key (keep the API on loopback then)"
+    )
+    parser.add_argument("--api-key", type=parse_api_key, default=None, metavar="KEY", help=help_text)
+
+
+def add_api_access_options(parser: argparse.ArgumentParser | Any) -> None:
+    add_api_key_option(parser)
+    parser.add_argument(
+        "--cors-origin",
+        type=parse_cors_origin,
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (https://host[:port], or '*') call the API (repeatable)",
+    )
+
+
+def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
+    """``--api-listen`` with the access options beside it."""
+    _add_api_listen(parser)
+    add_api_access_options(parser)
+
+
+def api_access(args: argparse.Namespace) -> ApiAccess:
+    return ApiAccess(api_key=args.api_key, cors_origins=tuple(args.cors_origin or ()))
+
+
+def head_options(api_listen: ApiListen, access: ApiAccess | None = None) -> HeadOptions:
     """Where the API goes: the given address, or the loopback default (None); not for ``off``."""
     host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
-    return HeadOptions(api_host=host, api_port=port)
+    return HeadOptions(api_host=host, api_port=port, access=access or ApiAccess())
 
 
-__all__ = ["API_DISABLED", "ApiListen", "add_api_listen_option", "head_options", "parse_api_listen"]
+__all__ = [
+    "API_DISABLED",
+    "ApiListen",
+    "add_api_access_options",
+    "add_api_key_option",
+    "add_api_listen_option",
+    "api_access",
+    "head_options",
+    "parse_api_key",
+    "parse_api_listen",
+    "parse_cors_origin",
+]

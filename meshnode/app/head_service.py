@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from meshnode.api.auth import ApiAccess
 from meshnode.api.openai_api import start_api_server
 from meshnode.console.server import add_console_routes, mesh_source
 from meshnode.head.driver import DriverOptions, GenerationDriver, RouteEnvironment
@@ -55,6 +56,8 @@ class HeadOptions:
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
     driver: DriverOptions = field(default_factory=DriverOptions)
+    # Who may call the API (--api-key, --cors-origin).
+    access: ApiAccess = field(default_factory=ApiAccess)
 
 
 def api_url(host: str, port: int) -> str:
@@ -121,7 +124,7 @@ class HeadService:
 
         try:
             runner, port = await start_api_server(
-                backend, options.api_host, options.api_port, extra_routes=extra_routes
+                backend, options.api_host, options.api_port, extra_routes=extra_routes, access=options.access
             )
         except OSError as exc:
             tokenizer.close()

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshnode.app.api_options import head_options
+from meshnode.app.api_options import api_access, head_options
 from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.lease_options import lease_settings
@@ -100,7 +100,9 @@ async def start_head(
     if args.api_listen is False:
         return None
     try:
-        return await start_node_head(node, service, model_path, head_options(args.api_listen))
+        return await start_node_head(
+            node, service, model_path, head_options(args.api_listen, api_access(args))
+        )
     except HeadError as exc:
         if args.api_listen is not None:
             raise CliError(str(exc)) from None

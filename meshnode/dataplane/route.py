@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engines.interface import GREEDY, SamplingParams
+from engines.interface import GREEDY, MAX_PENALTY_LAST_N, SamplingParams
+from engines.sampling import with_history
 from meshnode.dataplane.errors import payload_corrupt, refusal
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.pb import shard
 
 MAX_ROUTE_HOPS = 64
+# OpenAI allows 300 biased tokens; a route carrying more is refused.
+MAX_LOGIT_BIASES = 1024
 NODE_ID_BYTES = 32
 BOUNDARY_DTYPES = (shard.DTYPE_FLOAT32, shard.DTYPE_BFLOAT16)
 ROUTE_COMPRESSIONS = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
@@ -63,18 +66,60 @@ def make_hop(
 
 def sampling_to_pb(params: SamplingParams) -> dataplane.SamplingParams:
     return dataplane.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repeat_penalty=params.repeat_penalty,
+        penalty_last_n=params.penalty_last_n,
+        logit_bias=[dataplane.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
+        recent_tokens=params.recent_tokens,
+        recent_tokens_end=params.recent_tokens_end,
     )
 
 
+def _finite(value: float, name: str) -> float:
+    if not math.isfinite(value):
+        raise payload_corrupt(f"sampling {name} must be finite")
+    return value
+
+
 def sampling_from_pb(message: dataplane.SamplingParams) -> SamplingParams:
+    """The tail's sampling parameters; PAYLOAD_CORRUPT for values no sampler can act on."""
     if not math.isfinite(message.temperature) or message.temperature < 0:
         raise payload_corrupt("sampling temperature must be finite and non-negative")
     if not math.isfinite(message.top_p) or not 0.0 <= message.top_p <= 1.0:
         raise payload_corrupt("sampling top_p must lie in [0, 1]")
-    top_p = message.top_p if message.top_p > 0 else 1.0
+    if not math.isfinite(message.min_p) or not 0.0 <= message.min_p <= 1.0:
+        raise payload_corrupt("sampling min_p must lie in [0, 1]")
+    if not math.isfinite(message.repeat_penalty) or message.repeat_penalty < 0:
+        raise payload_corrupt("sampling repeat_penalty must be finite and non-negative")
+    if message.penalty_last_n > MAX_PENALTY_LAST_N or len(message.recent_tokens) > message.penalty_last_n:
+        raise payload_corrupt(f"sampling penalty window over {MAX_PENALTY_LAST_N} tokens")
+    if len(message.recent_tokens) > message.recent_tokens_end:
+        raise payload_corrupt("sampling recent tokens reach before position 0")
+    if len(message.logit_bias) > MAX_LOGIT_BIASES:
+        raise payload_corrupt(f"more than {MAX_LOGIT_BIASES} logit biases")
+    # proto3 cannot tell unset from 0: a top_p of 0 is nucleus sampling off (the API sends
+    # a greedy request for top_p 0), a repeat_penalty of 0 is no penalty.
     return SamplingParams(
-        temperature=message.temperature, top_k=message.top_k, top_p=top_p, seed=message.seed
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p if message.top_p > 0 else 1.0,
+        seed=message.seed,
+        min_p=message.min_p,
+        presence_penalty=_finite(message.presence_penalty, "presence_penalty"),
+        frequency_penalty=_finite(message.frequency_penalty, "frequency_penalty"),
+        repeat_penalty=message.repeat_penalty if message.repeat_penalty > 0 else 1.0,
+        penalty_last_n=message.penalty_last_n,
+        logit_bias=tuple(
+            sorted((bias.token_id, _finite(bias.bias, "logit bias")) for bias in message.logit_bias)
+        ),
+        recent_tokens=tuple(message.recent_tokens),
+        recent_tokens_end=message.recent_tokens_end,
     )
 
 
@@ -119,6 +164,9 @@ def validate_route(route: dataplane.SessionRoute, *, end_layer: int, is_tail: bo
     if compression not in ROUTE_COMPRESSIONS:
         raise payload_corrupt("route compression must be NONE or ZSTD")
     sampling = sampling_from_pb(route.sampling)
+    if is_tail:
+        # The plan lives as long as the session and epoch it opened: so does the history.
+        sampling = with_history(sampling)
     next_hop: dataplane.RouteHop | None = None
     onward: dataplane.SessionRoute | None = None
     if hops:

@@ -70,8 +70,12 @@ def completion_request(
     return "/v1/completions", body
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def stream_completion(
-    base_url: str, path: str, body: dict[str, Any], *, timeout_s: float = 600.0
+    base_url: str, path: str, body: dict[str, Any], *, timeout_s: float = 600.0, api_key: str | None = None
 ) -> AsyncIterator[TextChunk | StreamSummary]:
     """Text as it arrives, then one :class:`StreamSummary`."""
     started = time.perf_counter()
@@ -84,7 +88,7 @@ async def stream_completion(
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(base_url.rstrip("/") + path, json=body) as response,
+            session.post(base_url.rstrip("/") + path, json=body, headers=auth_headers(api_key)) as response,
         ):
             if response.status != 200:
                 raise ApiError(await _error_text(response))
@@ -133,13 +137,13 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
         return f"{response.status}: {response.reason}"
 
 
-async def served_models(base_url: str, *, timeout_s: float = 5.0) -> list[str]:
+async def served_models(base_url: str, *, timeout_s: float = 5.0, api_key: str | None = None) -> list[str]:
     """The model ids ``/v1/models`` lists (those with a complete route right now)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
-            session.get(base_url.rstrip("/") + "/v1/models") as response,
+            session.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key)) as response,
         ):
             body = await response.json()
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

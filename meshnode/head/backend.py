@@ -84,3 +84,22 @@ class GenerationBackend(Protocol):
     ) -> AsyncIterator[int]:
         """Generated token ids, at most ``max_tokens``; raises :class:`GenerationFailed`."""
         ...
+
+
+@runtime_checkable
+class ReadinessReporting(Protocol):
+    """A backend that can say why it cannot answer now (optional: else ready = some model listed)."""
+
+    def not_ready_reason(self) -> str | None:
+        """None when a generation could start now; else a reason safe to show anyone."""
+        ...
+
+
+@runtime_checkable
+class ContextReporting(Protocol):
+    """A backend that knows a session's context for a model (optional: else max_tokens is not
+    checked against it before the generation starts)."""
+
+    def context_tokens(self, model: str) -> int | None:
+        """Raises :class:`UnknownModel`; None when not known now."""
+        ...

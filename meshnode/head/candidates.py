@@ -58,6 +58,7 @@ def shard_candidate(
         max_sessions=announcement.capacity.max_concurrent_sessions,
         accepting=announcement.load.serving_state in _ACCEPTING_STATES,
         numerics=served.numerics,
+        max_context_tokens=announcement.capacity.max_context_tokens,
     )
 
 

@@ -60,6 +60,8 @@ class ShardCandidate:
     accepting: bool = True
     # How the peer computes within the contract (ServedShard.numerics); recorded, not matched.
     numerics: str = ""
+    # Tokens one session's context holds there (Capacity.max_context_tokens); 0 when not said.
+    max_context_tokens: int = 0
 
     @property
     def load(self) -> float:

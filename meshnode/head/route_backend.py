@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engines.interface import SamplingParams
+from engines.sampling import with_prompt_history
 from meshnode.head.backend import GenerationFailed, PromptTokenizer, UnknownModel
 from meshnode.head.candidates import identities_for_artifact
 from meshnode.head.driver import GenerationDriver
@@ -48,7 +49,35 @@ class RouteBackend:
         identity = self._routable(local)
         if identity is None:
             raise GenerationFailed(self._why_not_routable(local))
+        # The tail's penalties count the prompt too; only the head knows it.
+        sampling = with_prompt_history(sampling, prompt_tokens)
         return self.driver.generate(identity, prompt_tokens, sampling, max_tokens)
+
+    def context_tokens(self, model: str) -> int | None:
+        """Tokens one session holds on the route a request for ``model`` would take now (its
+        smallest hop's context); None when no route is complete or no hop says."""
+        identity = self._routable(self._local(model))
+        if identity is None:
+            return None
+        candidates = self.driver.env.candidates()
+        route = plan_route(candidates, identity)
+        on_route = set(route.node_ids)
+        contexts = [
+            c.max_context_tokens
+            for c in candidates
+            if c.node_id in on_route and c.model == identity and c.max_context_tokens > 0
+        ]
+        return min(contexts) if contexts else None
+
+    def not_ready_reason(self) -> str | None:
+        """Why this node cannot answer a generation now (draining, no complete route), or None."""
+        if self.draining:
+            return "draining: this node is shutting down"
+        if not self.models:
+            return "this node holds no model to answer for"
+        if self.model_names():
+            return None
+        return "; ".join(self._why_not_routable(model) for model in self.models)
 
     def _local(self, requested: str) -> LocalModel:
         for model in self.models:
