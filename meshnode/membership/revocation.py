@@ -31,6 +31,9 @@ REVOCATION_TAG = b"meshnode/v1/revocation\0"
 MAX_REASON_CHARS = 200
 # A mesh removing more members than this has a bigger problem than a list: it should start anew.
 MAX_REVOCATIONS = 4096
+# Signature checks one batch (a gossip frame) may cost: a member flooding forged revocations gets
+# this many Ed25519 verifications per frame, not thousands; a genuine backlog arrives over a few frames.
+MAX_NEW_PER_BATCH = 64
 
 REVOKED = mesh.MESH_ERROR_REVOKED
 INVITE_REVOKED = mesh.MESH_ERROR_INVITE_REVOKED
@@ -152,11 +155,14 @@ class RevocationList:
         """Verify and keep the ones not held yet; a bad one is refused and counted, not raised
         (one forged entry must not hide the good ones beside it)."""
         new: list[Revoked] = []
-        refused = 0
+        refused = checked = 0
         for revocation in revocations:
             key = revocation.body + revocation.signature
             if key in self._seen:
                 continue
+            checked += 1
+            if checked > MAX_NEW_PER_BATCH:
+                break  # the rest come again on the sender's next frame
             try:
                 revoked = verify_revocation(revocation, mesh_id=self.mesh_id)
             except MeshRefusal:
@@ -207,6 +213,7 @@ def revocation_set(revocations: Iterable[membership.Revocation]) -> membership.R
 
 __all__ = [
     "INVITE_REVOKED",
+    "MAX_NEW_PER_BATCH",
     "MAX_REASON_CHARS",
     "MAX_REVOCATIONS",
     "REVOKED",

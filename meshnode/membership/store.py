@@ -88,6 +88,9 @@ class DataDir:
     def has_membership(self) -> bool:
         return (self.path / MEMBERSHIP_FILE).exists()
 
+    def has_mesh_key(self) -> bool:
+        return (self.path / MESH_KEY_FILE).exists()
+
     def load_membership(self, node_id: bytes) -> MembershipState:
         """The stored membership, checked: the certificate must be ours and match the mesh key."""
         try:

@@ -23,6 +23,8 @@ MAX_RELAYS = 8
 MAX_SUBPROTOCOLS = 16
 MAX_TEXT = 256
 MAX_NONCE = 32
+# Revocations one frame may carry: the most a node keeps (meshnode.membership.revocation).
+MAX_REVOCATIONS_PER_FRAME = 4096
 
 M = TypeVar("M", bound=Message)
 
@@ -98,6 +100,10 @@ def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes)
     check_sender(frame.sender_id, authenticated_peer_id, "GossipFrame.sender_id")
     if len(frame.entries) > MAX_PEERS_PER_FRAME:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_PEERS_PER_FRAME} peers in one frame")
+    if len(frame.revocations) > MAX_REVOCATIONS_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_REVOCATIONS_PER_FRAME} revocations in one frame"
+        )
 
 
 def validate_route_request(request: mesh.RouteTableRequest, authenticated_peer_id: bytes) -> None:

@@ -695,7 +695,10 @@ class Node:
         known += [e for e in self._known_peers if e.id not in seen and e.id != self.node_id]
         membership.known_peers = known
         try:
-            if self.data_dir.has_membership():
+            # A member promoted to admin writes the mesh key it was granted as well.
+            if self.data_dir.has_membership() and (
+                membership.mesh_key is None or self.data_dir.has_mesh_key()
+            ):
                 self.data_dir.save_peers(membership)
             else:
                 self.data_dir.save_membership(membership)

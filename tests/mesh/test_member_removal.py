@@ -5,7 +5,8 @@ timeout, its links (and so its sessions) are gone, the relay refuses its registr
 naming the reason; a copy of its data directory from before the removal cannot rejoin. An invite
 the admin withdrew is refused with its reason; a certificate that expired unrenewed is refused while
 renewed members stay; a plain member cannot invite (it holds no mesh key: the trust model gives it
-no signing power, see tests/mesh/test_member_revocation.py for the forged credentials).
+no signing power, see tests/mesh/test_member_revocation.py for the forged credentials) until an
+admin promotes it with `meshnode admin grant`.
 """
 
 from __future__ import annotations
@@ -253,6 +254,13 @@ def test_withdrawn_invites_and_unrenewed_certificates_are_refused_and_members_ca
         assert c_id in a.peers() and c.process.poll() is None
         counts = a.status()["membership"]["revoked_refusals"]
         assert counts["MESH_ERROR_INVITE_REVOKED"] >= 1 and counts["MESH_ERROR_CERTIFICATE_EXPIRED"] >= 1
+
+        # An admin makes C an admin: it receives the mesh key on its next gossip and can invite.
+        granted = cli(a, "admin", "grant", short_id(c_id))
+        assert granted.returncode == 0, granted.stderr
+        wait_until(lambda: (c.status() or {}).get("membership", {}).get("admin"), DEADLINE_S, "c is an admin")
+        assert (c.data_dir / "mesh_key").exists()
+        assert cli(c, "invite").returncode == 0
     finally:
         for node in (a, c, d, e):
             node.stop()

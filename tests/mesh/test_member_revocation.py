@@ -19,6 +19,7 @@ from meshnode.membership.credentials import (
     verify_membership_proof,
 )
 from meshnode.membership.revocation import (
+    MAX_NEW_PER_BATCH,
     REVOCATION_TAG,
     RevocationList,
     revoke_invite,
@@ -188,6 +189,19 @@ def test_a_revocation_verifies_only_for_its_mesh_and_untampered(mesh_key):
     learned = known.learn([tampered, revocation, revocation])
     assert learned.refused == 1 and [r.target for r in learned.new] == [member.node_id]
     assert known.learn([revocation]).new == []  # held already: nothing new, nothing re-verified
+
+
+def test_a_flood_of_forged_revocations_costs_a_bounded_number_of_checks_per_frame(mesh_key):
+    admin, member = NodeIdentity.generate(), NodeIdentity.generate()
+    genuine = revoke_node(mesh_key, node_id=member.node_id, reason="", issuer_id=admin.node_id, unix_now=NOW)
+    forged = [
+        membership.Revocation(body=genuine.body, signature=bytes([n % 256, n // 256]) + bytes(62))
+        for n in range(2 * MAX_NEW_PER_BATCH)
+    ]
+    known = RevocationList(mesh_key.mesh_id)
+    flooded = known.learn([*forged, genuine])
+    assert flooded.refused == MAX_NEW_PER_BATCH and flooded.new == []
+    assert known.learn([genuine]).new[0].target == member.node_id  # the next frame gets it through
 
 
 # -- removal ------------------------------------------------------------------------------------
