@@ -20,6 +20,7 @@ import llama_cpp
 import numpy as np
 
 from engines.cache import cache_root
+from engines.file_progress import FileProgress
 from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from engines.gguf_info import ModelInfo, model_info
 from engines.interface import (
@@ -126,8 +127,12 @@ class LlamaShardEngine(SessionedEngine):
 
         self._request, self._gguf, self._info = request, gguf, info
         self._cache_dir = Path(request.cache_dir) if request.cache_dir else cache_root()
-        # The model fingerprint: the root of its per-tensor manifest (engines.model_manifest).
-        self._source_digest = request.model_fingerprint or cached_manifest(path, self._cache_dir).root
+        # The model fingerprint: the root of its per-tensor manifest (engines.model_manifest). The
+        # first start hashes every tensor, minutes for a large model, so it shows its progress.
+        self._source_digest = request.model_fingerprint
+        if not self._source_digest:
+            with FileProgress(f"hashing {path.name}", sum(t.nbytes for t in gguf.tensors)) as progress:
+                self._source_digest = cached_manifest(path, self._cache_dir, progress=progress).root
         self._layer_start, self._layer_end = request.layer_start, layer_end
         self._main = self._build_runtime(request.layer_start)
         self._refresh_budget()

@@ -1,0 +1,99 @@
+"""Progress while a model file is hashed on first start (engines/file_progress.py)."""
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+
+from engines.file_progress import FileProgress
+from engines.gguf_file import read_gguf
+from engines.interface import LoadRequest
+from engines.llama_engine import LlamaShardEngine
+from engines.model_manifest import cached_manifest
+from engines.tiny_model import ensure_tiny_model
+
+MIB = 1 << 20
+LOGGER = "engines.progress"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def progress_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+def test_off_a_terminal_it_logs_a_line_every_few_seconds(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock, stream = Clock(), io.StringIO()
+    with FileProgress("hashing m.gguf", 40 * MIB, stream=stream, clock=clock, log_interval_s=5.0) as progress:
+        for _ in range(8):  # a 4 MiB block a second
+            progress(4 * MIB)
+            clock.now += 1.0
+    lines = progress_lines(caplog)
+    assert lines[0] == "hashing m.gguf: 40.0 MiB to read"
+    # Five seconds after the first block: six blocks read, 16 MiB left at 4.8 MiB/s.
+    assert lines[1] == "hashing m.gguf: 24.0/40.0 MiB 60.0% 4.8 MiB/s ETA 3 s"
+    assert lines[-1] == "hashing m.gguf: 32.0 MiB in 8.0 s"
+    assert len(lines) == 3
+    assert stream.getvalue() == ""  # no bar in a log
+
+
+def test_on_a_terminal_it_draws_a_bar_and_logs_nothing(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    terminal = Terminal()
+    with FileProgress("hashing m.gguf", 4 * MIB, stream=terminal) as progress:
+        for _ in range(4):
+            progress(MIB)
+    drawn = terminal.getvalue()
+    assert "hashing m.gguf" in drawn and "100%" in drawn
+    assert progress_lines(caplog) == []
+
+
+def test_nothing_is_shown_when_nothing_is_read(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    terminal = Terminal()
+    with FileProgress("hashing m.gguf", 4 * MIB, stream=terminal):
+        pass
+    assert terminal.getvalue() == "" and progress_lines(caplog) == []
+
+
+def test_the_first_manifest_shows_every_tensor_byte_and_a_remembered_one_shows_nothing(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = ensure_tiny_model()
+    tensor_bytes = sum(t.nbytes for t in read_gguf(model).tensors)
+    first = FileProgress("hashing tiny", tensor_bytes, stream=io.StringIO())
+    with first:
+        cached_manifest(model, tmp_path, progress=first)
+    assert first.done_bytes == tensor_bytes
+    again = FileProgress("hashing tiny", tensor_bytes, stream=io.StringIO())
+    with again:
+        cached_manifest(model, tmp_path, progress=again)
+    assert again.done_bytes == 0
+    assert progress_lines(caplog)[0] == f"hashing tiny: {tensor_bytes / MIB:.1f} MiB to read"
+
+
+def test_the_engine_reports_hashing_on_its_first_load(tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = ensure_tiny_model()
+    for _ in range(2):
+        engine = LlamaShardEngine()
+        engine.load(
+            LoadRequest(str(model), 0, 2, n_ctx=256, n_seq_max=1, n_threads=1, cache_dir=str(tmp_path))
+        )
+        engine.close()
+    lines = progress_lines(caplog)
+    assert lines[0].startswith(f"hashing {model.name}: ") and lines[0].endswith(" MiB to read")
+    assert lines[-1].startswith(f"hashing {model.name}: ") and " MiB in " in lines[-1]
+    assert len([line for line in lines if line.endswith("to read")]) == 1  # the second load remembered it
