@@ -37,30 +37,31 @@ _NO_ABORT = llama_cpp.ggml_abort_callback()
 # llama_lib's, which stays the one that routes llama.cpp's logs to ``logging``. Reports are
 # taken one at a time so that each gets only its own runtime's lines.
 _report_lock = threading.Lock()
-_active_reports: list[BufferReport] = []
+_active_report: BufferReport | None = None
 _tap_installed = False
 
 
 @llama_cpp.llama_log_callback
 def _buffer_log_tap(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    if _active_reports and text:
-        _active_reports[0].note(text.decode("utf-8", "replace"))
+    report = _active_report
+    if report is not None and text:
+        report.note(text.decode("utf-8", "replace"))
     llama_lib._forward_log(level, text, user_data)
 
 
 @contextlib.contextmanager
 def _reporting_buffers(report: BufferReport) -> Iterator[None]:
     """Count into ``report`` the buffers llama.cpp allocates meanwhile."""
-    global _tap_installed
+    global _active_report, _tap_installed
     with _report_lock:
         if not _tap_installed:
             llama_cpp.llama_log_set(_buffer_log_tap, None)
             _tap_installed = True
-        _active_reports.append(report)
+        _active_report = report
         try:
             yield
         finally:
-            _active_reports.clear()
+            _active_report = None
 
 
 @dataclass(frozen=True, slots=True)
