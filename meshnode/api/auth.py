@@ -1,11 +1,12 @@
 """Who may call the API: a bearer key (``--api-key``) and the browser origins CORS lets in.
 
-With a key set, every ``/v1`` route and ``/metrics`` need ``Authorization:
-Bearer KEY``; anything else is a 401 with OpenAI's error object (code
-``invalid_api_key``), as OpenAI answers a missing or wrong key. Liveness and
-readiness (``/livez``, ``/health``) stay open: orchestrators probe them without
-credentials, and they reveal nothing but up or down. The key is compared in
-constant time and never logged or echoed.
+With a key set, every ``/v1`` route, ``/metrics`` and the node's own JSON views
+(``/meshnode/...``: the mesh, generation stats) need ``Authorization: Bearer KEY``;
+anything else is a 401 with OpenAI's error object (code ``invalid_api_key``), as OpenAI
+answers a missing or wrong key. Liveness and readiness (``/livez``, ``/health``) stay
+open: orchestrators probe them without credentials, and they reveal nothing but up or
+down; so do the console's static files, which hold no data (the page sends the key it
+is given). The key is compared in constant time and never logged or echoed.
 
 CORS (``--cors-origin``, repeatable, ``*`` for any): a preflight ``OPTIONS``
 from an allowed origin is answered here, before authentication (browsers send
@@ -24,7 +25,7 @@ from aiohttp import web
 from meshnode.api.errors import INVALID_REQUEST, Handler, error_response
 
 # Paths that need the key when one is set.
-PROTECTED_PREFIXES = ("/v1/", "/metrics")
+PROTECTED_PREFIXES = ("/v1/", "/meshnode/")
 ANY_ORIGIN = "*"
 CORS_ALLOWED_METHODS = "GET, POST, OPTIONS"
 CORS_ALLOWED_HEADERS = "Authorization, Content-Type"

@@ -131,8 +131,12 @@ class HeadService:
             where = format_host_port(options.api_host, options.api_port)
             raise HeadError(f"cannot serve the API on {where}: {exc.strerror or exc}") from None
         url = api_url(options.api_host, port)
-        exposed = "" if options.api_host in ("127.0.0.1", "::1", "localhost") else " (all interfaces)"
-        log.info("OpenAI-compatible API on %s/v1%s, model %s", url, exposed, model.name)
+        loopback = options.api_host in ("127.0.0.1", "::1", "localhost")
+        exposed = "" if loopback else " (all interfaces)"
+        keyed = ", API key required" if options.access.api_key else ""
+        log.info("OpenAI-compatible API on %s/v1%s, model %s%s", url, exposed, model.name, keyed)
+        if not loopback and not options.access.api_key:
+            log.warning("the API is reachable from other machines without a key: set --api-key")
         return cls(driver, runner, url, tokenizer, local, backend)
 
     async def drain(self, poll_s: float = 0.05) -> None:

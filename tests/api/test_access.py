@@ -21,6 +21,7 @@ def metrics_route(app: web.Application) -> None:
         return web.Response(text="meshnode_up 1\n")
 
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/meshnode/mesh", metrics)
 
 
 @pytest.fixture
@@ -52,10 +53,11 @@ async def request(method: str, url: str, **kwargs) -> tuple[int, dict, dict[str,
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
         ("GET", "/metrics"),
+        ("GET", "/meshnode/mesh"),
     ],
 )
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {KEY}", KEY])
-async def test_every_v1_route_and_metrics_need_the_key(serve, method, path, authorization):
+async def test_every_v1_route_metrics_and_node_views_need_the_key(serve, method, path, authorization):
     base = await serve(ApiAccess(api_key=KEY))
     headers = {"Authorization": authorization} if authorization else {}
     status, body, response_headers = await request(method, base + path, json={"prompt": "x"}, headers=headers)

@@ -109,6 +109,7 @@ def test_without_the_key_every_v1_call_is_a_401(node):
         assert refused.value.code == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
+    assert "API key required" in node[1].read_text()
     with pytest.raises(urllib.error.HTTPError) as metrics:
         urllib.request.urlopen(f"{node[0]}/metrics", timeout=10)
     assert metrics.value.code == 401
