@@ -663,9 +663,26 @@ class ShardSession:
 
     async def _serve_answers(self, answers: DirectAnswers) -> None:
         """Open the answer stream to the tail and hand its direct answers to the client until it
-        ends. Not re-opened: without it the tail answers along the route, as before."""
-        framed: FramedStream | None = None
+        ends. A stream that fails before the tail accepted it is tried again (up to
+        ``max_reconnects`` times, backing off: the tail may not yet admit this node); one that
+        was accepted and then lost is not re-opened: the tail answers along the route again."""
         reason = "the tail ended the answer stream"
+        for attempt in range(self.options.max_reconnects + 1):
+            if attempt:
+                await asyncio.sleep(self.options.reconnect_backoff_s * attempt)
+            reason = await self._one_answer_stream(answers)
+            if self._closed or self._answers_ready.done():
+                break
+        if not self._answers_ready.done():
+            self._answers_ready.set_result(False)
+        if not self._closed:
+            log.debug("session %s: no direct answers any more: %s", self.route_session_id, reason)
+            self.client.answers_lost()
+            self._after()
+
+    async def _one_answer_stream(self, answers: DirectAnswers) -> str:
+        """Serve one answer stream until it ends; returns why it ended."""
+        framed: FramedStream | None = None
         try:
             source = answers.links
             link = source if isinstance(source, PeerLink) else await source()
@@ -683,20 +700,21 @@ class ShardSession:
                         self._answers_ready.set_result(True)
                 self._after()
             decoder.end_of_stream()
+            return "the tail ended the answer stream"
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            reason = str(exc) or type(exc).__name__
+        except ShardProtocolError as exc:
+            # The tail refused (or broke the protocol): asking again would get the same answer.
             _reset_quietly(framed)
+            if not self._answers_ready.done():
+                self._answers_ready.set_result(False)
+            return str(exc)
+        except Exception as exc:
+            _reset_quietly(framed)
+            return str(exc) or type(exc).__name__
         finally:
             if self._answer_stream is framed:
                 self._answer_stream = None
-            if not self._answers_ready.done():
-                self._answers_ready.set_result(False)
-        if not self._closed:
-            log.debug("session %s: no direct answers any more: %s", self.route_session_id, reason)
-            self.client.answers_lost()
-            self._after()
 
 
 class _Opening:

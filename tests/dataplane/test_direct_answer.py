@@ -361,3 +361,29 @@ async def test_the_direct_answer_survives_a_killed_middle_hop_with_identical_tok
             s.server.load().active_sessions == 0 for s in routes.shards.values() if s.node_id not in killed
         )
     )
+
+
+async def test_a_refused_answer_stream_leaves_the_tokens_coming_along_the_route(routes):
+    from meshnode.dataplane.route import make_hop as hop
+    from meshnode.dataplane.session_link import DirectAnswers, ShardSession
+
+    middle, tail = routes.shards[MIDDLE], routes.shards[TAIL]
+    fingerprint = routes.shards[DRIVER_INDEX].server.worker.fingerprint
+    # Asked of the middle hop, which is no tail: it refuses, and is not asked again.
+    answers = DirectAnswers(links=lambda: routes.link(middle.node_id), tail_range=srange(2, 3))
+    async with ShardSession.open(
+        lambda: routes.link(routes.me.node_id),
+        fingerprint=fingerprint,
+        shard_range=srange(0, 2),
+        downstream=[hop(middle.node_id, 2, 3, 2), hop(tail.node_id, 3, 4, 3)],
+        answers=answers,
+    ) as session:
+        assert not await session.answers_ready()
+        tokens = [(await session.prefill(PROMPT)).token]
+        for position in range(len(PROMPT), len(PROMPT) + 4):
+            output = await session.decode(tokens[-1], position=position)
+            assert not output.done.answered_directly
+            tokens.append(output.token)
+    assert tokens == whole_model(PROMPT, 5)
+    assert direct_answers(routes, TAIL) == 0
+    assert middle.server.errors_sent[shard.ERROR_CODE_SHARD_RANGE_MISMATCH] == 1

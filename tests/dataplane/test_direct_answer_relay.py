@@ -56,6 +56,9 @@ async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_pa
         await client.start()
         await client.join()
 
+        # The client reaches the tail once it knows it: membership first, then the answer stream.
+        await eventually(lambda: any(e.peer_id == tail.node_id for e in client.peers()), 10)
+        await client.get_link(tail.node_id)
         answers = DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(2, LAYERS))
         async with ShardSession.open(
             lambda: client.get_link(head.node_id),
