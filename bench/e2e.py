@@ -28,6 +28,12 @@ the first over the time after the first. Configurations alternate, one generatio
 per round, so load drifting on a shared machine hits them alike; figures are medians
 over the rounds, ratios are against (a) from the same rounds.
 
+The answer's way back (``--no-answer-paths`` skips it): on (d) and every (d+N ms), the bench
+process joins the mesh as a client node and decodes through one chained session A -> B -> C,
+alternately with the tail's token relayed back through every stage (C -> B -> A -> client,
+the way before issue 20) and with the tail answering the client directly on an answer stream
+(C -> client); it prints both median decode round trips from the same processes and rounds.
+
 Where the time goes (on the three-node mesh; ``--no-breakdown`` skips it): the bench process joins
 the mesh with an invite as a client node and drives each hop on its own — a session
 to A with the prompt's tokens, to B with A's hidden states, to C with B's — then
@@ -81,6 +87,8 @@ TARGETS = {"c": 0.85, "d": 0.80, "c1": 0.85, "d1": 0.80}
 
 # Configurations run behind delay proxies: key -> added one-way delay in ms (from --delay-ms).
 DELAYS_MS: dict[str, float] = {}
+# Filled by bench(): per three-node configuration, the answer's way back (--answer-paths).
+ANSWER_PATHS: dict[str, AnswerPaths] = {}
 
 
 def delayed_key(delay_ms: float) -> str:
@@ -251,6 +259,7 @@ async def bench(
     runs: dict[str, list[Run]] = {key: [] for key in ["a", *keys]}
     meshes: dict[str, LocalMesh] = {}
     hops: tuple[list[HopTiming], float] = ([], 0.0)
+    paths = ANSWER_PATHS
     apis: dict[str, str] = {}
     mono = Monolithic(model, args.threads, args.repack)
     with contextlib.ExitStack() as stack:
@@ -279,6 +288,11 @@ async def bench(
                 print(f"  round {round_index + 1}: tok/s {line}", file=sys.stderr, flush=True)
             if args.breakdown and "d" in meshes:
                 hops = await hop_breakdown(meshes["d"], THREE, prompt, args.tokens)
+            if args.answer_paths:
+                for key in ("d", *DELAYS_MS):
+                    if key in meshes:
+                        print(f"  the answer's way back on {CONFIGS[key][0]}", file=sys.stderr, flush=True)
+                        paths[key] = await answer_paths(meshes[key], THREE, prompt, args.tokens, args.rounds)
         finally:
             for mesh in meshes.values():
                 await asyncio.to_thread(mesh.stop_all)
@@ -387,6 +401,96 @@ async def hop_breakdown(
         await node.shutdown()
 
 
+# ---------------------------------------------------------------------------- the answer's way back
+
+
+@dataclass(frozen=True)
+class AnswerPaths:
+    """Median decode round trip of one chained session, the token relayed back through every stage
+    against the tail answering directly, measured alternately on the same mesh."""
+
+    relayed_ms: float
+    direct_ms: float
+
+
+async def answer_paths(
+    mesh: LocalMesh, layout: Layout, prompt: list[int], steps: int, rounds: int
+) -> AnswerPaths:
+    """From a client node of ``mesh``: one chained session through every hop, decoding ``steps``
+    tokens, with the tail's token relayed back (the way before issue 20) and with the tail answering
+    directly on an answer stream, alternating ``rounds`` times."""
+    from engines.interface import GREEDY
+    from meshnode.dataplane.route import make_hop
+    from meshnode.dataplane.session_link import DirectAnswers, ShardSession
+    from meshnode.identity import NodeIdentity
+    from meshnode.membership.credentials import decode_invite_token
+    from meshnode.membership.store import DataDir
+    from meshnode.node import Node, NodeConfig
+
+    node = Node(
+        NodeIdentity.generate(),
+        DataDir(mesh.work_dir / f"answer-client-{time.monotonic_ns()}"),
+        NodeConfig(listen="127.0.0.1:0", heartbeat_interval=1.0),
+        invite=decode_invite_token(mesh.invite("n0")),
+    )
+    await node.start()
+    try:
+        await node.join()
+        names = [f"n{i}" for i in range(len(layout))]
+        ids = {}
+        for name in names:
+            status = mesh.child(name).status()
+            assert status is not None
+            ids[name] = bytes.fromhex(status["node"]["id"])
+        fingerprint = None
+        while fingerprint is None:
+            for entry in node.peers():
+                if entry.peer_id == ids["n0"] and entry.announcement.HasField("serving"):
+                    fingerprint = entry.announcement.serving.fingerprint
+            await asyncio.sleep(0.1)
+        ranges = [layers for layers, _ in layout]
+        first, last = ranges[0], ranges[-1]
+        assert first is not None and last is not None
+        trips: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for direct in (False, True):
+                answers = None
+                if direct:
+                    tail_id = ids[names[-1]]
+                    answers = DirectAnswers(
+                        links=lambda tail_id=tail_id: node.get_link(tail_id),  # type: ignore[misc]
+                        tail_range=shard.ShardRange(
+                            start_layer=last[0], end_layer=last[1], effective_start_layer=last[0]
+                        ),
+                    )
+                session = await ShardSession.open(
+                    await node.get_link(ids[names[0]]),
+                    fingerprint=fingerprint,
+                    shard_range=shard.ShardRange(
+                        start_layer=first[0], end_layer=first[1], effective_start_layer=0
+                    ),
+                    downstream=[
+                        make_hop(ids[name], layers[0], layers[1], layers[0])  # type: ignore[index]
+                        for name, layers in zip(names[1:], ranges[1:], strict=True)
+                    ],
+                    sampling=GREEDY,
+                    answers=answers,
+                )
+                if direct and not await session.answers_ready():
+                    raise RuntimeError("the tail refused the answer stream")
+                token = (await session.prefill(prompt)).token
+                for step in range(steps):
+                    started = time.perf_counter()
+                    output = await session.decode(token, position=len(prompt) + step)  # type: ignore[arg-type]
+                    trips[direct].append(time.perf_counter() - started)
+                    assert output.done.answered_directly == direct
+                    token = output.token
+                await session.aclose()
+        return AnswerPaths(statistics.median(trips[False]) * 1000, statistics.median(trips[True]) * 1000)
+    finally:
+        await node.shutdown()
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -435,6 +539,13 @@ def main() -> None:
         + ")",
     )
     parser.add_argument(
+        "--answer-paths",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on each three-node mesh, a chained session's decode round trip with the token relayed "
+        "back through every stage against the tail answering directly (default on)",
+    )
+    parser.add_argument(
         "--delay-ms",
         type=float,
         action="append",
@@ -468,6 +579,14 @@ def main() -> None:
         print(f"{label:<34} {run.decode_tps:>12.1f} {ratio:>6.3f}x {1000 / run.decode_tps:>9.2f} {extra:>+10.2f} "
               f"{run.ttft_s:>8.3f} {run.ttft_s / base.ttft_s:>6.3f}x{target}")  # fmt: skip
 
+    if ANSWER_PATHS:
+        print()
+        print("the answer's way back: one chained session from a client node, decode round trip (medians, "
+              "alternating rounds)")  # fmt: skip
+        print(f"{'configuration':<34} {'relayed ms':>11} {'direct ms':>10} {'saved ms':>9}")
+        for key, path in ANSWER_PATHS.items():
+            print(f"{CONFIGS[key][0]:<34} {path.relayed_ms:>11.2f} {path.direct_ms:>10.2f} "
+                  f"{path.relayed_ms - path.direct_ms:>9.2f}")  # fmt: skip
     if hops:
         print()
         print("where a decode step goes, three nodes, each hop driven alone from a client node (medians):")
