@@ -1,6 +1,6 @@
 """Transfer benchmark: a slice's tensors over ARTIFACT streams against raw aioquic bulk, one run.
 
-    python bench/transfer.py [--layers 6:12] [--rounds 3] [--decode-tokens 48] [--threads 2]
+    python bench/transfer.py [--layers 6:12] [--rounds 3] [--decode-rounds 10] [--decode-tokens 24] [--threads 2]
 
 Measured in one run, servers in child processes and the fetcher in this one:
 
@@ -271,7 +271,7 @@ async def measure(args: argparse.Namespace) -> None:
                 # decode have the CPU before the fetching process does.
                 os.nice(args.fetcher_nice)
             idle, busy, uploaded, idle_cpu, busy_cpu = [], [], [], [], []
-            for _ in range(args.rounds):
+            for _ in range(args.decode_rounds):
                 answer = await decoder.ask(str(args.decode_tokens))
                 idle.append(answer["ms_per_token"])
                 idle_cpu.append(answer["loop_cpu"])
@@ -350,7 +350,8 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--layers", default="6:12")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--decode-tokens", type=int, default=24)
+    parser.add_argument("--decode-rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--invite")
     parser.add_argument("--rate", type=float, default=None, help="upload bytes/s (0: unlimited)")
