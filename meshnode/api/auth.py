@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from meshnode.api.errors import INVALID_REQUEST, Handler, error_response
+from meshnode.api.errors import INVALID_REQUEST, Handler, Middleware, error_response
 
 # Paths that need the key when one is set.
 PROTECTED_PREFIXES = ("/v1/", "/meshnode/")
@@ -86,7 +86,7 @@ def _is_preflight(request: web.Request) -> bool:
     )
 
 
-def access_middleware(access: ApiAccess) -> web.middleware:  # type: ignore[valid-type]
+def access_middleware(access: ApiAccess) -> Middleware:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if _is_preflight(request):

@@ -23,6 +23,8 @@ SERVER_ERROR = "server_error"
 SERVICE_UNAVAILABLE = "service_unavailable"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+ErrorBody = dict[str, dict[str, str | None]]
 
 
 class ApiError(Exception):
@@ -52,7 +54,9 @@ class ApiError(Exception):
         )
 
 
-def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> ErrorBody:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 

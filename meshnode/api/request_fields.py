@@ -23,6 +23,7 @@ from typing import Any
 
 from engines.interface import DEFAULT_PENALTY_LAST_N, MAX_PENALTY_LAST_N, SamplingParams
 from meshnode.api.errors import ApiError
+from meshnode.dataplane.route import MAX_LOGIT_BIASES
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -211,6 +212,9 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(raw, dict):
         raise ApiError("'logit_bias' must map token ids to biases", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIASES:
+        # The biases travel to the tail in the route, which refuses more.
+        raise ApiError(f"'logit_bias' may bias at most {MAX_LOGIT_BIASES} tokens", "logit_bias")
     biases: dict[int, float] = {}
     for key, value in raw.items():
         try:

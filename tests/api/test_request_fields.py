@@ -198,6 +198,17 @@ async def test_sampling_fields_reach_the_backend(serve):
     )
 
 
+async def test_more_logit_biases_than_a_route_carries_are_refused(serve):
+    backend = ScriptedBackend()  # no vocabulary to check ids against: only the count can refuse
+    base = await serve(backend)
+    body = {"model": "tiny", "prompt": "x", "logit_bias": {str(t): 1 for t in range(1025)}}
+    status, answer, _ = await call("POST", f"{base}/v1/completions", json=body)
+    assert status == 400 and answer["error"]["param"] == "logit_bias"
+    assert "1024" in answer["error"]["message"]
+    body["logit_bias"] = {str(t): 1 for t in range(1024)}
+    assert (await call("POST", f"{base}/v1/completions", json=body))[0] == 200
+
+
 async def test_top_p_zero_is_greedy(serve):
     backend = ContextBackend()
     base = await serve(backend)
