@@ -40,7 +40,7 @@ from meshnode.artifacts.protocol import (
     verified_manifest,
 )
 from meshnode.artifacts.schedule import FetchPlan, Quarantine
-from meshnode.artifacts.store import PartialModel, TensorDigestMismatch
+from meshnode.artifacts.store import PartialModel, StoreError, TensorDigestMismatch
 from meshnode.identity import short_id
 from meshnode.transport.base import PeerLink
 from meshnode.transport.request_reply import REQUEST_FAILURES
@@ -273,7 +273,10 @@ class _TensorFetch:
         writer = self.partial.writer(tensor.name)
 
         def sink(data: bytes) -> None:
-            writer.write(data)
+            try:
+                writer.write(data)
+            except OSError as error:  # our disk, not the source's fault: ends the whole fetch
+                raise StoreError(f"cannot write {tensor.name!r}: {error}") from error
             if self.progress is not None:
                 self.progress.advance(len(data), time.monotonic_ns())
 
@@ -281,7 +284,10 @@ class _TensorFetch:
             # Asked per tensor: the node keeps one link per peer and redials one that dropped.
             link = await self.open_link(source)
             await _fetch_item(link, self.root, index, tensor.nbytes, sink, self.received)
-            await asyncio.to_thread(writer.commit)
+            try:
+                await asyncio.to_thread(writer.commit)
+            except OSError as error:
+                raise StoreError(f"cannot journal {tensor.name!r}: {error}") from error
         except (TensorDigestMismatch, BadReply) as error:
             self._rewind(writer.written)
             self.plan.give_back(index)
@@ -330,8 +336,12 @@ async def fetch_tensors(
 ) -> FetchReport:
     """Fetch and verify every tensor of ``names`` that ``partial`` does not hold yet.
 
-    Raises :class:`TransferError` naming the tensors no source could provide (those
-    fetched before that stay journaled, so a retry resumes).
+    ``progress`` is advanced as bytes arrive (show it with
+    :class:`~meshnode.artifacts.progress.ProgressDisplay`); ``quarantine`` may be shared
+    between fetches so a liar stays out. Raises :class:`TransferError` naming the tensors no
+    source could provide (those fetched before that stay journaled, so a retry resumes),
+    :class:`~meshnode.artifacts.store.StoreError` when the local disk fails, and ``KeyError``
+    for a name not in the model.
     """
     names = tuple(dict.fromkeys(names))
     missing = partial.missing(names)
@@ -348,11 +358,18 @@ async def fetch_tensors(
         held = await asyncio.gather(*(run.holdings_of(source) for source in sources))
         holders = {s: h for s, h in zip(sources, held, strict=True) if h is not None}
         run.plan = FetchPlan((partial.index_of(n) for n in missing), holders)
-        workers = []
+        workers: list[asyncio.Task[None]] = []
         for source in holders:
             run.workers[source] = in_flight_per_source
-            workers += [run.worker(source) for _ in range(in_flight_per_source)]
-        await asyncio.gather(*workers)
+            workers += [asyncio.create_task(run.worker(source)) for _ in range(in_flight_per_source)]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            # A local failure (StoreError) or our cancellation: no worker outlives the fetch.
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
     if progress is not None:
         progress.finish()
     report = FetchReport(

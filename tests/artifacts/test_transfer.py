@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 
 import pytest
 
@@ -22,7 +23,7 @@ from meshnode.artifacts.protocol import (
     parse_reply,
 )
 from meshnode.artifacts.schedule import Quarantine
-from meshnode.artifacts.store import ArtifactStore
+from meshnode.artifacts.store import ArtifactStore, StoreError
 from meshnode.artifacts.upload_limit import UploadLimiter
 from meshnode.wire.framing import StreamType
 
@@ -141,6 +142,33 @@ async def test_a_source_that_disconnects_mid_tensor_is_dropped_and_another_finis
         await holding.shutdown
         assert leaving.id in report.failed_sources and report.quarantined == {}
         assert set(report.fetched) == set(wanted)
+
+
+async def test_a_local_disk_failure_ends_the_fetch_and_blames_no_source(
+    tmp_path, monkeypatch, tiny_model, tiny_manifest, tiny_metadata
+):
+    async with mesh_of(tmp_path, 2) as (holder, joiner):
+        source = serve(holder, FullModel(tiny_model))
+        with ArtifactStore(tmp_path / "store").open(tiny_manifest, tiny_metadata) as partial:
+            real_writer = partial.writer
+
+            def full_disk(name: str):
+                writer = real_writer(name)
+
+                def write(data: bytes) -> None:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                writer.write = write  # type: ignore[method-assign]
+                return writer
+
+            monkeypatch.setattr(partial, "writer", full_disk)
+            quarantine = Quarantine()
+            with pytest.raises(StoreError, match="No space left"):
+                await fetch_tensors(
+                    joiner.get_link, partial, head_range(tiny_manifest, 1), [source.id], quarantine=quarantine
+                )
+            assert source.id not in quarantine
+            assert partial.verified == frozenset()
 
 
 async def test_when_no_source_holds_a_tensor_the_error_names_it(
