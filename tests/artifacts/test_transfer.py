@@ -8,6 +8,7 @@ import errno
 import pytest
 
 from engines.gguf_file import read_gguf
+from engines.tiny_model import TINY_N_LAYERS
 from meshnode.artifacts.fetcher import TransferError, fetch_manifest, fetch_tensors
 from meshnode.artifacts.holdings import FullModel, PartialHolding
 from meshnode.artifacts.progress import TransferProgress
@@ -22,6 +23,7 @@ from meshnode.artifacts.protocol import (
     encode_manifest_query,
     parse_reply,
 )
+from meshnode.artifacts.ranges import range_tensor_names
 from meshnode.artifacts.schedule import Quarantine
 from meshnode.artifacts.store import ArtifactStore, StoreError
 from meshnode.artifacts.upload_limit import UploadLimiter
@@ -35,8 +37,7 @@ OVERHEAD_BYTES = 64 * 1024
 
 def head_range(manifest, layers: int) -> list[str]:
     """What a first-range shard of ``layers`` layers needs: the embedding and its layers."""
-    prefixes = ("token_embd.", *(f"blk.{i}." for i in range(layers)))
-    return [t.name for t in manifest.tensors if t.name.startswith(prefixes)]
+    return range_tensor_names(manifest, 0, layers, TINY_N_LAYERS)
 
 
 def nbytes(manifest, names) -> int:
