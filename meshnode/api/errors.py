@@ -98,6 +98,20 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request) -> web.Re
     return error_response(exc.status, message, error_type, code=code, headers=headers)
 
 
+# Set on a request once its answer's headers are sent (see track_started_answers).
+_ANSWER_STARTED = web.RequestKey("meshnode.answer_started", bool)
+
+
+def track_started_answers(app: web.Application) -> None:
+    """Remember which requests' answers have begun: an error after that cannot get a status of
+    its own (a stream says it in the stream), and a second answer would corrupt the first."""
+
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        request[_ANSWER_STARTED] = True
+
+    app.on_response_prepare.append(on_prepare)
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error status as OpenAI's JSON object: ApiError, aiohttp's HTTP errors, and bugs (500)."""
@@ -109,7 +123,11 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if exc.status < 400:
             raise  # redirects and 2xx raised as exceptions pass through unchanged
         return _from_http_exception(exc, request)
+    except ConnectionError:
+        raise  # the client went away mid-answer: nothing to answer, and not a bug
     except Exception:
+        if request.get(_ANSWER_STARTED):
+            raise  # aiohttp logs it and closes the connection
         # A bug must still answer JSON; the traceback goes to the log, not to the client.
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, "the server failed to answer the request", SERVER_ERROR)
@@ -124,4 +142,5 @@ __all__ = [
     "error_body",
     "error_response",
     "openai_errors",
+    "track_started_answers",
 ]

@@ -33,7 +33,14 @@ from typing import Any
 from aiohttp import web
 
 from meshnode.api.auth import ApiAccess, access_middleware, add_cors_on_prepare
-from meshnode.api.errors import RATE_LIMIT, SERVICE_UNAVAILABLE, ApiError, error_body, openai_errors
+from meshnode.api.errors import (
+    RATE_LIMIT,
+    SERVICE_UNAVAILABLE,
+    ApiError,
+    error_body,
+    openai_errors,
+    track_started_answers,
+)
 from meshnode.api.request_fields import ParsedRequest, check_against_model, parse_request
 from meshnode.head.backend import (
     ContextLengthExceeded,
@@ -79,6 +86,7 @@ class OpenAIApi:
             client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors, access_middleware(access)]
         )
         add_cors_on_prepare(self.app, access)
+        track_started_answers(self.app)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)

@@ -346,3 +346,25 @@ async def test_a_backend_without_readiness_is_ready_when_it_lists_a_model(serve)
     base = await serve(Empty())
     status, body, _ = await call("GET", f"{base}/health")
     assert status == 503 and body["reason"] == "no model has a complete route"
+
+
+class BrokenMidStream(ScriptedBackend):
+    async def generate(self, model, prompt_tokens, sampling, max_tokens):
+        yield ord("H")
+        raise RuntimeError("a bug after the first token")
+
+
+async def test_a_bug_mid_stream_ends_the_stream_without_a_second_answer(serve, caplog):
+    base = await serve(BrokenMidStream())
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    received = b""
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", json=body) as r:
+        assert r.status == 200
+        try:
+            async for chunk in r.content.iter_any():
+                received += chunk
+        except aiohttp.ClientPayloadError:
+            pass  # the connection was closed mid-stream, which is the point
+    assert b'"text":"H"' in received
+    assert b"HTTP/1.1" not in received and b"server_error" not in received
+    assert "a bug after the first token" in caplog.text
