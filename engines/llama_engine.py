@@ -23,6 +23,7 @@ from engines.cache import cache_root
 from engines.file_progress import FileProgress
 from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from engines.gguf_info import ModelInfo, model_info
+from engines.grammar import grammar_vocab
 from engines.interface import (
     EngineCapabilities,
     EngineError,
@@ -43,7 +44,14 @@ from engines.resident_memory import (
 )
 from engines.session_table import Session
 from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
-from engines.slicing import SLICE_RECIPE_VERSION, check_sliceable, ensure_slice, plan_slice
+from engines.slicing import (
+    SLICE_RECIPE_VERSION,
+    check_sliceable,
+    ensure_slice,
+    hidden_input_scale,
+    plan_model_slice,
+    plan_slice,
+)
 
 RECIPE_ID = "llama.cpp-layer-range"
 # Extra start-layer runtimes kept loaded for overlapping routes.
@@ -167,8 +175,8 @@ class LlamaShardEngine(SessionedEngine):
 
     def _build_runtime(self, start_layer: int) -> LlamaRuntime:
         assert self._request is not None and self._gguf is not None and self._info is not None
-        request, total = self._request, self._info.n_layers
-        plan = plan_slice(total, start_layer, self._layer_end)
+        request = self._request
+        plan = plan_model_slice(self._gguf, start_layer, self._layer_end)
         if plan is None:
             path, capture_layer = self._gguf.path, None
         else:
@@ -191,6 +199,7 @@ class LlamaShardEngine(SessionedEngine):
             weight_repack=request.weight_repack,
             takes_embeddings=start_layer > 0,
             capture_layer=capture_layer,
+            hidden_input_scale=hidden_input_scale(self._gguf) if start_layer > 0 else 1.0,
         )
 
     def _runtime(self, start_layer: int) -> LlamaRuntime:
@@ -214,6 +223,10 @@ class LlamaShardEngine(SessionedEngine):
         self._extra[start_layer] = runtime
         self._refresh_budget()
         return runtime
+
+    def grammar_vocabulary(self) -> object | None:
+        # The source file's vocabulary: a tail slice's is the same, and the source is always there.
+        return grammar_vocab(self._gguf.path) if self._gguf is not None else None
 
     @property
     def weight_buffers(self) -> dict[str, float]:

@@ -145,12 +145,16 @@ class LlamaRuntime:
         weight_repack: bool = False,
         capture_layer: int | None,
         native_capture: bool | None = None,
+        hidden_input_scale: float = 1.0,
     ) -> None:
         ensure_llama_backend()
         record_baseline()
         self.model_path = model_path
         self.takes_embeddings = takes_embeddings
         self.captures = capture_layer is not None
+        # The model multiplies embedding input by this (Gemma 2, slicing.hidden_input_scale):
+        # hidden states are divided by it on the way in, so the layers see them as sent.
+        self._hidden_divisor = np.float32(hidden_input_scale) if hidden_input_scale != 1.0 else None
         self._model = None
         self._ctx = None
 
@@ -350,7 +354,7 @@ class LlamaRuntime:
             start = starts[entry.seq_id]
             count = int(entry.inputs.shape[0])
             if self._embd is not None:
-                self._embd[start : start + count] = entry.inputs
+                self._put_hidden(start, entry.inputs)
             else:
                 self._tokens[start : start + count] = entry.inputs
             self._pos[start : start + count] = np.arange(
@@ -420,7 +424,7 @@ class LlamaRuntime:
         count = chunk.shape[0]
         self._batch.n_tokens = count
         if self._embd is not None:
-            self._embd[:count] = chunk
+            self._put_hidden(0, chunk)
         else:
             self._tokens[:count] = chunk
         self._pos[:count] = np.arange(first_position, first_position + count, dtype=np.int32)
@@ -428,6 +432,13 @@ class LlamaRuntime:
         self._logit_flags[:count] = 0
         if logits_for_last:
             self._logit_flags[count - 1] = 1
+
+    def _put_hidden(self, start: int, rows: np.ndarray) -> None:
+        target = self._embd[start : start + rows.shape[0]]  # type: ignore[index]
+        if self._hidden_divisor is None:
+            target[...] = rows
+        else:
+            np.divide(rows, self._hidden_divisor, out=target)
 
     def last_logits(self) -> np.ndarray:
         """A view of the last output row's logits; valid until the next ``run``."""

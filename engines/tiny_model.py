@@ -127,6 +127,28 @@ def _weights(rng: np.random.Generator, n_vocab: int) -> dict[str, np.ndarray]:
     return tensors
 
 
+def tiny_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """The tiny vocabulary: tokens, SentencePiece scores and token types."""
+    return _vocabulary()
+
+
+def add_tiny_tokenizer(writer: GGUFWriter, tokens: list[str], scores: list[float], types: list[int]) -> None:
+    """Write the tiny vocabulary, its special tokens and the ChatML template (any architecture
+    loads it: llama.cpp picks the tokenizer from ``tokenizer.ggml.model``, not the architecture)."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_eot_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
 def write_tiny_model(destination: Path) -> None:
     tokens, scores, types = _vocabulary()
     writer = GGUFWriter(str(destination), "llama")
@@ -141,18 +163,7 @@ def write_tiny_model(destination: Path) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(TINY_N_EMBD // TINY_N_HEAD)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_eot_token_id(tokens.index("<|im_end|>"))
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(True)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(writer, tokens, scores, types)
     for name, tensor in _weights(np.random.default_rng(_SEED), len(tokens)).items():
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()

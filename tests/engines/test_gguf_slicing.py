@@ -148,7 +148,7 @@ def test_plans_cover_head_middle_tail_and_whole() -> None:
 
 def test_unsupported_models_are_refused(tmp_path: Path) -> None:
     with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL):
-        check_sliceable(read_gguf(_synthetic(tmp_path / "q.gguf", "qwen2", 2)))
+        check_sliceable(read_gguf(_synthetic(tmp_path / "d.gguf", "deepseek2", 2)))
     gemma_27b = _synthetic(tmp_path / "g27.gguf", "gemma3", 62, **{"gemma3.attention.sliding_window": 1024})
     with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL):
         check_sliceable(read_gguf(gemma_27b))
