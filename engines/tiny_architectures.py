@@ -221,6 +221,16 @@ def _gemma2(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
     )
 
 
+def _gemma3(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
+    return _gemma2(w, s) | _head_norms(w, s)
+
+
+def _gemma3_metadata(writer: GGUFWriter) -> None:
+    writer.add_sliding_window(_SLIDING_WINDOW)
+    # Pattern 2 instead of Gemma 3's 6, so that four layers hold full-attention ones (1 and 3).
+    writer.add_uint32(f"{writer.arch}.attention.sliding_window_pattern", 2)
+
+
 def _phi3(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
     return (
         _norm_names(w, s, "attn_norm")
@@ -319,6 +329,10 @@ TINY_ARCHITECTURES: dict[str, TinyArchitecture] = {
         TinyArchitecture(
             "gemma2", _gemma2, shape=TinyShape(n_embd=96), tied_output=True, extra=_gemma2_metadata
         ),
+        # Gemma 3 with a sliding-window pattern given as a number (2): a tail [3, 4) holds only
+        # a full-attention layer (the lead passthrough layer). The real Gemma 3 270M has its own
+        # parity test (test_engine_gemma.py).
+        TinyArchitecture("gemma3", _gemma3, tied_output=True, extra=_gemma3_metadata),
         # Fused QKV and gate/up, rope factor tables outside the layers, a sliding-window key
         # llama.cpp ignores for Phi 3.
         # llama.cpp sets Phi 3's special-token attributes when the model's name says "phi3",

@@ -1,4 +1,4 @@
-"""Every architecture the slicer supports beyond llama and Gemma 3, proven on its tiny generated
+"""Every architecture the slicer supports beyond llama, proven on its tiny generated
 model (engines/tiny_architectures.py): split versus whole at every split point and through a
 three-way split with a middle slice, a prefill and 20 greedy decode steps each. Bit-exact
 logits at the float32 boundary, except for an architecture whose input scaling rounds
@@ -12,14 +12,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_contract import prompt_tokens
+from engine_contract import prompt_tokens, raises_kind
 from engine_offload import OFFLOAD_LOGIT_TOLERANCE, gpu_layers, offloading
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from engines.gguf_file import read_gguf
-from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
+from engines.gguf_file import GGUFFile, read_gguf
+from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.model_manifest import cached_manifest
-from engines.slicing import SUPPORTED_ARCHITECTURES, hidden_input_scale
+from engines.slicing import (
+    SUPPORTED_ARCHITECTURES,
+    SlicePlan,
+    check_sliceable,
+    hidden_input_scale,
+    plan_model_slice,
+    write_slice,
+)
 from engines.tiny_architectures import TINY_ARCH_LAYERS, TINY_ARCHITECTURES, ensure_tiny_architecture
 from engines.tiny_model import tiny_vocabulary
 
@@ -140,6 +148,131 @@ def test_split_equals_whole(
 
 
 def test_every_supported_architecture_has_its_proof() -> None:
-    """No architecture is enabled without a parity test: llama and Gemma 3 have theirs
-    (test_engine_llama_tiny.py, test_engine_gemma.py), every other one a tiny model here."""
-    assert {"llama", "gemma3"} | set(TINY_ARCHITECTURES) == SUPPORTED_ARCHITECTURES
+    """No architecture is enabled without a parity test: llama has its own
+    (test_engine_llama_tiny.py), every other one a tiny model here."""
+    assert {"llama"} | set(TINY_ARCHITECTURES) == SUPPORTED_ARCHITECTURES
+
+
+# --- the slicer's per-architecture rules, on header-level models (no llama.cpp) ---
+
+
+def _header_model(path: Path, arch: str, n_layers: int, suffixes: tuple[str, ...], **keys: int) -> GGUFFile:
+    """Metadata and, per layer, one small tensor per suffix whose values are the layer number
+    plus one (so that zeros and copies are told apart)."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(n_layers)
+    writer.add_embedding_length(32)
+    for key, value in keys.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((8, 32), dtype=np.float32))
+    for layer in range(n_layers):
+        for suffix in suffixes:
+            writer.add_tensor(f"blk.{layer}.{suffix}", np.full((2, 32), layer + 1, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.add_tensor("output.weight", np.ones((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return read_gguf(path)
+
+
+def _tensor_values(path: Path) -> dict[str, np.ndarray]:
+    return {tensor.name: np.array(tensor.data) for tensor in GGUFReader(path).tensors}
+
+
+def _swa_flags(path: Path) -> list[bool]:
+    entry = read_gguf(path).entry(f"{read_gguf(path).architecture}.attention.sliding_window_pattern")
+    assert entry is not None and entry.array_type == GGUFValueType.BOOL
+    return [bool(flag) for flag in entry.value]  # type: ignore[union-attr]
+
+
+def test_gemma2_alternates_windows_without_a_window_key(tmp_path: Path) -> None:
+    """Gemma 2 has sliding-window layers (the even ones) even when the file names no window."""
+    source = _header_model(tmp_path / "g.gguf", "gemma2", 6, ("attn_output.weight",))
+    plan = plan_model_slice(source, 1, 4)
+    assert plan == SlicePlan(1, 4, passthrough=True)
+    write_slice(source, plan, tmp_path / "s.gguf")
+    assert _swa_flags(tmp_path / "s.gguf") == [False, True, False, False]
+
+
+@pytest.mark.parametrize(("arch", "keys"), [("gemma2", {}), ("olmo2", {"attention.sliding_window": 16})])
+def test_a_range_of_full_attention_layers_gets_a_lead_passthrough_layer(
+    tmp_path: Path, arch: str, keys: dict[str, int]
+) -> None:
+    """[3, 4) holds only a full-attention layer (gemma2: every odd one; olmo2: every fourth):
+    llama.cpp would abort on it, so a zeroed copy of layer 3 marked sliding-window leads."""
+    source = _header_model(tmp_path / "m.gguf", arch, 6, ("attn_output.weight", "attn_q.weight"), **keys)
+    plan = plan_model_slice(source, 3, 4)
+    assert plan == SlicePlan(3, 4, passthrough=True, lead_passthrough=True)
+    assert (plan.n_layers, plan.first_real_layer, plan.last_real_layer) == (3, 1, 1)
+    write_slice(source, plan, tmp_path / "s.gguf")
+    assert read_gguf(tmp_path / "s.gguf").get(f"{arch}.block_count") == 3
+    assert _swa_flags(tmp_path / "s.gguf") == [True, False, False]
+    values = _tensor_values(tmp_path / "s.gguf")
+    assert not values["blk.0.attn_output.weight"].any() and (values["blk.0.attn_q.weight"] == 4).all()
+    assert (values["blk.1.attn_output.weight"] == 4).all() and (values["blk.1.attn_q.weight"] == 4).all()
+    assert not values["blk.2.attn_output.weight"].any()
+    assert plan_model_slice(source, 2, 4) == SlicePlan(2, 4, passthrough=True), "layer 2 slides"
+    with raises_kind(EngineErrorKind.INVALID_REQUEST):
+        write_slice(source, SlicePlan(3, 4, passthrough=True), tmp_path / "unplanned.gguf")
+
+
+def test_the_passthrough_layer_zeroes_expert_outputs(tmp_path: Path) -> None:
+    suffixes = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight", "ffn_gate_inp.weight")
+    source = _header_model(tmp_path / "moe.gguf", "qwen2moe", 4, suffixes)
+    write_slice(source, SlicePlan(0, 2, passthrough=True), tmp_path / "s.gguf")
+    values = _tensor_values(tmp_path / "s.gguf")
+    assert not values["blk.2.ffn_down_exps.weight"].any() and not values["blk.2.ffn_down_shexp.weight"].any()
+    assert (values["blk.2.ffn_up_exps.weight"] == 2).all() and (
+        values["blk.2.ffn_gate_inp.weight"] == 2
+    ).all()
+
+
+def test_a_required_output_table_gets_a_stand_in(tmp_path: Path) -> None:
+    """qwen2moe's loader requires ``output`` in every file: a head gets Q4_0 zeros of its shape,
+    a middle slice (no vocabulary) an empty one; llama's head slice still carries none."""
+    source = _header_model(tmp_path / "moe.gguf", "qwen2moe", 4, ("attn_q.weight",))
+    write_slice(source, SlicePlan(0, 2, passthrough=True), tmp_path / "head.gguf")
+    write_slice(source, SlicePlan(1, 3, passthrough=True), tmp_path / "middle.gguf")
+    head = {t.name: t for t in read_gguf(tmp_path / "head.gguf").tensors}
+    middle = {t.name: t for t in read_gguf(tmp_path / "middle.gguf").tensors}
+    assert (head["output.weight"].shape, head["output.weight"].ggml_type) == (
+        (32, 8),
+        GGMLQuantizationType.Q4_0,
+    )
+    assert not _tensor_values(tmp_path / "head.gguf")["output.weight"].any()
+    assert middle["output.weight"].shape == (32, 0) and middle["output.weight"].nbytes == 0
+    llama = _header_model(tmp_path / "llama.gguf", "llama", 4, ("attn_q.weight",))
+    write_slice(llama, SlicePlan(0, 2, passthrough=True), tmp_path / "llama-head.gguf")
+    assert "output.weight" not in {t.name for t in read_gguf(tmp_path / "llama-head.gguf").tensors}
+
+
+@pytest.mark.parametrize(
+    ("arch", "n_layers", "keys", "refused"),
+    [
+        ("gemma2", 46, {}, "Gemma 2 27B"),
+        ("gemma2", 42, {}, None),
+        ("gemma3", 62, {"attention.sliding_window": 1024}, "Gemma 3 27B"),
+        ("command-r", 64, {}, "Command R+"),
+        ("command-r", 40, {}, None),
+        ("qwen2", 4, {"nextn_predict_layers": 1}, "next-token-prediction"),
+    ],
+)
+def test_models_whose_loader_reads_the_layer_count_are_refused(
+    tmp_path: Path, arch: str, n_layers: int, keys: dict[str, int], refused: str | None
+) -> None:
+    source = _header_model(tmp_path / "m.gguf", arch, n_layers, (), **keys)
+    if refused is None:
+        check_sliceable(source)
+        return
+    with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL) as caught:
+        check_sliceable(source)
+    assert refused in caught.value.detail
+
+
+def test_only_gemma2_scales_its_embedding_input(tmp_path: Path) -> None:
+    gemma2 = _header_model(tmp_path / "g.gguf", "gemma2", 2, ())
+    assert hidden_input_scale(gemma2) == float(np.sqrt(np.float32(32)))
+    for arch in sorted(SUPPORTED_ARCHITECTURES - {"gemma2"}):
+        assert hidden_input_scale(_header_model(tmp_path / f"{arch}.gguf", arch, 2, ())) == 1.0, arch
