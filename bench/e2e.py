@@ -15,8 +15,8 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
          --not-directly-reachable), so every activation and token crosses the relay;
     (c1), (d1): (c) and (d) with one compute thread per node instead of ``--threads``;
     (d+N ms), one per ``--delay-ms N``: (d) with N ms of added one-way delay between every two
-         nodes: each node listens behind a UDP delay proxy (tests/helpers/delay_proxy.py, run
-         on a thread of its own in this process) and advertises the proxy's port, so every
+         nodes: each node listens behind a UDP delay proxy (tests/helpers/delay_proxy.py, all
+         of a configuration in one child process) and advertises the proxy's port, so every
          datagram between nodes, either way, waits N ms (a round trip of 2N ms).
 
 (b)–(e) are real ``meshnode`` processes (``meshnode start``/``join`` with an invite, a
@@ -68,7 +68,7 @@ from engines.weight_repack import WeightRepack
 from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
 from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.wire.pb import shard
-from tests.helpers.delay_proxy import DelayProxy, free_udp_port
+from tests.helpers.delay_proxy import free_udp_port
 
 Layout = list[tuple[tuple[int, int] | None, bool]]
 TWO: Layout = [((0, 9), False), ((9, 18), False)]
@@ -96,35 +96,37 @@ def delayed_key(delay_ms: float) -> str:
 
 
 class DelayProxies:
-    """One UDP delay proxy per node, on an event loop of its own thread, so that the bench's own
-    work (the HTTP client, (a) on this thread) never holds a datagram back."""
+    """One UDP delay proxy per node of a configuration, all in one child process (so that nothing
+    holding this process's GIL — its HTTP client, its own QUIC node — holds a datagram back)."""
 
-    def __init__(self, delay_ms: float) -> None:
-        import threading
+    def __init__(self, delay_ms: float, nodes: int) -> None:
+        import subprocess
 
-        self.delay_s = delay_ms / 1000
-        self.loop = asyncio.new_event_loop()
-        self.proxies: list[DelayProxy] = []
-        self._thread = threading.Thread(target=self.loop.run_forever, name="delay-proxies", daemon=True)
-        self._thread.start()
+        self._node_ports = [free_udp_port() for _ in range(nodes)]
+        script = Path(__file__).resolve().parent.parent / "tests" / "helpers" / "delay_proxy.py"
+        targets = [arg for port in self._node_ports for arg in ("--target", f"127.0.0.1:{port}")]
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), "--delay-ms", str(delay_ms), *targets],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().split()
+        if not line or line[0] != "ports":
+            raise RuntimeError("the delay proxies did not start")
+        self._proxy_ports = [int(port) for port in line[1:]]
+        self._next = 0
 
     def node_args(self) -> list[str]:
-        """Arguments for one more node: it listens on a free port behind a new proxy it advertises."""
-        node_port = free_udp_port()
-        proxy = asyncio.run_coroutine_threadsafe(
-            DelayProxy.start(("127.0.0.1", node_port), self.delay_s), self.loop
-        ).result(10)
-        self.proxies.append(proxy)
-        return ["--listen", f"127.0.0.1:{node_port}", "--advertise", f"127.0.0.1:{proxy.port}"]
+        """Arguments for the next node: it listens on its port behind its proxy, which it advertises."""
+        index = self._next
+        self._next += 1
+        node_port, proxy_port = self._node_ports[index], self._proxy_ports[index]
+        return ["--listen", f"127.0.0.1:{node_port}", "--advertise", f"127.0.0.1:{proxy_port}"]
 
     def close(self) -> None:
-        async def close_all() -> None:
-            for proxy in self.proxies:
-                proxy.close()
-
-        asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        self.process.terminate()
+        self.process.wait(10)
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ async def bench(
                 env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
                 proxies = None
                 if key in DELAYS_MS:
-                    proxies = DelayProxies(DELAYS_MS[key])
+                    proxies = DelayProxies(DELAYS_MS[key], len(layout))
                     stack.callback(proxies.close)
                 mesh, apis[key] = await start_mesh(
                     work, model, layout, threads or args.threads, env, proxies=proxies

@@ -86,3 +86,34 @@ async def test_every_datagram_crosses_the_proxy_unchanged_and_in_order_both_ways
         echo.close()
         for _, transport, _ in senders:
             transport.close()
+
+
+async def test_the_proxies_run_in_a_process_of_their_own_and_say_their_ports():
+    import sys
+    from pathlib import Path
+
+    import helpers.delay_proxy
+
+    loop = asyncio.get_running_loop()
+    echo, _ = await loop.create_datagram_endpoint(_Echo, local_addr=("127.0.0.1", 0))
+    host, port = echo.get_extra_info("sockname")[:2]
+    script = Path(helpers.delay_proxy.__file__)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), "--delay-ms", "1", "--target", f"{host}:{port}",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        words = (await asyncio.wait_for(child.stdout.readline(), 10)).decode().split()
+        assert words[0] == "ports" and len(words) == 2
+        collect = _Collect(3)
+        transport, _ = await loop.create_datagram_endpoint(lambda: collect, remote_addr=(host, int(words[1])))
+        for index in range(3):
+            transport.sendto(str(index).encode())
+        await asyncio.wait_for(collect.done, 10)
+        assert collect.received == [b"echo:0", b"echo:1", b"echo:2"]
+        transport.close()
+    finally:
+        child.terminate()
+        await child.wait()
+        echo.close()

@@ -204,4 +204,33 @@ def free_udp_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-__all__ = ["DelayLine", "DelayProxy", "free_udp_port"]
+async def serve(targets: list[Address], delay_s: float) -> None:
+    """One proxy per target until killed; prints their ports on one line first (``ports P1 P2 ...``)."""
+    proxies = [await DelayProxy.start(target, delay_s) for target in targets]
+    print("ports", *(proxy.port for proxy in proxies), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for proxy in proxies:
+            proxy.close()
+
+
+def main() -> None:
+    """``python tests/helpers/delay_proxy.py --delay-ms 20 --target 127.0.0.1:7447 ...``: proxies in a
+    process of their own, so that nothing else holding a GIL delays a datagram further."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--delay-ms", type=float, required=True)
+    parser.add_argument("--target", action="append", required=True, metavar="HOST:PORT")
+    args = parser.parse_args()
+    targets = [(host, int(port)) for host, port in (t.rsplit(":", 1) for t in args.target)]
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(targets, args.delay_ms / 1000))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["DelayLine", "DelayProxy", "free_udp_port", "serve"]
