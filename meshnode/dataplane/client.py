@@ -485,16 +485,17 @@ class SessionClient:
         unit.tokens = unit.hidden = None
         position = unit.position
         if position.decode and position.token_count == 1:
-            return shard.SessionRequest(
-                decode=shard.DecodeStep(
-                    idempotency_step=unit.step,
-                    position=position.first_position,
-                    expected_past_len=position.first_position,
-                    tensor=tensor,
-                    work_id=unit.work_id,
-                    deadline_unix_nanos=wire_deadline(unit.deadline),
-                )
-            )
+            # Filled in place: a keyword-built DecodeStep nested in a keyword-built request copies
+            # the tensor's payload twice (the hot path: every token, every hop).
+            request = shard.SessionRequest()
+            step = request.decode
+            step.idempotency_step = unit.step
+            step.position = position.first_position
+            step.expected_past_len = position.first_position
+            step.tensor.CopyFrom(tensor)
+            step.work_id = unit.work_id
+            step.deadline_unix_nanos = wire_deadline(unit.deadline)
+            return request
         fresh = position.fresh_start
         envelope = shard.Envelope(
             schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]

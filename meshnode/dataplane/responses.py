@@ -16,16 +16,17 @@ def ack(
     execution_nanos: int,
     answered_directly: bool = False,
 ) -> shard.SessionResponse:
-    return shard.SessionResponse(
-        ack=shard.Ack(
-            work_id=work_id,
-            idempotency_step=step,
-            cache_result=cache_result,
-            duplicate=duplicate,
-            execution_nanos=execution_nanos,
-            answered_directly=answered_directly,
-        )
-    )
+    # Filled in place: nesting keyword-built messages copies each of them once more (2x the cost
+    # on every unit of every hop, bench/RESULTS.md "Single-stream hop latency").
+    response = shard.SessionResponse()
+    message = response.ack
+    message.work_id = work_id
+    message.idempotency_step = step
+    message.cache_result.CopyFrom(cache_result)
+    message.duplicate = duplicate
+    message.execution_nanos = execution_nanos
+    message.answered_directly = answered_directly
+    return response
 
 
 def status(
@@ -66,16 +67,19 @@ def result_chunk(
     bundle: shard.TensorBundle,
 ) -> shard.SessionResponse:
     """A unit's result tensors, with just enough envelope to name the unit they answer."""
-    envelope = shard.Envelope(
-        schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
-        work_id=work_id,
-        route_session_id=session_id,
-        route_epoch=epoch,
-        phase=shard.PHASE_DECODE if decode else shard.PHASE_PREFILL,
-        position=shard.PositionSpan(first_position=first_position, token_count=token_count),
-        idempotency_step=step,
-    )
-    return shard.SessionResponse(chunk=shard.ActivationChunk(envelope=envelope, bundle=bundle))
+    response = shard.SessionResponse()
+    chunk = response.chunk
+    envelope = chunk.envelope
+    envelope.schema_version = HIGHEST_SCHEMA_VERSION  # type: ignore[assignment]
+    envelope.work_id = work_id
+    envelope.route_session_id = session_id
+    envelope.route_epoch = epoch
+    envelope.phase = shard.PHASE_DECODE if decode else shard.PHASE_PREFILL
+    envelope.position.first_position = first_position
+    envelope.position.token_count = token_count
+    envelope.idempotency_step = step
+    chunk.bundle.CopyFrom(bundle)
+    return response
 
 
 def accepted(
