@@ -240,7 +240,7 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
     from engines.gguf_info import read_model_info
     from engines.interface import EngineError
     from engines.model_manifest import cached_manifest
-    from engines.slicing import check_sliceable
+    from engines.slicing import SUPPORTED_ARCHITECTURES, check_sliceable
 
     name = "model"
     if not model.exists():
@@ -249,9 +249,9 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
         return [problem(name, f"{model} is not readable", f"chmod a+r {model}")]
     try:
         info = read_model_info(model)
-        check_sliceable(read_gguf(model))
+        gguf = read_gguf(model)
     except EngineError as exc:
-        return [problem(name, f"{model.name}: {exc.detail}", "use a llama-family or Gemma 3 GGUF")]
+        return [problem(name, f"{model.name}: {exc.detail}", "re-download or re-convert the model")]
     except Exception as exc:  # any parse failure means the file is not a usable GGUF
         return [
             problem(
@@ -260,9 +260,22 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
                 "re-download or re-assemble the model",
             )
         ]
+    try:
+        check_sliceable(gguf)
+    except EngineError as exc:
+        # The engine refuses such a model for any range (the whole model too), so it is a problem.
+        return [
+            ok(name, f"{model.name}: {info.architecture}, {info.n_layers} layers, hidden {info.hidden_size}"),
+            problem(
+                "architecture",
+                f"{model.name} cannot be split into layer ranges: {exc.detail}",
+                f"use a model of a supported architecture ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
+            ),
+        ]
     manifest = cached_manifest(model)
     findings = [
         ok(name, f"{model.name}: {info.architecture}, {info.n_layers} layers, hidden {info.hidden_size}"),
+        ok("architecture", f"{info.architecture} can be split into layer ranges"),
         ok("model fingerprint", f"manifest root {manifest.root} ({len(manifest.tensors)} tensors)"),
     ]
     if layers is not None and not (0 <= layers[0] < layers[1] <= info.n_layers):

@@ -162,6 +162,7 @@ def _header_model(path: Path, arch: str, n_layers: int, suffixes: tuple[str, ...
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(n_layers)
     writer.add_embedding_length(32)
+    writer.add_context_length(64)
     for key, value in keys.items():
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_tensor("token_embd.weight", np.ones((8, 32), dtype=np.float32))
@@ -276,3 +277,23 @@ def test_only_gemma2_scales_its_embedding_input(tmp_path: Path) -> None:
     assert hidden_input_scale(gemma2) == float(np.sqrt(np.float32(32)))
     for arch in sorted(SUPPORTED_ARCHITECTURES - {"gemma2"}):
         assert hidden_input_scale(_header_model(tmp_path / f"{arch}.gguf", arch, 2, ())) == 1.0, arch
+
+
+def test_doctor_says_whether_the_architecture_splits(tmp_path: Path) -> None:
+    from meshnode.app.doctor import Severity, check_model
+
+    def architecture_finding(model: Path) -> tuple[Severity, str, str]:
+        (finding,) = [f for f in check_model(model, None) if f.check == "architecture"]
+        return finding.severity, finding.detail, finding.fix
+
+    assert architecture_finding(ensure_tiny_architecture("qwen3moe")) == (
+        Severity.OK,
+        "qwen3moe can be split into layer ranges",
+        "",
+    )
+    unsupported = _header_model(tmp_path / "deepseek2.gguf", "deepseek2", 2, ()).path
+    severity, detail, fix = architecture_finding(unsupported)
+    assert severity == Severity.PROBLEM and "'deepseek2' is not supported" in detail and "qwen2moe" in fix
+    gemma2_27b = _header_model(tmp_path / "gemma2-27b.gguf", "gemma2", 46, ()).path
+    severity, detail, _ = architecture_finding(gemma2_27b)
+    assert severity == Severity.PROBLEM and "Gemma 2 27B cannot be sliced exactly" in detail
