@@ -93,8 +93,14 @@ class TinyArchitecture:
     shared: Callable[[_Weights, TinyShape], dict[str, np.ndarray]] | None = None
     # Architecture-specific metadata, written as ``<arch>.<key>`` by ``extra``.
     extra: Callable[[GGUFWriter], None] = field(default=lambda writer: None)
-    # ``general.name``; default ``meshnode tiny <arch>``.
+    # ``general.name``; default ``meshnode tiny <key>``.
     name: str | None = None
+    # What tells this model apart from others of its architecture (default: the architecture).
+    variant: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.variant or self.arch
 
 
 def _norm_names(w: _Weights, shape: TinyShape, *names: str, bias: bool = False) -> dict[str, np.ndarray]:
@@ -288,6 +294,14 @@ def _llama_like(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
     )
 
 
+def _llama_moe(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
+    return _norm_names(w, s, "attn_norm") | _attention(w, s) | _norm_names(w, s, "ffn_norm") | _experts(w, s)
+
+
+def _rope_freqs(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
+    return {"rope_freqs.weight": (1.0 + np.abs(w.bias(s.head_dim // 2))).astype(np.float32)}
+
+
 def _experts_metadata(writer: GGUFWriter, shared_ff: int | None = None) -> None:
     writer.add_expert_count(_N_EXPERT)
     writer.add_expert_used_count(_N_EXPERT_USED)
@@ -313,7 +327,7 @@ def _cohere2_metadata(writer: GGUFWriter) -> None:
 
 # What each model exercises in the slicer is in the comment beside it.
 TINY_ARCHITECTURES: dict[str, TinyArchitecture] = {
-    spec.arch: spec
+    spec.key: spec
     for spec in (
         # Q/K/V biases, separate output.
         TinyArchitecture("qwen2", _qwen2),
@@ -352,6 +366,16 @@ TINY_ARCHITECTURES: dict[str, TinyArchitecture] = {
         ),
         # Command R7B / Command A: command-r's blocks with sliding window pattern 4.
         TinyArchitecture("cohere2", _cohere, rms_norm=False, tied_output=True, extra=_cohere2_metadata),
+        # Mixtral: llama's graph with routed experts (expert width = feed_forward_length) and a
+        # Llama 3.1-style rope_freqs table outside the layers. (The dense llama is tiny_model.py.)
+        TinyArchitecture(
+            "llama",
+            _llama_moe,
+            shape=TinyShape(n_ff=_N_FF_EXPERT),
+            shared=_rope_freqs,
+            extra=_experts_metadata,
+            variant="mixtral",
+        ),
         # Ministral 3 / Mistral 3 text models: llama's blocks under their own architecture name.
         TinyArchitecture("mistral3", _llama_like),
     )
@@ -362,7 +386,7 @@ def write_tiny_architecture(spec: TinyArchitecture, destination: Path) -> None:
     shape = spec.shape
     tokens, scores, types = tiny_vocabulary()
     writer = GGUFWriter(str(destination), spec.arch)
-    writer.add_name(spec.name or f"meshnode tiny {spec.arch}")
+    writer.add_name(spec.name or f"meshnode tiny {spec.key}")
     writer.add_file_type(LlamaFileType.ALL_F32)
     writer.add_context_length(_CONTEXT)
     writer.add_embedding_length(shape.n_embd)
@@ -381,7 +405,7 @@ def write_tiny_architecture(spec: TinyArchitecture, destination: Path) -> None:
     spec.extra(writer)
     add_tiny_tokenizer(writer, tokens, scores, types)
 
-    w = _Weights(np.random.default_rng(zlib.crc32(spec.arch.encode())))
+    w = _Weights(np.random.default_rng(zlib.crc32(spec.key.encode())))
     tensors = {"token_embd.weight": w.table(len(tokens), shape.n_embd)}
     if spec.shared is not None:
         tensors |= spec.shared(w, shape)
@@ -402,10 +426,11 @@ def write_tiny_architecture(spec: TinyArchitecture, destination: Path) -> None:
     writer.close()
 
 
-def ensure_tiny_architecture(arch: str, directory: Path | None = None) -> Path:
-    """The tiny ``arch`` model's path, generating it on first use (atomically)."""
-    spec = TINY_ARCHITECTURES[arch]
-    path = (directory or cache_root() / "models") / f"meshnode-tiny-{arch}-v{TINY_ARCH_VERSION}.gguf"
+def ensure_tiny_architecture(key: str, directory: Path | None = None) -> Path:
+    """The path of the tiny model ``key`` names (``TINY_ARCHITECTURES``), generating it on first
+    use (atomically)."""
+    spec = TINY_ARCHITECTURES[key]
+    path = (directory or cache_root() / "models") / f"meshnode-tiny-{key}-v{TINY_ARCH_VERSION}.gguf"
     if not path.exists():
         with atomic_path(path) as temporary:
             write_tiny_architecture(spec, temporary)

@@ -31,7 +31,7 @@ from engines.slicing import (
 from engines.tiny_architectures import TINY_ARCH_LAYERS, TINY_ARCHITECTURES, ensure_tiny_architecture
 from engines.tiny_model import tiny_vocabulary
 
-ARCHITECTURES = sorted(TINY_ARCHITECTURES)
+TINY_MODELS = sorted(TINY_ARCHITECTURES)
 # Longer than the tiny models' 16-token sliding window, so that window layers really mask.
 PREFILL_TOKENS = 40
 DECODE_STEPS = 20
@@ -109,18 +109,18 @@ def _chain(model: Path, bounds: tuple[int, ...], cache_dir: Path, prompt: tuple[
 
 
 class _References:
-    """The whole model's run per architecture, computed once for all its split points."""
+    """The whole model's run per tiny model, computed once for all its split points."""
 
     def __init__(self, cache_dir: Path) -> None:
         self._cache_dir = cache_dir
         self._runs: dict[str, tuple[tuple[int, ...], Run]] = {}
 
-    def __call__(self, arch: str) -> tuple[tuple[int, ...], Run]:
-        if arch not in self._runs:
-            model = ensure_tiny_architecture(arch)
+    def __call__(self, key: str) -> tuple[tuple[int, ...], Run]:
+        if key not in self._runs:
+            model = ensure_tiny_architecture(key)
             prompt = prompt_tokens(PREFILL_TOKENS, len(tiny_vocabulary()[0]), seed=3)
-            self._runs[arch] = prompt, _chain(model, (0, TINY_ARCH_LAYERS), self._cache_dir / arch, prompt)
-        return self._runs[arch]
+            self._runs[key] = prompt, _chain(model, (0, TINY_ARCH_LAYERS), self._cache_dir / key, prompt)
+        return self._runs[key]
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +129,15 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> _References:
 
 
 @pytest.mark.parametrize("bounds", SPLITS, ids=lambda b: "-".join(map(str, b)))
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("key", TINY_MODELS)
 def test_split_equals_whole(
-    arch: str, bounds: tuple[int, ...], references: _References, tmp_path: Path
+    key: str, bounds: tuple[int, ...], references: _References, tmp_path: Path
 ) -> None:
-    model = ensure_tiny_architecture(arch)
-    prompt, (expected_logits, expected_tokens) = references(arch)
+    model = ensure_tiny_architecture(key)
+    prompt, (expected_logits, expected_tokens) = references(key)
     logits, tokens = _chain(model, bounds, tmp_path, prompt)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits, strict=True))
-    print(f"\n{arch} split {bounds}: max |Δlogit| = {worst:.3g} over {len(logits)} steps")
+    print(f"\n{key} split {bounds}: max |Δlogit| = {worst:.3g} over {len(logits)} steps")
     assert tokens == expected_tokens
     if offloading():
         assert worst <= OFFLOAD_LOGIT_TOLERANCE
@@ -150,7 +150,7 @@ def test_split_equals_whole(
 def test_every_supported_architecture_has_its_proof() -> None:
     """No architecture is enabled without a parity test: llama has its own
     (test_engine_llama_tiny.py), every other one a tiny model here."""
-    assert {"llama"} | set(TINY_ARCHITECTURES) == SUPPORTED_ARCHITECTURES
+    assert {"llama"} | {spec.arch for spec in TINY_ARCHITECTURES.values()} == SUPPORTED_ARCHITECTURES
 
 
 # --- the slicer's per-architecture rules, on header-level models (no llama.cpp) ---
