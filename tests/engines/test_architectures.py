@@ -8,6 +8,7 @@ tokens must be identical."""
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -297,3 +298,17 @@ def test_doctor_says_whether_the_architecture_splits(tmp_path: Path) -> None:
     gemma2_27b = _header_model(tmp_path / "gemma2-27b.gguf", "gemma2", 46, ()).path
     severity, detail, _ = architecture_finding(gemma2_27b)
     assert severity == Severity.PROBLEM and "Gemma 2 27B cannot be sliced exactly" in detail
+
+
+def test_the_readme_lists_the_supported_architectures() -> None:
+    """The README's "Supported architectures" list names exactly the slicer's table: each
+    bullet starts with the architectures it covers, in backticks."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("\n## Supported architectures\n", 1)[1].split("\n## ", 1)[0]
+    listed = [
+        name
+        for line in section.splitlines()
+        if line.startswith("- ")
+        for name in re.findall(r"`([^`]+)`", line.split(":", 1)[0])
+    ]
+    assert sorted(listed) == sorted(SUPPORTED_ARCHITECTURES)
