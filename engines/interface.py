@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from engines.sampling import PenaltyHistory
+    from engines.sampling import SamplingHistory
 
 
 class EngineErrorKind(Enum):
@@ -91,6 +91,8 @@ class SessionKey:
 # the most a request may ask for (the window travels in the route, token by token).
 DEFAULT_PENALTY_LAST_N = 64
 MAX_PENALTY_LAST_N = 4096
+# A GBNF grammar travels in the route too.
+MAX_GRAMMAR_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ class SamplingParams:
     repeated token's positive logit divided by ``repeat_penalty``, a negative one multiplied;
     then ``frequency_penalty`` times its count and ``presence_penalty`` once subtracted).
     Sampling then keeps ``top_k``, the ``top_p`` nucleus and tokens at least ``min_p`` times
-    as likely as the best. With every adjustment at its default, greedy is a plain argmax.
+    as likely as the best; a ``grammar`` then refuses what it does not allow. With every
+    adjustment at its default, greedy is a plain argmax.
     """
 
     temperature: float = 0.0
@@ -121,11 +124,15 @@ class SamplingParams:
     # prompt's last ones; the tail sets them for each position it samples.
     recent_tokens: tuple[int, ...] = ()
     recent_tokens_end: int = 0
-    # At a tail: the session's penalty history, which the sampler reads for the tokens
-    # before the sampled position and extends with the token it draws. It lives with the
-    # session's route plan (one per session and epoch), so neither the data plane nor the
-    # engine keeps a token list of their own. Not part of what the parameters mean.
-    history: PenaltyHistory | None = field(default=None, compare=False, repr=False)
+    # A GBNF grammar (rule "root") the generated text must follow (JSON mode), applied last
+    # with llama.cpp's grammar sampler; empty for none.
+    grammar: str = ""
+    # At a tail: the session's sampling history, which the sampler reads for the tokens
+    # before the sampled position (and the grammar's state) and extends with the token it
+    # draws. It lives with the session's route plan (one per session and epoch), so neither
+    # the data plane nor the engine keeps a token list of their own. Not part of what the
+    # parameters mean.
+    history: SamplingHistory | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:

@@ -17,12 +17,25 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engines.interface import MAX_PENALTY_LAST_N, EngineError, EngineErrorKind, SamplingParams
+from engines.interface import (
+    MAX_GRAMMAR_BYTES,
+    MAX_PENALTY_LAST_N,
+    EngineError,
+    EngineErrorKind,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from engines.grammar import GrammarConstraint
+
+# Gives the engine's vocabulary for a grammar (a llama_vocab pointer), or None when it has none.
+VocabularySource = Callable[[], object | None]
 
 
 def _invalid(message: str) -> EngineError:
@@ -49,6 +62,8 @@ def validate_sampling(params: SamplingParams) -> None:
         raise _invalid("more recent tokens than the penalty window")
     if any(not math.isfinite(bias) for _, bias in params.logit_bias):
         raise _invalid("a logit bias is not finite")
+    if len(params.grammar) > MAX_GRAMMAR_BYTES:
+        raise _invalid(f"the grammar is longer than {MAX_GRAMMAR_BYTES} bytes")
 
 
 def adjusted_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -78,22 +93,39 @@ def recent_window(tokens: Sequence[int], params: SamplingParams) -> tuple[int, .
     return tuple(tokens[-params.penalty_last_n :])
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, sample_index: int = 0) -> int:
+def sample_token(
+    logits: np.ndarray,
+    params: SamplingParams,
+    sample_index: int = 0,
+    vocabulary: VocabularySource | None = None,
+) -> int:
     """The token for one position's logits (a 1-D float array, possibly a view into C memory).
 
-    ``sample_index`` is the position of the sampled token; with a penalty history the
-    penalties look at the tokens before it, and the drawn token is recorded there."""
+    ``sample_index`` is the position of the sampled token; with a history the penalties look
+    at the tokens before it, a grammar stands where those tokens left it, and the drawn token
+    is recorded there. ``vocabulary`` gives the model's vocabulary for a grammar (the engine's)."""
     history = params.history
     if history is None:
-        return _draw(logits, params, sample_index)
-    token = _draw(logits, history.params_at(sample_index), sample_index)
+        if params.grammar:
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, "a grammar needs the session's history")
+        return _draw(_adjusted(logits, params), params, sample_index)
+    step = history.params_at(sample_index)
+    adjusted = _adjusted(logits, step)
+    token = _draw(adjusted, step, sample_index)
+    if step.grammar:
+        grammar = history.grammar_at(sample_index, vocabulary)
+        if not grammar.allows(token):
+            # As llama.cpp's common sampler: mask everything only when the free choice is refused.
+            token = _draw(grammar.masked(adjusted), step, sample_index)
     history.record(sample_index, token)
     return token
 
 
+def _adjusted(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    return adjusted_logits(logits, params) if params.adjusts_logits else logits
+
+
 def _draw(logits: np.ndarray, params: SamplingParams, sample_index: int) -> int:
-    if params.adjusts_logits:
-        logits = adjusted_logits(logits, params)
     if params.greedy:
         return int(np.argmax(logits))
     vocab = logits.shape[0]
@@ -124,17 +156,23 @@ def _draw(logits: np.ndarray, params: SamplingParams, sample_index: int) -> int:
     return int(candidates[min(index, len(candidates) - 1)])
 
 
-class PenaltyHistory:
-    """What one tail session's penalties look back on: the tokens its route was opened with
-    (the prompt's last ones, ``base.recent_tokens``) and every token it sampled since, by position.
+class SamplingHistory:
+    """What one tail session's sampler looks back on: the tokens its route was opened with (the
+    prompt's last ones, ``base.recent_tokens``, ending at ``base.recent_tokens_end``) and every
+    token it sampled since, by position; and, with a grammar, the grammar's state after them.
 
     A retried step records the same token at the same position again; a replay after a
     re-prefill samples the generated tokens again in order, so the history is rebuilt by the
-    same steps that rebuild the cache. Only the last ``penalty_last_n`` positions are kept."""
+    same steps that rebuild the cache (the grammar is reset and fed the recorded tokens when
+    a step asks for an earlier position than it stands at). Without a grammar only the last
+    ``penalty_last_n`` positions are kept."""
 
     def __init__(self, base: SamplingParams) -> None:
         self.base = replace(base, history=None)
         self._sampled: dict[int, int] = {}
+        self._grammar: GrammarConstraint | None = None
+        # The grammar has accepted the tokens at [base.recent_tokens_end, _grammar_at).
+        self._grammar_at = base.recent_tokens_end
 
     def params_at(self, position: int) -> SamplingParams:
         """The parameters for sampling the token at ``position``, with the tokens before it."""
@@ -150,25 +188,56 @@ class PenaltyHistory:
                 window.append(token)
         return replace(base, recent_tokens=tuple(window), recent_tokens_end=position)
 
+    def grammar_at(self, position: int, vocabulary: VocabularySource | None) -> GrammarConstraint:
+        """The grammar as it stands before the token at ``position``."""
+        if self._grammar is None:
+            from engines.grammar import GrammarConstraint  # llama.cpp, only when a grammar is used
+
+            vocab = vocabulary() if vocabulary is not None else None
+            if vocab is None:
+                raise EngineError(EngineErrorKind.INVALID_REQUEST, "this engine cannot sample to a grammar")
+            self._grammar = GrammarConstraint(vocab, self.base.grammar)
+        if position < self._grammar_at:
+            self._grammar.reset()
+            self._grammar_at = self.base.recent_tokens_end
+        while self._grammar_at < position:
+            token = self._sampled.get(self._grammar_at)
+            if token is None:
+                raise EngineError(
+                    EngineErrorKind.INVALID_REQUEST,
+                    f"no sampled token at position {self._grammar_at} to rebuild the grammar state from",
+                )
+            self._grammar.accept(token)
+            self._grammar_at += 1
+        return self._grammar
+
     def record(self, position: int, token: int) -> None:
-        if not self.base.penalized:
+        base = self.base
+        if base.grammar:
+            self._sampled[position] = token
+            if self._grammar is not None and position == self._grammar_at:
+                self._grammar.accept(token)
+                self._grammar_at += 1
+            return
+        if not base.penalized:
             return
         self._sampled[position] = token
-        oldest = position + 1 - self.base.penalty_last_n
+        oldest = position + 1 - base.penalty_last_n
         for stale in [p for p in self._sampled if p < oldest]:
             del self._sampled[stale]
 
 
 def with_history(params: SamplingParams) -> SamplingParams:
-    """``params`` with a fresh penalty history for one tail session (unchanged without penalties)."""
-    if not params.penalized:
+    """``params`` with a fresh history for one tail session (unchanged when nothing needs one)."""
+    if not (params.penalized or params.grammar):
         return params
-    return replace(params, history=PenaltyHistory(params))
+    return replace(params, history=SamplingHistory(params))
 
 
 def with_prompt_history(params: SamplingParams, prompt: Sequence[int]) -> SamplingParams:
-    """``params`` carrying the prompt's last tokens for the tail's penalties (llama-server
-    counts the prompt in the penalty window too); unchanged when no penalty applies."""
-    if not params.penalized:
+    """``params`` carrying where the prompt ends and, for the penalties, its last tokens
+    (llama-server counts the prompt in the penalty window too); unchanged when neither a
+    penalty nor a grammar applies."""
+    if not (params.penalized or params.grammar):
         return params
     return replace(params, recent_tokens=recent_window(prompt, params), recent_tokens_end=len(prompt))

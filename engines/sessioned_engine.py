@@ -550,6 +550,11 @@ class SessionedEngine(ShardEngine):
             raise EngineError(EngineErrorKind.INVALID_REQUEST, "hidden state contains NaN or infinity")
         return np.ascontiguousarray(hidden)
 
+    def grammar_vocabulary(self) -> object | None:
+        """The vocabulary a grammar constrains this tail's sampling over (a llama_vocab pointer);
+        None: this engine cannot apply one, and a step asking for a grammar is refused."""
+        return None
+
     def _result(
         self, request: StepRequest, session: Session, output: ForwardOutput, fresh: bool, elapsed: int
     ) -> StepResult:
@@ -557,7 +562,9 @@ class SessionedEngine(ShardEngine):
         logits = None
         if output.logits is not None:
             if request.sampling is not None:
-                token_id = sample_token(output.logits, request.sampling, request.sample_index)
+                token_id = sample_token(
+                    output.logits, request.sampling, request.sample_index, self.grammar_vocabulary
+                )
             if request.want_logits:
                 logits = np.array(output.logits, dtype=np.float32, copy=True)
         return StepResult(

@@ -2,11 +2,14 @@
 
 A field the node cannot honour is a 400 with OpenAI's error object naming it
 (``param``): ``unsupported_parameter`` for a known OpenAI field set to a value
-this node cannot act on (``logprobs: true``, ``tools``, ``n: 2``,
-``response_format: json_object``), ``unknown_parameter`` for a field OpenAI
+this node cannot act on (``logprobs: true``, ``tools``, ``n: 2``), ``unknown_parameter`` for a field OpenAI
 does not define either (a typo must not pass unnoticed). Fields that only
 restate the default (``logprobs: false``, ``n: 1``, ``response_format: text``)
 are accepted.
+
+``response_format`` ``json_object`` / ``json_schema`` become a GBNF grammar the
+tail's sampler follows (llama.cpp's grammar sampler; the schema through
+llama-cpp-python's converter, refused when it cannot express it).
 
 Sampling follows llama.cpp's names and meanings where OpenAI has none:
 ``top_k``, ``min_p``, ``repeat_penalty`` and ``repeat_last_n`` (the window the
@@ -21,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engines.interface import DEFAULT_PENALTY_LAST_N, MAX_PENALTY_LAST_N, SamplingParams
+from engines.interface import DEFAULT_PENALTY_LAST_N, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N, SamplingParams
 from meshnode.api.errors import ApiError
 from meshnode.dataplane.route import MAX_LOGIT_BIASES
 
@@ -151,13 +154,6 @@ def _refuse_unhonoured(body: dict[str, Any], *, chat: bool) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError("'user' must be a string", "user")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-            raise ApiError("'response_format' must be an object with a 'type'", "response_format")
-        if response_format["type"] != "text":
-            # JSON mode needs a grammar-constrained sampler at the tail, which this node lacks.
-            raise _unsupported("response_format", f"of type {response_format['type']!r}")
     if _integer(body, "n", 1, 1, 128) != 1:
         raise _unsupported("n", "above 1")
 
@@ -260,7 +256,51 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         repeat_penalty=repeat_penalty,
         penalty_last_n=_integer(body, "repeat_last_n", DEFAULT_PENALTY_LAST_N, 0, MAX_PENALTY_LAST_N),
         logit_bias=_logit_bias(body),
+        grammar=_grammar(body),
     )
+
+
+def _grammar(body: dict[str, Any]) -> str:
+    """The GBNF grammar ``response_format`` asks for: none for ``text``, any JSON object for
+    ``json_object``, text valid against the schema for ``json_schema``."""
+    response_format = body.get("response_format")
+    if response_format is None:
+        return ""
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ApiError("'response_format' must be an object with a 'type'", "response_format")
+    kind = response_format["type"]
+    if kind == "text":
+        return ""
+    from engines.grammar import json_grammar  # llama.cpp's grammar tools, only for JSON mode
+
+    if kind == "json_object":
+        return json_grammar()
+    if kind != "json_schema":
+        raise ApiError(
+            f"response_format type {kind!r} is not one of text, json_object, json_schema",
+            "response_format.type",
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ApiError(
+            "'response_format.json_schema' must be an object with a 'name'", "response_format.json_schema"
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ApiError(
+            "'response_format.json_schema.schema' must be an object", "response_format.json_schema.schema"
+        )
+    try:
+        grammar = json_grammar(schema)
+    except ValueError as exc:
+        raise ApiError(
+            f"this JSON schema cannot be turned into a grammar: {exc}",
+            "response_format.json_schema.schema",
+            code=UNSUPPORTED,
+        ) from None
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise ApiError("this JSON schema makes too large a grammar", "response_format.json_schema.schema")
+    return grammar
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engines.interface import GREEDY, MAX_PENALTY_LAST_N, SamplingParams
+from engines.interface import GREEDY, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N, SamplingParams
 from engines.sampling import with_history
 from meshnode.dataplane.errors import payload_corrupt, refusal
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
@@ -78,6 +78,7 @@ def sampling_to_pb(params: SamplingParams) -> dataplane.SamplingParams:
         logit_bias=[dataplane.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
         recent_tokens=params.recent_tokens,
         recent_tokens_end=params.recent_tokens_end,
+        grammar=params.grammar,
     )
 
 
@@ -101,6 +102,8 @@ def sampling_from_pb(message: dataplane.SamplingParams) -> SamplingParams:
         raise payload_corrupt(f"sampling penalty window over {MAX_PENALTY_LAST_N} tokens")
     if len(message.recent_tokens) > message.recent_tokens_end:
         raise payload_corrupt("sampling recent tokens reach before position 0")
+    if len(message.grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise payload_corrupt(f"sampling grammar over {MAX_GRAMMAR_BYTES} bytes")
     if len(message.logit_bias) > MAX_LOGIT_BIASES:
         raise payload_corrupt(f"more than {MAX_LOGIT_BIASES} logit biases")
     # proto3 cannot tell unset from 0: a top_p of 0 is nucleus sampling off (the API sends
@@ -120,6 +123,7 @@ def sampling_from_pb(message: dataplane.SamplingParams) -> SamplingParams:
         ),
         recent_tokens=tuple(message.recent_tokens),
         recent_tokens_end=message.recent_tokens_end,
+        grammar=message.grammar,
     )
 
 

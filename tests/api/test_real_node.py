@@ -228,14 +228,54 @@ def test_include_usage_with_the_official_client(client):
 
 def test_refusals_name_the_field(client):
     model = client.models.list().data[0].id
-    with pytest.raises(openai.BadRequestError) as json_mode:
-        client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}
-        )
-    assert (json_mode.value.param, json_mode.value.code) == ("response_format", "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert (unsupported.value.param, unsupported.value.code) == ("n", "unsupported_parameter")
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=model, prompt="x", max_tokens=CONTEXT + 1)
     assert (too_long.value.param, too_long.value.code) == ("max_tokens", "context_length_exceeded")
     # Up to the context is accepted; generation ends where the context is full.
     whole = client.completions.create(model=model, prompt="x", max_tokens=CONTEXT, temperature=0)
     assert whole.choices[0].finish_reason in ("length", "stop")
+
+
+def end_of_generation_token(tokenizer: Tokenizer) -> int:
+    return next(t for t in range(tokenizer.n_vocab) if tokenizer.is_end_of_generation(t))
+
+
+def test_json_mode_with_the_official_client(client, tiny_model):
+    """The tiny model's weights are random: biases make its free choice the wrong one (end at
+    once, a bare brace), so only the grammar can make the answer JSON."""
+    model = client.models.list().data[0].id
+    tokenizer = Tokenizer.open(tiny_model)
+    eos = end_of_generation_token(tokenizer)
+    close_brace = tokenizer.tokenize("}", add_special=False)[-1]
+    bias = {str(eos): 100, str(close_brace): 50}
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    free = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logit_bias=bias
+    )
+    assert free.choices[0].message.content == ""  # ends at once without a grammar
+    json_object = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logit_bias=bias,
+        response_format={"type": "json_object"},
+    )
+    assert json.loads(json_object.choices[0].message.content) == {}
+    assert json_object.choices[0].finish_reason == "stop"
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for seed in (1, 2):
+        shaped = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=32,
+            temperature=1.0,
+            seed=seed,
+            logit_bias={str(eos): 100},
+            response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}},
+        )
+        assert isinstance(json.loads(shaped.choices[0].message.content)["ok"], bool)

@@ -81,13 +81,21 @@ def assert_error(body: dict, *, type_: str, param: str | None, code: str | None)
 @pytest.mark.parametrize(
     ("chat", "extra", "param", "code"),
     [
-        (True, {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        (True, {"response_format": {"type": "xml"}}, "response_format.type", None),
+        (True, {"response_format": "json"}, "response_format", None),
+        (True, {"response_format": {"type": "json_schema"}}, "response_format.json_schema", None),
         (
             True,
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-            "response_format",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "wat"}},
+                }
+            },
+            "response_format.json_schema.schema",
             "unsupported_parameter",
         ),
+        (False, {"response_format": {"type": "json_object"}}, "response_format", "unknown_parameter"),
         (True, {"logprobs": True}, "logprobs", "unsupported_parameter"),
         (True, {"top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
         (True, {"n": 2}, "n", "unsupported_parameter"),
@@ -209,6 +217,24 @@ async def test_more_logit_biases_than_a_route_carries_are_refused(serve):
     assert (await call("POST", f"{base}/v1/completions", json=body))[0] == 200
 
 
+async def test_response_format_becomes_the_tails_grammar(serve):
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    backend = ContextBackend()
+    base = await serve(backend)
+    body = {"model": "tiny", "messages": CHAT, "response_format": {"type": "json_object"}}
+    assert (await call("POST", f"{base}/v1/chat/completions", json=body))[0] == 200
+    assert backend.calls[-1][1].grammar == JSON_GBNF
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    assert (await call("POST", f"{base}/v1/chat/completions", json=body))[0] == 200
+    grammar = backend.calls[-1][1].grammar
+    assert "answer-kv ::=" in grammar and "root ::=" in grammar
+    body["response_format"] = {"type": "text"}
+    assert (await call("POST", f"{base}/v1/chat/completions", json=body))[0] == 200
+    assert backend.calls[-1][1].grammar == ""
+
+
 async def test_top_p_zero_is_greedy(serve):
     backend = ContextBackend()
     base = await serve(backend)
@@ -267,11 +293,9 @@ async def test_the_official_client_reads_usage_and_refusals(serve):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
         assert all(chunk.usage is None for chunk in chunks[:-1])
         with pytest.raises(openai.BadRequestError) as refused:
-            await client.chat.completions.create(
-                model="tiny", messages=CHAT, response_format={"type": "json_object"}
-            )
+            await client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True)
         assert refused.value.status_code == 400
-        assert refused.value.param == "response_format"
+        assert refused.value.param == "logprobs"
         assert refused.value.code == "unsupported_parameter"
     finally:
         await client.close()

@@ -6,7 +6,7 @@ import pytest
 
 from engines.interface import GREEDY, SamplingParams
 from engines.sampling import (
-    PenaltyHistory,
+    SamplingHistory,
     adjusted_logits,
     sample_token,
     validate_sampling,
@@ -78,7 +78,7 @@ def test_min_p_keeps_only_tokens_near_the_best():
 def test_the_history_serves_the_prompt_then_what_the_tail_sampled():
     params = with_prompt_history(SamplingParams(repeat_penalty=1.5, penalty_last_n=4), [9, 8, 7, 6, 5])
     assert (params.recent_tokens, params.recent_tokens_end) == ((8, 7, 6, 5), 5)
-    history = PenaltyHistory(params)
+    history = SamplingHistory(params)
     assert history.params_at(5).recent_tokens == (8, 7, 6, 5)
     history.record(5, 100)
     assert history.params_at(6).recent_tokens == (7, 6, 5, 100)
@@ -146,7 +146,7 @@ def test_the_route_carries_every_sampling_field():
 def test_the_tail_plan_holds_a_history_and_other_hops_do_not():
     route = make_route(sampling=SamplingParams(repeat_penalty=1.2, recent_tokens=(1,), recent_tokens_end=1))
     tail = validate_route(route, end_layer=4, is_tail=True)
-    assert isinstance(tail.sampling.history, PenaltyHistory)
+    assert isinstance(tail.sampling.history, SamplingHistory)
     middle = validate_route(route, end_layer=2, is_tail=False)
     assert middle.sampling.history is None
     assert tail.sampling == middle.sampling  # the history is not part of what they mean
@@ -173,3 +173,79 @@ def test_a_route_with_corrupt_sampling_is_refused(field_values):
     with pytest.raises(ShardProtocolError) as refused:
         sampling_from_pb(message)
     assert refused.value.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
+
+
+@pytest.fixture(scope="module")
+def tiny_vocabulary():
+    from engines.grammar import grammar_vocab
+    from engines.tiny_model import ensure_tiny_model
+    from engines.tokenizer import Tokenizer
+
+    path = ensure_tiny_model()
+    tokenizer = Tokenizer.open(path)
+    yield tokenizer, grammar_vocab(path)
+    tokenizer.close()
+
+
+def generate_to_grammar(tokenizer, vocabulary, params, logits, *, start=5, steps=12) -> list[int]:
+    tokens = []
+    for position in range(start, start + steps):
+        token = sample_token(logits, params, position, lambda: vocabulary)
+        tokens.append(token)
+        if tokenizer.is_end_of_generation(token):
+            break
+    return tokens
+
+
+def test_json_mode_follows_the_grammar_where_the_free_choice_would_not(tiny_vocabulary):
+    from engines.grammar import json_grammar
+
+    tokenizer, vocabulary = tiny_vocabulary
+    eos = next(t for t in range(tokenizer.n_vocab) if tokenizer.is_end_of_generation(t))
+    close_brace = tokenizer.tokenize("}", add_special=False)[-1]
+    logits = np.zeros(tokenizer.n_vocab, dtype=np.float32)
+    logits[eos], logits[close_brace] = 20.0, 10.0  # left alone: end at once, or a bare "}"
+    params = with_history(with_prompt_history(SamplingParams(grammar=json_grammar()), [1, 2, 3, 4, 5]))
+    tokens = generate_to_grammar(tokenizer, vocabulary, params, logits)
+    assert tokenizer.detokenize(tokens[:-1]) == "{}" and tokens[-1] == eos
+    # Without the grammar the same logits end the generation at once.
+    assert sample_token(logits, GREEDY) == eos
+
+
+def test_a_json_schema_grammar_gives_json_of_that_shape(tiny_vocabulary):
+    import json
+
+    from engines.grammar import json_grammar
+
+    tokenizer, vocabulary = tiny_vocabulary
+    logits = np.random.default_rng(3).normal(size=tokenizer.n_vocab).astype(np.float32)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    eos = next(t for t in range(tokenizer.n_vocab) if tokenizer.is_end_of_generation(t))
+    logits[eos] = 30.0  # ends as soon as the grammar lets it
+    params = with_history(with_prompt_history(SamplingParams(grammar=json_grammar(schema)), [1, 2]))
+    tokens = generate_to_grammar(tokenizer, vocabulary, params, logits, start=2, steps=40)
+    assert tokens[-1] == eos
+    assert set(json.loads(tokenizer.detokenize(tokens[:-1]))) == {"a"}
+
+
+def test_the_grammar_state_is_rebuilt_for_a_retried_or_replayed_position(tiny_vocabulary):
+    from engines.grammar import json_grammar
+
+    tokenizer, vocabulary = tiny_vocabulary
+    logits = np.random.default_rng(5).normal(size=tokenizer.n_vocab).astype(np.float32)
+    params = with_history(
+        with_prompt_history(SamplingParams(temperature=1.0, seed=4, grammar=json_grammar()), [7, 7, 7])
+    )
+    first = [sample_token(logits, params, position, lambda: vocabulary) for position in range(3, 9)]
+    # A replay asks again from the first generated position; a retry repeats one step.
+    assert [sample_token(logits, params, position, lambda: vocabulary) for position in range(3, 9)] == first
+    assert sample_token(logits, params, 6, lambda: vocabulary) == first[3]
+
+
+def test_an_engine_without_a_vocabulary_refuses_a_grammar():
+    from engines.grammar import json_grammar
+    from engines.interface import EngineError
+
+    params = with_history(with_prompt_history(SamplingParams(grammar=json_grammar()), [1]))
+    with pytest.raises(EngineError, match="cannot sample to a grammar"):
+        sample_token(LOGITS, params, 1, lambda: None)

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from meshnode.gen.meshnet.shard.v1 import shard_runtime_pb2 as meshnet_dot_shard_dot_v1_dot_shard__runtime__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshnode/v1/dataplane.proto\x12\x0bmeshnode.v1\x1a$meshnet/shard/v1/shard_runtime.proto\"N\n\x08RouteHop\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x31\n\x0bshard_range\x18\x02 \x01(\x0b\x32\x1c.meshnet.shard.v1.ShardRange\"\xa3\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x16\n\x0erepeat_penalty\x18\x08 \x01(\x02\x12\x16\n\x0epenalty_last_n\x18\t \x01(\r\x12*\n\nlogit_bias\x18\n \x03(\x0b\x32\x16.meshnode.v1.LogitBias\x12\x15\n\rrecent_tokens\x18\x0b \x03(\r\x12\x19\n\x11recent_tokens_end\x18\x0c \x01(\x04\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xf1\x01\n\x0cSessionRoute\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12)\n\ndownstream\x18\x02 \x03(\x0b\x32\x15.meshnode.v1.RouteHop\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.meshnode.v1.SamplingParams\x12/\n\x0e\x62oundary_dtype\x18\x04 \x01(\x0e\x32\x17.meshnet.shard.v1.DType\x12\x32\n\x0b\x63ompression\x18\x05 \x01(\x0e\x32\x1d.meshnet.shard.v1.Compression\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshnode/v1/dataplane.proto\x12\x0bmeshnode.v1\x1a$meshnet/shard/v1/shard_runtime.proto\"N\n\x08RouteHop\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x31\n\x0bshard_range\x18\x02 \x01(\x0b\x32\x1c.meshnet.shard.v1.ShardRange\"\xb4\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x16\n\x0erepeat_penalty\x18\x08 \x01(\x02\x12\x16\n\x0epenalty_last_n\x18\t \x01(\r\x12*\n\nlogit_bias\x18\n \x03(\x0b\x32\x16.meshnode.v1.LogitBias\x12\x15\n\rrecent_tokens\x18\x0b \x03(\r\x12\x19\n\x11recent_tokens_end\x18\x0c \x01(\x04\x12\x0f\n\x07grammar\x18\r \x01(\t\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xf1\x01\n\x0cSessionRoute\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12)\n\ndownstream\x18\x02 \x03(\x0b\x32\x15.meshnode.v1.RouteHop\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.meshnode.v1.SamplingParams\x12/\n\x0e\x62oundary_dtype\x18\x04 \x01(\x0e\x32\x17.meshnet.shard.v1.DType\x12\x32\n\x0b\x63ompression\x18\x05 \x01(\x0e\x32\x1d.meshnet.shard.v1.Compression\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEHOP']._serialized_start=82
   _globals['_ROUTEHOP']._serialized_end=160
   _globals['_SAMPLINGPARAMS']._serialized_start=163
-  _globals['_SAMPLINGPARAMS']._serialized_end=454
-  _globals['_LOGITBIAS']._serialized_start=456
-  _globals['_LOGITBIAS']._serialized_end=499
-  _globals['_SESSIONROUTE']._serialized_start=502
-  _globals['_SESSIONROUTE']._serialized_end=743
+  _globals['_SAMPLINGPARAMS']._serialized_end=471
+  _globals['_LOGITBIAS']._serialized_start=473
+  _globals['_LOGITBIAS']._serialized_end=516
+  _globals['_SESSIONROUTE']._serialized_start=519
+  _globals['_SESSIONROUTE']._serialized_end=760
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ class RouteHop(_message.Message):
     def __init__(self, node_id: _Optional[bytes] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty", "penalty_last_n", "logit_bias", "recent_tokens", "recent_tokens_end")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty", "penalty_last_n", "logit_bias", "recent_tokens", "recent_tokens_end", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     RECENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECENT_TOKENS_END_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -42,7 +43,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
     recent_tokens: _containers.RepeatedScalarFieldContainer[int]
     recent_tokens_end: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., recent_tokens: _Optional[_Iterable[int]] = ..., recent_tokens_end: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., recent_tokens: _Optional[_Iterable[int]] = ..., recent_tokens_end: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")
