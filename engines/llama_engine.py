@@ -24,7 +24,6 @@ from engines.file_progress import FileProgress
 from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from engines.gguf_info import ModelInfo, model_info
 from engines.grammar import grammar_vocab
-from engines.grammar import grammar_vocab
 from engines.interface import (
     EngineCapabilities,
     EngineError,
@@ -224,10 +223,6 @@ class LlamaShardEngine(SessionedEngine):
         self._extra[start_layer] = runtime
         self._refresh_budget()
         return runtime
-
-    def grammar_vocabulary(self) -> object | None:
-        # The source file's vocabulary: a tail slice's is the same, and the source is always there.
-        return grammar_vocab(self._gguf.path) if self._gguf is not None else None
 
     def grammar_vocabulary(self) -> object | None:
         # The source file's vocabulary: a tail slice's is the same, and the source is always there.
