@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from meshnode.console.mesh_view import Throughput, mesh_view
 from meshnode.console.server import STATIC_FILES, add_console_routes, standalone_status, static_file
 from meshnode.wire.pb import mesh, shard
 
@@ -82,9 +83,14 @@ def test_a_standalone_server_shows_itself_serving_every_layer():
         total_layers=18,
         shard_range=shard.ShardRange(start_layer=0, end_layer=18, effective_start_layer=0),
     )
-    status = standalone_status(served)
-    assert status["node"]["serving"]["start_layer"] == 0 and status["node"]["serving"]["end_layer"] == 18
-    assert status["peers"] == []
+    view = mesh_view(standalone_status(served), Throughput(at_s=1.0))
+    assert [(n["short_id"], n["link"]["kind"]) for n in view["nodes"]] == [("standalone", "self")]
+    (model,) = view["models"]
+    assert (model["name"], model["complete"], model["segments"]) == (
+        "m",
+        True,
+        [{"start_layer": 0, "end_layer": 18, "nodes": ["standalone"]}],
+    )
 
 
 def test_ci_installs_chromium_for_the_browser_test_when_root(tmp_path):

@@ -14,7 +14,8 @@ from meshnode.app.config import parse_args_with_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-ROLE_COMMANDS = {"first": "create", "member": "join", "relay": "relay"}
+# What each bootstrap.sh role runs (deploy/compose/bootstrap.sh).
+ROLE_COMMANDS = {"first": "up", "member": "join", "relay": "relay"}
 
 
 def meshnode_args(argv: list[str]):
