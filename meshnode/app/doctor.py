@@ -236,6 +236,7 @@ def check_membership(path: Path) -> tuple[list[Finding], list[tuple[bytes, str]]
 
 
 def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
+    from engines.file_progress import FileProgress
     from engines.gguf_file import read_gguf
     from engines.gguf_info import read_model_info
     from engines.interface import EngineError
@@ -272,7 +273,8 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
                 f"use a model of a supported architecture ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
             ),
         ]
-    manifest = cached_manifest(model)
+    with FileProgress(f"hashing {model.name}", sum(t.nbytes for t in gguf.tensors)) as progress:
+        manifest = cached_manifest(model, progress=progress)
     findings = [
         ok(name, f"{model.name}: {info.architecture}, {info.n_layers} layers, hidden {info.hidden_size}"),
         ok("architecture", f"{info.architecture} can be split into layer ranges"),
