@@ -2,72 +2,20 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import pytest
 from relay_helpers import Member, invited_joiner, new_member, register_frame
+from relay_helpers import RelayDriver as Relay
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey
 from meshnode.relaywire import protocol as p
-from meshnode.relaywire.protocol import relay
 from meshnode.wire.pb import mesh
 from relay.core import FramesReady, RelayCore, RelayPolicy
 
 MiB = 1024 * 1024
 SECOND = 1_000_000_000
-
-
-class Relay:
-    """Drives a RelayCore like the QUIC edge does, with a controllable clock."""
-
-    def __init__(self, policy: RelayPolicy | None = None) -> None:
-        self.relay_id = NodeIdentity.generate().node_id
-        self.mesh_key = MeshKey.generate()
-        self.core = RelayCore(self.relay_id, {self.mesh_key.mesh_id}, policy)
-        # Monotonic nanoseconds: the relay's timers and rate buckets run on this, never on unix time.
-        self.now = 1000 * SECOND
-        self._ids = itertools.count(1)
-
-    def connect(self, tls_id: bytes) -> tuple[int, bytes]:
-        conn = next(self._ids)
-        self.core.connection_made(conn, tls_id, self.now)
-        (message,) = self.drain(conn)
-        assert message.WhichOneof("kind") == "challenge"
-        assert message.challenge.relay_id == self.relay_id
-        return conn, message.challenge.challenge
-
-    def feed(self, conn: int, body: bytes) -> None:
-        self.core.receive_frame(conn, body, self.now, unix_now=time.time())
-
-    def register(self, member: Member) -> int:
-        conn, challenge = self.connect(member.node_id)
-        self.feed(conn, register_frame(member, relay_id=self.relay_id, challenge=challenge))
-        (message,) = self.drain(conn)
-        assert message.WhichOneof("kind") == "registered", message
-        assert message.registered.node_id == member.node_id
-        return conn
-
-    def member(self) -> Member:
-        return new_member(self.mesh_key)
-
-    def send(
-        self, conn: int, destination: bytes, payload: bytes, *, channel: int = 2, send_id: int = 0
-    ) -> None:
-        self.feed(conn, p.encode_send(destination, channel, payload, send_id))
-
-    def drain(self, conn: int) -> list[relay.RelayServerMessage]:
-        out = []
-        while (body := self.core.next_frame(conn)) is not None:
-            out.append(p.decode_server_message(body))
-        return out
-
-    def refusal_of(self, conn: int) -> relay.RelayRefusal:
-        messages = self.drain(conn)
-        assert messages and messages[-1].WhichOneof("kind") == "refused", messages
-        assert self.core.is_closing(conn)
-        return messages[-1].refused
 
 
 # -- registration -----------------------------------------------------------------

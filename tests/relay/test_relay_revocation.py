@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from relay_helpers import RelayDriver as Relay
 from relay_helpers import invited_joiner, register_frame
-from test_relay_core import Relay
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity
