@@ -19,6 +19,14 @@ Stream lifecycle: the opener's first frame is a ``SessionRoute``, the second a
 takes one credit and is answered exactly once: an optional result ``chunk``
 then an ``Ack``, or a ``ShardStatus``. Both return the credit.
 
+Direct answer: a head may open an *answer stream* to the tail (its ``SessionOpen`` sets
+``answer_stream``; an empty route goes first, as on every stream). It holds no session and
+no credit; the tail sends on it the result chunk of every unit it samples a token for in
+that session and epoch, and the unit's own stream gets only the Ack, marked
+``answered_directly``, which every hop passes on in its own Ack
+(:class:`DownstreamResult`). Without an open answer stream for the epoch (not yet opened,
+closed) the tail answers along the route. A replayed step is answered the same way.
+
 Batching (continuous, per shard): whenever the engine is free, the head units of the
 sessions with work queued form one engine batch — every ready decode that fits plus at
 most one bounded prefill chunk, at most one unit per session, in the fair order of
