@@ -104,9 +104,12 @@ class ConsoleDom(HTMLParser):
         self.answer_done = False
         self._in_answer = False
         self.answer: list[str] = []
+        self.element_ids: set[str] = set()
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {name: value or "" for name, value in attrs}
+        if "id" in a:
+            self.element_ids.add(a["id"])
         if tag == "tr" and "data-node-id" in a:
             self.node_ids.append(a["data-node-id"])
             self.links[a["data-node-id"]] = a["data-link"]
@@ -166,6 +169,8 @@ async def test_the_console_shows_every_node_and_the_models_coverage(cluster, bro
         for node, (start, end) in SPLITS.items()
     ]
     assert dom.segments == expected
+    # The node's resident-memory section, when its status report has one.
+    assert ("memory" in dom.element_ids) == ("memory" in view["sections"])
     # The answer streamed from /v1/completions into the page.
     assert dom.answer_done, dumped.stdout[-2000:]
     assert "".join(dom.answer).strip()
