@@ -263,6 +263,15 @@ async function send(event) {
 }
 
 function start() {
+  const linked = new URLSearchParams(location.hash.slice(1));
+  // /console#key=KEY stores the key and takes it out of the address bar (a fragment never
+  // reaches the server, but it would stay in the browser's history).
+  if (linked.get("key")) {
+    localStorage.setItem(KEY_STORAGE, linked.get("key"));
+    linked.delete("key");
+    const rest = linked.toString();
+    history.replaceState(null, "", location.pathname + location.search + (rest ? "#" + rest : ""));
+  }
   const key = $("api-key");
   key.value = localStorage.getItem(KEY_STORAGE) || "";
   key.addEventListener("change", () => {
@@ -271,7 +280,6 @@ function start() {
   });
   $("prompt-form").addEventListener("submit", send);
   // A link can carry a prompt to send at once: /console#prompt=Hello&max_tokens=16.
-  const linked = new URLSearchParams(location.hash.slice(1));
   if (linked.get("prompt")) {
     $("prompt").value = linked.get("prompt");
     if (linked.get("max_tokens")) $("max-tokens").value = linked.get("max_tokens");
