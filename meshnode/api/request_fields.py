@@ -2,10 +2,10 @@
 
 A field the node cannot honour is a 400 with OpenAI's error object naming it
 (``param``): ``unsupported_parameter`` for a known OpenAI field set to a value
-this node cannot act on (``logprobs: true``, ``tools``, ``n: 2``), ``unknown_parameter`` for a field OpenAI
-does not define either (a typo must not pass unnoticed). Fields that only
-restate the default (``logprobs: false``, ``n: 1``, ``response_format: text``)
-are accepted.
+this node cannot act on (``logprobs: true``, ``tools``, ``n: 2``),
+``unknown_parameter`` for a field OpenAI does not define either (a typo must not
+pass unnoticed). Fields that only restate the default (``logprobs: false``,
+``n: 1``, ``response_format: text``) are accepted.
 
 ``response_format`` ``json_object`` / ``json_schema`` become a GBNF grammar the
 tail's sampler follows (llama.cpp's grammar sampler; the schema through
