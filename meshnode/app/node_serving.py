@@ -73,7 +73,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         from meshnode.app.placed_serving import offer_model_file
 
         # Joiners with no --model fetch their layers from nodes that hold them (meshnode.artifacts).
-        await offer_model_file(node, args.model, args)
+        await offer_model_file(node, args.model, args, service)
         head = await start_head(node, service, args, args.model)
 
         async def drain() -> None:

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from meshnode.app.cli_error import CliError
@@ -32,14 +33,27 @@ from meshnode.wire.framing import StreamType
 log = logging.getLogger("meshnode.cli")
 
 
-def offer_artifacts(node: Node, holdings: Holdings, args: argparse.Namespace) -> ArtifactServer:
-    """Serve model tensors to peers that fetch them (StreamType.ARTIFACT), at most ``--upload-limit``."""
-    server = ArtifactServer(holdings, upload_limiter(args))
+def offer_artifacts(
+    node: Node, holdings: Holdings, args: argparse.Namespace, is_busy: Callable[[], bool]
+) -> ArtifactServer:
+    """Serve model tensors to peers that fetch them (StreamType.ARTIFACT), at most ``--upload-limit``
+    while ``is_busy()``."""
+    server = ArtifactServer(holdings, upload_limiter(args, is_busy))
     node.register_handler(StreamType.ARTIFACT, server.handle)
     return server
 
 
-async def offer_model_file(node: Node, path: Path, args: argparse.Namespace) -> None:
+def holds_sessions(service: ShardService | None) -> bool:
+    """Whether ``service``'s shard holds sessions now (False once it has stopped)."""
+    if service is None:
+        return False
+    try:
+        return service.server.load().active_sessions > 0
+    except RuntimeError:  # the worker has stopped
+        return False
+
+
+async def offer_model_file(node: Node, path: Path, args: argparse.Namespace, service: ShardService) -> None:
     """A node serving ``--model PATH`` offers the whole file's tensors (a file it cannot offer
     is only logged: the node still serves its layers)."""
     holdings = Holdings()
@@ -48,7 +62,7 @@ async def offer_model_file(node: Node, path: Path, args: argparse.Namespace) -> 
     except (OSError, ValueError) as exc:
         log.warning("not offering %s to joining nodes: %s", path.name, exc)
         return
-    offer_artifacts(node, holdings, args)
+    offer_artifacts(node, holdings, args, lambda: holds_sessions(service))
 
 
 class _PlacedShard:
@@ -78,7 +92,6 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     if args.n_gpu_layers > 0 and args.memory_budget is None:
         log.warning("--n-gpu-layers without --memory-budget: the range is sized to free RAM, not VRAM")
     holdings = Holdings()
-    offer_artifacts(node, holdings, args)
     handlers = SwitchedHandlers(node.register_handler)
     switched = SwitchedNode(node, handlers)
 
@@ -116,6 +129,12 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         return _PlacedShard(service, head, handlers)
 
     placement = AutoShard(node, placement_settings(args, data_dir), start_serving, holdings)
+
+    def busy() -> bool:
+        serving = placement.serving
+        return isinstance(serving, _PlacedShard) and holds_sessions(serving.service)
+
+    offer_artifacts(node, holdings, args, busy)
     node.status_sections["placement"] = placement.status
     running: list[asyncio.Task[None]] = []
 

@@ -11,6 +11,7 @@ off one gap and a serving node from chasing coverage that flickers.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from meshnode.app.cli_args import positive
@@ -55,7 +56,8 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_UPLOAD_BYTES_PER_S,
         metavar="SIZE",
         help="most bytes per second this node sends to nodes fetching model tensors from it, all "
-        f"together, so its own decode barely slows (default {DEFAULT_UPLOAD_BYTES_PER_S // 2**20}M)",
+        "together, while its shard holds sessions, so its own decode barely slows (unlimited while it "
+        f"holds none; default {DEFAULT_UPLOAD_BYTES_PER_S // 2**20}M)",
     )
     group.add_argument(
         "--claim-settle",
@@ -74,8 +76,10 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def upload_limiter(args: argparse.Namespace) -> UploadLimiter:
-    return UploadLimiter(float(args.upload_limit))
+def upload_limiter(args: argparse.Namespace, is_busy: Callable[[], bool]) -> UploadLimiter:
+    """``--upload-limit``, applied while ``is_busy()`` (this node's shard holds sessions): an idle
+    node has no decode to protect and uploads as fast as the link goes."""
+    return UploadLimiter(float(args.upload_limit), is_busy=is_busy)
 
 
 def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceSettings:

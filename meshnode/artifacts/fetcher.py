@@ -257,6 +257,7 @@ class _TensorFetch:
                 if outcome is _Outcome.OVERLOADED:
                     overloads += 1
                     if overloads > OVERLOAD_RETRIES:
+                        self.failed.setdefault(source, f"overloaded {overloads} times in a row")
                         return
                     await asyncio.sleep(_OVERLOAD_BACKOFF_S * 2**overloads)
                 else:

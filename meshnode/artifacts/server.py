@@ -126,7 +126,9 @@ class ArtifactServer:
         try:
             end, sent = offset + length, 0
             while offset < end:
-                size = min(self.chunk_bytes, end - offset)
+                # Small chunks while paced keep each send's hold on the GIL short for the engine's
+                # sake; an idle node sends the largest the protocol allows, for throughput.
+                size = min(self.chunk_bytes if self.limiter.pacing else CHUNK_BYTES, end - offset)
                 await self.limiter.acquire(size)
                 if request.item is MetadataItem.BLOB:
                     data = blob[offset : offset + size]

@@ -78,6 +78,11 @@ class UploadLimiter:
     def bytes_per_s(self) -> float:
         return self.bucket.rate
 
+    @property
+    def pacing(self) -> bool:
+        """Whether uploads are paced now (always, without ``is_busy``)."""
+        return self._is_busy is None or self._is_busy()
+
     def delay_ns(self, nbytes: int) -> int:
         """Charge ``nbytes``; nanoseconds to wait before sending them."""
         now_ns = self._clock_ns()

@@ -8,7 +8,8 @@ import errno
 import pytest
 
 from engines.gguf_file import read_gguf
-from engines.tiny_model import TINY_N_LAYERS
+from engines.slicing import tensors_for_range
+from engines.tiny_model import ensure_tiny_model
 from meshnode.artifacts.fetcher import TransferError, fetch_manifest, fetch_tensors
 from meshnode.artifacts.holdings import FullModel, PartialHolding
 from meshnode.artifacts.progress import TransferProgress
@@ -23,7 +24,6 @@ from meshnode.artifacts.protocol import (
     encode_manifest_query,
     parse_reply,
 )
-from meshnode.artifacts.ranges import range_tensor_names
 from meshnode.artifacts.schedule import Quarantine
 from meshnode.artifacts.store import ArtifactStore, StoreError
 from meshnode.artifacts.upload_limit import UploadLimiter
@@ -36,8 +36,9 @@ OVERHEAD_BYTES = 64 * 1024
 
 
 def head_range(manifest, layers: int) -> list[str]:
-    """What a first-range shard of ``layers`` layers needs: the embedding and its layers."""
-    return range_tensor_names(manifest, 0, layers, TINY_N_LAYERS)
+    """What a first-range shard of ``layers`` layers needs (engines.slicing's roles), in file order."""
+    needed = tensors_for_range(read_gguf(ensure_tiny_model()), 0, layers)
+    return [tensor.name for tensor in manifest.tensors if tensor.name in needed]
 
 
 def nbytes(manifest, names) -> int:
