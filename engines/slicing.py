@@ -36,7 +36,10 @@ from engines.interface import EngineError, EngineErrorKind
 
 # Bump whenever the bytes a slice contains would change.
 # 2: tensors outside the range's roles are stand-ins; a middle slice has an empty vocabulary.
-SLICE_RECIPE_VERSION = 2
+# 3: the passthrough layer zeroes expert outputs too (a llama-architecture Mixtral's changed); a
+#    range without sliding-window layers gets the lead passthrough layer; stand-in output tables
+#    where the architecture requires one.
+SLICE_RECIPE_VERSION = 3
 
 # Only architectures whose split a parity test proves against the whole model at every split
 # point (tests/engines/test_engine_llama_tiny.py, test_engine_gemma.py, test_architectures.py):

@@ -312,3 +312,20 @@ def test_the_readme_lists_the_supported_architectures() -> None:
         for name in re.findall(r"`([^`]+)`", line.split(":", 1)[0])
     ]
     assert sorted(listed) == sorted(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.slow
+def test_gemma3_ranges_of_only_full_attention_layers(gemma_model: Path, tmp_path: Path) -> None:
+    """On the real Gemma 3 270M (pattern 6: layers 5, 11 and 17 attend fully), a middle shard
+    [5, 6) and a tail [17, 18) hold no sliding-window layer: llama.cpp used to abort the process
+    on them; with the lead passthrough layer both chains equal the whole model bit for bit."""
+    source = read_gguf(gemma_model)
+    assert plan_model_slice(source, 5, 6) == SlicePlan(5, 6, passthrough=True, lead_passthrough=True)
+    prompt = prompt_tokens(PREFILL_TOKENS, 262144, seed=4)
+    expected_logits, expected_tokens = _chain(gemma_model, (0, 18), tmp_path / "whole", prompt)
+    for bounds in ((0, 5, 6, 18), (0, 17, 18)):
+        logits, tokens = _chain(gemma_model, bounds, tmp_path / "-".join(map(str, bounds)), prompt)
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits, strict=True))
+        print(f"\ngemma-3-270m split {bounds}: max |Δlogit| = {worst:.3g} over {len(logits)} steps")
+        assert tokens == expected_tokens
+        assert worst <= OFFLOAD_LOGIT_TOLERANCE if offloading() else worst == 0.0
