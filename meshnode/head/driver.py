@@ -158,6 +158,8 @@ class DriverStats:
     # New sessions a shard refused for capacity (each sent the generation to another replica).
     capacity_refusals: int = 0
     tokens: int = 0
+    # Tokens that came straight from the tail on its answer stream (the rest came along the route).
+    direct_tokens: int = 0
     rebuilds: int = 0
     reroutes: int = 0
     replay_mismatches: int = 0
@@ -475,6 +477,8 @@ class _Generation:
         self.waiting_since = time.monotonic()
         output = await session.decode(token, position=position, deadline_ns=self._deadline())
         self.waiting_since = None
+        if output.done.answered_directly:
+            self.stats.direct_tokens += 1
         return _token(output)
 
     # ------------------------------------------------------------------ failures
