@@ -6,17 +6,23 @@ metadata array, write the sliding-window layers explicitly where the architectur
 otherwise derive them from the renumbered index (Gemma 2 and 3, Olmo 3, Cohere 2), keep the
 non-layer tensors the loader requires, and on a non-tail slice append a "passthrough" copy of
 the last layer with its attention and FFN outputs (``attn_output``, ``ffn_down``, the experts'
-``ffn_down_exps`` and ``ffn_down_shexp``) zeroed. llama.cpp gathers only the requested output rows inside its last
-layer; with the passthrough layer last, the real last layer's ``l_out`` keeps every row
-and the slice can request no outputs at all, which skips the vocabulary projection. The
-runtime's capture ends the graph once that ``l_out`` is copied (``hidden_capture``), so the
-passthrough layer is loaded but not computed (unless GPU offload puts it in a split of its own).
+``ffn_down_exps`` and ``ffn_down_shexp``) zeroed. llama.cpp gathers only the requested output
+rows inside its last layer; with the passthrough layer last, the real last layer's ``l_out``
+keeps every row and the slice can request no outputs at all, which skips the vocabulary
+projection. The runtime's capture ends the graph once that ``l_out`` is copied
+(``hidden_capture``), so the passthrough layer is loaded but not computed (unless GPU offload
+puts it in a split of its own). A range of a sliding-window model that holds no sliding-window
+layer also gets a passthrough layer in front (``SlicePlan.lead_passthrough``).
 
 Roles (``tensors_for_range``): a slice reads from the source only the tensors its range needs;
 the vocabulary tables of a range that does not use them are written as stand-ins, because the
 loader insists on their presence. A middle slice (neither head nor tail) declares no tokenizer
 (``tokenizer.ggml.model = "none"``, which llama.cpp loads as an empty vocabulary), so its stand-in
 ``token_embd`` has no rows at all and the slice carries no vocabulary-sized table.
+
+Architectures (``SUPPORTED_ARCHITECTURES``): each is enabled only with a split-versus-whole
+parity test (tests/engines/test_architectures.py); the per-architecture knowledge is in the
+tables below, read from the pinned llama.cpp's ``src/models/<arch>.cpp``.
 """
 
 from __future__ import annotations
@@ -260,8 +266,9 @@ def hidden_input_scale(gguf: GGUFFile) -> float:
     arch = gguf.architecture
     if arch not in _SCALES_EMBEDDING_INPUT:
         return 1.0
+    n_embd = int(gguf.get(f"{arch}.embedding_length"))  # type: ignore[call-overload]
     # llama.cpp computes sqrtf(n_embd) in float32; so does this.
-    return float(np.sqrt(np.float32(int(gguf.get(f"{arch}.embedding_length")))))  # type: ignore[call-overload]
+    return float(np.sqrt(np.float32(n_embd)))
 
 
 def _source_swa_flags(gguf: GGUFFile) -> list[bool] | None:
