@@ -33,6 +33,7 @@ from meshnode.membership.credentials import (
 )
 from meshnode.membership.revocation import Learned, RevocationList
 from meshnode.membership.store import MembershipState
+from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
 
 
@@ -73,11 +74,17 @@ class CredentialGate:
         bad proof from a peer not admitted yet."""
         try:
             return self._check(frame, peer_id, admitted, unix_now)
-        except Exception as exc:
-            code = getattr(exc, "code", None)
-            if code in REVOCATION_CODES:
-                name = mesh.MeshErrorCode.Name(code)
-                self.revoked_refusals[name] = self.revoked_refusals.get(name, 0) + 1
+        except MeshRefusal as refusal:
+            if refusal.code in REVOCATION_CODES:
+                self.revoked_refusals[refusal.code_name] = self.revoked_refusals.get(refusal.code_name, 0) + 1
+            raise
+
+    def check_not_revoked(self, peer_id: bytes) -> None:
+        """Refuses a removed peer (``MESH_ERROR_REVOKED``), counted like :meth:`check`'s refusals."""
+        try:
+            self.revocations.check_node(peer_id)
+        except MeshRefusal as refusal:
+            self.revoked_refusals[refusal.code_name] = self.revoked_refusals.get(refusal.code_name, 0) + 1
             raise
 
     def _check(self, frame: mesh.GossipFrame, peer_id: bytes, admitted: bool, unix_now: float) -> Admission:

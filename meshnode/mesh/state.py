@@ -287,9 +287,11 @@ class MeshState:
         validate_gossip_frame(frame, peer_id)
         if frame.HasField("refusal") or frame.HasField("membership_grant"):
             raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "an opening GossipFrame carries a reply-only field")
-        self._learn_from(frame, now_ns)
-        # Membership first: a stranger does not get one signature check per record it sends.
+        # Membership first: a stranger does not get one signature check per record (or revocation)
+        # it sends. Then its revocations, which may name the sender itself (it carries its own).
         admission = self._check_credentials(frame, peer_id, unix_now)
+        self._learn_from(frame, now_ns)
+        self.gate.check_not_revoked(peer_id)
         verified = admission.verified
         opened = self._open_records(frame, peer_id, unix_now)
         grant: membership.MembershipGrant | None = None

@@ -300,6 +300,7 @@ class Node:
         await self._status_server.start()
         self.state.start_heartbeat(time.monotonic_ns())
         self._spawn(self._heartbeat_loop())
+        self.keeper.after_gossip()  # a node whose data directory holds its own removal stops here
         log.info(
             "node %s listening on %s (QUIC %s), advertising %s; mesh %s",
             self.identity.short_id,
