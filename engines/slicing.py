@@ -3,7 +3,7 @@
 Recipe (verified bit-exact against the whole model, see DESIGN.md): copy all metadata,
 renumber ``blk.N`` to ``blk.(N-start)``, set ``<arch>.block_count``, slice every per-layer
 metadata array, write the sliding-window layers explicitly where the architecture would
-otherwise derive them from the renumbered index (Gemma 2 and 3, Olmo 3, Cohere 2), keep the
+otherwise derive them from the renumbered index (Gemma 2 and 3, Olmo 3, Cohere 2, gpt-oss), keep the
 non-layer tensors the loader requires, and on a non-tail slice append a "passthrough" copy of
 the last layer with its attention and FFN outputs (``attn_output``, ``ffn_down``, the experts'
 ``ffn_down_exps`` and ``ffn_down_shexp``) zeroed. llama.cpp gathers only the requested output
@@ -66,6 +66,7 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "command-r",
         "cohere2",
         "mistral3",
+        "gpt-oss",
     }
 )
 
@@ -87,6 +88,7 @@ _INDEX_DERIVED_SWA = {
     "gemma2": _IndexDerivedSwa(2, needs_window_key=False),
     "olmo2": _IndexDerivedSwa(4),
     "cohere2": _IndexDerivedSwa(4),
+    "gpt-oss": _IndexDerivedSwa(2),
 }
 
 # Architectures whose graph multiplies its input by sqrt(n_embd) even when the input is
@@ -107,7 +109,7 @@ _INPUT_TABLE = "token_embd"
 _OUTPUT_TENSORS = frozenset({"output_norm", "output"})
 
 # Architectures whose loader requires an ``output`` table (and phi2 its bias) in every file.
-_REQUIRES_OUTPUT = frozenset({"olmo2", "phi2", "qwen2moe"})
+_REQUIRES_OUTPUT = frozenset({"gpt-oss", "olmo2", "phi2", "qwen2moe"})
 # Q4_0: 32 weights in 18 bytes (an f16 scale and 16 bytes of nibbles); all-zero bytes are zeros.
 _Q4_0_BLOCK = 32
 _Q4_0_BLOCK_BYTES = 18

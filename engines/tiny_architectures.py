@@ -302,6 +302,28 @@ def _rope_freqs(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
     return {"rope_freqs.weight": (1.0 + np.abs(w.bias(s.head_dim // 2))).astype(np.float32)}
 
 
+def _gpt_oss(w: _Weights, s: TinyShape) -> dict[str, np.ndarray]:
+    # post_attention_norm is the FFN's pre-norm here; attention sinks per head; every expert
+    # projection and the router with biases.
+    return (
+        _norm_names(w, s, "attn_norm", "post_attention_norm")
+        | _attention(w, s, qkv_bias=True, out_bias=True)
+        | {"attn_sinks.weight": w.bias(s.n_head)}
+        | _experts(w, s)
+        | {
+            "ffn_gate_inp.bias": w.bias(_N_EXPERT),
+            "ffn_gate_exps.bias": w.matrix(_N_EXPERT, _N_FF_EXPERT),
+            "ffn_up_exps.bias": w.matrix(_N_EXPERT, _N_FF_EXPERT),
+            "ffn_down_exps.bias": w.matrix(_N_EXPERT, s.n_embd),
+        }
+    )
+
+
+def _gpt_oss_metadata(writer: GGUFWriter) -> None:
+    _experts_metadata(writer)
+    writer.add_sliding_window(_SLIDING_WINDOW)
+
+
 def _experts_metadata(writer: GGUFWriter, shared_ff: int | None = None) -> None:
     writer.add_expert_count(_N_EXPERT)
     writer.add_expert_used_count(_N_EXPERT_USED)
@@ -376,6 +398,9 @@ TINY_ARCHITECTURES: dict[str, TinyArchitecture] = {
             extra=_experts_metadata,
             variant="mixtral",
         ),
+        # gpt-oss: alternating sliding window (pattern 2), attention sinks, biased experts, a
+        # required output table.
+        TinyArchitecture("gpt-oss", _gpt_oss, extra=_gpt_oss_metadata),
         # Ministral 3 / Mistral 3 text models: llama's blocks under their own architecture name.
         TinyArchitecture("mistral3", _llama_like),
     )
