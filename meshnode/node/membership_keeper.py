@@ -35,6 +35,7 @@ from meshnode.identity import short_id
 from meshnode.membership.invite_ledger import record_used
 from meshnode.membership.revocation import RevocationList, Revoked
 from meshnode.membership.store import DataDir, StoreError
+from meshnode.mesh.credential_gate import REVOCATION_CODES
 from meshnode.mesh.state import MeshState
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.transport.base import PeerLink
@@ -186,7 +187,11 @@ class MembershipKeeper:
             "admin": ours is not None and ours.is_admin,
             "members": members,
             "removals": [revoked.to_json() for revoked in self.state.revocations.all()],
-            "revoked_refusals": dict(self.state.gate.revoked_refusals),
+            # Every code, 0 when none was refused yet (the streams' are in refusals.streams).
+            "revoked_refusals": {
+                **{mesh.MeshErrorCode.Name(code): 0 for code in sorted(REVOCATION_CODES)},
+                **self.state.gate.revoked_refusals,
+            },
         }
 
     # -- helpers --------------------------------------------------------------------------
