@@ -121,7 +121,10 @@ class AutoShard:
         self._start_serving = start_serving
         self._holdings = holdings
         self._store = ArtifactStore(settings.store_dir)
-        self._budget = budget or (lambda: read_machine_budget(settings.memory_budget))
+        self._read_budget = budget or (lambda: read_machine_budget(settings.memory_budget))
+        # Read once: once this node's layers are loaded, the memory they hold is no longer
+        # "available", and a budget read again would shrink by them.
+        self._budget_bytes: int | None = None
         self._state = "waiting for a model in gossip"
         self._model: MeshModel | None = None
         self._layers: Range | None = None
@@ -223,6 +226,11 @@ class AutoShard:
                 log.info("no model in the mesh yet; this node serves layers once one is announced")
                 announced = True
             await asyncio.sleep(self._settings.poll_s)
+
+    def _budget(self) -> int | None:
+        if self._budget_bytes is None:
+            self._budget_bytes = self._read_budget()
+        return self._budget_bytes
 
     def _announcements(self) -> list[tuple[bytes, mesh.PeerAnnouncement]]:
         return [(entry.peer_id, entry.announcement) for entry in self._node.peers()]
