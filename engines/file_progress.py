@@ -80,7 +80,7 @@ class FileProgress:
                 dynamic_ncols=True,
             )
         else:
-            log.info("%s: %.1f MiB to read", self.label, self.total_bytes / _MIB)
+            log.info("%s: %.1f MiB to go", self.label, self.total_bytes / _MIB)
 
     def close(self) -> None:
         """The read ended (or failed); a last line when anything was shown."""

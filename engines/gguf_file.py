@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,9 +296,14 @@ class TensorSource:
 
 
 def write_gguf(
-    destination: Path, source: Path, metadata: Sequence[KeyValue], tensors: Sequence[TensorSource]
+    destination: Path,
+    source: Path,
+    metadata: Sequence[KeyValue],
+    tensors: Sequence[TensorSource],
+    progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Write a GGUF whose tensor bytes are copied from ``source`` (or zero-filled)."""
+    """Write a GGUF whose tensor bytes are copied from ``source`` (or zero-filled); ``progress``
+    hears each tensor's bytes as they are written."""
     alignment = next((int(kv.value) for kv in metadata if kv.key == _ALIGNMENT_KEY), DEFAULT_ALIGNMENT)  # type: ignore[call-overload]
     header = [GGUF_MAGIC, struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(metadata))]
     header += [kv.raw for kv in metadata]
@@ -323,5 +328,7 @@ def write_gguf(
                     else:
                         out.write(view[item.source_offset : item.source_offset + nbytes])
                     out.write(bytes(_align(nbytes, alignment) - nbytes))
+                    if progress is not None:
+                        progress(nbytes)
         finally:
             view.release()

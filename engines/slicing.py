@@ -37,6 +37,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from engines.cache import atomic_path
+from engines.file_progress import FileProgress
 from engines.gguf_file import GGUFFile, KeyValue, TensorInfo, TensorSource, encode_key_value, write_gguf
 from engines.interface import EngineError, EngineErrorKind
 
@@ -423,7 +424,13 @@ def _passthrough_layer(gguf: GGUFFile, index: int, layer: list[tuple[str, Tensor
     return copies
 
 
-def write_slice(gguf: GGUFFile, plan: SlicePlan, destination: Path, source_digest: str = "") -> None:
+def write_slice(
+    gguf: GGUFFile,
+    plan: SlicePlan,
+    destination: Path,
+    source_digest: str = "",
+    progress: Callable[[int], None] | None = None,
+) -> None:
     check_sliceable(gguf)
     if plan.lead_passthrough != _needs_lead_passthrough(gguf, plan.layer_start, plan.layer_end):
         # Without it llama.cpp aborts the process on load; with it needlessly, a layer is wasted.
@@ -432,7 +439,8 @@ def write_slice(gguf: GGUFFile, plan: SlicePlan, destination: Path, source_diges
             f"the slice [{plan.layer_start}, {plan.layer_end}) of {gguf.path.name} must be planned "
             "with plan_model_slice (its sliding-window layers decide the lead passthrough layer)",
         )
-    write_gguf(destination, gguf.path, _slice_metadata(gguf, plan, source_digest), _slice_tensors(gguf, plan))
+    metadata, tensors = _slice_metadata(gguf, plan, source_digest), _slice_tensors(gguf, plan)
+    write_gguf(destination, gguf.path, metadata, tensors, progress)
 
 
 def slice_cache_path(cache_dir: Path, source_digest: str, plan: SlicePlan) -> Path:
@@ -442,9 +450,12 @@ def slice_cache_path(cache_dir: Path, source_digest: str, plan: SlicePlan) -> Pa
 
 
 def ensure_slice(gguf: GGUFFile, source_digest: str, plan: SlicePlan, cache_dir: Path) -> Path:
-    """The cached slice file, written atomically on first use."""
+    """The cached slice file, written atomically on first use (showing its progress: a large one
+    takes minutes)."""
     destination = slice_cache_path(cache_dir, source_digest, plan)
     if not destination.exists():
-        with atomic_path(destination) as temporary:
-            write_slice(gguf, plan, temporary, source_digest)
+        label = f"slicing {gguf.path.name} [{plan.layer_start}, {plan.layer_end})"
+        total = sum(tensor.info.nbytes for tensor in _slice_tensors(gguf, plan))
+        with atomic_path(destination) as temporary, FileProgress(label, total) as progress:
+            write_slice(gguf, plan, temporary, source_digest, progress)
     return destination

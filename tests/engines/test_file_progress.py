@@ -11,6 +11,7 @@ from engines.gguf_file import read_gguf
 from engines.interface import LoadRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.model_manifest import cached_manifest
+from engines.slicing import ensure_slice, plan_model_slice
 from engines.tiny_model import ensure_tiny_model
 
 MIB = 1 << 20
@@ -42,7 +43,7 @@ def test_off_a_terminal_it_logs_a_line_every_few_seconds(caplog):
             progress(4 * MIB)
             clock.now += 1.0
     lines = progress_lines(caplog)
-    assert lines[0] == "hashing m.gguf: 40.0 MiB to read"
+    assert lines[0] == "hashing m.gguf: 40.0 MiB to go"
     # Five seconds after the first block: six blocks read, 16 MiB left at 4.8 MiB/s.
     assert lines[1] == "hashing m.gguf: 24.0/40.0 MiB 60.0% 4.8 MiB/s ETA 3 s"
     assert lines[-1] == "hashing m.gguf: 32.0 MiB in 8.0 s"
@@ -81,10 +82,10 @@ def test_the_first_manifest_shows_every_tensor_byte_and_a_remembered_one_shows_n
     with again:
         cached_manifest(model, tmp_path, progress=again)
     assert again.done_bytes == 0
-    assert progress_lines(caplog)[0] == f"hashing tiny: {tensor_bytes / MIB:.1f} MiB to read"
+    assert progress_lines(caplog)[0] == f"hashing tiny: {tensor_bytes / MIB:.1f} MiB to go"
 
 
-def test_the_engine_reports_hashing_on_its_first_load(tmp_path: Path, caplog):
+def test_the_engine_shows_hashing_and_slicing_on_its_first_load_only(tmp_path: Path, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = ensure_tiny_model()
     for _ in range(2):
@@ -93,7 +94,29 @@ def test_the_engine_reports_hashing_on_its_first_load(tmp_path: Path, caplog):
             LoadRequest(str(model), 0, 2, n_ctx=256, n_seq_max=1, n_threads=1, cache_dir=str(tmp_path))
         )
         engine.close()
+    # The second load finds the manifest remembered and the slice written: nothing more to show.
+    assert [
+        line.split(": ")[0] + (" start" if line.endswith(" MiB to go") else " end")
+        for line in progress_lines(caplog)
+    ] == [
+        f"hashing {model.name} start",
+        f"hashing {model.name} end",
+        f"slicing {model.name} [0, 2) start",
+        f"slicing {model.name} [0, 2) end",
+    ]
+
+
+def test_writing_a_slice_shows_its_progress_once(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = ensure_tiny_model()
+    gguf = read_gguf(model)
+    plan = plan_model_slice(gguf, 2, 4)
+    assert plan is not None
+    first = ensure_slice(gguf, "0" * 64, plan, tmp_path)
+    again = ensure_slice(gguf, "0" * 64, plan, tmp_path)
+    assert first == again
     lines = progress_lines(caplog)
-    assert lines[0].startswith(f"hashing {model.name}: ") and lines[0].endswith(" MiB to read")
-    assert lines[-1].startswith(f"hashing {model.name}: ") and " MiB in " in lines[-1]
-    assert len([line for line in lines if line.endswith("to read")]) == 1  # the second load remembered it
+    label = f"slicing {model.name} [2, 4)"
+    assert [line.split(": ")[0] for line in lines] == [label, label]  # the second found it written
+    assert lines[0].endswith(" MiB to go") and " MiB in " in lines[1]
+    assert lines[0].split(": ")[1].split(" MiB")[0] == lines[1].split(": ")[1].split(" MiB")[0]

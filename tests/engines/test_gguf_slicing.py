@@ -160,7 +160,7 @@ def test_slices_are_written_atomically(
     source = read_gguf(tiny_model)
     plan = SlicePlan(0, 2, passthrough=True)
 
-    def crash_midway(gguf, plan, destination: Path, digest: str = "") -> None:  # type: ignore[no-untyped-def]
+    def crash_midway(gguf, plan, destination: Path, digest: str = "", progress=None) -> None:  # type: ignore[no-untyped-def]
         destination.write_bytes(b"GGUF partial")
         raise OSError("disk full")
 
