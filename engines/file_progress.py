@@ -1,14 +1,15 @@
-"""Progress of long reads of a model file (hashing it on first start), shown while they run.
+"""Progress of long passes over a model file on first start (hashing it, writing a slice).
 
-Hashing a multi-gigabyte GGUF on first start takes minutes; without this the node
-says nothing meanwhile. A :class:`FileProgress` is the ``progress`` callback that
-:func:`engines.model_manifest.cached_manifest` and :func:`engines.file_digest.sha256_file`
-call with each block's size. It shows nothing until the first block (a remembered
-manifest costs no read and so no output), then:
+Hashing a multi-gigabyte GGUF, or copying a layer range out of it, takes minutes on
+first start; without this the node says nothing meanwhile. A :class:`FileProgress` is
+the ``progress`` callback that :func:`engines.model_manifest.cached_manifest`,
+:func:`engines.file_digest.sha256_file` and :func:`engines.gguf_file.write_gguf` call
+with each block's size. It shows nothing until the first block (a remembered manifest
+or an already written slice costs no pass and so no output), then:
 
 - on a terminal, a bar redrawn in place (tqdm, which the ``gguf`` dependency brings);
 - otherwise one log line every few seconds (a bar in a log file is noise), and one
-  when the read ends.
+  when the pass ends.
 
 Time is a parameter (``clock``), so rates and log cadence are testable.
 """
