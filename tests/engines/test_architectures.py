@@ -44,7 +44,8 @@ SPLITS = [(0, split, TINY_ARCH_LAYERS) for split in range(1, TINY_ARCH_LAYERS)] 
     (0, 1, 3, TINY_ARCH_LAYERS)
 ]
 # Where dividing out the input scale rounds: a split within this of the whole model's logits.
-# Measured on the tiny Gemma 2 (n_embd 96): see the printed max |Δlogit|.
+# Measured on the tiny Gemma 2 (n_embd 96, logits softcapped at 30): 1.6e-3 at most (split at 2),
+# 2.6e-4 at least (split at 3); the rounding costs about 1 in 8 boundary values an ulp.
 ROUNDED_INPUT_TOLERANCE = 1e-2
 
 Run = tuple[list[np.ndarray], list[int]]
