@@ -41,6 +41,15 @@ def test_the_compose_files_curl_asks_for_the_model_the_nodes_serve():
     assert "/models/gemma-3-270m-q4_k_m.gguf" in copy_command
 
 
+def test_the_compose_api_published_on_the_host_requires_a_key():
+    text = (DEPLOY / "compose.yaml").read_text()
+    node1 = yaml.safe_load(text)["services"]["node1"]
+    assert "8080:8080" in node1["ports"]
+    # Compose's `:?` refuses to start without the variable instead of serving an open API.
+    assert re.search(r"MESHNODE_API_KEY: \$\{MESHNODE_API_KEY:\?[^}]+\}", text)
+    assert "Authorization: Bearer $MESHNODE_API_KEY" in text
+
+
 def readme_docker_run() -> list[str]:
     readme = (ROOT / "README.md").read_text()
     (command,) = re.findall(r"`(docker run -i [^`]+)`", readme)
@@ -60,6 +69,8 @@ def test_the_readmes_docker_run_reads_the_invite_mounts_models_and_advertises():
     assert args.command == "up" and args.invite == "-"
     assert str(args.model).startswith("/models/")
     assert args.advertise and args.api_listen == ("0.0.0.0", 8080)
+    # An API on every interface gets its key from the environment.
+    assert docker_options[docker_options.index("-e") + 1] == "MESHNODE_API_KEY"
 
 
 STUB = r"""#!/bin/sh
