@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from head.loopback_routes import DRIVER_INDEX, LoopbackRoutes
-from head.loopback_routes import reference as whole_model
+from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
+from helpers.loopback_routes import reference as whole_model
 from helpers.polling import eventually
 from helpers.recording_engine import LAYERS, RecordingEngine
 

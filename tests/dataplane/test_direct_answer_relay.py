@@ -15,7 +15,6 @@ from helpers.mesh_nodes import first_member, invite_from, relay_only_config, sta
 from helpers.polling import eventually
 from helpers.recording_engine import LAYERS
 
-from dataplane.test_relay_chain import serve
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import DirectAnswers, ShardSession
 from meshnode.identity import NodeIdentity
@@ -23,6 +22,7 @@ from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
 
+from .fake_shards import serve_fake_shard
 from .harness import reference, srange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -37,7 +37,7 @@ async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_pa
     nodes = [head]
     services = []
     try:
-        services.append(await serve(head, (0, 2)))
+        services.append(await serve_fake_shard(head, (0, 2)))
         await head.start()
 
         async def joiner(name: str) -> Node:
@@ -49,7 +49,7 @@ async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_pa
             return node
 
         tail = await joiner("tail")
-        services.append(await serve(tail, (2, LAYERS)))
+        services.append(await serve_fake_shard(tail, (2, LAYERS)))
         await tail.start()
         await tail.join()
         client = await joiner("client")

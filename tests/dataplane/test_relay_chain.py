@@ -13,29 +13,22 @@ from pathlib import Path
 import pytest
 from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
 from helpers.polling import eventually
-from helpers.recording_engine import LAYERS, SPEC
+from helpers.recording_engine import LAYERS
 
-from engines.fake import FakeEngine
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.service import ShardService, ShardServiceOptions
+from meshnode.dataplane.service import ShardService
 from meshnode.dataplane.session_link import ShardSession
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
 
+from .fake_shards import serve_fake_shard
 from .harness import reference, srange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 PROMPT = [5, 3, 8, 1, 9, 2, 7]
-
-
-async def serve(node: Node, layers: tuple[int, int]) -> ShardService:
-    options = ShardServiceOptions(model=Path("fake.gguf"), layers=layers, ctx=64)
-    return await ShardService.start(
-        node, options, refresh_interval_s=0.3, engine_factory=lambda: FakeEngine(SPEC)
-    )
 
 
 async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
@@ -45,7 +38,7 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
     nodes = [head]
     services: list[ShardService] = []
     try:
-        services.append(await serve(head, (0, 2)))
+        services.append(await serve_fake_shard(head, (0, 2)))
         await head.start()
 
         async def joiner(name: str) -> Node:
@@ -57,7 +50,7 @@ async def test_a_split_chain_runs_over_relay_channels(tmp_path: Path) -> None:
             return node
 
         tail = await joiner("tail")
-        services.append(await serve(tail, (2, LAYERS)))
+        services.append(await serve_fake_shard(tail, (2, LAYERS)))
         await tail.start()
         await tail.join()
         client = await joiner("client")

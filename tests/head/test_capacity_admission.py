@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import pytest
+from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
 from helpers.polling import eventually
 
 from engines.interface import GREEDY
@@ -20,8 +21,6 @@ from meshnode.api.openai_api import start_api_server
 from meshnode.head.backend import MeshBusy
 from meshnode.head.driver import DriverOptions, GenerationDriver, GenerationStream
 from meshnode.head.route_backend import LocalModel, RouteBackend
-
-from .loopback_routes import DRIVER_INDEX, LoopbackRoutes
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
+from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes, reference
 from helpers.polling import eventually
 
 from engines.fake import FaultKind, FaultRule
@@ -20,8 +21,6 @@ from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
 from meshnode.head.driver import DriverOptions, GenerationDriver
 from meshnode.head.numerics import system_fingerprint
 from meshnode.head.recovery import RecoveryBudget
-
-from .loopback_routes import DRIVER_INDEX, LoopbackRoutes, reference
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from helpers.loopback_mesh import LoopbackMesh, MeshPeer
-from helpers.recording_engine import RecordingEngine
-
 from engines.interface import GREEDY, SamplingParams, SessionKey, StepRequest
 from engines.sampling import sample_token
+from helpers.loopback_mesh import LoopbackMesh, MeshPeer
+from helpers.recording_engine import RecordingEngine
 from meshnode.dataplane.server import ShardServer
 from meshnode.dataplane.service import served_shard
 from meshnode.head.candidates import shard_candidates
