@@ -143,6 +143,13 @@ class CancelReport:
     release_acknowledged: tuple[str, ...]
 
 
+class TokenObserver(Protocol):
+    """Told of each token a generation yields: ``first``, and the seconds since the generation
+    started (its first token) or since its previous token (the rest). /metrics' latency histograms."""
+
+    def __call__(self, first: bool, seconds: float) -> None: ...
+
+
 @dataclass
 class DriverStats:
     started: int = 0
@@ -158,6 +165,8 @@ class DriverStats:
     # New sessions a shard refused for capacity (each sent the generation to another replica).
     capacity_refusals: int = 0
     tokens: int = 0
+    # Prompt tokens of the generations started.
+    prompt_tokens: int = 0
     # Tokens that came straight from the tail on its answer stream (the rest came along the route).
     direct_tokens: int = 0
     rebuilds: int = 0
@@ -179,6 +188,7 @@ class GenerationDriver:
         self.options = options or DriverOptions()
         self.stats = DriverStats()
         self._background: set[asyncio.Task[Any]] = set()
+        self.token_observers: list[TokenObserver] = []
         # Node id -> monotonic time until which it stays out of new routes.
         self._found_dead: dict[bytes, float] = {}
         # The sessions this head's generations hold, per shard.
@@ -261,6 +271,9 @@ class _Generation:
         # Monotonic time the unit now awaited was sent; None between units. Left set when the
         # wait ends in an exception, so the end of the generation knows work was interrupted.
         self.waiting_since: float | None = None
+        # Monotonic times for the token observers: the start, and the last token yielded.
+        self.started_at = time.monotonic()
+        self.last_token_at: float | None = None
 
     @property
     def system_fingerprint(self) -> str | None:
@@ -279,6 +292,7 @@ class _Generation:
                 retry_after_s=self.options.busy_retry_after_s,
             )
         self.stats.started += 1
+        self.stats.prompt_tokens += len(self.transcript.prompt)
         self.stats.active += 1
         outcome = "failed"
         watchdog = asyncio.ensure_future(self._watch())
@@ -294,12 +308,12 @@ class _Generation:
                         synced = True
                         if first is not None:
                             self.transcript.record(first)
-                            self.stats.tokens += 1
+                            self._count_token()
                             yield first
                     while len(self.transcript.generated) < self.max_tokens:
                         token = await self._decode()
                         self.transcript.record(token)
-                        self.stats.tokens += 1
+                        self._count_token()
                         yield token
                     break
                 except GenerationFailed:
@@ -331,6 +345,14 @@ class _Generation:
             # Shielded: a consumer cancelled again meanwhile leaves the cleanup running.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(cleanup)
+
+    def _count_token(self) -> None:
+        self.stats.tokens += 1
+        now = time.monotonic()
+        since = self.started_at if self.last_token_at is None else self.last_token_at
+        for observe in self.driver.token_observers:
+            observe(self.last_token_at is None, now - since)
+        self.last_token_at = now
 
     async def _plan(self) -> Route:
         """The next route: around dead hops and hops that refused for capacity; with none left
