@@ -1,101 +1,79 @@
-"""Prometheus text exposition (format 0.0.4) for ``GET /metrics``.
+"""A node's Prometheus metrics for ``GET /metrics``, through prometheus_client.
 
-Values are read from the live objects at scrape time — the node, its shard
-server and engine, the head, the relay links — rather than mirrored into a
-registry on every event, so the hot path does no metrics work beyond the few
-counters those objects keep anyway.
+Most values are read from the live objects at scrape time — the node, its shard
+server and engine, the head, the relay links — by a collector, rather than mirrored
+into metric objects on every event, so the hot path does no metrics work beyond the
+few counters those objects keep anyway. Every such value is a counter or a gauge of
+the moment: a rate is the scraper's to compute (``rate(meshnode_completion_tokens_total[1m])``),
+so any number of scrapers see the same numbers.
+
+Latencies cannot be read afterwards, so the head's generation driver hands each
+token's timing to :meth:`NodeMetrics.observe_token`, which feeds two histograms.
+
+Each node keeps its own :class:`~prometheus_client.CollectorRegistry` (several nodes
+run in one test process; the global registry would mix them).
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import functools
+import importlib.metadata
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from engines.interface import (
+    METRIC_CACHE_MISSES,
+    METRIC_DECODE_STEPS,
+    METRIC_ERRORS,
+    METRIC_PREFILL_STEPS,
+    METRIC_SESSIONS_CANCELLED,
+    METRIC_SESSIONS_EVICTED,
+    METRIC_SESSIONS_EXPIRED,
+    METRIC_SESSIONS_OPENED,
+    METRIC_SESSIONS_RELEASED,
+    METRIC_STEPS_CANCELLED,
+    METRIC_TOKENS_PROCESSED,
+    EngineHealth,
+)
 from engines.resident_memory import ShardMemory, shard_memory
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# What generate_latest writes (names escaped to the classic character set) is the 0.0.4 text format.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-
-@dataclass
-class Family:
-    """One metric family: a name, a type, help text and its labelled samples."""
-
-    name: str
-    kind: str  # "counter", "gauge" or "histogram"
-    help: str
-    samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
-    # Per sample, what follows the family's name: "" but in a histogram ("_bucket", "_sum", "_count").
-    suffixes: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not _NAME.match(self.name) or self.kind not in ("counter", "gauge", "histogram"):
-            raise ValueError(f"bad metric {self.name!r} ({self.kind})")
-
-    def add(self, value: float, labels: Mapping[str, str] | None = None, *, suffix: str = "") -> Family:
-        labels = dict(labels or {})
-        for key in labels:
-            if not _LABEL.match(key):
-                raise ValueError(f"bad label name {key!r}")
-        self.samples.append((labels, float(value)))
-        self.suffixes.append(suffix)
-        return self
-
-
-def counter(name: str, help: str, value: float | None = None) -> Family:
-    family = Family(name, "counter", help)
-    return family if value is None else family.add(value)
-
-
-def gauge(name: str, help: str, value: float | None = None) -> Family:
-    family = Family(name, "gauge", help)
-    return family if value is None else family.add(value)
-
-
-def histogram(name: str, help: str, buckets: Iterable[tuple[float, int]], total: float) -> Family:
-    """``buckets``: (upper bound, observations at or below it), cumulative, ending with +Inf."""
-    family = Family(name, "histogram", help)
-    count = 0
-    for bound, count in buckets:
-        family.add(count, {"le": _format_value(float(bound))}, suffix="_bucket")
-    return family.add(total, suffix="_sum").add(count, suffix="_count")
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _format_value(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
-
-
-def render(families: Iterable[Family]) -> str:
-    lines: list[str] = []
-    seen: set[str] = set()
-    for family in families:
-        if family.name in seen:
-            raise ValueError(f"metric {family.name} rendered twice")
-        seen.add(family.name)
-        lines.append(f"# HELP {family.name} {family.help.replace(chr(10), ' ')}")
-        lines.append(f"# TYPE {family.name} {family.kind}")
-        for (labels, value), series in zip(family.samples, family.suffixes, strict=True):
-            label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sorted(labels.items()))
-            suffix = f"{{{label_text}}}" if label_text else ""
-            lines.append(f"{family.name}{series}{suffix} {_format_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-# -- what a node exposes ----------------------------------------------------------------
+# Seconds. A first token waits for the whole prompt's prefill along the route; later tokens
+# take one decode step per hop, so the second histogram's buckets start far lower.
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 _SERVING_STATES = {1: "serving", 2: "draining", 3: "not_serving"}
+_ENGINE_STEP_KINDS = {METRIC_PREFILL_STEPS: "prefill", METRIC_DECODE_STEPS: "decode"}
+_ENGINE_SESSION_ENDS = {
+    METRIC_SESSIONS_RELEASED: "released",
+    METRIC_SESSIONS_EVICTED: "evicted",
+    METRIC_SESSIONS_EXPIRED: "expired",
+    METRIC_SESSIONS_CANCELLED: "cancelled",
+}
+_ENGINE_SINGLE_COUNTERS = {
+    METRIC_STEPS_CANCELLED: ("meshnode_engine_steps_cancelled_total", "Engine steps cancelled mid-run"),
+    METRIC_TOKENS_PROCESSED: ("meshnode_engine_tokens_processed_total", "Tokens the engine computed"),
+    METRIC_CACHE_MISSES: (
+        "meshnode_engine_cache_misses_total",
+        "Steps that found no cached session state (the head re-prefills)",
+    ),
+    METRIC_SESSIONS_OPENED: ("meshnode_engine_sessions_opened_total", "Engine sessions opened"),
+    METRIC_ERRORS: ("meshnode_engine_errors_total", "Engine steps that failed"),
+}
 
 
 @dataclass
@@ -105,155 +83,339 @@ class MetricSources:
     node: Any = None  # meshnode.node.Node
     server: Any = None  # meshnode.dataplane.server.ShardServer
     driver: Any = None  # meshnode.head.driver.GenerationDriver
-    _last_tokens: tuple[float, int] | None = None
-
-    def tokens_per_second(self, now: float, tokens: int) -> float:
-        """Generated tokens per second since the previous scrape (0 on the first)."""
-        previous, self._last_tokens = self._last_tokens, (now, tokens)
-        if previous is None or now <= previous[0]:
-            return 0.0
-        return max(0, tokens - previous[1]) / (now - previous[0])
 
 
-async def collect(sources: MetricSources, *, now: float) -> list[Family]:
+class NodeMetrics:
+    """One node's registry: the live objects read at scrape time, and the token latency histograms."""
+
+    def __init__(self, sources: MetricSources) -> None:
+        self.sources = sources
+        self.registry = CollectorRegistry(auto_describe=False)
+        # The one value that has to be awaited (the engine answers from its thread), read before
+        # each exposition; the registry's collectors are synchronous.
+        self._health: EngineHealth | None = None
+        self.registry.register(_LiveObjects(self))
+        self.time_to_first_token = Histogram(
+            "meshnode_time_to_first_token_seconds",
+            "From a generation's start at the head to its first token",
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "meshnode_inter_token_latency_seconds",
+            "Between consecutive tokens of a generation",
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_token(self, first: bool, seconds: float) -> None:
+        """A generation yielded a token ``seconds`` after its start (``first``) or its previous token."""
+        (self.time_to_first_token if first else self.inter_token_latency).observe(seconds)
+
+    async def exposition(self) -> bytes:
+        """The registry in the text format (:data:`CONTENT_TYPE`)."""
+        server = self.sources.server
+        if server is not None:
+            self._health = await server.engine_health()
+        return generate_latest(self.registry)
+
+
+class _LiveObjects:
+    """A collector over :class:`MetricSources` (prometheus_client calls ``collect`` per exposition)."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self._metrics
+        yield from live_families(metrics.sources, metrics._health, now=time.monotonic())
+
+
+async def collect(sources: MetricSources, *, now: float) -> list[Metric]:
+    """What a scrape at monotonic time ``now`` reads of ``sources`` (the latency histograms aside)."""
+    health = await sources.server.engine_health() if sources.server is not None else None
+    return live_families(sources, health, now=now)
+
+
+def samples_by_name(families: Sequence[Metric]) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """{sample name, as exposed (a counter's ends in ``_total``): [(labels, value), ...]}."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in families:
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return samples
+
+
+def live_families(sources: MetricSources, health: EngineHealth | None, *, now: float) -> list[Metric]:
+    """``health``: the shard engine's, read by the caller (the engine is asked asynchronously)."""
     from meshnode import __version__
-    from meshnode.wire.pb import shard
 
-    families = [gauge("meshnode_up", "1 while the node answers", 1)]
-    info = gauge("meshnode_info", "Build and identity labels").add(1, {"version": __version__})
-    families.append(info)
-    families += _frame_buffer_families()
+    families: list[Metric] = [_gauge("meshnode_up", "1 while the node answers", 1)]
+    identity = {"version": __version__}
     node = sources.node
     if node is not None:
-        info.samples[0][0].update(node_id=node.node_id.hex()[:16], mesh_id=node.mesh_id or "")
-        peers = node.peers()
-        families.append(gauge("meshnode_peers", "Peers in this node's view of the mesh", len(peers)))
-        revoked = counter(
-            "meshnode_revoked_credential_refusals_total",
-            "Frames and streams refused to removed members, withdrawn invites and expired certificates",
+        identity.update(node_id=node.node_id.hex()[:16], mesh_id=node.mesh_id or "")
+    families.append(
+        _labelled(GaugeMetricFamily, "meshnode_info", "Build and identity labels", [(identity, 1)])
+    )
+    families.append(
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_build_info",
+            "1, labelled with this build's version and the llama.cpp binding it runs",
+            [({"version": __version__, "llama_cpp": _llama_cpp_version()}, 1)],
         )
-        for code, count in sorted(node.revoked_refusals().items()):
-            revoked.add(count, {"code": code.removeprefix("MESH_ERROR_")})
-        families.append(revoked)
-        relays = node.relay_links
-        if relays is not None:
-            stats = relays.stats
-            sent = counter("meshnode_relay_bytes_total", "Sealed bytes through relays")
-            sent.add(stats.bytes_sent, {"direction": "sent"}).add(
-                stats.bytes_received, {"direction": "received"}
-            )
-            families += [
-                sent,
-                counter(
-                    "meshnode_relay_frames_dropped_total",
-                    "Relayed frames that failed to open (tampered, replayed, forged)",
-                    stats.frames_dropped,
-                ),
-                counter(
-                    "meshnode_relay_frames_refused_total", "Frames a relay refused", stats.refused_frames
-                ),
-                gauge(
-                    "meshnode_relays_registered",
-                    "Relays this node is registered with",
-                    len(relays.registered_relays()),
-                ),
-            ]
+    )
+    families += _frame_buffer_families()
+    if node is not None:
+        families += _node_families(node)
     server = sources.server
     if server is not None:
-        load = server.load()
-        health = await server.engine_health()
-        state = gauge("meshnode_serving_state", "1 for the current serving state")
-        for value, name in _SERVING_STATES.items():
-            state.add(1 if load.serving_state == value else 0, {"state": name})
+        families += _server_families(server, health, now)
+    driver = sources.driver
+    if driver is not None:
+        families += _driver_families(driver.stats)
+    return families
+
+
+@functools.cache
+def _llama_cpp_version() -> str:
+    # From the installed distribution's metadata: importing llama_cpp would load the native library.
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    doc: str,
+    samples: Sequence[tuple[Mapping[str, str], float]],
+) -> Metric:
+    """A family whose samples carry labels (every sample the same label names)."""
+    names = list(samples[0][0]) if samples else []
+    family = kind(name, doc, labels=names)
+    for labels, value in samples:
+        family.add_metric([labels[key] for key in names], value)
+    return family
+
+
+def _histogram(name: str, doc: str, cumulative: Sequence[tuple[float, int]], total: float) -> Metric:
+    """``cumulative``: (upper bound, observations at or below it), ending with +Inf."""
+    buckets = [(floatToGoString(bound), count) for bound, count in cumulative]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
+def _node_families(node: Any) -> list[Metric]:
+    families: list[Metric] = [
+        _gauge("meshnode_peers", "Peers in this node's view of the mesh", len(node.peers())),
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_revoked_credential_refusals_total",
+            "Frames and streams refused to removed members, withdrawn invites and expired certificates",
+            [
+                ({"code": code.removeprefix("MESH_ERROR_")}, count)
+                for code, count in sorted(node.revoked_refusals().items())
+            ],
+        ),
+    ]
+    relays = node.relay_links
+    if relays is not None:
+        stats = relays.stats
         families += [
-            gauge(
-                "meshnode_sessions_active", "Route sessions holding state on this shard", load.active_sessions
+            _labelled(
+                CounterMetricFamily,
+                "meshnode_relay_bytes_total",
+                "Sealed bytes through relays",
+                [
+                    ({"direction": "sent"}, stats.bytes_sent),
+                    ({"direction": "received"}, stats.bytes_received),
+                ],
             ),
-            gauge("meshnode_queue_depth", "Units of work queued for the engine", load.queued_units),
-            gauge("meshnode_units_running", "Units of work executing", load.running_units),
-            state,
-            gauge("meshnode_kv_pressure", "Fraction of the KV cache in use (0..1)", health.kv_pressure),
-            gauge("meshnode_kv_tokens_used", "KV cache tokens in use", health.kv_tokens_used),
-            gauge("meshnode_kv_tokens_capacity", "KV cache tokens available", health.kv_tokens_capacity),
-            gauge(
+            _counter(
+                "meshnode_relay_frames_dropped_total",
+                "Relayed frames that failed to open (tampered, replayed, forged)",
+                stats.frames_dropped,
+            ),
+            _counter("meshnode_relay_frames_refused_total", "Frames a relay refused", stats.refused_frames),
+            _gauge(
+                "meshnode_relays_registered",
+                "Relays this node is registered with",
+                len(relays.registered_relays()),
+            ),
+        ]
+    return families
+
+
+def _server_families(server: Any, health: EngineHealth | None, now: float) -> list[Metric]:
+    from meshnode.wire.pb import shard
+
+    load = server.load()
+    families: list[Metric] = [
+        _gauge(
+            "meshnode_sessions_active", "Route sessions holding state on this shard", load.active_sessions
+        ),
+        _gauge("meshnode_queue_depth", "Units of work queued for the engine", load.queued_units),
+        _gauge("meshnode_units_running", "Units of work executing", load.running_units),
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_serving_state",
+            "1 for the current serving state",
+            [({"state": name}, int(load.serving_state == value)) for value, name in _SERVING_STATES.items()],
+        ),
+    ]
+    if health is not None:
+        families += [
+            _gauge(
+                "meshnode_kv_cache_usage_ratio",
+                "Fraction of this shard's KV cache in use (0..1)",
+                health.kv_pressure,
+            ),
+            # The same fraction under its earlier name, which dashboards and alerts use.
+            _gauge("meshnode_kv_pressure", "Fraction of the KV cache in use (0..1)", health.kv_pressure),
+            _gauge("meshnode_kv_tokens_used", "KV cache tokens in use", health.kv_tokens_used),
+            _gauge("meshnode_kv_tokens_capacity", "KV cache tokens available", health.kv_tokens_capacity),
+            _gauge(
                 "meshnode_resident_bytes",
                 "Resident memory of the engine's process (VmRSS where the OS reports it)",
                 health.resident_bytes,
             ),
         ]
-        families += _memory_families(shard_memory())
-        errors = counter("meshnode_shard_errors_total", "Refusals this shard sent, by error code")
-        for code in shard.ErrorCode.values():
-            if code != shard.ERROR_CODE_UNSPECIFIED:
-                name = shard.ErrorCode.Name(code).removeprefix("ERROR_CODE_")
-                errors.add(server.errors_sent.get(code, 0), {"code": name})
-        engine_events = counter("meshnode_engine_events_total", "Engine counters (steps, tokens, sessions)")
-        for name, value in sorted(server.engine.metrics().counters.items()):
-            engine_events.add(value, {"event": name})
-        families += [errors, engine_events, *_lease_families(server.worker)]
-        families += _batch_families(server.worker, now)
-    driver = sources.driver
-    if driver is not None:
-        stats = driver.stats
-        outcomes = counter("meshnode_generations_total", "Generations by outcome")
-        for outcome in ("completed", "cancelled", "closed", "failed"):
-            outcomes.add(getattr(stats, outcome), {"outcome": outcome})
-        families += [
-            outcomes,
-            gauge("meshnode_generations_active", "Generations running", stats.active),
-            counter("meshnode_tokens_generated_total", "Tokens generated for API clients", stats.tokens),
-            gauge(
-                "meshnode_tokens_per_second",
-                "Tokens generated per second since the previous scrape",
-                sources.tokens_per_second(now, stats.tokens),
-            ),
-            counter("meshnode_reroutes_total", "Routes re-planned after a failed hop", stats.reroutes),
-            counter("meshnode_cache_rebuilds_total", "Re-prefills after a cache miss", stats.rebuilds),
-        ]
+    families += _memory_families(shard_memory())
+    errors = []
+    for code in shard.ErrorCode.values():
+        if code != shard.ERROR_CODE_UNSPECIFIED:
+            name = shard.ErrorCode.Name(code).removeprefix("ERROR_CODE_")
+            errors.append(({"code": name}, server.errors_sent.get(code, 0)))
+    families.append(
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_shard_errors_total",
+            "Refusals this shard sent, by error code",
+            errors,
+        )
+    )
+    families += _engine_families(server.engine.metrics().counters)
+    families += _lease_families(server.worker)
+    families += _batch_families(server.worker, now)
     return families
 
 
-def _memory_families(memory: ShardMemory | None) -> list[Family]:
+def _engine_families(counters: Mapping[str, int]) -> list[Metric]:
+    """The engine's own counters, one family per kind of thing counted (steps, tokens, sessions)."""
+    families: list[Metric] = [
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_engine_steps_total",
+            "Engine steps run, by kind",
+            [({"kind": kind}, counters.get(key, 0)) for key, kind in _ENGINE_STEP_KINDS.items()],
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_engine_sessions_ended_total",
+            "Engine sessions ended, by reason",
+            [({"reason": reason}, counters.get(key, 0)) for key, reason in _ENGINE_SESSION_ENDS.items()],
+        ),
+    ]
+    for key, (name, doc) in _ENGINE_SINGLE_COUNTERS.items():
+        families.append(_counter(name, doc, counters.get(key, 0)))
+    known = _ENGINE_STEP_KINDS.keys() | _ENGINE_SESSION_ENDS.keys() | _ENGINE_SINGLE_COUNTERS.keys()
+    others = [({"event": key}, value) for key, value in sorted(counters.items()) if key not in known]
+    if others:
+        # An engine may count more than the interface names; shown rather than lost.
+        families.append(
+            _labelled(
+                CounterMetricFamily,
+                "meshnode_engine_other_events_total",
+                "Engine counters this node does not know by name",
+                others,
+            )
+        )
+    return families
+
+
+def _driver_families(stats: Any) -> list[Metric]:
+    """The head's generations (meshnode.head.driver.DriverStats)."""
+    return [
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_generations_total",
+            "Generations by outcome",
+            [
+                ({"outcome": outcome}, getattr(stats, outcome))
+                for outcome in ("completed", "cancelled", "closed", "failed")
+            ],
+        ),
+        _gauge("meshnode_generations_active", "Generations running", stats.active),
+        _counter(
+            "meshnode_prompt_tokens_total",
+            "Prompt tokens of the generations this head started",
+            stats.prompt_tokens,
+        ),
+        _counter("meshnode_completion_tokens_total", "Tokens generated for API clients", stats.tokens),
+        # The same count under its earlier name, which dashboards and alerts use.
+        _counter("meshnode_tokens_generated_total", "Tokens generated for API clients", stats.tokens),
+        _counter("meshnode_reroutes_total", "Routes re-planned after a failed hop", stats.reroutes),
+        _counter("meshnode_cache_rebuilds_total", "Re-prefills after a cache miss", stats.rebuilds),
+    ]
+
+
+def _memory_families(memory: ShardMemory | None) -> list[Metric]:
     """The process's resident memory against the budget of the shards loaded in it."""
     if memory is None:
         return []
-    budget = gauge(
-        "meshnode_shard_memory_budget_bytes",
-        "What the loaded shards should hold, by buffer (as llama.cpp reports them)",
-    )
-    for name, value in memory.to_json()["budget"].items():
-        budget.add(value, {"buffer": name.removesuffix("_bytes")})
+    budget = [
+        ({"buffer": name.removesuffix("_bytes")}, value) for name, value in memory.to_json()["budget"].items()
+    ]
     return [
-        gauge(
+        _gauge(
             "meshnode_resident_file_bytes",
             "File-backed part of the process's resident memory (mapped model files)",
             memory.process.file_bytes,
         ),
-        gauge(
+        _gauge(
             "meshnode_shard_resident_bytes",
             "The shards' resident share: mapped model files, and anonymous memory gained since the first load",
             memory.shard_bytes,
         ),
-        budget,
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_shard_memory_budget_bytes",
+            "What the loaded shards should hold, by buffer (as llama.cpp reports them)",
+            budget,
+        ),
     ]
 
 
-def _lease_families(worker: Any) -> list[Family]:
+def _lease_families(worker: Any) -> list[Metric]:
     """Session leases at the shard (meshnode.dataplane.lease): releases by reason, share refusals."""
     from meshnode.dataplane.lease import ReleaseReason
 
-    releases = counter("meshnode_session_releases_total", "Route sessions this shard ended, by reason")
-    for reason in ReleaseReason:
-        releases.add(worker.releases.get(reason, 0), {"reason": reason.value})
-    refused = counter(
-        "meshnode_session_share_refusals_total",
-        "Sessions refused to a peer that already held its share of this shard's sessions",
-        worker.share_refusals,
-    )
-    return [releases, refused]
+    return [
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_session_releases_total",
+            "Route sessions this shard ended, by reason",
+            [({"reason": reason.value}, worker.releases.get(reason, 0)) for reason in ReleaseReason],
+        ),
+        _counter(
+            "meshnode_session_share_refusals_total",
+            "Sessions refused to a peer that already held its share of this shard's sessions",
+            worker.share_refusals,
+        ),
+    ]
 
 
-def _batch_families(worker: Any, now: float) -> list[Family]:
+def _batch_families(worker: Any, now: float) -> list[Metric]:
     """The shard's engine batches (meshnode.dataplane.batch_stats): sizes, queue waits, busy time.
 
     ``now``: the monotonic clock in seconds, the clock the worker counts busy time on."""
@@ -261,26 +423,29 @@ def _batch_families(worker: Any, now: float) -> list[Family]:
 
     stats = worker.batch_stats
     busy_s = stats.busy_ns_at(round(now * SECOND_NS)) / SECOND_NS
-    units = counter("meshnode_batch_units_total", "Units of work run in engine batches, by kind")
-    units.add(stats.decode_units, {"kind": "decode"}).add(stats.prefill_units, {"kind": "prefill"})
     return [
-        counter("meshnode_batches_total", "Engine batches this shard ran", stats.batches),
-        units,
-        counter("meshnode_batch_tokens_total", "Tokens in engine batches", stats.tokens),
-        histogram(
+        _counter("meshnode_batches_total", "Engine batches this shard ran", stats.batches),
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_batch_units_total",
+            "Units of work run in engine batches, by kind",
+            [({"kind": "decode"}, stats.decode_units), ({"kind": "prefill"}, stats.prefill_units)],
+        ),
+        _counter("meshnode_batch_tokens_total", "Tokens in engine batches", stats.tokens),
+        _histogram(
             "meshnode_batch_size",
             "Units of work per engine batch",
             stats.sizes.cumulative(),
             stats.sizes.total,
         ),
-        histogram(
+        _histogram(
             "meshnode_queue_wait_seconds",
             "From a unit's arrival to the start of the engine batch that runs it",
             stats.queue_wait_s.cumulative(),
             stats.queue_wait_s.total,
         ),
-        counter("meshnode_engine_busy_seconds_total", "Time this shard's engine spent on batches", busy_s),
-        gauge(
+        _counter("meshnode_engine_busy_seconds_total", "Time this shard's engine spent on batches", busy_s),
+        _gauge(
             "meshnode_engine_busy_fraction",
             "Share of the last 10 s this shard's engine spent on batches (0..1)",
             stats.busy_fraction(round(now * SECOND_NS)),
@@ -288,20 +453,49 @@ def _batch_families(worker: Any, now: float) -> list[Family]:
     ]
 
 
-def _frame_buffer_families() -> list[Family]:
+def _frame_buffer_families() -> list[Metric]:
     """Incomplete frames, process-wide (meshnode.transport.read_limits): bytes held, streams given up."""
     from meshnode.transport.read_limits import process_budget, reset_counts
 
-    resets = counter(
-        "meshnode_frame_resets_total",
-        "Streams reset for holding too much of an incomplete frame (per connection, per process) "
-        "or stalling mid-frame, by reason",
-    )
-    for reason, value in reset_counts().items():
-        resets.add(value, {"reason": reason})
     budget = process_budget()
     return [
-        resets,
-        gauge("meshnode_frame_buffer_bytes", "Bytes held in incomplete frames, all connections", budget.held),
-        gauge("meshnode_frame_buffer_limit_bytes", "Cap on meshnode_frame_buffer_bytes", budget.limit),
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_frame_resets_total",
+            "Streams reset for holding too much of an incomplete frame (per connection, per process) "
+            "or stalling mid-frame, by reason",
+            [({"reason": reason}, value) for reason, value in reset_counts().items()],
+        ),
+        _gauge(
+            "meshnode_frame_buffer_bytes", "Bytes held in incomplete frames, all connections", budget.held
+        ),
+        _gauge("meshnode_frame_buffer_limit_bytes", "Cap on meshnode_frame_buffer_bytes", budget.limit),
     ]
+
+
+def render(families: Sequence[Metric]) -> str:
+    """``families`` in the text format, as ``/metrics`` writes them (for tests and one-off views)."""
+    return generate_latest(_Families(families)).decode()
+
+
+class _Families:
+    """A fixed list of families as a prometheus_client collector."""
+
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "INTER_TOKEN_LATENCY_BUCKETS",
+    "TIME_TO_FIRST_TOKEN_BUCKETS",
+    "MetricSources",
+    "NodeMetrics",
+    "collect",
+    "live_families",
+    "render",
+    "samples_by_name",
+]

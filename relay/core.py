@@ -422,6 +422,14 @@ class RelayCore:
         registration = self._registered.get(node_id)
         return registration.queue.nbytes if registration is not None else 0
 
+    def registered_count(self) -> int:
+        """Node ids registered now: the members this relay forwards for."""
+        return len(self._registered)
+
+    def queued_frames(self) -> int:
+        """Frames waiting for their destinations, all queues."""
+        return sum(len(registration.queue) for registration in self._registered.values())
+
     # -- registration ----------------------------------------------------------------
 
     def _on_register(self, conn: _Conn, register: relay.RelayRegister, unix_now: float) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +30,7 @@ from meshnode.head.environment import NodeRoutes, StandaloneShardHost
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.route_backend import LocalModel, RouteBackend
 from meshnode.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from meshnode.metrics import MetricSources, collect, render
+from meshnode.metrics import MetricSources, NodeMetrics
 from meshnode.transport.addresses import format_host_port
 from meshnode.wire.pb import mesh
 
@@ -108,13 +107,15 @@ class HeadService:
 
         sources = metrics or MetricSources()
         sources.driver = driver
+        node_metrics = NodeMetrics(sources)
+        driver.token_observers.append(node_metrics.observe_token)
 
         async def generations(request: web.Request) -> web.Response:
             return web.json_response(driver.stats.as_json())
 
         async def prometheus(request: web.Request) -> web.Response:
-            text = render(await collect(sources, now=time.monotonic()))
-            return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+            body = await node_metrics.exposition()
+            return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
         def extra_routes(app: web.Application) -> None:
             app.router.add_get("/meshnode/generations", generations)

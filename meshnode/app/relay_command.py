@@ -1,11 +1,13 @@
 """``meshnode relay`` and ``python -m relay``: run a relay for one or more meshes.
 
     meshnode relay --listen 0.0.0.0:7448 --mesh MESH_ID [--mesh MESH_ID ...] [--data-dir DIR]
+                   [--metrics-listen HOST:PORT]
     meshnode relay --show-id [--data-dir DIR]
 
 The relay's identity key lives in its data directory (created on first use,
 mode 0600); its id is what invites pin. On start the relay prints
-``relay id: <hex>`` and ``relay listening on HOST:PORT`` to stdout.
+``relay id: <hex>`` and ``relay listening on HOST:PORT`` to stdout, and with
+``--metrics-listen`` then ``relay metrics on http://HOST:PORT/metrics``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from meshnode.logs import configure_logging
 from meshnode.membership.store import StoreError
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from relay.core import RelayPolicy
+from relay.metrics import METRICS_PATH, RelayMetricsServer
 from relay.server import RelayServer, load_relay_identity
 
 DEFAULT_LISTEN = "0.0.0.0:7448"
@@ -55,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MESH_ID",
         help="serve this mesh (repeatable); only its members may register",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        type=host_port,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP at /metrics on this address (default: none)",
     )
     parser.add_argument(
         "--show-id", action="store_true", help="print the relay id (creating the key) and exit"
@@ -124,15 +134,31 @@ async def run_relay(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    metrics: RelayMetricsServer | None = None
     try:
         await server.start(host, port)
+        if args.metrics_listen is not None:
+            metrics = RelayMetricsServer(server)
+            metrics_host, metrics_port = parse_host_port(args.metrics_listen, allow_zero_port=True)
+            try:
+                await metrics.start(metrics_host, metrics_port)
+            except OSError as exc:
+                where = format_host_port(metrics_host, metrics_port)
+                print(
+                    f"meshnode relay: cannot serve metrics on {where}: {exc.strerror or exc}", file=sys.stderr
+                )
+                return 1
         bound_host, bound_port = server.address
         print(f"relay id: {identity.node_id.hex()}", flush=True)
         print(f"relay listening on {format_host_port(bound_host, bound_port)}", flush=True)
+        if metrics is not None:
+            print(f"relay metrics on http://{format_host_port(*metrics.address)}{METRICS_PATH}", flush=True)
         await stop.wait()
         log.info("relay stopping")
         return 0
     finally:
+        if metrics is not None:
+            await metrics.close()
         await server.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 from helpers.recording_engine import RecordingEngine
+from prometheus_client.parser import text_string_to_metric_families
 
 from engines.interface import EngineHealth
 from meshnode.dataplane.actions import Action, FireCancel, Forward, RunBatch
@@ -24,7 +25,7 @@ from meshnode.dataplane.errors import ENGINE_FAILURE_DETAIL
 from meshnode.dataplane.lease import LOCAL_ORIGIN, StreamOrigin
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import WorkerConfig, WorkerLoad
-from meshnode.metrics import MetricSources, collect, render
+from meshnode.metrics import MetricSources, collect, render, samples_by_name
 from meshnode.wire.pb import shard
 
 from .harness import (
@@ -381,8 +382,14 @@ class _Server:
         return self.engine.health()
 
 
-def metric_lines(text: str, *names: str) -> list[str]:
-    return [line for line in text.splitlines() if line.split("{")[0].split(" ")[0] in names]
+def metric_samples(text: str, *names: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples named ``names`` in an exposition, parsed with prometheus_client's parser."""
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in names
+    ]
 
 
 async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> None:
@@ -407,44 +414,47 @@ async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> No
     assert stats.busy_ns == 15 * MS
     sources = MetricSources(server=_Server(harness))
     text = render(await collect(sources, now=harness.now / SECOND))
-    assert metric_lines(text, "meshnode_batches_total", "meshnode_batch_units_total") == [
-        "meshnode_batches_total 5",
-        'meshnode_batch_units_total{kind="decode"} 3',
-        'meshnode_batch_units_total{kind="prefill"} 3',
+    assert metric_samples(text, "meshnode_batches_total", "meshnode_batch_units_total") == [
+        ("meshnode_batches_total", {}, 5),
+        ("meshnode_batch_units_total", {"kind": "decode"}, 3),
+        ("meshnode_batch_units_total", {"kind": "prefill"}, 3),
     ]
-    assert metric_lines(
+    sizes = metric_samples(
         text, "meshnode_batch_size_bucket", "meshnode_batch_size_sum", "meshnode_batch_size_count"
-    ) == [
-        'meshnode_batch_size_bucket{le="1"} 4',
-        'meshnode_batch_size_bucket{le="2"} 5',
-        'meshnode_batch_size_bucket{le="4"} 5',
-        'meshnode_batch_size_bucket{le="8"} 5',
-        'meshnode_batch_size_bucket{le="16"} 5',
-        'meshnode_batch_size_bucket{le="32"} 5',
-        'meshnode_batch_size_bucket{le="64"} 5',
-        'meshnode_batch_size_bucket{le="+Inf"} 5',
-        "meshnode_batch_size_sum 6",
-        "meshnode_batch_size_count 5",
+    )
+    assert sizes == [
+        *(
+            ("meshnode_batch_size_bucket", {"le": le}, count)
+            for le, count in [
+                ("1.0", 4),
+                ("2.0", 5),
+                ("4.0", 5),
+                ("8.0", 5),
+                ("16.0", 5),
+                ("32.0", 5),
+                ("64.0", 5),
+                ("+Inf", 5),
+            ]
+        ),
+        ("meshnode_batch_size_count", {}, 5),
+        ("meshnode_batch_size_sum", {}, 6),
     ]
-    waits = metric_lines(text, "meshnode_queue_wait_seconds_bucket", "meshnode_queue_wait_seconds_count")
+    waits = metric_samples(text, "meshnode_queue_wait_seconds_bucket", "meshnode_queue_wait_seconds_count")
     assert waits[:4] == [
-        'meshnode_queue_wait_seconds_bucket{le="0.001"} 4',
-        'meshnode_queue_wait_seconds_bucket{le="0.005"} 4',
-        'meshnode_queue_wait_seconds_bucket{le="0.01"} 6',
-        'meshnode_queue_wait_seconds_bucket{le="0.025"} 6',
+        ("meshnode_queue_wait_seconds_bucket", {"le": le}, count)
+        for le, count in [("0.001", 4), ("0.005", 4), ("0.01", 6), ("0.025", 6)]
     ]
-    assert waits[-1] == "meshnode_queue_wait_seconds_count 6"
+    assert waits[-1] == ("meshnode_queue_wait_seconds_count", {}, 6)
     assert stats.queue_wait_s.total == pytest.approx(0.014)
     assert "# TYPE meshnode_batch_size histogram" in text.splitlines()
-    assert metric_lines(text, "meshnode_engine_busy_seconds_total") == [
-        "meshnode_engine_busy_seconds_total 0.015"
-    ]
+    ((_, _, busy_seconds),) = metric_samples(text, "meshnode_engine_busy_seconds_total")
+    assert busy_seconds == pytest.approx(0.015)
     # Every batch so far fell within the last 10 s: busy 15 ms of the time since the first began.
     assert stats.first_started_ns is not None
     since_first = harness.now - stats.first_started_ns
     assert since_first >= 15 * MS
-    (busy_line,) = metric_lines(text, "meshnode_engine_busy_fraction")
-    assert float(busy_line.split(" ")[1]) == pytest.approx(15 * MS / since_first)
+    ((_, _, busy_fraction),) = metric_samples(text, "meshnode_engine_busy_fraction")
+    assert busy_fraction == pytest.approx(15 * MS / since_first)
 
     # 20 s later, a 5 ms batch: of the trailing 10 s window the engine was busy 5 ms, and a
     # second scraper reads the same share as the first.
@@ -454,11 +464,9 @@ async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> No
     harness.now = later
     harness.run(harness.batch_finished(third.batch_id, third.execute(harness.engine), harness.now))
     for _ in range(2):
-        families = {f.name: f for f in await collect(sources, now=harness.now / SECOND)}
-        assert families["meshnode_engine_busy_fraction"].samples[0][1] == pytest.approx(
-            5 * MS / (10 * SECOND)
-        )
-    assert families["meshnode_engine_busy_seconds_total"].samples[0][1] == pytest.approx(0.020)
+        samples = samples_by_name(await collect(sources, now=harness.now / SECOND))
+        assert samples["meshnode_engine_busy_fraction"] == [({}, pytest.approx(5 * MS / (10 * SECOND)))]
+    assert samples["meshnode_engine_busy_seconds_total"] == [({}, pytest.approx(0.020))]
 
 
 # ---------------------------------------------------------------------------- sessions due back

@@ -29,7 +29,7 @@ from engines.resident_memory import (
 )
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.app.status import format_status
-from meshnode.metrics import _memory_families, render
+from meshnode.metrics import _memory_families, samples_by_name
 
 # Loads one shard as a node would (4 sessions of 2048 tokens), runs a 128-token prefill and
 # 8 decodes through it (so the compute buffers are in use), then prints its memory report.
@@ -180,10 +180,10 @@ def test_status_and_metrics_show_resident_memory_against_the_budget() -> None:
     )
     # Anonymous growth (150 - 40) plus the mapped model file (25).
     assert memory.shard_bytes == 135 * MIB and memory.budget_ratio == pytest.approx(135 / 144)
-    text = render(_memory_families(memory))
-    assert f'meshnode_shard_memory_budget_bytes{{buffer="kv"}} {112 * MIB}' in text
-    assert f"meshnode_shard_resident_bytes {135 * MIB}" in text
-    assert f"meshnode_resident_file_bytes {50 * MIB}" in text
+    samples = samples_by_name(_memory_families(memory))
+    assert ({"buffer": "kv"}, 112 * MIB) in samples["meshnode_shard_memory_budget_bytes"]
+    assert samples["meshnode_shard_resident_bytes"] == [({}, 135 * MIB)]
+    assert samples["meshnode_resident_file_bytes"] == [({}, 50 * MIB)]
     node = {
         "short_id": "abcd",
         "mesh_id": "m",

@@ -118,7 +118,7 @@ async def batch_counts(api: str) -> tuple[float, float]:
         samples = dict(
             line.rsplit(" ", 1) for line in (await r.text()).splitlines() if not line.startswith("#")
         )
-    return float(samples["meshnode_batches_total"]), float(samples['meshnode_batch_size_bucket{le="1"}'])
+    return float(samples["meshnode_batches_total"]), float(samples['meshnode_batch_size_bucket{le="1.0"}'])
 
 
 async def test_concurrent_streams_each_get_their_solo_greedy_text(api, solo):

@@ -122,15 +122,15 @@ async def test_metrics_after_a_generation(api, cluster, reference):
     assert delta('meshnode_generations_total{outcome="completed"}') == 1
     assert delta('meshnode_generations_total{outcome="failed"}') == 0
     # This node serves the first shard: one prefill, then a decode step per further token.
-    assert delta('meshnode_engine_events_total{event="decode_steps"}') == 23
-    assert delta('meshnode_engine_events_total{event="prefill_steps"}') >= 1
+    assert delta('meshnode_engine_steps_total{kind="decode"}') == 23
+    assert delta('meshnode_engine_steps_total{kind="prefill"}') >= 1
     assert after["meshnode_peers"] >= 2
     assert after['meshnode_serving_state{state="serving"}'] == 1
     assert after["meshnode_generations_active"] == 0
     assert 0 <= after["meshnode_kv_pressure"] <= 1 and after["meshnode_kv_tokens_capacity"] > 0
     errors = {k: v for k, v in after.items() if k.startswith("meshnode_shard_errors_total")}
     assert 'meshnode_shard_errors_total{code="CACHE_MISS"}' in errors and set(errors.values()) == {0.0}
-    assert after["meshnode_tokens_per_second"] > 0
+    assert delta("meshnode_completion_tokens_total") == 24 and delta("meshnode_prompt_tokens_total") > 0
 
 
 async def test_a_node_whose_shard_is_not_first_answers_through_a_remote_first_hop(api, cluster, reference):

@@ -23,7 +23,7 @@ from meshnode.app.config import parse_args_with_config
 from meshnode.app.node_commands import node_config
 from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import Dispatcher, DispatchingLinkHandler
-from meshnode.metrics import MetricSources, collect
+from meshnode.metrics import MetricSources, collect, samples_by_name
 from meshnode.transport import read_limits
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
@@ -150,10 +150,8 @@ async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_i
             == mesh.MESH_ERROR_READ_TIMEOUT
         )
         assert reset_counts()["stalled"] == before["stalled"] + 1
-        families = {family.name: family for family in await collect(MetricSources(), now=0.0)}
-        resets = {
-            labels["reason"]: value for labels, value in families["meshnode_frame_resets_total"].samples
-        }
+        samples = samples_by_name(await collect(MetricSources(), now=0.0))
+        resets = {labels["reason"]: value for labels, value in samples["meshnode_frame_resets_total"]}
         assert resets["stalled"] == before["stalled"] + 1
         # Waiting at a frame boundary, however long, is not a stall.
         await asyncio.sleep(3 * stall)

@@ -28,7 +28,7 @@ from meshnode.membership.revocation import (
 )
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.state import MeshState
-from meshnode.metrics import MetricSources, collect
+from meshnode.metrics import MetricSources, collect, samples_by_name
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
 from meshnode.wire.pb import mesh
 
@@ -359,9 +359,8 @@ async def test_metrics_count_refusals_of_revoked_credentials_by_code(tmp_path, m
                 now_ns=MONOTONIC_NS,
                 unix_now=NOW,
             )
-    families = {family.name: family for family in await collect(MetricSources(node=node), now=0.0)}
+    refusals = samples_by_name(await collect(MetricSources(node=node), now=0.0))
     samples = {
-        labels["code"]: value
-        for labels, value in families["meshnode_revoked_credential_refusals_total"].samples
+        labels["code"]: value for labels, value in refusals["meshnode_revoked_credential_refusals_total"]
     }
     assert samples == {"REVOKED": 2, "INVITE_REVOKED": 0, "CERTIFICATE_EXPIRED": 0}

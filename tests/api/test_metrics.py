@@ -1,0 +1,157 @@
+"""A node's ``/metrics`` through prometheus_client: counters that scrapes do not disturb, token
+latency histograms fed by the driver, and a registry per node.
+
+The node here is the driver's end of the in-process loopback mesh (fake engines): the head's
+shard serves ``[0, 2)``, a peer ``[2, 4)``. Expositions are parsed with prometheus_client's own
+text parser, so the checks hold for what a Prometheus server reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.interface import GREEDY
+from meshnode.head.driver import GenerationDriver
+from meshnode.metrics import (
+    CONTENT_TYPE,
+    INTER_TOKEN_LATENCY_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    MetricSources,
+    NodeMetrics,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = [5, 3, 8, 1, 9, 2, 7]
+GENERATED = 6
+TAIL = 3
+# What the generation below changes: each must move between the scrapes before and after it.
+COUNTERS_OF_A_GENERATION = {
+    "meshnode_completion_tokens_total": GENERATED,
+    "meshnode_tokens_generated_total": GENERATED,
+    "meshnode_prompt_tokens_total": len(PROMPT),
+    "meshnode_time_to_first_token_seconds_count": 1,
+    "meshnode_inter_token_latency_seconds_count": GENERATED - 1,
+}
+
+
+def parse(exposition: bytes) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+    """{sample name: {labels: value}} of an exposition."""
+    samples: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
+    for family in text_string_to_metric_families(exposition.decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
+    return samples
+
+
+def value(samples: dict[str, dict[frozenset[tuple[str, str]], float]], name: str, **labels: str) -> float:
+    return samples[name][frozenset(labels.items())]
+
+
+def counters(samples: dict[str, dict[frozenset[tuple[str, str]], float]]) -> dict[str, float]:
+    """The counter and histogram samples (a gauge may move on its own between scrapes)."""
+    return {
+        f"{name}{sorted(labels)}": v
+        for name, series in samples.items()
+        if name.endswith(("_total", "_bucket", "_count", "_sum"))
+        for labels, v in series.items()
+    }
+
+
+@pytest.fixture
+async def routes() -> AsyncIterator[LoopbackRoutes]:
+    routes = LoopbackRoutes()
+    await routes.add_shard(DRIVER_INDEX, 0, 2)
+    await routes.add_shard(TAIL, 2, 4)
+    yield routes
+    await routes.aclose()
+
+
+def head_metrics(routes: LoopbackRoutes) -> tuple[GenerationDriver, NodeMetrics]:
+    """A driver and its node's metrics, wired as meshnode.app.head_service wires them."""
+    driver = GenerationDriver(routes)
+    server = routes.shards[DRIVER_INDEX].server
+    metrics = NodeMetrics(MetricSources(server=server, driver=driver))
+    driver.token_observers.append(metrics.observe_token)
+    return driver, metrics
+
+
+async def generate(driver: GenerationDriver, routes: LoopbackRoutes) -> list[int]:
+    return [token async for token in driver.generate(routes.model, PROMPT, GREEDY, GENERATED)]
+
+
+def test_the_content_type_is_the_text_format_the_exposition_is_written_in() -> None:
+    assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+
+
+async def test_a_generation_moves_the_counters_and_fills_the_latency_histograms(routes) -> None:
+    driver, metrics = head_metrics(routes)
+    before = parse(await metrics.exposition())
+    assert len(await generate(driver, routes)) == GENERATED
+    after = parse(await metrics.exposition())
+    for name, moved in COUNTERS_OF_A_GENERATION.items():
+        assert value(after, name) - value(before, name) == moved, name
+    assert value(after, "meshnode_generations_total", outcome="completed") == 1
+    # The head's shard ran the prompt's prefill and a decode step for each later token at least.
+    assert value(after, "meshnode_engine_steps_total", kind="prefill") >= 1
+    assert value(after, "meshnode_engine_steps_total", kind="decode") >= GENERATED - 1
+    assert value(after, "meshnode_engine_sessions_opened_total") >= 1
+    assert 0 <= value(after, "meshnode_kv_cache_usage_ratio") <= 1
+    assert value(after, "meshnode_kv_cache_usage_ratio") == value(after, "meshnode_kv_pressure")
+    # Every configured bucket is exposed, cumulative, ending in +Inf with the count.
+    for histogram, bounds in (
+        ("meshnode_time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS),
+        ("meshnode_inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS),
+    ):
+        buckets = after[f"{histogram}_bucket"]
+        assert {float(dict(labels)["le"]) for labels in buckets} == {*bounds, float("inf")}
+        counts = [count for _, count in sorted((float(dict(k)["le"]), v) for k, v in buckets.items())]
+        assert counts == sorted(counts) and counts[-1] == value(after, f"{histogram}_count")
+
+
+async def test_a_second_scraper_changes_nothing_another_reads(routes) -> None:
+    driver, metrics = head_metrics(routes)
+    await generate(driver, routes)
+    first, second = parse(await metrics.exposition()), parse(await metrics.exposition())
+    assert counters(first) == counters(second)
+    assert value(second, "meshnode_completion_tokens_total") == GENERATED
+    # What replaced the rate computed between scrapes: the scraper takes rate() of the counter.
+    assert "meshnode_tokens_per_second" not in second
+
+
+async def test_the_old_mixed_engine_events_family_is_split_by_what_it_counts(routes) -> None:
+    driver, metrics = head_metrics(routes)
+    await generate(driver, routes)
+    samples = parse(await metrics.exposition())
+    assert "meshnode_engine_events_total" not in samples
+    assert {dict(labels)["reason"] for labels in samples["meshnode_engine_sessions_ended_total"]} == {
+        "released",
+        "evicted",
+        "expired",
+        "cancelled",
+    }
+    assert value(samples, "meshnode_engine_tokens_processed_total") >= len(PROMPT) + GENERATED - 1
+
+
+async def test_build_info_names_this_version_and_the_llama_cpp_binding(routes) -> None:
+    from importlib.metadata import version
+
+    from meshnode import __version__
+
+    _, metrics = head_metrics(routes)
+    samples = parse(await metrics.exposition())
+    ((labels, one),) = samples["meshnode_build_info"].items()
+    assert one == 1
+    assert dict(labels) == {"version": __version__, "llama_cpp": version("llama-cpp-python")}
+
+
+async def test_each_node_counts_in_its_own_registry(routes) -> None:
+    driver, metrics = head_metrics(routes)
+    _, other = head_metrics(routes)
+    await generate(driver, routes)
+    assert value(parse(await metrics.exposition()), "meshnode_time_to_first_token_seconds_count") == 1
+    assert value(parse(await other.exposition()), "meshnode_time_to_first_token_seconds_count") == 0
