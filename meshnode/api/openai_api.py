@@ -45,6 +45,7 @@ from meshnode.api.request_fields import ParsedRequest, check_against_model, pars
 from meshnode.head.backend import (
     ContextLengthExceeded,
     ContextReporting,
+    CoverageReporting,
     GenerationBackend,
     GenerationFailed,
     MeshBusy,
@@ -116,10 +117,27 @@ class OpenAIApi:
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
         data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "meshnode"}
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "meshnode",
+                **self._coverage(name),
+            }
             for name in self.backend.model_names()
         ]
         return web.json_response({"object": "list", "data": data})
+
+    def _coverage(self, model: str) -> dict[str, Any]:
+        """``meshnode``: the model's layer count and ``coverage``, [start, end, replicas] per span
+        (an extension field: OpenAI clients ignore what they do not know)."""
+        if not isinstance(self.backend, CoverageReporting):
+            return {}
+        coverage = self.backend.model_coverage(model)
+        if coverage is None:
+            return {}
+        spans = [[span.start_layer, span.end_layer, span.replicas] for span in coverage.spans]
+        return {"meshnode": {"layers": coverage.total_layers, "coverage": spans}}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)

@@ -21,6 +21,7 @@ from typing import Any
 from meshnode.app.api_options import (
     add_api_access_options,
     add_api_key_option,
+    add_model_name_option,
     api_access,
     head_options,
     parse_api_listen,
@@ -125,6 +126,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"no model file at {args.model}", code=2)
     shard_options = ShardServiceOptions(
         model=args.model,
+        model_name=args.model_name,
         threads=args.threads,
         ctx=args.ctx,
         max_sessions=max_sessions(args, args.model, None, args.ctx),
@@ -141,7 +143,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
         try:
-            print(f"serving {args.model.name} (all layers) at {running.url}/v1", flush=True)
+            alias = f" as {args.model_name}" if args.model_name else ""
+            print(f"serving {args.model.name}{alias} (all layers) at {running.url}/v1", flush=True)
             await stop.wait()
             stop.clear()
             await run_drain(running.drain, stop, DRAIN_TIMEOUT_S)
@@ -190,6 +193,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "/v1/models with it: no mesh, no identity, the same generation path as a mesh node.",
     )
     p.add_argument("--model", type=Path, required=True, metavar="PATH", help="GGUF model")
+    add_model_name_option(p)
     p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
     p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")

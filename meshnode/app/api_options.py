@@ -1,6 +1,6 @@
 """The API's options on ``create``/``join``/``start`` and ``serve``: where it listens
-(``--api-listen``, or ``off``), the bearer key it demands (``--api-key``) and the browser
-origins it answers (``--cors-origin``). Like every option they may come from the environment
+(``--api-listen``, or ``off``), the bearer key it demands (``--api-key``), the browser
+origins it answers (``--cors-origin``) and the name it serves the model under (``--model-name``). Like every option they may come from the environment
 (``MESHNODE_API_KEY``) or the config file (``api-key = "..."``); a key in the environment or a
 file 0600 stays out of ``ps``, which a key on the command line does not.
 """
@@ -12,6 +12,7 @@ from typing import Any
 
 from meshnode.api.auth import ANY_ORIGIN, ApiAccess
 from meshnode.app.head_service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
+from meshnode.mesh.validation import MAX_TEXT
 from meshnode.transport.addresses import AddressError, parse_host_port
 
 API_DISABLED = ("off", "none")
@@ -54,6 +55,28 @@ def parse_cors_origin(text: str) -> str:
     if origin != ANY_ORIGIN and not origin.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"a CORS origin is '*' or scheme://host[:port], not {text!r}")
     return origin
+
+
+def parse_model_name(text: str) -> str:
+    name = text.strip()
+    if not name or any(c.isspace() or not c.isprintable() for c in name):
+        # Clients send it back verbatim as the request's "model": one printable word.
+        raise argparse.ArgumentTypeError("a model name is one word, without spaces")
+    if len(name) > MAX_TEXT:
+        # Peers refuse an announcement whose model name is longer (meshnode.mesh.validation).
+        raise argparse.ArgumentTypeError(f"a model name has at most {MAX_TEXT} characters")
+    return name
+
+
+def add_model_name_option(parser: argparse.ArgumentParser | Any) -> None:
+    parser.add_argument(
+        "--model-name",
+        type=parse_model_name,
+        default=None,
+        metavar="NAME",
+        help="serve the model under this name: the /v1/models id requests ask for "
+        "(default: the GGUF file's name without .gguf)",
+    )
 
 
 def add_api_key_option(parser: argparse.ArgumentParser | Any, *, client: bool = False) -> None:
@@ -100,9 +123,11 @@ __all__ = [
     "add_api_access_options",
     "add_api_key_option",
     "add_api_listen_option",
+    "add_model_name_option",
     "api_access",
     "head_options",
     "parse_api_key",
     "parse_api_listen",
     "parse_cors_origin",
+    "parse_model_name",
 ]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshnode.app.api_options import add_api_listen_option
+from meshnode.app.api_options import add_api_listen_option, add_model_name_option
 from meshnode.app.cli_args import (
     add_weight_repack_option,
     host_port,
@@ -94,6 +94,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model")
     model.add_argument("--model", type=Path, metavar="PATH", help="GGUF model this node serves")
+    add_model_name_option(model)
     model.add_argument(
         "--layers", type=parse_layers, metavar="A:B", help="layer range to serve (default: all)"
     )

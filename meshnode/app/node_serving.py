@@ -35,6 +35,9 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     if args.model is None:
         if args.layers is not None:
             raise CliError("--layers needs --model", code=2)
+        if args.model_name is not None:
+            # A placed node serves whichever model the mesh lacks, under the name the mesh knows.
+            raise CliError("--model-name needs --model", code=2)
         if args.placement == "off":
             return await run_node(node)
         from meshnode.app.placed_serving import serve_placed_node
@@ -55,6 +58,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
 
     options = ShardServiceOptions(
         model=args.model,
+        model_name=args.model_name,
         layers=args.layers,
         n_gpu_layers=args.n_gpu_layers,
         weight_repack=args.weight_repack,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from engines.interface import SamplingParams
+from meshnode.head.coverage import ModelCoverage
 from meshnode.wire.errors import MeshnodeError
 
 
@@ -92,6 +93,16 @@ class ReadinessReporting(Protocol):
 
     def not_ready_reason(self) -> str | None:
         """None when a generation could start now; else a reason safe to show anyone."""
+        ...
+
+
+@runtime_checkable
+class CoverageReporting(Protocol):
+    """A backend that knows which shards serve a model's layers (optional: /v1/models then
+    lists the model alone)."""
+
+    def model_coverage(self, model: str) -> ModelCoverage | None:
+        """None when no shard of the mesh serves ``model`` now."""
         ...
 
 

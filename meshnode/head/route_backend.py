@@ -16,6 +16,7 @@ from engines.interface import SamplingParams
 from engines.sampling import with_prompt_history
 from meshnode.head.backend import GenerationFailed, PromptTokenizer, UnknownModel
 from meshnode.head.candidates import identities_for_artifact
+from meshnode.head.coverage import ModelCoverage, layer_coverage
 from meshnode.head.driver import GenerationDriver
 from meshnode.head.planner import ModelIdentity, NoRouteError, plan_route
 
@@ -68,6 +69,19 @@ class RouteBackend:
             if c.node_id in on_route and c.model == identity and c.max_context_tokens > 0
         ]
         return min(contexts) if contexts else None
+
+    def model_coverage(self, model: str) -> ModelCoverage | None:
+        """The layers of the route a request for ``model`` would take (else of the first way it
+        is served), with how many shards serve each span; None when no shard serves it."""
+        local = self._local(model)
+        candidates = self.driver.env.candidates()
+        identity = self._routable(local)
+        if identity is None:
+            identities = identities_for_artifact(candidates, local.artifact_digest)
+            if not identities:
+                return None
+            identity = identities[0]
+        return layer_coverage(candidates, identity)
 
     def not_ready_reason(self) -> str | None:
         """Why this node cannot answer a generation now (draining, no complete route), or None."""
