@@ -91,10 +91,8 @@ class NodeMetrics:
     def __init__(self, sources: MetricSources) -> None:
         self.sources = sources
         self.registry = CollectorRegistry(auto_describe=False)
-        # The one value that has to be awaited (the engine answers from its thread), read before
-        # each exposition; the registry's collectors are synchronous.
-        self._health: EngineHealth | None = None
-        self.registry.register(_LiveObjects(self))
+        self._live = _LiveObjects(sources)
+        self.registry.register(self._live)
         self.time_to_first_token = Histogram(
             "meshnode_time_to_first_token_seconds",
             "From a generation's start at the head to its first token",
@@ -116,19 +114,21 @@ class NodeMetrics:
         """The registry in the text format (:data:`CONTENT_TYPE`)."""
         server = self.sources.server
         if server is not None:
-            self._health = await server.engine_health()
+            self._live.health = await server.engine_health()
         return generate_latest(self.registry)
 
 
 class _LiveObjects:
     """A collector over :class:`MetricSources` (prometheus_client calls ``collect`` per exposition)."""
 
-    def __init__(self, metrics: NodeMetrics) -> None:
-        self._metrics = metrics
+    def __init__(self, sources: MetricSources) -> None:
+        self.sources = sources
+        # The one value that has to be awaited (the engine answers from its thread): read before
+        # each exposition, since prometheus_client's collectors are synchronous.
+        self.health: EngineHealth | None = None
 
     def collect(self) -> Iterator[Metric]:
-        metrics = self._metrics
-        yield from live_families(metrics.sources, metrics._health, now=time.monotonic())
+        yield from live_families(self.sources, self.health, now=time.monotonic())
 
 
 async def collect(sources: MetricSources, *, now: float) -> list[Metric]:
