@@ -1,8 +1,8 @@
 """The meshnode relay server: forwards sealed frames between mesh members that cannot dial each other.
 
 ``relay.core`` is the relay's sans-IO state machine, ``relay.fair_queue`` the
-queue that shares one destination fairly among its senders, and ``relay.server``
-the QUIC edge. The wire protocol and rate limiter it shares with the node's
+queue that shares one destination fairly among its senders, ``relay.server``
+the QUIC edge, and ``relay.metrics`` its Prometheus endpoint (``--metrics-listen``). The wire protocol and rate limiter it shares with the node's
 relay client live below both, in ``meshnode.relaywire``.
 
 Why a top-level package and not ``meshnode.relay``: the relay is a program of

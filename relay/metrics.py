@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from meshnode import __version__
 from relay.server import RelayServer
 
 METRICS_PATH = "/metrics"
@@ -25,8 +26,6 @@ class RelayCollector:
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        from meshnode import __version__
-
         server = self._server
         core = server.core
         stats = core.stats

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.interface import GREEDY
+from engines.tiny_model import ensure_tiny_model
+from meshnode.app.head_service import HeadOptions, HeadService
 from meshnode.head.driver import GenerationDriver
 from meshnode.metrics import (
     CONTENT_TYPE,
@@ -23,6 +26,7 @@ from meshnode.metrics import (
     MetricSources,
     NodeMetrics,
 )
+from meshnode.wire.pb import mesh
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -84,8 +88,28 @@ async def generate(driver: GenerationDriver, routes: LoopbackRoutes) -> list[int
     return [token async for token in driver.generate(routes.model, PROMPT, GREEDY, GENERATED)]
 
 
-def test_the_content_type_is_the_text_format_the_exposition_is_written_in() -> None:
-    assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+async def test_the_heads_metrics_endpoint_serves_the_text_format_with_the_drivers_latencies(routes) -> None:
+    # The head as meshnode.app.head_service starts it (the tiny GGUF only lends its tokenizer).
+    served = mesh.ServedShard(model_name="fake")
+    served.fingerprint.model_artifact_digest = routes.model.model_artifact_digest
+    head = await HeadService.start(
+        routes,
+        model_path=ensure_tiny_model(),
+        served=served,
+        options=HeadOptions(api_host="127.0.0.1", api_port=0),
+        metrics=MetricSources(server=routes.shards[DRIVER_INDEX].server),
+    )
+    try:
+        await generate(head.driver, routes)
+        async with aiohttp.ClientSession() as session, session.get(f"{head.url}/metrics") as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"] == CONTENT_TYPE
+            assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+            samples = parse(await response.read())
+    finally:
+        await head.aclose()
+    assert value(samples, "meshnode_time_to_first_token_seconds_count") == 1
+    assert value(samples, "meshnode_inter_token_latency_seconds_count") == GENERATED - 1
 
 
 async def test_a_generation_moves_the_counters_and_fills_the_latency_histograms(routes) -> None:
