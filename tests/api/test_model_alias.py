@@ -7,11 +7,6 @@ is checked end to end too: ``meshnode serve --model-name`` with the tiny GGUF, a
 from __future__ import annotations
 
 import json
-import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
+from helpers.serve_process import serving_process
 
 from engines.interface import GREEDY
 from engines.tiny_model import ensure_tiny_model
@@ -129,23 +125,8 @@ async def test_the_alias_is_what_the_backend_generates_for(routes) -> None:
 def aliased_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     model = ensure_tiny_model()
     log = tmp_path_factory.mktemp("alias") / "serve.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--model-name", ALIAS,
-             "--api-listen", "127.0.0.1:0", "--threads", "1", "--ctx", "256"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not (found := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield found.group(1), model
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(20)
+    with serving_process(log, model, "--model-name", ALIAS, ctx=256) as (url, _):
+        yield url, model
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

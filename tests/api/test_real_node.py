@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -20,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from helpers.serve_process import serving_process
 
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
@@ -42,23 +40,11 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[tuple[str, Path]]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    environment = os.environ | {"MESHNODE_API_KEY": KEY}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "meshnode", "serve", "--model", str(tiny_model), "--api-listen",
-             "127.0.0.1:0", "--threads", "1", "--ctx", str(CONTEXT)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not (found := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield found.group(1), log
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(20)
+    with serving_process(log, tiny_model, env=os.environ | {"MESHNODE_API_KEY": KEY}, ctx=CONTEXT) as (
+        url,
+        _,
+    ):
+        yield url, log
     assert KEY not in log.read_text()
 
 

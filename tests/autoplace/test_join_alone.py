@@ -24,15 +24,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 from helpers.node_processes import NODE_TIMING, NodeProcess
+from helpers.serve_process import whole_model_greedy_text
 
 from engines.default_model import default_model_path
 from engines.gguf_file import read_gguf
-from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
-from engines.llama_engine import LlamaShardEngine
 from engines.model_manifest import build_manifest
 from engines.slicing import tensors_for_range
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
-from engines.tokenizer import Tokenizer
 from meshnode.artifacts.store import ArtifactStore
 from meshnode.membership.credentials import encode_invite_token
 
@@ -47,24 +45,7 @@ PLACE_TIMEOUT_S = 180.0
 
 
 def reference_text(model: Path) -> str:
-    """Greedy text of the whole model in one process."""
-    tokenizer = Tokenizer.open(model)
-    engine = LlamaShardEngine()
-    engine.load(LoadRequest(str(model), 0, None, n_ctx=512, n_seq_max=1, n_threads=1))
-    prompt = tokenizer.encode_prompt(PROMPT)
-    key = SessionKey("reference", 1)
-    tokens = [engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY)).token_id]
-    while len(tokens) < TOKENS:
-        position = len(prompt) + len(tokens) - 1
-        step = StepRequest(
-            key, position, token_ids=(tokens[-1],), expected_past_len=position, sampling=GREEDY
-        )
-        tokens.append(engine.decode(step).token_id)
-    engine.close()
-    stream = tokenizer.detokenizer()
-    text = "".join(stream.feed(int(t)) for t in tokens) + stream.flush()  # type: ignore[arg-type]
-    tokenizer.close()
-    return text
+    return whole_model_greedy_text(model, PROMPT, TOKENS)
 
 
 def placement(process: NodeProcess) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -11,11 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.serve_process import serving_process, whole_model_greedy_text
 
-from engines.interface import GREEDY, SessionKey, StepRequest
-from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import ensure_tiny_model
-from engines.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -38,44 +35,12 @@ def tiny_model() -> Path:
 def serving(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "meshnode", "serve", "--model", str(tiny_model), "--api-listen",
-             "127.0.0.1:0", "--threads", "1", "--ctx", "512"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not (found := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield found.group(1), process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(20)
+    with serving_process(tmp_path_factory.mktemp("serve") / "serve.log", tiny_model) as served:
+        yield served
 
 
 def reference_text(model: Path) -> str:
-    tokenizer = Tokenizer.open(model)
-    engine = LlamaShardEngine()
-    from engines.interface import LoadRequest
-
-    engine.load(LoadRequest(str(model), 0, None, n_ctx=512, n_seq_max=1, n_threads=1))
-    prompt = tokenizer.encode_prompt(PROMPT)
-    key = SessionKey("reference", 1)
-    tokens = [engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY)).token_id]
-    while len(tokens) < TOKENS:
-        position = len(prompt) + len(tokens) - 1
-        step = StepRequest(
-            key, position, token_ids=(tokens[-1],), expected_past_len=position, sampling=GREEDY
-        )
-        tokens.append(engine.decode(step).token_id)
-    engine.close()
-    stream = tokenizer.detokenizer()
-    return "".join(stream.feed(int(t)) for t in tokens) + stream.flush()  # type: ignore[arg-type]
+    return whole_model_greedy_text(model, PROMPT, TOKENS)
 
 
 def test_serve_answers_with_the_whole_model_and_generate_streams_it(serving, tiny_model):
