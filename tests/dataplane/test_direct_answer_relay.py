@@ -7,22 +7,16 @@ is a sealed relay channel carrying the very frames a QUIC stream would.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
 from helpers.polling import eventually
 from helpers.recording_engine import LAYERS
 
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import DirectAnswers, ShardSession
-from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import MeshKey
-from meshnode.membership.store import DataDir
-from meshnode.node import Node
 
-from .fake_shards import serve_fake_shard
+from .fake_shards import SPLIT, relayed_chain
 from .harness import reference, srange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -31,40 +25,17 @@ PROMPT = [5, 3, 8, 1, 9, 2, 7]
 
 
 async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_path: Path) -> None:
-    mesh_key = MeshKey.generate()
-    relay_server, relay = await start_relay_server(mesh_key)
-    head = first_member(tmp_path / "head", relay_only_config(relay), mesh_key)
-    nodes = [head]
-    services = []
-    try:
-        services.append(await serve_fake_shard(head, (0, 2)))
-        await head.start()
-
-        async def joiner(name: str) -> Node:
-            invite = invite_from(head, relays=[relay])
-            node = Node(
-                NodeIdentity.generate(), DataDir(tmp_path / name), relay_only_config(relay), invite=invite
-            )
-            nodes.append(node)
-            return node
-
-        tail = await joiner("tail")
-        services.append(await serve_fake_shard(tail, (2, LAYERS)))
-        await tail.start()
-        await tail.join()
-        client = await joiner("client")
-        await client.start()
-        await client.join()
-
+    async with relayed_chain(tmp_path) as chain:
+        head, tail, client, services = chain.head, chain.tail, chain.client, chain.services
         # The client reaches the tail once it knows it: membership first, then the answer stream.
         await eventually(lambda: any(e.peer_id == tail.node_id for e in client.peers()), 10)
         await client.get_link(tail.node_id)
-        answers = DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(2, LAYERS))
+        answers = DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(SPLIT, LAYERS))
         async with ShardSession.open(
             lambda: client.get_link(head.node_id),
             fingerprint=services[0].served.fingerprint,
-            shard_range=srange(0, 2),
-            downstream=[make_hop(tail.node_id, 2, LAYERS, 2)],
+            shard_range=srange(0, SPLIT),
+            downstream=[make_hop(tail.node_id, SPLIT, LAYERS, SPLIT)],
             answers=answers,
         ) as session:
             assert await session.answers_ready()
@@ -79,8 +50,3 @@ async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_pa
         assert services[1].server.worker.direct_answers == 6
         assert (await client.get_link(tail.node_id)).description.startswith("relay ")
         await eventually(lambda: not services[1].server.load().active_sessions, 10)
-    finally:
-        for service in services:
-            await service.aclose()
-        await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
-        await relay_server.close()
