@@ -17,9 +17,10 @@ from batch_parity import Stream, batch_vs_solo, feed
 from engine_contract import prompt_tokens, raises_kind
 from engine_offload import OFFLOAD_LOGIT_TOLERANCE, gpu_layers, offloading
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from greedy_chain import Run, greedy_chain
 
 from engines.gguf_file import GGUFFile, read_gguf
-from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest
+from engines.interface import EngineErrorKind, LoadRequest, SessionKey
 from engines.llama_engine import LlamaShardEngine
 from engines.model_manifest import cached_manifest
 from engines.slicing import (
@@ -48,8 +49,6 @@ SPLITS = [(0, split, TINY_ARCH_LAYERS) for split in range(1, TINY_ARCH_LAYERS)] 
 # 2.6e-4 at least (split at 3); the rounding costs about 1 in 8 boundary values an ulp.
 ROUNDED_INPUT_TOLERANCE = 1e-2
 
-Run = tuple[list[np.ndarray], list[int]]
-
 
 def _engine(path: Path, start: int, end: int, cache_dir: Path, fingerprint: str) -> LlamaShardEngine:
     engine = LlamaShardEngine()
@@ -72,31 +71,7 @@ def _engine(path: Path, start: int, end: int, cache_dir: Path, fingerprint: str)
 
 def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> Run:
     """A prefill and ``DECODE_STEPS`` greedy decodes through the chain."""
-    key = SessionKey("architectures", 1)
-    logits: list[np.ndarray] = []
-    tokens: list[int] = []
-    inputs, position = prompt, 0
-    for _ in range(DECODE_STEPS + 1):
-        hidden = None
-        for index, engine in enumerate(engines):
-            tail = index == len(engines) - 1
-            request = StepRequest(
-                key,
-                position,
-                token_ids=inputs if index == 0 else None,
-                hidden=hidden,
-                expected_past_len=position or None,
-                sampling=GREEDY if tail else None,
-                want_logits=tail,
-            )
-            result = engine.decode(request) if position else engine.prefill(request)
-            hidden = result.hidden
-        assert result.logits is not None and result.token_id is not None
-        logits.append(result.logits.copy())
-        tokens.append(result.token_id)
-        position += len(inputs)
-        inputs = (result.token_id,)
-    return logits, tokens
+    return greedy_chain(list(engines), prompt, DECODE_STEPS)
 
 
 def _chain(model: Path, bounds: tuple[int, ...], cache_dir: Path, prompt: tuple[int, ...]) -> Run:

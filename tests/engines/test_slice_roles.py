@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from engine_contract import prompt_tokens, raises_kind
 from gguf import GGUFWriter
+from greedy_chain import Run, greedy_chain
 
 from engines.gguf_file import GGUFFile, read_gguf
-from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest
+from engines.interface import EngineErrorKind, LoadRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.model_manifest import cached_manifest
 from engines.slicing import plan_slice, tensors_for_range, write_slice
@@ -98,32 +99,9 @@ def _scrambled_copy(source: Path, destination: Path, keep: frozenset[str], seed:
     return destination
 
 
-def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> tuple[list[np.ndarray], list[int]]:
-    key = SessionKey("roles", 1)
-    logits: list[np.ndarray] = []
-    tokens: list[int] = []
-    inputs, position = prompt, 0
-    for _ in range(DECODE_STEPS + 1):
-        hidden = None
-        for index, engine in enumerate(engines):
-            tail = index == len(engines) - 1
-            request = StepRequest(
-                key,
-                position,
-                token_ids=inputs if index == 0 else None,
-                hidden=hidden,
-                expected_past_len=position or None,
-                sampling=GREEDY if tail else None,
-                want_logits=tail,
-            )
-            result = engine.decode(request) if position else engine.prefill(request)
-            hidden = result.hidden
-        assert result.logits is not None and result.token_id is not None
-        logits.append(result.logits.copy())
-        tokens.append(result.token_id)
-        position += len(inputs)
-        inputs = (result.token_id,)
-    return logits, tokens
+def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> Run:
+    """A prefill and ``DECODE_STEPS`` greedy decodes through the chain."""
+    return greedy_chain(list(engines), prompt, DECODE_STEPS)
 
 
 def _engine(path: Path, start: int, end: int, cache_dir: Path, fingerprint: str) -> LlamaShardEngine:
