@@ -53,9 +53,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -69,6 +70,9 @@ from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
 from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.wire.pb import shard
 from tests.helpers.delay_proxy import free_udp_port
+
+if TYPE_CHECKING:
+    from meshnode.node import Node
 
 Layout = list[tuple[tuple[int, int] | None, bool]]
 TWO: Layout = [((0, 9), False), ((9, 18), False)]
@@ -313,13 +317,12 @@ class HopTiming:
     round_trip_ms: float
 
 
-async def hop_breakdown(
-    mesh: LocalMesh, layout: Layout, prompt: list[int], steps: int
-) -> tuple[list[HopTiming], float]:
-    """Drive each hop of ``mesh`` separately from a client node of the mesh (see the module doc)."""
-    from engines.interface import GREEDY
-    from meshnode.dataplane.route import make_hop
-    from meshnode.dataplane.session_link import ShardSession
+@contextlib.asynccontextmanager
+async def client_node(
+    mesh: LocalMesh, layout: Layout
+) -> AsyncIterator[tuple[Node, list[str], dict[str, bytes], shard.Fingerprint]]:
+    """A node of this process joined to ``mesh`` (serving nothing), the mesh's node names, their
+    ids, and the fingerprint the first one announces."""
     from meshnode.identity import NodeIdentity
     from meshnode.membership.credentials import decode_invite_token
     from meshnode.membership.store import DataDir
@@ -327,7 +330,7 @@ async def hop_breakdown(
 
     node = Node(
         NodeIdentity.generate(),
-        DataDir(mesh.work_dir / "bench-client"),
+        DataDir(mesh.work_dir / f"bench-client-{time.monotonic_ns()}"),
         NodeConfig(listen="127.0.0.1:0", heartbeat_interval=1.0),
         invite=decode_invite_token(mesh.invite("n0")),
     )
@@ -346,6 +349,20 @@ async def hop_breakdown(
                 if entry.peer_id == ids["n0"] and entry.announcement.HasField("serving"):
                     fingerprint = entry.announcement.serving.fingerprint
             await asyncio.sleep(0.1)
+        yield node, names, ids, fingerprint
+    finally:
+        await node.shutdown()
+
+
+async def hop_breakdown(
+    mesh: LocalMesh, layout: Layout, prompt: list[int], steps: int
+) -> tuple[list[HopTiming], float]:
+    """Drive each hop of ``mesh`` separately from a client node of the mesh (see the module doc)."""
+    from engines.interface import GREEDY
+    from meshnode.dataplane.route import make_hop
+    from meshnode.dataplane.session_link import ShardSession
+
+    async with client_node(mesh, layout) as (node, names, ids, fingerprint):
         sessions = []
         for name, (layers, _) in zip(names, layout, strict=True):
             assert layers is not None
@@ -399,8 +416,6 @@ async def hop_breakdown(
             for name, (layers, _), e, t in zip(names, layout, exec_ns, trips, strict=True)
         ]
         return hops, statistics.median(chain_trips) * 1000
-    finally:
-        await node.shutdown()
 
 
 # ---------------------------------------------------------------------------- the answer's way back
@@ -424,32 +439,8 @@ async def answer_paths(
     from engines.interface import GREEDY
     from meshnode.dataplane.route import make_hop
     from meshnode.dataplane.session_link import DirectAnswers, ShardSession
-    from meshnode.identity import NodeIdentity
-    from meshnode.membership.credentials import decode_invite_token
-    from meshnode.membership.store import DataDir
-    from meshnode.node import Node, NodeConfig
 
-    node = Node(
-        NodeIdentity.generate(),
-        DataDir(mesh.work_dir / f"answer-client-{time.monotonic_ns()}"),
-        NodeConfig(listen="127.0.0.1:0", heartbeat_interval=1.0),
-        invite=decode_invite_token(mesh.invite("n0")),
-    )
-    await node.start()
-    try:
-        await node.join()
-        names = [f"n{i}" for i in range(len(layout))]
-        ids = {}
-        for name in names:
-            status = mesh.child(name).status()
-            assert status is not None
-            ids[name] = bytes.fromhex(status["node"]["id"])
-        fingerprint = None
-        while fingerprint is None:
-            for entry in node.peers():
-                if entry.peer_id == ids["n0"] and entry.announcement.HasField("serving"):
-                    fingerprint = entry.announcement.serving.fingerprint
-            await asyncio.sleep(0.1)
+    async with client_node(mesh, layout) as (node, names, ids, fingerprint):
         ranges = [layers for layers, _ in layout]
         first, last = ranges[0], ranges[-1]
         assert first is not None and last is not None
@@ -489,8 +480,6 @@ async def answer_paths(
                     token = output.token
                 await session.aclose()
         return AnswerPaths(statistics.median(trips[False]) * 1000, statistics.median(trips[True]) * 1000)
-    finally:
-        await node.shutdown()
 
 
 # ---------------------------------------------------------------------------- main

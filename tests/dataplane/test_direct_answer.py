@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
+from helpers.loopback_routes import DRIVER_INDEX, FAST, MIDDLE, SPARE, TAIL, LoopbackRoutes, three_hop_routes
 from helpers.loopback_routes import reference as whole_model
 from helpers.polling import eventually
 from helpers.recording_engine import LAYERS, RecordingEngine
@@ -283,18 +283,11 @@ def test_a_forwarding_hops_client_reports_an_ack_that_says_the_answer_went_direc
 
 # ---------------------------------------------------------------------------- the driver, end to end
 
-MIDDLE, SPARE, TAIL = 2, 4, 3
-FAST = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
-
 
 @pytest.fixture
 async def routes() -> AsyncIterator[LoopbackRoutes]:
-    routes = LoopbackRoutes()
-    await routes.add_shard(DRIVER_INDEX, 0, 2)
-    await routes.add_shard(MIDDLE, 2, 3)
-    await routes.add_shard(TAIL, 3, 4)
-    yield routes
-    await routes.aclose()
+    async with three_hop_routes() as routes:
+        yield routes
 
 
 async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:

@@ -12,7 +12,16 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes, reference
+from helpers.loopback_routes import (
+    DRIVER_INDEX,
+    FAST,
+    MIDDLE,
+    SPARE,
+    TAIL,
+    LoopbackRoutes,
+    reference,
+    three_hop_routes,
+)
 from helpers.polling import eventually
 
 from engines.fake import FaultKind, FaultRule
@@ -25,18 +34,12 @@ from meshnode.head.recovery import RecoveryBudget
 pytestmark = pytest.mark.timeout(30)
 
 PROMPT = [5, 3, 8, 1, 9, 2, 7]
-MIDDLE, SPARE, TAIL = 2, 4, 3
-FAST = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
 
 
 @pytest.fixture
 async def routes() -> AsyncIterator[LoopbackRoutes]:
-    routes = LoopbackRoutes()
-    await routes.add_shard(DRIVER_INDEX, 0, 2)
-    await routes.add_shard(MIDDLE, 2, 3)
-    await routes.add_shard(TAIL, 3, 4)
-    yield routes
-    await routes.aclose()
+    async with three_hop_routes() as routes:
+        yield routes
 
 
 def no_sessions_anywhere(routes: LoopbackRoutes) -> bool:

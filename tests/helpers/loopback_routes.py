@@ -8,7 +8,8 @@ killed peer stays announced (stale gossip) until the driver excludes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from engines.interface import GREEDY, SamplingParams, SessionKey, StepRequest
@@ -18,6 +19,7 @@ from helpers.recording_engine import RecordingEngine
 from meshnode.dataplane.server import ShardServer
 from meshnode.dataplane.service import served_shard
 from meshnode.head.candidates import shard_candidates
+from meshnode.head.driver import DriverOptions
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ModelIdentity, ShardCandidate
 from meshnode.transport.base import PeerLink
@@ -126,3 +128,21 @@ def reference(prompt: list[int], count: int, sampling: SamplingParams = GREEDY) 
             )
         )
         position += 1
+
+
+# The shards of the three-hop route driver tests use: the driver's own [0, 2), then these.
+MIDDLE, SPARE, TAIL = 2, 4, 3
+FAST = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
+
+
+@contextlib.asynccontextmanager
+async def three_hop_routes() -> AsyncIterator[LoopbackRoutes]:
+    """The driver's [0, 2), MIDDLE's [2, 3) and TAIL's [3, 4); SPARE is the index for a replica."""
+    routes = LoopbackRoutes()
+    try:
+        await routes.add_shard(DRIVER_INDEX, 0, 2)
+        await routes.add_shard(MIDDLE, 2, 3)
+        await routes.add_shard(TAIL, 3, 4)
+        yield routes
+    finally:
+        await routes.aclose()
