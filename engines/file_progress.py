@@ -9,7 +9,9 @@ or an already written slice costs no pass and so no output), then:
 
 - on a terminal, a bar redrawn in place (tqdm, which the ``gguf`` dependency brings);
 - otherwise one log line every few seconds (a bar in a log file is noise), and one
-  when the pass ends.
+  when the pass ends;
+- and, while it runs, in :func:`passes_in_progress`, which ``meshnode status`` shows
+  (the pass runs on a worker thread; the status socket asks from the event loop).
 
 Time is a parameter (``clock``), so rates and log cadence are testable.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -27,6 +30,17 @@ log = logging.getLogger("engines.progress")
 
 LOG_INTERVAL_S = 5.0
 _MIB = 1 << 20
+
+# The passes begun and not yet closed, in this process.
+_running: list[FileProgress] = []
+_running_lock = threading.Lock()
+
+
+def passes_in_progress(now: float | None = None) -> list[dict[str, Any]]:
+    """What each running pass has done: label, bytes done and total, fraction, rate, ETA."""
+    with _running_lock:
+        running = list(_running)
+    return [progress.to_json(progress.now() if now is None else now) for progress in running]
 
 
 class FileProgress:
@@ -67,6 +81,8 @@ class FileProgress:
 
     def _begin(self, now: float) -> None:
         self._started_s = self._logged_s = now
+        with _running_lock:
+            _running.append(self)
         if getattr(self._stream, "isatty", lambda: False)():
             from tqdm import tqdm  # only on a terminal; gguf depends on it
 
@@ -90,6 +106,8 @@ class FileProgress:
         self.finished = True
         if self._started_s is None:
             return
+        with _running_lock:
+            _running.remove(self)
         if self._bar is not None:
             self._bar.close()
         else:
@@ -106,6 +124,9 @@ class FileProgress:
 
     # -- what it shows ----------------------------------------------------------------
 
+    def now(self) -> float:
+        return self._clock()
+
     @property
     def fraction(self) -> float:
         return 1.0 if self.total_bytes <= 0 else min(self.done_bytes / self.total_bytes, 1.0)
@@ -120,6 +141,16 @@ class FileProgress:
         rate = self.rate(now)
         return max(self.total_bytes - self.done_bytes, 0) / rate if rate > 0 else None
 
+    def to_json(self, now: float) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "done_bytes": self.done_bytes,
+            "total_bytes": self.total_bytes,
+            "fraction": self.fraction,
+            "rate_bytes_per_s": self.rate(now),
+            "eta_s": self.eta_s(now),
+        }
+
     def line(self, now: float) -> str:
         """``hashing gemma.gguf: 120.0/253.0 MiB 47.4% 85.2 MiB/s ETA 2 s``"""
         eta = self.eta_s(now)
@@ -130,4 +161,4 @@ class FileProgress:
         )
 
 
-__all__ = ["LOG_INTERVAL_S", "FileProgress"]
+__all__ = ["LOG_INTERVAL_S", "FileProgress", "passes_in_progress"]

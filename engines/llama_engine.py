@@ -14,15 +14,13 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
 from engines.cache import cache_root
-from engines.file_progress import FileProgress
-from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-from engines.gguf_info import ModelInfo, model_info
+from engines.gguf_file import GGUFFile
+from engines.gguf_info import ModelInfo
 from engines.grammar import grammar_vocab
 from engines.interface import (
     EngineCapabilities,
@@ -33,7 +31,7 @@ from engines.interface import (
 )
 from engines.llama_lib import ensure_llama_backend, llama_cpp_version
 from engines.llama_runtime import BatchSequence, LlamaRuntime
-from engines.model_manifest import cached_manifest
+from engines.model_files import ModelFile, model_fingerprint, open_model_file, range_file
 from engines.resident_memory import (
     ShardBudget,
     ShardMemory,
@@ -46,11 +44,7 @@ from engines.session_table import Session
 from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
 from engines.slicing import (
     SLICE_RECIPE_VERSION,
-    check_sliceable,
-    ensure_slice,
     hidden_input_scale,
-    plan_model_slice,
-    plan_slice,
 )
 
 RECIPE_ID = "llama.cpp-layer-range"
@@ -104,6 +98,7 @@ class LlamaShardEngine(SessionedEngine):
         super().__init__(clock=clock)
         self._max_extra_runtimes = max_extra_runtimes
         self._request: LoadRequest | None = None
+        self._model: ModelFile | None = None
         self._gguf: GGUFFile | None = None
         self._info: ModelInfo | None = None
         self._source_digest = ""
@@ -120,27 +115,15 @@ class LlamaShardEngine(SessionedEngine):
     # --- loading ---
 
     def _load_backend(self, request: LoadRequest) -> tuple[EngineCapabilities, int]:
-        path = Path(request.model_path)
-        if not path.is_file():
-            raise EngineError(EngineErrorKind.INVALID_REQUEST, f"model file {path} does not exist")
-        try:
-            gguf = read_gguf(path)
-            info = model_info(gguf)
-        except GGUFFormatError as error:
-            raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"cannot read {path}: {error}") from error
-        check_sliceable(gguf)
-        layer_end = info.n_layers if request.layer_end is None else request.layer_end
-        plan_slice(info.n_layers, request.layer_start, layer_end)  # validates the range
+        model = open_model_file(request)
+        gguf, info, layer_end = model.gguf, model.info, model.layer_end
         ensure_llama_backend()
 
-        self._request, self._gguf, self._info = request, gguf, info
-        self._cache_dir = Path(request.cache_dir) if request.cache_dir else cache_root()
-        # The model fingerprint: the root of its per-tensor manifest (engines.model_manifest). The
-        # first start hashes every tensor, minutes for a large model, so it shows its progress.
-        self._source_digest = request.model_fingerprint
-        if not self._source_digest:
-            with FileProgress(f"hashing {path.name}", sum(t.nbytes for t in gguf.tensors)) as progress:
-                self._source_digest = cached_manifest(path, self._cache_dir, progress=progress).root
+        self._request, self._model, self._gguf, self._info = request, model, gguf, info
+        self._cache_dir = model.cache_dir
+        # The first start hashes every tensor, minutes for a large model, unless a serving node
+        # did it already (engines.model_files.prepare_model_files) and passed the fingerprint.
+        self._source_digest = model_fingerprint(model, request.model_fingerprint)
         self._layer_start, self._layer_end = request.layer_start, layer_end
         self._main = self._build_runtime(request.layer_start)
         self._refresh_budget()
@@ -176,18 +159,9 @@ class LlamaShardEngine(SessionedEngine):
     def _build_runtime(self, start_layer: int) -> LlamaRuntime:
         assert self._request is not None and self._gguf is not None and self._info is not None
         request = self._request
-        plan = plan_model_slice(self._gguf, start_layer, self._layer_end)
-        if plan is None:
-            path, capture_layer = self._gguf.path, None
-        else:
-            try:
-                path = ensure_slice(self._gguf, self._source_digest, plan, self._cache_dir)
-            except OSError as error:
-                raise EngineError(
-                    EngineErrorKind.RESOURCE_EXHAUSTED,
-                    f"cannot write the layer slice to {self._cache_dir}: {error}",
-                ) from error
-            capture_layer = plan.last_real_layer if plan.passthrough else None
+        assert self._model is not None
+        path, plan = range_file(self._model, self._source_digest, start_layer)
+        capture_layer = plan.last_real_layer if plan is not None and plan.passthrough else None
         return LlamaRuntime(
             path,
             # llama.cpp's n_ctx is the KV budget of all sequences together.

@@ -2,14 +2,16 @@
 
 import io
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from engines.file_progress import FileProgress
+from engines.file_progress import FileProgress, passes_in_progress
 from engines.gguf_file import read_gguf
 from engines.interface import LoadRequest
 from engines.llama_engine import LlamaShardEngine
+from engines.model_files import prepare_model_files
 from engines.model_manifest import cached_manifest
 from engines.slicing import ensure_slice, plan_model_slice
 from engines.tiny_model import ensure_tiny_model
@@ -120,3 +122,38 @@ def test_writing_a_slice_shows_its_progress_once(tmp_path, caplog):
     assert [line.split(": ")[0] for line in lines] == [label, label]  # the second found it written
     assert lines[0].endswith(" MiB to go") and " MiB in " in lines[1]
     assert lines[0].split(": ")[1].split(" MiB")[0] == lines[1].split(": ")[1].split(" MiB")[0]
+
+
+def test_a_running_pass_is_listed_with_its_progress_until_it_ends():
+    clock = Clock()
+    progress = FileProgress("hashing m.gguf", 40 * MIB, stream=io.StringIO(), clock=clock)
+    assert progress.label not in [p["label"] for p in passes_in_progress()]  # nothing read yet
+    progress(10 * MIB)
+    clock.now += 2.0
+    progress(10 * MIB)
+    [listed] = [p for p in passes_in_progress() if p["label"] == "hashing m.gguf"]
+    assert listed == {
+        "label": "hashing m.gguf",
+        "done_bytes": 20 * MIB,
+        "total_bytes": 40 * MIB,
+        "fraction": 0.5,
+        "rate_bytes_per_s": 10 * MIB,
+        "eta_s": 2.0,
+    }
+    progress.close()
+    assert "hashing m.gguf" not in [p["label"] for p in passes_in_progress()]
+
+
+def test_preparing_the_files_first_leaves_the_engines_load_nothing_to_hash_or_slice(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = ensure_tiny_model()
+    request = LoadRequest(str(model), 2, 4, n_ctx=256, n_seq_max=1, n_threads=1, cache_dir=str(tmp_path))
+    fingerprint = prepare_model_files(request)
+    assert fingerprint == cached_manifest(model, tmp_path).root
+    shown = len(progress_lines(caplog))
+    assert shown == 4  # hashing and slicing, each begun and ended
+    engine = LlamaShardEngine()
+    caps = engine.load(replace(request, model_fingerprint=fingerprint))
+    engine.close()
+    assert caps.fingerprint.model_artifact_digest == fingerprint
+    assert len(progress_lines(caplog)) == shown
