@@ -19,6 +19,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
+from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
 from meshnode.node import Node
 
@@ -42,6 +43,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
             return await run_node(node)
         from meshnode.app.placed_serving import serve_placed_node
 
+        show_file_passes(node)  # the slice of the range it takes is written after it joins
         return await serve_placed_node(node, args, node.data_dir.path)
     # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
     from meshnode.dataplane.service import (
@@ -68,9 +70,10 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         leases=lease_settings(args, serves_api=args.api_listen is not False),
     )
     try:
-        service = await ShardService.start(
-            node, options, refresh_interval_s=args.heartbeat_interval, is_member=node.state.is_admitted
-        )
+        async with status_while_preparing(node):
+            service = await ShardService.start(
+                node, options, refresh_interval_s=args.heartbeat_interval, is_member=node.state.is_admitted
+            )
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None
     try:

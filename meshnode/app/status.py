@@ -52,6 +52,8 @@ def format_status(status: dict[str, Any]) -> str:
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
+    files = (status.get("sections") or {}).get("files") or {}
+    lines += [f"  preparing: {_progress_text(file_pass)}" for file_pass in files.get("passes", [])]
     lines.append(f"peers ({len(status['peers'])}):")
     for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
         reach = "direct" if peer["directly_reachable"] else "relay"
@@ -122,13 +124,19 @@ def _placement_text(placement: dict[str, Any]) -> str:
         text += f" of {placement['model']['name']}"
     transfer = placement.get("transfer")
     if transfer and not transfer.get("finished"):
-        eta = transfer.get("eta_s")
-        text += (
-            f": {transfer['done_bytes'] / 2**20:.1f}/{transfer['total_bytes'] / 2**20:.1f} MiB "
-            f"{transfer['fraction'] * 100:.1f}% {transfer['rate_bytes_per_s'] / 2**20:.1f} MiB/s"
-            + ("" if eta is None else f" ETA {eta:.0f} s")
-        )
+        text += f": {_progress_text(transfer)}"
     return text
+
+
+def _progress_text(progress: dict[str, Any]) -> str:
+    """``hashing gemma.gguf: 120.0/253.0 MiB 47.4% 85.2 MiB/s ETA 2 s`` (the label when there is one)."""
+    eta = progress.get("eta_s")
+    label = f"{progress['label']}: " if progress.get("label") else ""
+    return (
+        f"{label}{progress['done_bytes'] / 2**20:.1f}/{progress['total_bytes'] / 2**20:.1f} MiB "
+        f"{progress['fraction'] * 100:.1f}% {progress['rate_bytes_per_s'] / 2**20:.1f} MiB/s"
+        + ("" if eta is None else f" ETA {eta:.0f} s")
+    )
 
 
 def _serving_text(serving: dict[str, Any] | None) -> str:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -56,6 +56,18 @@ class ShardServiceOptions:
     # must not be hashed (engines.interface.LoadRequest.model_fingerprint).
     model_name: str | None = None
     model_fingerprint: str | None = None
+
+
+async def _prepared(request: LoadRequest, name: str) -> LoadRequest:
+    """The request with its model hashed and its slice written here, where their progress shows,
+    rather than in the probe's child, whose output is captured (engines.model_files)."""
+    from engines.model_files import prepare_model_files
+
+    try:
+        fingerprint = await asyncio.to_thread(prepare_model_files, request)
+    except EngineError as exc:
+        raise ShardServiceError(f"cannot serve {name}: {exc.detail}") from None
+    return replace(request, model_fingerprint=fingerprint)
 
 
 async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
@@ -178,17 +190,6 @@ class ShardService:
 
         ``is_member(peer_id)``: whether membership still admits the peer (a mesh node's
         ``node.state.is_admitted``); the sessions of a peer it no longer admits are ended."""
-        weight_repack = False
-        if engine_factory is None:
-            from engines.llama_engine import LlamaShardEngine  # llama.cpp loads only when serving
-
-            engine_factory = LlamaShardEngine
-            weight_repack = await _proven_weight_repack(options)
-        engine = engine_factory()
-        config = ServerConfig(worker=_worker_config(options))
-        server = ShardServer(
-            engine, links=node.get_link, config=config, owns_engine=True, local_peer_id=node.node_id
-        )
         start, end = options.layers if options.layers is not None else (0, None)
         request = LoadRequest(
             model_path=str(options.model),
@@ -198,9 +199,20 @@ class ShardService:
             n_seq_max=options.max_sessions,
             n_threads=options.threads,
             n_gpu_layers=options.n_gpu_layers,
-            weight_repack=weight_repack,
             cache_dir=str(options.cache_dir) if options.cache_dir else None,
             model_fingerprint=options.model_fingerprint,
+        )
+        if engine_factory is None:
+            from engines.llama_engine import LlamaShardEngine  # llama.cpp loads only when serving
+
+            engine_factory = LlamaShardEngine
+            request = await _prepared(request, options.model.name)
+            options = replace(options, model_fingerprint=request.model_fingerprint)
+            request = replace(request, weight_repack=await _proven_weight_repack(options))
+        engine = engine_factory()
+        config = ServerConfig(worker=_worker_config(options))
+        server = ShardServer(
+            engine, links=node.get_link, config=config, owns_engine=True, local_peer_id=node.node_id
         )
         try:
             caps = await server.engine_thread.call(engine.load, request)

@@ -1,0 +1,45 @@
+"""``meshnode status`` while a node prepares its model files: hashing the GGUF, writing its slice.
+
+On a first start both take minutes for a large model, and they happen before the node
+starts (its shard loads first, so it never announces a range it cannot serve), which is
+also before the node opens its status socket. :func:`status_while_preparing` answers on
+that socket meanwhile, with the node's report so far and the passes running
+(:func:`engines.file_progress.passes_in_progress`); the node's own socket replaces it
+when the node starts. The ``files`` section stays registered, so a node that places
+itself and slices after joining shows the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engines.file_progress import passes_in_progress
+from meshnode.node import Node
+from meshnode.node.status_server import StatusServer
+
+FILES_SECTION = "files"
+
+
+def file_passes() -> dict[str, Any]:
+    return {"passes": passes_in_progress()}
+
+
+def show_file_passes(node: Node) -> None:
+    node.status_sections[FILES_SECTION] = file_passes
+
+
+@contextlib.asynccontextmanager
+async def status_while_preparing(node: Node) -> AsyncIterator[None]:
+    """The status socket, answered from here until the block ends (the node is not started yet)."""
+    show_file_passes(node)
+    server = StatusServer(node.data_dir.control_socket, node.status)
+    await server.start()
+    try:
+        yield
+    finally:
+        server.close()
+
+
+__all__ = ["FILES_SECTION", "file_passes", "show_file_passes", "status_while_preparing"]
