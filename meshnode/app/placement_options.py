@@ -57,7 +57,7 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="most bytes per second this node sends to nodes fetching model tensors from it, all "
         "together, while its shard holds sessions, so its own decode barely slows (unlimited while it "
-        f"holds none; default {DEFAULT_UPLOAD_BYTES_PER_S // 2**20}M)",
+        f"holds none; default {DEFAULT_UPLOAD_BYTES_PER_S // 1024}K)",
     )
     group.add_argument(
         "--claim-settle",

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 from meshnode.sansio import SECOND_NS
 
-# What one process uploads per second unless configured otherwise. aioquic is pure Python:
-# the serving node's event loop spends about 5% of a core per MiB/s sent, and that loop
-# shares the GIL with the engine thread between its llama.cpp calls. bench/transfer.py on a
-# shared 2-core VM (bench/RESULTS.md, "Transfer (issue 16)") saw a decoding peer slow by
-# about a third at 1 MiB/s and by half or more at 2 MiB/s, the fetcher on the same cores:
-# the default is the lower. A joiner fetching from several peers gets this from each, and
-# ``is_busy`` lifts the limit while the peer serves no session.
-DEFAULT_UPLOAD_BYTES_PER_S = 1024 * 1024
+# What one process uploads per second, while its shard holds sessions, unless configured
+# otherwise. aioquic is pure Python: the serving node's event loop spends about 6% of a core
+# per MiB/s sent, and that loop shares the GIL and the cores with the engine's threads, which
+# take every core by default. bench/transfer.py on a quiet 2-core VM (bench/RESULTS.md,
+# "Transfer (issue 16)") slowed a decoding peer by 14-17% at 1 MiB/s and by 7% at 0.5 MiB/s:
+# the default is the rate inside the <= 10% the issue allows. A joiner fetching from several
+# peers gets this from each, and ``is_busy`` lifts the limit while the peer serves no session.
+DEFAULT_UPLOAD_BYTES_PER_S = 512 * 1024
 # One upload chunk (server.UPLOAD_CHUNK_BYTES): chunks go out evenly spaced, never in a burst
 # that would keep the event loop (and the GIL) from the engine thread for long.
 DEFAULT_BURST_BYTES = 64 * 1024
