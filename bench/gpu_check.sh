@@ -239,6 +239,10 @@ print("llama_cpp", llama_cpp.__version__, "from", llama_cpp.__file__)
 print("llama_print_system_info():", llama_cpp.llama_print_system_info().decode().strip())
 print("llama_supports_gpu_offload():", bool(llama_cpp.llama_supports_gpu_offload()))
 print("hidden capture in C:", capture.native_in_use())
+from engines.device_memory import offload_devices
+
+# What a node placing itself with --n-gpu-layers sizes its range to (meshnode.autoplace).
+print("offload devices (free/total MiB):", [(d.name, d.kind, d.free_bytes >> 20, d.total_bytes >> 20) for d in offload_devices()])
 EOF
 } | tee -a "$OUT/system.txt"
 offload=$("$VPY" -c 'import llama_cpp; print(int(bool(llama_cpp.llama_supports_gpu_offload())))')

@@ -89,8 +89,6 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     """Run ``node`` until a signal, serving the range the mesh needs most once it has fetched it."""
     from meshnode.app.node_serving import start_head  # node_serving sends nodes without --model here
 
-    if args.n_gpu_layers > 0 and args.memory_budget is None:
-        log.warning("--n-gpu-layers without --memory-budget: the range is sized to free RAM, not VRAM")
     holdings = Holdings()
     handlers = SwitchedHandlers(node.register_handler)
     switched = SwitchedNode(node, handlers)

@@ -41,7 +41,7 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="most memory the layers this node takes may use, e.g. 4G (default: half the memory "
-        "available; say it with --n-gpu-layers, whose VRAM is not measured)",
+        "available: RAM, or with --n-gpu-layers the free memory of the GPUs llama.cpp sees)",
     )
     group.add_argument(
         "--model-store",
@@ -87,6 +87,7 @@ def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceSet
     return AutoPlaceSettings(
         store_dir=args.model_store or data_dir / "models",
         memory_budget=args.memory_budget,
+        offload=args.n_gpu_layers > 0,
         poll_s=interval,
         claim_settle_s=args.claim_settle if args.claim_settle is not None else _CLAIM_ROUNDS * interval,
         move_settle_s=args.move_settle,

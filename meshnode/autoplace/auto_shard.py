@@ -95,6 +95,8 @@ class AutoPlaceSettings:
     store_dir: Path
     # Bytes of weights at most (--memory-budget); None: half the memory available.
     memory_budget: int | None = None
+    # The weights go to the GPUs (--n-gpu-layers): the memory available is theirs, not RAM.
+    offload: bool = False
     # How often gossip is looked at (the heartbeat interval).
     poll_s: float = 5.0
     # How long a claim stands before the node loads it: a few gossip rounds.
@@ -121,7 +123,7 @@ class AutoShard:
         self._start_serving = start_serving
         self._holdings = holdings
         self._store = ArtifactStore(settings.store_dir)
-        self._read_budget = budget or (lambda: read_machine_budget(settings.memory_budget))
+        self._read_budget = budget or (lambda: read_machine_budget(settings.memory_budget, offload=settings.offload))
         # Read once: once this node's layers are loaded, the memory they hold is no longer
         # "available", and a budget read again would shrink by them.
         self._budget_bytes: int | None = None
