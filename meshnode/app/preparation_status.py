@@ -20,6 +20,9 @@ from meshnode.node import Node
 from meshnode.node.status_server import StatusServer
 
 FILES_SECTION = "files"
+# While the socket answers from here: what the node is doing before it starts.
+STARTUP_SECTION = "startup"
+LOADING_THE_SHARD = "loading its shard (hashing, slicing, probing and loading llama.cpp); not started yet"
 
 
 def file_passes() -> dict[str, Any]:
@@ -34,12 +37,21 @@ def show_file_passes(node: Node) -> None:
 async def status_while_preparing(node: Node) -> AsyncIterator[None]:
     """The status socket, answered from here until the block ends (the node is not started yet)."""
     show_file_passes(node)
+    node.status_sections[STARTUP_SECTION] = lambda: {"state": LOADING_THE_SHARD}
     server = StatusServer(node.data_dir.control_socket, node.status)
     await server.start()
     try:
         yield
     finally:
         server.close()
+        node.status_sections.pop(STARTUP_SECTION, None)
 
 
-__all__ = ["FILES_SECTION", "file_passes", "show_file_passes", "status_while_preparing"]
+__all__ = [
+    "FILES_SECTION",
+    "LOADING_THE_SHARD",
+    "STARTUP_SECTION",
+    "file_passes",
+    "show_file_passes",
+    "status_while_preparing",
+]

@@ -46,6 +46,9 @@ def format_status(status: dict[str, Any]) -> str:
     ]
     if node.get("api_url"):
         lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
+    startup = (status.get("sections") or {}).get("startup")
+    if startup:
+        lines.append(f"  starting: {startup['state']}")
     memory = (status.get("sections") or {}).get("memory")
     if memory:
         lines.append(_memory_text(memory))

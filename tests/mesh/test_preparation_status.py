@@ -10,7 +10,7 @@ import pytest
 from helpers.mesh_nodes import fast_config, first_member
 
 from engines.file_progress import FileProgress
-from meshnode.app.preparation_status import status_while_preparing
+from meshnode.app.preparation_status import LOADING_THE_SHARD, status_while_preparing
 from meshnode.app.status import format_status, query_status
 from meshnode.membership.credentials import MeshKey
 
@@ -45,6 +45,8 @@ async def test_the_status_socket_answers_with_the_hashing_progress_before_the_no
     text = format_status(status)
     assert f"node {node.identity.short_id}" in text
     assert "  preparing: hashing big.gguf: 25.0/100.0 MiB 25.0% 25.0 MiB/s ETA 3 s" in text
+    assert f"  starting: {LOADING_THE_SHARD}" in text
+    assert "startup" not in node.status().sections  # once the node starts, its report is its own
     with pytest.raises(OSError):
         query_status(node.data_dir.path)  # the node's own socket takes over when it starts
 
