@@ -2,7 +2,7 @@
 
     python bench/e2e.py [--tokens 32] [--rounds 6] [--prompt-tokens 96] [--threads 2]
                         [--configs b,c,d,e] [--no-breakdown] [--node-env KEY=VALUE]
-                        [--delay-ms 10 --delay-ms 20]
+                        [--delay-ms 10 --delay-ms 20] [--rpc] [--rpc-reps 3]
 
 Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
 
@@ -34,6 +34,25 @@ alternately with the tail's token relayed back through every stage (C -> B -> A 
 the way before issue 20) and with the tail answering the client directly on an answer stream
 (C -> client); it prints both median decode round trips from the same processes and rounds.
 
+The anchor (``--rpc``, or any of ``rpc1,rpc2,rpc3`` in ``--configs``; issue 20): llama.cpp's own RPC
+split on the same model file, in the same rounds, by ``llama-bench`` and ``ggml-rpc-server`` built from
+the pinned llama-cpp-python sdist's vendored llama.cpp (``bench/build_llama_rpc.sh``, cached under
+``~/.cache/meshnode/llama-rpc/``; built on first use, minutes). Each round runs, after (a)–(e):
+
+    (rpc1) ``llama-bench -ngl 0``, no RPC: the anchor's own baseline;
+    (rpc2) 2-way, one ggml-rpc-server: ``--rpc 127.0.0.1:P -ngl 10``: llama.cpp counts the output
+           layer as a 19th and offloads from the top, so the server holds blocks 9–17 and the output
+           layer, the process 0–8: (c)'s split;
+    (rpc3) 3-way, two servers: ``-ngl 13 -ts 6/7``: 0–5 local, 6–11 on the first server, 12–17 and the
+           output layer on the second: (d)'s split;
+
+each a decode-only test (``-p 0 -n --tokens -d --prompt-tokens -r --rpc-reps -o json``), every process
+with ``--threads`` threads and the nodes' environment (``GOMP_SPINCOUNT=1000``). A verbose run of each
+split first checks llama.cpp's load log for the offloaded layers and a model buffer on every server.
+The table gives each split's decode tokens/s, its ratio against rpc1 and its added ms/token
+(1000/tps − 1000/tps_rpc1), beside (c) and (d) against (a), and the issue's target: (d)'s added
+ms/token at most twice the 3-way split's. The servers are stopped however the bench ends.
+
 Where the time goes (on the three-node mesh; ``--no-breakdown`` skips it): the bench process joins
 the mesh with an invite as a client node and drives each hop on its own — a session
 to A with the prompt's tokens, to B with A's hidden states, to C with B's — then
@@ -61,6 +80,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# bench/ itself, for rpc_anchor when this module is imported rather than run (bench/concurrency.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rpc_anchor
 
 from engines.default_model import default_model_path
 from engines.engine_guard import choose_weight_repack
@@ -93,6 +116,10 @@ TARGETS = {"c": 0.85, "d": 0.80, "c1": 0.85, "d1": 0.80}
 DELAYS_MS: dict[str, float] = {}
 # Filled by bench(): per three-node configuration, the answer's way back (--answer-paths).
 ANSWER_PATHS: dict[str, AnswerPaths] = {}
+# Filled by bench() for the llama.cpp RPC anchor (--rpc): per anchor key, each round's decode
+# tokens/s (llama-bench's mean over --rpc-reps), and where the load log put the layers.
+ANCHOR_RUNS: dict[str, list[float]] = {}
+ANCHOR_PLACEMENT: dict[str, str] = {}
 
 
 def delayed_key(delay_ms: float) -> str:
@@ -261,8 +288,19 @@ async def start_mesh(
 async def bench(
     args: argparse.Namespace, model: Path, prompt: list[int]
 ) -> tuple[dict[str, list[Run]], tuple[list[HopTiming], float]]:
-    keys = args.configs.split(",") + [delayed_key(ms) for ms in args.delay_ms]
+    keys = args.mesh_configs + [delayed_key(ms) for ms in args.delay_ms]
     runs: dict[str, list[Run]] = {key: [] for key in ["a", *keys]}
+    anchors = [rpc_anchor.ANCHORS[key] for key in args.anchor_configs]
+    anchor_settings = rpc_anchor.BenchSettings(
+        model=model,
+        threads=args.threads,
+        tokens=args.tokens,
+        depth=len(prompt),
+        reps=args.rpc_reps,
+        repack=args.repack,
+        env={"GOMP_SPINCOUNT": "1000", **dict(item.split("=", 1) for item in args.node_env)},
+    )
+    endpoints: list[str] = []
     meshes: dict[str, LocalMesh] = {}
     hops: tuple[list[HopTiming], float] = ([], 0.0)
     paths = ANSWER_PATHS
@@ -285,12 +323,49 @@ async def bench(
                 )
                 meshes[key] = mesh
                 await api_run(apis[key], prompt, 8)  # warm: page faults, graph allocation, links
+            if anchors:
+                # Started on this (the event loop's) thread: the servers' parent-death signal is
+                # tied to the thread that forked them, and this one lives as long as the bench.
+                logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshnode-e2e-rpc-")))
+                count = max(config.servers for config in anchors)
+                print(f"  starting {count} ggml-rpc-server(s)", file=sys.stderr, flush=True)
+                servers = stack.enter_context(
+                    rpc_anchor.RpcServers(args.rpc_tools, count, args.threads, anchor_settings.env, logs)
+                )
+                endpoints = servers.endpoints
+                for config in anchors:
+                    # One verbose run each: the layer check, and the warm-up the others get above.
+                    _, log = await asyncio.to_thread(
+                        rpc_anchor.run_bench, args.rpc_tools, config, endpoints[: config.servers],
+                        anchor_settings, verbose=True,
+                    )  # fmt: skip
+                    if config.servers:
+                        placement = rpc_anchor.parse_placement(log)
+                        ANCHOR_PLACEMENT[config.key] = rpc_anchor.check_placement(
+                            config, placement, endpoints[: config.servers]
+                        )
+                        print(
+                            f"  {config.label}: {ANCHOR_PLACEMENT[config.key]}", file=sys.stderr, flush=True
+                        )
+                    ANCHOR_RUNS[config.key] = []
             mono.run(prompt, 8)
             for round_index in range(args.rounds):
                 runs["a"].append(mono.run(prompt, args.tokens))  # on this thread: one OpenMP team
                 for key in keys:
                     runs[key].append(await api_run(apis[key], prompt, args.tokens))
-                line = ", ".join(f"{k} {r[-1].decode_tps:.1f}" for k, r in runs.items())
+                for config in anchors:
+                    result, _ = await asyncio.to_thread(
+                        rpc_anchor.run_bench,
+                        args.rpc_tools,
+                        config,
+                        endpoints[: config.servers],
+                        anchor_settings,
+                    )
+                    ANCHOR_RUNS[config.key].append(result.avg_ts)
+                line = ", ".join(
+                    [f"{k} {r[-1].decode_tps:.1f}" for k, r in runs.items()]
+                    + [f"{k} {r[-1]:.1f}" for k, r in ANCHOR_RUNS.items()]
+                )
                 print(f"  round {round_index + 1}: tok/s {line}", file=sys.stderr, flush=True)
             if args.breakdown and "d" in meshes:
                 hops = await hop_breakdown(meshes["d"], THREE, prompt, args.tokens)
@@ -513,7 +588,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="threads of (a) and of each node (2)")
-    parser.add_argument("--configs", default="b,c,d,e")
+    parser.add_argument(
+        "--configs",
+        default="b,c,d,e",
+        help="comma-separated: b, c, d, e, c1, d1, and the llama.cpp anchor's rpc1, rpc2, rpc3 (b,c,d,e)",
+    )
+    parser.add_argument(
+        "--rpc",
+        action="store_true",
+        help="also run the llama.cpp RPC anchor: rpc1 (local), rpc2 (2-way), rpc3 (3-way); builds "
+        "llama-bench and ggml-rpc-server on first use (bench/build_llama_rpc.sh)",
+    )
+    parser.add_argument(
+        "--rpc-reps", type=int, default=3, help="llama-bench -r: repetitions per anchor run per round (3)"
+    )
     parser.add_argument(
         "--breakdown",
         action=argparse.BooleanOptionalAction,
@@ -545,6 +633,19 @@ def main() -> None:
         help="also run (d) with MS ms of added one-way delay between nodes (repeatable: 10 and 20)",
     )
     args = parser.parse_args()
+    names = [name for name in args.configs.split(",") if name]
+    unknown = [name for name in names if name not in CONFIGS and name not in rpc_anchor.ANCHORS]
+    if unknown:
+        parser.error(f"unknown configuration(s): {', '.join(unknown)}")
+    args.mesh_configs = [name for name in names if name in CONFIGS]
+    wanted = {name for name in names if name in rpc_anchor.ANCHORS} | (
+        set(rpc_anchor.ANCHORS) if args.rpc else set()
+    )
+    if wanted:
+        wanted.add(rpc_anchor.BASELINE)  # every split's ratio is against the anchor's own local run
+    args.anchor_configs = [key for key in rpc_anchor.ANCHORS if key in wanted]
+    # Built (or found in the cache) before anything starts, so a build never overlaps the rounds.
+    args.rpc_tools = rpc_anchor.build_tools() if args.anchor_configs else None
     for delay_ms in args.delay_ms:
         key = delayed_key(delay_ms)
         CONFIGS[key] = (f"(d+{delay_ms:g} ms) 3 nodes, +{delay_ms:g} ms one way", THREE, None)
@@ -570,6 +671,8 @@ def main() -> None:
         print(f"{label:<34} {run.decode_tps:>12.1f} {ratio:>6.3f}x {1000 / run.decode_tps:>9.2f} {extra:>+10.2f} "
               f"{run.ttft_s:>8.3f} {run.ttft_s / base.ttft_s:>6.3f}x{target}")  # fmt: skip
 
+    if ANCHOR_RUNS:
+        print_anchor(args, runs)
     if ANSWER_PATHS:
         print()
         print("the answer's way back: one chained session from a client node, decode round trip (medians, "
@@ -592,6 +695,37 @@ def main() -> None:
         print(f"{'sum':<14} {total_exec:>10.2f} {total_trip:>14.2f} {total_trip - total_exec:>18.2f}")
         print(
             f"{'chained':<14} {'':>10} {chain_ms:>14.2f} {chain_ms - total_exec:>18.2f}  (one session, hop to hop)"
+        )
+
+
+def print_anchor(args: argparse.Namespace, runs: dict[str, list[Run]]) -> None:
+    """The llama.cpp RPC anchor's table, meshnode's (c) and (d) beside it, and issue 20's target."""
+    base_tps = statistics.median(ANCHOR_RUNS[rpc_anchor.BASELINE])
+    print()
+    print(f"llama.cpp RPC anchor: llama-bench -p 0 -n {args.tokens} -d {args.prompt_tokens} -r {args.rpc_reps}, "
+          f"{args.threads} threads per process, loopback, medians over {args.rounds} rounds of each run's mean; "
+          f"ratio and +ms/token against {rpc_anchor.BASELINE} (llama.cpp local), meshnode's against (a)")  # fmt: skip
+    print(
+        f"{'configuration':<34} {'decode tok/s':>12} {'ratio':>7} {'ms/token':>9} {'+ms/token':>10}  placement"
+    )
+    added: dict[str, float] = {}
+    for key, samples in ANCHOR_RUNS.items():
+        tps = statistics.median(samples)
+        added[key] = rpc_anchor.added_ms_per_token(tps, base_tps)
+        print(f"{rpc_anchor.ANCHORS[key].label:<34} {tps:>12.1f} {tps / base_tps:>6.3f}x {1000 / tps:>9.2f} "
+              f"{added[key]:>+10.2f}  {ANCHOR_PLACEMENT.get(key, '')}")  # fmt: skip
+    mono_tps = median_run(runs["a"]).decode_tps
+    for key in ("c", "d"):
+        if key in runs:
+            tps = median_run(runs[key]).decode_tps
+            added[key] = rpc_anchor.added_ms_per_token(tps, mono_tps)
+            print(f"{'meshnode ' + CONFIGS[key][0]:<34} {tps:>12.1f} {tps / mono_tps:>6.3f}x {1000 / tps:>9.2f} "
+                  f"{added[key]:>+10.2f}  against (a) {mono_tps:.1f} tok/s")  # fmt: skip
+    if "d" in added and "rpc3" in added:
+        bound = 2 * added["rpc3"]
+        verdict = "met" if added["d"] <= bound else "MISSED"
+        print(
+            f"issue 20 target: (d) added ms/token <= 2x RPC 3-way's: {added['d']:+.2f} <= {bound:+.2f}: {verdict}"
         )
 
 
