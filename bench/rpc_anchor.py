@@ -19,6 +19,8 @@ is against rpc1 from the same rounds, never against meshnode's (a): the tools ar
 Before the rounds, one verbose run per RPC configuration checks from llama.cpp's own load log that
 the layers really are where the flags say (``offloaded N/19 layers``, each layer's device, a model
 buffer on every server).
+Every llama-bench and rpc-server runs in a session of its own, as meshnode's nodes do, so that the
+kernel's per-session scheduling groups share a busy machine's cores alike between the two sides.
 The servers are this process's children: stopped on exit, Ctrl-C or error, and (Linux) sent SIGTERM
 by the kernel if this process dies without cleaning up.
 """
@@ -166,9 +168,18 @@ def _free_tcp_port() -> int:
 
 
 def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the server gets SIGTERM when the thread that started it dies, so a bench
+    # PR_SET_PDEATHSIG: the child gets SIGTERM when the thread that started it dies, so a bench
     # killed without its cleanup (SIGKILL) leaves no server holding a core.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+# Each child in a session of its own, as LocalMesh starts meshnode's nodes: with the kernel's
+# autogroup scheduling (on by default) every session is one scheduling group, and on a shared
+# machine a group gets its share of the cores however many processes it holds; a llama-bench or
+# rpc-server left in the bench's session would compete for one share where each node has its own.
+# The cost: a terminal's Ctrl-C does not reach them, so they are stopped by the bench (servers on
+# exit, llama-bench runs finish within seconds) and by the parent-death signal.
+_PREEXEC = _die_with_parent if sys.platform == "linux" else None
 
 
 class RpcServers:
@@ -186,7 +197,8 @@ class RpcServers:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **env},
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    start_new_session=True,
+                    preexec_fn=_PREEXEC,
                 )
                 log.close()
                 self.processes.append(process)
@@ -282,6 +294,8 @@ def run_bench(
         text=True,
         env={**os.environ, **s.env},
         timeout=600,
+        start_new_session=True,
+        preexec_fn=_PREEXEC,
     )
     if done.returncode != 0:
         raise RuntimeError(
