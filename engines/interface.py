@@ -12,12 +12,19 @@ Inputs and outputs:
 - a non-tail shard returns the float32 residual stream after its last layer;
 - a tail shard (``layer_end == total_layers``) returns a sampled token id for the
   last position when asked to sample, never raw logits on the normal path
-  (``want_logits`` exists for parity checks and diagnostics).
+  (``want_logits`` exists for parity checks and diagnostics); for a verify step
+  (``draft_tokens > 0``, speculative decoding) it returns the greedy choice after
+  every position.
 
 Cache rules (``CacheExpectation`` in the schema): a prefill at position 0 starts
 fresh session state; any other step must find the session cache holding exactly
 the expected number of tokens, or it fails with ``CACHE_MISS`` carrying the
 actual length. A step is never silently run without its cache.
+
+Speculative decoding: a step's last ``draft_tokens`` positions are drafts, which the
+session holds as uncommitted once the step ran. A later step with ``rollback`` may find
+the cache longer than it expects by some of them and drops them first (see
+:func:`rollback_refusal`: never below what is committed, never above what is held).
 
 Engines are synchronous and not re-entrant; callers run them on one worker
 thread. ``cancel`` and ``CancelToken.cancel`` may be called from any thread.
@@ -93,6 +100,9 @@ DEFAULT_PENALTY_LAST_N = 64
 MAX_PENALTY_LAST_N = 4096
 # A GBNF grammar travels in the route too.
 MAX_GRAMMAR_BYTES = 256 * 1024
+# The most draft tokens one verify step carries: the tail computes logits for every position
+# of it (llama.cpp sizes its output buffer for 1 + this many rows).
+MAX_DRAFT_TOKENS = 15
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,13 @@ class StepRequest:
     sample_index: int = 0
     work_id: str = ""
     cancel_token: CancelToken | None = None
+    # Speculative decoding: how many of the last positions are draft tokens (a verify step).
+    # Every hop runs them and holds them as uncommitted; a tail asked to sample returns the
+    # (greedy) choice after every position in ``StepResult.token_ids``.
+    draft_tokens: int = 0
+    # The cache may hold more than ``first_position`` tokens, uncommitted drafts of the last
+    # step that the head rejected: drop them before running (``rollback_refusal`` says when not).
+    rollback: bool = False
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.hidden is None):
@@ -254,6 +271,11 @@ class StepRequest:
             raise EngineError(EngineErrorKind.INVALID_REQUEST, "negative position")
         if self.n_tokens < 1:
             raise EngineError(EngineErrorKind.INVALID_REQUEST, "a step needs at least one token")
+        if not 0 <= self.draft_tokens < self.n_tokens or self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise EngineError(
+                EngineErrorKind.INVALID_REQUEST,
+                f"a verify step carries 1 accepted token and at most {MAX_DRAFT_TOKENS} drafts",
+            )
 
     @property
     def n_tokens(self) -> int:
@@ -273,6 +295,9 @@ class StepResult:
     hidden: np.ndarray | None = None
     # Tail, when sampling was requested.
     token_id: int | None = None
+    # Tail, for a verify step (draft_tokens > 0) with sampling: the choice after every position,
+    # in order (``token_id`` is the last of them).
+    token_ids: tuple[int, ...] | None = None
     # Tail, when want_logits: float32 [vocab_size] for the last position.
     logits: np.ndarray | None = None
     execution_nanos: int = 0
@@ -326,6 +351,29 @@ METRIC_SESSIONS_EXPIRED = "sessions_expired"
 METRIC_SESSIONS_CANCELLED = "sessions_cancelled"
 METRIC_STEPS_CANCELLED = "steps_cancelled"
 METRIC_ERRORS = "errors"
+
+
+def rollback_refusal(held: int, committed: int, expected: int) -> str | None:
+    """Why a cache holding ``held`` tokens, of which the first ``committed`` are committed (the
+    rest: drafts of its last verify step), cannot be rolled back to ``expected`` tokens; None
+    when it can (``committed <= expected <= held``; ``expected == held`` drops nothing).
+
+    Both refusals are cache misses: below the committed length the sender has lost track of
+    what was accepted, above the held length it believes in tokens this cache never ran."""
+    if expected > held:
+        return f"cache holds {held} tokens, fewer than the {expected} to roll back to"
+    if expected < committed:
+        return f"cannot roll back below the {committed} committed tokens (asked for {expected})"
+    return None
+
+
+def supports_speculation(params: SamplingParams) -> bool:
+    """Whether a tail can verify drafts for ``params``: plain greedy choice (a logit bias is
+    allowed: it does not depend on earlier tokens). Sampled, penalised and grammar requests are
+    not verified: the speculative-sampling rule would draw from another random stream than the
+    seeded sampler (so a seed would no longer reproduce the non-speculative text), and the
+    penalties and the grammar would have to be run over drafts that may be rejected."""
+    return params.greedy and not params.penalized and not params.grammar and params.history is None
 
 
 class ShardEngine(ABC):
@@ -382,6 +430,7 @@ class ShardEngine(ABC):
 
 __all__ = [
     "GREEDY",
+    "MAX_DRAFT_TOKENS",
     "BatchStep",
     "CancelToken",
     "EngineCapabilities",
@@ -397,4 +446,6 @@ __all__ = [
     "StepOutcome",
     "StepRequest",
     "StepResult",
+    "rollback_refusal",
+    "supports_speculation",
 ]

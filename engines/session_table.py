@@ -29,6 +29,9 @@ class Session:
     # The layer this session's execution starts at (the loaded start or an effective start).
     start_layer: int
     past_len: int = 0
+    # Of past_len, the tokens that are not drafts of the last verify step: a rollback
+    # (StepRequest.rollback) may drop positions down to this, never below.
+    committed_len: int = 0
     last_used: float = 0.0
 
 

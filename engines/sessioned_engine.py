@@ -6,6 +6,11 @@ cancellation (per step and per session), TTL and LRU eviction, metrics, and tail
 sampling. A backend implements four hooks: load, forward, truncate and close, and may
 implement a fifth, ``_forward_batch``, to compute several sessions' decodes together.
 
+Speculative decoding: a verify step (``draft_tokens > 0``) runs like a prefill chunk; at a
+tail the backend returns every position's logits (``all_logits``) and each is sampled
+(greedy). Its drafts stay uncommitted (``Session.committed_len``) until a later step's
+``rollback`` drops the rejected ones by ``_truncate``, under the same lock as the step.
+
 Batches (``step_batch``): the decode steps are admitted in order under the same rules as
 alone, then computed together per start layer (one ``_forward_batch`` each), then the
 prefill chunks run one by one exactly as ``prefill`` runs them; each step's outcome is what
@@ -58,6 +63,8 @@ from engines.interface import (
     StepOutcome,
     StepRequest,
     StepResult,
+    rollback_refusal,
+    supports_speculation,
 )
 from engines.sampling import sample_token, validate_sampling
 from engines.session_table import Session, SessionTable
@@ -69,7 +76,8 @@ _log = logging.getLogger("engines.sessioned_engine")
 class ForwardOutput:
     # Non-tail: float32 [n_tokens, hidden_size].
     hidden: np.ndarray | None = None
-    # Tail, when logits were asked for: the last position's logits (may be a view).
+    # Tail, when logits were asked for: the last position's logits (may be a view), or with
+    # ``all_logits`` every position's, [n_tokens, vocab].
     logits: np.ndarray | None = None
 
 
@@ -121,10 +129,14 @@ class SessionedEngine(ShardEngine):
         inputs: np.ndarray,
         want_logits: bool,
         should_abort: Callable[[], bool],
+        *,
+        all_logits: bool = False,
     ) -> ForwardOutput:
         """Run ``inputs`` (int32 token ids, or float32 [n, hidden]) from ``session.start_layer``.
 
-        On an exception the session's backend state must be back at ``first_position``.
+        ``all_logits`` (a tail's verify step): return the logits of every position, not only
+        the last one's. On an exception the session's backend state must be back at
+        ``first_position``.
         """
 
     def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
@@ -303,11 +315,22 @@ class SessionedEngine(ShardEngine):
             self._free_pending()  # a reused slot must be empty before the step writes to it
 
         want_logits = caps.is_tail and (request.sampling is not None or request.want_logits)
+        all_logits = want_logits and request.draft_tokens > 0
         started = time.perf_counter_ns()
         try:
-            output = self._forward(
-                session, request.first_position, inputs, want_logits, self._abort_check(request)
-            )
+            if all_logits:
+                output = self._forward(
+                    session,
+                    request.first_position,
+                    inputs,
+                    want_logits,
+                    self._abort_check(request),
+                    all_logits=True,
+                )
+            else:
+                output = self._forward(
+                    session, request.first_position, inputs, want_logits, self._abort_check(request)
+                )
         except EngineError as error:
             self._after_failed_forward(session, error)
             raise
@@ -353,8 +376,10 @@ class SessionedEngine(ShardEngine):
                 # storage is freed with the pending drops; what the step computed is discarded.
                 raise EngineError(EngineErrorKind.CANCELLED, "session was cancelled during the step")
             session.past_len = request.first_position + request.n_tokens
+            session.committed_len = session.past_len - request.draft_tokens
             table.touch(session, self._clock())
-        self._count(METRIC_DECODE_STEPS if decode else METRIC_PREFILL_STEPS)
+        # A verify step (speculative decoding) runs the prefill path but is decoding work.
+        self._count(METRIC_DECODE_STEPS if decode or request.draft_tokens else METRIC_PREFILL_STEPS)
         self._count(METRIC_TOKENS_PROCESSED, request.n_tokens)
         return self._result(request, session, output, fresh, elapsed)
 
@@ -476,7 +501,15 @@ class SessionedEngine(ShardEngine):
         expected = request.first_position
         session = table.lookup(key)
         actual = session.past_len if session is not None else 0
-        if session is None or actual != expected:
+        if session is not None and request.rollback and actual != expected:
+            refusal = rollback_refusal(actual, session.committed_len, expected)
+            if refusal is not None:
+                raise EngineError(
+                    EngineErrorKind.CACHE_MISS,
+                    f"session {key.session_id!r}@{key.epoch}: {refusal}",
+                    actual_past_len=actual,
+                )
+        elif session is None or actual != expected:
             raise EngineError(
                 EngineErrorKind.CACHE_MISS,
                 f"session {key.session_id!r}@{key.epoch} holds {actual} tokens, the step expects {expected}",
@@ -487,6 +520,12 @@ class SessionedEngine(ShardEngine):
                 EngineErrorKind.INVALID_REQUEST,
                 f"session started at layer {session.start_layer}; it cannot continue from layer {start_layer}",
             )
+        if actual != expected:
+            # The rejected drafts go before the step runs (the caller holds the compute lock), so
+            # the step computes over exactly the accepted tokens, and a failure of it leaves the
+            # session at ``expected`` as every failed step must.
+            self._truncate(session, expected)
+            session.past_len = session.committed_len = expected
         return session
 
     def _validate(
@@ -521,6 +560,17 @@ class SessionedEngine(ShardEngine):
             validate_sampling(request.sampling)
         if request.sample_index < 0:
             raise EngineError(EngineErrorKind.INVALID_REQUEST, "sample_index is negative")
+        sampling = request.sampling
+        if (
+            request.draft_tokens
+            and caps.is_tail
+            and sampling is not None
+            and not supports_speculation(sampling)
+        ):
+            raise EngineError(
+                EngineErrorKind.INVALID_REQUEST,
+                "drafts are verified for plain greedy choice only (no temperature, penalty or grammar)",
+            )
         return start, self._validated_inputs(caps, request, start)
 
     @staticmethod
@@ -559,19 +609,35 @@ class SessionedEngine(ShardEngine):
         self, request: StepRequest, session: Session, output: ForwardOutput, fresh: bool, elapsed: int
     ) -> StepResult:
         token_id = None
+        token_ids = None
         logits = None
         if output.logits is not None:
-            if request.sampling is not None:
-                token_id = sample_token(
-                    output.logits, request.sampling, request.sample_index, self.grammar_vocabulary
-                )
+            rows = output.logits
+            if request.draft_tokens and rows.ndim == 2:
+                if request.sampling is not None:
+                    # The position after row i is first_position + i + 1 (the index a decode there
+                    # would sample with); greedy choice does not read it, but it is the honest one.
+                    first = request.first_position
+                    token_ids = tuple(
+                        sample_token(row, request.sampling, first + i + 1, self.grammar_vocabulary)
+                        for i, row in enumerate(rows)
+                    )
+                    token_id = token_ids[-1]
+                last = rows[-1]
+            else:
+                last = rows
+                if request.sampling is not None:
+                    token_id = sample_token(
+                        last, request.sampling, request.sample_index, self.grammar_vocabulary
+                    )
             if request.want_logits:
-                logits = np.array(output.logits, dtype=np.float32, copy=True)
+                logits = np.array(last, dtype=np.float32, copy=True)
         return StepResult(
             past_len=session.past_len,
             cache_hit=not fresh,
             hidden=output.hidden,
             token_id=token_id,
+            token_ids=token_ids,
             logits=logits,
             execution_nanos=elapsed,
         )

@@ -41,6 +41,7 @@ unit never sent): the edge closes that stream and calls :meth:`stream_lost`.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -368,14 +369,34 @@ class SessionClient:
         return ids
 
     def submit_decode(
-        self, value: int | np.ndarray, *, position: int, deadline: Deadline | None = None
+        self,
+        value: int | np.ndarray,
+        *,
+        position: int,
+        deadline: Deadline | None = None,
+        draft: Sequence[int] = (),
+        rollback: bool = False,
     ) -> int:
         """One token at ``position`` (the cache must hold ``position`` tokens): a token id for a head
-        hop, a float32 hidden ``[1, hidden]`` otherwise. Sent as a DecodeStep."""
-        tokens = np.asarray([value], dtype=np.int32) if self.takes_tokens else None
+        hop, a float32 hidden ``[1, hidden]`` otherwise. Sent as a DecodeStep.
+
+        Speculative decoding (a head hop only): ``draft`` tokens follow the token in the same
+        unit, a verify step whose answer is the tail's choice after every position; ``rollback``
+        lets each hop drop the uncommitted drafts of the session's previous verify step down to
+        ``position`` first. Either makes it an ActivationChunk (a DecodeStep carries neither)."""
+        if draft and not self.takes_tokens:
+            raise ValueError("only a head hop takes draft tokens")
+        tokens = np.asarray([value, *draft], dtype=np.int32) if self.takes_tokens else None
         hidden = None if self.takes_tokens else np.asarray(value, dtype=np.float32).reshape(1, -1)
         return self._add(
-            UnitPosition(decode=True, first_position=position, token_count=1, expected_past_len=position),
+            UnitPosition(
+                decode=True,
+                first_position=position,
+                token_count=1 + len(draft),
+                expected_past_len=position,
+                draft_tokens=len(draft),
+                rollback=rollback,
+            ),
             deadline=deadline,
             tokens=tokens,
             hidden=hidden,
@@ -484,7 +505,7 @@ class SessionClient:
         # Inputs are encoded into the body; drop the arrays so a retry holds only bytes.
         unit.tokens = unit.hidden = None
         position = unit.position
-        if position.decode and position.token_count == 1:
+        if position.single_decode and not position.rollback:
             # Filled in place: a keyword-built DecodeStep nested in a keyword-built request copies
             # the tensor's payload twice (the hot path: every token, every hop).
             request = shard.SessionRequest()
@@ -512,6 +533,7 @@ class SessionClient:
             cache_expectation=shard.CacheExpectation(
                 mode=shard.CACHE_MODE_PREFILL if fresh else shard.CACHE_MODE_DECODE,
                 expected_past_len=0 if fresh else position.first_position,
+                rollback=position.rollback,
             ),
             deadline_unix_nanos=wire_deadline(unit.deadline),
             chunk=shard.ChunkInfo(
@@ -519,6 +541,7 @@ class SessionClient:
                 chunk_count=position.chunk_count,
                 final_chunk=position.final,
             ),
+            draft_tokens=position.draft_tokens,
         )
         return shard.SessionRequest(
             chunk=shard.ActivationChunk(envelope=envelope, bundle=encode_bundle([tensor]))

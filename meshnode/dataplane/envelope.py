@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engines.interface import MAX_DRAFT_TOKENS
 from meshnode.dataplane.errors import payload_corrupt
 from meshnode.wire.pb import shard
 
@@ -40,6 +41,12 @@ class UnitPosition:
     expected_past_len: int | None
     chunk_index: int = 0
     chunk_count: int = 1
+    # Speculative decoding (meshnode extension, Envelope.draft_tokens): a decode unit's last
+    # positions that are drafts; the unit then carries 1 + draft_tokens positions.
+    draft_tokens: int = 0
+    # CacheExpectation.rollback: the cache may hold uncommitted drafts past expected_past_len,
+    # which the receiver drops first.
+    rollback: bool = False
 
     @property
     def fresh_start(self) -> bool:
@@ -49,6 +56,17 @@ class UnitPosition:
     def final(self) -> bool:
         """The last chunk of its prefill (a decode step is its own last chunk)."""
         return self.chunk_index == self.chunk_count - 1
+
+    @property
+    def verify(self) -> bool:
+        """A verify step of speculative decoding: the tail returns a token for every position."""
+        return self.draft_tokens > 0
+
+    @property
+    def single_decode(self) -> bool:
+        """One plain decode token (what batches with other sessions' decodes, and what a
+        DecodeStep can carry when it needs no rollback)."""
+        return self.decode and self.token_count == 1
 
     @property
     def end(self) -> int:
@@ -88,12 +106,19 @@ def unit_position(envelope: shard.Envelope) -> UnitPosition:
 
     A prefill chunk at position 0 with cache mode PREFILL (or STATELESS, run the
     same way) starts fresh; a later chunk uses mode DECODE expecting exactly its
-    first position; a decode unit is one token with mode DECODE at its position.
+    first position; a decode unit is one token with mode DECODE at its position,
+    or (speculative decoding) one token and ``draft_tokens`` drafts; only a decode
+    unit may ask for a rollback.
     """
     first, count = envelope.position.first_position, envelope.position.token_count
     if count < 1:
         raise payload_corrupt("a unit carries at least one token position")
     expectation = envelope.cache_expectation
+    drafts = envelope.draft_tokens
+    if envelope.phase != shard.PHASE_DECODE and (drafts or expectation.rollback):
+        raise payload_corrupt("only a decode unit carries drafts or a rollback")
+    if drafts > MAX_DRAFT_TOKENS:
+        raise payload_corrupt(f"a verify step carries at most {MAX_DRAFT_TOKENS} draft tokens")
     if envelope.phase == shard.PHASE_PREFILL:
         info = envelope.chunk
         if info.chunk_count < 1 or info.chunk_index >= info.chunk_count:
@@ -112,11 +137,13 @@ def unit_position(envelope: shard.Envelope) -> UnitPosition:
     if envelope.phase == shard.PHASE_DECODE:
         if (
             expectation.mode != shard.CACHE_MODE_DECODE
-            or count != 1
+            or count != 1 + drafts
             or expectation.expected_past_len != first
         ):
-            raise payload_corrupt("a decode unit is one token continuing the cache at its position")
-        return UnitPosition(True, first, 1, first)
+            raise payload_corrupt(
+                "a decode unit is one token (and its drafts) continuing the cache at its position"
+            )
+        return UnitPosition(True, first, count, first, draft_tokens=drafts, rollback=expectation.rollback)
     raise payload_corrupt("a unit's phase must be PREFILL or DECODE")
 
 

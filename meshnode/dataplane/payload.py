@@ -5,7 +5,9 @@ Names and shapes (SessionRoute's contract):
 - head input: ``token_ids`` INT32 ``[n]``;
 - activations: ``hidden_states`` ``[n, hidden]`` in the route's boundary dtype;
 - tail result: ``token_ids`` INT32 ``[1]`` (the sampled token), plus ``logits``
-  FLOAT32 ``[vocab]`` only when the route asks for them.
+  FLOAT32 ``[vocab]`` only when the route asks for them; for a verify step of
+  speculative decoding, ``token_ids`` INT32 ``[1 + drafts]``: the choice after every
+  position.
 
 Decoding itself (fragments, checksum, zstd bounds) is ``meshnode.wire.tensor_codec``;
 this module only adds what the role implies.
@@ -109,15 +111,30 @@ def decode_step_input(tensor: shard.NamedTensor, role: HopRole, accepted: Collec
 
 
 def check_result(
-    result: object, role: HopRole, n_tokens: int, *, sampled: bool, want_logits: bool
+    result: object,
+    role: HopRole,
+    n_tokens: int,
+    *,
+    sampled: bool,
+    want_logits: bool,
+    verify: bool = False,
 ) -> StepResult:
-    """Refuse (INTERNAL) an engine result this hop could not honestly pass on."""
+    """Refuse (INTERNAL) an engine result this hop could not honestly pass on. ``verify``: a
+    verify step, whose sampled result is a token for each of its ``n_tokens`` positions."""
     if not isinstance(result, StepResult):
         raise _malformed()
     if role.is_tail:
         if sampled:
             token = result.token_id
             if not isinstance(token, int | np.integer) or not 0 <= int(token) < role.vocab_size:
+                raise _malformed()
+        if sampled and verify:
+            tokens = result.token_ids
+            if (
+                not isinstance(tokens, tuple)
+                or len(tokens) != n_tokens
+                or not all(isinstance(t, int | np.integer) and 0 <= int(t) < role.vocab_size for t in tokens)
+            ):
                 raise _malformed()
         if sampled and want_logits:
             logits = result.logits
@@ -160,6 +177,15 @@ def encode_token_result(token_id: int, logits: np.ndarray | None) -> shard.Tenso
     return encode_bundle(tensors)
 
 
+def encode_verify_result(token_ids: tuple[int, ...], logits: np.ndarray | None) -> shard.TensorBundle:
+    """The tail's result for a verify step: the choice after every position (then the last
+    position's logits when the route asks for them)."""
+    tensors = [encode_tensor(TOKEN_IDS, shard.DTYPE_INT32, np.array(token_ids, dtype=np.int32))]
+    if logits is not None:
+        tensors.append(encode_float_tensor(LOGITS, logits, shard.DTYPE_FLOAT32))
+    return encode_bundle(tensors)
+
+
 _TOKEN_BUNDLES: dict[int, shard.TensorBundle] = {}
 _TOKEN_BUNDLES_KEPT = 4096
 
@@ -184,4 +210,5 @@ __all__ = [
     "encode_hidden",
     "encode_token_result",
     "encode_tokens",
+    "encode_verify_result",
 ]

@@ -156,9 +156,16 @@ class StepOutput:
 
     @property
     def token(self) -> int | None:
-        """The tail's sampled token (None for a non-final prefill chunk or a hidden-state hop)."""
+        """The tail's sampled token (None for a non-final prefill chunk or a hidden-state hop); for a
+        verify step, its choice after the last position."""
         tensor = self.tensors.get(TOKEN_IDS)
-        return None if tensor is None else int(tensor.array[0])
+        return None if tensor is None else int(tensor.array[-1])
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Every token the tail returned: one, or for a verify step its choice after each position."""
+        tensor = self.tensors.get(TOKEN_IDS)
+        return () if tensor is None else tuple(int(t) for t in tensor.array.tolist())
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -366,11 +373,20 @@ class ShardSession:
         )
         return self._submitted(ids)
 
-    def submit_decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> UnitHandle:
+    def submit_decode(
+        self,
+        value: int | np.ndarray,
+        *,
+        position: int,
+        deadline_ns: int = 0,
+        draft: Sequence[int] = (),
+        rollback: bool = False,
+    ) -> UnitHandle:
         self._raise_if_over()
-        return self._submitted(
-            [self.client.submit_decode(value, position=position, deadline=_deadline(deadline_ns))]
-        )[0]
+        unit_id = self.client.submit_decode(
+            value, position=position, deadline=_deadline(deadline_ns), draft=draft, rollback=rollback
+        )
+        return self._submitted([unit_id])[0]
 
     def submit_forward(self, work: ForwardWork) -> UnitHandle:
         """A unit a forwarding worker passes on with its own step and work id."""
@@ -394,10 +410,23 @@ class ShardSession:
         handles = self.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
         return PrefillOutput([await handle for handle in handles])
 
-    async def decode(self, value: int | np.ndarray, *, position: int, deadline_ns: int = 0) -> StepOutput:
-        """One token at ``position`` (the route's caches must hold ``position`` tokens)."""
+    async def decode(
+        self,
+        value: int | np.ndarray,
+        *,
+        position: int,
+        deadline_ns: int = 0,
+        draft: Sequence[int] = (),
+        rollback: bool = False,
+    ) -> StepOutput:
+        """One token at ``position`` (the route's caches must hold ``position`` tokens). With
+        ``draft`` tokens it is a verify step (``output.tokens``: the tail's choice after each
+        position); ``rollback`` first drops the previous verify step's rejected drafts on every
+        hop (see :meth:`SessionClient.submit_decode`)."""
         self._raise_if_over()
-        unit_id = self.client.submit_decode(value, position=position, deadline=_deadline(deadline_ns))
+        unit_id = self.client.submit_decode(
+            value, position=position, deadline=_deadline(deadline_ns), draft=draft, rollback=rollback
+        )
         (handle,) = self._submitted([unit_id], kick=False)
         # The hot path: write from this task rather than waking a writer task.
         await self._flush()

@@ -57,6 +57,14 @@ Choices the schema leaves open, made here:
   are ``retryable = true``.
 - The tail samples with ``sample_index`` = the position of the token being
   sampled, so a retry or a re-prefill replay draws the same token.
+- Speculative decoding (meshnode extension): a verify step is a PHASE_DECODE unit of
+  1 + ``draft_tokens`` positions. It is filed and run like a prefill chunk (one
+  multi-token forward, alone), every hop remembers its drafts as uncommitted, and the
+  tail answers the choice after every position. The next unit of the session may carry
+  ``CacheExpectation.rollback``: the cache check then admits a held length between the
+  committed one and the held one (engines.interface.rollback_refusal; CACHE_MISS
+  otherwise, as without it), and the engine drops the rejected drafts before running.
+  A retried verify step is replayed from its record like any other: never re-applied.
 - Cache mode STATELESS is run as a fresh prefill at position 0 (the state it
   leaves is released like any other).
 - Leases (:mod:`.lease`): a session belongs to the peer whose stream opened it.
@@ -79,7 +87,15 @@ from dataclasses import dataclass, replace
 
 from google.protobuf.message import DecodeError
 
-from engines.interface import BatchStep, CancelToken, EngineCapabilities, EngineError, StepRequest, StepResult
+from engines.interface import (
+    BatchStep,
+    CancelToken,
+    EngineCapabilities,
+    EngineError,
+    StepRequest,
+    StepResult,
+    rollback_refusal,
+)
 from meshnode.dataplane import errors, responses
 from meshnode.dataplane.actions import (
     Action,
@@ -120,6 +136,7 @@ from meshnode.dataplane.payload import (
     decode_step_input,
     encode_hidden,
     encode_token_result,
+    encode_verify_result,
 )
 from meshnode.dataplane.route import RoutePlan, validate_route
 from meshnode.dataplane.steps import RecordState, StepLedger, StepRecord, Verdict
@@ -370,6 +387,8 @@ class ShardWorker:
             if live:
                 is_miss = error.code == shard.ERROR_CODE_CACHE_MISS
                 session.past_len = error.actual_past_len if is_miss else None
+                # How much of what the engine holds is committed is not known after a refusal.
+                session.committed_len = None
             self._fail(out, unit, error)
             return
         try:
@@ -380,10 +399,11 @@ class ShardWorker:
                 unit.position.token_count,
                 sampled=sampled,
                 want_logits=session.plan.return_logits,
+                verify=unit.position.verify,
             )
         except ShardProtocolError as error:
             if live:
-                session.past_len = None
+                session.past_len = session.committed_len = None
             self._fail(out, unit, error)
         else:
             if live:
@@ -1007,7 +1027,10 @@ class ShardWorker:
             return
         self._ready[session.session_id] = session
         head = session.queue[0].position
-        self._scheduler.file(session.session_id, session.owner, decode=head.decode, tokens=head.token_count)
+        # A verify step is a multi-token forward run alone, as a prefill chunk is: filed as one.
+        self._scheduler.file(
+            session.session_id, session.owner, decode=head.single_decode, tokens=head.token_count
+        )
 
     def _pump(self, out: list[Action], now_ns: int) -> None:
         while self._running is None and self._ready and not self._holding(now_ns):
@@ -1085,14 +1108,9 @@ class ShardWorker:
             self._fail(out, unit, _refusal_for(verdict, session))
             return None
         expected = position.expected_past_len
-        if expected is not None and session.past_len is not None and session.past_len != expected:
-            self._fail(
-                out,
-                unit,
-                errors.cache_miss(
-                    f"session holds {session.past_len} tokens, not {expected}", session.past_len
-                ),
-            )
+        refusal = self._cache_refusal(session, position)
+        if refusal is not None:
+            self._fail(out, unit, refusal)
             return None
         assert unit.input is not None
         # A token per unit, so that cancelling one unit leaves the rest of its batch running.
@@ -1111,19 +1129,37 @@ class ShardWorker:
                 sample_index=position.end,
                 work_id=unit.work_id,
                 cancel_token=token,
+                draft_tokens=position.draft_tokens,
+                rollback=position.rollback,
             )
         except EngineError as error:
             self._fail(out, unit, errors.from_engine_failure(error))
             return None
         unit.token = token
         unit.input = None
-        return BatchStep(request, position.decode)
+        # A verify step runs through the engine's multi-token (prefill) path, alone.
+        return BatchStep(request, position.single_decode)
+
+    @staticmethod
+    def _cache_refusal(session: SessionState, position: UnitPosition) -> ShardProtocolError | None:
+        """The CACHE_MISS a unit meets before the engine, by what this worker knows the engine holds
+        (nothing when it does not know: the engine then decides, by the same rule)."""
+        expected, held = position.expected_past_len, session.past_len
+        if expected is None or held is None or held == expected:
+            return None
+        if not position.rollback:
+            return errors.cache_miss(f"session holds {held} tokens, not {expected}", held)
+        if session.committed_len is None:
+            return None
+        refusal = rollback_refusal(held, session.committed_len, expected)
+        return None if refusal is None else errors.cache_miss(refusal, held)
 
     # ------------------------------------------------------------------ results
 
     def _applied(self, out: list[Action], unit: Unit, result: StepResult) -> None:
         session = unit.session
         session.past_len = result.past_len
+        session.committed_len = result.past_len - unit.position.draft_tokens
         cache = shard.CacheResult(
             mode=shard.CACHE_MODE_PREFILL if unit.position.fresh_start else shard.CACHE_MODE_DECODE,
             past_len=result.past_len,
@@ -1176,6 +1212,8 @@ class ShardWorker:
             if result.token_id is None:
                 return None
             logits = result.logits if unit.session.plan.return_logits else None
+            if unit.position.verify and result.token_ids is not None:
+                return encode_verify_result(tuple(int(t) for t in result.token_ids), logits)
             return encode_token_result(int(result.token_id), logits)
         assert result.hidden is not None
         stream = self._streams.get(unit.stream_id)

@@ -70,6 +70,9 @@ class SessionState:
     orphan_reason: ReleaseReason | None = None
     # Tokens the engine holds for this session; None when unknown (the engine then decides).
     past_len: int | None = 0
+    # Of past_len, those that are not uncommitted drafts of the last verify step: how far a
+    # rollback may go (engines.interface.rollback_refusal); None when unknown, as past_len.
+    committed_len: int | None = 0
     # Highest position admitted since the last fresh start (the context budget's unit).
     context_tokens: int = 0
     queue: deque[Unit] = field(default_factory=deque)
