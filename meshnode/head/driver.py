@@ -10,6 +10,14 @@ own link to it), so a token costs one message back instead of one per stage
 (``DriverOptions.direct_answer``); acknowledgements still come hop by hop. The first hop may be this very node: the
 environment hands out an in-process link for it, and the code path is the same.
 
+Speculative decoding (:mod:`meshnode.head.speculation`, ``DriverOptions.speculation``): for
+a greedy request the head drafts tokens by prompt lookup and sends them with its last
+token as one verify step; the tail's choice after every position says how many to keep,
+1 to k + 1 tokens a round trip, the very tokens plain greedy decoding gives. The next
+step asks every hop to drop the rejected drafts (``rollback``). Only accepted tokens enter
+the transcript, so a replay after a failure rebuilds exactly the accepted caches.
+Sampled, penalised and grammar requests decode one token at a time.
+
 Recovery follows :mod:`meshnode.head.recovery`: a ``CACHE_MISS`` rebuilds the
 caches under the same route session; any other route failure finds the hops
 that are gone, excludes them, re-plans at the next epoch and replays the
@@ -52,7 +60,7 @@ from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from engines.interface import SamplingParams
+from engines.interface import MAX_DRAFT_TOKENS, SamplingParams, supports_speculation
 from meshnode.dataplane import rpc
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
 from meshnode.dataplane.route import make_hop
@@ -76,6 +84,7 @@ from meshnode.head.planner import (
 )
 from meshnode.head.recovery import ROUTE_FAILURES, Recovery, RecoveryBudget, RecoveryPolicy, describe
 from meshnode.head.session_load import SessionLedger
+from meshnode.head.speculation import SpeculationConfig, Speculator
 from meshnode.head.transcript import Transcript
 from meshnode.identity import short_id
 from meshnode.sansio import SECOND_NS
@@ -128,6 +137,14 @@ class DriverOptions:
     capacity_retry_s: float = 0.25
     # The tail answers the head directly on a route of more than one hop (else along the route).
     direct_answer: bool = True
+    # Speculative decoding for greedy requests (draft by prompt lookup, verify k drafts a round
+    # trip); off: one token a round trip. draft_max bounds k (1 to MAX_DRAFT_TOKENS).
+    speculation: bool = True
+    draft_max: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_max must be between 1 and {MAX_DRAFT_TOKENS}")
 
 
 @dataclass(frozen=True)
@@ -169,6 +186,10 @@ class DriverStats:
     prompt_tokens: int = 0
     # Tokens that came straight from the tail on its answer stream (the rest came along the route).
     direct_tokens: int = 0
+    # Speculative decoding: verify rounds sent, draft tokens in them, drafts the tail accepted.
+    speculative_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     rebuilds: int = 0
     reroutes: int = 0
     replay_mismatches: int = 0
@@ -274,6 +295,16 @@ class _Generation:
         # Monotonic times for the token observers: the start, and the last token yielded.
         self.started_at = time.monotonic()
         self.last_token_at: float | None = None
+        # Speculative decoding, for a greedy request when the options allow it.
+        self.speculator: Speculator | None = None
+        if self.options.speculation and supports_speculation(sampling):
+            draft_max = self.options.draft_max
+            self.speculator = Speculator(
+                SpeculationConfig(max_draft=draft_max, initial_draft=min(4, draft_max))
+            )
+        # The route's caches may hold rejected drafts of the last verify round beyond the accepted
+        # tokens: the next step asks every hop to drop them.
+        self.rollback = False
 
     @property
     def system_fingerprint(self) -> str | None:
@@ -311,10 +342,10 @@ class _Generation:
                             self._count_token()
                             yield first
                     while len(self.transcript.generated) < self.max_tokens:
-                        token = await self._decode()
-                        self.transcript.record(token)
-                        self._count_token()
-                        yield token
+                        for token in await self._decode():
+                            self.transcript.record(token)
+                            self._count_token()
+                            yield token
                     break
                 except GenerationFailed:
                     raise
@@ -325,6 +356,12 @@ class _Generation:
                         synced = False
                         continue
                     if self._context_full(error):
+                        if self.speculator is not None:
+                            # A verify round reaches past the position a plain decode needs: the
+                            # rest goes token by token, from caches rebuilt without the drafts.
+                            self.speculator = None
+                            synced = False
+                            continue
                         log.info("generation %s: the context is full", self.session_id[:8])
                         break
                     await self._recover(error)
@@ -451,6 +488,8 @@ class _Generation:
         prompt's prefill and returns the first token; later it returns None."""
         session = self.session
         assert session is not None
+        # Rebuilt from the transcript: nothing but accepted tokens (a fresh prefill at position 0).
+        self.rollback = False
         prefill = session.submit_prefill(self.transcript.prompt, deadline_ns=self._deadline())
         steps = self.transcript.replay_steps()
         decodes = [
@@ -492,16 +531,44 @@ class _Generation:
                 expected,
             )
 
-    async def _decode(self) -> int:
+    async def _decode(self) -> tuple[int, ...]:
+        """One round trip: the next token, or with speculation the tokens a verify round keeps."""
         session = self.session
         assert session is not None
         token, position = self.transcript.next_input()
+        speculator = self.speculator
+        draft: tuple[int, ...] = ()
+        if speculator is not None:
+            transcript = self.transcript
+            remaining = self.max_tokens - len(transcript.generated)
+            draft = speculator.propose((*transcript.prompt, *transcript.generated), remaining - 1)
         self.waiting_since = time.monotonic()
-        output = await session.decode(token, position=position, deadline_ns=self._deadline())
+        output = await session.decode(
+            token, position=position, deadline_ns=self._deadline(), draft=draft, rollback=self.rollback
+        )
         self.waiting_since = None
+        if not draft:
+            tokens: tuple[int, ...] = (_token(output),)
+            if speculator is not None:
+                speculator.decoded_plainly()
+        else:
+            assert speculator is not None
+            choices = output.tokens
+            if len(choices) != len(draft) + 1:
+                raise ShardProtocolError(
+                    "the tail did not answer every position of a verify step",
+                    code=shard.ERROR_CODE_INTERNAL,
+                    retryable=True,
+                )
+            tokens = speculator.verified(draft, choices)
+            self.stats.speculative_rounds += 1
+            self.stats.draft_tokens += len(draft)
+            self.stats.accepted_draft_tokens += len(tokens) - 1
+        # Fewer drafts kept than sent: their positions are still in every hop's cache.
+        self.rollback = len(tokens) - 1 < len(draft)
         if output.done.answered_directly:
-            self.stats.direct_tokens += 1
-        return _token(output)
+            self.stats.direct_tokens += len(tokens)
+        return tokens
 
     # ------------------------------------------------------------------ failures
 

@@ -31,6 +31,9 @@ from meshnode.head.driver import DriverOptions, GenerationDriver
 from meshnode.head.numerics import system_fingerprint
 from meshnode.head.recovery import RecoveryBudget
 
+# Tests that count the engine steps of plain decoding: one token a step, no verify rounds.
+PLAIN = DriverOptions(**{**FAST.__dict__, "speculation": False})
+
 pytestmark = pytest.mark.timeout(30)
 
 PROMPT = [5, 3, 8, 1, 9, 2, 7]
@@ -61,7 +64,7 @@ async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:
 
 
 async def test_three_hops_generate_the_whole_models_tokens_and_release_every_hop(routes):
-    driver = GenerationDriver(routes, FAST)
+    driver = GenerationDriver(routes, PLAIN)
     tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 12))
     assert tokens == reference(PROMPT, 12)
     # One prefill then eleven decode steps ran on every hop, the first through this node's local link.
@@ -185,7 +188,7 @@ async def test_a_silently_dead_hop_is_found_by_the_watchdog(routes):
     spare = await routes.add_shard(SPARE, 2, 3)
     middle = routes.shards[MIDDLE]
     expected = reference(PROMPT, 10)
-    driver = GenerationDriver(routes, FAST)
+    driver = GenerationDriver(routes, PLAIN)
 
     async def freeze_after_four(count: int) -> None:
         if count == 4:
@@ -202,7 +205,7 @@ async def test_a_silently_dead_hop_is_found_by_the_watchdog(routes):
 async def test_a_cache_miss_re_prefills_under_the_same_route_session(routes):
     tail = routes.shards[TAIL]
     expected = reference(PROMPT, 10)
-    driver = GenerationDriver(routes, FAST)
+    driver = GenerationDriver(routes, PLAIN)
 
     async def evict_after_five(count: int) -> None:
         if count == 5:

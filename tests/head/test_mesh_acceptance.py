@@ -121,8 +121,9 @@ async def test_metrics_after_a_generation(api, cluster, reference):
     assert delta("meshnode_tokens_generated_total") == 24
     assert delta('meshnode_generations_total{outcome="completed"}') == 1
     assert delta('meshnode_generations_total{outcome="failed"}') == 0
-    # This node serves the first shard: one prefill, then a decode step per further token.
-    assert delta('meshnode_engine_steps_total{kind="decode"}') == 23
+    # This node serves the first shard: one prefill, then a decode step per round trip: one per
+    # further token without speculative decoding, fewer with it (a verify round keeps several).
+    assert 1 <= delta('meshnode_engine_steps_total{kind="decode"}') <= 23
     assert delta('meshnode_engine_steps_total{kind="prefill"}') >= 1
     assert after["meshnode_peers"] >= 2
     assert after['meshnode_serving_state{state="serving"}'] == 1

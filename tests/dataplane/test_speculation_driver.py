@@ -1,0 +1,89 @@
+"""Speculative decoding through the driver over the loopback mesh (issue 20): three hops of fake
+engines, the driver's own first hop included. The greedy text is the whole model's with speculation
+on or off, drafts are really accepted, a killed middle hop mid-speculation changes nothing in the
+text, and sampled requests are never verified."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from helpers.loopback_routes import FAST, SPARE, LoopbackRoutes, three_hop_routes
+from helpers.loopback_routes import reference as whole_model
+
+from engines.interface import GREEDY, SamplingParams
+from meshnode.head.driver import DriverOptions, GenerationDriver
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = [5, 3, 8, 1, 9, 2, 7]
+SPECULATING = DriverOptions(**{**FAST.__dict__, "speculation": True})
+PLAIN = DriverOptions(**{**FAST.__dict__, "speculation": False})
+
+
+@pytest.fixture
+async def routes() -> AsyncIterator[LoopbackRoutes]:
+    async with three_hop_routes() as routes:
+        yield routes
+
+
+async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:
+    tokens = []
+    async for token in stream:
+        tokens.append(token)
+        if on_token is not None:
+            await on_token(len(tokens))
+    return tokens
+
+
+async def test_greedy_text_is_the_same_with_speculation_on_and_off_and_drafts_are_accepted(routes):
+    expected = whole_model(PROMPT, 40)
+    plain = GenerationDriver(routes, PLAIN)
+    assert await collect(plain.generate(routes.model, PROMPT, GREEDY, 40)) == expected
+    assert plain.stats.speculative_rounds == 0
+    driver = GenerationDriver(routes, SPECULATING)
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 40)) == expected
+    stats = driver.stats
+    # The fake model's greedy text settles into a cycle: most rounds keep several tokens.
+    assert stats.accepted_draft_tokens > 10 and stats.speculative_rounds < 30
+    assert stats.tokens == 40 and stats.replay_mismatches == 0 and stats.rebuilds == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 9, 13])
+async def test_speculation_yields_exactly_max_tokens(routes, max_tokens):
+    driver = GenerationDriver(routes, SPECULATING)
+    tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, max_tokens))
+    assert tokens == whole_model(PROMPT, max_tokens)
+
+
+async def test_a_killed_middle_hop_mid_speculation_leaves_the_text_unchanged(routes):
+    await routes.add_shard(SPARE, 2, 3)
+    expected = whole_model(PROMPT, 40)
+    driver = GenerationDriver(routes, SPECULATING)
+    stream = driver.generate(routes.model, PROMPT, GREEDY, 40)
+    accepted_at_kill = -1
+
+    async def kill_the_middle_once_drafts_were_accepted(count: int) -> None:
+        nonlocal accepted_at_kill
+        if accepted_at_kill < 0 and driver.stats.accepted_draft_tokens > 0 and count >= 12:
+            assert stream.route is not None
+            middle_id = stream.route.hops[1].node_id
+            (middle,) = [s for s in routes.shards.values() if s.node_id == middle_id]
+            accepted_at_kill = driver.stats.accepted_draft_tokens
+            # Killed between tokens of one verify round's yield, with its drafts in every cache.
+            middle.peer.kill()
+
+    tokens = await collect(stream, on_token=kill_the_middle_once_drafts_were_accepted)
+    assert tokens == expected
+    assert accepted_at_kill > 0 and driver.stats.reroutes == 1
+    assert driver.stats.replay_mismatches == 0
+    # Speculation goes on on the new route.
+    assert driver.stats.accepted_draft_tokens > accepted_at_kill
+
+
+async def test_a_sampled_request_decodes_one_token_a_round_trip(routes):
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    driver = GenerationDriver(routes, SPECULATING)
+    tokens = await collect(driver.generate(routes.model, PROMPT, sampling, 16))
+    assert tokens == whole_model(PROMPT, 16, sampling)
+    assert driver.stats.speculative_rounds == 0 and driver.stats.draft_tokens == 0
