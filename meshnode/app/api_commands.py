@@ -32,6 +32,7 @@ from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.head_service import DEFAULT_API_LISTEN, HeadError, start_standalone
 from meshnode.app.lifecycle import run_drain
 from meshnode.app.session_options import add_session_options, max_sessions
+from meshnode.app.speculation_options import add_speculation_options, driver_options
 from meshnode.app.status import query_status
 from meshnode.head.api_client import (
     ApiError,
@@ -139,7 +140,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         try:
-            running = await start_standalone(shard_options, head_options(args.api_listen, api_access(args)))
+            head = head_options(args.api_listen, api_access(args), driver_options(args))
+            running = await start_standalone(shard_options, head)
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
         try:
@@ -207,6 +209,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help=f"where the API listens (default {DEFAULT_API_LISTEN}; 0.0.0.0:PORT exposes it)",
     )
     add_api_access_options(p)
+    add_speculation_options(p)
     p.set_defaults(handler=cmd_serve)
 
 

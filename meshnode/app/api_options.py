@@ -12,6 +12,8 @@ from typing import Any
 
 from meshnode.api.auth import ANY_ORIGIN, ApiAccess
 from meshnode.app.head_service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
+from meshnode.app.speculation_options import add_speculation_options
+from meshnode.head.driver import DriverOptions
 from meshnode.mesh.validation import MAX_TEXT
 from meshnode.transport.addresses import AddressError, parse_host_port
 
@@ -102,19 +104,25 @@ def add_api_access_options(parser: argparse.ArgumentParser | Any) -> None:
 
 
 def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
-    """``--api-listen`` with the access options beside it."""
+    """``--api-listen`` with the access options beside it, and how the head decodes."""
     _add_api_listen(parser)
     add_api_access_options(parser)
+    add_speculation_options(parser)
 
 
 def api_access(args: argparse.Namespace) -> ApiAccess:
     return ApiAccess(api_key=args.api_key, cors_origins=tuple(args.cors_origin or ()))
 
 
-def head_options(api_listen: ApiListen, access: ApiAccess | None = None) -> HeadOptions:
-    """Where the API goes: the given address, or the loopback default (None); not for ``off``."""
+def head_options(
+    api_listen: ApiListen, access: ApiAccess | None = None, driver: DriverOptions | None = None
+) -> HeadOptions:
+    """Where the API goes: the given address, or the loopback default (None); not for ``off``.
+    ``driver``: how its generations run (meshnode.app.speculation_options.driver_options)."""
     host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
-    return HeadOptions(api_host=host, api_port=port, access=access or ApiAccess())
+    return HeadOptions(
+        api_host=host, api_port=port, access=access or ApiAccess(), driver=driver or DriverOptions()
+    )
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
+from meshnode.app.speculation_options import driver_options
 from meshnode.node import Node
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ async def start_head(
         return None
     try:
         return await start_node_head(
-            node, service, model_path, head_options(args.api_listen, api_access(args))
+            node, service, model_path, head_options(args.api_listen, api_access(args), driver_options(args))
         )
     except HeadError as exc:
         if args.api_listen is not None:

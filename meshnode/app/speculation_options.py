@@ -1,0 +1,57 @@
+"""``--speculation off|auto`` and ``--draft-max K``: speculative decoding at the head (issue 20).
+
+``auto`` (the default) drafts tokens by prompt lookup for greedy requests and verifies up to
+``--draft-max`` of them a round trip (meshnode.head.speculation); sampled, penalised and grammar
+requests decode a token at a time whatever this says. ``off`` decodes a token at a time always.
+Like every option they may come from the environment (``MESHNODE_SPECULATION``) or the config
+file (``speculation = "off"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Any
+
+from engines.interface import MAX_DRAFT_TOKENS
+from meshnode.head.driver import DriverOptions
+
+SPECULATION_CHOICES = ("auto", "off")
+
+
+def parse_draft_max(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens, got {text!r}") from None
+    if not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"draft tokens must be between 1 and {MAX_DRAFT_TOKENS}")
+    return value
+
+
+def add_speculation_options(parser: argparse.ArgumentParser | Any) -> None:
+    parser.add_argument(
+        "--speculation",
+        choices=SPECULATION_CHOICES,
+        default="auto",
+        help="speculative decoding of greedy requests: draft tokens by prompt lookup and verify "
+        "them over the route in one round trip (auto, the default), or one token a round trip (off)",
+    )
+    parser.add_argument(
+        "--draft-max",
+        type=parse_draft_max,
+        default=DriverOptions().draft_max,
+        metavar="K",
+        help=f"draft tokens verified per round trip at most (1 to {MAX_DRAFT_TOKENS}, default "
+        f"{DriverOptions().draft_max})",
+    )
+
+
+def driver_options(args: argparse.Namespace, base: DriverOptions | None = None) -> DriverOptions:
+    """``base`` (the defaults) with the speculation the command line asked for."""
+    base = base or DriverOptions()
+    speculation = getattr(args, "speculation", "auto") != "off"
+    return replace(base, speculation=speculation, draft_max=getattr(args, "draft_max", base.draft_max))
+
+
+__all__ = ["SPECULATION_CHOICES", "add_speculation_options", "driver_options", "parse_draft_max"]
