@@ -141,6 +141,11 @@ class DriverOptions:
     # trip); off: one token a round trip. draft_max bounds k (1 to MAX_DRAFT_TOKENS).
     speculation: bool = True
     draft_max: int = 8
+    # Speculate only while this head runs at most this many generations: a verify step is a
+    # multi-token forward that runs alone at each hop (no batching with other sessions' decodes)
+    # and the tail projects every row onto the vocabulary, so with several sessions sharing the
+    # shards the batched plain decodes give more tokens per second (bench/RESULTS.md, issue 20).
+    speculation_max_generations: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:
@@ -538,7 +543,7 @@ class _Generation:
         token, position = self.transcript.next_input()
         speculator = self.speculator
         draft: tuple[int, ...] = ()
-        if speculator is not None:
+        if speculator is not None and self.stats.active <= self.options.speculation_max_generations:
             transcript = self.transcript
             remaining = self.max_tokens - len(transcript.generated)
             draft = speculator.propose((*transcript.prompt, *transcript.generated), remaining - 1)

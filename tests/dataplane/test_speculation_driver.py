@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.loopback_routes import FAST, SPARE, LoopbackRoutes, three_hop_routes
+from helpers.loopback_routes import FAST, SPARE, TAIL, LoopbackRoutes, three_hop_routes
 from helpers.loopback_routes import reference as whole_model
 
 from engines.interface import GREEDY, SamplingParams
@@ -81,9 +81,40 @@ async def test_a_killed_middle_hop_mid_speculation_leaves_the_text_unchanged(rou
     assert driver.stats.accepted_draft_tokens > accepted_at_kill
 
 
+async def test_generations_running_together_decode_plainly_and_batch(routes):
+    """More generations at once than speculation_max_generations (1): one token a round trip, so
+    that the shards batch the sessions' decodes; the text is the same greedy text."""
+    driver = GenerationDriver(routes, SPECULATING)
+    held = driver.generate(routes.model, [4, 4, 2, 6, 1], GREEDY, 24)
+    assert await held.__anext__() == whole_model([4, 4, 2, 6, 1], 1)[0]  # running, between tokens
+    try:
+        assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 24)) == whole_model(PROMPT, 24)
+        assert driver.stats.speculative_rounds == 0
+    finally:
+        await held.aclose()
+    # Alone again, the same generation speculates.
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 24)) == whole_model(PROMPT, 24)
+    assert driver.stats.speculative_rounds > 0
+
+
 async def test_a_sampled_request_decodes_one_token_a_round_trip(routes):
     sampling = SamplingParams(temperature=0.9, seed=11)
     driver = GenerationDriver(routes, SPECULATING)
     tokens = await collect(driver.generate(routes.model, PROMPT, sampling, 16))
     assert tokens == whole_model(PROMPT, 16, sampling)
     assert driver.stats.speculative_rounds == 0 and driver.stats.draft_tokens == 0
+
+
+async def test_a_verify_step_past_the_context_ends_as_plain_decoding_would(routes):
+    """The shards hold 64 positions: a verify round reaching past them is refused, and the rest of
+    the generation goes one token at a time, ending where plain decoding ends, with its text."""
+    plain = GenerationDriver(routes, PLAIN)
+    expected = await collect(plain.generate(routes.model, PROMPT, GREEDY, 100))
+    assert len(expected) == 64 - len(PROMPT) + 1  # the last position's token is sampled, not fed
+    tail = routes.shards[TAIL].engine
+    tail.calls.clear()
+    driver = GenerationDriver(routes, SPECULATING)
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 100)) == expected
+    assert driver.stats.accepted_draft_tokens > 0
+    # The refused round's drafts were dropped by re-prefilling the accepted tokens once.
+    assert sum(1 for call in tail.calls if call.first_position == 0) == 2
