@@ -1,10 +1,12 @@
 """Speculative decoding over the chain (issue 20): decode tokens/s with it off and on, same run.
 
     python bench/speculation.py [--tokens 96] [--rounds 3] [--threads 2] [--delay-ms 10 --delay-ms 20]
+                                [--prompt repeat|story] [--no-delays]
 
 Gemma 3 270M Q4_K_M, greedy, loopback, one machine, on a prompt where drafting can pay (the
 chat-templated request to repeat a Python snippet: the answer quotes the prompt, so prompt
-lookup finds what comes next):
+lookup finds what comes next), or with ``--prompt story`` on one where it rarely can (a short
+story: what speculation costs when few drafts are kept):
 
     (a)        monolithic llama-cpp-python (bench/e2e.py's ``Monolithic``), in this process;
     (d)        three ``meshnode`` nodes [0, 6), [6, 12), [12, 18), ``--speculation off``;
@@ -57,7 +59,10 @@ SNIPPET = '''def merge_intervals(intervals):
 def total_length(intervals):
     return sum(end - start for start, end in merge_intervals(intervals))
 '''
-MESSAGE = f"Repeat this Python code exactly as it is, with no explanation:\n\n```python\n{SNIPPET}```"
+MESSAGES = {
+    "repeat": f"Repeat this Python code exactly as it is, with no explanation:\n\n```python\n{SNIPPET}```",
+    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ def acceptance(stats: dict[str, Any]) -> str:
 def report(args: argparse.Namespace, result: dict[str, Any], prompt: list[int]) -> None:
     mono = statistics.median(result["mono"])
     runs: dict[str, list[TextRun]] = result["runs"]
-    print(f"Gemma 3 270M Q4_K_M, greedy, {len(prompt)}-token prompt (repeat a Python snippet), "
+    print(f"Gemma 3 270M Q4_K_M, greedy, {len(prompt)}-token prompt ({args.prompt}), "
           f"{args.tokens} tokens, {args.threads} threads each, medians of {args.rounds} rounds")  # fmt: skip
     print(f"{'configuration':<22} {'decode tok/s':>12} {'x (a)':>7} {'x no spec':>10}  acceptance")
     print(f"{'(a) monolithic':<22} {mono:>12.1f} {1.0:>7.2f}")
@@ -184,11 +189,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of (a) and of each node (2)")
     parser.add_argument("--delay-ms", type=float, action="append", default=None, help="(10 and 20)")
     parser.add_argument("--node-env", action="append", default=None, metavar="KEY=VALUE")
+    parser.add_argument("--prompt", choices=sorted(MESSAGES), default="repeat")
+    parser.add_argument("--no-delays", action="store_true", help="only (d), without added delay")
     args = parser.parse_args()
-    args.delay_ms = args.delay_ms or [10.0, 20.0]
+    args.delay_ms = [] if args.no_delays else (args.delay_ms or [10.0, 20.0])
     model = e2e.prepare_run(args)
     with Tokenizer.open(model) as tokenizer:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": MESSAGE}])
+        prompt = tokenizer.encode_chat([{"role": "user", "content": MESSAGES[args.prompt]}])
     result = asyncio.run(bench(args, model, prompt))
     report(args, result, prompt)
 

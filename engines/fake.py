@@ -222,8 +222,6 @@ class FakeEngine(SessionedEngine):
         inputs: np.ndarray,
         want_logits: bool,
         should_abort: Callable[[], bool],
-        *,
-        all_logits: bool = False,
     ) -> ForwardOutput:
         firing = self._firing(session.key.session_id)
         self._delay(should_abort)
@@ -244,10 +242,7 @@ class FakeEngine(SessionedEngine):
         if not self._is_tail:
             return ForwardOutput(hidden=self._malformed_hidden(hidden, firing))
         logits = None
-        if want_logits and all_logits:
-            # A verify step: every position's logits, each computed as a decode there would be.
-            logits = np.stack([self._malformed_logits(self.unembed(row), firing) for row in hidden])
-        elif want_logits:
+        if want_logits:
             logits = self._malformed_logits(self.unembed(hidden[-1]), firing)
         return ForwardOutput(logits=logits)
 

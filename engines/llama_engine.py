@@ -226,24 +226,14 @@ class LlamaShardEngine(SessionedEngine):
         inputs: np.ndarray,
         want_logits: bool,
         should_abort: Callable[[], bool],
-        *,
-        all_logits: bool = False,
     ) -> ForwardOutput:
         runtime = self._runtime(session.start_layer)
-        rows = int(inputs.shape[0]) if want_logits and all_logits else 1
         hidden = runtime.run(
-            session.slot,
-            first_position,
-            inputs,
-            want_logits=want_logits,
-            should_abort=should_abort,
-            logit_rows=rows,
+            session.slot, first_position, inputs, want_logits=want_logits, should_abort=should_abort
         )
         if runtime.captures:
             return ForwardOutput(hidden=hidden)
-        if not want_logits:
-            return ForwardOutput()
-        return ForwardOutput(logits=runtime.logit_rows(rows) if all_logits else runtime.last_logits())
+        return ForwardOutput(logits=runtime.last_logits() if want_logits else None)
 
     def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
         """All entries' one-token decodes in one ``llama_decode`` of their start layer's runtime

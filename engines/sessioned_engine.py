@@ -6,10 +6,14 @@ cancellation (per step and per session), TTL and LRU eviction, metrics, and tail
 sampling. A backend implements four hooks: load, forward, truncate and close, and may
 implement a fifth, ``_forward_batch``, to compute several sessions' decodes together.
 
-Speculative decoding: a verify step (``draft_tokens > 0``) runs like a prefill chunk; at a
-tail the backend returns every position's logits (``all_logits``) and each is sampled
-(greedy). Its drafts stay uncommitted (``Session.committed_len``) until a later step's
-``rollback`` drops the rejected ones by ``_truncate``, under the same lock as the step.
+Speculative decoding: a verify step (``draft_tokens > 0``) runs its positions one token at a
+time, each exactly as a decode there would run (``_forward_verify``), and at a tail samples
+(greedy) after every one. Not as one multi-token forward: llama.cpp's batched kernels round
+differently from its one-token ones (on Gemma 3 270M measured: rows at positions >= 256 of any
+batch of 2 or more, and every row but the first of a batch of 8 or more, 0.4 to 2.6 off on the
+logits), which changes greedy text; so the round trips are saved, not the compute. Its drafts
+stay uncommitted (``Session.committed_len``) until a later step's ``rollback`` drops the
+rejected ones by ``_truncate``, under the same lock as the step.
 
 Batches (``step_batch``): the decode steps are admitted in order under the same rules as
 alone, then computed together per start layer (one ``_forward_batch`` each), then the
@@ -76,8 +80,8 @@ _log = logging.getLogger("engines.sessioned_engine")
 class ForwardOutput:
     # Non-tail: float32 [n_tokens, hidden_size].
     hidden: np.ndarray | None = None
-    # Tail, when logits were asked for: the last position's logits (may be a view), or with
-    # ``all_logits`` every position's, [n_tokens, vocab].
+    # Tail, when logits were asked for: the last position's logits (may be a view); for a verify
+    # step (``_forward_verify``) every position's, [n_tokens, vocab].
     logits: np.ndarray | None = None
 
 
@@ -129,14 +133,10 @@ class SessionedEngine(ShardEngine):
         inputs: np.ndarray,
         want_logits: bool,
         should_abort: Callable[[], bool],
-        *,
-        all_logits: bool = False,
     ) -> ForwardOutput:
         """Run ``inputs`` (int32 token ids, or float32 [n, hidden]) from ``session.start_layer``.
 
-        ``all_logits`` (a tail's verify step): return the logits of every position, not only
-        the last one's. On an exception the session's backend state must be back at
-        ``first_position``.
+        On an exception the session's backend state must be back at ``first_position``.
         """
 
     def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
@@ -315,22 +315,10 @@ class SessionedEngine(ShardEngine):
             self._free_pending()  # a reused slot must be empty before the step writes to it
 
         want_logits = caps.is_tail and (request.sampling is not None or request.want_logits)
-        all_logits = want_logits and request.draft_tokens > 0
+        forward = self._forward_verify if request.draft_tokens else self._forward
         started = time.perf_counter_ns()
         try:
-            if all_logits:
-                output = self._forward(
-                    session,
-                    request.first_position,
-                    inputs,
-                    want_logits,
-                    self._abort_check(request),
-                    all_logits=True,
-                )
-            else:
-                output = self._forward(
-                    session, request.first_position, inputs, want_logits, self._abort_check(request)
-                )
+            output = forward(session, request.first_position, inputs, want_logits, self._abort_check(request))
         except EngineError as error:
             self._after_failed_forward(session, error)
             raise
@@ -341,6 +329,40 @@ class SessionedEngine(ShardEngine):
             self._finish_running((key,))
         elapsed = time.perf_counter_ns() - started
         return self._commit(request, session, output, fresh, elapsed, decode)
+
+    def _forward_verify(
+        self,
+        session: Session,
+        first_position: int,
+        inputs: np.ndarray,
+        want_logits: bool,
+        should_abort: Callable[[], bool],
+    ) -> ForwardOutput:
+        """A verify step's positions one at a time, each a one-token ``_forward`` as its decode
+        would be, so the result is bit for bit what plain decoding computes: the hidden rows
+        (non-tail) or every position's logits (tail), stacked. A failure or cancel between
+        positions leaves the session back at ``first_position``."""
+        hidden: list[np.ndarray] = []
+        logits: list[np.ndarray] = []
+        try:
+            for offset in range(int(inputs.shape[0])):
+                if offset and should_abort():
+                    raise EngineError(EngineErrorKind.CANCELLED, "step cancelled while running")
+                row = self._forward(
+                    session, first_position + offset, inputs[offset : offset + 1], want_logits, should_abort
+                )
+                if row.hidden is not None:
+                    hidden.append(row.hidden)
+                if row.logits is not None:
+                    # A backend's logits may be a view of a buffer the next forward overwrites.
+                    logits.append(np.array(row.logits, dtype=np.float32, copy=True))
+        except BaseException:
+            self._truncate(session, first_position)
+            raise
+        return ForwardOutput(
+            hidden=np.concatenate(hidden) if hidden else None,
+            logits=np.stack(logits) if logits else None,
+        )
 
     def _abort_check(self, request: StepRequest) -> Callable[[], bool]:
         key, token = request.session, request.cancel_token

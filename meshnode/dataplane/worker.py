@@ -58,9 +58,10 @@ Choices the schema leaves open, made here:
 - The tail samples with ``sample_index`` = the position of the token being
   sampled, so a retry or a re-prefill replay draws the same token.
 - Speculative decoding (meshnode extension): a verify step is a PHASE_DECODE unit of
-  1 + ``draft_tokens`` positions. It is filed and run like a prefill chunk (one
-  multi-token forward, alone), every hop remembers its drafts as uncommitted, and the
-  tail answers the choice after every position. The next unit of the session may carry
+  1 + ``draft_tokens`` positions. It is filed and run like a prefill chunk, alone (the
+  engine runs its positions one token at a time, each as its decode would run, so the
+  text is plain greedy decoding's), every hop remembers its drafts as uncommitted, and
+  the tail answers the choice after every position. The next unit of the session may carry
   ``CacheExpectation.rollback``: the cache check then admits a held length between the
   committed one and the held one (engines.interface.rollback_refusal; CACHE_MISS
   otherwise, as without it), and the engine drops the rejected drafts before running.
