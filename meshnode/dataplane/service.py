@@ -154,6 +154,8 @@ def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
         ),
         total_layers=caps.total_layers,
         numerics=caps.numerics,
+        # Every engine behind the data plane's worker runs verify steps (engines.interface).
+        verifies_drafts=True,
     )
 
 

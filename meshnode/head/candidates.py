@@ -59,6 +59,7 @@ def shard_candidate(
         accepting=announcement.load.serving_state in _ACCEPTING_STATES,
         numerics=served.numerics,
         max_context_tokens=announcement.capacity.max_context_tokens,
+        verifies_drafts=served.verifies_drafts,
     )
 
 

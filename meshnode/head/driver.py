@@ -16,7 +16,8 @@ token as one verify step; the tail's choice after every position says how many t
 1 to k + 1 tokens a round trip, the very tokens plain greedy decoding gives. The next
 step asks every hop to drop the rejected drafts (``rollback``). Only accepted tokens enter
 the transcript, so a replay after a failure rebuilds exactly the accepted caches.
-Sampled, penalised and grammar requests decode one token at a time.
+Sampled, penalised and grammar requests decode one token at a time, as do routes with a hop
+that does not announce verify steps (``ServedShard.verifies_drafts``: a node predating them).
 
 Recovery follows :mod:`meshnode.head.recovery`: a ``CACHE_MISS`` rebuilds the
 caches under the same route session; any other route failure finds the hops
@@ -543,7 +544,12 @@ class _Generation:
         token, position = self.transcript.next_input()
         speculator = self.speculator
         draft: tuple[int, ...] = ()
-        if speculator is not None and self.stats.active <= self.options.speculation_max_generations:
+        if (
+            speculator is not None
+            and self.stats.active <= self.options.speculation_max_generations
+            and self.route is not None
+            and all(hop.verifies_drafts for hop in self.route.hops)
+        ):
             transcript = self.transcript
             remaining = self.max_tokens - len(transcript.generated)
             draft = speculator.propose((*transcript.prompt, *transcript.generated), remaining - 1)

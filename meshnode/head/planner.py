@@ -62,6 +62,8 @@ class ShardCandidate:
     numerics: str = ""
     # Tokens one session's context holds there (Capacity.max_context_tokens); 0 when not said.
     max_context_tokens: int = 0
+    # It runs speculative decoding's verify steps and rollbacks (ServedShard.verifies_drafts).
+    verifies_drafts: bool = False
 
     @property
     def load(self) -> float:
@@ -87,6 +89,8 @@ class Hop:
     effective_start_layer: int
     # The candidate's numerics, so the route reports how each layer range was computed.
     numerics: str = ""
+    # Whether the hop runs verify steps (ShardCandidate.verifies_drafts).
+    verifies_drafts: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,14 @@ def plan_route(
     position = 0
     for candidate in chain:
         hops.append(
-            Hop(candidate.node_id, candidate.start_layer, candidate.end_layer, position, candidate.numerics)
+            Hop(
+                candidate.node_id,
+                candidate.start_layer,
+                candidate.end_layer,
+                position,
+                candidate.numerics,
+                candidate.verifies_drafts,
+            )
         )
         position = candidate.end_layer
     name = chain[0].model_name

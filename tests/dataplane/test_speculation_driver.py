@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.loopback_routes import FAST, SPARE, TAIL, LoopbackRoutes, three_hop_routes
+from helpers.loopback_routes import FAST, MIDDLE, SPARE, TAIL, LoopbackRoutes, three_hop_routes
 from helpers.loopback_routes import reference as whole_model
 
 from engines.interface import GREEDY, SamplingParams
@@ -118,3 +118,16 @@ async def test_a_verify_step_past_the_context_ends_as_plain_decoding_would(route
     assert driver.stats.accepted_draft_tokens > 0
     # The refused round's drafts were dropped by re-prefilling the accepted tokens once.
     assert sum(1 for call in tail.calls if call.first_position == 0) == 2
+
+
+async def test_no_drafts_go_to_a_route_with_a_hop_that_does_not_announce_verify_steps(routes):
+    """A node that predates speculative decoding announces no ServedShard.verifies_drafts: a route
+    through it decodes one token a round trip."""
+    routes.shards[MIDDLE].announcement.serving.verifies_drafts = False
+    driver = GenerationDriver(routes, SPECULATING)
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 24)) == whole_model(PROMPT, 24)
+    assert driver.stats.speculative_rounds == 0
+    routes.shards[MIDDLE].announcement.serving.verifies_drafts = True
+    driver = GenerationDriver(routes, SPECULATING)
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, 24)) == whole_model(PROMPT, 24)
+    assert driver.stats.speculative_rounds > 0
