@@ -123,7 +123,9 @@ class AutoShard:
         self._start_serving = start_serving
         self._holdings = holdings
         self._store = ArtifactStore(settings.store_dir)
-        self._read_budget = budget or (lambda: read_machine_budget(settings.memory_budget, offload=settings.offload))
+        self._read_budget = budget or (
+            lambda: read_machine_budget(settings.memory_budget, offload=settings.offload)
+        )
         # Read once: once this node's layers are loaded, the memory they hold is no longer
         # "available", and a budget read again would shrink by them.
         self._budget_bytes: int | None = None

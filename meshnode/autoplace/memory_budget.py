@@ -39,7 +39,9 @@ def gpu_free_bytes() -> int | None:
         return None
     log.info(
         "sizing the range to GPU memory: %s",
-        ", ".join(f"{d.name} {d.free_bytes / 2**30:.1f} of {d.total_bytes / 2**30:.1f} GiB free" for d in devices),
+        ", ".join(
+            f"{d.name} {d.free_bytes / 2**30:.1f} of {d.total_bytes / 2**30:.1f} GiB free" for d in devices
+        ),
     )
     return sum(device.free_bytes for device in devices)
 
