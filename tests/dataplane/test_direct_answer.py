@@ -16,7 +16,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.loopback_routes import DRIVER_INDEX, FAST, MIDDLE, SPARE, TAIL, LoopbackRoutes, three_hop_routes
+from helpers.loopback_routes import (
+    DRIVER_INDEX,
+    FAST,
+    MIDDLE,
+    SPARE,
+    TAIL,
+    LoopbackRoutes,
+    collect,
+    three_hop_routes,
+)
 from helpers.loopback_routes import reference as whole_model
 from helpers.polling import eventually
 from helpers.recording_engine import LAYERS, RecordingEngine
@@ -288,15 +297,6 @@ def test_a_forwarding_hops_client_reports_an_ack_that_says_the_answer_went_direc
 async def routes() -> AsyncIterator[LoopbackRoutes]:
     async with three_hop_routes() as routes:
         yield routes
-
-
-async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:
-    tokens = []
-    async for token in stream:
-        tokens.append(token)
-        if on_token is not None:
-            await on_token(len(tokens))
-    return tokens
 
 
 def direct_answers(routes: LoopbackRoutes, index: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.loopback_routes import FAST, MIDDLE, SPARE, TAIL, LoopbackRoutes, three_hop_routes
+from helpers.loopback_routes import FAST, MIDDLE, SPARE, TAIL, LoopbackRoutes, collect, three_hop_routes
 from helpers.loopback_routes import reference as whole_model
 
 from engines.interface import GREEDY, SamplingParams
@@ -25,15 +25,6 @@ PLAIN = DriverOptions(**{**FAST.__dict__, "speculation": False})
 async def routes() -> AsyncIterator[LoopbackRoutes]:
     async with three_hop_routes() as routes:
         yield routes
-
-
-async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:
-    tokens = []
-    async for token in stream:
-        tokens.append(token)
-        if on_token is not None:
-            await on_token(len(tokens))
-    return tokens
 
 
 async def test_greedy_text_is_the_same_with_speculation_on_and_off_and_drafts_are_accepted(routes):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.tiny_llama import SPLIT, load_engine
+from helpers.tiny_llama import SPLIT, load_engine, run_unsplit
 
 from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest, StepResult
 from engines.tiny_model import TINY_N_LAYERS
@@ -133,23 +133,7 @@ def test_a_gemma_verify_step_computes_what_plain_decoding_does(gemma_model: Path
     engine = load_engine(gemma_model, 0, 18)
     try:
         prompt = (2, *range(1000, 1040))
-        key = SessionKey("plain", 1)
-        result = engine.prefill(StepRequest(session=key, first_position=0, token_ids=prompt, sampling=GREEDY))
-        tokens = [int(result.token_id)]  # type: ignore[arg-type]
-        logits = []
-        for position in range(len(prompt), len(prompt) + 12):
-            result = engine.decode(
-                StepRequest(
-                    session=key,
-                    first_position=position,
-                    token_ids=(tokens[-1],),
-                    expected_past_len=position,
-                    sampling=GREEDY,
-                    want_logits=True,
-                )
-            )
-            tokens.append(int(result.token_id))  # type: ignore[arg-type]
-            logits.append(result.logits)
+        tokens, logits = run_unsplit(engine, list(prompt), chunk_tokens=len(prompt), decode_steps=12)
         key = SessionKey("verify", 1)
         engine.prefill(StepRequest(session=key, first_position=0, token_ids=prompt))
         verify = engine.prefill(

@@ -9,7 +9,7 @@ killed peer stays announced (stale gossip) until the driver excludes it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from engines.interface import GREEDY, SamplingParams, SessionKey, StepRequest
@@ -146,3 +146,15 @@ async def three_hop_routes() -> AsyncIterator[LoopbackRoutes]:
         yield routes
     finally:
         await routes.aclose()
+
+
+async def collect(
+    stream: AsyncIterator[int], *, on_token: Callable[[int], Awaitable[None]] | None = None
+) -> list[int]:
+    """Every token of a generation; ``on_token(count)`` after each (to act mid-generation)."""
+    tokens = []
+    async for token in stream:
+        tokens.append(token)
+        if on_token is not None:
+            await on_token(len(tokens))
+    return tokens
