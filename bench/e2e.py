@@ -241,7 +241,8 @@ class Monolithic:
 # ---------------------------------------------------------------------------- (b)-(e) meshnode
 
 
-async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
+async def api_greedy(api: str, prompt: list[int], tokens: int) -> StreamSummary:
+    """One greedy streamed /v1/completions of ``prompt`` (token ids): what the stream came to."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     summary: StreamSummary | None = None
@@ -249,6 +250,11 @@ async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
         if isinstance(event, StreamSummary):
             summary = event
     assert summary is not None
+    return summary
+
+
+async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
+    summary = await api_greedy(api, prompt, tokens)
     return Run(summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.completion_tokens)
 
 

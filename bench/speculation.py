@@ -42,7 +42,6 @@ import e2e
 
 from engines.tokenizer import Tokenizer
 from meshnode.app.local_mesh import LocalMesh
-from meshnode.head.api_client import StreamSummary, stream_completion
 
 SNIPPET = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals."""
@@ -73,13 +72,7 @@ class TextRun:
 
 
 async def api_text_run(api: str, prompt: list[int], tokens: int) -> TextRun:
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    summary: StreamSummary | None = None
-    async for event in stream_completion(api, "/v1/completions", body):
-        if isinstance(event, StreamSummary):
-            summary = event
-    assert summary is not None
+    summary = await e2e.api_greedy(api, prompt, tokens)
     return TextRun(summary.decode_tokens_per_s, summary.completion_tokens, summary.text)
 
 
