@@ -12,11 +12,13 @@ itself and slices after joining shows the same.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from engines.file_progress import passes_in_progress
 from meshnode.node import Node
+from meshnode.node.status_report import StatusReport
 from meshnode.node.status_server import StatusServer
 
 FILES_SECTION = "files"
@@ -33,12 +35,22 @@ def show_file_passes(node: Node) -> None:
     node.status_sections[FILES_SECTION] = file_passes
 
 
+def status_before_start(node: Node) -> StatusReport:
+    """The node's report with nothing served: its shard may be loaded, but it does not listen yet.
+
+    Scripts wait for ``serving`` before they send work or read the node's addresses, so
+    claiming the range before the node starts would send them to a node that cannot answer.
+    """
+    report = node.status()
+    return dataclasses.replace(report, node=dataclasses.replace(report.node, serving=None))
+
+
 @contextlib.asynccontextmanager
 async def status_while_preparing(node: Node) -> AsyncIterator[None]:
     """The status socket, answered from here until the block ends (the node is not started yet)."""
     show_file_passes(node)
     node.status_sections[STARTUP_SECTION] = lambda: {"state": LOADING_THE_SHARD}
-    server = StatusServer(node.data_dir.control_socket, node.status)
+    server = StatusServer(node.data_dir.control_socket, lambda: status_before_start(node))
     await server.start()
     try:
         yield
@@ -53,5 +65,6 @@ __all__ = [
     "STARTUP_SECTION",
     "file_passes",
     "show_file_passes",
+    "status_before_start",
     "status_while_preparing",
 ]

@@ -13,6 +13,7 @@ from engines.file_progress import FileProgress
 from meshnode.app.preparation_status import LOADING_THE_SHARD, status_while_preparing
 from meshnode.app.status import format_status, query_status
 from meshnode.membership.credentials import MeshKey
+from meshnode.wire.pb import mesh
 
 MIB = 1 << 20
 
@@ -59,3 +60,16 @@ def test_no_line_when_nothing_is_being_prepared():
     assert "preparing" not in format_status(
         {"node": node, "peers": [], "sections": {"files": {"passes": []}}}
     )
+
+
+async def test_a_loaded_shard_is_not_reported_as_served_before_the_node_starts(tmp_path: Path):
+    """Scripts (and the test clusters) wait for ``serving`` and then read the node's addresses."""
+    node = first_member(tmp_path / "node", fast_config(), MeshKey.generate())
+    served = mesh.ServedShard(model_name="tiny", total_layers=6)
+    served.shard_range.start_layer, served.shard_range.end_layer = 0, 3
+    async with status_while_preparing(node):
+        node.set_serving(served)  # what the shard service does once its shard has loaded
+        status = await asyncio.to_thread(query_status, node.data_dir.path)
+    assert status["node"]["serving"] is None
+    assert status["sections"]["startup"]["state"] == LOADING_THE_SHARD
+    assert node.status().node.serving is not None  # the node's own report, once started, says it
