@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -46,6 +47,9 @@ from engines.slicing import (
     SLICE_RECIPE_VERSION,
     hidden_input_scale,
 )
+from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, verify_passes
+
+_log = logging.getLogger("engines.llama_engine")
 
 RECIPE_ID = "llama.cpp-layer-range"
 # Extra start-layer runtimes kept loaded for overlapping routes.
@@ -98,6 +102,11 @@ class LlamaShardEngine(SessionedEngine):
         super().__init__(clock=clock)
         self._max_extra_runtimes = max_extra_runtimes
         self._request: LoadRequest | None = None
+        # Rows of a verify step computed in one pass (engines.verify_rows); 1 until loaded on
+        # a CPU with plain weights, and for good once a check finds a pass rounding otherwise.
+        self._verify_rows = 1
+        # The pass sizes already checked against one-token decodes.
+        self._verify_rows_checked: set[int] = set()
         self._model: ModelFile | None = None
         self._gguf: GGUFFile | None = None
         self._info: ModelInfo | None = None
@@ -131,6 +140,8 @@ class LlamaShardEngine(SessionedEngine):
 
         offload = request.n_gpu_layers > 0 and bool(llama_cpp.llama_supports_gpu_offload())
         backend = "gpu" if offload else "cpu"
+        # Only the CPU kernels with plain weight layouts were traced; other backends verify one row a pass.
+        self._verify_rows = 1 if offload or request.weight_repack else ROW_INVARIANT_MAX_ROWS
         caps = EngineCapabilities(
             fingerprint=EngineFingerprint(
                 model_artifact_digest=self._source_digest,
@@ -234,6 +245,92 @@ class LlamaShardEngine(SessionedEngine):
         if runtime.captures:
             return ForwardOutput(hidden=hidden)
         return ForwardOutput(logits=runtime.last_logits() if want_logits else None)
+
+    def _forward_verify(
+        self,
+        session: Session,
+        first_position: int,
+        inputs: np.ndarray,
+        want_logits: bool,
+        should_abort: Callable[[], bool],
+    ) -> ForwardOutput:
+        """A verify step in the passes of :func:`engines.verify_rows.verify_passes`, each row
+        bit for bit what a one-token decode there computes; the first pass of each size this
+        engine runs is checked against one-token decodes."""
+        if self._verify_rows <= 1:
+            return super()._forward_verify(session, first_position, inputs, want_logits, should_abort)
+        outputs: list[ForwardOutput] = []
+        try:
+            for offset, count in verify_passes(first_position, int(inputs.shape[0]), self._verify_rows):
+                if offset and should_abort():
+                    raise EngineError(EngineErrorKind.CANCELLED, "step cancelled while running")
+                rows = inputs[offset : offset + count]
+                position = first_position + offset
+                output = self._forward_rows(session, position, rows, want_logits, should_abort)
+                if count > 1 and count not in self._verify_rows_checked:
+                    output = self._check_rows(session, position, rows, want_logits, should_abort, output)
+                outputs.append(output)
+        except BaseException:
+            self._truncate(session, first_position)
+            raise
+        hidden = [o.hidden for o in outputs if o.hidden is not None]
+        logits = [o.logits for o in outputs if o.logits is not None]
+        return ForwardOutput(
+            hidden=np.concatenate(hidden) if hidden else None,
+            logits=np.concatenate(logits) if logits else None,
+        )
+
+    def _forward_rows(
+        self,
+        session: Session,
+        first_position: int,
+        inputs: np.ndarray,
+        want_logits: bool,
+        should_abort: Callable[[], bool],
+    ) -> ForwardOutput:
+        """``inputs`` in one pass: their hidden rows, or (tail) a copy of every row's logits."""
+        runtime = self._runtime(session.start_layer)
+        count = int(inputs.shape[0])
+        rows = count if want_logits else 1
+        hidden = runtime.run(
+            session.slot,
+            first_position,
+            inputs,
+            want_logits=want_logits,
+            should_abort=should_abort,
+            logit_rows=rows,
+        )
+        if runtime.captures:
+            return ForwardOutput(hidden=hidden)
+        return ForwardOutput(logits=runtime.logit_rows(rows) if want_logits else None)
+
+    def _check_rows(
+        self,
+        session: Session,
+        first_position: int,
+        inputs: np.ndarray,
+        want_logits: bool,
+        should_abort: Callable[[], bool],
+        together: ForwardOutput,
+    ) -> ForwardOutput:
+        """The same rows again, one token at a time; if anything differs, verify steps run one
+        row a pass from now on. Returns the one-token result, which the cache now holds."""
+        self._truncate(session, first_position)
+        alone = super()._forward_verify(session, first_position, inputs, want_logits, should_abort)
+        pairs = [(together.hidden, alone.hidden), (together.logits, alone.logits)]
+        differences = [float(np.max(np.abs(a - b))) for a, b in pairs if a is not None and b is not None]
+        if any(differences) or any((a is None) != (b is None) for a, b in pairs):
+            _log.warning(
+                "llama.cpp's %d-row pass does not round as its one-token decodes here (largest "
+                "difference %.3g): verify steps run one token at a time",
+                int(inputs.shape[0]),
+                max(differences, default=float("nan")),
+            )
+            self._verify_rows = 1
+        else:
+            _log.info("a %d-row verify pass computes exactly what one-token decodes do", int(inputs.shape[0]))
+        self._verify_rows_checked.add(int(inputs.shape[0]))
+        return alone
 
     def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
         """All entries' one-token decodes in one ``llama_decode`` of their start layer's runtime

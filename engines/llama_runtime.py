@@ -24,6 +24,7 @@ from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
 from engines.llama_lib import ensure_llama_backend, requested_abort, weight_buffers
 from engines.resident_memory import BufferReport, record_baseline
+from engines.verify_rows import ROW_INVARIANT_MAX_ROWS
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -186,8 +187,9 @@ class LlamaRuntime:
         # One ubatch per chunk: the captured rows then arrive in one piece per llama_decode.
         context_params.n_ubatch = n_batch
         context_params.n_seq_max = n_seq_max
-        # At most one output per batch (the tail's last position); llama.cpp needs >= n_seq_max.
-        context_params.n_outputs_max = n_seq_max
+        # One output per sequence (the tail's last position; llama.cpp needs >= n_seq_max), and on
+        # a tail the rows of one verify pass (speculative decoding: every position's logits).
+        context_params.n_outputs_max = n_seq_max if self.captures else max(n_seq_max, ROW_INVARIANT_MAX_ROWS)
         context_params.n_threads = n_threads
         context_params.n_threads_batch = n_threads
         # A KV stream per sequence keeps each session's cell layout (and so its float
@@ -266,14 +268,19 @@ class LlamaRuntime:
         *,
         want_logits: bool,
         should_abort: Callable[[], bool] | None = None,
+        logit_rows: int = 1,
     ) -> np.ndarray | None:
         """Run ``inputs`` (int32 token ids or float32 [n, n_embd]) for one sequence.
 
         Returns the captured hidden state [n, n_embd] on a capturing runtime, else ``None``
-        (logits of the last position are then available from ``last_logits``). On any
-        failure the sequence is rolled back to ``first_position`` before the error is raised.
+        (logits of the last position are then available from ``last_logits``; with
+        ``logit_rows`` r > 1, of the last r positions from ``logit_rows(r)``, which must then
+        lie in one ``n_batch`` chunk). On any failure the sequence is rolled back to
+        ``first_position`` before the error is raised.
         """
         n_tokens = int(inputs.shape[0])
+        if logit_rows > 1 and logit_rows > min(n_tokens, self.n_batch, ROW_INVARIANT_MAX_ROWS):
+            raise EngineError(EngineErrorKind.INVALID_REQUEST, f"cannot return {logit_rows} rows of logits")
         out = None
         if self._capture is not None:
             out = np.empty((n_tokens, self.n_embd), dtype=np.float32)
@@ -290,7 +297,11 @@ class LlamaRuntime:
                 count = min(self.n_batch, n_tokens - start)
                 last_chunk = start + count == n_tokens
                 self._fill(
-                    seq_id, first_position + start, inputs[start : start + count], want_logits and last_chunk
+                    seq_id,
+                    first_position + start,
+                    inputs[start : start + count],
+                    want_logits and last_chunk,
+                    rows=logit_rows,
                 )
                 status = llama_cpp.llama_decode(self._ctx, self._batch)
                 if status != _DECODE_OK:
@@ -420,7 +431,9 @@ class LlamaRuntime:
             fillers.append(BatchSequence(seq_id, position, filler))
         return fillers
 
-    def _fill(self, seq_id: int, first_position: int, chunk: np.ndarray, logits_for_last: bool) -> None:
+    def _fill(
+        self, seq_id: int, first_position: int, chunk: np.ndarray, logits_for_last: bool, rows: int = 1
+    ) -> None:
         count = chunk.shape[0]
         self._batch.n_tokens = count
         if self._embd is not None:
@@ -431,7 +444,7 @@ class LlamaRuntime:
         self._seq_ids[:count] = seq_id
         self._logit_flags[:count] = 0
         if logits_for_last:
-            self._logit_flags[count - 1] = 1
+            self._logit_flags[count - rows : count] = 1
 
     def _put_hidden(self, start: int, rows: np.ndarray) -> None:
         target = self._embd[start : start + rows.shape[0]]  # type: ignore[index]
@@ -443,6 +456,10 @@ class LlamaRuntime:
     def last_logits(self) -> np.ndarray:
         """A view of the last output row's logits; valid until the next ``run``."""
         return self._logits_at(-1)
+
+    def logit_rows(self, rows: int) -> np.ndarray:
+        """A copy of the last ``rows`` output rows' logits, float32 [rows, n_vocab]."""
+        return np.stack([self._logits_at(index) for index in range(-rows, 0)]).astype(np.float32, copy=False)
 
     def _logits_at(self, batch_index: int) -> np.ndarray:
         pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)

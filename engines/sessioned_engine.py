@@ -6,13 +6,11 @@ cancellation (per step and per session), TTL and LRU eviction, metrics, and tail
 sampling. A backend implements four hooks: load, forward, truncate and close, and may
 implement a fifth, ``_forward_batch``, to compute several sessions' decodes together.
 
-Speculative decoding: a verify step (``draft_tokens > 0``) runs its positions one token at a
-time, each exactly as a decode there would run (``_forward_verify``), and at a tail samples
-(greedy) after every one. Not as one multi-token forward: llama.cpp's batched kernels round
-differently from its one-token ones (on Gemma 3 270M measured: rows at positions >= 256 of any
-batch of 2 or more, and every row but the first of a batch of 8 or more, 0.4 to 2.6 off on the
-logits), which changes greedy text; so the round trips are saved, not the compute. Its drafts
-stay uncommitted (``Session.committed_len``) until a later step's ``rollback`` drops the
+Speculative decoding: a verify step (``draft_tokens > 0``) computes every position exactly as
+a decode there would (``_forward_verify``: one token at a time here; the llama.cpp backend runs
+several rows in one pass where its kernels round each row as a one-token decode does,
+engines.verify_rows), and at a tail samples (greedy) after every one. Its drafts stay
+uncommitted (``Session.committed_len``) until a later step's ``rollback`` drops the
 rejected ones by ``_truncate``, under the same lock as the step.
 
 Batches (``step_batch``): the decode steps are admitted in order under the same rules as

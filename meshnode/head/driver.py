@@ -142,9 +142,9 @@ class DriverOptions:
     # trip); off: one token a round trip. draft_max bounds k (1 to MAX_DRAFT_TOKENS).
     speculation: bool = True
     draft_max: int = 8
-    # Speculate only while this head runs at most this many generations: a verify step's
-    # positions run one token at a time, alone at each hop (no batching with other sessions'
-    # decodes), the rejected ones computed for nothing, so with several sessions sharing the
+    # Speculate only while this head runs at most this many generations: a verify step
+    # runs alone at each hop (no batching with other sessions' decodes), the rejected
+    # positions computed for nothing, so with several sessions sharing the
     # shards the batched plain decodes give more tokens per second (bench/RESULTS.md, issue 20).
     speculation_max_generations: int = 1
 

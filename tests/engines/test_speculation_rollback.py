@@ -11,10 +11,9 @@ drafts a verify round keeps (0 or 2) and the model's choice ``c`` after them:
 - Z: a fresh session fed only the accepted tokens, one decode each, then ``c``.
 
 X and Y must agree bit for bit on every hop (what was rejected leaves no trace), and so must X
-and Z: a verify step runs its positions one token at a time, each as its decode would run
-(llama.cpp's multi-token kernels round differently from its one-token ones, which changes
-greedy text), so what a rolled-back session computes next is exactly what plain decoding
-computes. No tolerance: equality of the float32 hidden states and logits.
+and Z: a verify step computes each position exactly as its decode would (rows in one pass
+only where llama.cpp rounds them as one-token decodes, engines.verify_rows), so what a
+rolled-back session computes next is exactly what plain decoding computes. No tolerance: equality of the float32 hidden states and logits.
 """
 
 from __future__ import annotations
@@ -128,8 +127,9 @@ def test_a_verify_steps_choices_are_plain_greedy_decoding_one_token_at_a_time(
 
 def test_a_gemma_verify_step_computes_what_plain_decoding_does(gemma_model: Path) -> None:
     """Gemma 3 270M, whole model: the last position of a 12-token verify step has the logits a
-    decode there has, bit for bit. (As one multi-token forward it did not: rows after the first
-    of a batch of 8 or more were 0.4 to 2 off on the logits, enough to change greedy text.)"""
+    decode there has, bit for bit (passes of 7 and 5 rows). As one 12-row pass it did not: rows
+    after the first of a batch of 8 or more were 0.4 to 2 off on the logits, enough to change
+    greedy text."""
     engine = load_engine(gemma_model, 0, 18)
     try:
         prompt = (2, *range(1000, 1040))

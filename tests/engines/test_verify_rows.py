@@ -1,0 +1,104 @@
+"""A verify step computes several positions in one pass where llama.cpp rounds each row as its
+one-token decode does, and one at a time elsewhere (engines.verify_rows); greedy text stays
+plain decoding's bit for bit (issue 20)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.tiny_llama import run_unsplit
+
+from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
+from engines.llama_engine import LlamaShardEngine
+from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, SPLIT_KV_FROM_POSITION, verify_passes
+
+# Two threads, as a node runs: with one, llama.cpp's split-KV attention has one part and
+# rounds like the multi-row path, which would hide what the position limit is for.
+THREADS = 2
+
+
+def test_passes_group_rows_below_the_split_kv_position_and_go_one_by_one_after():
+    assert verify_passes(10, 9, 7) == [(0, 7), (7, 2)]
+    assert verify_passes(10, 3, 7) == [(0, 3)]
+    assert verify_passes(250, 12, 7) == [(0, 6), *((offset, 1) for offset in range(6, 12))]
+    assert verify_passes(SPLIT_KV_FROM_POSITION, 3, 7) == [(0, 1), (1, 1), (2, 1)]
+    assert verify_passes(0, 4, 1) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert verify_passes(5, 16, ROW_INVARIANT_MAX_ROWS) == [(0, 7), (7, 7), (14, 2)]
+
+
+def load(model: Path, start: int, end: int) -> LlamaShardEngine:
+    engine = LlamaShardEngine()
+    engine.load(LoadRequest(str(model), start, end, n_ctx=1024, n_seq_max=2, n_threads=THREADS))
+    return engine
+
+
+def verify(engine: LlamaShardEngine, prompt: tuple[int, ...], tokens: list[int], *, tail: bool):
+    key = SessionKey("verify", 1)
+    engine.prefill(StepRequest(session=key, first_position=0, token_ids=prompt))
+    return engine.prefill(
+        StepRequest(
+            session=key,
+            first_position=len(prompt),
+            token_ids=tuple(tokens),
+            sampling=GREEDY if tail else None,
+            want_logits=tail,
+            draft_tokens=len(tokens) - 1,
+        )
+    )
+
+
+@pytest.mark.slow
+def test_a_gemma_verify_step_across_position_256_is_plain_decoding(
+    gemma_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Positions 250..261: six rows in one pass, the rest one by one; every choice and the last
+    logits are what one-token decodes give, and the multi-row pass was checked and kept."""
+    engine = load(gemma_model, 0, 18)
+    try:
+        prompt = (2, *range(1000, 1249))
+        assert len(prompt) == 250
+        tokens, logits = run_unsplit(engine, list(prompt), chunk_tokens=len(prompt), decode_steps=12)
+        with caplog.at_level(logging.INFO, logger="engines.llama_engine"):
+            result = verify(engine, prompt, tokens[:12], tail=True)
+        assert result.token_ids == tuple(tokens[1:13])
+        assert np.array_equal(result.logits, logits[-1])  # type: ignore[arg-type]
+        assert "a 6-row verify pass computes exactly what one-token decodes do" in caplog.text
+        assert engine._verify_rows == ROW_INVARIANT_MAX_ROWS
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_a_pass_that_rounds_otherwise_is_caught_and_verify_falls_back_to_one_row(
+    gemma_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Twelve rows in one pass take ggml's tiled k-quant kernel, which rounds otherwise: the
+    engine's check finds it, keeps the one-token rows and runs one row a pass from then on."""
+    engine = load(gemma_model, 0, 9)
+    try:
+        prompt = (2, *range(1000, 1040))
+        key = SessionKey("plain", 1)
+        engine.prefill(StepRequest(session=key, first_position=0, token_ids=prompt))
+        drafts = list(range(3000, 3012))
+        plain = [
+            engine.decode(
+                StepRequest(
+                    session=key,
+                    first_position=len(prompt) + i,
+                    token_ids=(token,),
+                    expected_past_len=len(prompt) + i,
+                )
+            ).hidden
+            for i, token in enumerate(drafts)
+        ]
+        engine._verify_rows = 12  # what an engine trusting the wrong limit would do
+        with caplog.at_level(logging.WARNING, logger="engines.llama_engine"):
+            result = verify(engine, prompt, drafts, tail=False)
+        assert np.array_equal(result.hidden, np.concatenate(plain))  # type: ignore[arg-type]
+        assert "12-row pass does not round as its one-token decodes" in caplog.text
+        assert engine._verify_rows == 1
+    finally:
+        engine.close()
