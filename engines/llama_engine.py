@@ -47,7 +47,7 @@ from engines.slicing import (
     SLICE_RECIPE_VERSION,
     hidden_input_scale,
 )
-from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, verify_passes
+from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, check_band, verify_passes
 
 _log = logging.getLogger("engines.llama_engine")
 
@@ -69,7 +69,7 @@ def runtime_recipe() -> dict[str, object]:
         "slice_recipe_version": SLICE_RECIPE_VERSION,
         "boundary_dtype": "float32",
         "non_tail_output": "l_out of the last layer, passthrough layer appended",
-        "kv_cache": "f16, one stream per sequence, full-size SWA",
+        "kv_cache": "K f16 (V bf16 on the CPU), one stream per sequence, full-size SWA",
     }
 
 
@@ -105,8 +105,8 @@ class LlamaShardEngine(SessionedEngine):
         # Rows of a verify step computed in one pass (engines.verify_rows); 1 until loaded on
         # a CPU with plain weights, and for good once a check finds a pass rounding otherwise.
         self._verify_rows = 1
-        # The pass sizes already checked against one-token decodes.
-        self._verify_rows_checked: set[int] = set()
+        # The pass sizes (and position bands, verify_rows.check_band) checked against one-token decodes.
+        self._verify_rows_checked: set[tuple[int, bool]] = set()
         self._model: ModelFile | None = None
         self._gguf: GGUFFile | None = None
         self._info: ModelInfo | None = None
@@ -255,19 +255,19 @@ class LlamaShardEngine(SessionedEngine):
         should_abort: Callable[[], bool],
     ) -> ForwardOutput:
         """A verify step in the passes of :func:`engines.verify_rows.verify_passes`, each row
-        bit for bit what a one-token decode there computes; the first pass of each size this
-        engine runs is checked against one-token decodes."""
+        bit for bit what a one-token decode there computes; the first pass of each size (below
+        and from position 256) this engine runs is checked against one-token decodes."""
         if self._verify_rows <= 1:
             return super()._forward_verify(session, first_position, inputs, want_logits, should_abort)
         outputs: list[ForwardOutput] = []
         try:
-            for offset, count in verify_passes(first_position, int(inputs.shape[0]), self._verify_rows):
+            for offset, count in verify_passes(int(inputs.shape[0]), self._verify_rows):
                 if offset and should_abort():
                     raise EngineError(EngineErrorKind.CANCELLED, "step cancelled while running")
                 rows = inputs[offset : offset + count]
                 position = first_position + offset
                 output = self._forward_rows(session, position, rows, want_logits, should_abort)
-                if count > 1 and count not in self._verify_rows_checked:
+                if count > 1 and check_band(position, count) not in self._verify_rows_checked:
                     output = self._check_rows(session, position, rows, want_logits, should_abort, output)
                 outputs.append(output)
         except BaseException:
@@ -329,7 +329,7 @@ class LlamaShardEngine(SessionedEngine):
             self._verify_rows = 1
         else:
             _log.info("a %d-row verify pass computes exactly what one-token decodes do", int(inputs.shape[0]))
-        self._verify_rows_checked.add(int(inputs.shape[0]))
+        self._verify_rows_checked.add(check_band(first_position, int(inputs.shape[0])))
         return alone
 
     def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:

@@ -28,6 +28,8 @@ from engines.verify_rows import ROW_INVARIANT_MAX_ROWS
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
+# ggml_type GGML_TYPE_BF16 (llama-cpp-python exports no name for it).
+GGML_TYPE_BF16 = 30
 _DECODE_NO_KV_SLOT = 1
 _DECODE_ABORTED = 2
 
@@ -197,6 +199,15 @@ class LlamaRuntime:
         # reuses a cell, so rolling a session back to a shorter length is exact.
         context_params.kv_unified = False
         context_params.swa_full = True
+        if n_gpu_layers == 0:
+            # K f16 and V bf16, with flash attention: ggml-cpu attends a lone query row over
+            # 512+ cached positions by splitting the KV across threads only when K and V share
+            # a type, and that split rounds otherwise than any multi-row pass. With the types
+            # apart, a decode rounds the same alone, in a batch of sessions, or as a verify
+            # row (engines.verify_rows), at every position; and it was no slower here.
+            context_params.type_k = llama_cpp.GGML_TYPE_F16
+            context_params.type_v = GGML_TYPE_BF16
+            context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         context_params.no_perf = True
         # A CUDA build otherwise sends large CPU-side matrix products (prefill) to the GPU even
         # with nothing offloaded: a node announcing "cpu" numerics must compute on the CPU.

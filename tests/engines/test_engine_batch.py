@@ -59,12 +59,12 @@ GEMMA_LAYERS = 18
 GEMMA_SHARDS = {"head": (0, 6), "middle": (6, 11), "tail": (11, GEMMA_LAYERS)}
 
 
-def _streams(k: int, vocab: int) -> list[Stream]:
+def _streams(k: int, vocab: int, first_length: int = 5) -> list[Stream]:
     # Different prompt lengths, so the sessions decode at different positions.
     return [
         Stream(
             SessionKey(f"s{index}", 1),
-            prompt_tokens(5 + 7 * index, vocab, seed=index),
+            prompt_tokens(first_length + 7 * index, vocab, seed=index),
             prompt_tokens(DECODE_STEPS, vocab, seed=100 + index),
         )
         for index in range(k)
@@ -323,6 +323,21 @@ def test_gemma_batched_decode_is_bit_exact(
     assert report.max_abs_diff == 0.0
     assert report.token_mismatches == []
     assert report.gaps_untouched
+
+
+@pytest.mark.slow
+def test_gemma_batched_decode_is_bit_exact_past_position_256(gemma_model: Path) -> None:
+    """Decodes from positions 245, 252 and 259 on: a session alone there would attend through
+    llama.cpp's split-KV path if its K and V caches shared a type (engines.llama_runtime keeps
+    them apart on the CPU), and a batch never does; alone and batched must still agree."""
+    start, end = GEMMA_SHARDS["tail"]
+    layout = LAYOUTS["k3-live-gap"]
+    streams = _streams(layout.count("s"), 5000, first_length=245)
+    feed(gemma_model, start, streams)
+    report = batch_vs_solo(gemma_model, start, end, GEMMA_LAYERS, streams, layout)
+    assert report.compared == 3 * DECODE_STEPS
+    assert report.max_abs_diff == 0.0
+    assert report.token_mismatches == []
 
 
 GEMMA_PROMPTS = [

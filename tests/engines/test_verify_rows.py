@@ -1,6 +1,6 @@
-"""A verify step computes several positions in one pass where llama.cpp rounds each row as its
-one-token decode does, and one at a time elsewhere (engines.verify_rows); greedy text stays
-plain decoding's bit for bit (issue 20)."""
+"""A verify step computes up to 7 positions in one pass, which llama.cpp rounds row by row as
+its one-token decodes (engines.verify_rows); greedy text stays plain decoding's bit for bit
+(issue 20)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,26 @@ from helpers.tiny_llama import run_unsplit
 
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
-from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, SPLIT_KV_FROM_POSITION, verify_passes
+from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, check_band, verify_passes
 
-# Two threads, as a node runs: with one, llama.cpp's split-KV attention has one part and
-# rounds like the multi-row path, which would hide what the position limit is for.
+# Two threads, as a node runs: with one, llama.cpp's split-KV attention (the reason the V
+# cache is bf16 on the CPU) has a single part and would round like a multi-row pass anyway.
 THREADS = 2
 
 
-def test_passes_group_rows_below_the_split_kv_position_and_go_one_by_one_after():
-    assert verify_passes(10, 9, 7) == [(0, 7), (7, 2)]
-    assert verify_passes(10, 3, 7) == [(0, 3)]
-    assert verify_passes(250, 12, 7) == [(0, 6), *((offset, 1) for offset in range(6, 12))]
-    assert verify_passes(SPLIT_KV_FROM_POSITION, 3, 7) == [(0, 1), (1, 1), (2, 1)]
-    assert verify_passes(0, 4, 1) == [(0, 1), (1, 1), (2, 1), (3, 1)]
-    assert verify_passes(5, 16, ROW_INVARIANT_MAX_ROWS) == [(0, 7), (7, 7), (14, 2)]
+def test_passes_take_up_to_max_rows_each_in_order():
+    assert verify_passes(9, 7) == [(0, 7), (7, 2)]
+    assert verify_passes(3, 7) == [(0, 3)]
+    assert verify_passes(4, 1) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert verify_passes(4, 0) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert verify_passes(16, ROW_INVARIANT_MAX_ROWS) == [(0, 7), (7, 7), (14, 2)]
+
+
+def test_a_pass_is_checked_once_per_size_below_and_across_position_256():
+    assert check_band(10, 7) == (7, False)
+    assert check_band(249, 7) == (7, False)  # positions 249..255
+    assert check_band(250, 7) == (7, True)  # reaches 256
+    assert check_band(600, 2) == (2, True)
 
 
 def load(model: Path, start: int, end: int) -> LlamaShardEngine:
@@ -51,21 +57,24 @@ def verify(engine: LlamaShardEngine, prompt: tuple[int, ...], tokens: list[int],
 
 
 @pytest.mark.slow
-def test_a_gemma_verify_step_across_position_256_is_plain_decoding(
-    gemma_model: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("prompt_length", [250, 600])
+def test_a_gemma_verify_step_past_position_256_is_plain_decoding(
+    gemma_model: Path, caplog: pytest.LogCaptureFixture, prompt_length: int
 ) -> None:
-    """Positions 250..261: six rows in one pass, the rest one by one; every choice and the last
-    logits are what one-token decodes give, and the multi-row pass was checked and kept."""
+    """Twelve positions from 250 (across 256, where a lone decode over a K/V cache of one type
+    would split its attention across threads) and from 600: passes of 7 and 5 rows; every
+    choice and the last logits are what one-token decodes give, and the passes were checked
+    and kept."""
     engine = load(gemma_model, 0, 18)
     try:
-        prompt = (2, *range(1000, 1249))
-        assert len(prompt) == 250
+        prompt = (2, *(1000 + i % 5000 for i in range(prompt_length - 1)))
         tokens, logits = run_unsplit(engine, list(prompt), chunk_tokens=len(prompt), decode_steps=12)
         with caplog.at_level(logging.INFO, logger="engines.llama_engine"):
             result = verify(engine, prompt, tokens[:12], tail=True)
         assert result.token_ids == tuple(tokens[1:13])
         assert np.array_equal(result.logits, logits[-1])  # type: ignore[arg-type]
-        assert "a 6-row verify pass computes exactly what one-token decodes do" in caplog.text
+        assert "a 7-row verify pass computes exactly what one-token decodes do" in caplog.text
+        assert "a 5-row verify pass computes exactly what one-token decodes do" in caplog.text
         assert engine._verify_rows == ROW_INVARIANT_MAX_ROWS
     finally:
         engine.close()
