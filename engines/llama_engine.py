@@ -41,13 +41,13 @@ from engines.resident_memory import (
     track_shard,
     untrack_shard,
 )
+from engines.row_invariance import ROW_INVARIANT_MAX_ROWS, check_band, session_passes, verify_passes
 from engines.session_table import Session
 from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
 from engines.slicing import (
     SLICE_RECIPE_VERSION,
     hidden_input_scale,
 )
-from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, check_band, verify_passes
 
 _log = logging.getLogger("engines.llama_engine")
 
@@ -102,10 +102,12 @@ class LlamaShardEngine(SessionedEngine):
         super().__init__(clock=clock)
         self._max_extra_runtimes = max_extra_runtimes
         self._request: LoadRequest | None = None
-        # Rows of a verify step computed in one pass (engines.verify_rows); 1 until loaded on
+        # Rows of a verify step computed in one pass (engines.row_invariance); 1 until loaded on
         # a CPU with plain weights, and for good once a check finds a pass rounding otherwise.
         self._verify_rows = 1
-        # The pass sizes (and position bands, verify_rows.check_band) checked against one-token decodes.
+        # The most KV streams one batch of sessions' decodes spans (engines.row_invariance).
+        self._pass_rows = ROW_INVARIANT_MAX_ROWS
+        # The pass sizes (and position bands, row_invariance.check_band) checked against one-token decodes.
         self._verify_rows_checked: set[tuple[int, bool]] = set()
         self._model: ModelFile | None = None
         self._gguf: GGUFFile | None = None
@@ -142,6 +144,8 @@ class LlamaShardEngine(SessionedEngine):
         backend = "gpu" if offload else "cpu"
         # Only the CPU kernels with plain weight layouts were traced; other backends verify one row a pass.
         self._verify_rows = 1 if offload or request.weight_repack else ROW_INVARIANT_MAX_ROWS
+        # Other backends batch as many sessions as a pass holds: their batched kernels were not traced.
+        self._pass_rows = request.n_batch if offload or request.weight_repack else ROW_INVARIANT_MAX_ROWS
         caps = EngineCapabilities(
             fingerprint=EngineFingerprint(
                 model_artifact_digest=self._source_digest,
@@ -254,7 +258,7 @@ class LlamaShardEngine(SessionedEngine):
         want_logits: bool,
         should_abort: Callable[[], bool],
     ) -> ForwardOutput:
-        """A verify step in the passes of :func:`engines.verify_rows.verify_passes`, each row
+        """A verify step in the passes of :func:`engines.row_invariance.verify_passes`, each row
         bit for bit what a one-token decode there computes; the first pass of each size (below
         and from position 256) this engine runs is checked against one-token decodes."""
         if self._verify_rows <= 1:
@@ -333,8 +337,9 @@ class LlamaShardEngine(SessionedEngine):
         return alone
 
     def _forward_batch(self, entries: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
-        """All entries' one-token decodes in one ``llama_decode`` of their start layer's runtime
-        (a sequence per session slot); up to ``n_batch`` entries a pass.
+        """All entries' one-token decodes in as few ``llama_decode`` passes of their start
+        layer's runtime as keep each row rounding as it would alone (a sequence per session
+        slot; on the CPU a pass spans at most 7 slots, engines.row_invariance).
 
         A failure of a shared pass (no KV slot, an internal error) is not any one entry's, so
         after ``run_batch`` has rolled every entry back they run again one by one, and each
@@ -344,9 +349,12 @@ class LlamaShardEngine(SessionedEngine):
             runtime = self._runtime(entries[0].session.start_layer)
         except EngineError as error:
             return [error] * len(entries)
-        outputs: list[ForwardOutput | EngineError] = []
-        for start in range(0, len(entries), runtime.n_batch):
-            chunk = entries[start : start + runtime.n_batch]
+        outputs: list[ForwardOutput | EngineError] = [ForwardOutput()] * len(entries)
+        passes = session_passes(
+            [entry.session.slot for entry in entries], min(self._pass_rows, runtime.n_batch)
+        )
+        for indices in passes:
+            chunk = [entries[index] for index in indices]
             sequences = [
                 BatchSequence(entry.session.slot, entry.first_position, entry.inputs, entry.want_logits)
                 for entry in chunk
@@ -354,17 +362,15 @@ class LlamaShardEngine(SessionedEngine):
             try:
                 results = runtime.run_batch(sequences)
             except EngineError:
-                outputs += super()._forward_batch(chunk)
+                for index, alone in zip(indices, super()._forward_batch(chunk), strict=True):
+                    outputs[index] = alone
                 continue
-            # The logits are views of llama.cpp's output buffer: copy them when another pass follows.
-            another_pass = start + runtime.n_batch < len(entries)
-            for entry, result in zip(chunk, results, strict=True):
+            for index, entry, result in zip(indices, chunk, results, strict=True):
                 if runtime.captures:
-                    outputs.append(ForwardOutput(hidden=result))
+                    outputs[index] = ForwardOutput(hidden=result)
                 elif entry.want_logits and result is not None:
-                    outputs.append(ForwardOutput(logits=result.copy() if another_pass else result))
-                else:
-                    outputs.append(ForwardOutput())
+                    # The logits are views of llama.cpp's output buffer: copied when another pass follows.
+                    outputs[index] = ForwardOutput(logits=result.copy() if len(passes) > 1 else result)
         return outputs
 
     def _truncate(self, session: Session, length: int) -> None:

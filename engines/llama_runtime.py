@@ -24,7 +24,7 @@ from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
 from engines.llama_lib import ensure_llama_backend, requested_abort, weight_buffers
 from engines.resident_memory import BufferReport, record_baseline
-from engines.verify_rows import ROW_INVARIANT_MAX_ROWS
+from engines.row_invariance import ROW_INVARIANT_MAX_ROWS
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -204,7 +204,7 @@ class LlamaRuntime:
             # 512+ cached positions by splitting the KV across threads only when K and V share
             # a type, and that split rounds otherwise than any multi-row pass. With the types
             # apart, a decode rounds the same alone, in a batch of sessions, or as a verify
-            # row (engines.verify_rows), at every position; and it was no slower here.
+            # row (engines.row_invariance), at every position; and it was no slower here.
             context_params.type_k = llama_cpp.GGML_TYPE_F16
             context_params.type_v = GGML_TYPE_BF16
             context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED

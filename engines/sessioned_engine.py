@@ -9,7 +9,7 @@ implement a fifth, ``_forward_batch``, to compute several sessions' decodes toge
 Speculative decoding: a verify step (``draft_tokens > 0``) computes every position exactly as
 a decode there would (``_forward_verify``: one token at a time here; the llama.cpp backend runs
 several rows in one pass where its kernels round each row as a one-token decode does,
-engines.verify_rows), and at a tail samples (greedy) after every one. Its drafts stay
+engines.row_invariance), and at a tail samples (greedy) after every one. Its drafts stay
 uncommitted (``Session.committed_len``) until a later step's ``rollback`` drops the
 rejected ones by ``_truncate``, under the same lock as the step.
 

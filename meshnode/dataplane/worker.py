@@ -59,7 +59,7 @@ Choices the schema leaves open, made here:
   sampled, so a retry or a re-prefill replay draws the same token.
 - Speculative decoding (meshnode extension): a verify step is a PHASE_DECODE unit of
   1 + ``draft_tokens`` positions. It is filed and run like a prefill chunk, alone (the
-  engine computes each position exactly as its decode would, engines.verify_rows, so the
+  engine computes each position exactly as its decode would, engines.row_invariance, so the
   text is plain greedy decoding's), every hop remembers its drafts as uncommitted, and
   the tail answers the choice after every position. The next unit of the session may carry
   ``CacheExpectation.rollback``: the cache check then admits a held length between the

@@ -3,7 +3,7 @@
 One round: the head sends its last accepted token and ``k`` draft tokens as one
 verify step; the tail answers the model's greedy choice after every position. Each
 hop computes every position exactly as a decode there would (several in one pass where
-llama.cpp's kernels allow it, engines.verify_rows, else one at a time), so a round saves
+llama.cpp's kernels allow it, engines.row_invariance, else one at a time), so a round saves
 round trips and per-message costs, and compute where the hops batch its positions.
 :func:`accept_greedy` keeps the drafts up to the first one the model would not
 have chosen, then the model's own choice there: 1 to k + 1 tokens per round,

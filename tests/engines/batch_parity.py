@@ -117,6 +117,8 @@ def batch_vs_solo(
     total_layers: int,
     streams: Sequence[Stream],
     layout: Sequence[str],
+    *,
+    n_seq_max: int = 6,
 ) -> ParityReport:
     """Decode ``streams`` (as many as ``layout`` has ``"s"``) solo and batched; compare every step."""
     tail = end is None or end == total_layers
@@ -136,7 +138,7 @@ def batch_vs_solo(
         for index, kind in enumerate(layout)
         if kind == "live"
     ]
-    solo, batch = load(path, start, end), load(path, start, end)
+    solo, batch = load(path, start, end, n_seq_max=n_seq_max), load(path, start, end, n_seq_max=n_seq_max)
     report = ParityReport()
     try:
         # Open the batch engine's sessions slot by slot (a session takes the lowest free slot).

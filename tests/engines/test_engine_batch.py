@@ -161,7 +161,8 @@ def _close_to(got: StepResult | EngineError, expected: StepResult) -> None:
     assert isinstance(got, StepResult), got
     assert got.past_len == expected.past_len and got.token_id == expected.token_id
     assert got.logits is not None and expected.logits is not None
-    np.testing.assert_allclose(got.logits, expected.logits, rtol=0, atol=1e-5)
+    # One step's float32 batching difference is about 1e-5 on the logits; a misplaced row is order 1.
+    np.testing.assert_allclose(got.logits, expected.logits, rtol=0, atol=1e-4)
 
 
 def _kind(outcome: StepResult | EngineError) -> EngineErrorKind:
@@ -338,6 +339,22 @@ def test_gemma_batched_decode_is_bit_exact_past_position_256(gemma_model: Path) 
     assert report.compared == 3 * DECODE_STEPS
     assert report.max_abs_diff == 0.0
     assert report.token_mismatches == []
+
+
+@pytest.mark.slow
+def test_gemma_batch_of_nine_sessions_is_bit_exact(gemma_model: Path) -> None:
+    """Nine sessions over ten slots (a live one in between): one pass of all of them would
+    be ten rows, which ggml computes with its tiled k-quant kernel and rounds otherwise; the
+    engine runs passes spanning at most 7 slots (engines.row_invariance), each row as alone."""
+    start, end = GEMMA_SHARDS["tail"]
+    layout = ["s"] * 4 + ["live"] + ["s"] * 5
+    streams = _streams(9, 5000)
+    feed(gemma_model, start, streams)
+    report = batch_vs_solo(gemma_model, start, end, GEMMA_LAYERS, streams, layout, n_seq_max=len(layout))
+    assert report.compared == 9 * DECODE_STEPS
+    assert report.max_abs_diff == 0.0
+    assert report.token_mismatches == []
+    assert report.gaps_untouched
 
 
 GEMMA_PROMPTS = [

@@ -12,7 +12,7 @@ drafts a verify round keeps (0 or 2) and the model's choice ``c`` after them:
 
 X and Y must agree bit for bit on every hop (what was rejected leaves no trace), and so must X
 and Z: a verify step computes each position exactly as its decode would (rows in one pass
-only where llama.cpp rounds them as one-token decodes, engines.verify_rows), so what a
+only where llama.cpp rounds them as one-token decodes, engines.row_invariance), so what a
 rolled-back session computes next is exactly what plain decoding computes. No tolerance: equality of the float32 hidden states and logits.
 """
 

@@ -1,5 +1,5 @@
 """A verify step computes up to 7 positions in one pass, which llama.cpp rounds row by row as
-its one-token decodes (engines.verify_rows); greedy text stays plain decoding's bit for bit
+its one-token decodes (engines.row_invariance); greedy text stays plain decoding's bit for bit
 (issue 20)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from helpers.tiny_llama import run_unsplit
 
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
-from engines.verify_rows import ROW_INVARIANT_MAX_ROWS, check_band, verify_passes
+from engines.row_invariance import ROW_INVARIANT_MAX_ROWS, check_band, session_passes, verify_passes
 
 # Two threads, as a node runs: with one, llama.cpp's split-KV attention (the reason the V
 # cache is bf16 on the CPU) has a single part and would round like a multi-row pass anyway.
@@ -33,6 +33,15 @@ def test_a_pass_is_checked_once_per_size_below_and_across_position_256():
     assert check_band(249, 7) == (7, False)  # positions 249..255
     assert check_band(250, 7) == (7, True)  # reaches 256
     assert check_band(600, 2) == (2, True)
+
+
+def test_session_passes_span_at_most_max_rows_slots_lowest_first():
+    assert session_passes([0, 1, 2], 7) == [[0, 1, 2]]
+    # Slots 0..6 in one pass (gaps filled: 7 rows), 7 and 9 in the next.
+    assert session_passes([9, 0, 6, 7, 3], 7) == [[1, 4, 2], [3, 0]]
+    assert session_passes([0, 7, 14], 7) == [[0], [1], [2]]
+    assert session_passes([5, 4], 1) == [[1], [0]]
+    assert session_passes([], 7) == []
 
 
 def load(model: Path, start: int, end: int) -> LlamaShardEngine:

@@ -1,0 +1,72 @@
+"""Which rows llama.cpp can compute in one pass and still round each exactly as it rounds that
+row alone: a session decoding in a batch gets what it would get alone, and a verify step
+(speculative decoding) what plain decoding computes, bit for bit.
+
+Several rows in one ``llama_decode`` read the weights once, so batching sessions and verifying
+k drafts cost far less than one pass per row; but only where every row comes out as it would
+alone. In the pinned llama.cpp CPU backend, measured on Gemma 3 270M against one-token decodes
+and traced to ggml-cpu's sources:
+
+- ``ggml_compute_forward_mul_mat_tiled`` (ggml-cpu/tiled) takes k-quant matrix products of
+  ``>= 8`` rows and accumulates in another order (every row of a batch of 8 was 0.3 to 3.5
+  off on the logits); up to 7 rows run the same per-row dot products as one row. (Forcing the
+  tiled kernel for every row count, ``GGML_CPU_TILED_MM_FORCE``, made a lone decode 38%
+  slower; turning it off, ``GGML_CPU_TILED_MM=0``, a 256-token prefill 26% slower.)
+- ``ggml_compute_forward_flash_attn_ext_f16`` (ggml-cpu/ops.cpp) splits the KV across threads
+  for a lone query row once the KV view spans 512 cells (``use_split_kv_path``; llama.cpp pads
+  a sequence's view to 256 cells, so from position 256 on), which no multi-row pass does (0.6
+  to 6 off) — but only when K and V share a type. ``engines.llama_runtime`` keeps them apart
+  on the CPU (K f16, V bf16), and then passes of 2 to 7 rows were bit-exact at every position
+  measured (up to 700), for rows of one sequence and for one row of each of several.
+
+So a verify step runs in passes of at most ``ROW_INVARIANT_MAX_ROWS`` positions, and a batch
+of sessions' decodes in passes spanning at most that many KV streams (the runtime fills the
+gaps between them with a row each). The llama.cpp engine checks each verify pass size on its
+first use below and from ``SPLIT_KV_FROM_POSITION`` against one-token decodes and falls back
+to one row at a time for good if they differ (another build, CPU or backend); the batch
+parity tests pin the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Matrix products of this many rows or fewer skip ggml's tiled k-quant kernel (it starts at 8).
+ROW_INVARIANT_MAX_ROWS = 7
+# From this position a lone decode would attend through the split-KV path if K and V shared a type.
+SPLIT_KV_FROM_POSITION = 256
+
+
+def verify_passes(n_tokens: int, max_rows: int) -> list[tuple[int, int]]:
+    """The passes ``(offset, count)`` that compute a verify step's ``n_tokens`` positions, in
+    order, up to ``max_rows`` (at least 1) each."""
+    rows = max(1, max_rows)
+    return [(offset, min(rows, n_tokens - offset)) for offset in range(0, n_tokens, rows)]
+
+
+def check_band(first_position: int, count: int) -> tuple[int, bool]:
+    """What a pass is checked once per: its size, and whether it reaches the split-KV positions."""
+    return count, first_position + count > SPLIT_KV_FROM_POSITION
+
+
+def session_passes(slots: Sequence[int], max_rows: int) -> list[list[int]]:
+    """Indices into ``slots`` (distinct KV streams, one decode row each), grouped into passes
+    whose streams span at most ``max_rows``, lowest slots first: a pass computes one row per
+    stream from its first to its last slot, gaps filled."""
+    order = sorted(range(len(slots)), key=lambda index: slots[index])
+    passes: list[list[int]] = []
+    for index in order:
+        if passes and slots[index] - slots[passes[-1][0]] < max(1, max_rows):
+            passes[-1].append(index)
+        else:
+            passes.append([index])
+    return passes
+
+
+__all__ = [
+    "ROW_INVARIANT_MAX_ROWS",
+    "SPLIT_KV_FROM_POSITION",
+    "check_band",
+    "session_passes",
+    "verify_passes",
+]
