@@ -199,7 +199,7 @@ class LlamaRuntime:
         # reuses a cell, so rolling a session back to a shorter length is exact.
         context_params.kv_unified = False
         context_params.swa_full = True
-        if n_gpu_layers == 0:
+        if not (n_gpu_layers > 0 and llama_cpp.llama_supports_gpu_offload()):
             # K f16 and V bf16, with flash attention: ggml-cpu attends a lone query row over
             # 512+ cached positions by splitting the KV across threads only when K and V share
             # a type, and that split rounds otherwise than any multi-row pass. With the types
