@@ -325,7 +325,13 @@ async def bench(
                     proxies = DelayProxies(DELAYS_MS[key], len(layout))
                     stack.callback(proxies.close)
                 mesh, apis[key] = await start_mesh(
-                    work, model, layout, threads or args.threads, env, proxies=proxies
+                    work,
+                    model,
+                    layout,
+                    threads or args.threads,
+                    env,
+                    extra=["--speculation", args.speculation],
+                    proxies=proxies,
                 )
                 meshes[key] = mesh
                 await api_run(apis[key], prompt, 8)  # warm: page faults, graph allocation, links
@@ -629,6 +635,13 @@ def main() -> None:
         default=True,
         help="on each three-node mesh, a chained session's decode round trip with the token relayed "
         "back through every stage against the tail answering directly (default on)",
+    )
+    parser.add_argument(
+        "--speculation",
+        choices=("auto", "off"),
+        default="auto",
+        help="the nodes' --speculation (auto, their default; off: issue 20's target for (d) is "
+        "without it, and the random bench prompt still gives the drafter some matches)",
     )
     parser.add_argument(
         "--delay-ms",
