@@ -368,12 +368,19 @@ def rollback_refusal(held: int, committed: int, expected: int) -> str | None:
 
 
 def supports_speculation(params: SamplingParams) -> bool:
-    """Whether a tail can verify drafts for ``params``: plain greedy choice (a logit bias is
-    allowed: it does not depend on earlier tokens). Sampled, penalised and grammar requests are
-    not verified: the speculative-sampling rule would draw from another random stream than the
-    seeded sampler (so a seed would no longer reproduce the non-speculative text), and the
-    penalties and the grammar would have to be run over drafts that may be rejected."""
-    return params.greedy and not params.penalized and not params.grammar and params.history is None
+    """Whether a tail can verify drafts for ``params``: greedy or seeded sampling (temperature,
+    top-k, top-p, min-p, a logit bias), whose choice at a position depends only on that
+    position's logits and index. The tail draws after every position exactly as a decode there
+    would (``engines.sampling.sample_token`` with the position as ``sample_index``, on logits
+    that are bit for bit a decode's, engines.row_invariance) and the head keeps a draft while
+    the draw equals it. For a prompt-lookup draft, a one-hot proposal q, that is the standard
+    speculative-sampling rule: the draft is kept with probability min(1, p/q) = p(draft), and
+    on a rejection the token drawn is p's restricted to the other tokens, the normalised
+    residual max(p - q, 0). So the distribution is unchanged, and the text is even the one the
+    seed gives without speculation. Penalised and grammar requests are not verified: their
+    choice depends on the tokens before it, which for a verify row are drafts that may be
+    rejected."""
+    return not params.penalized and not params.grammar and params.history is None
 
 
 class ShardEngine(ABC):

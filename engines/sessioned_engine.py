@@ -9,7 +9,8 @@ implement a fifth, ``_forward_batch``, to compute several sessions' decodes toge
 Speculative decoding: a verify step (``draft_tokens > 0``) computes every position exactly as
 a decode there would (``_forward_verify``: one token at a time here; the llama.cpp backend runs
 several rows in one pass where its kernels round each row as a one-token decode does,
-engines.row_invariance), and at a tail samples (greedy) after every one. Its drafts stay
+engines.row_invariance), and at a tail samples after every one, as a decode there would
+(greedy or seeded: ``interface.supports_speculation``). Its drafts stay
 uncommitted (``Session.committed_len``) until a later step's ``rollback`` drops the
 rejected ones by ``_truncate``, under the same lock as the step.
 
@@ -589,7 +590,7 @@ class SessionedEngine(ShardEngine):
         ):
             raise EngineError(
                 EngineErrorKind.INVALID_REQUEST,
-                "drafts are verified for plain greedy choice only (no temperature, penalty or grammar)",
+                "drafts are verified for greedy or seeded sampling only (no penalty or grammar)",
             )
         return start, self._validated_inputs(caps, request, start)
 
@@ -635,8 +636,8 @@ class SessionedEngine(ShardEngine):
             rows = output.logits
             if request.draft_tokens and rows.ndim == 2:
                 if request.sampling is not None:
-                    # The position after row i is first_position + i + 1 (the index a decode there
-                    # would sample with); greedy choice does not read it, but it is the honest one.
+                    # The position after row i is first_position + i + 1: the index a decode there
+                    # samples with, so a seeded draw is the one plain decoding makes.
                     first = request.first_position
                     token_ids = tuple(
                         sample_token(row, request.sampling, first + i + 1, self.grammar_vocabulary)

@@ -1,8 +1,8 @@
 """``--speculation off|auto`` and ``--draft-max K``: speculative decoding at the head (issue 20).
 
-``auto`` (the default) drafts tokens by prompt lookup for greedy requests and verifies up to
-``--draft-max`` of them a round trip (meshnode.head.speculation); sampled, penalised and grammar
-requests decode a token at a time whatever this says. ``off`` decodes a token at a time always.
+``auto`` (the default) drafts tokens by prompt lookup for greedy and seeded sampled requests
+and verifies up to ``--draft-max`` of them a round trip (meshnode.head.speculation); penalised
+and grammar requests decode a token at a time whatever this says. ``off`` decodes a token at a time always.
 Like every option they may come from the environment (``MESHNODE_SPECULATION``) or the config
 file (``speculation = "off"``).
 """
@@ -34,8 +34,9 @@ def add_speculation_options(parser: argparse.ArgumentParser | Any) -> None:
         "--speculation",
         choices=SPECULATION_CHOICES,
         default="auto",
-        help="speculative decoding of greedy requests: draft tokens by prompt lookup and verify "
-        "them over the route in one round trip (auto, the default), or one token a round trip (off)",
+        help="speculative decoding of greedy and sampled requests (not penalised or grammar ones): "
+        "draft tokens by prompt lookup and verify them over the route in one round trip, the text "
+        "unchanged (auto, the default), or one token a round trip (off)",
     )
     parser.add_argument(
         "--draft-max",

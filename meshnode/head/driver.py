@@ -11,12 +11,12 @@ own link to it), so a token costs one message back instead of one per stage
 environment hands out an in-process link for it, and the code path is the same.
 
 Speculative decoding (:mod:`meshnode.head.speculation`, ``DriverOptions.speculation``): for
-a greedy request the head drafts tokens by prompt lookup and sends them with its last
-token as one verify step; the tail's choice after every position says how many to keep,
-1 to k + 1 tokens a round trip, the very tokens plain greedy decoding gives. The next
+a greedy or seeded sampled request the head drafts tokens by prompt lookup and sends them
+with its last token as one verify step; the tail's choice after every position says how
+many to keep, 1 to k + 1 tokens a round trip, the very tokens plain decoding gives. The next
 step asks every hop to drop the rejected drafts (``rollback``). Only accepted tokens enter
 the transcript, so a replay after a failure rebuilds exactly the accepted caches.
-Sampled, penalised and grammar requests decode one token at a time, as do routes with a hop
+Penalised and grammar requests decode one token at a time, as do routes with a hop
 that does not announce verify steps (``ServedShard.verifies_drafts``: a node predating them).
 
 Recovery follows :mod:`meshnode.head.recovery`: a ``CACHE_MISS`` rebuilds the
@@ -138,8 +138,9 @@ class DriverOptions:
     capacity_retry_s: float = 0.25
     # The tail answers the head directly on a route of more than one hop (else along the route).
     direct_answer: bool = True
-    # Speculative decoding for greedy requests (draft by prompt lookup, verify k drafts a round
-    # trip); off: one token a round trip. draft_max bounds k (1 to MAX_DRAFT_TOKENS).
+    # Speculative decoding for greedy and seeded sampled requests (draft by prompt lookup,
+    # verify k drafts a round trip); off: one token a round trip. draft_max bounds k (1 to
+    # MAX_DRAFT_TOKENS).
     speculation: bool = True
     draft_max: int = 8
     # Speculate only while this head runs at most this many generations: a verify step
@@ -301,7 +302,7 @@ class _Generation:
         # Monotonic times for the token observers: the start, and the last token yielded.
         self.started_at = time.monotonic()
         self.last_token_at: float | None = None
-        # Speculative decoding, for a greedy request when the options allow it.
+        # Speculative decoding, for a greedy or seeded sampled request when the options allow it.
         self.speculator: Speculator | None = None
         if self.options.speculation and supports_speculation(sampling):
             draft_max = self.options.draft_max

@@ -1,20 +1,20 @@
 """Speculative decoding at the head: which drafts to send, what to keep, how many next. Pure.
 
 One round: the head sends its last accepted token and ``k`` draft tokens as one
-verify step; the tail answers the model's greedy choice after every position. Each
+verify step; the tail answers the model's choice after every position (greedy, or the
+seeded draw a decode there would make). Each
 hop computes every position exactly as a decode there would (several in one pass where
 llama.cpp's kernels allow it, engines.row_invariance, else one at a time), so a round saves
 round trips and per-message costs, and compute where the hops batch its positions.
-:func:`accept_greedy` keeps the drafts up to the first one the model would not
-have chosen, then the model's own choice there: 1 to k + 1 tokens per round,
-exactly the tokens plain greedy decoding would have produced one at a time.
+:func:`accept_drafts` keeps the drafts up to the first one the model did not
+choose, then the model's own choice there: 1 to k + 1 tokens per round, exactly
+the tokens plain decoding would have produced one at a time.
 
-Only greedy requests speculate (``engines.interface.supports_speculation``):
-for a sampled request the standard rule (accept draft x with probability p(x),
-else draw from the residual) keeps the distribution but not the seeded
-sampler's random stream, so a seed would no longer reproduce the text of a run
-without speculation; penalties and grammars would have to run over drafts that
-may be rejected. Those requests decode one token per round.
+Greedy and seeded sampled requests speculate (``engines.interface.supports_speculation``
+says why keeping a draft while the seeded draw equals it is the speculative-sampling
+rule for a prompt-lookup draft, and gives the seed's own text); penalised and grammar
+requests decode one token per round, since their choice depends on tokens that may
+be rejected drafts.
 
 :class:`DraftLength` adapts ``k`` to what was accepted: it doubles after a fully
 accepted round, falls to one more than what was accepted after a rejection,
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from meshnode.head.drafting import DraftConfig, PromptLookup
 
 
-def accept_greedy(draft: Sequence[int], choices: Sequence[int]) -> tuple[int, ...]:
-    """The tokens a verify round yields: ``choices[i]`` is the model's greedy choice after the
-    round's position i (after the last accepted token, then after each draft), so the drafts
+def accept_drafts(draft: Sequence[int], choices: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a verify round yields: ``choices[i]`` is the model's choice (greedy, or the
+    seeded draw) after the round's position i (after the last accepted token, then after each draft), so the drafts
     that equal the choice before them are kept, then the choice after the last kept one."""
     if len(choices) != len(draft) + 1:
         raise ValueError(f"a round of {len(draft)} drafts is answered by {len(draft) + 1} choices")
@@ -127,8 +127,8 @@ class Speculator:
         return self.lookup.propose(tokens, k) if k > 0 else ()
 
     def verified(self, draft: Sequence[int], choices: Sequence[int]) -> tuple[int, ...]:
-        """The tokens the round yields (:func:`accept_greedy`); adapts the next round's length."""
-        tokens = accept_greedy(draft, choices)
+        """The tokens the round yields (:func:`accept_drafts`); adapts the next round's length."""
+        tokens = accept_drafts(draft, choices)
         accepted = len(tokens) - 1
         self.stats.rounds += 1
         self.stats.drafted += len(draft)
@@ -145,5 +145,5 @@ __all__ = [
     "SpeculationConfig",
     "SpeculationStats",
     "Speculator",
-    "accept_greedy",
+    "accept_drafts",
 ]

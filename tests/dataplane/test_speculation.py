@@ -172,7 +172,7 @@ def test_a_retried_verify_step_is_answered_from_its_record_not_applied_again():
     assert chunk_tokens(items) == [expected[3]]
 
 
-def test_a_tail_does_not_verify_drafts_for_a_sampled_request():
+def test_a_tail_does_not_verify_drafts_for_a_penalised_request():
     h = WorkerHarness()
     work = prefilled(h)
     key = h.engine.calls[-1].session
@@ -183,15 +183,19 @@ def test_a_tail_does_not_verify_drafts_for_a_sampled_request():
                 session=key,
                 first_position=P,
                 token_ids=(1, 2),
-                sampling=SamplingParams(temperature=0.8, seed=3),
+                sampling=SamplingParams(temperature=0.8, seed=3, repeat_penalty=1.1),
                 draft_tokens=1,
             )
         )
-    assert refused.value.kind is EngineErrorKind.INVALID_REQUEST and "greedy" in refused.value.detail
-    # The same step asking for the greedy choice is verified.
-    greedy = h.engine.prefill(
+    assert refused.value.kind is EngineErrorKind.INVALID_REQUEST and "no penalty" in refused.value.detail
+    # The same step asking for a seeded draw without the penalty is verified.
+    seeded = h.engine.prefill(
         StepRequest(
-            session=key, first_position=P, token_ids=(1, 2), sampling=SamplingParams(), draft_tokens=1
+            session=key,
+            first_position=P,
+            token_ids=(1, 2),
+            sampling=SamplingParams(temperature=0.8, seed=3),
+            draft_tokens=1,
         )
     )
-    assert greedy.token_ids is not None and len(greedy.token_ids) == 2
+    assert seeded.token_ids is not None and len(seeded.token_ids) == 2

@@ -1,7 +1,8 @@
 """Speculative decoding through the driver over the loopback mesh (issue 20): three hops of fake
 engines, the driver's own first hop included. The greedy text is the whole model's with speculation
 on or off, drafts are really accepted, a killed middle hop mid-speculation changes nothing in the
-text, and sampled requests are never verified."""
+text, seeded sampled requests speculate to the text the seed gives without speculation, and
+penalised ones are never verified."""
 
 from __future__ import annotations
 
@@ -88,11 +89,26 @@ async def test_generations_running_together_decode_plainly_and_batch(routes):
     assert driver.stats.speculative_rounds > 0
 
 
-async def test_a_sampled_request_decodes_one_token_a_round_trip(routes):
-    sampling = SamplingParams(temperature=0.9, seed=11)
+@pytest.mark.parametrize("seed", [11, 12, 13])
+async def test_a_seeded_sampled_request_speculates_to_the_text_of_its_seed(routes, seed):
+    """The tail draws after each verify position as a decode there would, and a draft is kept
+    while the draw equals it (the speculative-sampling rule for a one-hot draft): the text is
+    the one the seed gives decoding one token a round trip, and drafts were kept."""
+    sampling = SamplingParams(temperature=0.3, top_k=40, top_p=0.95, seed=seed)
+    expected = whole_model(PROMPT, 40, sampling)
+    plain = GenerationDriver(routes, PLAIN)
+    assert await collect(plain.generate(routes.model, PROMPT, sampling, 40)) == expected
     driver = GenerationDriver(routes, SPECULATING)
-    tokens = await collect(driver.generate(routes.model, PROMPT, sampling, 16))
-    assert tokens == whole_model(PROMPT, 16, sampling)
+    assert await collect(driver.generate(routes.model, PROMPT, sampling, 40)) == expected
+    assert driver.stats.speculative_rounds > 0 and driver.stats.accepted_draft_tokens > 0
+    assert driver.stats.replay_mismatches == 0
+
+
+async def test_a_penalised_request_decodes_one_token_a_round_trip(routes):
+    sampling = SamplingParams(temperature=0.9, seed=11, presence_penalty=0.5)
+    plain = await collect(GenerationDriver(routes, PLAIN).generate(routes.model, PROMPT, sampling, 16))
+    driver = GenerationDriver(routes, SPECULATING)
+    assert await collect(driver.generate(routes.model, PROMPT, sampling, 16)) == plain
     assert driver.stats.speculative_rounds == 0 and driver.stats.draft_tokens == 0
 
 

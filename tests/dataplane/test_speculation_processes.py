@@ -5,6 +5,7 @@ test process joins the mesh as a client node and runs the generation driver, so 
 runs a verify step and drops its rejected drafts is a remote process. On a prompt that repeats a
 pattern (most drafts accepted) and on a random one (few), the greedy text with speculation on is
 the text with it off, and both are the unsplit model's; drafts were really accepted on the first.
+A seeded sampled request speculates too, to the text its seed gives without speculation.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from helpers.node_processes import QuicCluster
 from helpers.polling import eventually
 from helpers.tiny_llama import load_engine, run_unsplit
 
-from engines.interface import GREEDY
+from engines.interface import GREEDY, SamplingParams
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.head.driver import DriverOptions, GenerationDriver
 from meshnode.head.environment import NodeRoutes
@@ -88,5 +89,15 @@ async def test_greedy_text_with_speculation_is_the_text_without_it_across_proces
         assert kept >= 10 and kept >= sent // 2
         # The random one's rarely does: speculation found little to keep there (measured 1 of 7).
         assert accepted["random"][0] < kept
+
+        sampling = SamplingParams(temperature=0.3, top_k=40, seed=7)
+        prompt = prompts["repetitive"][0]
+        sampled = {}
+        for speculation in (False, True):
+            driver = GenerationDriver(routes, DriverOptions(**OPTIONS, speculation=speculation))
+            sampled[speculation] = [t async for t in driver.generate(model, prompt, sampling, TOKENS)]
+            await driver.aclose()
+            assert (driver.stats.speculative_rounds > 0) is speculation
+        assert sampled[True] == sampled[False]
     finally:
         await node.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshnode.head.drafting import DraftConfig, PromptLookup
-from meshnode.head.speculation import DraftLength, SpeculationConfig, Speculator, accept_greedy
+from meshnode.head.speculation import DraftLength, SpeculationConfig, Speculator, accept_drafts
 
 # ---------------------------------------------------------------------------- drafting
 
@@ -70,12 +70,12 @@ def test_ngram_lengths_are_checked():
     ],
 )
 def test_the_longest_agreeing_prefix_plus_the_models_next_choice(draft, choices, kept):
-    assert accept_greedy(draft, choices) == kept
+    assert accept_drafts(draft, choices) == kept
 
 
 def test_a_round_answered_with_the_wrong_number_of_choices_is_refused():
     with pytest.raises(ValueError):
-        accept_greedy((1, 2), (1, 2))
+        accept_drafts((1, 2), (1, 2))
 
 
 # ---------------------------------------------------------------------------- the draft length
