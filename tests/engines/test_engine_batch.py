@@ -332,8 +332,9 @@ def test_gemma_batched_decode_is_bit_exact(
 def test_gemma_batched_decode_is_bit_exact_past_position_256(gemma_model: Path) -> None:
     """Decodes from positions 245, 252 and 259 on (12 steps): a session alone there would attend through
     llama.cpp's split-KV path if its K and V caches shared a type (engines.llama_runtime keeps
-    them apart on the CPU), and a batch never does; alone and batched must still agree."""
-    start, end = GEMMA_SHARDS["tail"]
+    them apart on the CPU), and a batch never does; alone and batched must still agree. (The head
+    shard: no inputs to compute first, and its hidden rows show any kernel difference.)"""
+    start, end = GEMMA_SHARDS["head"]
     layout = LAYOUTS["k3-live-gap"]
     streams = _streams(layout.count("s"), 5000, first_length=245, steps=SHORT_STEPS)
     feed(gemma_model, start, streams)
@@ -347,8 +348,9 @@ def test_gemma_batched_decode_is_bit_exact_past_position_256(gemma_model: Path) 
 def test_gemma_batch_of_nine_sessions_is_bit_exact(gemma_model: Path) -> None:
     """Nine sessions over ten slots (a live one in between): one pass of all of them would
     be ten rows, which ggml computes with its tiled k-quant kernel and rounds otherwise; the
-    engine runs passes spanning at most 7 slots (engines.row_invariance), each row as alone."""
-    start, end = GEMMA_SHARDS["tail"]
+    engine runs passes spanning at most 7 slots (engines.row_invariance), each row as alone.
+    On the head shard, whose hidden rows show any kernel difference."""
+    start, end = GEMMA_SHARDS["head"]
     layout = ["s"] * 4 + ["live"] + ["s"] * 5
     streams = _streams(9, 5000, steps=SHORT_STEPS)
     feed(gemma_model, start, streams)
