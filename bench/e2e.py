@@ -243,8 +243,16 @@ class Monolithic:
 
 async def api_greedy(api: str, prompt: list[int], tokens: int) -> StreamSummary:
     """One greedy streamed /v1/completions of ``prompt`` (token ids): what the stream came to."""
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    return await api_completion(api, prompt, tokens, {"temperature": 0})
+
+
+async def api_completion(
+    api: str, prompt: list[int], tokens: int, sampling: dict[str, float | int]
+) -> StreamSummary:
+    """One streamed /v1/completions of ``prompt`` (token ids) with ``sampling`` (temperature,
+    seed, ...): what the stream came to."""
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}  # fmt: skip
     summary: StreamSummary | None = None
     async for event in stream_completion(api, "/v1/completions", body):
         if isinstance(event, StreamSummary):

@@ -71,8 +71,10 @@ class TextRun:
     text: str
 
 
-async def api_text_run(api: str, prompt: list[int], tokens: int) -> TextRun:
-    summary = await e2e.api_greedy(api, prompt, tokens)
+async def api_text_run(
+    api: str, prompt: list[int], tokens: int, sampling: dict[str, float | int] | None = None
+) -> TextRun:
+    summary = await e2e.api_completion(api, prompt, tokens, sampling or {"temperature": 0})
     return TextRun(summary.decode_tokens_per_s, summary.completion_tokens, summary.text)
 
 
@@ -112,7 +114,7 @@ async def bench(args: argparse.Namespace, model: Path, prompt: list[int]) -> dic
             for round_index in range(args.rounds):
                 mono_runs.append(mono.run(prompt, args.tokens).decode_tps)
                 for key in keys:
-                    runs[key].append(await api_text_run(apis[key], prompt, args.tokens))
+                    runs[key].append(await api_text_run(apis[key], prompt, args.tokens, args.sampling))
                 for key in keys:
                     if key.endswith("+spec"):
                         plain = runs[key.removesuffix("+spec")][-1].text
@@ -142,7 +144,10 @@ def acceptance(stats: dict[str, Any]) -> str:
 def report(args: argparse.Namespace, result: dict[str, Any], prompt: list[int]) -> None:
     mono = statistics.median(result["mono"])
     runs: dict[str, list[TextRun]] = result["runs"]
-    print(f"Gemma 3 270M Q4_K_M, greedy, {len(prompt)}-token prompt ({args.prompt}), "
+    how = (
+        f"sampled at temperature {args.temperature:g}, seed {args.seed}" if args.temperature > 0 else "greedy"
+    )
+    print(f"Gemma 3 270M Q4_K_M, {how}, {len(prompt)}-token prompt ({args.prompt}), "
           f"{args.tokens} tokens, {args.threads} threads each, medians of {args.rounds} rounds")  # fmt: skip
     print(f"{'configuration':<22} {'decode tok/s':>12} {'x (a)':>7} {'x no spec':>10}  acceptance")
     print(f"{'(a) monolithic':<22} {mono:>12.1f} {1.0:>7.2f}")
@@ -184,7 +189,18 @@ def main() -> None:
     parser.add_argument("--node-env", action="append", default=None, metavar="KEY=VALUE")
     parser.add_argument("--prompt", choices=sorted(MESSAGES), default="repeat")
     parser.add_argument("--no-delays", action="store_true", help="only (d), without added delay")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample the meshes' requests at this temperature with --seed (0: greedy, the default); "
+        "(a) stays greedy, a speed baseline only",
+    )
+    parser.add_argument("--seed", type=int, default=7, help="the sampled requests' seed (7)")
     args = parser.parse_args()
+    args.sampling = (
+        {"temperature": args.temperature, "seed": args.seed} if args.temperature > 0 else {"temperature": 0}
+    )
     args.delay_ms = [] if args.no_delays else (args.delay_ms or [10.0, 20.0])
     model = e2e.prepare_run(args)
     with Tokenizer.open(model) as tokenizer:

@@ -126,34 +126,51 @@ def _adjusted(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def _draw(logits: np.ndarray, params: SamplingParams, sample_index: int) -> int:
+    """The seeded draw. Candidates stay in token-id order, and only top-p needs an order by
+    probability, found for the few tokens the nucleus holds (:func:`_nucleus`): sorting the
+    whole vocabulary took 48 ms a token on Gemma's 262 144 (more than the model's compute)."""
     if params.greedy:
         return int(np.argmax(logits))
     vocab = logits.shape[0]
     if 0 < params.top_k < vocab:
-        candidates = np.argpartition(logits, vocab - params.top_k)[vocab - params.top_k :]
+        candidates = np.sort(np.argpartition(logits, vocab - params.top_k)[vocab - params.top_k :])
+        scores = logits[candidates].astype(np.float64)
     else:
         candidates = np.arange(vocab)
-    scores = logits[candidates].astype(np.float64)
-    # Highest score first; ties broken by token id so the order never depends on the partition.
-    order = np.lexsort((candidates, -scores))
-    candidates, scores = candidates[order], scores[order]
-    scaled = (scores - scores[0]) / params.temperature
-    probabilities = np.exp(scaled)
-    probabilities /= probabilities.sum()
+        scores = logits.astype(np.float64)
+    weights = np.exp((scores - scores.max()) / params.temperature)
     if params.top_p < 1.0:
-        cumulative = np.cumsum(probabilities)
-        keep = int(np.searchsorted(cumulative, params.top_p)) + 1
-        candidates, probabilities = candidates[:keep], probabilities[:keep]
-        probabilities /= probabilities.sum()
+        kept = _nucleus(weights, params.top_p)
+        candidates, weights = candidates[kept], weights[kept]
     if params.min_p > 0.0:
-        # Sorted descending: the kept tokens are a prefix, and the best one always stays.
-        keep = max(1, int(np.count_nonzero(probabilities >= params.min_p * probabilities[0])))
-        candidates, probabilities = candidates[:keep], probabilities[:keep]
-        probabilities /= probabilities.sum()
+        # Relative to the best token, which every earlier cut keeps: no order needed.
+        kept = weights >= params.min_p * weights.max()
+        candidates, weights = candidates[kept], weights[kept]
     rng = np.random.default_rng([params.seed & 0xFFFFFFFFFFFFFFFF, sample_index])
     draw = rng.random()
-    index = int(np.searchsorted(np.cumsum(probabilities), draw, side="right"))
+    cumulative = np.cumsum(weights / weights.sum())
+    index = int(np.searchsorted(cumulative, draw, side="right"))
     return int(candidates[min(index, len(candidates) - 1)])
+
+
+def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the most probable ``weights`` (ties by index) whose share first reaches
+    ``top_p``, most probable first: the smallest such prefix of the full descending order,
+    found among the top m for m = 64, 256, ... rather than by sorting everything."""
+    target = top_p * weights.sum()
+    size = weights.shape[0]
+    m = 64
+    while True:
+        top = np.arange(size) if m >= size else np.argpartition(-weights, m - 1)[:m]
+        top = top[np.lexsort((top, -weights[top]))]
+        cumulative = np.cumsum(weights[top])
+        if cumulative[-1] >= target or m >= size:
+            keep = min(int(np.searchsorted(cumulative, target)) + 1, len(top))
+            last = weights[top[keep - 1]]
+            # A token outside the top m tied with the last kept one could precede it by index.
+            if m >= size or np.count_nonzero(weights >= last) == keep:
+                return top[:keep]
+        m *= 4
 
 
 class SamplingHistory:

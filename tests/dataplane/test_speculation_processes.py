@@ -90,7 +90,7 @@ async def test_greedy_text_with_speculation_is_the_text_without_it_across_proces
         # The random one's rarely does: speculation found little to keep there (measured 1 of 7).
         assert accepted["random"][0] < kept
 
-        sampling = SamplingParams(temperature=0.3, top_k=40, seed=7)
+        sampling = SamplingParams(temperature=0.1, seed=7)
         prompt = prompts["repetitive"][0]
         sampled = {}
         for speculation in (False, True):
