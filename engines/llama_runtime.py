@@ -28,10 +28,10 @@ from engines.row_invariance import ROW_INVARIANT_MAX_ROWS
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
-# ggml_type GGML_TYPE_BF16 (llama-cpp-python exports no name for it).
-GGML_TYPE_BF16 = 30
 _DECODE_NO_KV_SLOT = 1
 _DECODE_ABORTED = 2
+# ggml_type GGML_TYPE_BF16 (llama-cpp-python exports no name for it).
+GGML_TYPE_BF16 = 30
 
 _NO_ABORT = llama_cpp.ggml_abort_callback()
 
@@ -204,7 +204,8 @@ class LlamaRuntime:
             # 512+ cached positions by splitting the KV across threads only when K and V share
             # a type, and that split rounds otherwise than any multi-row pass. With the types
             # apart, a decode rounds the same alone, in a batch of sessions, or as a verify
-            # row (engines.row_invariance), at every position; and it was no slower here.
+            # row (engines.row_invariance), at every position. Decodes were no slower here; a
+            # 256-token prefill 6-20% slower (bench/RESULTS.md).
             context_params.type_k = llama_cpp.GGML_TYPE_F16
             context_params.type_v = GGML_TYPE_BF16
             context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
