@@ -19,6 +19,7 @@ from helpers.loopback_routes import (
     SPARE,
     TAIL,
     LoopbackRoutes,
+    collect,
     reference,
     three_hop_routes,
 )
@@ -52,15 +53,6 @@ def no_sessions_anywhere(routes: LoopbackRoutes) -> bool:
         for s in routes.shards.values()
         if not routes.mesh.down.get(s.node_id, False)
     )
-
-
-async def collect(stream: AsyncIterator[int], *, on_token=None) -> list[int]:
-    tokens = []
-    async for token in stream:
-        tokens.append(token)
-        if on_token is not None:
-            await on_token(len(tokens))
-    return tokens
 
 
 async def test_three_hops_generate_the_whole_models_tokens_and_release_every_hop(routes):
