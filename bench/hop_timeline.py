@@ -17,7 +17,10 @@ head's next step. Each hop is split into:
   framing; for the answer to the head also the head's driver and its loopback step);
 - ``to engine``: the frame to the engine's start (parse, validate, schedule, engine-thread wake).
 
-Medians over every decode token of every request. Speculation is off (one token a step).
+Medians over every decode token of every request. Speculation is off (one token a step). The
+baseline, measured after the mesh in the same run: the same three slices chained in this one
+process (``LlamaShardEngine``, hidden states handed over in memory); each node's engine time is
+printed against its slice's, so what the processes cost the compute shows beside the hops.
 
     python bench/hop_timeline.py [--requests 6] [--tokens 32]
 """
@@ -31,6 +34,7 @@ import itertools
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +43,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e
+from engine import load_chain, prefill_seconds
+
+from engines.interface import GREEDY, SessionKey, StepRequest
 
 HOOKS = Path(__file__).resolve().parent / "trace_hooks"
 SMALL_DATAGRAM = 120
@@ -131,11 +138,10 @@ def critical_paths(traces: list[NodeTrace]) -> tuple[list[list[float]], list[dic
     return engine_ms, hops
 
 
-async def run(args: argparse.Namespace, model: Path, trace_dir: Path) -> list[NodeTrace]:
+async def run(args: argparse.Namespace, model: Path, prompt: list[int], trace_dir: Path) -> list[NodeTrace]:
     env = dict(item.split("=", 1) for item in args.node_env)
     env.update({"MESHNODE_WEIGHT_REPACK": "on" if args.repack else "off",
                 "PYTHONPATH": str(HOOKS), "MESHNODE_TRACE_DIR": str(trace_dir)})  # fmt: skip
-    prompt = e2e.random_prompt(np.random.default_rng(7), args.prompt_tokens)
     with tempfile.TemporaryDirectory(prefix="meshnode-timeline-") as work:
         mesh, api = await e2e.start_mesh(
             Path(work), model, e2e.THREE, args.threads, env, extra=["--speculation", "off"]
@@ -176,17 +182,47 @@ def datagrams_during(traces: list[NodeTrace], engine_runs: int = 400) -> list[li
     return table
 
 
-def report(traces: list[NodeTrace]) -> None:
+def in_process_ms(model: Path, threads: int, prompt: list[int], tokens: int, rounds: int) -> list[float]:
+    """The baseline, same run: the same three slices chained in this one process, median ms of
+    each slice's decode step (its hidden state handed over in memory)."""
+    chain = load_chain(str(model), (0, 6, 12, 18), threads, 0, False)
+    times: list[list[float]] = [[] for _ in chain]
+    for round_index in range(rounds):
+        key = SessionKey(f"baseline-{round_index}", 1)
+        _, token = prefill_seconds(chain, key, tuple(prompt))
+        for position in range(len(prompt), len(prompt) + tokens):
+            hidden = None
+            for index, engine in enumerate(chain):
+                tail = index == len(chain) - 1
+                request = StepRequest(key, position, token_ids=None if index else (token,), hidden=hidden,
+                                      expected_past_len=position, sampling=GREEDY if tail else None)  # fmt: skip
+                started = time.perf_counter()
+                result = engine.decode(request)
+                times[index].append((time.perf_counter() - started) * 1000)
+                hidden = result.hidden
+            assert result.token_id is not None
+            token = result.token_id
+        for engine in chain:
+            engine.release(key)
+    for engine in chain:
+        engine.close()
+    return [statistics.median(t) for t in times]
+
+
+def report(traces: list[NodeTrace], baseline_ms: list[float]) -> None:
     engine_ms, hops = critical_paths(traces)
     names = [trace.name for trace in traces]
-    print(f"{'segment':<34}{'ms (median)':>12}{'tokens':>8}")
+    print(f"{'segment':<34}{'ms (median)':>12}{'tokens':>8}{'in-process ms':>15}{'ratio':>8}")
     total = 0.0
     for index, name in enumerate(names):
         nxt = names[(index + 1) % len(names)]
         if engine_ms[index]:
             value = statistics.median(engine_ms[index])
             total += value
-            print(f"{name + ' engine':<34}{value:>12.2f}{len(engine_ms[index]):>8}")
+            alone = baseline_ms[index]
+            print(
+                f"{name + ' engine':<34}{value:>12.2f}{len(engine_ms[index]):>8}{alone:>15.2f}{value / alone:>7.2f}x"
+            )
         hop = hops[index]
         if hop["total"]:
             for segment in SEGMENTS:
@@ -196,7 +232,10 @@ def report(traces: list[NodeTrace]) -> None:
             value = statistics.median(hop["total"])
             total += value
             print(f"{name + ' -> ' + nxt + ' (whole hop)':<34}{value:>12.2f}{len(hop['total']):>8}")
-    print(f"{'sum of medians':<34}{total:>12.2f}")
+    print(
+        f"{'sum of medians':<34}{total:>12.2f}{'':>8}{sum(baseline_ms):>15.2f}{total / sum(baseline_ms):>7.2f}x"
+    )
+    print("(in-process: the same slices chained in this process, same run; its sum has no hops)")
     print()
     print("datagrams in and out of each node while one computes (mean per engine run, small/large):")
     print(f"{'computing':<12}" + "".join(f"{name:>14}" for name in names))
@@ -216,11 +255,12 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="write the nodes' trace files here and keep them")
     args = parser.parse_args()
     model = e2e.prepare_run(args)
+    prompt = e2e.random_prompt(np.random.default_rng(7), args.prompt_tokens)
     with tempfile.TemporaryDirectory(prefix="meshnode-trace-") as scratch:
         trace_dir = args.keep or Path(scratch)
         trace_dir.mkdir(parents=True, exist_ok=True)
-        traces = asyncio.run(run(args, model, trace_dir))
-    report(traces)
+        traces = asyncio.run(run(args, model, prompt, trace_dir))
+    report(traces, in_process_ms(model, args.threads, prompt, args.tokens, rounds=args.requests))
 
 
 if __name__ == "__main__":
