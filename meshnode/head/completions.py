@@ -63,8 +63,11 @@ async def run_completion(
     finish_reason = "length"
     tokens = backend.generate(request.model, request.prompt_tokens, request.sampling, request.max_tokens)
 
+    # Checked once: a runtime Protocol check reads the property, and this runs for every token.
+    fingerprinted = tokens if isinstance(tokens, FingerprintedStream) else None
+
     def fingerprint() -> str | None:
-        return tokens.system_fingerprint if isinstance(tokens, FingerprintedStream) else None
+        return fingerprinted.system_fingerprint if fingerprinted is not None else None
 
     try:
         async for token_id in tokens:

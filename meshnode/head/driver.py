@@ -312,13 +312,20 @@ class _Generation:
         # The route's caches may hold rejected drafts of the last verify round beyond the accepted
         # tokens: the next step asks every hop to drop them.
         self.rollback = False
+        self._fingerprinted_route: Route | None = None
+        self._fingerprint: str | None = None
 
     @property
     def system_fingerprint(self) -> str | None:
-        """How the current route computes; None before one is planned."""
-        if self.route is None:
+        """How the current route computes; None before one is planned. Computed once per route:
+        the API asks for it with every token, and it is a JSON digest."""
+        route = self.route
+        if route is None:
             return None
-        return system_fingerprint(self.route, self.options.boundary_dtype)
+        if self._fingerprinted_route is not route:
+            self._fingerprint = system_fingerprint(route, self.options.boundary_dtype)
+            self._fingerprinted_route = route
+        return self._fingerprint
 
     # ------------------------------------------------------------------ the token stream
 
