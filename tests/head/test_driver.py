@@ -168,6 +168,34 @@ async def test_a_failover_to_a_spare_that_computes_differently_changes_the_finge
     assert stream.system_fingerprint == system_fingerprint(stream.route)
 
 
+async def test_the_fingerprint_is_computed_once_per_route_though_the_api_asks_with_every_token(
+    routes, monkeypatch
+):
+    import meshnode.head.driver as driver_module
+
+    computed: list[object] = []
+
+    def counting(route, *args):
+        computed.append(route)
+        return system_fingerprint(route, *args)
+
+    monkeypatch.setattr(driver_module, "system_fingerprint", counting)
+    await routes.add_shard(SPARE, 2, 3, numerics="numpy float32; spare box")
+    driver = GenerationDriver(routes, FAST)
+    stream = driver.generate(routes.model, PROMPT, GREEDY, 10)
+    seen: list[str | None] = []
+
+    async def ask_and_kill_after_four(count: int) -> None:
+        seen.append(stream.system_fingerprint)
+        if count == 4:
+            routes.shards[MIDDLE].peer.kill()
+
+    assert await collect(stream, on_token=ask_and_kill_after_four) == reference(PROMPT, 10)
+    assert driver.stats.reroutes == 1
+    assert len(seen) == 10 and len(set(seen)) == 2  # it still follows the failover
+    assert len(computed) == 2  # one digest per route, not one per token
+
+
 async def test_a_hop_found_dead_is_tried_again_when_no_other_route_exists(routes):
     driver = GenerationDriver(routes, FAST)
     driver.found_dead({routes.shards[MIDDLE].node_id})  # a wrong suspicion, or it came back
