@@ -41,7 +41,13 @@ from engines.resident_memory import (
     track_shard,
     untrack_shard,
 )
-from engines.row_invariance import ROW_INVARIANT_MAX_ROWS, check_band, session_passes, verify_passes
+from engines.row_invariance import (
+    REPACKED_MAX_ROWS,
+    ROW_INVARIANT_MAX_ROWS,
+    check_band,
+    session_passes,
+    verify_passes,
+)
 from engines.session_table import Session
 from engines.sessioned_engine import BatchEntry, ForwardOutput, SessionedEngine
 from engines.slicing import (
@@ -92,6 +98,14 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _session_band(chunk: Sequence[BatchEntry]) -> tuple[int, bool]:
+    """What a pass of sessions' decodes is checked once per: the KV streams it spans (gaps
+    filled) and whether a row reaches the split-KV positions (engines.row_invariance)."""
+    slots = [entry.session.slot for entry in chunk]
+    reaches_split_kv = any(check_band(entry.first_position, 1)[1] for entry in chunk)
+    return max(slots) - min(slots) + 1, reaches_split_kv
+
+
 class LlamaShardEngine(SessionedEngine):
     def __init__(
         self,
@@ -105,8 +119,11 @@ class LlamaShardEngine(SessionedEngine):
         # Rows of a verify step computed in one pass (engines.row_invariance); 1 until loaded on
         # a CPU with plain weights, and for good once a check finds a pass rounding otherwise.
         self._verify_rows = 1
-        # The most KV streams one batch of sessions' decodes spans (engines.row_invariance).
+        # The most KV streams one batch of sessions' decodes spans (engines.row_invariance);
+        # lowered for good once a check finds a pass rounding otherwise than its rows alone.
         self._pass_rows = ROW_INVARIANT_MAX_ROWS
+        # The session-pass spans (and position bands) checked against each session decoding alone.
+        self._pass_rows_checked: set[tuple[int, bool]] = set()
         # The pass sizes (and position bands, row_invariance.check_band) checked against one-token decodes.
         self._verify_rows_checked: set[tuple[int, bool]] = set()
         self._model: ModelFile | None = None
@@ -144,8 +161,13 @@ class LlamaShardEngine(SessionedEngine):
         backend = "gpu" if offload else "cpu"
         # Only the CPU kernels with plain weight layouts were traced; other backends verify one row a pass.
         self._verify_rows = 1 if offload or request.weight_repack else ROW_INVARIANT_MAX_ROWS
-        # Other backends batch as many sessions as a pass holds: their batched kernels were not traced.
-        self._pass_rows = request.n_batch if offload or request.weight_repack else ROW_INVARIANT_MAX_ROWS
+        # Repacked weights' kernels were traced too (row_invariance.REPACKED_MAX_ROWS); a GPU's
+        # were not: it starts from as many sessions as a pass holds. Either way the first pass of
+        # each span is checked against its sessions alone (_check_sessions).
+        if offload:
+            self._pass_rows = request.n_batch
+        else:
+            self._pass_rows = REPACKED_MAX_ROWS if request.weight_repack else ROW_INVARIANT_MAX_ROWS
         caps = EngineCapabilities(
             fingerprint=EngineFingerprint(
                 model_artifact_digest=self._source_digest,
@@ -355,6 +377,11 @@ class LlamaShardEngine(SessionedEngine):
         )
         for indices in passes:
             chunk = [entries[index] for index in indices]
+            if len(chunk) > 1 and _session_band(chunk)[0] > self._pass_rows:
+                # An earlier pass of this batch was just found to round otherwise.
+                for index, alone in zip(indices, self._alone(chunk), strict=True):
+                    outputs[index] = alone
+                continue
             sequences = [
                 BatchSequence(entry.session.slot, entry.first_position, entry.inputs, entry.want_logits)
                 for entry in chunk
@@ -362,16 +389,71 @@ class LlamaShardEngine(SessionedEngine):
             try:
                 results = runtime.run_batch(sequences)
             except EngineError:
-                for index, alone in zip(indices, super()._forward_batch(chunk), strict=True):
+                for index, alone in zip(indices, self._alone(chunk), strict=True):
                     outputs[index] = alone
                 continue
+            checking = len(chunk) > 1 and _session_band(chunk) not in self._pass_rows_checked
             for index, entry, result in zip(indices, chunk, results, strict=True):
                 if runtime.captures:
                     outputs[index] = ForwardOutput(hidden=result)
                 elif entry.want_logits and result is not None:
-                    # The logits are views of llama.cpp's output buffer: copied when another pass follows.
-                    outputs[index] = ForwardOutput(logits=result.copy() if len(passes) > 1 else result)
+                    # The logits are views of llama.cpp's output buffer: copied when another pass
+                    # (or the check's decodes) follows.
+                    copy = len(passes) > 1 or checking
+                    outputs[index] = ForwardOutput(logits=result.copy() if copy else result)
+            if checking:
+                alone = self._check_sessions(chunk, [outputs[index] for index in indices])
+                for index, output in zip(indices, alone, strict=True):
+                    outputs[index] = output
         return outputs
+
+    def _alone(self, chunk: Sequence[BatchEntry]) -> list[ForwardOutput | EngineError]:
+        """The entries one by one, every logits row copied: the last one alone would be a view of
+        llama.cpp's output buffer, which the batch's next pass overwrites."""
+        return [
+            ForwardOutput(output.hidden, None if output.logits is None else output.logits.copy())
+            if isinstance(output, ForwardOutput)
+            else output
+            for output in super()._forward_batch(chunk)
+        ]
+
+    def _check_sessions(
+        self, chunk: Sequence[BatchEntry], together: Sequence[ForwardOutput | EngineError]
+    ) -> list[ForwardOutput | EngineError]:
+        """The pass's sessions again, each alone; if any row differs, passes span fewer KV streams
+        from now on (this CPU's or backend's batched kernels round otherwise: a session's text
+        would depend on who else is generating). Returns the lone results, which the caches now hold."""
+        for entry in chunk:
+            self._truncate(entry.session, entry.first_position)
+        alone = self._alone(chunk)
+        differences: list[float] = []
+        mismatched = False
+        for batched, solo in zip(together, alone, strict=True):
+            if isinstance(batched, EngineError) or isinstance(solo, EngineError):
+                continue  # a refusal of its own (no KV room), not a rounding
+            for a, b in ((batched.hidden, solo.hidden), (batched.logits, solo.logits)):
+                if (a is None) != (b is None):
+                    mismatched = True
+                elif a is not None and b is not None:
+                    differences.append(float(np.max(np.abs(a - b))))
+        band = _session_band(chunk)
+        span = band[0]
+        if mismatched or any(differences):
+            self._pass_rows = max(1, min(self._pass_rows, span - 1))
+            _log.warning(
+                "llama.cpp's batched pass over %d KV streams (slots %s at positions %s) does not round "
+                "as each session alone here (largest difference %.3g): batches of sessions span at "
+                "most %d from now on",
+                span,
+                [entry.session.slot for entry in chunk],
+                [entry.first_position for entry in chunk],
+                max(differences, default=float("nan")),
+                self._pass_rows,
+            )
+        else:
+            _log.info("a batched pass over %d KV streams computes exactly what each session alone does", span)
+        self._pass_rows_checked.add(band)
+        return alone
 
     def _truncate(self, session: Session, length: int) -> None:
         if session.start_layer == self._layer_start:

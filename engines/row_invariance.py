@@ -23,8 +23,18 @@ So a verify step runs in passes of at most ``ROW_INVARIANT_MAX_ROWS`` positions,
 of sessions' decodes in passes spanning at most that many KV streams (the runtime fills the
 gaps between them with a row each). The llama.cpp engine checks each verify pass size on its
 first use below and from ``SPLIT_KV_FROM_POSITION`` against one-token decodes and falls back
-to one row at a time for good if they differ (another build, CPU or backend); the batch
-parity tests pin the rest.
+to one row at a time for good if they differ (another build, CPU or backend); it checks the
+first pass of sessions of each span (and band) against each session alone too, and where one
+rounds otherwise runs passes spanning fewer streams from then on. A check is a sample, not a
+proof (a reordered float sum can round alike on one input and not the next), so the bounds
+below come from the kernels' sources and the check guards what was not traced.
+
+- Repacked weights (``weight_repack``): ggml-cpu/repack.cpp's ``forward_mul_mat`` quantizes
+  the activations four rows interleaved and multiplies them with ``gemm`` once a chunk has more
+  than three rows, else row by row with ``gemv``, as a lone decode does. On an AMD EPYC
+  (AVX-512, no AMX) passes of four rows were 1e-4 to 52 off on the hidden rows, one of the
+  checks sampled them equal, and one of four concurrent streams through a mesh changed its
+  greedy text; passes of up to three were equal every time. So ``REPACKED_MAX_ROWS``.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from collections.abc import Sequence
 
 # Matrix products of this many rows or fewer skip ggml's tiled k-quant kernel (it starts at 8).
 ROW_INVARIANT_MAX_ROWS = 7
+# With repacked weights, products of this many rows or fewer take the one-row gemv path (gemm from 4).
+REPACKED_MAX_ROWS = 3
 # From this position a lone decode would attend through the split-KV path if K and V shared a type.
 SPLIT_KV_FROM_POSITION = 256
 
@@ -64,6 +76,7 @@ def session_passes(slots: Sequence[int], max_rows: int) -> list[list[int]]:
 
 
 __all__ = [
+    "REPACKED_MAX_ROWS",
     "ROW_INVARIANT_MAX_ROWS",
     "SPLIT_KV_FROM_POSITION",
     "check_band",

@@ -5,18 +5,23 @@ what it would get decoding alone.
 Measured (llama-cpp-python 0.3.36, CPU, 2 threads; 20 decode steps, k = 2, 3, 4 sessions in
 skipping slots, head, middle and tail shards, every hidden element and logit compared):
 
-- Gemma 3 270M Q4_K_M: bit-exact, largest absolute difference 0.0, hidden states and logits.
+- Gemma 3 270M Q4_K_M, plain weights: bit-exact, largest absolute difference 0.0, hidden
+  states and logits (passes of up to 7 KV streams, engines.row_invariance).
 - The generated tiny model (float32 weights): not bit-exact. A batched float32 matrix product
   takes another kernel than a one-row one and rounds differently: about 1e-6 on the first
   step, compounding through the KV cache to at most 1.33e-3 after 20 steps (whole model,
-  hidden magnitudes about 4), 1.1e-4 on tail logits. Greedy tokens are identical. A batch of
-  one session is bit-exact there too (``test_a_batch_of_one_is_bit_exact``).
+  hidden magnitudes about 4), 1.1e-4 on tail logits. A batch of one session is bit-exact.
+- Gemma 3 270M with repacked weights on an AMD EPYC (AVX-512, no AMX): not bit-exact, and one of
+  four concurrent streams through a mesh changed its greedy text.
 
-The slow Gemma tests assert 0.0; the tiny ones assert the bound below and identical tokens.
+So the engine checks the first pass of each span (and position band) against each session
+decoding alone, and where a pass rounds otherwise it runs passes spanning fewer KV streams (at
+worst one session a pass) from then on. Every test here asserts batched equals solo bit for bit.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -25,6 +30,7 @@ import pytest
 from batch_parity import Stream, batch_vs_solo, feed, greedy_texts, load
 from engine_contract import prompt_tokens
 
+from engines.engine_probe import ProbeTarget, probe
 from engines.fake import FakeEngine, FakeModelSpec
 from engines.interface import (
     GREEDY,
@@ -48,8 +54,6 @@ from engines.tokenizer import Tokenizer
 DECODE_STEPS = 20
 # The Gemma cases that pin a kernel choice: a wrong one is off from the first step.
 SHORT_STEPS = 12
-# The tiny float32 model's largest batched-vs-solo difference over 20 steps was 1.33e-3.
-TINY_MAX_ABS_DIFF = 5e-3
 # Slots of the batch engine (see batch_parity): k = 2, 3, 4 sessions, never all adjacent.
 LAYOUTS = {
     "k2-empty-gap": ["s", "hole", "s"],
@@ -87,7 +91,9 @@ def test_tiny_batched_decode_matches_solo(
     feed(tiny_model, start, streams)
     report = batch_vs_solo(tiny_model, start, end, TINY_N_LAYERS, streams, layout)
     assert report.compared == k * DECODE_STEPS
-    assert report.max_abs_diff <= TINY_MAX_ABS_DIFF
+    # llama.cpp's float32 kernels round a batch of rows otherwise (1.33e-3 off over 20 steps when
+    # measured); the engine finds it on the first pass and runs those sessions alone from then on.
+    assert report.max_abs_diff == 0.0
     assert report.token_mismatches == []
     assert report.gaps_untouched
 
@@ -109,6 +115,49 @@ def test_tiny_greedy_text_is_identical(tiny_model: Path) -> None:
         engine.close()
     assert together == alone
     assert all(len(tokens) == DECODE_STEPS + 1 for tokens in together)
+
+
+class _Skewed(LlamaShardEngine):
+    """Its llama.cpp runtime's multi-row passes come out 1e-3 off: a backend whose batched
+    kernels round otherwise, made so on any CPU."""
+
+    batched_passes = 0
+
+    def _build_runtime(self, start_layer: int):  # type: ignore[no-untyped-def]
+        runtime = super()._build_runtime(start_layer)
+        run_batch = runtime.run_batch
+
+        def skewed(sequences):  # type: ignore[no-untyped-def]
+            results = run_batch(sequences)
+            if len(sequences) > 1:
+                self.batched_passes += 1
+                results = [None if r is None else r + np.float32(1e-3) for r in results]
+            return results
+
+        runtime.run_batch = skewed
+        return runtime
+
+
+def test_a_pass_that_rounds_otherwise_is_found_and_its_sessions_run_alone(tiny_model, caplog) -> None:
+    request = LoadRequest(str(tiny_model), n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
+    batch, solo = _Skewed(), LlamaShardEngine()
+    try:
+        for engine in (batch, solo):
+            engine.load(request)
+            for index in range(3):
+                engine.prefill(StepRequest(SessionKey(f"s{index}", 1), 0, token_ids=_prompt(index)))
+        with caplog.at_level(logging.WARNING, logger="engines.llama_engine"):
+            for step in range(3):
+                outcomes = batch.step_batch([BatchStep(_decode(index, step), True) for index in range(3)])
+                for index, outcome in enumerate(outcomes):
+                    _close_to(outcome, solo.decode(_decode(index, step)))
+        # Slots 0-2 in one pass, found off; then slots 0-1, found off too; then one a pass.
+        assert batch.batched_passes == 2
+        assert caplog.text.count("does not round as each session alone") == 2
+        assert "span at most 1 from now on" in caplog.text
+    finally:
+        batch.close()
+        solo.close()
 
 
 # --- cancellation and refusals inside a batch (tiny model) ---
@@ -159,12 +208,11 @@ def _decode(index: int, step: int = 0, token: CancelToken | None = None, shift: 
 
 
 def _close_to(got: StepResult | EngineError, expected: StepResult) -> None:
-    """Batched equals solo within the tiny model's float32 batching difference (see the docstring)."""
+    """Batched equals solo bit for bit (a pass that rounds otherwise is found and run alone)."""
     assert isinstance(got, StepResult), got
     assert got.past_len == expected.past_len and got.token_id == expected.token_id
     assert got.logits is not None and expected.logits is not None
-    # One step's float32 batching difference is about 1e-5 on the logits; a misplaced row is order 1.
-    np.testing.assert_allclose(got.logits, expected.logits, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(got.logits, expected.logits)
 
 
 def _kind(outcome: StepResult | EngineError) -> EngineErrorKind:
@@ -383,3 +431,25 @@ def test_gemma_greedy_text_is_identical(gemma_model: Path, gemma_tokenizer: Toke
     texts = [gemma_tokenizer.detokenize(tokens) for tokens in together]
     assert texts == [gemma_tokenizer.detokenize(tokens) for tokens in alone]
     assert all(len(tokens) == DECODE_STEPS + 1 for tokens in together)
+
+
+@pytest.mark.slow
+def test_gemma_with_repacked_weights_gives_each_batched_session_its_solo_text(
+    gemma_model: Path, gemma_tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Repacked weights take other kernels, which nobody traced for batches (on an AMD EPYC they
+    changed a greedy token): the engine's check must keep every session's text its own."""
+    verdict = probe(ProbeTarget(gemma_model, weight_repack=True, threads=2, cache_dir=tmp_path))
+    if not verdict.survived:
+        pytest.skip(f"llama.cpp cannot run repacked weights on this CPU: {verdict.detail}")
+    prompts = [tuple(gemma_tokenizer.tokenize(text)) for text in GEMMA_PROMPTS]
+    engine = LlamaShardEngine()
+    engine.load(
+        LoadRequest(str(gemma_model), n_ctx=512, n_seq_max=6, n_batch=256, n_threads=2, weight_repack=True)
+    )
+    try:
+        alone = greedy_texts(engine, prompts, DECODE_STEPS, batched=False)
+        together = greedy_texts(engine, prompts, DECODE_STEPS, batched=True)
+    finally:
+        engine.close()
+    assert together == alone
