@@ -2,7 +2,9 @@
 
 The demo samples with a fixed seed, and the tail draws each token with the
 position as the sample index, so the text the three-way split streams must be
-exactly what the whole model samples in-process with the same settings.
+exactly what the whole model samples in-process with the same settings, weight repacking
+included: the demo's nodes repack where the engine probe lets them (not on an AMX CPU), and
+repacked kernels round otherwise.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from engines.default_model import default_model_path
+from engines.engine_guard import choose_weight_repack
+from engines.engine_probe import ProbeTarget
 from engines.interface import LoadRequest, SamplingParams, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tokenizer import Tokenizer
+from engines.weight_repack import WeightRepack
 from meshnode.app.demo import DEFAULT_PROMPT, DEFAULT_SAMPLING
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -27,7 +32,9 @@ TOKENS = 12
 def whole_model_continuation(model: Path) -> str:
     tokenizer = Tokenizer.open(model)
     engine = LlamaShardEngine()
-    engine.load(LoadRequest(str(model), 0, None, n_ctx=256, n_seq_max=1))
+    # What `--weight-repack auto`, the demo's default, chooses on this machine.
+    repack = choose_weight_repack(WeightRepack.AUTO, ProbeTarget(model)).weight_repack
+    engine.load(LoadRequest(str(model), 0, None, n_ctx=256, n_seq_max=1, weight_repack=repack))
     sampling = SamplingParams(**DEFAULT_SAMPLING)  # type: ignore[arg-type]
     prompt = tokenizer.encode_prompt(DEFAULT_PROMPT)
     key = SessionKey("reference", 1)
