@@ -159,8 +159,12 @@ class LlamaShardEngine(SessionedEngine):
 
         offload = request.n_gpu_layers > 0 and bool(llama_cpp.llama_supports_gpu_offload())
         backend = "gpu" if offload else "cpu"
-        # Only the CPU kernels with plain weight layouts were traced; other backends verify one row a pass.
-        self._verify_rows = 1 if offload or request.weight_repack else ROW_INVARIANT_MAX_ROWS
+        # The CPU kernels were traced, with plain and with repacked weights (engines.row_invariance);
+        # a GPU verifies one row a pass.
+        if offload:
+            self._verify_rows = 1
+        else:
+            self._verify_rows = REPACKED_MAX_ROWS if request.weight_repack else ROW_INVARIANT_MAX_ROWS
         # Repacked weights' kernels were traced too (row_invariance.REPACKED_MAX_ROWS); a GPU's
         # were not: it starts from as many sessions as a pass holds. Either way the first pass of
         # each span is checked against its sessions alone (_check_sessions).

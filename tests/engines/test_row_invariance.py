@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 from helpers.tiny_llama import run_unsplit
 
+from engines.engine_probe import ProbeTarget, probe
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
-from engines.row_invariance import ROW_INVARIANT_MAX_ROWS, check_band, session_passes, verify_passes
+from engines.row_invariance import (
+    REPACKED_MAX_ROWS,
+    ROW_INVARIANT_MAX_ROWS,
+    check_band,
+    session_passes,
+    verify_passes,
+)
 
 # Two threads, as a node runs: with one, llama.cpp's split-KV attention (the reason the V
 # cache is bf16 on the CPU) has a single part and would round like a multi-row pass anyway.
@@ -44,9 +51,12 @@ def test_session_passes_span_at_most_max_rows_slots_lowest_first():
     assert session_passes([], 7) == []
 
 
-def load(model: Path, start: int, end: int) -> LlamaShardEngine:
+def load(model: Path, start: int, end: int, *, weight_repack: bool = False) -> LlamaShardEngine:
     engine = LlamaShardEngine()
-    engine.load(LoadRequest(str(model), start, end, n_ctx=1024, n_seq_max=2, n_threads=THREADS))
+    request = LoadRequest(
+        str(model), start, end, n_ctx=1024, n_seq_max=2, n_threads=THREADS, weight_repack=weight_repack
+    )
+    engine.load(request)
     return engine
 
 
@@ -117,5 +127,28 @@ def test_a_pass_that_rounds_otherwise_is_caught_and_verify_falls_back_to_one_row
         assert np.array_equal(result.hidden, np.concatenate(plain))  # type: ignore[arg-type]
         assert "12-row pass does not round as its one-token decodes" in caplog.text
         assert engine._verify_rows == 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_a_gemma_verify_step_with_repacked_weights_is_plain_decoding(
+    gemma_model: Path, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Repacked weights multiply four rows or more with another kernel (gemm): a verify step
+    runs in passes of three, each row what a one-token decode there computes."""
+    verdict = probe(ProbeTarget(gemma_model, weight_repack=True, threads=THREADS, cache_dir=tmp_path))
+    if not verdict.survived:
+        pytest.skip(f"llama.cpp cannot run repacked weights on this CPU: {verdict.detail}")
+    engine = load(gemma_model, 0, 18, weight_repack=True)
+    try:
+        prompt = (2, *range(1000, 1040))
+        tokens, logits = run_unsplit(engine, list(prompt), chunk_tokens=len(prompt), decode_steps=12)
+        with caplog.at_level(logging.INFO, logger="engines.llama_engine"):
+            result = verify(engine, prompt, tokens[:12], tail=True)
+        assert result.token_ids == tuple(tokens[1:13])
+        assert np.array_equal(result.logits, logits[-1])  # type: ignore[arg-type]
+        assert "a 3-row verify pass computes exactly what one-token decodes do" in caplog.text
+        assert engine._verify_rows == REPACKED_MAX_ROWS
     finally:
         engine.close()
