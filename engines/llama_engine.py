@@ -381,7 +381,8 @@ class LlamaShardEngine(SessionedEngine):
         )
         for indices in passes:
             chunk = [entries[index] for index in indices]
-            if len(chunk) > 1 and _session_band(chunk)[0] > self._pass_rows:
+            band = _session_band(chunk)
+            if len(chunk) > 1 and band[0] > self._pass_rows:
                 # An earlier pass of this batch was just found to round otherwise.
                 for index, alone in zip(indices, self._alone(chunk), strict=True):
                     outputs[index] = alone
@@ -396,7 +397,7 @@ class LlamaShardEngine(SessionedEngine):
                 for index, alone in zip(indices, self._alone(chunk), strict=True):
                     outputs[index] = alone
                 continue
-            checking = len(chunk) > 1 and _session_band(chunk) not in self._pass_rows_checked
+            checking = len(chunk) > 1 and band not in self._pass_rows_checked
             for index, entry, result in zip(indices, chunk, results, strict=True):
                 if runtime.captures:
                     outputs[index] = ForwardOutput(hidden=result)
@@ -406,7 +407,7 @@ class LlamaShardEngine(SessionedEngine):
                     copy = len(passes) > 1 or checking
                     outputs[index] = ForwardOutput(logits=result.copy() if copy else result)
             if checking:
-                alone = self._check_sessions(chunk, [outputs[index] for index in indices])
+                alone = self._check_sessions(chunk, band, [outputs[index] for index in indices])
                 for index, output in zip(indices, alone, strict=True):
                     outputs[index] = output
         return outputs
@@ -422,7 +423,10 @@ class LlamaShardEngine(SessionedEngine):
         ]
 
     def _check_sessions(
-        self, chunk: Sequence[BatchEntry], together: Sequence[ForwardOutput | EngineError]
+        self,
+        chunk: Sequence[BatchEntry],
+        band: tuple[int, bool],
+        together: Sequence[ForwardOutput | EngineError],
     ) -> list[ForwardOutput | EngineError]:
         """The pass's sessions again, each alone; if any row differs, passes span fewer KV streams
         from now on (this CPU's or backend's batched kernels round otherwise: a session's text
@@ -440,7 +444,6 @@ class LlamaShardEngine(SessionedEngine):
                     mismatched = True
                 elif a is not None and b is not None:
                     differences.append(float(np.max(np.abs(a - b))))
-        band = _session_band(chunk)
         span = band[0]
         if mismatched or any(differences):
             self._pass_rows = max(1, min(self._pass_rows, span - 1))

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from engines.engine_probe import ProbeTarget, probe
 from engines.interface import (
     GREEDY,
     BatchStep,
@@ -209,3 +211,10 @@ def greedy_texts(
     for key in keys:
         engine.release(key)
     return tokens
+
+
+def skip_unless_repacked_weights_run(model: Path, cache_dir: Path, threads: int = 2) -> None:
+    """Skip where llama.cpp cannot run ``model`` with repacked weights (its probe crashed: an AMX CPU)."""
+    verdict = probe(ProbeTarget(model, weight_repack=True, threads=threads, cache_dir=cache_dir))
+    if not verdict.survived:
+        pytest.skip(f"llama.cpp cannot run repacked weights on this CPU: {verdict.detail}")

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from batch_parity import Stream, batch_vs_solo, feed, greedy_texts, load
+from batch_parity import Stream, batch_vs_solo, feed, greedy_texts, load, skip_unless_repacked_weights_run
 from engine_contract import prompt_tokens
 
-from engines.engine_probe import ProbeTarget, probe
 from engines.fake import FakeEngine, FakeModelSpec
 from engines.interface import (
     GREEDY,
@@ -439,9 +438,7 @@ def test_gemma_with_repacked_weights_gives_each_batched_session_its_solo_text(
 ) -> None:
     """Repacked weights take other kernels, which nobody traced for batches (on an AMD EPYC they
     changed a greedy token): the engine's check must keep every session's text its own."""
-    verdict = probe(ProbeTarget(gemma_model, weight_repack=True, threads=2, cache_dir=tmp_path))
-    if not verdict.survived:
-        pytest.skip(f"llama.cpp cannot run repacked weights on this CPU: {verdict.detail}")
+    skip_unless_repacked_weights_run(gemma_model, tmp_path)
     prompts = [tuple(gemma_tokenizer.tokenize(text)) for text in GEMMA_PROMPTS]
     engine = LlamaShardEngine()
     engine.load(

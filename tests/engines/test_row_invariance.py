@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from batch_parity import skip_unless_repacked_weights_run
 from helpers.tiny_llama import run_unsplit
 
-from engines.engine_probe import ProbeTarget, probe
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.row_invariance import (
@@ -137,9 +137,7 @@ def test_a_gemma_verify_step_with_repacked_weights_is_plain_decoding(
 ) -> None:
     """Repacked weights multiply four rows or more with another kernel (gemm): a verify step
     runs in passes of three, each row what a one-token decode there computes."""
-    verdict = probe(ProbeTarget(gemma_model, weight_repack=True, threads=THREADS, cache_dir=tmp_path))
-    if not verdict.survived:
-        pytest.skip(f"llama.cpp cannot run repacked weights on this CPU: {verdict.detail}")
+    skip_unless_repacked_weights_run(gemma_model, tmp_path, THREADS)
     engine = load(gemma_model, 0, 18, weight_repack=True)
     try:
         prompt = (2, *range(1000, 1040))
