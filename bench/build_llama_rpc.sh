@@ -34,12 +34,22 @@ build="$root/build"
 bin="$root/bin"
 
 # GGML_NATIVE=OFF with explicit ISA flags so the build does not depend on what the
-# build machine's compiler detects; the set is what the installed engine reports in
-# llama_print_system_info() on the bench machine (AVX2, FMA, F16C, AVX-512 with VBMI,
-# VNNI, BF16, AVX-VNNI) minus AMX, which the reference figures were taken
-# without. LLAMA_CURL is deprecated in this tree (a warning, no effect) but kept so
-# the flag line matches the issue's; OpenSSL/server/examples/tests are off because
-# neither tool downloads anything and they only cost configure and link time.
+# build machine's compiler detects. Each flag is on only where this CPU lists the
+# instructions in /proc/cpuinfo: a fixed set taken from one bench machine (AVX-VNNI
+# among them) died with SIGILL on an AMD EPYC that has AVX512-VNNI but not AVX-VNNI.
+# AMX stays off everywhere: the reference figures were taken without it.
+# LLAMA_CURL is deprecated in this tree (a warning, no effect) but kept so the flag
+# line matches the issue's; OpenSSL/server/examples/tests are off because neither
+# tool downloads anything and they only cost configure and link time.
+cpu_flags=" $(sed -n 's/^flags[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -1) "
+isa() { # isa GGML_OPTION cpuinfo-flag...: ON when the CPU has every flag named
+  local option="$1" flag
+  shift
+  for flag in "$@"; do
+    case "$cpu_flags" in *" $flag "*) ;; *) echo "-D$option=OFF"; return ;; esac
+  done
+  echo "-D$option=ON"
+}
 flags=(
   -DCMAKE_BUILD_TYPE=Release
   -DBUILD_SHARED_LIBS=OFF
@@ -47,17 +57,18 @@ flags=(
   -DLLAMA_CURL=OFF
   -DLLAMA_OPENSSL=OFF
   -DGGML_NATIVE=OFF
-  -DGGML_SSE42=ON
-  -DGGML_AVX=ON
-  -DGGML_AVX2=ON
-  -DGGML_BMI2=ON
-  -DGGML_FMA=ON
-  -DGGML_F16C=ON
-  -DGGML_AVX_VNNI=ON
-  -DGGML_AVX512=ON
-  -DGGML_AVX512_VBMI=ON
-  -DGGML_AVX512_VNNI=ON
-  -DGGML_AVX512_BF16=ON
+  "$(isa GGML_SSE42 sse4_2)"
+  "$(isa GGML_AVX avx)"
+  "$(isa GGML_AVX2 avx2)"
+  "$(isa GGML_BMI2 bmi2)"
+  "$(isa GGML_FMA fma)"
+  "$(isa GGML_F16C f16c)"
+  "$(isa GGML_AVX_VNNI avx_vnni)"
+  # ggml's GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw.
+  "$(isa GGML_AVX512 avx512f avx512cd avx512vl avx512dq avx512bw)"
+  "$(isa GGML_AVX512_VBMI avx512vbmi)"
+  "$(isa GGML_AVX512_VNNI avx512_vnni)"
+  "$(isa GGML_AVX512_BF16 avx512_bf16)"
   -DGGML_AMX_TILE=OFF
   -DGGML_AMX_INT8=OFF
   -DGGML_AMX_BF16=OFF

@@ -216,7 +216,7 @@ class RpcServers:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(
-                    f"ggml-rpc-server exited with {process.returncode}: {log.read_text()[-2000:]}"
+                    f"ggml-rpc-server {exit_description(process.returncode)}: {log.read_text()[-2000:]}"
                 )
             # A connect that closes at once is what a client without a hello looks like to the
             # server: it drops it and waits for the next.
@@ -284,6 +284,16 @@ def bench_command(
     return command
 
 
+def exit_description(returncode: int) -> str:
+    """How a tool ended, naming the fix where it is an instruction this CPU lacks."""
+    if returncode == -signal.SIGILL:
+        return (
+            "died of SIGILL (an instruction this CPU lacks: rebuild with bench/build_llama_rpc.sh --force, "
+            "which takes its ISA flags from this machine's /proc/cpuinfo)"
+        )
+    return f"exited with {returncode}"
+
+
 def run_bench(
     tools: Path, config: AnchorConfig, endpoints: Sequence[str], s: BenchSettings, *, verbose: bool = False
 ) -> tuple[BenchResult, str]:
@@ -299,6 +309,6 @@ def run_bench(
     )
     if done.returncode != 0:
         raise RuntimeError(
-            f"llama-bench ({config.label}) exited with {done.returncode}: {done.stderr[-3000:]}"
+            f"llama-bench ({config.label}) {exit_description(done.returncode)}: {done.stderr[-3000:]}"
         )
     return parse_bench_json(done.stdout), done.stderr
