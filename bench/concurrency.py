@@ -33,13 +33,15 @@ import asyncio
 import contextlib
 import ctypes
 import itertools
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import CONFIGS, Monolithic, prepare_run, random_prompt, start_mesh
+from process_cpu import CpuSplit, cpu_seconds, cpu_split_since, thread_cpu_seconds, usable_cores
 
 from meshnode.app.local_mesh import LocalMesh
 from meshnode.head.api_client import StreamSummary, TextChunk, stream_completion
@@ -62,10 +65,16 @@ class Trial:
     tokens: int
     wall_s: float
     gaps_s: tuple[float, ...]
+    # CPU used during the trial: each node's (its event loop and its engine threads), and this
+    # process's (the HTTP client of (b)-(d); all of (a) and (a')).
+    cpu: Mapping[str, CpuSplit] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
+
+    def cpu_ms_per_token(self, name: str, part: str = "total_s") -> float:
+        return getattr(self.cpu[name], part) * 1000 / self.tokens
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -73,6 +82,31 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 # ---------------------------------------------------------------------------- (a) and (a')
+
+
+BENCH_PROCESS = "bench"
+
+
+def with_cpu(trial: Trial, cpu: Mapping[str, CpuSplit]) -> Trial:
+    return Trial(trial.tokens, trial.wall_s, trial.gaps_s, dict(cpu))
+
+
+def in_process(run: Callable[..., Trial], *args: Any) -> Trial:
+    """``run(*args)``, with the CPU this process used meanwhile."""
+    before = cpu_seconds(os.getpid())
+    trial = run(*args)
+    return with_cpu(trial, {BENCH_PROCESS: CpuSplit(cpu_seconds(os.getpid()) - before, 0.0)})
+
+
+async def across_nodes(mesh: LocalMesh, run: Awaitable[Trial]) -> Trial:
+    """The trial ``run`` comes to, with the CPU each node and this process used meanwhile."""
+    pids = {child.name: child.process.pid for child in mesh.children if child.alive()}
+    nodes_before = {name: thread_cpu_seconds(pid) for name, pid in pids.items()}
+    bench_before = cpu_seconds(os.getpid())
+    trial = await run
+    cpu = {name: cpu_split_since(pid, nodes_before[name]) for name, pid in pids.items()}
+    cpu[BENCH_PROCESS] = CpuSplit(cpu_seconds(os.getpid()) - bench_before, 0.0)
+    return with_cpu(trial, cpu)
 
 
 def one_after_another(mono: Monolithic, prompts: list[list[int]], count: int) -> Trial:
@@ -218,10 +252,14 @@ async def bench(
             for round_index in range(args.rounds):
                 for level in levels:
                     chosen = prompts[:level]
-                    trials.setdefault(("a", level), []).append(one_after_another(mono, chosen, args.tokens))
-                    trials.setdefault((BATCHED, level), []).append(multi.run(chosen, args.tokens))
+                    trials.setdefault(("a", level), []).append(
+                        in_process(one_after_another, mono, chosen, args.tokens)
+                    )
+                    trials.setdefault((BATCHED, level), []).append(in_process(multi.run, chosen, args.tokens))
                     for key in keys:
-                        trial = await concurrent_streams(apis[key], chosen, args.tokens)
+                        trial = await across_nodes(
+                            meshes[key], concurrent_streams(apis[key], chosen, args.tokens)
+                        )
                         trials.setdefault((key, level), []).append(trial)
                     line = ", ".join(
                         f"{k} {t[-1].tokens_per_s:.1f}" for (k, lv), t in trials.items() if lv == level
@@ -237,6 +275,30 @@ async def bench(
             mono.close()
             multi.close()
     return trials
+
+
+def print_cpu(trials: dict[tuple[str, int], list[Trial]], labels: dict[str, str], levels: list[int]) -> None:
+    """Where the cores went: CPU ms per generated token of each process, medians over rounds."""
+    cores = usable_cores()
+    print()
+    print(f"CPU ms per generated token (medians over rounds): each node as event loop + engine threads, "
+          f"'bench' = this process (all of (a) and (a'), the HTTP client of the meshes); 'ceiling' = "
+          f"{cores} cores x 1000 / the sum, the tok/s these costs would allow if no core ever idled")  # fmt: skip
+    for key in labels:
+        for level in levels:
+            runs = trials[(key, level)]
+            names = list(runs[0].cpu)
+            parts = []
+            for name in names:
+                if name == BENCH_PROCESS:
+                    parts.append(f"{name} {statistics.median(t.cpu_ms_per_token(name) for t in runs):.2f}")
+                else:
+                    loop = statistics.median(t.cpu_ms_per_token(name, "main_s") for t in runs)
+                    engine = statistics.median(t.cpu_ms_per_token(name, "others_s") for t in runs)
+                    parts.append(f"{name} {loop:.2f}+{engine:.2f}")
+            total = statistics.median(sum(t.cpu_ms_per_token(name) for name in names) for t in runs)
+            print(f"{labels[key]:<36} {level:>3}  {', '.join(parts)}; sum {total:.2f}, "
+                  f"ceiling {cores * 1000 / total:.0f} tok/s")  # fmt: skip
 
 
 def main() -> None:
@@ -287,6 +349,7 @@ def main() -> None:
             print(f"{labels[key]:<36} {level:>3} {tps:>8.1f} {tps / medians[(key, levels[0])]:>6.2f}x "
                   f"{tps / medians[('a', level)]:>6.2f}x {tps / medians[(BATCHED, level)]:>6.2f}x "
                   f"{percentile(gaps, 50) * 1000:>11.1f} {percentile(gaps, 95) * 1000:>11.1f}")  # fmt: skip
+    print_cpu(trials, labels, levels)
     if "d" in labels and 4 in levels and 1 in levels:
         scaling = medians[("d", 4)] / medians[("d", 1)]
         versus = medians[("d", 4)] / medians[(BATCHED, 4)]
