@@ -56,6 +56,7 @@ from meshnode.dataplane.actions import (
 )
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.engine_thread import EngineThread
+from meshnode.dataplane.failure_log import log_engine_failures
 from meshnode.dataplane.lease import StreamOrigin
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
 from meshnode.dataplane.unary import (
@@ -374,11 +375,14 @@ class ShardServer:
     def _run_batch(self, action: RunBatch) -> None:
         self._running_tokens[action.batch_id] = [step.request.cancel_token for step in action.steps]
         self.engine_thread.submit(
-            action.execute, self.engine, on_done=partial(self._batch_done, action.batch_id)
+            action.execute,
+            self.engine,
+            on_done=partial(self._batch_done, action.batch_id, len(action.steps)),
         )
 
-    def _batch_done(self, batch_id: int, outcome: object) -> None:
+    def _batch_done(self, batch_id: int, steps: int, outcome: object) -> None:
         self._running_tokens.pop(batch_id, None)
+        log_engine_failures(outcome, steps)
         if self._closing:
             return
         self.worker.batch_finished(batch_id, outcome, time.monotonic_ns())
@@ -426,6 +430,9 @@ class ShardServer:
     def _forward_done(self, unit_id: int, outcome: object) -> None:
         if self._closing:
             return
+        if isinstance(outcome, BaseException) and not isinstance(outcome, ShardProtocolError):
+            # The upstream peer hears only "next hop unreachable"; the reason is told here.
+            log.warning("could not pass a step to the next hop: %s", str(outcome) or type(outcome).__name__)
         self.worker.downstream_finished(unit_id, outcome, time.monotonic_ns())
         self._apply(self.worker.take_events())
 

@@ -672,10 +672,15 @@ class _Generation:
             dead = self.found_dead & set(route.node_ids) or await self._find_dead(route)
             self.excluded |= dead
             self.driver.found_dead(dead)
-            gone = ", ".join(short_id(node_id) for node_id in dead) or "none found dead"
-            log.warning("%s: %s; re-routing (gone: %s)", tag, decision.reason, gone)
             alive = [hop for hop in route.hops if hop.node_id not in dead]
             self.driver.spawn(self._release_quietly(alive, old_epoch))
+            if dead:
+                gone = ", ".join(short_id(node_id) for node_id in dead)
+                log.warning("%s: %s; re-routing (gone: %s)", tag, decision.reason, gone)
+            else:
+                delay = self.policy.settle_delay_s()
+                log.warning("%s: %s; every hop answers: re-routing in %.1f s", tag, decision.reason, delay)
+                await asyncio.sleep(delay)
 
     async def _alive(self, node_id: bytes) -> bool:
         try:

@@ -8,7 +8,8 @@ Three answers:
   after a rebuild means the route cannot hold the session.
 - ``REROUTE``: a hop died, timed out, refused or broke the protocol. The edge
   finds the hops that are gone (probing each), excludes them, plans a new route
-  at epoch + 1 and replays the session's tokens on it. Bounded per generation.
+  at epoch + 1 and replays the session's tokens on it. Bounded per generation;
+  when no hop is found dead, the head first waits a little (``settle_delay_s``).
 - ``GIVE_UP``: the request itself cannot be served (it does not fit a session's
   context), or the budget of reroutes is spent. No route at all is decided by
   the planner, not here.
@@ -44,6 +45,11 @@ class Decision:
 class RecoveryBudget:
     rebuilds_per_epoch: int = 1
     reroutes: int = 4
+    # A failed route whose hops all still answer is planned again much as it was; what broke it
+    # is often passing (a hop that has not yet heard the next hop's address through gossip, a
+    # dial tie-break between two hops), so the head waits before it, doubling up to the cap.
+    settle_s: float = 0.2
+    max_settle_s: float = 1.6
 
 
 def describe(error: BaseException) -> str:
@@ -86,6 +92,11 @@ class RecoveryPolicy:
         self.reroutes += 1
         self.rebuilds_this_epoch = 0
         return Decision(Recovery.REROUTE, reason)
+
+    def settle_delay_s(self) -> float:
+        """How long to wait before the reroute just decided when no hop of the route was found dead."""
+        doublings = max(0, self.reroutes - 1)
+        return min(self.budget.max_settle_s, self.budget.settle_s * 2**doublings)
 
 
 __all__ = ["ROUTE_FAILURES", "Decision", "Recovery", "RecoveryBudget", "RecoveryPolicy", "describe"]

@@ -79,7 +79,7 @@ async def test_the_console_shows_every_node_and_the_models_coverage(cluster, bro
     # The node's resident-memory section, when its status report has one.
     assert ("memory" in dom.element_ids) == ("memory" in view["sections"])
     # The answer streamed from /v1/completions into the page.
-    assert dom.answer_done, dumped.stdout[-2000:]
+    assert dom.answer_done, f"{dumped.stdout[-2000:]}\nthe nodes' logs:\n{cluster.log_tails()}"
     assert "".join(dom.answer).strip()
 
     screenshot = tmp_path / "console.png"

@@ -205,6 +205,29 @@ async def test_an_unreachable_next_hop_is_internal_and_retryable(edge: Edge) -> 
         assert failure.value.detail == "next hop unreachable"
 
 
+async def test_an_engine_crash_is_internal_to_the_peer_and_explained_in_the_nodes_log(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def crash(steps: object) -> list[object]:
+        raise RuntimeError("tensor 'blk.3.attn_q' lost its buffer")
+
+    monkeypatch.setattr(edge.tail_engine, "step_batch", crash)
+    with caplog.at_level("INFO", logger="meshnode.dataplane.engine"):
+        async with edge.open() as session:
+            with pytest.raises(ShardProtocolError) as failure:
+                await session.prefill(PROMPT)
+    assert failure.value.code == shard.ERROR_CODE_INTERNAL
+    assert failure.value.detail == "next hop refused: ERROR_CODE_INTERNAL"
+    # The peer hears a code; the operator's log says what happened, with its traceback.
+    [record] = [r for r in caplog.records if r.name == "meshnode.dataplane.engine"]
+    assert record.levelname == "ERROR" and "a batch of 1 step(s)" in record.getMessage()
+    assert record.exc_info is not None and "lost its buffer" in str(record.exc_info[1])
+    # ...and the node keeps serving once the engine does.
+    monkeypatch.undo()
+    async with edge.open() as session:
+        assert await generate(session, PROMPT, 3) == reference(PROMPT, 3)
+
+
 async def test_a_refused_open_raises_the_exact_code(edge: Edge) -> None:
     wrong = shard.Fingerprint(model_artifact_digest="other", runtime_recipe_digest="recipe")
     with pytest.raises(ShardProtocolError) as failure:

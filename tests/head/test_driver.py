@@ -272,6 +272,35 @@ async def test_a_hop_that_keeps_failing_exhausts_the_reroute_budget(routes):
     assert driver.stats.reroutes == 2
 
 
+async def test_a_middle_hop_that_cannot_reach_the_tail_yet_is_waited_for(routes, caplog):
+    """As when the head's gossip named the tail before the middle hop's did: its dials fail
+    ("next hop unreachable") for a while, though every hop answers the head's probes."""
+    middle = routes.shards[MIDDLE].server
+    tail_id = routes.shards[TAIL].node_id
+    dial = middle._links
+    loop = asyncio.get_running_loop()
+    reachable_at = loop.time() + 2.0
+
+    async def not_yet(node_id: bytes):
+        if node_id == tail_id and loop.time() < reachable_at:
+            raise ConnectionError("no address for the tail yet")
+        return await dial(node_id)
+
+    middle._links = not_yet
+    driver = GenerationDriver(routes, PLAIN)
+    with caplog.at_level(logging.WARNING):
+        tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 6))
+    assert tokens == reference(PROMPT, 6)
+    assert driver.stats.reroutes >= 1
+    assert "every hop answers: re-routing in 0.2 s" in caplog.text
+    # The middle hop's log says why; the head only heard the code passed back.
+    [why, *_] = [r.getMessage() for r in caplog.records if r.name == "meshnode.dataplane.server"]
+    assert why.startswith("could not pass a step to the next hop: ") and why.endswith(
+        "no address for the tail yet"
+    )
+    await eventually(lambda: no_sessions_anywhere(routes))
+
+
 async def test_a_full_context_ends_the_generation_early(routes):
     # The fake engines hold 64 positions per session.
     driver = GenerationDriver(routes, FAST)

@@ -39,6 +39,15 @@ def test_route_failures_reroute_until_the_budget_is_spent():
     assert final.reason == "the route failed 3 times; last failure: internal: next hop unreachable"
 
 
+def test_a_reroute_with_every_hop_alive_waits_longer_each_time_up_to_the_cap():
+    policy = RecoveryPolicy(RecoveryBudget(reroutes=6, settle_s=0.2, max_settle_s=1.0))
+    delays = []
+    for _ in range(5):
+        assert policy.decide(GONE).recovery is Recovery.REROUTE
+        delays.append(policy.settle_delay_s())
+    assert delays == [0.2, 0.4, 0.8, 1.0, 1.0]
+
+
 @pytest.mark.parametrize(
     "code",
     [

@@ -217,6 +217,14 @@ class QuicCluster:
     def logs(self) -> str:
         return "".join(p.log_path.read_text() for p in self.processes if p.log_path.exists())
 
+    def log_tails(self, chars: int = 3000) -> str:
+        """The end of each node's log under its name, for a failing assertion's message."""
+        return "\n".join(
+            f"--- {p.name}.log:\n{p.log_path.read_text()[-chars:]}"
+            for p in self.processes
+            if p.log_path.exists()
+        )
+
 
 __all__ = [
     "NODE_TIMING",
