@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,7 @@ BENCH_PROCESS = "bench"
 
 
 def with_cpu(trial: Trial, cpu: Mapping[str, CpuSplit]) -> Trial:
-    return Trial(trial.tokens, trial.wall_s, trial.gaps_s, dict(cpu))
+    return replace(trial, cpu=dict(cpu))
 
 
 def in_process(run: Callable[..., Trial], *args: Any) -> Trial:
