@@ -16,6 +16,7 @@ from engines.llama_lib import ensure_llama_backend
 
 # enum ggml_backend_dev_type (ggml-backend.h): CPU 0, GPU 1, ACCEL 2, IGPU 3 (integrated).
 _GPU_TYPES = {1: "gpu", 3: "igpu"}
+_CPU_TYPE = 0
 
 _lib = _ggml.libggml
 _lib.ggml_backend_dev_count.argtypes = []
@@ -32,6 +33,8 @@ _lib.ggml_backend_dev_memory.argtypes = [
     ctypes.POINTER(ctypes.c_size_t),
 ]
 _lib.ggml_backend_dev_memory.restype = None
+_lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+_lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
 
 
 @dataclass(frozen=True)
@@ -59,4 +62,26 @@ def offload_devices() -> list[DeviceMemory]:
     return devices
 
 
-__all__ = ["DeviceMemory", "offload_devices"]
+def first_offload_buffer_type() -> int | None:
+    """The weight buffer type (``ggml_backend_buffer_type_t``) of the first GPU llama.cpp
+    offloads layers to, the one its first offloaded layers go to; None without a GPU."""
+    ensure_llama_backend()
+    for index in range(_lib.ggml_backend_dev_count()):
+        device = _lib.ggml_backend_dev_get(index)
+        if _lib.ggml_backend_dev_type(device) in _GPU_TYPES:
+            buffer_type = _lib.ggml_backend_dev_buffer_type(device)
+            return int(buffer_type) if buffer_type else None
+    return None
+
+
+def cpu_buffer_type() -> int:
+    """The CPU device's weight buffer type (what an override to the CPU names)."""
+    ensure_llama_backend()
+    for index in range(_lib.ggml_backend_dev_count()):
+        device = _lib.ggml_backend_dev_get(index)
+        if _lib.ggml_backend_dev_type(device) == _CPU_TYPE:
+            return int(_lib.ggml_backend_dev_buffer_type(device))
+    raise RuntimeError("llama.cpp registered no CPU device")
+
+
+__all__ = ["DeviceMemory", "cpu_buffer_type", "first_offload_buffer_type", "offload_devices"]

@@ -215,6 +215,7 @@ class LlamaShardEngine(SessionedEngine):
             takes_embeddings=start_layer > 0,
             capture_layer=capture_layer,
             hidden_input_scale=hidden_input_scale(self._gguf) if start_layer > 0 else 1.0,
+            keeps_vocabulary=plan is None or plan.keeps_vocabulary,
         )
 
     def _runtime(self, start_layer: int) -> LlamaRuntime:
@@ -247,6 +248,11 @@ class LlamaShardEngine(SessionedEngine):
     def weight_buffers(self) -> dict[str, float]:
         """The loaded range's weight buffer types and their MiB (``CPU_Mapped``, ``AMX``, ``CUDA0``...)."""
         return dict(self._main.weight_buffers) if self._main is not None else {}
+
+    @property
+    def overridden_tensors(self) -> dict[str, str]:
+        """Tensors the loaded range placed by a buffer-type override (engines.buffer_overrides)."""
+        return dict(self._main.overridden_tensors) if self._main is not None else {}
 
     def _close_backend(self) -> None:
         untrack_shard(self)

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import llama_cpp
 from llama_cpp import _ggml
@@ -36,8 +36,22 @@ _EXPECTED_WARNINGS = (b"using full-size SWA cache", b"control-looking token")
 
 # "load_tensors:          AMX model buffer size =   213.91 MiB": where a load put the weights.
 _BUFFER_LINE = re.compile(rb"load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) MiB")
-_buffer_lock = threading.Lock()
-_buffer_sinks: list[dict[str, float]] = []
+# "tensor token_embd.weight (0 MiB f32) buffer type overridden to CUDA0" (a debug line).
+_OVERRIDE_LINE = re.compile(rb"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
+_tap_lock = threading.Lock()
+# Each gets every line llama.cpp logs while it is here, whatever its level.
+_log_taps: list[Callable[[bytes], None]] = []
+
+
+@contextlib.contextmanager
+def _tapping_log(tap: Callable[[bytes], None]) -> Iterator[None]:
+    with _tap_lock:
+        _log_taps.append(tap)
+    try:
+        yield
+    finally:
+        with _tap_lock:
+            _log_taps.remove(tap)
 
 
 @contextlib.contextmanager
@@ -48,23 +62,29 @@ def weight_buffers() -> Iterator[dict[str, float]]:
     buffer types that repack weights at load; ``CUDA0`` and the like are devices.
     """
     sink: dict[str, float] = {}
-    with _buffer_lock:
-        _buffer_sinks.append(sink)
-    try:
+
+    def note(text: bytes) -> None:
+        match = _BUFFER_LINE.search(text)
+        if match is not None:
+            name = match.group(1).decode("ascii", "replace")
+            sink[name] = sink.get(name, 0.0) + float(match.group(2))
+
+    with _tapping_log(note):
         yield sink
-    finally:
-        with _buffer_lock:
-            _buffer_sinks.remove(sink)
 
 
-def _note_buffer(text: bytes) -> None:
-    match = _BUFFER_LINE.search(text)
-    if match is None:
-        return
-    name, mib = match.group(1).decode("ascii", "replace"), float(match.group(2))
-    with _buffer_lock:
-        for sink in _buffer_sinks:
-            sink[name] = sink.get(name, 0.0) + mib
+@contextlib.contextmanager
+def overridden_tensors() -> Iterator[dict[str, str]]:
+    """Collect the tensors a load placed by ``tensor_buft_overrides`` (name -> buffer type)."""
+    sink: dict[str, str] = {}
+
+    def note(text: bytes) -> None:
+        match = _OVERRIDE_LINE.search(text)
+        if match is not None:
+            sink[match.group(1).decode("ascii", "replace")] = match.group(2).decode("ascii", "replace")
+
+    with _tapping_log(note):
+        yield sink
 
 
 class _RequestedAbort:
@@ -84,8 +104,9 @@ requested_abort = _RequestedAbort()
 
 @llama_cpp.llama_log_callback
 def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    if _buffer_sinks and text:
-        _note_buffer(text)
+    if _log_taps and text:
+        for tap in tuple(_log_taps):
+            tap(text)
     # llama.cpp logs every tensor and hyperparameter at load; only warnings and errors are news.
     python_level = _LOG_LEVELS.get(level)
     if python_level is None or not text:

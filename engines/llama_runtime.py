@@ -20,9 +20,11 @@ import llama_cpp
 import numpy as np
 
 from engines import llama_lib
+from engines.buffer_overrides import build_overrides, empty_input_table_rules
+from engines.device_memory import first_offload_buffer_type
 from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
-from engines.llama_lib import ensure_llama_backend, requested_abort, weight_buffers
+from engines.llama_lib import ensure_llama_backend, overridden_tensors, requested_abort, weight_buffers
 from engines.resident_memory import BufferReport, record_baseline
 from engines.row_invariance import ROW_INVARIANT_MAX_ROWS
 
@@ -149,6 +151,8 @@ class LlamaRuntime:
         capture_layer: int | None,
         native_capture: bool | None = None,
         hidden_input_scale: float = 1.0,
+        keeps_vocabulary: bool = True,
+        buffer_overrides: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         ensure_llama_backend()
         record_baseline()
@@ -164,11 +168,27 @@ class LlamaRuntime:
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = weight_repack
+        if buffer_overrides is None:
+            buffer_overrides = empty_input_table_rules(
+                keeps_vocabulary=keeps_vocabulary,
+                n_gpu_layers=n_gpu_layers,
+                gpu_buffer_type=first_offload_buffer_type() if n_gpu_layers != 0 else None,
+            )
+        # llama.cpp keeps the params it loaded with: the array lives as long as the model.
+        self._buffer_overrides = build_overrides(buffer_overrides) if buffer_overrides else None
+        if self._buffer_overrides is not None:
+            model_params.tensor_buft_overrides = self._buffer_overrides.address
         buffer_report = BufferReport()
-        with weight_buffers() as buffers, _reporting_buffers(buffer_report):
+        with (
+            weight_buffers() as buffers,
+            overridden_tensors() as overridden,
+            _reporting_buffers(buffer_report),
+        ):
             self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
         # Weight buffer types and their MiB, as llama.cpp reported them (AMX, CPU_REPACK, CUDA0, ...).
         self.weight_buffers = dict(buffers)
+        # Tensors llama.cpp placed by an override (name -> buffer type), as it reported them.
+        self.overridden_tensors = dict(overridden)
         if not self._model:
             raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"llama.cpp could not load {model_path}")
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))

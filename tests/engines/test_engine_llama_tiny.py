@@ -12,6 +12,8 @@ from engine_contract import EngineContract, ManualClock, prompt_tokens, raises_k
 from engine_offload import OFFLOAD_LOGIT_TOLERANCE, gpu_layers, offloading
 from gguf import GGUFWriter
 
+from engines import llama_runtime
+from engines.device_memory import cpu_buffer_type
 from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest, StepResult
 from engines.llama_engine import LlamaShardEngine
 from engines.llama_runtime import LlamaRuntime
@@ -159,6 +161,37 @@ def test_three_way_split_is_bit_exact(tiny_model: Path, reference) -> None:  # t
     exact = not offloading()
     _assert_parity(
         tiny_model, f"split at 2 and 5 ({_offload()})", got, (expected_logits, expected_tokens), exact
+    )
+    for engine in engines:
+        engine.close()
+
+
+def test_a_middle_slice_puts_its_empty_input_table_with_the_offloaded_layers(  # type: ignore[no-untyped-def]
+    tiny_model: Path, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A middle slice's ``token_embd`` has no bytes; fully offloaded, it was the CPU's only
+    tensor and llama.cpp aborted the load (engines.buffer_overrides). With any layer offloaded
+    it now goes where the first GPU's layers go. Here the CPU stands in for that GPU, which
+    proves llama.cpp reads the override array as built (it names the tensor it moved) and that
+    the chain still equals the whole model bit for bit; on a GPU build
+    test_three_way_split_is_bit_exact loads the same middle slice offloaded for real."""
+    if offloading():
+        pytest.skip("a GPU build loads the middle slice offloaded in test_three_way_split_is_bit_exact")
+    monkeypatch.setattr(llama_runtime, "first_offload_buffer_type", cpu_buffer_type)
+    prompt, expected_logits, expected_tokens = reference
+    engines = [_load(tiny_model, 0, 2, n_gpu_layers=99), _load(tiny_model, 2, 5, n_gpu_layers=99)]
+    engines.append(_load(tiny_model, 5, n_gpu_layers=99))
+    head, middle, tail = engines
+    assert middle.overridden_tensors == {"token_embd.weight": "CPU"}
+    # The head and the tail keep their vocabulary tables where llama.cpp puts them.
+    assert head.overridden_tensors == {} and tail.overridden_tensors == {}
+    got = _greedy_run(engines, prompt)
+    _assert_parity(
+        tiny_model,
+        "middle slice with an overridden input table",
+        got,
+        (expected_logits, expected_tokens),
+        True,
     )
     for engine in engines:
         engine.close()
