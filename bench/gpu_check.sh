@@ -17,13 +17,20 @@
 # packages stay visible) with the carried wheels; llama-cpp-python 0.3.36 from the carried,
 # trimmed sdist with CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" (sm_90 only,
 # parallel, pip --no-index); meshnode installed into it (editable, its C extensions built);
-# llama_print_system_info(); the engine parity tests with every layer offloaded
-# (MESHNODE_TEST_N_GPU_LAYERS=99: split vs whole at the float32 boundary, the largest
-# difference printed, greedy text identical) and the passthrough layer in a GPU split of its
-# own; bench/engine.py on the GPU (whole vs 2 and 3 shards, each weight-repack setting in a
+# llama_print_system_info() and which CUDA libraries libggml-cuda resolves; the engine parity
+# tests with every layer offloaded, each test in a process of its own so that one that kills
+# its process is named and the rest still run (MESHNODE_TEST_N_GPU_LAYERS=99: split vs whole
+# at the float32 boundary, the largest difference printed, greedy text identical; the
+# passthrough layer in a GPU split of its own; a middle slice fully offloaded); an A/B of the
+# first contract tests with and without the build's LD_LIBRARY_PATH (the first H200 run had
+# it and died of SIGSEGV loading models; bench/RESULTS.md); bench/engine.py on the GPU (whole vs 2 and 3 shards, each weight-repack setting in a
 # child) on a generated 1.35 GB random-weight llama (bench/random_model.py); and mixed routes
 # (bench/mixed_route.py: head on the GPU, tail on the CPU, and the other ways) against the
 # CPU-only route.
+#
+# Every stage after the build runs with the environment an installed node has (the build's
+# LD_LIBRARY_PATH and CUDACXX dropped), PYTHONFAULTHANDLER=1, and bench/gpu/crash_backtrace.c
+# preloaded, which prints the native stack on a fatal signal (the machine has no gdb).
 #
 # Modes for a machine without a GPU (both run in a throwaway copy of what the device tool
 # would send: tracked and untracked-not-ignored files plus .cache/gpu-carry):
@@ -81,6 +88,7 @@ DEADLINE=$((STARTED + BUDGET))
 JOBS=$(nproc)
 export MESHNODE_CACHE_DIR=${MESHNODE_CACHE_DIR:-/tmp/meshnode-gpu-cache}
 export PYTHONUNBUFFERED=1
+ORIGINAL_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 if [ "$MODE" = gpu ]; then
   NGL=99 MODEL_SIZE=large BENCH_ARGS=(--rounds 5 --decode-tokens 64 --threads 4)
 else
@@ -224,6 +232,20 @@ else
   stamp "built"
 fi
 
+# What the build needed is not what a user's node runs with: the toolkit's LD_LIBRARY_PATH
+# and CUDACXX go (kept for the A/B stage below), so the runs load the CUDA libraries the way
+# an installed meshnode would. A native backtrace is printed on a fatal signal
+# (bench/gpu/crash_backtrace.c; the machine has no gdb).
+BUILD_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$ORIGINAL_LD_LIBRARY_PATH
+unset CUDACXX
+export PYTHONFAULTHANDLER=1
+if gcc -shared -fPIC -O1 -o /tmp/meshnode-crash-backtrace.so bench/gpu/crash_backtrace.c; then
+  export LD_PRELOAD=/tmp/meshnode-crash-backtrace.so${LD_PRELOAD:+:$LD_PRELOAD}
+else
+  stamp "crash_backtrace.c did not build: crashes show Python frames only"
+fi
+
 stage "meshnode into the venv (editable, its C extensions built)"
 run_step "meshnode install" 180 "${PIP[@]}" install -q --no-index --no-deps --no-build-isolation \
   --no-cache-dir -e . || finish
@@ -246,15 +268,56 @@ print("offload devices (free/total MiB):", [(d.name, d.kind, d.free_bytes >> 20,
 EOF
 } | tee -a "$OUT/system.txt"
 offload=$("$VPY" -c 'import llama_cpp; print(int(bool(llama_cpp.llama_supports_gpu_offload())))')
+for library in "$("$VPY" -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')"/lib/libggml-cuda.so*; do
+  [ -f "$library" ] || continue
+  { echo "ldd $(basename "$library") (the runs' environment):"; ldd "$library" | grep -E "cuda|cublas|nvidia"; } | tee -a "$OUT/system.txt"
+  break
+done
 if [ "$MODE" = gpu ] && [ "$offload" != 1 ]; then
   stamp "this build cannot offload: the GPU checks would run on the CPU, stopping"
   FAILED+=("no GPU offload")
   finish
 fi
 
-stage "engine parity tests, MESHNODE_TEST_N_GPU_LAYERS=$NGL"
-MESHNODE_TEST_N_GPU_LAYERS=$NGL run_logged "parity tests" 150 "$OUT/parity.txt" \
-  "$VPY" -m pytest -s -p no:cacheprovider -q tests/engines/test_engine_llama_tiny.py tests/engines/test_hidden_capture.py
+stage "engine parity tests, MESHNODE_TEST_N_GPU_LAYERS=$NGL, each test in a process of its own"
+# One process per test: a test that kills its process (llama.cpp aborts or faults) is named,
+# with its native backtrace, and the others still run.
+isolated_tests() {
+  local id status crashed=0 failed=0 passed=0
+  while IFS= read -r id; do
+    MESHNODE_TEST_N_GPU_LAYERS=$NGL timeout --kill-after=5 60 "$VPY" -m pytest -s -p no:cacheprovider -q "$id" \
+      >/tmp/meshnode-gpu-test.log 2>&1
+    status=$?
+    if [ "$status" -eq 0 ]; then
+      passed=$((passed + 1))
+      grep -E "max \|Δlogit\||bit for bit|SKIPPED" /tmp/meshnode-gpu-test.log | sed "s|^|  $id: |"
+    elif [ "$status" -lt 124 ]; then
+      failed=$((failed + 1))
+      echo "FAILED $id (pytest exit $status)"
+      grep -E "^E |Error" /tmp/meshnode-gpu-test.log | head -8
+    else
+      crashed=$((crashed + 1))
+      echo "CRASHED $id (exit $status: 124 is the 60 s limit, 128+N signal N)"
+      grep -vE "^  File \"/(opt|usr)|site-packages/(_pytest|pluggy)" /tmp/meshnode-gpu-test.log | tail -60
+    fi
+  done < <("$VPY" -m pytest -p no:cacheprovider -q --collect-only tests/engines/test_engine_llama_tiny.py \
+    tests/engines/test_hidden_capture.py tests/engines/test_buffer_overrides.py 2>/dev/null | grep '::')
+  echo "isolated tests: $passed passed, $failed failed, $crashed crashed"
+  [ "$failed" -eq 0 ] && [ "$crashed" -eq 0 ]
+}
+export -f isolated_tests
+export VPY NGL
+run_logged "parity tests" 200 "$OUT/parity.txt" bash -c isolated_tests
+
+if [ "$MODE" = gpu ] && [ "$BUILD_LD_LIBRARY_PATH" != "$ORIGINAL_LD_LIBRARY_PATH" ]; then
+  stage "A/B: the first contract test three times with the build's LD_LIBRARY_PATH (the first run's SIGSEGVs had it)"
+  for round in 1 2 3; do
+    LD_LIBRARY_PATH=$BUILD_LD_LIBRARY_PATH timeout 60 "$VPY" -m pytest -p no:cacheprovider -q -x \
+      tests/engines/test_engine_llama_tiny.py -k "test_load_reports or test_chained_shards" >/tmp/meshnode-gpu-ab.log 2>&1
+    echo "round $round with the build's LD_LIBRARY_PATH: exit $?"
+    tail -n 30 /tmp/meshnode-gpu-ab.log | grep -E "passed|failed|Fatal|backtrace|lib(llama|ggml)" | head -12
+  done 2>&1 | tee -a "$OUT/parity.txt"
+fi
 
 stage "bench/engine.py on a generated random-weight llama ($MODEL_SIZE), n_gpu_layers $NGL"
 model=$(timeout "$(left 60)" "$VPY" bench/random_model.py --size "$MODEL_SIZE")
