@@ -10,7 +10,10 @@ with the survivals, so later starts pay nothing.
 
 The tensor types are part of the key because the extra buffer types repack only some of
 them (the AMX buffer takes q4_K, q6_K and q8_0 weights, never F32): a verdict on an F32
-model says nothing about a quantized one.
+model says nothing about a quantized one. So are the slice's role (whole, head, middle,
+tail) and how much of it a GPU takes (none, part, all): llama.cpp placed a fully offloaded
+middle slice's weights so that its load aborted (engines.buffer_overrides), while a head on
+the same GPU loaded, so a verdict on one range says nothing about another role.
 
 ``python -m engines.engine_probe JSON`` is the child.
 """
@@ -39,8 +42,9 @@ DEFAULT_TIMEOUT_S = 600.0
 _PROBE_CTX = 64
 _PROBE_PROMPT = 4
 _STDERR_TAIL_LINES = 12
-# Verdicts written before this are ignored (the format changed).
-_VERDICT_VERSION = 1
+# Verdicts written before this are ignored: 2 keys them by role and offload too, and drops
+# the verdicts taken before a fully offloaded middle slice loaded.
+_VERDICT_VERSION = 2
 
 # What runs the child; tests replace it to inject a crash into the probe only.
 CHILD_COMMAND: Sequence[str] = (sys.executable, "-m", "engines.engine_probe")
@@ -142,6 +146,32 @@ def tensor_types(model_path: Path) -> tuple[str, ...]:
     return tuple(names)
 
 
+def placement(target: ProbeTarget) -> tuple[str, str]:
+    """The slice's role (``whole``, ``head``, ``middle``, ``tail``) and how much of it goes to a
+    GPU (``none``, ``part``: some layers stay on the CPU, ``all``: every layer and the output)."""
+    from engines.gguf_file import read_gguf
+    from engines.gguf_info import model_info
+    from engines.slicing import plan_model_slice
+
+    gguf = read_gguf(target.model_path)
+    total = model_info(gguf).n_layers
+    end = total if target.layer_end is None else target.layer_end
+    plan = plan_model_slice(gguf, target.layer_start, end)
+    if plan is None:
+        role, layers = "whole", total
+    else:
+        role = "head" if target.layer_start == 0 else "tail" if end == total else "middle"
+        layers = plan.n_layers
+    if target.n_gpu_layers == 0:
+        offload = "none"
+    elif target.n_gpu_layers < 0 or target.n_gpu_layers > layers:
+        # llama.cpp offloads from the output down: one more than the layers takes them all.
+        offload = "all"
+    else:
+        offload = "part"
+    return role, offload
+
+
 @dataclass(frozen=True)
 class ProbeKey:
     llama_build: str
@@ -149,15 +179,20 @@ class ProbeKey:
     backend: str
     weight_repack: bool
     tensor_types: tuple[str, ...]
+    role: str
+    offload: str
 
     @classmethod
     def of(cls, target: ProbeTarget) -> ProbeKey:
+        role, offload = placement(target)
         return cls(
             llama_build=llama_build_id(),
             system_info=system_info(),
-            backend="gpu" if target.n_gpu_layers > 0 else "cpu",
+            backend="gpu" if target.n_gpu_layers != 0 else "cpu",
             weight_repack=target.weight_repack,
             tensor_types=tensor_types(target.model_path),
+            role=role,
+            offload=offload,
         )
 
     def digest(self) -> str:
@@ -369,6 +404,7 @@ __all__ = [
     "ProbeTarget",
     "ProbeVerdict",
     "llama_build_id",
+    "placement",
     "probe",
     "run_child",
     "signal_description",

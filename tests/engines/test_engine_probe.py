@@ -49,6 +49,30 @@ def test_a_verdict_is_cached_per_key(tiny_model: Path, tmp_path: Path, monkeypat
     assert probe(ProbeTarget(tiny_model, 0, 3, threads=1, cache_dir=tmp_path, weight_repack=True)).cached
 
 
+def test_a_verdict_on_one_role_or_offload_does_not_answer_for_another(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A fully offloaded middle slice died on a GPU where a head loaded (engines.buffer_overrides):
+    a head's survival must not let a middle range load unprobed, nor a middle's crash refuse a head."""
+    placements = {
+        (0, None, 0): ("whole", "none"),
+        (0, 3, 2): ("head", "part"),
+        (2, 4, 99): ("middle", "all"),
+        # The middle slice [2, 4) holds 2 layers and the passthrough layer: 3 leave the output on the CPU.
+        (2, 4, 3): ("middle", "part"),
+        (2, 4, 4): ("middle", "all"),
+        (3, None, -1): ("tail", "all"),
+    }
+    for (start, end, layers), expected in placements.items():
+        assert engine_probe.placement(ProbeTarget(tiny_model, start, end, n_gpu_layers=layers)) == expected
+    head = ProbeTarget(tiny_model, 0, 3, n_gpu_layers=99, threads=1, cache_dir=tmp_path)
+    assert probe(head).survived
+    monkeypatch.setattr(engine_probe, "CHILD_COMMAND", SEGFAULTING_CHILD)
+    middle = probe(ProbeTarget(tiny_model, 2, 4, n_gpu_layers=99, threads=1, cache_dir=tmp_path))
+    assert not middle.cached and middle.signal_number == signal.SIGSEGV
+    assert probe(head).cached and probe(head).survived
+
+
 def test_a_child_killed_by_a_signal_is_a_verdict_naming_it(tiny_model: Path, tmp_path: Path, crashing_child):
     verdict = run_child(ProbeTarget(tiny_model, cache_dir=tmp_path))
     assert not verdict.survived and verdict.crashed
