@@ -323,7 +323,7 @@ def main() -> None:
         action="append",
         default=None,
         metavar="KEY=VALUE",
-        help="environment of the node processes and of (a) (default: what meshnode demo sets)",
+        help="environment of the node processes and of (a), added to what meshnode demo sets",
     )
     args = parser.parse_args()
     if args.node_arg is None:

@@ -585,8 +585,10 @@ def prepare_run(args: argparse.Namespace) -> Path:
 
     (a) runs under the same runtime settings as the nodes (same threads, same OpenMP waiting),
     and one repack setting serves (a) and every node: what a node's own probe chooses here."""
-    if args.node_env is None:
-        args.node_env = [f"{k}={v}" for k, v in SHARED_CORES_ENV.items()]
+    # Given settings add to the shared-core defaults (or replace one of the same name): dropping
+    # GOMP_SPINCOUNT by naming another variable left the nodes' OpenMP threads spinning.
+    given = dict(item.split("=", 1) for item in args.node_env or [])
+    args.node_env = [f"{k}={v}" for k, v in {**SHARED_CORES_ENV, **given}.items()]
     os.environ.update(dict(item.split("=", 1) for item in args.node_env))
     model = default_model_path(progress=True)
     args.repack = choose_weight_repack(
@@ -633,9 +635,9 @@ def main() -> None:
         action="append",
         default=None,
         metavar="KEY=VALUE",
-        help="environment of the node processes and of (a) (default: what meshnode demo sets, "
+        help="environment of the node processes and of (a), added to what meshnode demo sets ("
         + " ".join(f"{k}={v}" for k, v in SHARED_CORES_ENV.items())
-        + ")",
+        + "; name a variable to change it)",
     )
     parser.add_argument(
         "--answer-paths",
