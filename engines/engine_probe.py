@@ -156,6 +156,9 @@ def placement(target: ProbeTarget) -> tuple[str, str]:
     gguf = read_gguf(target.model_path)
     total = model_info(gguf).n_layers
     end = total if target.layer_end is None else target.layer_end
+    if not 0 <= target.layer_start < end <= total:
+        # The child's load refuses it with the engine's own message.
+        return "outside the model", "none"
     plan = plan_model_slice(gguf, target.layer_start, end)
     if plan is None:
         role, layers = "whole", total

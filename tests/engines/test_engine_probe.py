@@ -62,6 +62,7 @@ def test_a_verdict_on_one_role_or_offload_does_not_answer_for_another(
         (2, 4, 3): ("middle", "part"),
         (2, 4, 4): ("middle", "all"),
         (3, None, -1): ("tail", "all"),
+        (4, 9, 99): ("outside the model", "none"),
     }
     for (start, end, layers), expected in placements.items():
         assert engine_probe.placement(ProbeTarget(tiny_model, start, end, n_gpu_layers=layers)) == expected
