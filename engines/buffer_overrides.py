@@ -33,7 +33,6 @@ class _Override(ctypes.Structure):
 class BufferOverrides:
     """A NULL-terminated override array kept alive for as long as this object is."""
 
-    rules: tuple[tuple[str, int], ...]
     _array: ctypes.Array[_Override]
 
     @property
@@ -49,7 +48,7 @@ def build_overrides(rules: Sequence[tuple[str, int]]) -> BufferOverrides:
         slot.pattern = pattern.encode()
         slot.buft = buffer_type
     # The last slot stays zeroed: pattern NULL ends the list.
-    return BufferOverrides(tuple(rules), array)
+    return BufferOverrides(array)
 
 
 def empty_input_table_rules(

@@ -8,6 +8,7 @@ device API is not bound by llama_cpp; the few functions needed are bound here, r
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llama_cpp import _ggml
@@ -62,26 +63,27 @@ def offload_devices() -> list[DeviceMemory]:
     return devices
 
 
-def first_offload_buffer_type() -> int | None:
-    """The weight buffer type (``ggml_backend_buffer_type_t``) of the first GPU llama.cpp
-    offloads layers to, the one its first offloaded layers go to; None without a GPU."""
+def _first_buffer_type(device_types: Iterable[int]) -> int | None:
     ensure_llama_backend()
     for index in range(_lib.ggml_backend_dev_count()):
         device = _lib.ggml_backend_dev_get(index)
-        if _lib.ggml_backend_dev_type(device) in _GPU_TYPES:
-            buffer_type = _lib.ggml_backend_dev_buffer_type(device)
-            return int(buffer_type) if buffer_type else None
+        if _lib.ggml_backend_dev_type(device) in device_types:
+            return _lib.ggml_backend_dev_buffer_type(device) or None
     return None
+
+
+def first_offload_buffer_type() -> int | None:
+    """The weight buffer type (``ggml_backend_buffer_type_t``) of the first GPU llama.cpp
+    offloads layers to, the one its first offloaded layers go to; None without a GPU."""
+    return _first_buffer_type(_GPU_TYPES)
 
 
 def cpu_buffer_type() -> int:
     """The CPU device's weight buffer type (what an override to the CPU names)."""
-    ensure_llama_backend()
-    for index in range(_lib.ggml_backend_dev_count()):
-        device = _lib.ggml_backend_dev_get(index)
-        if _lib.ggml_backend_dev_type(device) == _CPU_TYPE:
-            return int(_lib.ggml_backend_dev_buffer_type(device))
-    raise RuntimeError("llama.cpp registered no CPU device")
+    buffer_type = _first_buffer_type({_CPU_TYPE})
+    if buffer_type is None:
+        raise RuntimeError("llama.cpp registered no CPU device")
+    return buffer_type
 
 
 __all__ = ["DeviceMemory", "cpu_buffer_type", "first_offload_buffer_type", "offload_devices"]

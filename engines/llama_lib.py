@@ -44,7 +44,14 @@ _log_taps: list[Callable[[bytes], None]] = []
 
 
 @contextlib.contextmanager
-def _tapping_log(tap: Callable[[bytes], None]) -> Iterator[None]:
+def _matching_lines(pattern: re.Pattern[bytes], on_match: Callable[[str, str], None]) -> Iterator[None]:
+    """Calls ``on_match`` with the two groups of every line llama.cpp logs meanwhile that matches."""
+
+    def tap(text: bytes) -> None:
+        match = pattern.search(text)
+        if match is not None:
+            on_match(match.group(1).decode("ascii", "replace"), match.group(2).decode("ascii", "replace"))
+
     with _tap_lock:
         _log_taps.append(tap)
     try:
@@ -63,13 +70,10 @@ def weight_buffers() -> Iterator[dict[str, float]]:
     """
     sink: dict[str, float] = {}
 
-    def note(text: bytes) -> None:
-        match = _BUFFER_LINE.search(text)
-        if match is not None:
-            name = match.group(1).decode("ascii", "replace")
-            sink[name] = sink.get(name, 0.0) + float(match.group(2))
+    def note(name: str, mib: str) -> None:
+        sink[name] = sink.get(name, 0.0) + float(mib)
 
-    with _tapping_log(note):
+    with _matching_lines(_BUFFER_LINE, note):
         yield sink
 
 
@@ -77,13 +81,7 @@ def weight_buffers() -> Iterator[dict[str, float]]:
 def overridden_tensors() -> Iterator[dict[str, str]]:
     """Collect the tensors a load placed by ``tensor_buft_overrides`` (name -> buffer type)."""
     sink: dict[str, str] = {}
-
-    def note(text: bytes) -> None:
-        match = _OVERRIDE_LINE.search(text)
-        if match is not None:
-            sink[match.group(1).decode("ascii", "replace")] = match.group(2).decode("ascii", "replace")
-
-    with _tapping_log(note):
+    with _matching_lines(_OVERRIDE_LINE, sink.__setitem__):
         yield sink
 
 

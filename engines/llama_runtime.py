@@ -152,7 +152,6 @@ class LlamaRuntime:
         native_capture: bool | None = None,
         hidden_input_scale: float = 1.0,
         keeps_vocabulary: bool = True,
-        buffer_overrides: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         ensure_llama_backend()
         record_baseline()
@@ -168,14 +167,13 @@ class LlamaRuntime:
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = weight_repack
-        if buffer_overrides is None:
-            buffer_overrides = empty_input_table_rules(
-                keeps_vocabulary=keeps_vocabulary,
-                n_gpu_layers=n_gpu_layers,
-                gpu_buffer_type=first_offload_buffer_type() if n_gpu_layers != 0 else None,
-            )
+        rules = empty_input_table_rules(
+            keeps_vocabulary=keeps_vocabulary,
+            n_gpu_layers=n_gpu_layers,
+            gpu_buffer_type=first_offload_buffer_type() if n_gpu_layers != 0 else None,
+        )
         # llama.cpp keeps the params it loaded with: the array lives as long as the model.
-        self._buffer_overrides = build_overrides(buffer_overrides) if buffer_overrides else None
+        self._buffer_overrides = build_overrides(rules) if rules else None
         if self._buffer_overrides is not None:
             model_params.tensor_buft_overrides = self._buffer_overrides.address
         buffer_report = BufferReport()
