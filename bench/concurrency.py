@@ -310,6 +310,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="threads of (a), (a') and of each node (2)")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrencies (1,2,4,8)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a GGUF of 18 or more layers instead of Gemma 3 270M Q4_K_M (the three-node split is "
+        "[0,6) [6,12) [12,18)); bench/cores_check.sh gives a generated one of Gemma's shape",
+    )
     parser.add_argument("--configs", default="b,c,d", help="meshnode configurations of bench/e2e.py (b,c,d)")
     parser.add_argument(
         "--node-arg",
@@ -334,7 +341,8 @@ def main() -> None:
     prompts = [random_prompt(rng, args.prompt_tokens) for _ in range(max(levels))]
     trials = asyncio.run(bench(args, model, prompts))
 
-    print(f"Gemma 3 270M Q4_K_M, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
+    model_name = "Gemma 3 270M Q4_K_M" if args.model is None else model.name
+    print(f"{model_name}, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
           f"medians of {args.rounds} alternating rounds, {args.threads} threads per process; "
           f"weight repack {'on' if args.repack else 'off'}")  # fmt: skip
     labels = {"a": "(a) monolithic, one after another", BATCHED: f"{BATCHED_LABEL} one context, k per batch"}

@@ -12,6 +12,9 @@
 #      system.txt, build.log.gz, parity.txt, bench.txt, mixed.txt. Call give_back after.
 #      The script keeps itself inside ~9.5 minutes (GPU_CHECK_BUDGET_S=570) and prints a
 #      timestamp per stage; the CUDA build (one architecture, 16 jobs) is the long pole.
+#   3. If the session still has 300 s of device time, a second `run` on the warm machine:
+#      `bash bench/cores_check.sh` (same carry, timeout_s 300): issue 15's concurrency bench
+#      with every node on cores of its own, in the venv this script leaves.
 #
 # Stages: the environment (nvidia-smi, nvcc, cmake); a venv over the image's python3 (its
 # packages stay visible) with the carried wheels; llama-cpp-python 0.3.36 from the carried,

@@ -8,6 +8,9 @@
 #                                   lack or hold at another version: the checks' imports (gguf,
 #                                   llama-cpp-python's diskcache) and the offline build's tools
 #                                   (pip, setuptools, wheel, scikit-build-core and its needs)
+#   runtime-wheels/                 meshnode's own runtime dependencies (pyproject.toml's, less
+#                                   llama-cpp-python, gguf and numpy) and theirs, for CPython
+#                                   3.12 on x86_64 Linux: bench/cores_check.sh runs real nodes
 #   MANIFEST.txt                    what is in it, with sizes and sha256
 #
 # The device tool carries ignored paths only when named (64 MiB in all, the working tree
@@ -118,6 +121,19 @@ stamp "downloading wheels for Python 3.12"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$CARRY/wheels" "${WHEELS[@]}"
+
+stamp "downloading meshnode's runtime dependencies for Python 3.12"
+rm -rf "$CARRY/runtime-wheels" && mkdir -p "$CARRY/runtime-wheels"
+# Built on the device (llama-cpp-python), or among the carried wheels and the image's.
+mapfile -t runtime < <("$PY" -c '
+import re, tomllib
+for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if re.split(r"[<>=!~; \[]", requirement, maxsplit=1)[0].lower() not in {"llama-cpp-python", "gguf", "numpy"}:
+        print(requirement)
+')
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$CARRY/runtime-wheels" "${runtime[@]}"
 
 {
   echo "bench/gpu_prepare.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ)"

@@ -1,12 +1,17 @@
 """A random-weight llama-architecture GGUF for timing shard engines where Gemma cannot go.
 
-    python bench/random_model.py [--size large|small] [--directory DIR]
+    python bench/random_model.py [--size large|small|gemma270m] [--directory DIR]
 
 Prints the path of the model, generating it first if it is not cached. ``large`` (the
 GPU bench's): 12 layers, n_embd 2048, n_ff 5632, 16 heads (4 KV heads), a 32 000-token
 vocabulary, float16 weights, about 1.35 GB — enough weight traffic per token for a GPU's
 decode time to be more than launch overhead. ``small`` (the CPU dry run's): the same shape
-scaled down, about 40 MB.
+scaled down, about 40 MB. ``gemma270m``: Gemma 3 270M's shape (18 layers, n_embd 640, n_ff 2048,
+4 heads with 1 KV head, a 262 144-token vocabulary) as a llama with Gemma's weight types where
+gguf-py can write them (Q8_0 vocabulary tables, Q5_0 layer matrices where Gemma mixes Q5_0, Q4_K,
+Q6_K and Q8_0), about 0.5 GB: the concurrency bench's stand-in where the Gemma package cannot go
+(a machine without the package registries), with the same layer count and the vocabulary
+projection dominating a token's work; tokens/s compare only within one run.
 
 Generated in seconds: each weight matrix is a window of a pre-scaled pool of float16
 normal values (an odd length, so no two rows of a matrix are equal and no two tokens tie),
@@ -23,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf.quants import quantize
 
 from engines.cache import atomic_path, cache_root
 
@@ -42,11 +48,17 @@ class Shape:
     n_head_kv: int
     n_vocab: int
     context: int = 4096
+    # Gemma 3 270M Q4_K_M's kinds of weights (Q8_0 tables, Q5_0 matrices) instead of float16:
+    # llama.cpp's batched kernels, and so how a shard batches sessions, depend on the type.
+    quantized: bool = False
 
 
 SIZES = {
     "large": Shape(n_layers=12, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=4, n_vocab=32000),
     "small": Shape(n_layers=6, n_embd=512, n_ff=1408, n_head=8, n_head_kv=2, n_vocab=8000),
+    "gemma270m": Shape(
+        n_layers=18, n_embd=640, n_ff=2048, n_head=4, n_head_kv=1, n_vocab=262_144, quantized=True
+    ),
 }
 
 
@@ -99,7 +111,7 @@ def write_random_model(destination: Path, shape: Shape, name: str) -> None:
     kv_dim = head_dim * shape.n_head_kv
     writer = GGUFWriter(str(destination), "llama")
     writer.add_name(name)
-    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(LlamaFileType.MOSTLY_Q5_0 if shape.quantized else LlamaFileType.MOSTLY_F16)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layers)
@@ -125,20 +137,28 @@ def write_random_model(destination: Path, shape: Shape, name: str) -> None:
     def norm() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(shape.n_embd)).astype(np.float32)
 
-    writer.add_tensor("token_embd.weight", pools.matrix(shape.n_vocab, shape.n_embd, scaled=False))
+    def weight(name: str, matrix: np.ndarray, table: bool = False) -> None:
+        if not shape.quantized:
+            writer.add_tensor(name, matrix)
+            return
+        kind = GGMLQuantizationType.Q8_0 if table else GGMLQuantizationType.Q5_0
+        data = quantize(matrix.astype(np.float32), kind)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+
+    weight("token_embd.weight", pools.matrix(shape.n_vocab, shape.n_embd, scaled=False), table=True)
     for layer in range(shape.n_layers):
         prefix = f"blk.{layer}."
         writer.add_tensor(prefix + "attn_norm.weight", norm())
-        writer.add_tensor(prefix + "attn_q.weight", pools.matrix(shape.n_embd, shape.n_embd))
-        writer.add_tensor(prefix + "attn_k.weight", pools.matrix(kv_dim, shape.n_embd))
-        writer.add_tensor(prefix + "attn_v.weight", pools.matrix(kv_dim, shape.n_embd))
-        writer.add_tensor(prefix + "attn_output.weight", pools.matrix(shape.n_embd, shape.n_embd))
+        weight(prefix + "attn_q.weight", pools.matrix(shape.n_embd, shape.n_embd))
+        weight(prefix + "attn_k.weight", pools.matrix(kv_dim, shape.n_embd))
+        weight(prefix + "attn_v.weight", pools.matrix(kv_dim, shape.n_embd))
+        weight(prefix + "attn_output.weight", pools.matrix(shape.n_embd, shape.n_embd))
         writer.add_tensor(prefix + "ffn_norm.weight", norm())
-        writer.add_tensor(prefix + "ffn_gate.weight", pools.matrix(shape.n_ff, shape.n_embd))
-        writer.add_tensor(prefix + "ffn_up.weight", pools.matrix(shape.n_ff, shape.n_embd))
-        writer.add_tensor(prefix + "ffn_down.weight", pools.matrix(shape.n_embd, shape.n_ff))
+        weight(prefix + "ffn_gate.weight", pools.matrix(shape.n_ff, shape.n_embd))
+        weight(prefix + "ffn_up.weight", pools.matrix(shape.n_ff, shape.n_embd))
+        weight(prefix + "ffn_down.weight", pools.matrix(shape.n_embd, shape.n_ff))
     writer.add_tensor("output_norm.weight", norm())
-    writer.add_tensor("output.weight", pools.matrix(shape.n_vocab, shape.n_embd))
+    weight("output.weight", pools.matrix(shape.n_vocab, shape.n_embd), table=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Issue 15's concurrency bench where every node has cores of its own: the device machine's 16.
+#
+# On the 2-core machines here the three nodes of (d) share two cores with each other and with
+# the bench, so a pipeline cannot overlap its stages and (d) at concurrency 4 is bounded by the
+# CPU a token costs (bench/RESULTS.md, "Where the cores go at concurrency 4"). The device
+# machine lent to some tasks has 16 cores: there each node's two threads, its event loop and
+# the bench's own (a) and (a') contexts can all run at once, as on the pooled machines the
+# product is for. Its GPU is hidden (CUDA_VISIBLE_DEVICES=""): this measures CPU nodes.
+#
+# HOW TO RUN IT (a session whose task is lent the device machine):
+#   1. Here, first:   bash bench/gpu_prepare.sh      (also fetches the runtime wheels)
+#   2. Best as a second `run` on the still-warm machine after bench/gpu_check.sh, which leaves
+#      its venv (with llama-cpp-python built) in /tmp/meshnode-gpu-venv:
+#        command:   bash bench/cores_check.sh
+#        carry:     [".cache/gpu-carry"]
+#        timeout_s: 300
+#      On a fresh machine it makes that venv itself and builds llama-cpp-python for the CPU
+#      from the carried sdist first (16 jobs). Results: $OUT/cores_check.log (all of stdout)
+#      and $OUT/cores.txt (the bench's table). Call give_back after.
+#
+# The model is a generated stand-in of Gemma 3 270M's shape and weight types
+# (bench/random_model.py --size gemma270m): the device has no package registry to bring
+# Gemma from and the carry is limited to 64 MiB. On the 2-core machine here it decodes as
+# Gemma does ((a) 71-77 against 74-76 tokens/s, (a') at k=4 111 against 114).
+#
+#   bash bench/cores_check.sh --here     the same bench on this machine, with .venv
+# Environment: CORES_CHECK_BUDGET_S (280: the whole script), GPU_CHECK_PYTHON (python3),
+# GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), OUT (the device tool sets it; else
+# .cache/cores-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache on the device).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+STARTED=$(date +%s)
+BUDGET=${CORES_CHECK_BUDGET_S:-280}
+DEADLINE=$((STARTED + BUDGET))
+HERE=0
+case "${1:-}" in
+  "") ;;
+  --here) HERE=1 ;;
+  *) echo "usage: bash bench/cores_check.sh [--here]" >&2; exit 2 ;;
+esac
+CARRY=.cache/gpu-carry
+OUT=${OUT:-$ROOT/.cache/cores-check-out}
+mkdir -p "$OUT"
+rm -f "$OUT/cores_check.log" "$OUT/cores.txt"
+exec > >(tee -a "$OUT/cores_check.log") 2>&1
+TEE_PID=$!
+export PYTHONUNBUFFERED=1
+
+stamp() { printf '[%s +%4ds] %s\n' "$(date +%T)" "$(($(date +%s) - STARTED))" "$*"; }
+left() { echo $((DEADLINE - $(date +%s))); }
+finish() {
+  stamp "done: $1"
+  exec 1>&- 2>&-
+  wait "$TEE_PID" 2>/dev/null || sleep 1
+  [ "$1" = ok ]
+  exit $?
+}
+
+stamp "== the machine"
+{
+  grep -m1 "model name" /proc/cpuinfo
+  echo "cores: $(nproc)"
+  free -g | sed -n 2p
+  grep -m1 -o -w -E "amx_int8|avx512f" /proc/cpuinfo | sort -u | tr '\n' ' '
+  echo
+}
+
+if [ "$HERE" = 1 ]; then
+  VPY=$ROOT/.venv/bin/python
+else
+  export MESHNODE_CACHE_DIR=${MESHNODE_CACHE_DIR:-/tmp/meshnode-gpu-cache}
+  export CUDA_VISIBLE_DEVICES=""
+  VENV=${GPU_CHECK_VENV:-/tmp/meshnode-gpu-venv}
+  VPY=$VENV/bin/python
+  PY=${GPU_CHECK_PYTHON:-python3}
+  if ! ls "$CARRY"/runtime-wheels/aioquic-*.whl >/dev/null 2>&1; then
+    echo "$CARRY/runtime-wheels is missing: run bash bench/gpu_prepare.sh here first (and carry it)"
+    finish "no runtime wheels"
+  fi
+  if [ ! -x "$VPY" ]; then
+    stamp "== no venv from bench/gpu_check.sh: a new one over $PY with the carried wheels"
+    $PY -m venv --without-pip --system-site-packages "$VENV" || finish "venv"
+    purelib=$($VPY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    # As in bench/gpu_check.sh: the image's python3 may itself be a venv.
+    $PY -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
+      | sort -u >"$purelib/_outer_site.pth"
+    pip_wheel=$(ls "$CARRY"/wheels/pip-*.whl)
+    "$VPY" "$pip_wheel/pip" install -q --no-index --no-deps --no-cache-dir --ignore-installed \
+      --disable-pip-version-check "$CARRY"/wheels/*.whl || finish "wheels"
+  fi
+  PIP=("$VPY" -m pip --disable-pip-version-check -q)
+  # Whether it is installed (importing it also needs the image's jinja2).
+  if ! "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"; then
+    stamp "== llama-cpp-python for the CPU from the carried sdist, $(nproc) jobs"
+    CMAKE_ARGS="" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(left)" "${PIP[@]}" install --no-index \
+      --no-deps --no-build-isolation --no-cache-dir "$CARRY"/llama_cpp_python-0.3.36.tar.gz \
+      >/tmp/meshnode-cores-build.log 2>&1 || { tail -n 30 /tmp/meshnode-cores-build.log; finish "build"; }
+    stamp "built"
+  fi
+  stamp "== meshnode's runtime wheels and meshnode (editable) into $VENV"
+  "${PIP[@]}" install --no-index --no-deps --no-cache-dir --ignore-installed "$CARRY"/runtime-wheels/*.whl || finish "runtime wheels"
+  "${PIP[@]}" install --no-index --no-deps --no-build-isolation --no-cache-dir -e . || finish "meshnode install"
+fi
+"$VPY" -c 'import llama_cpp, aioquic, aiohttp; print("llama_cpp", llama_cpp.__version__, "|",
+llama_cpp.llama_print_system_info().decode().strip())' || finish "imports"
+
+stamp "== the stand-in model"
+model=$("$VPY" bench/random_model.py --size gemma270m) || finish "model"
+ls -l "$model"
+
+stamp "== bench/concurrency.py, (d) three CPU nodes of 2 threads, speculation off ($(left) s left)"
+timeout --signal=INT --kill-after=15 "$(($(left) - 10))" "$VPY" bench/concurrency.py --model "$model" \
+  --configs d --levels "${CORES_CHECK_LEVELS:-1,2,4,8}" --rounds "${CORES_CHECK_ROUNDS:-2}" --tokens 32 \
+  --node-arg=--max-sessions --node-arg=8 --node-arg=--speculation --node-arg=off \
+  --node-arg=--n-gpu-layers --node-arg=0 2>&1 | tee "$OUT/cores.txt"
+status=${PIPESTATUS[0]}
+[ "$status" -eq 0 ] && finish ok
+finish "bench (exit $status: 124 is the budget)"
