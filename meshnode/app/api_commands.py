@@ -31,6 +31,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.head_service import DEFAULT_API_LISTEN, HeadError, start_standalone
 from meshnode.app.lifecycle import run_drain
+from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.session_options import add_session_options, max_sessions
 from meshnode.app.speculation_options import add_speculation_options, driver_options
 from meshnode.app.status import query_status
@@ -210,6 +211,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     add_api_access_options(p)
     add_speculation_options(p)
+    add_pipeline_options(p)
     p.set_defaults(handler=cmd_serve)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from meshnode.api.auth import ANY_ORIGIN, ApiAccess
 from meshnode.app.head_service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
+from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.speculation_options import add_speculation_options
 from meshnode.head.driver import DriverOptions
 from meshnode.mesh.validation import MAX_TEXT
@@ -108,6 +109,7 @@ def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
     _add_api_listen(parser)
     add_api_access_options(parser)
     add_speculation_options(parser)
+    add_pipeline_options(parser)
 
 
 def api_access(args: argparse.Namespace) -> ApiAccess:

@@ -49,10 +49,16 @@ def add_speculation_options(parser: argparse.ArgumentParser | Any) -> None:
 
 
 def driver_options(args: argparse.Namespace, base: DriverOptions | None = None) -> DriverOptions:
-    """``base`` (the defaults) with the speculation the command line asked for."""
+    """``base`` (the defaults) with the speculation (and the ``--pipeline``,
+    meshnode.app.pipeline_options) the command line asked for."""
     base = base or DriverOptions()
     speculation = getattr(args, "speculation", "auto") != "off"
-    return replace(base, speculation=speculation, draft_max=getattr(args, "draft_max", base.draft_max))
+    return replace(
+        base,
+        speculation=speculation,
+        draft_max=getattr(args, "draft_max", base.draft_max),
+        pipeline=getattr(args, "pipeline", base.pipeline),
+    )
 
 
 __all__ = ["SPECULATION_CHOICES", "add_speculation_options", "driver_options", "parse_draft_max"]

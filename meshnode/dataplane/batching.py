@@ -126,21 +126,27 @@ class BatchScheduler:
         if filed is not None:
             self._rings[filed.decode].remove(filed.owner, session_id)
 
-    def plan(self) -> BatchPlan:
-        """Start forming the next batch."""
+    def plan(self, max_units: int | None = None) -> BatchPlan:
+        """Start forming the next batch; ``max_units`` narrows the limits' own (a pipeline
+        cohort's size, meshnode.dataplane.cohorts)."""
         prefills, decodes = self._rings[False], self._rings[True]
         if self.limits.mix_prefill:
-            return BatchPlan(self, prefill=True, decode=True)
+            return BatchPlan(self, prefill=True, decode=True, max_units=max_units)
         alone = bool(prefills) and (not decodes or not self._prefill_ran_alone)
-        return BatchPlan(self, prefill=alone, decode=not alone)
+        return BatchPlan(self, prefill=alone, decode=not alone, max_units=max_units)
 
 
 class BatchPlan:
     """One batch being formed: what is in it and how much room is left."""
 
-    def __init__(self, scheduler: BatchScheduler, *, prefill: bool, decode: bool) -> None:
+    def __init__(
+        self, scheduler: BatchScheduler, *, prefill: bool, decode: bool, max_units: int | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.limits = scheduler.limits
+        self.max_units = (
+            self.limits.max_units if max_units is None else max(1, min(max_units, self.limits.max_units))
+        )
         self.picked: set[str] = set()
         self.units = 0
         self.tokens = 0
@@ -155,7 +161,7 @@ class BatchPlan:
         if self._formed:
             return None
         session_id = None
-        if self.units < self.limits.max_units:
+        if self.units < self.max_units:
             if self._decodes_first:
                 session_id = self._pick_decode() or self._pick_prefill()
             else:

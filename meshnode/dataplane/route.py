@@ -29,6 +29,8 @@ class RoutePlan:
     compression: int
     sampling: SamplingParams
     return_logits: bool
+    # How many stages the head keeps busy at once (meshnode.dataplane.cohorts); 0: none.
+    pipeline_stages: int
     # The hop this worker forwards to, and the route that hop receives; both None
     # when this worker returns its result to the sender.
     next_hop: dataplane.RouteHop | None
@@ -42,6 +44,7 @@ def make_route(
     boundary_dtype: int = shard.DTYPE_FLOAT32,
     compression: int = shard.COMPRESSION_NONE,
     return_logits: bool = False,
+    pipeline_stages: int = 0,
 ) -> dataplane.SessionRoute:
     return dataplane.SessionRoute(
         gen=NODE_PROTOCOL_GENERATION,
@@ -50,6 +53,7 @@ def make_route(
         boundary_dtype=boundary_dtype,  # type: ignore[arg-type]
         compression=compression,  # type: ignore[arg-type]
         return_logits=return_logits,
+        pipeline_stages=pipeline_stages,
     )
 
 
@@ -167,6 +171,8 @@ def validate_route(route: dataplane.SessionRoute, *, end_layer: int, is_tail: bo
     compression = route.compression or shard.COMPRESSION_NONE
     if compression not in ROUTE_COMPRESSIONS:
         raise payload_corrupt("route compression must be NONE or ZSTD")
+    if route.pipeline_stages > MAX_ROUTE_HOPS + 1:
+        raise payload_corrupt(f"route has more than {MAX_ROUTE_HOPS + 1} pipeline stages")
     sampling = sampling_from_pb(route.sampling)
     if is_tail:
         # The plan lives as long as the session and epoch it opened: so does the history.
@@ -184,6 +190,7 @@ def validate_route(route: dataplane.SessionRoute, *, end_layer: int, is_tail: bo
         compression=compression,
         sampling=sampling,
         return_logits=route.return_logits,
+        pipeline_stages=route.pipeline_stages,
         next_hop=next_hop,
         onward=onward,
     )

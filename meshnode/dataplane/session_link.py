@@ -276,6 +276,7 @@ class ShardSession:
         boundary_dtype: int = shard.DTYPE_FLOAT32,
         compression: int = shard.COMPRESSION_NONE,
         return_logits: bool = False,
+        pipeline_stages: int = 0,
         route_session_id: str | None = None,
         route_epoch: int = 1,
         first_step: int = 1,
@@ -284,8 +285,8 @@ class ShardSession:
         answers: DirectAnswers | None = None,
     ) -> ShardSession:
         """A session that connects in the background. ``route`` (the SessionRoute first frame) is
-        built from ``downstream``/``sampling``/``boundary_dtype``/``compression``/``return_logits``
-        unless given. ``route_session_id`` defaults to a fresh random id. ``answers``: take the
+        built from ``downstream``/``sampling``/``boundary_dtype``/``compression``/``return_logits``/
+        ``pipeline_stages`` unless given. ``route_session_id`` defaults to a fresh random id. ``answers``: take the
         tail's tokens directly from it (a head's session with ``downstream`` hops)."""
         if route is None:
             route = make_route(
@@ -294,6 +295,7 @@ class ShardSession:
                 boundary_dtype=boundary_dtype,
                 compression=compression,
                 return_logits=return_logits,
+                pipeline_stages=pipeline_stages,
             )
         config = config or default_client_config()
         if answers is not None and not config.direct_answers:

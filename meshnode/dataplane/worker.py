@@ -38,6 +38,9 @@ on the next hop). Every per-unit rule holds inside a batch: each unit is checked
 (deadline, replay, cache) as it leaves its queue and takes no room when refused, has its
 own cancel token (a cancel or deadline fires that unit's only), and gets its own outcome;
 an exception failing the whole batch fails each unit as it would have failed it alone.
+When the sessions' routes ask for a pipeline (``SessionRoute.pipeline_stages``), a batch
+takes at most one cohort of them (:mod:`.cohorts`), so the route's stages compute
+different cohorts at once instead of passing one convoy along.
 :attr:`ShardWorker.batch_stats` counts sizes, queue waits and busy time for ``/metrics``.
 
 Choices the schema leaves open, made here:
@@ -113,6 +116,7 @@ from meshnode.dataplane.actions import (
 from meshnode.dataplane.arrival_forecast import ArrivalForecast
 from meshnode.dataplane.batch_stats import BatchStats
 from meshnode.dataplane.batching import BatchLimits, BatchScheduler
+from meshnode.dataplane.cohorts import cohort_limit
 from meshnode.dataplane.envelope import (
     HIGHEST_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
@@ -1040,7 +1044,12 @@ class ShardWorker:
     def _holding(self, now_ns: int) -> bool:
         """Whether the free engine waits for sessions due back within about one batch
         (meshnode.dataplane.arrival_forecast), so that they share the next batch instead of
-        taking turns; each wait has one end, fixed when it begins."""
+        taking turns; each wait has one end, fixed when it begins. Never while pipeline cohorts
+        are in force: they move on as they come, and waiting for the sessions due back would
+        gather them into one convoy again (meshnode.dataplane.cohorts)."""
+        if self._cohort_limit() is not None:
+            self._hold_until_ns = None
+            return False
         if self._hold_until_ns is not None:
             if now_ns < self._hold_until_ns and self._forecast.due_within(
                 self._ready, now_ns, self._hold_horizon()
@@ -1056,6 +1065,16 @@ class ShardWorker:
         self._hold_until_ns = due
         return True
 
+    def _cohort_limit(self) -> int | None:
+        """A pipeline cohort's size when the sessions held ask for cohorts (meshnode.dataplane.cohorts)."""
+        return cohort_limit(s.plan.pipeline_stages for s in self._sessions.values() if s.plan is not None)
+
+    def _batch_room(self) -> int:
+        """Units the next batch may take: the engine's limit, or a pipeline cohort's."""
+        cohort = self._cohort_limit()
+        limit = self.batch_limits.max_units
+        return limit if cohort is None else min(limit, cohort)
+
     def _hold_horizon(self) -> int:
         share = self.config.batch_hold_share
         return min(round(self._last_batch_ns * share), self.config.max_batch_hold_ns) if share > 0 else 0
@@ -1065,7 +1084,7 @@ class ShardWorker:
         ask the edge to run it. A head unit refused before the engine (deadline, replay, cache
         miss) takes no room; its session's next unit waits for the next batch, whose plan sees
         what that unit is. Every call takes at least one unit off a queue, so the pump ends."""
-        plan = self._scheduler.plan()
+        plan = self._scheduler.plan(max_units=self._batch_room())
         units: list[Unit] = []
         steps: list[BatchStep] = []
         while (session_id := plan.next()) is not None:

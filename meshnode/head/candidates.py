@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshnode.head.planner import ModelIdentity, NoRouteError, ShardCandidate, models_available, plan_route
+from meshnode.transport.addresses import AddressError, parse_host_port
 from meshnode.wire.pb import mesh, shard
 
 # Serving states a peer may announce and still take new sessions. UNSPECIFIED is
 # what a node announces before its first load report.
 _ACCEPTING_STATES = (shard.SERVING_STATE_UNSPECIFIED, shard.SERVING_STATE_SERVING)
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 
 def model_identity(served: mesh.ServedShard) -> ModelIdentity:
@@ -60,7 +62,22 @@ def shard_candidate(
         numerics=served.numerics,
         max_context_tokens=announcement.capacity.max_context_tokens,
         verifies_drafts=served.verifies_drafts,
+        hosts=announced_hosts(announcement.addresses),
     )
+
+
+def announced_hosts(addresses: Iterable[str]) -> frozenset[str]:
+    """The host part of each ``host:port`` (``[v6]:port``) address a peer announces; a wildcard
+    (0.0.0.0, ::) names no machine and is left out."""
+    hosts = set()
+    for address in addresses:
+        try:
+            host, _ = parse_host_port(address)
+        except AddressError:
+            continue
+        if host.lower() not in _WILDCARD_HOSTS:
+            hosts.add(host.lower())
+    return frozenset(hosts)
 
 
 def shard_candidates(announcements: Iterable[tuple[bytes, mesh.PeerAnnouncement]]) -> list[ShardCandidate]:
@@ -93,6 +110,7 @@ def identities_for_artifact(
 
 
 __all__ = [
+    "announced_hosts",
     "identities_for_artifact",
     "model_identity",
     "routable_models",

@@ -75,6 +75,7 @@ from meshnode.dataplane.session_link import (
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, MeshBusy
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.numerics import describe_numerics, mixes_numerics, system_fingerprint
+from meshnode.head.pipeline import PIPELINE_MODES, pipeline_stages
 from meshnode.head.planner import (
     Hop,
     ModelIdentity,
@@ -148,10 +149,15 @@ class DriverOptions:
     # positions computed for nothing, so with several sessions sharing the
     # shards the batched plain decodes give more tokens per second (bench/RESULTS.md, issue 20).
     speculation_max_generations: int = 1
+    # Whether the route's stages compute different generations at once (meshnode.head.pipeline):
+    # "auto" where every hop is on a machine of its own, "on", "off" (one convoy of sessions).
+    pipeline: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_max must be between 1 and {MAX_DRAFT_TOKENS}")
+        if self.pipeline not in PIPELINE_MODES:
+            raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}")
 
 
 @dataclass(frozen=True)
@@ -482,6 +488,7 @@ class _Generation:
             ],
             sampling=self.sampling,
             boundary_dtype=self.options.boundary_dtype,
+            pipeline_stages=pipeline_stages(self.options.pipeline, route.hops),
             route_session_id=self.session_id,
             route_epoch=self.epoch,
             config=default_client_config(),

@@ -64,6 +64,8 @@ class ShardCandidate:
     max_context_tokens: int = 0
     # It runs speculative decoding's verify steps and rollbacks (ServedShard.verifies_drafts).
     verifies_drafts: bool = False
+    # The hosts of the addresses it announces (which machine it is on; empty when unsaid).
+    hosts: frozenset[str] = frozenset()
 
     @property
     def load(self) -> float:
@@ -91,6 +93,8 @@ class Hop:
     numerics: str = ""
     # Whether the hop runs verify steps (ShardCandidate.verifies_drafts).
     verifies_drafts: bool = False
+    # ShardCandidate.hosts: whether two hops share a machine (meshnode.head.pipeline).
+    hosts: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ def plan_route(
                 position,
                 candidate.numerics,
                 candidate.verifies_drafts,
+                candidate.hosts,
             )
         )
         position = candidate.end_layer

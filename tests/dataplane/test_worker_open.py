@@ -129,6 +129,8 @@ def test_a_head_range_takes_token_ids_only() -> None:
         (dataplane.SessionRoute(gen=2), shard.ERROR_CODE_SCHEMA_UNSUPPORTED),
         (make_route(boundary_dtype=shard.DTYPE_INT8), shard.ERROR_CODE_PAYLOAD_CORRUPT),
         (make_route(compression=7), shard.ERROR_CODE_PAYLOAD_CORRUPT),
+        # More pipeline stages than a route can have hops (meshnode.dataplane.cohorts).
+        (make_route(pipeline_stages=66), shard.ERROR_CODE_PAYLOAD_CORRUPT),
         (make_route([make_hop(b"short", 2, 4, 2)]), shard.ERROR_CODE_PAYLOAD_CORRUPT),
         # The first hop must start where this worker stops.
         (make_route([make_hop(NODE_B, 1, 4, 1)]), shard.ERROR_CODE_SHARD_RANGE_MISMATCH),

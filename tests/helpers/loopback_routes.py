@@ -51,10 +51,17 @@ class LoopbackRoutes:
     def __post_init__(self) -> None:
         self.me = self.mesh.add(DRIVER_INDEX)
 
-    async def add_shard(self, index: int, start: int, end: int, **engine_options: object) -> Shard:
+    async def add_shard(
+        self,
+        index: int,
+        start: int,
+        end: int,
+        engine_class: type[RecordingEngine] = RecordingEngine,
+        **engine_options: object,
+    ) -> Shard:
         """A server for ``[start, end)`` on peer ``index`` (``DRIVER_INDEX``: this node, served locally)."""
         peer = self.me if index == DRIVER_INDEX else self.mesh.add(index)
-        engine = RecordingEngine(start, end, **engine_options)  # type: ignore[arg-type]
+        engine = engine_class(start, end, **engine_options)  # type: ignore[arg-type]
         server = ShardServer(engine, links=peer.get_link)
         assert (await server.start()).validated
         if index == DRIVER_INDEX:
@@ -136,13 +143,15 @@ FAST = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1
 
 
 @contextlib.asynccontextmanager
-async def three_hop_routes() -> AsyncIterator[LoopbackRoutes]:
+async def three_hop_routes(
+    engine_class: type[RecordingEngine] = RecordingEngine, **engine_options: object
+) -> AsyncIterator[LoopbackRoutes]:
     """The driver's [0, 2), MIDDLE's [2, 3) and TAIL's [3, 4); SPARE is the index for a replica."""
     routes = LoopbackRoutes()
     try:
-        await routes.add_shard(DRIVER_INDEX, 0, 2)
-        await routes.add_shard(MIDDLE, 2, 3)
-        await routes.add_shard(TAIL, 3, 4)
+        await routes.add_shard(DRIVER_INDEX, 0, 2, engine_class, **engine_options)
+        await routes.add_shard(MIDDLE, 2, 3, engine_class, **engine_options)
+        await routes.add_shard(TAIL, 3, 4, engine_class, **engine_options)
         yield routes
     finally:
         await routes.aclose()

@@ -55,17 +55,19 @@ class LogitBias(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class SessionRoute(_message.Message):
-    __slots__ = ("gen", "downstream", "sampling", "boundary_dtype", "compression", "return_logits")
+    __slots__ = ("gen", "downstream", "sampling", "boundary_dtype", "compression", "return_logits", "pipeline_stages")
     GEN_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
     gen: int
     downstream: _containers.RepeatedCompositeFieldContainer[RouteHop]
     sampling: SamplingParams
     boundary_dtype: _shard_runtime_pb2.DType
     compression: _shard_runtime_pb2.Compression
     return_logits: bool
-    def __init__(self, gen: _Optional[int] = ..., downstream: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., boundary_dtype: _Optional[_Union[_shard_runtime_pb2.DType, str]] = ..., compression: _Optional[_Union[_shard_runtime_pb2.Compression, str]] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    pipeline_stages: int
+    def __init__(self, gen: _Optional[int] = ..., downstream: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., boundary_dtype: _Optional[_Union[_shard_runtime_pb2.DType, str]] = ..., compression: _Optional[_Union[_shard_runtime_pb2.Compression, str]] = ..., return_logits: _Optional[bool] = ..., pipeline_stages: _Optional[int] = ...) -> None: ...

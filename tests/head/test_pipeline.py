@@ -1,0 +1,116 @@
+"""A head keeps a route's stages busy at once (meshnode.head.pipeline, issue 15's pipeline): it
+opens a route with its stage count when its hops are machines of their own (``auto``), or
+always (``on``); the workers then run cohorts, and with as many generations as stages every
+stage computes while the others do. Stages here are fake engines that take a fixed time per
+step by sleeping, as machines of their own would, on any number of cores."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+from helpers.loopback_routes import FAST, collect, reference, three_hop_routes
+
+from engines.interface import GREEDY, BatchStep
+from meshnode.head.candidates import announced_hosts
+from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.pipeline import pipeline_stages
+from meshnode.head.planner import Hop
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def hop(start: int, end: int, *hosts: str) -> Hop:
+    return Hop(bytes([start]) * 32, start, end, start, hosts=frozenset(hosts))
+
+
+def test_announced_hosts_are_the_machines_a_peer_listens_on() -> None:
+    addresses = ["10.0.0.7:7447", "[2001:DB8::1]:7447", "0.0.0.0:7447", "[::]:9", "no-port", "host:x", ":5"]
+    assert announced_hosts(addresses) == {"10.0.0.7", "2001:db8::1"}
+    assert announced_hosts([]) == frozenset()
+
+
+def test_auto_pipelines_a_route_whose_hops_are_each_on_a_machine_of_their_own() -> None:
+    apart = [hop(0, 2, "10.0.0.1"), hop(2, 3, "10.0.0.2", "fd00::2"), hop(3, 4, "10.0.0.3")]
+    assert pipeline_stages("auto", apart) == 3
+    assert pipeline_stages("on", apart) == 3
+    assert pipeline_stages("off", apart) == 0
+
+
+def test_auto_keeps_the_convoy_where_stages_share_a_machine_or_do_not_say() -> None:
+    one_machine = [hop(0, 2, "127.0.0.1"), hop(2, 3, "127.0.0.1"), hop(3, 4, "127.0.0.1")]
+    assert pipeline_stages("auto", one_machine) == 0
+    two_share = [hop(0, 2, "10.0.0.1"), hop(2, 3, "10.0.0.2"), hop(3, 4, "10.0.0.9", "10.0.0.1")]
+    assert pipeline_stages("auto", two_share) == 0
+    unsaid = [hop(0, 2, "10.0.0.1"), hop(2, 4)]
+    assert pipeline_stages("auto", unsaid) == 0
+    # "on" is the operator's word for it.
+    assert pipeline_stages("on", one_machine) == 3
+
+
+def test_a_route_of_one_hop_has_no_pipeline() -> None:
+    assert pipeline_stages("on", [hop(0, 4, "10.0.0.1")]) == 0
+    with pytest.raises(ValueError, match="pipeline mode"):
+        pipeline_stages("sometimes", [])
+    with pytest.raises(ValueError, match="pipeline"):
+        DriverOptions(pipeline="sometimes")
+
+
+STEP_S = 0.04
+
+
+class StageClock:
+    """Each stage's engine batches as (start, end, sessions), on one monotonic clock."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, list[tuple[float, float, int]]] = {}
+        self._lock = threading.Lock()
+
+    def wrap(self, index: int, step_batch: Callable[[Sequence[BatchStep]], list]) -> Callable:
+        def timed(steps: Sequence[BatchStep]) -> list:
+            start = time.monotonic()
+            try:
+                return step_batch(steps)
+            finally:
+                with self._lock:
+                    self.batches.setdefault(index, []).append((start, time.monotonic(), len(steps)))
+
+        return timed
+
+    def all_busy_at_once(self) -> bool:
+        """Whether some moment found every stage inside a batch."""
+        stages = list(self.batches.values())
+        for start, _, _ in (b for batches in stages for b in batches):
+            if all(any(s <= start < e for s, e, _ in batches) for batches in stages):
+                return True
+        return False
+
+
+async def generate_three_at_once(pipeline: str) -> tuple[StageClock, list[list[int]], list[list[int]]]:
+    clock = StageClock()
+    async with three_hop_routes() as routes:
+        for index, shard in routes.shards.items():
+            shard.engine.step_delay_s = STEP_S  # a sleep per step: a machine of its own
+            shard.engine.step_batch = clock.wrap(index, shard.engine.step_batch)  # type: ignore[method-assign]
+        options = DriverOptions(**{**FAST.__dict__, "speculation": False, "pipeline": pipeline})
+        driver = GenerationDriver(routes, options)
+        prompts = [[5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3]]
+        texts = await asyncio.gather(*(collect(driver.generate(routes.model, p, GREEDY, 8)) for p in prompts))
+    return clock, list(texts), [reference(p, 8) for p in prompts]
+
+
+async def test_three_generations_keep_three_stages_busy_at_once_with_each_its_own_text() -> None:
+    clock, texts, expected = await generate_three_at_once("on")
+    assert texts == expected
+    assert clock.all_busy_at_once()
+    # Cohorts of one session: 3 generations over 3 stages.
+    assert {sessions for batches in clock.batches.values() for _, _, sessions in batches} == {1}
+
+
+async def test_without_the_pipeline_the_text_is_the_same() -> None:
+    clock, texts, expected = await generate_three_at_once("off")
+    assert texts == expected
+    assert len(clock.batches) == 3
