@@ -6,7 +6,8 @@
 # CPU a token costs (bench/RESULTS.md, "Where the cores go at concurrency 4"). The device
 # machine lent to some tasks has 16 cores: there each node's two threads, its event loop and
 # the bench's own (a) and (a') contexts can all run at once, as on the pooled machines the
-# product is for. Its GPU is hidden (CUDA_VISIBLE_DEVICES=""): this measures CPU nodes.
+# product is for. Its GPU is hidden (CUDA_VISIBLE_DEVICES=""): this measures CPU nodes, once
+# with every session in one batch (--pipeline off) and once in pipeline cohorts (on).
 #
 # HOW TO RUN IT (a session whose task is lent the device machine):
 #   1. Here, first:   bash bench/gpu_prepare.sh      (also fetches the runtime wheels)
@@ -110,11 +111,20 @@ stamp "== the stand-in model"
 model=$("$VPY" bench/random_model.py --size gemma270m) || finish "model"
 ls -l "$model"
 
-stamp "== bench/concurrency.py, (d) three CPU nodes of 2 threads, speculation off ($(left) s left)"
-timeout --signal=INT --kill-after=15 "$(($(left) - 10))" "$VPY" bench/concurrency.py --model "$model" \
-  --configs d --levels "${CORES_CHECK_LEVELS:-1,2,4,8}" --rounds "${CORES_CHECK_ROUNDS:-2}" --tokens 32 \
-  --node-arg=--max-sessions --node-arg=8 --node-arg=--speculation --node-arg=off \
-  --node-arg=--n-gpu-layers --node-arg=0 2>&1 | tee "$OUT/cores.txt"
-status=${PIPESTATUS[0]}
+# The convoy (--pipeline off; what auto chooses for nodes on one machine, as here) and the
+# pipeline (on: cohorts, meshnode.dataplane.cohorts), each a run of its own.
+status=0
+for pipeline in off on; do
+  # The first run takes half of what is left, so that the second one runs too.
+  share=1
+  [ "$pipeline" = off ] && share=2
+  stamp "== bench/concurrency.py, (d) three CPU nodes of 2 threads, --pipeline $pipeline, speculation off ($(left) s left)"
+  timeout --signal=INT --kill-after=15 "$((($(left) - 10) / share))" "$VPY" bench/concurrency.py \
+    --model "$model" --configs d --levels "${CORES_CHECK_LEVELS:-1,2,4,8}" --rounds "${CORES_CHECK_ROUNDS:-2}" \
+    --tokens 32 --node-arg=--max-sessions --node-arg=8 --node-arg=--speculation --node-arg=off \
+    --node-arg=--n-gpu-layers --node-arg=0 --node-arg=--pipeline --node-arg=$pipeline 2>&1 | tee -a "$OUT/cores.txt"
+  run_status=${PIPESTATUS[0]}
+  [ "$run_status" -eq 0 ] || status=$run_status
+done
 [ "$status" -eq 0 ] && finish ok
 finish "bench (exit $status: 124 is the budget)"
