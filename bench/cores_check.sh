@@ -95,6 +95,9 @@ else
   # Whether it is installed (importing it also needs the image's jinja2).
   if ! "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"; then
     stamp "== llama-cpp-python for the CPU from the carried sdist, $(nproc) jobs"
+    # The system compiler, as in bench/gpu_check.sh: the image's /opt/gcc g++ links the C++
+    # runtime into each library, and model loads die of it (engines/cxx_runtime.py).
+    [ -x /usr/bin/g++ ] && export CC=/usr/bin/gcc CXX=/usr/bin/g++
     CMAKE_ARGS="" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(left)" "${PIP[@]}" install --no-index \
       --no-deps --no-build-isolation --no-cache-dir "$CARRY"/llama_cpp_python-0.3.36.tar.gz \
       >/tmp/meshnode-cores-build.log 2>&1 || { tail -n 30 /tmp/meshnode-cores-build.log; finish "build"; }
@@ -106,6 +109,13 @@ else
 fi
 "$VPY" -c 'import llama_cpp, aioquic, aiohttp; print("llama_cpp", llama_cpp.__version__, "|",
 llama_cpp.llama_print_system_info().decode().strip())' || finish "imports"
+
+# A build that carries its own C++ runtime (bench/gpu_check.sh's, if an older copy of it
+# built one) runs as the refusal advises: with the system's runtime preloaded.
+if [ -n "$("$VPY" -c 'from engines.cxx_runtime import bundled_cxx_runtime as b; print(b() or "")')" ]; then
+  export LD_PRELOAD=libstdc++.so.6${LD_PRELOAD:+:$LD_PRELOAD}
+  stamp "libllama.so carries its own C++ runtime: LD_PRELOAD=$LD_PRELOAD"
+fi
 
 stamp "== the stand-in model"
 model=$("$VPY" bench/random_model.py --size gemma270m) || finish "model"

@@ -19,14 +19,16 @@
 # Stages: the environment (nvidia-smi, nvcc, cmake); a venv over the image's python3 (its
 # packages stay visible) with the carried wheels; llama-cpp-python 0.3.36 from the carried,
 # trimmed sdist with CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" (sm_90 only,
-# parallel, pip --no-index); meshnode installed into it (editable, its C extensions built);
+# parallel, pip --no-index) by the system's gcc/g++ (not the image's /opt/gcc, which links
+# the C++ runtime statically: every model load died of it); meshnode installed into it (editable, its C extensions built);
 # llama_print_system_info() and which CUDA libraries libggml-cuda resolves; the engine parity
 # tests with every layer offloaded, each test in a process of its own so that one that kills
 # its process is named and the rest still run (MESHNODE_TEST_N_GPU_LAYERS=99: split vs whole
 # at the float32 boundary, the largest difference printed, greedy text identical; the
-# passthrough layer in a GPU split of its own; a middle slice fully offloaded); an A/B of the
-# first contract tests with and without the build's LD_LIBRARY_PATH (the first H200 run had
-# it and died of SIGSEGV loading models; bench/RESULTS.md); bench/engine.py on the GPU (whole vs 2 and 3 shards, each weight-repack setting in a
+# passthrough layer in a GPU split of its own; a middle slice fully offloaded); whether
+# libllama.so links the shared C++ runtime, and if it does not, an A/B of the first contract
+# test without and with LD_PRELOAD=libstdc++.so.6, which the later stages then keep
+# (engines/cxx_runtime.py; bench/RESULTS.md, the H100 run); bench/engine.py on the GPU (whole vs 2 and 3 shards, each weight-repack setting in a
 # child) on a generated 1.35 GB random-weight llama (bench/random_model.py); and mixed routes
 # (bench/mixed_route.py: head on the GPU, tail on the CPU, and the other ways) against the
 # CPU-only route.
@@ -188,6 +190,14 @@ run_step "wheels" 120 "$VPY" "$pip_wheel/pip" install -q --no-index --no-deps --
 if [ "$MODE" = dry ]; then
   stage "llama-cpp-python: not built (--cpu-dry-run), the installed CPU build is used"
 else
+  # PyTorch's CUDA image puts a g++ first (/opt/gcc/bin) that links the C++ runtime into every
+  # library it links: libllama.so and libggml-cuda.so each carried a copy, and every model load
+  # died of SIGSEGV in llama_model::print_info once numpy had loaded the system's libstdc++
+  # (engines/cxx_runtime.py; bench/RESULTS.md, the H100 run). The system compiler links it shared.
+  if [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+    echo "compilers: CC=$CC CXX=$CXX CUDAHOSTCXX=$CUDAHOSTCXX (g++ on PATH: $(command -v g++))"
+  fi
   if [ "$MODE" = gpu ]; then
     export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF"
     # nvcc on PATH may be a wrapper script, which hides the toolkit's root from CMake's
@@ -236,10 +246,8 @@ else
 fi
 
 # What the build needed is not what a user's node runs with: the toolkit's LD_LIBRARY_PATH
-# and CUDACXX go (kept for the A/B stage below), so the runs load the CUDA libraries the way
-# an installed meshnode would. A native backtrace is printed on a fatal signal
-# (bench/gpu/crash_backtrace.c; the machine has no gdb).
-BUILD_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+# and CUDACXX go, so the runs load the CUDA libraries the way an installed meshnode would. A
+# native backtrace is printed on a fatal signal (bench/gpu/crash_backtrace.c; no gdb there).
 export LD_LIBRARY_PATH=$ORIGINAL_LD_LIBRARY_PATH
 unset CUDACXX
 export PYTHONFAULTHANDLER=1
@@ -252,6 +260,25 @@ fi
 stage "meshnode into the venv (editable, its C extensions built)"
 run_step "meshnode install" 180 "${PIP[@]}" install -q --no-index --no-deps --no-build-isolation \
   --no-cache-dir -e . || finish
+
+stage "the C++ runtime llama.cpp's libraries link (engines/cxx_runtime.py)"
+bundled=$("$VPY" -c 'from engines.cxx_runtime import bundled_cxx_runtime as b; print(b() or "")')
+"$VPY" -c 'from engines.cxx_runtime import elf_needed, llama_library_dir as d
+for name in ("libllama.so", "libggml-cuda.so", "libggml-cpu.so"):
+    print(name, "needs", elf_needed(d() / name))'
+if [ -n "$bundled" ]; then
+  stamp "$bundled carries its own C++ runtime: the first contract test without and with $(
+    "$VPY" -c 'from engines.cxx_runtime import PRELOAD_FIX; print(PRELOAD_FIX)')"
+  for preload in "" libstdc++.so.6; do
+    LD_PRELOAD=$preload${LD_PRELOAD:+:$LD_PRELOAD} MESHNODE_TEST_N_GPU_LAYERS=$NGL timeout 60 "$VPY" -m pytest \
+      -p no:cacheprovider -q tests/engines/test_engine_llama_tiny.py -k test_load_reports >/tmp/meshnode-gpu-ab.log 2>&1
+    echo "LD_PRELOAD=$preload: exit $?"
+  done
+  # The rest runs as a user following the refusal's advice would.
+  export LD_PRELOAD=libstdc++.so.6${LD_PRELOAD:+:$LD_PRELOAD}
+else
+  echo "libllama.so links the shared C++ runtime"
+fi
 
 stage "llama.cpp as the venv sees it"
 {
@@ -312,15 +339,6 @@ export -f isolated_tests
 export VPY NGL
 run_logged "parity tests" 200 "$OUT/parity.txt" bash -c isolated_tests
 
-if [ "$MODE" = gpu ] && [ "$BUILD_LD_LIBRARY_PATH" != "$ORIGINAL_LD_LIBRARY_PATH" ]; then
-  stage "A/B: the first contract test three times with the build's LD_LIBRARY_PATH (the first run's SIGSEGVs had it)"
-  for round in 1 2 3; do
-    LD_LIBRARY_PATH=$BUILD_LD_LIBRARY_PATH timeout 60 "$VPY" -m pytest -p no:cacheprovider -q -x \
-      tests/engines/test_engine_llama_tiny.py -k "test_load_reports or test_chained_shards" >/tmp/meshnode-gpu-ab.log 2>&1
-    echo "round $round with the build's LD_LIBRARY_PATH: exit $?"
-    tail -n 30 /tmp/meshnode-gpu-ab.log | grep -E "passed|failed|Fatal|backtrace|lib(llama|ggml)" | head -12
-  done 2>&1 | tee -a "$OUT/parity.txt"
-fi
 
 stage "bench/engine.py on a generated random-weight llama ($MODEL_SIZE), n_gpu_layers $NGL"
 model=$(timeout "$(left 60)" "$VPY" bench/random_model.py --size "$MODEL_SIZE")

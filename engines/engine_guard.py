@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from engines.cxx_runtime import cxx_runtime_advice
 from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, system_info
 from engines.llama_lib import llama_cpp_version
 from engines.weight_repack import WeightRepack, cpu_features, describe, plan_repack
@@ -80,6 +81,11 @@ def _refusal(
             "no setting avoids it: rebuild llama-cpp-python for this CPU "
             "(pip install --force-reinstall --no-cache-dir llama-cpp-python==" + llama_cpp_version() + ")"
         )
+    if verdict.crashed:
+        # Not the setting's fault: no repack or offload choice avoids a split C++ runtime.
+        advice = cxx_runtime_advice()
+        if advice:
+            fix = advice
     message = f"{what}, {where}; {fix}"
     # Threads that die together can cut faulthandler's report to its first words.
     if len(verdict.stderr_tail.splitlines()) > 1:

@@ -184,6 +184,8 @@ class ProbeKey:
     tensor_types: tuple[str, ...]
     role: str
     offload: str
+    # Which C++ runtime llama.cpp binds to can hang on it (engines.cxx_runtime).
+    preload: str
 
     @classmethod
     def of(cls, target: ProbeTarget) -> ProbeKey:
@@ -196,6 +198,7 @@ class ProbeKey:
             tensor_types=tensor_types(target.model_path),
             role=role,
             offload=offload,
+            preload=os.environ.get("LD_PRELOAD", ""),
         )
 
     def digest(self) -> str:

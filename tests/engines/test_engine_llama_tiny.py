@@ -21,6 +21,8 @@ from engines.tiny_model import TINY_N_LAYERS
 from engines.tokenizer import Tokenizer
 
 PREFILL_TOKENS = 100
+# GGML_OP_OFFLOAD_MIN_BATCH's default in llama.cpp's CUDA backend.
+OP_OFFLOAD_MIN_BATCH = 32
 DECODE_STEPS = 20
 
 
@@ -111,11 +113,6 @@ def reference(tiny_model: Path) -> tuple[tuple[int, ...], list[np.ndarray], list
     return _whole_run(tiny_model, None)
 
 
-@pytest.fixture(scope="module")
-def cpu_reference(tiny_model: Path) -> tuple[tuple[int, ...], list[np.ndarray], list[int]]:
-    return _whole_run(tiny_model, 0)
-
-
 def _offload() -> str:
     return f"{gpu_layers()} layers offloaded" if offloading() else "CPU"
 
@@ -197,14 +194,19 @@ def test_a_middle_slice_puts_its_empty_input_table_with_the_offloaded_layers(  #
         engine.close()
 
 
-def test_passthrough_layer_in_a_split_of_its_own(tiny_model: Path, cpu_reference) -> None:  # type: ignore[no-untyped-def]
+def test_passthrough_layer_in_a_split_of_its_own(tiny_model: Path) -> None:
     """The head slice [0, 3) holds 3 layers and the passthrough layer; ``n_gpu_layers=2``
     offloads only the passthrough layer and the output layer. The capture ends the CPU split
     at ``l_out-2``, and the scheduler still runs the passthrough layer's split on the GPU
     afterwards: the rows handed on must be the CPU's, so a chain with a CPU tail equals the
-    whole model on the CPU bit for bit. (A CPU-only build ignores ``n_gpu_layers``: then this
-    is the plain split at 3.)"""
-    prompt, expected_logits, expected_tokens = cpu_reference
+    whole model on the CPU bit for bit. The prompt stays under llama.cpp's op-offload batch
+    (32 tokens): from there an offloading context also sends the CPU layers' prefill products
+    to the GPU (on the H100, 0.0054 off with 100 tokens), which is llama.cpp's choice, not the
+    capture's. (A CPU-only build ignores ``n_gpu_layers``: then this is the plain split at 3.)"""
+    prompt = prompt_tokens(OP_OFFLOAD_MIN_BATCH - 8, 500, seed=11)
+    whole = _load(tiny_model, n_gpu_layers=0)
+    expected_logits, expected_tokens = _greedy_run([whole], prompt)
+    whole.close()
     head, tail = _load(tiny_model, 0, 3, n_gpu_layers=2), _load(tiny_model, 3, n_gpu_layers=0)
     if llama_cpp.llama_supports_gpu_offload():
         devices = set(head.weight_buffers) - {"CPU", "CPU_Mapped", "CPU_REPACK", "AMX"}

@@ -1,0 +1,118 @@
+"""llama.cpp libraries that carry their own C++ runtime: found from the ELF file, named in the
+refusal with the fix, and a verdict taken before the fix does not outlive it."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines import cxx_runtime, engine_probe
+from engines.cxx_runtime import PRELOAD_FIX, bundled_cxx_runtime, cxx_runtime_advice, elf_needed
+from engines.engine_guard import EngineProbeRefusal, choose_weight_repack
+from engines.engine_probe import ProbeTarget, probe
+from engines.weight_repack import WeightRepack
+
+# What llama_model::print_info does where the H100 machine's build died: format into a stream.
+SOURCE = """
+#include <sstream>
+extern "C" int formatted_length(long value) {
+    std::ostringstream stream;
+    stream << value;
+    return (int)stream.str().size();
+}
+"""
+SEGFAULTING_CHILD = (
+    sys.executable,
+    "-c",
+    "import faulthandler, os, signal; faulthandler.enable(); os.kill(os.getpid(), signal.SIGSEGV)",
+)
+
+
+def _build_libllama(directory: Path, *flags: str) -> Path:
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build a C++ library with")
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "library.cpp"
+    source.write_text(SOURCE)
+    library = directory / "libllama.so"
+    subprocess.run(["g++", "-shared", "-fPIC", *flags, "-o", str(library), str(source)], check=True)
+    return library
+
+
+@pytest.fixture
+def static_runtime_dir(tmp_path: Path) -> Path:
+    return _build_libllama(tmp_path / "static", "-static-libstdc++").parent
+
+
+def test_a_library_with_the_cxx_runtime_linked_in_is_found(static_runtime_dir: Path):
+    needed = elf_needed(static_runtime_dir / "libllama.so")
+    assert needed is not None and "libc.so.6" in needed
+    assert not any(name.startswith("libstdc++") for name in needed)
+    assert bundled_cxx_runtime(static_runtime_dir) == static_runtime_dir / "libllama.so"
+    advice = cxx_runtime_advice(static_runtime_dir, preload="")
+    assert PRELOAD_FIX in advice and "libllama.so needs no libstdc++.so.6" in advice
+    # Once the system's runtime is preloaded, every library binds to it: nothing to advise.
+    assert cxx_runtime_advice(static_runtime_dir, preload="/usr/lib/libstdc++.so.6") == ""
+
+
+def test_a_library_linking_the_shared_runtime_is_not_flagged(tmp_path: Path):
+    library = _build_libllama(tmp_path / "dynamic")
+    assert "libstdc++.so.6" in (elf_needed(library) or ())
+    assert bundled_cxx_runtime(library.parent) is None
+    assert cxx_runtime_advice(library.parent, preload="") == ""
+
+
+def test_the_installed_llama_cpp_links_the_shared_runtime():
+    """The build this suite runs on (pip from the sdist with the system compiler)."""
+    needed = elf_needed(cxx_runtime.llama_library_dir() / "libllama.so")
+    assert needed is not None and any(name.startswith("libggml") for name in needed)
+    assert bundled_cxx_runtime() is None
+
+
+def test_files_that_are_not_64_bit_elf_libraries_are_not_read_as_any(tmp_path: Path):
+    text = tmp_path / "libllama.so"
+    text.write_text("not a library")
+    assert elf_needed(text) is None and bundled_cxx_runtime(tmp_path) is None
+    real = (cxx_runtime.llama_library_dir() / "libllama.so").read_bytes()
+    truncated = tmp_path / "truncated.so"
+    truncated.write_bytes(real[:200])
+    assert elf_needed(truncated) is None
+    assert elf_needed(tmp_path / "missing.so") is None
+    assert bundled_cxx_runtime(tmp_path / "nowhere") is None
+
+
+def test_a_crash_with_a_bundled_runtime_is_refused_with_the_preload_fix(
+    tiny_model: Path, tmp_path: Path, static_runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(cxx_runtime, "llama_library_dir", lambda: static_runtime_dir)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(engine_probe, "CHILD_COMMAND", SEGFAULTING_CHILD)
+    with pytest.raises(EngineProbeRefusal) as refused:
+        choose_weight_repack(
+            WeightRepack.AUTO, ProbeTarget(tiny_model, cache_dir=tmp_path), machine="CPU : AVX2 = 1 |"
+        )
+    message = str(refused.value)
+    assert "SIGSEGV" in message
+    assert f"start the node with {PRELOAD_FIX}" in message
+    # Rebuilding "for this CPU" with the same compiler would not help: that advice is not given.
+    assert "rebuild llama-cpp-python for this CPU" not in message
+
+
+def test_a_crash_verdict_taken_without_the_preload_does_not_refuse_with_it(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The user follows the fix: the cached crash must not refuse the next start."""
+    target = ProbeTarget(tiny_model, 0, 3, threads=1, cache_dir=tmp_path)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with monkeypatch.context() as crashing:
+        crashing.setattr(engine_probe, "CHILD_COMMAND", SEGFAULTING_CHILD)
+        assert probe(target).signal_number == signal.SIGSEGV
+    assert probe(target).cached, "without a change the crash is remembered"
+    monkeypatch.setenv("LD_PRELOAD", "libstdc++.so.6")
+    fixed = probe(target)
+    assert fixed.survived and not fixed.cached
