@@ -2,9 +2,12 @@
 
 With it on, a head opens its routes with their stage count and every worker runs the
 sessions of such routes in cohorts (meshnode.dataplane.cohorts), so that with as many
-concurrent generations as stages every stage has work. ``auto`` (the default) turns it on
-for a route whose hops each announce a host of their own (machines of their own), and off
-where two share one (their cores are shared, and one batch of every session is cheaper).
+concurrent generations as stages every stage has work. ``auto`` turns it on for a route whose
+hops each announce a host of their own (machines of their own), and off where two share one.
+``off`` is the default: stages that batch (a real model's do) lose more by running fewer
+sessions a batch than they gain by overlapping; measured on real nodes each on cores of their
+own, 48.7 tokens/s in cohorts against 59.3 as one convoy (bench/RESULTS.md). Stages whose cost
+hardly falls with the batch (bench/pipeline_overlap.py) gain from ``on``.
 Like every option it may come from the environment (``MESHNODE_PIPELINE``) or the config file.
 """
 
@@ -20,10 +23,11 @@ def add_pipeline_options(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--pipeline",
         choices=PIPELINE_MODES,
-        default="auto",
+        default="off",
         help="keep a route's stages busy with different generations at once by running sessions "
-        "in cohorts: where every hop is on a machine of its own (auto, the default), always (on), "
-        "or never: every session in one batch, the cheaper way on one machine's cores (off)",
+        "in cohorts: where every hop is on a machine of its own (auto), always (on), or never "
+        "(off, the default: every session in one batch, which measured faster on real models "
+        "because a stage's cost per token falls with its batch)",
     )
 
 

@@ -151,7 +151,10 @@ class DriverOptions:
     speculation_max_generations: int = 1
     # Whether the route's stages compute different generations at once (meshnode.head.pipeline):
     # "auto" where every hop is on a machine of its own, "on", "off" (one convoy of sessions).
-    pipeline: str = "auto"
+    # Off by default: on 16 cores, three real nodes each on cores of their own did 59.3 tokens/s
+    # for four generations as a convoy and 48.7 in cohorts, the tail's vocabulary layer costing
+    # twice as much per token one session at a time (bench/RESULTS.md, 2026-12-05).
+    pipeline: str = "off"
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:

@@ -3,10 +3,11 @@
 A worker that is told a route has S stages runs its sessions in cohorts of at most
 floor(sessions / S) a batch, one at least (meshnode.dataplane.cohorts), so that with S or more
 generations every stage computes while the others do. That pays where each stage has a
-machine of its own; where stages share one machine's cores the convoy of one batch is
-cheaper (each stage reads its weights once for every session). ``auto`` tells them apart
-by what the hops announce: every hop names the host it listens on and no two name the
-same one. Pure.
+machine of its own and its cost hardly falls with the batch; where stages share one machine's
+cores, or batch well (a real model's tail over a large vocabulary), the convoy of one batch is
+cheaper, so the head's default is ``off`` (meshnode.head.driver.DriverOptions). ``auto`` tells
+machines apart by what the hops announce: every hop names the host it listens on and no two
+name the same one. Pure.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ step by sleeping, as machines of their own would, on any number of cores."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from helpers.loopback_routes import FAST, collect, reference, three_hop_routes
 
 from engines.interface import GREEDY, BatchStep
+from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.head.candidates import announced_hosts
 from meshnode.head.driver import DriverOptions, GenerationDriver
 from meshnode.head.pipeline import pipeline_stages
@@ -115,3 +117,12 @@ async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_t
     assert texts == expected
     # The convoy: sessions ready together at a stage run in one batch there.
     assert max(sessions for batches in clock.batches.values() for _, _, sessions in batches) > 1
+
+
+def test_a_head_keeps_the_convoy_unless_told_otherwise() -> None:
+    """Real stages batch: cohorts measured slower than the convoy (bench/RESULTS.md)."""
+    assert DriverOptions().pipeline == "off"
+    parser = argparse.ArgumentParser()
+    add_pipeline_options(parser)
+    assert parser.parse_args([]).pipeline == "off"
+    assert parser.parse_args(["--pipeline", "auto"]).pipeline == "auto"
