@@ -6,8 +6,8 @@
 # CPU a token costs (bench/RESULTS.md, "Where the cores go at concurrency 4"). The device
 # machine lent to some tasks has 16 cores: there each node's two threads, its event loop and
 # the bench's own (a) and (a') contexts can all run at once, as on the pooled machines the
-# product is for. Its GPU is hidden (CUDA_VISIBLE_DEVICES=""): this measures CPU nodes, once
-# with every session in one batch (--pipeline off) and once in pipeline cohorts (on).
+# product is for. Its GPU is hidden (CUDA_VISIBLE_DEVICES=""): this measures CPU nodes with
+# every session in one batch (--pipeline off), in cohorts of one per stage, and in two cohorts.
 #
 # HOW TO RUN IT (a session whose task is lent the device machine):
 #   1. Here, first:   bash bench/gpu_prepare.sh      (also fetches the runtime wheels)
@@ -26,7 +26,8 @@
 # Gemma does ((a) 71-77 against 74-76 tokens/s, (a') at k=4 111 against 114).
 #
 #   bash bench/cores_check.sh --here     the same bench on this machine, with .venv
-# Environment: CORES_CHECK_BUDGET_S (280: the whole script), GPU_CHECK_PYTHON (python3),
+# Environment: CORES_CHECK_BUDGET_S (280: the whole script), CORES_CHECK_LEVELS (1,4,8),
+# CORES_CHECK_ROUNDS (2), GPU_CHECK_PYTHON (python3),
 # GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), OUT (the device tool sets it; else
 # .cache/cores-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache on the device).
 set -uo pipefail
@@ -121,18 +122,22 @@ stamp "== the stand-in model"
 model=$("$VPY" bench/random_model.py --size gemma270m) || finish "model"
 ls -l "$model"
 
-# The convoy (--pipeline off; what auto chooses for nodes on one machine, as here) and the
-# pipeline (on: cohorts, meshnode.dataplane.cohorts), each a run of its own.
+# The convoy (--pipeline off; what auto chooses for nodes on one machine, as here), cohorts
+# of one per stage (on, --pipeline-cohorts 0) and two cohorts (on, the default 2), each a run
+# of its own: bench/pipeline_overlap.py --stage-ms, timed as the three nodes measured here on
+# 2026-12-05, predicts 62.8, 56.9 and 79.5 tokens/s at k=4 (bench/RESULTS.md).
 status=0
-for pipeline in off on; do
-  # The first run takes half of what is left, so that the second one runs too.
-  share=1
-  [ "$pipeline" = off ] && share=2
-  stamp "== bench/concurrency.py, (d) three CPU nodes of 2 threads, --pipeline $pipeline, speculation off ($(left) s left)"
+runs=("off 2" "on 0" "on 2")
+for index in "${!runs[@]}"; do
+  read -r pipeline cohorts <<<"${runs[$index]}"
+  # Each run takes its share of what is left, so that the later ones run too.
+  share=$((${#runs[@]} - index))
+  stamp "== bench/concurrency.py, (d) three CPU nodes of 2 threads, --pipeline $pipeline --pipeline-cohorts $cohorts, speculation off ($(left) s left)"
   timeout --signal=INT --kill-after=15 "$((($(left) - 10) / share))" "$VPY" bench/concurrency.py \
-    --model "$model" --configs d --levels "${CORES_CHECK_LEVELS:-1,2,4,8}" --rounds "${CORES_CHECK_ROUNDS:-2}" \
+    --model "$model" --configs d --levels "${CORES_CHECK_LEVELS:-1,4,8}" --rounds "${CORES_CHECK_ROUNDS:-2}" \
     --tokens 32 --node-arg=--max-sessions --node-arg=8 --node-arg=--speculation --node-arg=off \
-    --node-arg=--n-gpu-layers --node-arg=0 --node-arg=--pipeline --node-arg=$pipeline 2>&1 | tee -a "$OUT/cores.txt"
+    --node-arg=--n-gpu-layers --node-arg=0 --node-arg=--pipeline --node-arg=$pipeline \
+    --node-arg=--pipeline-cohorts --node-arg=$cohorts 2>&1 | tee -a "$OUT/cores.txt"
   run_status=${PIPESTATUS[0]}
   [ "$run_status" -eq 0 ] || status=$run_status
 done

@@ -1,7 +1,8 @@
 """Stages on machines of their own: does a three-stage route keep every stage busy (issue 15)?
 
     python bench/pipeline_overlap.py [--levels 1,2,3,4,6] [--tokens 24] [--rounds 2]
-                                     [--fixed-ms 5.3] [--row-ms 2.3]
+                                     [--fixed-ms 5.3] [--row-ms 2.3] [--stage-ms F,R/F,R/F,R]
+                                     [--modes off,on,on:2]
 
 On the 2-core machines here the nodes of bench/concurrency.py share the cores, so it cannot
 show what a pipeline gains where each stage has a machine of its own (bench/cores_check.sh
@@ -12,11 +13,16 @@ stages overlap on any number of cores. A batch of n sessions' decodes takes ``fi
 row`` ms; the defaults are Gemma 3 270M's measured batch cost on this CPU (about 16 ms of
 weight reading plus 7 ms a row for the whole model) split over three equal stages.
 
+``--stage-ms`` gives each stage its own cost instead, e.g. the three real nodes measured on the
+device machine's 16 cores, where the tail (the output layer over a 262 144-token vocabulary)
+costs most and gains most from a batch (bench/RESULTS.md).
+
 For each number k of concurrent generations, with the head's ``--pipeline off`` (every
-ready session in one batch: the convoy) and ``on`` (cohorts of floor(k / 3) a batch, one at least,
-meshnode.dataplane.cohorts): aggregate tokens/s, the share of the time all three stages
-computed at once, and the mean sessions per engine batch; then on over off, and each
-mode's tokens/s over its own k = 1. Texts are checked against the whole fake model.
+ready session in one batch: the convoy), ``on`` (cohorts of floor(k / 3) a batch, one at least,
+meshnode.dataplane.cohorts) and ``on:N`` (``--pipeline-cohorts N``: floor(k / N) a batch):
+aggregate tokens/s, the share of the time all three stages computed at once, and the mean
+sessions per engine batch; then each mode over off, and each mode's tokens/s over its own
+k = 1. Texts are checked against the whole fake model.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from engines.interface import GREEDY, EngineError
 from engines.sessioned_engine import BatchEntry, ForwardOutput
 from meshnode.head.driver import DriverOptions, GenerationDriver
 
-MODES = ("off", "on")
+DEFAULT_MODES = "off,on"
 
 
 class TimedStage(RecordingEngine):
@@ -51,6 +57,8 @@ class TimedStage(RecordingEngine):
 
     fixed_s = 0.0
     row_s = 0.0
+    # Each stage's own (fixed_s, row_s), in route order, where --stage-ms gives them.
+    stage_costs: tuple[tuple[float, float], ...] = ()
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -87,9 +95,20 @@ def all_busy_share(stages: list[list[tuple[float, float, int]]], wall_s: float) 
     return busy / wall_s
 
 
+def parse_mode(mode: str) -> tuple[str, int]:
+    """``off``, ``on``, ``auto`` or ``on:N`` (N cohorts) as (pipeline, pipeline_cohorts)."""
+    pipeline, _, cohorts = mode.partition(":")
+    return pipeline, int(cohorts) if cohorts else 0
+
+
 async def trial(mode: str, k: int, tokens: int) -> Trial:
+    pipeline, cohorts = parse_mode(mode)
     async with three_hop_routes(TimedStage, max_sessions=max(4, k)) as routes:
-        options = DriverOptions(**{**FAST.__dict__, "speculation": False, "pipeline": mode})
+        for (fixed_s, row_s), shard in zip(TimedStage.stage_costs, routes.shards.values(), strict=False):
+            shard.engine.fixed_s, shard.engine.row_s = fixed_s, row_s  # type: ignore[attr-defined]
+        options = DriverOptions(
+            **{**FAST.__dict__, "speculation": False, "pipeline": pipeline, "pipeline_cohorts": cohorts}
+        )
         driver = GenerationDriver(routes, options)
         prompts = [[5 + i % 40, 3, 8, 1 + i // 40, 9] for i in range(k)]
         # The prefills first, then the decodes timed: tokens/s of decoding, as the other benches.
@@ -107,11 +126,13 @@ async def trial(mode: str, k: int, tokens: int) -> Trial:
     return Trial(k * tokens / wall, all_busy_share(stages, wall), statistics.mean(batches))
 
 
-async def bench(levels: list[int], tokens: int, rounds: int) -> dict[tuple[str, int], list[Trial]]:
-    trials: dict[tuple[str, int], list[Trial]] = {(m, k): [] for m in MODES for k in levels}
+async def bench(
+    modes: list[str], levels: list[int], tokens: int, rounds: int
+) -> dict[tuple[str, int], list[Trial]]:
+    trials: dict[tuple[str, int], list[Trial]] = {(m, k): [] for m in modes for k in levels}
     for round_index in range(rounds):
         for k in levels:
-            for mode in MODES:
+            for mode in modes:
                 trials[(mode, k)].append(await trial(mode, k, tokens))
         print(f"  round {round_index + 1} done", file=sys.stderr, flush=True)
     return trials
@@ -126,25 +147,46 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--fixed-ms", type=float, default=5.3, help="a stage's batch: fixed part (5.3)")
     parser.add_argument("--row-ms", type=float, default=2.3, help="a stage's batch: per session (2.3)")
+    parser.add_argument(
+        "--stage-ms",
+        default="",
+        help="each stage's own FIXED,ROW ms, stages separated by '/' (overrides --fixed-ms and --row-ms)",
+    )
+    parser.add_argument("--modes", default=DEFAULT_MODES, help="off, on, auto, on:N (N cohorts); (off,on)")
     args = parser.parse_args()
     TimedStage.fixed_s = args.fixed_ms / 1000
     TimedStage.row_s = args.row_ms / 1000
+    if args.stage_ms:
+        TimedStage.stage_costs = tuple(
+            (float(fixed) / 1000, float(row) / 1000)
+            for fixed, row in (stage.split(",") for stage in args.stage_ms.split("/"))
+        )
+    modes = args.modes.split(",")
+    for mode in modes:
+        parse_mode(mode)
     levels = [int(level) for level in args.levels.split(",")]
-    trials = asyncio.run(bench(levels, args.tokens, args.rounds))
+    trials = asyncio.run(bench(modes, levels, args.tokens, args.rounds))
 
     def median(mode: str, k: int, field: str) -> float:
         return statistics.median(getattr(t, field) for t in trials[(mode, k)])
 
-    print(f"three sleep-timed stages (a batch of n: {args.fixed_ms:g} + n x {args.row_ms:g} ms), real servers "
+    costs = (
+        args.stage_ms.replace("/", " | ") + " (fixed,row ms per stage)"
+        if args.stage_ms
+        else f"{args.fixed_ms:g} + n x {args.row_ms:g} ms each"
+    )
+    print(f"three sleep-timed stages (a batch of n: {costs}), real servers "
           f"and head over the in-process loopback mesh, {args.tokens} tokens per generation (prefill "
           f"included), medians of {args.rounds} rounds")  # fmt: skip
     print(
-        f"{'k':>3} {'pipeline':>8} {'tok/s':>8} {'vs k=1':>7} {'all 3 busy':>11} {'sessions/batch':>15} {'on/off':>7}"
+        f"{'k':>3} {'pipeline':>8} {'tok/s':>8} {'vs k=1':>7} {'all 3 busy':>11} {'sessions/batch':>15} {'vs off':>7}"
     )
     for k in levels:
-        for mode in MODES:
+        for mode in modes:
             tps = median(mode, k, "tokens_per_s")
-            ratio = f"{tps / median('off', k, 'tokens_per_s'):>6.2f}x" if mode == "on" else ""
+            ratio = (
+                f"{tps / median('off', k, 'tokens_per_s'):>6.2f}x" if mode != "off" and "off" in modes else ""
+            )
             print(f"{k:>3} {mode:>8} {tps:>8.1f} {tps / median(mode, levels[0], 'tokens_per_s'):>6.2f}x "
                   f"{median(mode, k, 'all_busy'):>10.0%} {median(mode, k, 'sessions_per_batch'):>15.2f} {ratio:>7}")  # fmt: skip
 

@@ -1,14 +1,15 @@
-"""``--pipeline auto|on|off``: whether a route's stages compute different generations at once.
+"""``--pipeline auto|on|off`` and ``--pipeline-cohorts N``: whether a route's stages compute
+different generations at once, and in how many cohorts.
 
-With it on, a head opens its routes with their stage count and every worker runs the
-sessions of such routes in cohorts (meshnode.dataplane.cohorts), so that with as many
-concurrent generations as stages every stage has work. ``auto`` turns it on for a route whose
-hops each announce a host of their own (machines of their own), and off where two share one.
-``off`` is the default: stages that batch (a real model's do) lose more by running fewer
-sessions a batch than they gain by overlapping; measured on real nodes each on cores of their
-own, 48.7 tokens/s in cohorts against 59.3 as one convoy (bench/RESULTS.md). Stages whose cost
-hardly falls with the batch (bench/pipeline_overlap.py) gain from ``on``.
-Like every option it may come from the environment (``MESHNODE_PIPELINE``) or the config file.
+With it on, a head opens its routes with the number of cohorts (``SessionRoute.pipeline_stages``)
+and every worker runs the sessions of such routes in cohorts (meshnode.dataplane.cohorts), so
+that stages compute different cohorts at once instead of passing one convoy along. ``auto`` (the
+default) turns it on for a route whose hops each announce a host of their own (machines of their
+own), and off where two share one (their cores are shared, and one batch of every session is
+cheaper). Two cohorts by default, not one per stage: a real model's stages batch, the tail over
+a large vocabulary most, and cohorts of one per stage left it computing one session at a time
+(bench/RESULTS.md). Like every option these may come from the environment (``MESHNODE_PIPELINE``,
+``MESHNODE_PIPELINE_COHORTS``) or the config file.
 """
 
 from __future__ import annotations
@@ -16,19 +17,38 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshnode.head.pipeline import PIPELINE_MODES
+from meshnode.head.driver import DriverOptions
+from meshnode.head.pipeline import MAX_PIPELINE_COHORTS, PIPELINE_MODES
 
 
 def add_pipeline_options(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--pipeline",
         choices=PIPELINE_MODES,
-        default="off",
+        default=DriverOptions().pipeline,
         help="keep a route's stages busy with different generations at once by running sessions "
-        "in cohorts: where every hop is on a machine of its own (auto), always (on), or never "
-        "(off, the default: every session in one batch, which measured faster on real models "
-        "because a stage's cost per token falls with its batch)",
+        "in cohorts: where every hop is on a machine of its own (auto, the default), always (on), "
+        "or never: every session in one batch, the cheaper way on one machine's cores (off)",
+    )
+    parser.add_argument(
+        "--pipeline-cohorts",
+        type=parse_pipeline_cohorts,
+        default=DriverOptions().pipeline_cohorts,
+        metavar="N",
+        help="how many cohorts a pipelined route's sessions are split into: 2 or more, at most one "
+        f"per stage, or 0 for one per stage (default {DriverOptions().pipeline_cohorts}: larger "
+        "batches where one stage, such as a tail over a large vocabulary, costs most)",
     )
 
 
-__all__ = ["add_pipeline_options"]
+def parse_pipeline_cohorts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value != 0 and not 2 <= value <= MAX_PIPELINE_COHORTS:
+        raise argparse.ArgumentTypeError(f"must be 0 (one per stage) or between 2 and {MAX_PIPELINE_COHORTS}")
+    return value
+
+
+__all__ = ["add_pipeline_options", "parse_pipeline_cohorts"]

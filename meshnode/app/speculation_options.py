@@ -58,6 +58,7 @@ def driver_options(args: argparse.Namespace, base: DriverOptions | None = None) 
         speculation=speculation,
         draft_max=getattr(args, "draft_max", base.draft_max),
         pipeline=getattr(args, "pipeline", base.pipeline),
+        pipeline_cohorts=getattr(args, "pipeline_cohorts", base.pipeline_cohorts),
     )
 
 

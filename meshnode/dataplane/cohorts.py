@@ -6,14 +6,18 @@ convoy: while it computes at one stage the others wait for it. Where the stages 
 machine's cores that is the cheapest way (each stage reads its weights once for all of
 them). Where they are machines of their own it leaves S - 1 of S stages idle at any moment
 (measured with stages that take fixed times, bench/pipeline_overlap.py). A head that wants
-its stages busy at once says how many there are (``SessionRoute.pipeline_stages``); a worker
-then runs those sessions at most floor(sessions / stages) a batch (one at least), so that
-there are at least as many cohorts as stages, and the scheduler's round robin sends each
-cohort on while the next one computes here; the free engine no longer waits for sessions
-due back, which would gather the cohorts into one convoy again. (Rounding up instead left
-four sessions on three stages in two cohorts, one stage always idle: 87 against 120
-tokens/s in bench/pipeline_overlap.py; waiting for sessions due back held six sessions to
-102 tokens/s against 124-139 without.)
+its stages busy at once says how many (``SessionRoute.pipeline_stages``: the route's stages,
+or fewer where the head asks for fewer, larger cohorts); a worker then runs those sessions at
+most floor(sessions / stages) a batch (one at least), so that there are at least as many
+cohorts as stages, and the scheduler's round robin sends each cohort on while the next one
+computes here; the free engine no longer waits for sessions due back, which would gather the
+cohorts into one convoy again. Where one stage costs most, sessions gather there while it
+computes, up to the cohort's size: with two cohorts that stage keeps batches of two, with one
+per stage it computes them one at a time (bench/RESULTS.md). (Rounding up instead left four
+sessions on three equal stages in two cohorts, one stage always idle: 87 against 120 tokens/s
+in bench/pipeline_overlap.py; waiting for sessions due back held six sessions to 102 tokens/s
+against 124-139 without, and waiting only until a cohort was full cost equal stages 141
+against 160 tokens/s at eight sessions and gained a tail-heavy route nothing.)
 
 Pure arithmetic over the sessions a worker holds; no clock, no I/O.
 """

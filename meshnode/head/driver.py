@@ -75,7 +75,7 @@ from meshnode.dataplane.session_link import (
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, MeshBusy
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.numerics import describe_numerics, mixes_numerics, system_fingerprint
-from meshnode.head.pipeline import PIPELINE_MODES, pipeline_stages
+from meshnode.head.pipeline import MAX_PIPELINE_COHORTS, PIPELINE_MODES, pipeline_stages
 from meshnode.head.planner import (
     Hop,
     ModelIdentity,
@@ -151,16 +151,21 @@ class DriverOptions:
     speculation_max_generations: int = 1
     # Whether the route's stages compute different generations at once (meshnode.head.pipeline):
     # "auto" where every hop is on a machine of its own, "on", "off" (one convoy of sessions).
-    # Off by default: on 16 cores, three real nodes each on cores of their own did 59.3 tokens/s
-    # for four generations as a convoy and 48.7 in cohorts, the tail's vocabulary layer costing
-    # twice as much per token one session at a time (bench/RESULTS.md, 2026-12-05).
-    pipeline: str = "off"
+    pipeline: str = "auto"
+    # Cohorts a pipelined route's sessions are split into (2 or more); 0: one per stage. Two:
+    # on 16 cores three real nodes did 48.7 tokens/s for four generations in cohorts of one
+    # against 59.3 as a convoy, the tail's vocabulary layer costing twice as much per token
+    # unbatched; stages timed as those nodes measured gave 79.5 with two cohorts, 62.8 as a
+    # convoy, and equal stages lost 0-4% against one cohort per stage (bench/RESULTS.md).
+    pipeline_cohorts: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_max must be between 1 and {MAX_DRAFT_TOKENS}")
         if self.pipeline not in PIPELINE_MODES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}")
+        if self.pipeline_cohorts != 0 and not 2 <= self.pipeline_cohorts <= MAX_PIPELINE_COHORTS:
+            raise ValueError(f"pipeline_cohorts must be 0 or between 2 and {MAX_PIPELINE_COHORTS}")
 
 
 @dataclass(frozen=True)
@@ -491,7 +496,7 @@ class _Generation:
             ],
             sampling=self.sampling,
             boundary_dtype=self.options.boundary_dtype,
-            pipeline_stages=pipeline_stages(self.options.pipeline, route.hops),
+            pipeline_stages=pipeline_stages(self.options.pipeline, route.hops, self.options.pipeline_cohorts),
             route_session_id=self.session_id,
             route_epoch=self.epoch,
             config=default_client_config(),

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import pytest
-from helpers.loopback_routes import FAST, collect, reference, three_hop_routes
+from helpers.loopback_routes import FAST, TAIL, collect, reference, three_hop_routes
 
 from engines.interface import GREEDY, BatchStep
 from meshnode.app.pipeline_options import add_pipeline_options
@@ -51,6 +51,25 @@ def test_auto_keeps_the_convoy_where_stages_share_a_machine_or_do_not_say() -> N
     assert pipeline_stages("auto", unsaid) == 0
     # "on" is the operator's word for it.
     assert pipeline_stages("on", one_machine) == 3
+
+
+def test_fewer_cohorts_than_stages_where_the_head_asks_for_them() -> None:
+    apart = [hop(0, 2, "10.0.0.1"), hop(2, 3, "10.0.0.2"), hop(3, 4, "10.0.0.3")]
+    assert pipeline_stages("on", apart, cohorts=2) == 2
+    assert pipeline_stages("auto", apart, cohorts=2) == 2
+    # More cohorts than stages would only shrink the batches: one per stage at most.
+    assert pipeline_stages("on", apart, cohorts=5) == 3
+    assert pipeline_stages("off", apart, cohorts=2) == 0
+    shared = [hop(0, 2, "127.0.0.1"), hop(2, 4, "127.0.0.1")]
+    assert pipeline_stages("auto", shared, cohorts=2) == 0
+    with pytest.raises(ValueError, match="pipeline_cohorts"):
+        DriverOptions(pipeline="on", pipeline_cohorts=1)
+    parser = argparse.ArgumentParser()
+    add_pipeline_options(parser)
+    assert parser.parse_args(["--pipeline-cohorts", "2"]).pipeline_cohorts == 2
+    for bad in ("1", "66", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--pipeline-cohorts", bad])
 
 
 def test_a_route_of_one_hop_has_no_pipeline() -> None:
@@ -91,15 +110,22 @@ class StageClock:
         return False
 
 
-async def generate_three_at_once(pipeline: str) -> tuple[StageClock, list[list[int]], list[list[int]]]:
+async def generate_three_at_once(
+    pipeline: str,
+    cohorts: int = 0,
+    prompts: Sequence[list[int]] = ([5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3]),
+    tail_delay_s: float = STEP_S,
+) -> tuple[StageClock, list[list[int]], list[list[int]]]:
     clock = StageClock()
     async with three_hop_routes() as routes:
         for index, shard in routes.shards.items():
-            shard.engine.step_delay_s = STEP_S  # a sleep per step: a machine of its own
+            # A sleep per step: a machine of its own.
+            shard.engine.step_delay_s = tail_delay_s if index == TAIL else STEP_S
             shard.engine.step_batch = clock.wrap(index, shard.engine.step_batch)  # type: ignore[method-assign]
-        options = DriverOptions(**{**FAST.__dict__, "speculation": False, "pipeline": pipeline})
+        options = DriverOptions(
+            **{**FAST.__dict__, "speculation": False, "pipeline": pipeline, "pipeline_cohorts": cohorts}
+        )
         driver = GenerationDriver(routes, options)
-        prompts = [[5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3]]
         texts = await asyncio.gather(*(collect(driver.generate(routes.model, p, GREEDY, 8)) for p in prompts))
     return clock, list(texts), [reference(p, 8) for p in prompts]
 
@@ -112,6 +138,20 @@ async def test_three_generations_keep_three_stages_busy_at_once_with_each_its_ow
     assert {sessions for batches in clock.batches.values() for _, _, sessions in batches} == {1}
 
 
+async def test_two_cohorts_let_the_slowest_stage_batch_two_where_one_per_stage_gives_it_one() -> None:
+    """Four generations over three stages whose tail takes three times as long: one cohort per
+    stage caps every batch at floor(4 / 3) = 1, so the tail computes them one at a time; two
+    cohorts let the sessions that gather at the tail while it computes share its batch."""
+    prompts = ([5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3], [2, 2, 9, 5])
+    tail_sizes = {}
+    for cohorts in (0, 2):
+        clock, texts, expected = await generate_three_at_once("on", cohorts, prompts, tail_delay_s=3 * STEP_S)
+        assert texts == expected
+        tail_sizes[cohorts] = [sessions for _, _, sessions in clock.batches[TAIL]]
+    assert set(tail_sizes[0]) == {1}, tail_sizes
+    assert max(tail_sizes[2]) == 2 and tail_sizes[2].count(2) >= len(tail_sizes[2]) // 2, tail_sizes
+
+
 async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_the_same() -> None:
     clock, texts, expected = await generate_three_at_once("off")
     assert texts == expected
@@ -119,10 +159,13 @@ async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_t
     assert max(sessions for batches in clock.batches.values() for _, _, sessions in batches) > 1
 
 
-def test_a_head_keeps_the_convoy_unless_told_otherwise() -> None:
-    """Real stages batch: cohorts measured slower than the convoy (bench/RESULTS.md)."""
-    assert DriverOptions().pipeline == "off"
+def test_a_head_pipelines_machines_of_their_own_in_two_cohorts_unless_told_otherwise() -> None:
+    """Real stages batch: cohorts of one per stage measured slower than the convoy, two cohorts
+    faster in stages timed as those nodes measured (bench/RESULTS.md)."""
+    assert (DriverOptions().pipeline, DriverOptions().pipeline_cohorts) == ("auto", 2)
     parser = argparse.ArgumentParser()
     add_pipeline_options(parser)
-    assert parser.parse_args([]).pipeline == "off"
-    assert parser.parse_args(["--pipeline", "auto"]).pipeline == "auto"
+    defaults = parser.parse_args([])
+    assert (defaults.pipeline, defaults.pipeline_cohorts) == ("auto", 2)
+    apart = [hop(0, 2, "10.0.0.1"), hop(2, 3, "10.0.0.2"), hop(3, 4, "10.0.0.3")]
+    assert pipeline_stages(defaults.pipeline, apart, defaults.pipeline_cohorts) == 2
