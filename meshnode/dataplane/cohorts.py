@@ -9,7 +9,7 @@ them). Where they are machines of their own it leaves S - 1 of S stages idle at 
 its stages busy at once says how many (``SessionRoute.pipeline_stages``: the route's stages,
 or fewer where the head asks for fewer, larger cohorts); a worker then runs those sessions at
 most floor(sessions / stages) a batch (one at least), so that there are at least as many
-cohorts as stages, and the scheduler's round robin sends each cohort on while the next one
+cohorts as the head asked for, and the scheduler's round robin sends each cohort on while the next one
 computes here; the free engine no longer waits for sessions due back, which would gather the
 cohorts into one convoy again. Where one stage costs most, sessions gather there while it
 computes, up to the cohort's size: with two cohorts that stage keeps batches of two, with one
