@@ -11,8 +11,9 @@
 #
 # HOW TO RUN IT (a session whose task is lent the device machine):
 #   1. Here, first:   bash bench/gpu_prepare.sh      (also fetches the runtime wheels)
-#   2. Best as a second `run` on the still-warm machine after bench/gpu_check.sh, which leaves
-#      its venv (with llama-cpp-python built) in /tmp/meshnode-gpu-venv:
+#   2. Best after bench/gpu_check.sh in the same call, as bench/device_check.sh runs them;
+#      gpu_check leaves its venv (with llama-cpp-python built) in /tmp/meshnode-gpu-venv.
+#      Alone:
 #        command:   bash bench/cores_check.sh
 #        carry:     [".cache/gpu-carry"]
 #        timeout_s: 300

@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
 # GPU checks of the llama.cpp shard engine, in one run on a CUDA machine without internet.
 #
-# HOW TO RUN IT (a session whose task is lent the device machine; one NVIDIA H200, 16 cores):
+# HOW TO RUN IT (a session whose task is lent the device machine: one H100 or H200, 16 cores):
 #
-#   1. Here, first:   bash bench/gpu_prepare.sh      (builds .cache/gpu-carry/, ~7 MiB)
-#   2. Then one call of the device tool's `run`:
-#        command:   bash bench/gpu_check.sh
-#        carry:     [".cache/gpu-carry"]
-#        timeout_s: 600
+#   1. Here, first:   bash bench/gpu_prepare.sh      (builds .cache/gpu-carry/, ~26 MiB)
+#   2. Then one call of the device tool's `run`: `bash bench/device_check.sh` (carry
+#      [".cache/gpu-carry"], timeout_s 595), which runs this script with a 430 s budget and
+#      then bench/cores_check.sh (issue 15's concurrency bench with every node on cores of its
+#      own) in the venv this script leaves; a session's 900 device seconds fit one start and
+#      that call, not two starts. This script alone: `bash bench/gpu_check.sh`, timeout_s 600.
 #      Everything comes back in $OUT (at most 8 files): gpu_check.log (all of stdout),
 #      system.txt, build.log.gz, parity.txt, bench.txt, mixed.txt. Call give_back after.
-#      The script keeps itself inside ~9.5 minutes (GPU_CHECK_BUDGET_S=570) and prints a
-#      timestamp per stage; the CUDA build (one architecture, 16 jobs) is the long pole.
-#   3. If the session still has 300 s of device time, a second `run` on the warm machine:
-#      `bash bench/cores_check.sh` (same carry, timeout_s 300): issue 15's concurrency bench
-#      with every node on cores of its own, in the venv this script leaves.
+#      The script keeps itself inside its budget (GPU_CHECK_BUDGET_S, 570 alone) and prints a
+#      timestamp per stage; the CUDA build (one architecture, 16 jobs, ~310 s) is the long pole.
 #
 # Stages: the environment (nvidia-smi, nvcc, cmake); a venv over the image's python3 (its
 # packages stay visible) with the carried wheels; llama-cpp-python 0.3.36 from the carried,
