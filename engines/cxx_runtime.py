@@ -29,7 +29,8 @@ _DYNAMIC_ENTRY = struct.Struct("<qQ")
 # A shared library's name table is small; a larger one is not a library this reads.
 _MAX_DYNAMIC_BYTES = 1 << 20
 _CXX_RUNTIMES = ("libstdc++.so", "libc++.so")
-PRELOAD_FIX = "LD_PRELOAD=libstdc++.so.6"
+PRELOAD_LIBRARY = "libstdc++.so.6"
+PRELOAD_FIX = f"LD_PRELOAD={PRELOAD_LIBRARY}"
 
 
 def elf_needed(path: Path) -> tuple[str, ...] | None:
@@ -96,6 +97,12 @@ def bundled_cxx_runtime(library_dir: Path | None = None) -> Path | None:
     return library
 
 
+def preloaded_environment() -> dict[str, str]:
+    """``LD_PRELOAD`` with the system's C++ runtime first, for a child process to try."""
+    current = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": PRELOAD_LIBRARY + (":" + current if current else "")}
+
+
 def cxx_runtime_advice(library_dir: Path | None = None, preload: str | None = None) -> str:
     """A sentence for a crash report when llama.cpp's libraries bundle the C++ runtime and the
     process has not preloaded the system's; "" otherwise."""
@@ -114,4 +121,12 @@ def cxx_runtime_advice(library_dir: Path | None = None, preload: str | None = No
     )
 
 
-__all__ = ["PRELOAD_FIX", "bundled_cxx_runtime", "cxx_runtime_advice", "elf_needed", "llama_library_dir"]
+__all__ = [
+    "PRELOAD_FIX",
+    "PRELOAD_LIBRARY",
+    "bundled_cxx_runtime",
+    "cxx_runtime_advice",
+    "elf_needed",
+    "llama_library_dir",
+    "preloaded_environment",
+]

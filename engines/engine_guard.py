@@ -4,7 +4,9 @@
 with ``engines.engine_probe`` in a child process, and returns the first that survived.
 A setting that killed its probe is never loaded in the node's own process: an explicit
 choice that crashes is refused with a message naming the signal, the setting and the
-option that avoids it; under ``auto`` the next candidate is tried.
+option that avoids it; under ``auto`` the next candidate is tried. Where llama.cpp's libraries
+carry their own C++ runtime (engines.cxx_runtime), one more child tries the crashed setting with
+the system's runtime preloaded, and the refusal advises that only where it survived.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engines.cxx_runtime import cxx_runtime_advice
-from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, system_info
+from engines.cxx_runtime import PRELOAD_FIX, cxx_runtime_advice, preloaded_environment
+from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, run_child, system_info
 from engines.llama_lib import llama_cpp_version
 from engines.weight_repack import WeightRepack, cpu_features, describe, plan_repack
 
@@ -63,8 +65,19 @@ def _cpu_line(info: str) -> str:
     return ", ".join(notable) if notable else "no SIMD features reported"
 
 
+def probe_with_system_cxx_runtime(target: ProbeTarget) -> ProbeVerdict:
+    """A probe decode in a child with the system's C++ runtime preloaded (engines.cxx_runtime);
+    never cached: it only decides what a refusal advises."""
+    return run_child(target, extra_env=preloaded_environment())
+
+
 def _refusal(
-    setting: WeightRepack, target: ProbeTarget, repack: bool, verdict: ProbeVerdict, info: str
+    setting: WeightRepack,
+    target: ProbeTarget,
+    repack: bool,
+    verdict: ProbeVerdict,
+    info: str,
+    preloaded: ProbeVerdict | None = None,
 ) -> str:
     what = verdict.detail
     where = (
@@ -81,11 +94,11 @@ def _refusal(
             "no setting avoids it: rebuild llama-cpp-python for this CPU "
             "(pip install --force-reinstall --no-cache-dir llama-cpp-python==" + llama_cpp_version() + ")"
         )
-    if verdict.crashed:
+    if preloaded is not None and preloaded.survived:
         # Not the setting's fault: no repack or offload choice avoids a split C++ runtime.
-        advice = cxx_runtime_advice()
-        if advice:
-            fix = advice
+        fix = f"{cxx_runtime_advice()} (a probe decode with {PRELOAD_FIX} survived)"
+    elif preloaded is not None:
+        fix += f" ({PRELOAD_FIX} did not help: {preloaded.detail})"
     message = f"{what}, {where}; {fix}"
     # Threads that die together can cut faulthandler's report to its first words.
     if len(verdict.stderr_tail.splitlines()) > 1:
@@ -100,6 +113,7 @@ def choose_weight_repack(
     target: ProbeTarget,
     *,
     prober: Prober = probe,
+    preload_prober: Prober = probe_with_system_cxx_runtime,
     machine: str | None = None,
 ) -> RepackChoice:
     """The repack setting to load ``target`` with. Blocks for the probes (seconds; cached after).
@@ -128,9 +142,13 @@ def choose_weight_repack(
                 verdict.detail,
             )
             continue
-        raise EngineProbeRefusal(_refusal(setting, target, repack, verdict, info), verdicts)
+        break
     repack, verdict = verdicts[-1]
-    raise EngineProbeRefusal(_refusal(setting, target, repack, verdict, info), verdicts)
+    preloaded = None
+    if verdict.crashed and cxx_runtime_advice():
+        # llama.cpp carries its own C++ runtime: whether the system's, preloaded, saves it.
+        preloaded = preload_prober(replace(target, weight_repack=repack))
+    raise EngineProbeRefusal(_refusal(setting, target, repack, verdict, info, preloaded), verdicts)
 
 
 __all__ = ["EngineProbeRefusal", "Prober", "RepackChoice", "choose_weight_repack"]

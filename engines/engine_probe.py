@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -261,8 +261,11 @@ def probe(
         return verdict
 
 
-def run_child(target: ProbeTarget, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProbeVerdict:
-    """Decode once with ``target`` in a child process and say how the child ended."""
+def run_child(
+    target: ProbeTarget, *, timeout_s: float = DEFAULT_TIMEOUT_S, extra_env: Mapping[str, str] | None = None
+) -> ProbeVerdict:
+    """Decode once with ``target`` in a child process (its environment this one's plus
+    ``extra_env``) and say how the child ended."""
     spec = json.dumps(
         {**asdict(target), "model_path": str(target.model_path), "cache_dir": _str(target.cache_dir)}
     )
@@ -274,7 +277,7 @@ def run_child(target: ProbeTarget, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> P
             capture_output=True,
             timeout=timeout_s,
             # The child loads quietly; its stderr is kept for the verdict.
-            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+            env={**os.environ, **(extra_env or {}), "PYTHONFAULTHANDLER": "1"},
             check=False,
         )
     except subprocess.TimeoutExpired as expired:

@@ -31,6 +31,16 @@ SEGFAULTING_CHILD = (
     "-c",
     "import faulthandler, os, signal; faulthandler.enable(); os.kill(os.getpid(), signal.SIGSEGV)",
 )
+# What a build carrying its own C++ runtime does: dies, unless the system's is preloaded.
+CRASHING_UNLESS_PRELOADED = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys\n"
+    "if 'libstdc++' not in os.environ.get('LD_PRELOAD', ''):\n"
+    "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+    "from engines.engine_probe import main\n"
+    "sys.exit(main())",
+)
 
 
 def _build_libllama(directory: Path, *flags: str) -> Path:
@@ -86,21 +96,55 @@ def test_files_that_are_not_64_bit_elf_libraries_are_not_read_as_any(tmp_path: P
     assert bundled_cxx_runtime(tmp_path / "nowhere") is None
 
 
-def test_a_crash_with_a_bundled_runtime_is_refused_with_the_preload_fix(
-    tiny_model: Path, tmp_path: Path, static_runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
-):
-    monkeypatch.setattr(cxx_runtime, "llama_library_dir", lambda: static_runtime_dir)
+def _refusal_with_bundled_runtime(
+    tiny_model: Path,
+    tmp_path: Path,
+    runtime_dir: Path,
+    child: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
+) -> str:
+    monkeypatch.setattr(cxx_runtime, "llama_library_dir", lambda: runtime_dir)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.setattr(engine_probe, "CHILD_COMMAND", SEGFAULTING_CHILD)
+    monkeypatch.setattr(engine_probe, "CHILD_COMMAND", child)
     with pytest.raises(EngineProbeRefusal) as refused:
         choose_weight_repack(
             WeightRepack.AUTO, ProbeTarget(tiny_model, cache_dir=tmp_path), machine="CPU : AVX2 = 1 |"
         )
-    message = str(refused.value)
+    return str(refused.value)
+
+
+def test_a_crash_that_the_preload_cures_is_refused_with_that_fix_proven(
+    tiny_model: Path, tmp_path: Path, static_runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    message = _refusal_with_bundled_runtime(
+        tiny_model, tmp_path, static_runtime_dir, CRASHING_UNLESS_PRELOADED, monkeypatch
+    )
     assert "SIGSEGV" in message
     assert f"start the node with {PRELOAD_FIX}" in message
+    assert f"(a probe decode with {PRELOAD_FIX} survived)" in message
     # Rebuilding "for this CPU" with the same compiler would not help: that advice is not given.
     assert "rebuild llama-cpp-python for this CPU" not in message
+
+
+def test_a_crash_the_preload_does_not_cure_keeps_the_settings_fix(
+    tiny_model: Path, tmp_path: Path, static_runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    message = _refusal_with_bundled_runtime(
+        tiny_model, tmp_path, static_runtime_dir, SEGFAULTING_CHILD, monkeypatch
+    )
+    assert "no setting avoids it: rebuild llama-cpp-python for this CPU" in message
+    assert f"({PRELOAD_FIX} did not help: the engine died of SIGSEGV" in message
+    assert "start the node with" not in message
+
+
+def test_a_crash_with_the_shared_runtime_runs_no_preload_probe(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A build that links the shared runtime (this one) costs a refusal no second child."""
+    message = _refusal_with_bundled_runtime(
+        tiny_model, tmp_path, cxx_runtime.llama_library_dir(), SEGFAULTING_CHILD, monkeypatch
+    )
+    assert "no setting avoids it" in message and PRELOAD_FIX not in message
 
 
 def test_a_crash_verdict_taken_without_the_preload_does_not_refuse_with_it(
