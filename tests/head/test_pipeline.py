@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import pytest
-from helpers.loopback_routes import FAST, TAIL, collect, reference, three_hop_routes
+from helpers.loopback_routes import FAST, MIDDLE, SPARE, TAIL, collect, reference, three_hop_routes
 
 from engines.interface import GREEDY, BatchStep
 from meshnode.app.pipeline_options import add_pipeline_options
@@ -150,6 +150,36 @@ async def test_two_cohorts_let_the_slowest_stage_batch_two_where_one_per_stage_g
         tail_sizes[cohorts] = [sessions for _, _, sessions in clock.batches[TAIL]]
     assert set(tail_sizes[0]) == {1}, tail_sizes
     assert max(tail_sizes[2]) == 2 and tail_sizes[2].count(2) >= len(tail_sizes[2]) // 2, tail_sizes
+
+
+async def test_a_middle_hop_killed_under_two_cohorts_fails_every_generation_over_to_its_own_text() -> None:
+    """Cohorts are the default where stages are machines of their own: a failover must find
+    every generation's text unchanged, the spare's route opened in cohorts too."""
+    prompts = ([5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3], [2, 2, 9, 5])
+    async with three_hop_routes() as routes:
+        spare = await routes.add_shard(SPARE, 2, 3)
+        for shard in routes.shards.values():
+            shard.engine.step_delay_s = STEP_S / 4
+        middle = routes.shards[MIDDLE]
+        options = DriverOptions(
+            **{**FAST.__dict__, "speculation": False, "pipeline": "on", "pipeline_cohorts": 2}
+        )
+        driver = GenerationDriver(routes, options)
+
+        async def kill_after_five(count: int) -> None:
+            if count == 5:
+                middle.peer.kill()  # like SIGKILL: its links close, nothing more is accepted
+
+        first, *others = prompts
+        texts = await asyncio.gather(
+            collect(driver.generate(routes.model, first, GREEDY, 12), on_token=kill_after_five),
+            *(collect(driver.generate(routes.model, p, GREEDY, 12)) for p in others),
+        )
+        assert list(texts) == [reference(p, 12) for p in prompts]
+        assert driver.stats.reroutes >= 1
+        assert spare.engine.batches, "the spare took the generations over"
+        # Its routes came in cohorts too: floor(4 / 2) sessions a batch at most.
+        assert max(len(batch) for batch in spare.engine.batches) <= 2
 
 
 async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_the_same() -> None:
