@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 from helpers.loopback_routes import FAST, MIDDLE, SPARE, TAIL, collect, reference, three_hop_routes
+from helpers.polling import eventually
 
 from engines.interface import GREEDY, BatchStep
 from meshnode.app.pipeline_options import add_pipeline_options
@@ -180,6 +181,37 @@ async def test_a_middle_hop_killed_under_two_cohorts_fails_every_generation_over
         assert spare.engine.batches, "the spare took the generations over"
         # Its routes came in cohorts too: floor(4 / 2) sessions a batch at most.
         assert max(len(batch) for batch in spare.engine.batches) <= 2
+
+
+async def test_a_generation_given_up_under_two_cohorts_leaves_the_others_their_texts() -> None:
+    """A client that goes away mid-generation ends its session on every hop; the sessions
+    sharing its cohorts finish with exactly their own texts."""
+    prompts = ([5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3], [2, 2, 9, 5])
+    async with three_hop_routes() as routes:
+        for shard in routes.shards.values():
+            shard.engine.step_delay_s = STEP_S / 4
+        options = DriverOptions(
+            **{**FAST.__dict__, "speculation": False, "pipeline": "on", "pipeline_cohorts": 2}
+        )
+        driver = GenerationDriver(routes, options)
+
+        async def four_then_gone(prompt: list[int]) -> list[int]:
+            stream = driver.generate(routes.model, prompt, GREEDY, 12)
+            tokens = [await anext(stream) for _ in range(4)]
+            await stream.aclose()
+            return tokens
+
+        first, *others = prompts
+        texts = await asyncio.gather(
+            four_then_gone(first), *(collect(driver.generate(routes.model, p, GREEDY, 12)) for p in others)
+        )
+        assert texts[0] == reference(first, 4)
+        assert list(texts[1:]) == [reference(p, 12) for p in others]
+        await eventually(
+            lambda: all(shard.server.load().active_sessions == 0 for shard in routes.shards.values())
+        )
+        assert driver.stats.closed == 1 and driver.stats.active == 0
+        assert max(len(batch) for shard in routes.shards.values() for batch in shard.engine.batches) <= 2
 
 
 async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_the_same() -> None:
