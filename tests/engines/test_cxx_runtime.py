@@ -6,10 +6,10 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.probe_children import CRASHING_UNLESS_PRELOADED, SEGFAULTING_CHILD
 
 from engines import cxx_runtime, engine_probe
 from engines.cxx_runtime import PRELOAD_FIX, bundled_cxx_runtime, cxx_runtime_advice, elf_needed
@@ -26,21 +26,6 @@ extern "C" int formatted_length(long value) {
     return (int)stream.str().size();
 }
 """
-SEGFAULTING_CHILD = (
-    sys.executable,
-    "-c",
-    "import faulthandler, os, signal; faulthandler.enable(); os.kill(os.getpid(), signal.SIGSEGV)",
-)
-# What a build carrying its own C++ runtime does: dies, unless the system's is preloaded.
-CRASHING_UNLESS_PRELOADED = (
-    sys.executable,
-    "-c",
-    "import os, signal, sys\n"
-    "if 'libstdc++' not in os.environ.get('LD_PRELOAD', ''):\n"
-    "    os.kill(os.getpid(), signal.SIGSEGV)\n"
-    "from engines.engine_probe import main\n"
-    "sys.exit(main())",
-)
 
 
 def _build_libllama(directory: Path, *flags: str) -> Path:

@@ -8,17 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.probe_children import SEGFAULTING_CHILD
 
 from engines import engine_probe
 from engines.engine_guard import EngineProbeRefusal, choose_weight_repack
 from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, run_child, system_info
 from engines.weight_repack import WeightRepack, cpu_features, known_crash
 
-SEGFAULTING_CHILD = (
-    sys.executable,
-    "-c",
-    "import faulthandler, os, signal; faulthandler.enable(); os.kill(os.getpid(), signal.SIGSEGV)",
-)
 FAILING_CHILD = (sys.executable, "-c", "raise SystemExit('cannot read the model')")
 
 
