@@ -20,8 +20,8 @@ costs most and gains most from a batch (bench/RESULTS.md).
 For each number k of concurrent generations, with the head's ``--pipeline off`` (every
 ready session in one batch: the convoy), ``on`` (cohorts of floor(k / 3) a batch, one at least,
 meshnode.dataplane.cohorts) and ``on:N`` (``--pipeline-cohorts N``: floor(k / N) a batch):
-aggregate tokens/s, the share of the time all three stages computed at once, and the mean
-sessions per engine batch; then each mode over off, and each mode's tokens/s over its own
+aggregate tokens/s, the share of the time all three stages computed at once, the share each
+stage computed, and each stage's mean sessions per engine batch; then each mode over off, and each mode's tokens/s over its own
 k = 1. Texts are checked against the whole fake model.
 """
 
@@ -81,7 +81,9 @@ class TimedStage(RecordingEngine):
 class Trial:
     tokens_per_s: float
     all_busy: float
-    sessions_per_batch: float
+    # Each stage's, in route order: the share of the wall time it computed, and its mean batch.
+    stage_busy: tuple[float, ...]
+    stage_batch: tuple[float, ...]
 
 
 def all_busy_share(stages: list[list[tuple[float, float, int]]], wall_s: float) -> float:
@@ -122,8 +124,12 @@ async def trial(mode: str, k: int, tokens: int) -> Trial:
         if text != reference(prompt, tokens):
             raise SystemExit(f"pipeline {mode}, k={k}: a text differs from the whole model's")
     stages = [engine.spans for engine in engines]  # type: ignore[attr-defined]
-    batches = [n for spans in stages for _, _, n in spans]
-    return Trial(k * tokens / wall, all_busy_share(stages, wall), statistics.mean(batches))
+    return Trial(
+        k * tokens / wall,
+        all_busy_share(stages, wall),
+        tuple(sum(end - start for start, end, _ in spans) / wall for spans in stages),
+        tuple(statistics.mean(n for _, _, n in spans) for spans in stages),
+    )
 
 
 async def bench(
@@ -170,6 +176,10 @@ def main() -> None:
     def median(mode: str, k: int, field: str) -> float:
         return statistics.median(getattr(t, field) for t in trials[(mode, k)])
 
+    def per_stage(mode: str, k: int, field: str, form: str) -> str:
+        columns = zip(*(getattr(t, field) for t in trials[(mode, k)]), strict=True)
+        return "/".join(format(statistics.median(column), form) for column in columns)
+
     costs = (
         args.stage_ms.replace("/", " | ") + " (fixed,row ms per stage)"
         if args.stage_ms
@@ -179,7 +189,8 @@ def main() -> None:
           f"and head over the in-process loopback mesh, {args.tokens} tokens per generation (prefill "
           f"included), medians of {args.rounds} rounds")  # fmt: skip
     print(
-        f"{'k':>3} {'pipeline':>8} {'tok/s':>8} {'vs k=1':>7} {'all 3 busy':>11} {'sessions/batch':>15} {'vs off':>7}"
+        f"{'k':>3} {'pipeline':>8} {'tok/s':>8} {'vs k=1':>7} {'all 3 busy':>11} {'busy per stage':>15} "
+        f"{'sessions/batch':>15} {'vs off':>7}"
     )
     for k in levels:
         for mode in modes:
@@ -188,7 +199,8 @@ def main() -> None:
                 f"{tps / median('off', k, 'tokens_per_s'):>6.2f}x" if mode != "off" and "off" in modes else ""
             )
             print(f"{k:>3} {mode:>8} {tps:>8.1f} {tps / median(mode, levels[0], 'tokens_per_s'):>6.2f}x "
-                  f"{median(mode, k, 'all_busy'):>10.0%} {median(mode, k, 'sessions_per_batch'):>15.2f} {ratio:>7}")  # fmt: skip
+                  f"{median(mode, k, 'all_busy'):>10.0%} {per_stage(mode, k, 'stage_busy', '.0%'):>15} "
+                  f"{per_stage(mode, k, 'stage_batch', '.2f'):>15} {ratio:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":
