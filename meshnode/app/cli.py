@@ -30,6 +30,7 @@ from meshnode.app import (
     member_commands,
     node_commands,
     relay_command,
+    split_command,
     up_command,
 )
 from meshnode.app.cli_error import CliError
@@ -45,6 +46,7 @@ COMMAND_MODULES: tuple[ModuleType, ...] = (
     member_commands,
     relay_command,
     api_commands,
+    split_command,
     demo,
     doctor,
 )

@@ -1,0 +1,79 @@
+"""Layer ranges whose stages cost alike, priced in the bytes a decode step reads."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from meshnode.autoplace.stage_balance import StepCosts, balanced_ranges, even_ranges, step_costs
+
+# Gemma 3 270M's shape: 18 layers of 3.6-4.0 MB and a tied 262 144 x 640 embedding of 178 MB.
+GEMMA_LIKE = StepCosts(
+    per_layer=tuple(4_000_000 if i % 3 == 0 else 3_600_000 for i in range(18)), output=178_000_000
+)
+
+
+def exhaustive(costs: StepCosts, stages: int) -> list[tuple[int, int]]:
+    """Every way to cut the layers, the best by the rule balanced_ranges promises."""
+    n_layers = len(costs.per_layer)
+    best: tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] | None = None
+    for cuts in itertools.combinations(range(1, n_layers), stages - 1):
+        bounds = (0, *cuts, n_layers)
+        ranges = list(itertools.pairwise(bounds))
+        key = (tuple(sorted((costs.stage(r) for r in ranges), reverse=True)), bounds[1:])
+        if best is None or key < best[0]:
+            best = (key, ranges)
+    assert best is not None
+    return best[1]
+
+
+def test_the_slowest_stage_is_as_fast_as_any_cut_allows_and_ties_break_alike():
+    rng = random.Random(7)
+    for _ in range(1500):
+        n_layers = rng.randint(1, 8)
+        stages = rng.randint(1, n_layers)
+        # Small values on purpose: many ties between cuts.
+        per_layer = tuple(rng.choice([rng.randint(0, 4), rng.randint(0, 40)]) for _ in range(n_layers))
+        costs = StepCosts(per_layer, rng.randint(0, 50))
+        assert balanced_ranges(costs, stages) == exhaustive(costs, stages), (costs, stages)
+
+
+def test_a_vocabulary_heavier_than_the_layers_leaves_the_last_node_one_layer():
+    ranges = balanced_ranges(GEMMA_LIKE, 3)
+    assert ranges == [(0, 8), (8, 17), (17, 18)]
+    slowest = max(GEMMA_LIKE.stage(r) for r in ranges)
+    assert slowest < max(GEMMA_LIKE.stage(r) for r in even_ranges(18, 3))
+    assert slowest == GEMMA_LIKE.output + GEMMA_LIKE.per_layer[17]
+
+
+def test_a_small_output_projection_keeps_the_split_near_even():
+    costs = StepCosts(per_layer=(10,) * 12, output=1)
+    assert balanced_ranges(costs, 3) == [(0, 4), (4, 8), (8, 12)]
+    assert balanced_ranges(costs, 1) == [(0, 12)]
+
+
+def test_the_output_projection_is_priced_at_the_last_stage_and_the_embedding_lookup_nowhere():
+    tied = {
+        "token_embd.weight": 900,
+        "output_norm.weight": 4,
+        "blk.0.attn_q.weight": 10,
+        "blk.0.ffn_up.weight": 20,
+        "blk.1.attn_q.weight": 10,
+        "blk.1.ffn_up.weight": 25,
+    }
+    costs = step_costs(2, tied)
+    assert costs == StepCosts(per_layer=(30, 35), output=900)
+    assert costs.stage((0, 1)) == 30
+    assert costs.stage((1, 2)) == 935
+    # A model with its own output matrix reads that one, not the embedding.
+    assert step_costs(2, {**tied, "output.weight": 300}).output == 300
+
+
+def test_more_nodes_than_layers_is_refused():
+    with pytest.raises(ValueError, match="each stage needs a layer"):
+        balanced_ranges(StepCosts((1, 2), 3), 3)
+    with pytest.raises(ValueError, match="each stage needs a layer"):
+        even_ranges(2, 0)
+    assert even_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
