@@ -12,7 +12,13 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine, all in one run:
          on this machine;
     (b)  one meshnode node serving all 18 layers;
     (c)  two nodes, [0, 9) and [9, 18);
-    (d)  three nodes, [0, 6), [6, 12) and [12, 18).
+    (d)  three nodes, [0, 6), [6, 12) and [12, 18);
+    (dt) three nodes with a light tail, [0, 8), [8, 17) and [17, 18) (on Gemma the output
+         matrix costs the tail more than all the layers; see bench/e2e.py).
+
+``--configs`` names them, each optionally with node options of its own, ``KEY+OPTION=VALUE``:
+``--configs d+pipeline=off,d+pipeline=on,dt+pipeline=on`` runs three meshes side by side in
+the same alternating rounds (``--node-arg`` goes to every node of every mesh).
 
 (b)-(d) are real ``meshnode`` processes started once and left running; the bench streams
 k ``/v1/completions`` requests at the same time to the first node's API, each with its own
@@ -23,7 +29,8 @@ text chunks (one token each for ordinary text), p50 and p95 over all streams. Ev
 configuration runs each concurrency once per round, alternating, so load drifting on a
 shared machine hits them alike; figures are medians over the rounds.
 
-Targets (issue 15): (d) at concurrency 4 >= 2.5x (d) at concurrency 1, and >= 0.7x (a') at k=4.
+Targets (issue 15): (d) at concurrency 4 >= 2.5x (d) at concurrency 1, and >= 0.7x (a') at k=4;
+printed for every three-node configuration run.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import CONFIGS, Monolithic, prepare_run, random_prompt, start_mesh
+from e2e import CONFIGS, Layout, Monolithic, prepare_run, random_prompt, start_mesh
 from process_cpu import CpuSplit, cpu_seconds, cpu_split_since, thread_cpu_seconds, usable_cores
 
 from meshnode.app.local_mesh import LocalMesh
@@ -56,6 +63,8 @@ from meshnode.head.api_client import StreamSummary, TextChunk, stream_completion
 
 TARGET_SCALING = 2.5  # (d)@4 over (d)@1
 TARGET_VS_BATCHED = 0.7  # (d)@4 over (a')@4
+# The three-node layouts of bench/e2e.py the targets are for: the even split and the light tail.
+THREE_NODE_CONFIGS = ("d", "dt")
 BATCHED = "a'"
 BATCHED_LABEL = "(a')"
 
@@ -224,10 +233,43 @@ async def concurrent_streams(api: str, prompts: list[list[int]], count: int) -> 
 # ---------------------------------------------------------------------------- main
 
 
+@dataclass(frozen=True)
+class MeshConfig:
+    """One entry of ``--configs``: ``KEY[+OPTION=VALUE...]``, a configuration of bench/e2e.py
+    whose nodes also get ``--OPTION VALUE`` each (``d+pipeline=on+pipeline-cohorts=2``), so
+    that variants of one layout run side by side in the same alternating rounds."""
+
+    name: str
+    base: str
+    node_args: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return " ".join([CONFIGS[self.base][0], *self.node_args])
+
+    @property
+    def layout(self) -> Layout:
+        return CONFIGS[self.base][1]
+
+
+def parse_config(name: str) -> MeshConfig:
+    base, *options = name.split("+")
+    if base not in CONFIGS:
+        raise SystemExit(f"--configs: unknown configuration {base!r} (one of {', '.join(CONFIGS)})")
+    node_args: list[str] = []
+    for option in options:
+        flag, equals, value = option.partition("=")
+        if not flag or not equals:
+            raise SystemExit(f"--configs: {option!r} in {name!r} is not OPTION=VALUE")
+        node_args += [f"--{flag}", value]
+    return MeshConfig(name, base, tuple(node_args))
+
+
 async def bench(
     args: argparse.Namespace, model: Path, prompts: list[list[int]]
 ) -> dict[tuple[str, int], list[Trial]]:
-    keys = args.configs.split(",")
+    configs = [parse_config(name) for name in args.configs.split(",")]
+    keys = [config.name for config in configs]
     levels = [int(level) for level in args.levels.split(",")]
     trials: dict[tuple[str, int], list[Trial]] = {}
     meshes: dict[str, LocalMesh] = {}
@@ -236,14 +278,16 @@ async def bench(
     multi = MultiSequence(model, args.threads, args.repack, max(levels))
     with contextlib.ExitStack() as stack:
         try:
-            for key in keys:
-                label, layout, _ = CONFIGS[key]
-                work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-conc-{key}-")))
-                print(f"  starting {label}", file=sys.stderr, flush=True)
+            for index, config in enumerate(configs):
+                key = config.name
+                work = Path(
+                    stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-conc-{index}-"))
+                )
+                print(f"  starting {config.label}", file=sys.stderr, flush=True)
                 env = dict(item.split("=", 1) for item in args.node_env)
                 env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
                 mesh, apis[key] = await start_mesh(
-                    work, model, layout, args.threads, env, extra=args.node_arg
+                    work, model, config.layout, args.threads, env, extra=[*args.node_arg, *config.node_args]
                 )
                 meshes[key] = mesh
                 await concurrent_streams(apis[key], prompts[:2], 8)  # warm: page faults, graphs, links
@@ -277,7 +321,9 @@ async def bench(
     return trials
 
 
-def print_cpu(trials: dict[tuple[str, int], list[Trial]], labels: dict[str, str], levels: list[int]) -> None:
+def print_cpu(
+    trials: dict[tuple[str, int], list[Trial]], labels: dict[str, str], levels: list[int], width: int
+) -> None:
     """Where the cores went: CPU ms per generated token of each process, medians over rounds."""
     cores = usable_cores()
     print()
@@ -297,7 +343,7 @@ def print_cpu(trials: dict[tuple[str, int], list[Trial]], labels: dict[str, str]
                     engine = statistics.median(t.cpu_ms_per_token(name, "others_s") for t in runs)
                     parts.append(f"{name} {loop:.2f}+{engine:.2f}")
             total = statistics.median(sum(t.cpu_ms_per_token(name) for name in names) for t in runs)
-            print(f"{labels[key]:<36} {level:>3}  {', '.join(parts)}; sum {total:.2f}, "
+            print(f"{labels[key]:<{width}} {level:>3}  {', '.join(parts)}; sum {total:.2f}, "
                   f"ceiling {cores * 1000 / total:.0f} tok/s")  # fmt: skip
 
 
@@ -314,10 +360,14 @@ def main() -> None:
         "--model",
         type=Path,
         default=None,
-        help="a GGUF of 18 or more layers instead of Gemma 3 270M Q4_K_M (the three-node split is "
-        "[0,6) [6,12) [12,18)); bench/cores_check.sh gives a generated one of Gemma's shape",
+        help="a GGUF of 18 or more layers instead of Gemma 3 270M Q4_K_M (the three-node splits are "
+        "[0,6) [6,12) [12,18) and [0,8) [8,17) [17,18)); bench/cores_check.sh gives a generated one of Gemma's shape",
     )
-    parser.add_argument("--configs", default="b,c,d", help="meshnode configurations of bench/e2e.py (b,c,d)")
+    parser.add_argument(
+        "--configs",
+        default="b,c,d",
+        help="meshnode configurations of bench/e2e.py, each KEY[+OPTION=VALUE...] (b,c,d)",
+    )
     parser.add_argument(
         "--node-arg",
         action="append",
@@ -346,25 +396,31 @@ def main() -> None:
           f"medians of {args.rounds} alternating rounds, {args.threads} threads per process; "
           f"weight repack {'on' if args.repack else 'off'}")  # fmt: skip
     labels = {"a": "(a) monolithic, one after another", BATCHED: f"{BATCHED_LABEL} one context, k per batch"}
-    labels.update({key: CONFIGS[key][0] for key in args.configs.split(",")})
-    print(f"{'configuration':<36} {'k':>3} {'tok/s':>8} {'vs k=1':>7} {'vs (a)':>7} {'vs ' + BATCHED_LABEL:>7} "
+    configs = [parse_config(name) for name in args.configs.split(",")]
+    labels.update({config.name: config.label for config in configs})
+    width = max(36, *(len(label) for label in labels.values()))
+    print(f"{'configuration':<{width}} {'k':>3} {'tok/s':>8} {'vs k=1':>7} {'vs (a)':>7} {'vs ' + BATCHED_LABEL:>7} "
           f"{'ITL p50 ms':>11} {'ITL p95 ms':>11}")  # fmt: skip
     medians = {cell: statistics.median(t.tokens_per_s for t in runs) for cell, runs in trials.items()}
     for key in labels:
         for level in levels:
             gaps = [g for t in trials[(key, level)] for g in t.gaps_s]
             tps = medians[(key, level)]
-            print(f"{labels[key]:<36} {level:>3} {tps:>8.1f} {tps / medians[(key, levels[0])]:>6.2f}x "
+            print(f"{labels[key]:<{width}} {level:>3} {tps:>8.1f} {tps / medians[(key, levels[0])]:>6.2f}x "
                   f"{tps / medians[('a', level)]:>6.2f}x {tps / medians[(BATCHED, level)]:>6.2f}x "
                   f"{percentile(gaps, 50) * 1000:>11.1f} {percentile(gaps, 95) * 1000:>11.1f}")  # fmt: skip
-    print_cpu(trials, labels, levels)
-    if "d" in labels and 4 in levels and 1 in levels:
-        scaling = medians[("d", 4)] / medians[("d", 1)]
-        versus = medians[("d", 4)] / medians[(BATCHED, 4)]
+    print_cpu(trials, labels, levels, width)
+    if 4 not in levels or 1 not in levels:
+        return
+    for config in configs:
+        if config.base not in THREE_NODE_CONFIGS:
+            continue
+        scaling = medians[(config.name, 4)] / medians[(config.name, 1)]
+        versus = medians[(config.name, 4)] / medians[(BATCHED, 4)]
         print()
-        print(f"(d) at 4 over (d) at 1: {scaling:.2f}x, target >= {TARGET_SCALING}x: "
+        print(f"{config.label} at 4 over itself at 1: {scaling:.2f}x, target >= {TARGET_SCALING}x: "
               f"{'met' if scaling >= TARGET_SCALING else 'MISSED'}")  # fmt: skip
-        print(f"(d) at 4 over (a') at 4: {versus:.2f}x, target >= {TARGET_VS_BATCHED}x: "
+        print(f"{config.label} at 4 over (a') at 4: {versus:.2f}x, target >= {TARGET_VS_BATCHED}x: "
               f"{'met' if versus >= TARGET_VS_BATCHED else 'MISSED'}")  # fmt: skip
 
 

@@ -11,6 +11,9 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
     (b)  meshnode, one node serving all 18 layers;
     (c)  two nodes, [0, 9) and [9, 18);
     (d)  three nodes, [0, 6), [6, 12) and [12, 18);
+    (dt) three nodes with a light tail, [0, 8), [8, 17) and [17, 18): stages of more alike
+         cost, the output matrix being the tail's, as ``meshnode split --nodes 3`` gives them
+         (for bench/concurrency.py's pipelines);
     (e)  two nodes through a relay: the second node is "behind NAT" (--relay-only
          --not-directly-reachable), so every activation and token crosses the relay;
     (c1), (d1): (c) and (d) with one compute thread per node instead of ``--threads``;
@@ -100,11 +103,18 @@ if TYPE_CHECKING:
 Layout = list[tuple[tuple[int, int] | None, bool]]
 TWO: Layout = [((0, 9), False), ((9, 18), False)]
 THREE: Layout = [((0, 6), False), ((6, 12), False), ((12, 18), False)]
+# Three nodes whose stages cost more alike: on Gemma 3 270M the tail's output matrix (262 144
+# tokens x 640) costs more than all 18 layers together, so an even split of the layers leaves
+# the tail the slowest stage by far; a pipeline of stages on machines of their own runs at the
+# pace of its slowest. These are the ranges `meshnode split --nodes 3` prints for Gemma
+# (meshnode/autoplace/stage_balance.py; bench/RESULTS.md, "A light tail").
+LIGHT_TAIL: Layout = [((0, 8), False), ((8, 17), False), ((17, 18), False)]
 # key: (label, layout, threads per node or None for --threads)
 CONFIGS: dict[str, tuple[str, Layout, int | None]] = {
     "b": ("(b) 1 node", [(None, False)], None),
     "c": ("(c) 2 nodes", TWO, None),
     "d": ("(d) 3 nodes", THREE, None),
+    "dt": ("(dt) 3 nodes, light tail", LIGHT_TAIL, None),
     "e": ("(e) 2 nodes through the relay", [((0, 9), False), ((9, 18), True)], None),
     "c1": ("(c1) 2 nodes, 1 thread each", TWO, 1),
     "d1": ("(d1) 3 nodes, 1 thread each", THREE, 1),
