@@ -7,7 +7,8 @@
 # machine lent to some tasks has 16 cores: there each node's two threads, its event loop and
 # the bench's own (a) and (a') contexts can all run at once, as on the pooled machines the
 # product is for. Its GPU is hidden (CUDA_VISIBLE_DEVICES=""): this measures CPU nodes with
-# every session in one batch (--pipeline off), in cohorts of one per stage, and in two cohorts.
+# every session in one batch (--pipeline off) and in two cohorts, on an even split of the
+# layers and on one with a light tail.
 #
 # HOW TO RUN IT (a session whose task is lent the device machine):
 #   1. Here, first:   bash bench/gpu_prepare.sh      (also fetches the runtime wheels)
@@ -28,7 +29,7 @@
 #
 #   bash bench/cores_check.sh --here     the same bench on this machine, with .venv
 # Environment: CORES_CHECK_BUDGET_S (280: the whole script), CORES_CHECK_LEVELS (1,4,8),
-# CORES_CHECK_ROUNDS (2), GPU_CHECK_PYTHON (python3),
+# CORES_CHECK_ROUNDS (2), CORES_CHECK_CONFIGS (bench/concurrency.py's --configs; below), GPU_CHECK_PYTHON (python3),
 # GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), OUT (the device tool sets it; else
 # .cache/cores-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache on the device).
 set -uo pipefail
@@ -105,8 +106,15 @@ else
       >/tmp/meshnode-cores-build.log 2>&1 || { tail -n 30 /tmp/meshnode-cores-build.log; finish "build"; }
     stamp "built"
   fi
-  stamp "== meshnode's runtime wheels and meshnode (editable) into $VENV"
-  "${PIP[@]}" install --no-index --no-deps --no-cache-dir --ignore-installed "$CARRY"/runtime-wheels/*.whl || finish "runtime wheels"
+  # Where the venv sees them already (bench/gpu_check.sh --cpu-dry-run's, over .venv's Python),
+  # the carried wheels (built for the device's Python 3.12) are not needed.
+  if "$VPY" -c "import aioquic, aiohttp, cryptography, google.protobuf, google_crc32c, prometheus_client, uvloop, zstandard" 2>/dev/null; then
+    stamp "== meshnode's runtime dependencies: in $VENV already"
+  else
+    stamp "== meshnode's runtime wheels into $VENV"
+    "${PIP[@]}" install --no-index --no-deps --no-cache-dir --ignore-installed "$CARRY"/runtime-wheels/*.whl || finish "runtime wheels"
+  fi
+  stamp "== meshnode (editable) into $VENV"
   "${PIP[@]}" install --no-index --no-deps --no-build-isolation --no-cache-dir -e . || finish "meshnode install"
 fi
 "$VPY" -c 'import llama_cpp, aioquic, aiohttp; print("llama_cpp", llama_cpp.__version__, "|",
@@ -123,24 +131,20 @@ stamp "== the stand-in model"
 model=$("$VPY" bench/random_model.py --size gemma270m) || finish "model"
 ls -l "$model"
 
-# The convoy (--pipeline off; what auto chooses for nodes on one machine, as here), cohorts
-# of one per stage (on, --pipeline-cohorts 0) and two cohorts (on, the default 2), each a run
-# of its own: bench/pipeline_overlap.py --stage-ms, timed as the three nodes measured here on
-# 2026-12-05, predicts 62.8, 56.9 and 79.5 tokens/s at k=4 (bench/RESULTS.md).
-status=0
-runs=("off 2" "on 0" "on 2")
-for index in "${!runs[@]}"; do
-  read -r pipeline cohorts <<<"${runs[$index]}"
-  # Each run takes its share of what is left, so that the later ones run too.
-  share=$((${#runs[@]} - index))
-  stamp "== bench/concurrency.py, (d) three CPU nodes of 2 threads, --pipeline $pipeline --pipeline-cohorts $cohorts, speculation off ($(left) s left)"
-  timeout --signal=INT --kill-after=15 "$((($(left) - 10) / share))" "$VPY" bench/concurrency.py \
-    --model "$model" --configs d --levels "${CORES_CHECK_LEVELS:-1,4,8}" --rounds "${CORES_CHECK_ROUNDS:-2}" \
-    --tokens 32 --node-arg=--max-sessions --node-arg=8 --node-arg=--speculation --node-arg=off \
-    --node-arg=--n-gpu-layers --node-arg=0 --node-arg=--pipeline --node-arg=$pipeline \
-    --node-arg=--pipeline-cohorts --node-arg=$cohorts 2>&1 | tee -a "$OUT/cores.txt"
-  run_status=${PIPESTATUS[0]}
-  [ "$run_status" -eq 0 ] || status=$run_status
-done
+# One run, its meshes side by side in the same alternating rounds (so that the machine's drift
+# between minutes, which moved (d) at k=1 from 32.3 to 23.9 tokens/s between two runs on
+# 2026-12-05, hits them alike): (d)'s even split as a convoy (--pipeline off; what auto
+# chooses for nodes on one machine, as here) and in two cohorts (--pipeline on, the default
+# --pipeline-cohorts 2), and the light tail (dt: [0,8) [8,17) [17,18)) in two cohorts.
+# bench/pipeline_overlap.py --stage-ms, timed as the three nodes measured on the device and as
+# the two splits measure here, predicts the light tail in two cohorts near 2.6x its k=1
+# (bench/RESULTS.md, "A light tail").
+configs=${CORES_CHECK_CONFIGS:-d+pipeline=off,d+pipeline=on+pipeline-cohorts=2,dt+pipeline=on+pipeline-cohorts=2}
+stamp "== bench/concurrency.py, three CPU nodes of 2 threads, speculation off, configs $configs ($(left) s left)"
+timeout --signal=INT --kill-after=15 "$(($(left) - 10))" "$VPY" bench/concurrency.py \
+  --model "$model" --configs "$configs" --levels "${CORES_CHECK_LEVELS:-1,4,8}" \
+  --rounds "${CORES_CHECK_ROUNDS:-2}" --tokens 32 --node-arg=--max-sessions --node-arg=8 \
+  --node-arg=--speculation --node-arg=off --node-arg=--n-gpu-layers --node-arg=0 2>&1 | tee -a "$OUT/cores.txt"
+status=${PIPESTATUS[0]}
 [ "$status" -eq 0 ] && finish ok
 finish "bench (exit $status: 124 is the budget)"

@@ -41,7 +41,9 @@
 #                   .venv (a CPU build), with n_gpu_layers 0 and the small random model.
 #   --cpu-build     as --cpu-dry-run, but builds the carried sdist for the CPU first (the
 #                   check that the trimmed sdist still builds; ~7 minutes on 2 cores).
-# Environment: GPU_CHECK_PYTHON (python3; .venv/bin/python in the CPU modes),
+# Environment: GPU_CHECK_INTERLUDE (a command run after the build, before the GPU stages, with
+# INTERLUDE_BUDGET_S: what is left less GPU_CHECK_RESERVE_S, 120), GPU_CHECK_PYTHON (python3;
+# .venv/bin/python in the CPU modes),
 # GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), GPU_CHECK_BUDGET_S (570), GPU_CHECK_BUILD_S (the
 # build's own limit, 520), GPU_CHECK_COPY (the CPU modes' copy), OUT (the device
 # tool sets it; else .cache/gpu-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache).
@@ -305,6 +307,21 @@ if [ "$MODE" = gpu ] && [ "$offload" != 1 ]; then
   stamp "this build cannot offload: the GPU checks would run on the CPU, stopping"
   FAILED+=("no GPU offload")
   finish
+fi
+
+# Another check that needs this venv and build, run before the GPU stages where the device
+# time is short (bench/device_check.sh: issue 15's bench/cores_check.sh). It gets what is left
+# less GPU_CHECK_RESERVE_S, as INTERLUDE_BUDGET_S; the GPU stages after it get the rest.
+if [ -n "${GPU_CHECK_INTERLUDE:-}" ]; then
+  interlude_s=$((DEADLINE - $(date +%s) - ${GPU_CHECK_RESERVE_S:-120}))
+  if [ "$interlude_s" -ge 60 ]; then
+    stage "interlude, ${interlude_s}s: $GPU_CHECK_INTERLUDE"
+    INTERLUDE_BUDGET_S=$interlude_s VPY=$VPY bash -c "$GPU_CHECK_INTERLUDE" || FAILED+=(interlude)
+    stamp "interlude done"
+  else
+    stage "interlude skipped: ${interlude_s}s left for it"
+    FAILED+=(interlude)
+  fi
 fi
 
 stage "engine parity tests, MESHNODE_TEST_N_GPU_LAYERS=$NGL, each test in a process of its own"
