@@ -2,8 +2,8 @@
 
 Where several people use the mesh at once, nodes on machines of their own compute different
 sessions at the same time, and a route runs at the pace of its slowest stage. This prints the
-ranges whose slowest stage reads the fewest weight bytes per decode step
-(:mod:`meshnode.autoplace.stage_balance`), beside the even split of the layers.
+ranges whose slowest stage reads the fewest weight bytes per decode step (the output
+projection counted at the last stage), beside the even split of the layers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def _layers(layers: tuple[int, int]) -> str:
 
 
 def run_split(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        raise CliError(f"--nodes {args.nodes}: a pipeline has one node at least", 2)
     path: Path | None = args.model
     if path is None:
         from engines.default_model import ModelAssemblyError, default_model_path
@@ -39,7 +41,7 @@ def run_split(args: argparse.Namespace) -> int:
         info = model_info(gguf)
     except (OSError, GGUFFormatError) as exc:
         raise CliError(f"cannot read {path}: {exc}") from exc
-    if not 1 <= args.nodes <= info.n_layers:
+    if args.nodes > info.n_layers:
         raise CliError(
             f"--nodes {args.nodes}: {info.name} has {info.n_layers} layers, one at least per node", 2
         )

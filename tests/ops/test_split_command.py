@@ -42,11 +42,14 @@ def test_each_node_gets_its_balanced_range(tiny_model):
     assert "--layers A:B" in result.stdout
 
 
-def test_more_nodes_than_layers_and_a_file_that_is_no_model_are_refused(tiny_model, tmp_path):
+def test_no_nodes_more_nodes_than_layers_and_a_file_that_is_no_model_are_refused(tiny_model, tmp_path):
     n_layers = model_info(read_gguf(tiny_model)).n_layers
     result = split("--nodes", str(n_layers + 1), "--model", str(tiny_model))
     assert result.returncode == 2
     assert f"has {n_layers} layers, one at least per node" in result.stderr
+    result = split("--nodes", "0", "--model", str(tiny_model))
+    assert result.returncode == 2
+    assert "a pipeline has one node at least" in result.stderr
     not_a_model = tmp_path / "notes.txt"
     not_a_model.write_text("hello")
     result = split("--nodes", "2", "--model", str(not_a_model))
