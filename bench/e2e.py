@@ -628,7 +628,7 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="b,c,d,e",
-        help="comma-separated: b, c, d, e, c1, d1, and the llama.cpp anchor's rpc1, rpc2, rpc3 (b,c,d,e)",
+        help="comma-separated: b, c, d, dt, e, c1, d1, and the llama.cpp anchor's rpc1, rpc2, rpc3 (b,c,d,e)",
     )
     parser.add_argument(
         "--rpc",
