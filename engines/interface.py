@@ -218,6 +218,9 @@ class EngineCapabilities:
     # whose numerics differ still serve one route; heads record and report the mix.
     # Empty: the engine does not say.
     numerics: str = ""
+    # The CPU threads it computes with (a head tells hops with cores of their own from hops
+    # sharing a machine's, meshnode.head.pipeline); 0: the engine does not say.
+    compute_threads: int = 0
 
     @property
     def is_head(self) -> bool:

@@ -192,6 +192,7 @@ class LlamaShardEngine(SessionedEngine):
             backend=f"llama.cpp ({llama_cpp_version()})",
             device=backend,
             numerics=runtime_numerics(backend, request.weight_repack),
+            compute_threads=request.n_threads or _default_threads(),
         )
         # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.
         assert self._main.n_ctx_seq >= request.n_ctx

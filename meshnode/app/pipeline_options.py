@@ -4,9 +4,10 @@ different generations at once, and in how many cohorts.
 With it on, a head opens its routes with the number of cohorts (``SessionRoute.pipeline_stages``)
 and every worker runs the sessions of such routes in cohorts (meshnode.dataplane.cohorts), so
 that stages compute different cohorts at once instead of passing one convoy along. ``auto`` (the
-default) turns it on for a route whose hops each announce a host of their own (machines of their
-own), and off where two share one (their cores are shared, and one batch of every session is
-cheaper). Two cohorts by default, not one per stage: a real model's stages batch, the tail over
+default) turns it on for a route whose hops compute on cores of their own: each on a host of its
+own, or sharing one that has a CPU for every compute thread and event loop of them (they announce
+their threads and CPUs); off where they would share cores (one batch of every session is cheaper
+there, meshnode.head.pipeline). Two cohorts by default, not one per stage: a real model's stages batch, the tail over
 a large vocabulary most, and cohorts of one per stage left it computing one session at a time
 (bench/RESULTS.md). Like every option these may come from the environment (``MESHNODE_PIPELINE``,
 ``MESHNODE_PIPELINE_COHORTS``) or the config file.
@@ -27,8 +28,9 @@ def add_pipeline_options(parser: argparse.ArgumentParser | Any) -> None:
         choices=PIPELINE_MODES,
         default=DriverOptions().pipeline,
         help="keep a route's stages busy with different generations at once by running sessions "
-        "in cohorts: where every hop is on a machine of its own (auto, the default), always (on), "
-        "or never: every session in one batch, the cheaper way on one machine's cores (off)",
+        "in cohorts: where every hop computes on cores of its own, a machine of its own or a share "
+        "of one with a CPU for every thread (auto, the default), always (on), or never: every "
+        "session in one batch, the cheaper way where stages share cores (off)",
     )
     parser.add_argument(
         "--pipeline-cohorts",

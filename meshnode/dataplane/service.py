@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +28,7 @@ from meshnode.dataplane.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
+from meshnode.wire.cpu_mask import cpu_mask
 from meshnode.wire.pb import mesh, shard
 
 log = logging.getLogger("meshnode.dataplane.service")
@@ -137,8 +139,17 @@ def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.Se
     )
 
 
-def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
-    """What the loaded engine serves, as announced (with its fingerprint)."""
+def process_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity; every CPU where the OS does not say)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return frozenset(range(os.cpu_count() or 0))
+
+
+def served_shard(caps: EngineCapabilities, model_name: str, cpus: Iterable[int] = ()) -> mesh.ServedShard:
+    """What the loaded engine serves, as announced (with its fingerprint, and the threads and
+    ``cpus`` it computes with)."""
     fp = caps.fingerprint
     return mesh.ServedShard(
         model_name=model_name,
@@ -156,6 +167,8 @@ def served_shard(caps: EngineCapabilities, model_name: str) -> mesh.ServedShard:
         numerics=caps.numerics,
         # Every engine behind the data plane's worker runs verify steps (engines.interface).
         verifies_drafts=True,
+        compute_threads=caps.compute_threads,
+        cpu_mask=cpu_mask(cpus),
     )
 
 
@@ -228,7 +241,9 @@ class ShardService:
         if not validation.validated:
             await server.aclose()
             raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
-        service = cls(node, server, served_shard(caps, options.model_name or options.model.stem))
+        service = cls(
+            node, server, served_shard(caps, options.model_name or options.model.stem, process_cpus())
+        )
         server.register(node.register_handler)
         service._is_member = is_member
         node.set_serving(service.served)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from meshnode.head.planner import ModelIdentity, NoRouteError, ShardCandidate, models_available, plan_route
 from meshnode.transport.addresses import AddressError, parse_host_port
+from meshnode.wire.cpu_mask import cpus_of_mask
 from meshnode.wire.pb import mesh, shard
 
 # Serving states a peer may announce and still take new sessions. UNSPECIFIED is
@@ -63,6 +64,8 @@ def shard_candidate(
         max_context_tokens=announcement.capacity.max_context_tokens,
         verifies_drafts=served.verifies_drafts,
         hosts=announced_hosts(announcement.addresses),
+        compute_threads=served.compute_threads,
+        cpus=cpus_of_mask(served.cpu_mask),
     )
 
 

@@ -464,11 +464,13 @@ class _Generation:
             )
         first = route.hops[0]
         link_to_first = first.node_id
+        stages = pipeline_stages(self.options.pipeline, route.hops, self.options.pipeline_cohorts)
         log.debug(
-            "generation %s epoch %d: route %s",
+            "generation %s epoch %d: route %s, %s",
             self.session_id[:8],
             self.epoch,
             " -> ".join(_hop_text(hop) for hop in route.hops),
+            f"its stages kept busy in {stages} cohorts" if stages else "its sessions in one batch a stage",
         )
         tail = route.hops[-1]
         answers = None
@@ -496,7 +498,7 @@ class _Generation:
             ],
             sampling=self.sampling,
             boundary_dtype=self.options.boundary_dtype,
-            pipeline_stages=pipeline_stages(self.options.pipeline, route.hops, self.options.pipeline_cohorts),
+            pipeline_stages=stages,
             route_session_id=self.session_id,
             route_epoch=self.epoch,
             config=default_client_config(),

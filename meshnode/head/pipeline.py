@@ -2,10 +2,13 @@
 
 A worker that is told a route has S stages runs its sessions in cohorts of at most
 floor(sessions / S) a batch, one at least (meshnode.dataplane.cohorts), so that with S or more
-generations every stage computes while the others do. That pays where each stage has a
-machine of its own; where stages share one machine's cores the convoy of one batch is cheaper
-(each stage reads its weights once for every session). ``auto`` tells them apart by what the
-hops announce: every hop names the host it listens on and no two name the same one. A head may
+generations every stage computes while the others do. That pays where each stage has cores of
+its own; where stages share cores the convoy of one batch is cheaper (each stage reads its
+weights once for every session). ``auto`` tells them apart by what the hops announce: every hop
+names the host it listens on, and hops that name the same host all say how many threads they
+compute with and which CPUs they may run on, and those CPUs number at least their threads and
+an event loop each (a record that overstates them changes how sessions are batched, never what
+they compute: each session's text is the one it gets alone either way). A head may
 ask for fewer cohorts than stages (``cohorts``; two by default, meshnode.head.driver), which
 keeps the batches of a stage that costs most larger. Pure.
 """
@@ -32,13 +35,43 @@ def pipeline_stages(mode: str, hops: Sequence[Hop], cohorts: int = 0) -> int:
         raise ValueError(f"pipeline mode must be one of {', '.join(PIPELINE_MODES)}, not {mode!r}")
     if mode == "off" or len(hops) < 2:
         return 0
-    if mode == "auto":
-        seen: set[str] = set()
-        for hop in hops:
-            if not hop.hosts or hop.hosts & seen:
-                return 0  # a hop says nothing of where it runs, or shares a machine with another
-            seen |= hop.hosts
+    if mode == "auto" and not _cores_of_their_own(hops):
+        return 0
     return min(cohorts, len(hops)) if cohorts else len(hops)
+
+
+def _cores_of_their_own(hops: Sequence[Hop]) -> bool:
+    """Whether every hop computes on cores no other hop of the route computes on: each names
+    where it runs, and every machine they share has cores for all of its hops."""
+    return all(hop.hosts for hop in hops) and all(map(_has_cores_for, _machines(hops)))
+
+
+def _machines(hops: Sequence[Hop]) -> list[list[Hop]]:
+    """The hops grouped by machine: hops naming a common host share one."""
+    machines: list[tuple[set[str], list[Hop]]] = []
+    for hop in hops:
+        hosts, members = set(hop.hosts), [hop]
+        apart = []
+        for machine_hosts, machine_hops in machines:
+            if machine_hosts & hop.hosts:
+                hosts |= machine_hosts
+                members += machine_hops
+            else:
+                apart.append((machine_hosts, machine_hops))
+        machines = [*apart, (hosts, members)]
+    return [members for _, members in machines]
+
+
+def _has_cores_for(machine: list[Hop]) -> bool:
+    """Whether the hops of one machine compute on cores of their own: a hop alone always does;
+    several do where every one says its threads and CPUs, and the CPUs they may use number at
+    least their threads and an event loop each."""
+    if len(machine) == 1:
+        return True
+    if any(hop.compute_threads < 1 or not hop.cpus for hop in machine):
+        return False
+    cpus = frozenset().union(*(hop.cpus for hop in machine))
+    return len(cpus) >= sum(hop.compute_threads + 1 for hop in machine)
 
 
 __all__ = ["MAX_PIPELINE_COHORTS", "PIPELINE_MODES", "pipeline_stages"]

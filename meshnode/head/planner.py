@@ -66,6 +66,10 @@ class ShardCandidate:
     verifies_drafts: bool = False
     # The hosts of the addresses it announces (which machine it is on; empty when unsaid).
     hosts: frozenset[str] = frozenset()
+    # The CPU threads its engine computes with and the CPUs its process may use
+    # (ServedShard.compute_threads, .cpu_mask); 0 and empty when unsaid.
+    compute_threads: int = 0
+    cpus: frozenset[int] = frozenset()
 
     @property
     def load(self) -> float:
@@ -93,8 +97,11 @@ class Hop:
     numerics: str = ""
     # Whether the hop runs verify steps (ShardCandidate.verifies_drafts).
     verifies_drafts: bool = False
-    # ShardCandidate.hosts: whether two hops share a machine (meshnode.head.pipeline).
+    # ShardCandidate.hosts, .compute_threads and .cpus: whether two hops share a machine, and
+    # if they do, whether it has cores for both (meshnode.head.pipeline).
     hosts: frozenset[str] = frozenset()
+    compute_threads: int = 0
+    cpus: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,8 @@ def plan_route(
                 candidate.numerics,
                 candidate.verifies_drafts,
                 candidate.hosts,
+                candidate.compute_threads,
+                candidate.cpus,
             )
         )
         position = candidate.end_layer

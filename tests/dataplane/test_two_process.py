@@ -10,6 +10,7 @@ llama.cpp engine fed the same prefill chunks.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -21,7 +22,7 @@ from helpers.loopback_mesh import LoopbackMesh
 from helpers.mesh_nodes import serving_peer
 from helpers.node_processes import QuicCluster
 from helpers.polling import eventually
-from helpers.tiny_llama import CTX, SPLIT, load_engine, run_unsplit
+from helpers.tiny_llama import CTX, SPLIT, THREADS, load_engine, run_unsplit
 
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
@@ -29,6 +30,7 @@ from meshnode.dataplane import rpc
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
+from meshnode.wire.cpu_mask import cpus_of_mask
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
@@ -281,6 +283,12 @@ async def test_the_served_shards_are_announced_with_capacity_and_live_load(
     assert head.serving.fingerprint.model_artifact_digest  # the engine's digest of the GGUF
     assert (head.capacity.max_concurrent_sessions, head.capacity.max_context_tokens) == (MAX_SESSIONS, CTX)
     assert head.load.serving_state == shard.SERVING_STATE_SERVING
+    # What a head tells nodes with cores of their own by (meshnode.head.pipeline): the node's
+    # --threads, and the CPUs its process may run on (inherited from this one).
+    assert (head.serving.compute_threads, tail.serving.compute_threads) == (THREADS, THREADS)
+    assert (
+        cpus_of_mask(head.serving.cpu_mask) == cpus_of_mask(tail.serving.cpu_mask) == os.sched_getaffinity(0)
+    )
 
     def head_load() -> tuple[int, float]:
         load = next(e.announcement.load for e in chain.node.peers() if e.peer_id == chain.head_id)  # type: ignore[union-attr]

@@ -18,10 +18,12 @@ from helpers.polling import eventually
 
 from engines.interface import GREEDY, BatchStep
 from meshnode.app.pipeline_options import add_pipeline_options
-from meshnode.head.candidates import announced_hosts
+from meshnode.head.candidates import announced_hosts, shard_candidate
 from meshnode.head.driver import DriverOptions, GenerationDriver
 from meshnode.head.pipeline import pipeline_stages
-from meshnode.head.planner import Hop
+from meshnode.head.planner import Hop, plan_route
+from meshnode.wire.cpu_mask import MAX_CPU_MASK_BYTES, cpu_mask, cpus_of_mask
+from meshnode.wire.pb import mesh, shard
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,6 +81,89 @@ def test_a_route_of_one_hop_has_no_pipeline() -> None:
         pipeline_stages("sometimes", [])
     with pytest.raises(ValueError, match="pipeline"):
         DriverOptions(pipeline="sometimes")
+
+
+def placed(start: int, end: int, host: str, threads: int, cpus: range | set[int]) -> Hop:
+    return Hop(
+        bytes([start]) * 32,
+        start,
+        end,
+        start,
+        hosts=frozenset({host}),
+        compute_threads=threads,
+        cpus=frozenset(cpus),
+    )
+
+
+def test_auto_pipelines_hops_sharing_a_machine_that_has_cores_for_all_of_them() -> None:
+    # Three nodes of 2 threads on a 16-core machine: 9 CPUs for their threads and event loops.
+    roomy = [placed(0, 2, "127.0.0.1", 2, range(16)), placed(2, 3, "127.0.0.1", 2, range(16))]
+    roomy.append(placed(3, 4, "127.0.0.1", 2, range(16)))
+    assert pipeline_stages("auto", roomy, cohorts=2) == 2
+    # The same three on two cores: their stages would take the cores from each other.
+    cramped = [placed(0, 2, "127.0.0.1", 2, range(2)), placed(2, 4, "127.0.0.1", 2, range(2))]
+    assert pipeline_stages("auto", cramped, cohorts=2) == 0
+    # Exactly enough (2 + 1 each) and one short.
+    assert pipeline_stages("auto", [placed(0, 2, "h", 2, range(6)), placed(2, 4, "h", 2, range(6))]) == 2
+    assert pipeline_stages("auto", [placed(0, 2, "h", 2, range(5)), placed(2, 4, "h", 2, range(5))]) == 0
+    # Pinned to CPUs of their own (taskset): what counts is the CPUs they may use together.
+    pinned = [placed(0, 2, "h", 2, {0, 1, 2}), placed(2, 4, "h", 2, {3, 4, 5})]
+    assert pipeline_stages("auto", pinned) == 2
+    overlapping = [placed(0, 2, "h", 2, {0, 1, 2}), placed(2, 4, "h", 2, {1, 2, 3})]
+    assert pipeline_stages("auto", overlapping) == 0
+
+
+def test_auto_keeps_the_convoy_where_a_hop_sharing_a_machine_does_not_say_its_cores() -> None:
+    silent = Hop(b"\x02" * 32, 2, 4, 2, hosts=frozenset({"127.0.0.1"}))
+    assert pipeline_stages("auto", [placed(0, 2, "127.0.0.1", 2, range(64)), silent]) == 0
+    no_threads = placed(2, 4, "127.0.0.1", 0, range(64))
+    assert pipeline_stages("auto", [placed(0, 2, "127.0.0.1", 2, range(64)), no_threads]) == 0
+    # Machines of their own need not say: a hop alone on its host has its cores.
+    apart = [Hop(b"\x01" * 32, 0, 2, 0, hosts=frozenset({"10.0.0.1"})), silent]
+    assert pipeline_stages("auto", apart) == 2
+    # Hops that share a host through any of their addresses share the machine: the middle
+    # one names both others' hosts, so all three count against its cores.
+    chained = [
+        placed(0, 1, "10.0.0.1", 2, range(9)),
+        Hop(
+            b"\x05" * 32,
+            1,
+            3,
+            1,
+            hosts=frozenset({"10.0.0.1", "10.0.0.2"}),
+            compute_threads=2,
+            cpus=frozenset(range(9)),
+        ),
+        placed(3, 4, "10.0.0.2", 2, range(9)),
+    ]
+    assert pipeline_stages("auto", chained) == 3
+    assert pipeline_stages("auto", [*chained[:2], placed(3, 4, "10.0.0.2", 3, range(9))]) == 0
+
+
+def test_a_peer_record_says_its_threads_and_cpus_within_bounds() -> None:
+    announcement = mesh.PeerAnnouncement(addresses=["10.0.0.7:7447"])
+    announcement.serving.CopyFrom(
+        mesh.ServedShard(
+            model_name="m",
+            fingerprint=shard.Fingerprint(model_artifact_digest="a" * 64, runtime_recipe_digest="r" * 64),
+            shard_range=shard.ShardRange(start_layer=0, end_layer=4),
+            total_layers=4,
+            compute_threads=4,
+            cpu_mask=cpu_mask([0, 1, 2, 3, 3]),
+        )
+    )
+    candidate = shard_candidate(b"\x07" * 32, announcement)
+    assert candidate is not None
+    assert (candidate.compute_threads, candidate.cpus) == (4, frozenset({0, 1, 2, 3}))
+    (only,) = plan_route([candidate], candidate.model).hops
+    assert (only.hosts, only.compute_threads, only.cpus) == ({"10.0.0.7"}, 4, frozenset({0, 1, 2, 3}))
+    # Two bytes for 16 CPUs; a mask longer than any machine needs reads as unsaid, so no record
+    # makes a head build a set of any size.
+    assert cpu_mask(range(16)) == b"\xff\xff" and cpus_of_mask(b"\x05\x80") == {0, 2, 15}
+    most = cpu_mask(range(8 * MAX_CPU_MASK_BYTES))
+    assert cpus_of_mask(most) == frozenset(range(8 * MAX_CPU_MASK_BYTES))
+    assert cpus_of_mask(most + b"\x01") == frozenset()
+    assert cpu_mask([-1, 8 * MAX_CPU_MASK_BYTES, 3]) == b"\x08"
 
 
 STEP_S = 0.04

@@ -77,20 +77,24 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[_Union[MeshErrorCode, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ServedShard(_message.Message):
-    __slots__ = ("model_name", "fingerprint", "shard_range", "total_layers", "numerics", "verifies_drafts")
+    __slots__ = ("model_name", "fingerprint", "shard_range", "total_layers", "numerics", "verifies_drafts", "compute_threads", "cpu_mask")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     VERIFIES_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_THREADS_FIELD_NUMBER: _ClassVar[int]
+    CPU_MASK_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     fingerprint: _shard_runtime_pb2.Fingerprint
     shard_range: _shard_runtime_pb2.ShardRange
     total_layers: int
     numerics: str
     verifies_drafts: bool
-    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[_shard_runtime_pb2.Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ..., total_layers: _Optional[int] = ..., numerics: _Optional[str] = ..., verifies_drafts: _Optional[bool] = ...) -> None: ...
+    compute_threads: int
+    cpu_mask: bytes
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[_shard_runtime_pb2.Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ..., total_layers: _Optional[int] = ..., numerics: _Optional[str] = ..., verifies_drafts: _Optional[bool] = ..., compute_threads: _Optional[int] = ..., cpu_mask: _Optional[bytes] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("max_concurrent_sessions", "max_context_tokens")
