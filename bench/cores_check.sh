@@ -133,13 +133,14 @@ ls -l "$model"
 
 # One run, its meshes side by side in the same alternating rounds (so that the machine's drift
 # between minutes, which moved (d) at k=1 from 32.3 to 23.9 tokens/s between two runs on
-# 2026-12-05, hits them alike): (d)'s even split as a convoy (--pipeline off; what auto
-# chooses for nodes on one machine, as here) and in two cohorts (--pipeline on, the default
-# --pipeline-cohorts 2), and the light tail (dt: [0,8) [8,17) [17,18)) in two cohorts.
+# 2026-12-05, hits them alike): (d)'s even split as a convoy (--pipeline off), and (d) and the
+# light tail (dt: [0,8) [8,17) [17,18), as `meshnode split --nodes 3` gives it) with the nodes'
+# defaults: --pipeline auto, which on these 16 CPUs finds a CPU for each node's 2 threads and
+# event loop (9 of 16) and so runs two cohorts (--pipeline-cohorts 2; the head logs it at debug).
 # bench/pipeline_overlap.py --stage-ms, timed as the three nodes measured on the device and as
-# the two splits measure here, predicts the light tail in two cohorts near 2.6x its k=1
+# the two splits measure here, predicts the light tail in two cohorts near 2.5x its k=1
 # (bench/RESULTS.md, "A light tail").
-configs=${CORES_CHECK_CONFIGS:-d+pipeline=off,d+pipeline=on+pipeline-cohorts=2,dt+pipeline=on+pipeline-cohorts=2}
+configs=${CORES_CHECK_CONFIGS:-d+pipeline=off,d,dt}
 stamp "== bench/concurrency.py, three CPU nodes of 2 threads, speculation off, configs $configs ($(left) s left)"
 timeout --signal=INT --kill-after=15 "$(($(left) - 10))" "$VPY" bench/concurrency.py \
   --model "$model" --configs "$configs" --levels "${CORES_CHECK_LEVELS:-1,4,8}" \
