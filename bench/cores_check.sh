@@ -12,15 +12,15 @@
 #
 # HOW TO RUN IT (a session whose task is lent the device machine):
 #   1. Here, first:   bash bench/gpu_prepare.sh      (also fetches the runtime wheels)
-#   2. Best after bench/gpu_check.sh in the same call, as bench/device_check.sh runs them;
-#      gpu_check leaves its venv (with llama-cpp-python built) in /tmp/meshnode-gpu-venv.
-#      Alone:
+#   2. bash bench/device_check.sh runs it first, then bench/gpu_check.sh. Alone:
 #        command:   bash bench/cores_check.sh
 #        carry:     [".cache/gpu-carry"]
 #        timeout_s: 300
-#      On a fresh machine it makes that venv itself and builds llama-cpp-python for the CPU
-#      from the carried sdist first (16 jobs). Results: $OUT/cores_check.log (all of stdout)
-#      and $OUT/cores.txt (the bench's table). Call give_back after.
+#      On a fresh machine it makes a venv (/tmp/meshnode-gpu-venv) and builds llama-cpp-python
+#      for the CPU from the carried sdist first (16 jobs); where a venv with llama-cpp-python is
+#      there already (bench/gpu_check.sh's, or --cpu-dry-run's here) it uses it. Results:
+#      $OUT/cores_check.log (all of stdout) and $OUT/cores.txt (the bench's table). Call
+#      give_back after.
 #
 # The model is a generated stand-in of Gemma 3 270M's shape and weight types
 # (bench/random_model.py --size gemma270m): the device has no package registry to bring
@@ -84,7 +84,7 @@ else
     finish "no runtime wheels"
   fi
   if [ ! -x "$VPY" ]; then
-    stamp "== no venv from bench/gpu_check.sh: a new one over $PY with the carried wheels"
+    stamp "== a venv over $PY with the carried wheels"
     $PY -m venv --without-pip --system-site-packages "$VENV" || finish "venv"
     purelib=$($VPY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     # As in bench/gpu_check.sh: the image's python3 may itself be a venv.

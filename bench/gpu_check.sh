@@ -5,10 +5,10 @@
 #
 #   1. Here, first:   bash bench/gpu_prepare.sh      (builds .cache/gpu-carry/, ~26 MiB)
 #   2. Then one call of the device tool's `run`: `bash bench/device_check.sh` (carry
-#      [".cache/gpu-carry"], timeout_s 595), which runs this script with a 430 s budget and
-#      then bench/cores_check.sh (issue 15's concurrency bench with every node on cores of its
-#      own) in the venv this script leaves; a session's 900 device seconds fit one start and
-#      that call, not two starts. This script alone: `bash bench/gpu_check.sh`, timeout_s 600.
+#      [".cache/gpu-carry"], timeout_s 595), which runs bench/cores_check.sh (issue 15's
+#      concurrency bench with every node on cores of its own) first and then this script with
+#      what is left; a session's 900 device seconds fit one start and that call, not two
+#      starts. This script alone: `bash bench/gpu_check.sh`, timeout_s 600.
 #      Everything comes back in $OUT (at most 8 files): gpu_check.log (all of stdout),
 #      system.txt, build.log.gz, parity.txt, bench.txt, mixed.txt. Call give_back after.
 #      The script keeps itself inside its budget (GPU_CHECK_BUDGET_S, 570 alone) and prints a
@@ -41,9 +41,7 @@
 #                   .venv (a CPU build), with n_gpu_layers 0 and the small random model.
 #   --cpu-build     as --cpu-dry-run, but builds the carried sdist for the CPU first (the
 #                   check that the trimmed sdist still builds; ~7 minutes on 2 cores).
-# Environment: GPU_CHECK_INTERLUDE (a command run after the build, before the GPU stages, with
-# INTERLUDE_BUDGET_S: what is left less GPU_CHECK_RESERVE_S, 120), GPU_CHECK_PYTHON (python3;
-# .venv/bin/python in the CPU modes),
+# Environment: GPU_CHECK_PYTHON (python3; .venv/bin/python in the CPU modes),
 # GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), GPU_CHECK_BUDGET_S (570), GPU_CHECK_BUILD_S (the
 # build's own limit, 520), GPU_CHECK_COPY (the CPU modes' copy), OUT (the device
 # tool sets it; else .cache/gpu-check-out), MESHNODE_CACHE_DIR (/tmp/meshnode-gpu-cache).
@@ -307,21 +305,6 @@ if [ "$MODE" = gpu ] && [ "$offload" != 1 ]; then
   stamp "this build cannot offload: the GPU checks would run on the CPU, stopping"
   FAILED+=("no GPU offload")
   finish
-fi
-
-# Another check that needs this venv and build, run before the GPU stages where the device
-# time is short (bench/device_check.sh: issue 15's bench/cores_check.sh). It gets what is left
-# less GPU_CHECK_RESERVE_S, as INTERLUDE_BUDGET_S; the GPU stages after it get the rest.
-if [ -n "${GPU_CHECK_INTERLUDE:-}" ]; then
-  interlude_s=$((DEADLINE - $(date +%s) - ${GPU_CHECK_RESERVE_S:-120}))
-  if [ "$interlude_s" -ge 60 ]; then
-    stage "interlude, ${interlude_s}s: $GPU_CHECK_INTERLUDE"
-    INTERLUDE_BUDGET_S=$interlude_s VPY=$VPY bash -c "$GPU_CHECK_INTERLUDE" || FAILED+=(interlude)
-    stamp "interlude done"
-  else
-    stage "interlude skipped: ${interlude_s}s left for it"
-    FAILED+=(interlude)
-  fi
 fi
 
 stage "engine parity tests, MESHNODE_TEST_N_GPU_LAYERS=$NGL, each test in a process of its own"
