@@ -13,7 +13,7 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine, all in one run:
     (b)  one meshnode node serving all 18 layers;
     (c)  two nodes, [0, 9) and [9, 18);
     (d)  three nodes, [0, 6), [6, 12) and [12, 18);
-    (dt) three nodes with a light tail, [0, 8), [8, 17) and [17, 18) (on Gemma the output
+    (dt) three nodes with a light tail, [0, 8), [8, 16) and [16, 18) (on Gemma the output
          matrix costs the tail more than all the layers; see bench/e2e.py).
 
 ``--configs`` names them, each optionally with node options of its own, ``KEY+OPTION=VALUE``:
@@ -361,7 +361,7 @@ def main() -> None:
         type=Path,
         default=None,
         help="a GGUF of 18 or more layers instead of Gemma 3 270M Q4_K_M (the three-node splits are "
-        "[0,6) [6,12) [12,18) and [0,8) [8,17) [17,18)); bench/cores_check.sh gives a generated one of Gemma's shape",
+        "[0,6) [6,12) [12,18) and [0,8) [8,16) [16,18)); bench/cores_check.sh gives a generated one of Gemma's shape",
     )
     parser.add_argument(
         "--configs",

@@ -134,7 +134,7 @@ ls -l "$model"
 # One run, its meshes side by side in the same alternating rounds (so that the machine's drift
 # between minutes, which moved (d) at k=1 from 32.3 to 23.9 tokens/s between two runs on
 # 2026-12-05, hits them alike): (d)'s even split as a convoy (--pipeline off), and (d) and the
-# light tail (dt: [0,8) [8,17) [17,18), as `meshnode split --nodes 3` gives it) with the nodes'
+# light tail (dt: [0,8) [8,16) [16,18), as `meshnode split --nodes 3` gives it) with the nodes'
 # defaults: --pipeline auto, which on these 16 CPUs finds a CPU for each node's 2 threads and
 # event loop (9 of 16) and so runs two cohorts (--pipeline-cohorts 2; the head logs it at debug).
 # bench/pipeline_overlap.py --stage-ms, timed as the three nodes measured on the device and as

@@ -11,7 +11,7 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine:
     (b)  meshnode, one node serving all 18 layers;
     (c)  two nodes, [0, 9) and [9, 18);
     (d)  three nodes, [0, 6), [6, 12) and [12, 18);
-    (dt) three nodes with a light tail, [0, 8), [8, 17) and [17, 18): stages of more alike
+    (dt) three nodes with a light tail, [0, 8), [8, 16) and [16, 18): stages of more alike
          cost, the output matrix being the tail's, as ``meshnode split --nodes 3`` gives them
          (for bench/concurrency.py's pipelines);
     (e)  two nodes through a relay: the second node is "behind NAT" (--relay-only
@@ -108,7 +108,7 @@ THREE: Layout = [((0, 6), False), ((6, 12), False), ((12, 18), False)]
 # the tail the slowest stage by far; a pipeline of stages on machines of their own runs at the
 # pace of its slowest. These are the ranges `meshnode split --nodes 3` prints for Gemma
 # (meshnode/autoplace/stage_balance.py; bench/RESULTS.md, "A light tail").
-LIGHT_TAIL: Layout = [((0, 8), False), ((8, 17), False), ((17, 18), False)]
+LIGHT_TAIL: Layout = [((0, 8), False), ((8, 16), False), ((16, 18), False)]
 # key: (label, layout, threads per node or None for --threads)
 CONFIGS: dict[str, tuple[str, Layout, int | None]] = {
     "b": ("(b) 1 node", [(None, False)], None),

@@ -28,6 +28,8 @@ def _layers(layers: tuple[int, int]) -> str:
 def run_split(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise CliError(f"--nodes {args.nodes}: a pipeline has one node at least", 2)
+    if args.min_layers < 1:
+        raise CliError(f"--min-layers {args.min_layers}: a node serves one layer at least", 2)
     path: Path | None = args.model
     if path is None:
         from engines.default_model import ModelAssemblyError, default_model_path
@@ -46,7 +48,8 @@ def run_split(args: argparse.Namespace) -> int:
             f"--nodes {args.nodes}: {info.name} has {info.n_layers} layers, one at least per node", 2
         )
     costs = step_costs(info.n_layers, {tensor.name: tensor.nbytes for tensor in gguf.tensors})
-    balanced, even = balanced_ranges(costs, args.nodes), even_ranges(info.n_layers, args.nodes)
+    balanced = balanced_ranges(costs, args.nodes, args.min_layers)
+    even = even_ranges(info.n_layers, args.nodes)
     print(
         f"{info.name}: {info.n_layers} layers over {args.nodes} nodes, each stage priced in the weight bytes a"
     )
@@ -82,6 +85,15 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     parser.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes in the pipeline")
     parser.add_argument(
         "--model", type=Path, metavar="PATH", help="GGUF model (default: the built-in Gemma 3 270M)"
+    )
+    parser.add_argument(
+        "--min-layers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="layers each node serves at least, where the model has enough (default 2: a slice of one "
+        "layer can cost more than its bytes say; Gemma 3's one-layer tail measured slower than its "
+        "two-layer one)",
     )
     parser.set_defaults(handler=run_split)
 

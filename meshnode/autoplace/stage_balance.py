@@ -57,10 +57,11 @@ def _heaviest_first(costs: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(costs, reverse=True))
 
 
-def balanced_ranges(costs: StepCosts, stages: int) -> list[Range]:
-    """``stages`` contiguous, non-empty ranges covering every layer, in order, whose slowest
-    stage is as fast as can be; of those, the one whose next slowest is fastest, and so on
-    (the stage costs compared heaviest first), and then the one with the earliest boundaries.
+def balanced_ranges(costs: StepCosts, stages: int, min_layers: int = 1) -> list[Range]:
+    """``stages`` contiguous ranges of at least ``min_layers`` layers each (of one where the model
+    has too few for that) covering every layer, in order, whose slowest stage is as fast as can
+    be; of those, the one whose next slowest is fastest, and so on (the stage costs compared
+    heaviest first), and then the one with the earliest boundaries.
 
     Dynamic programming over (layers covered, stages used); comparing heaviest-first cost
     vectors is preserved by adding the same stage to both, so the best way to cover a prefix
@@ -68,6 +69,7 @@ def balanced_ranges(costs: StepCosts, stages: int) -> list[Range]:
     n_layers = len(costs.per_layer)
     if not 1 <= stages <= n_layers:
         raise ValueError(f"{stages} stages for {n_layers} layers: each stage needs a layer")
+    shortest = min_layers if stages * min_layers <= n_layers else 1
     prefix = [0]
     for size in costs.per_layer:
         prefix.append(prefix[-1] + size)
@@ -79,11 +81,11 @@ def balanced_ranges(costs: StepCosts, stages: int) -> list[Range]:
     best: list[dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = [{0: ((), ())}]
     for used in range(1, stages + 1):
         row: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        # Room for a layer each for the stages still to come.
-        for end in range(used, n_layers - (stages - used) + 1):
+        # Room for the shortest range each for the stages still to come.
+        for end in range(used * shortest, n_layers - (stages - used) * shortest + 1):
             candidates = []
             for start, (before, bounds) in best[used - 1].items():
-                if start < end:
+                if start + shortest <= end:
                     merged = _heaviest_first((*before, cost(start, end)))
                     candidates.append((merged, (*bounds, end)))
             if candidates:

@@ -15,13 +15,16 @@ GEMMA_LIKE = StepCosts(
 )
 
 
-def exhaustive(costs: StepCosts, stages: int) -> list[tuple[int, int]]:
+def exhaustive(costs: StepCosts, stages: int, min_layers: int = 1) -> list[tuple[int, int]]:
     """Every way to cut the layers, the best by the rule balanced_ranges promises."""
     n_layers = len(costs.per_layer)
+    shortest = min_layers if stages * min_layers <= n_layers else 1
     best: tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] | None = None
     for cuts in itertools.combinations(range(1, n_layers), stages - 1):
         bounds = (0, *cuts, n_layers)
         ranges = list(itertools.pairwise(bounds))
+        if any(end - start < shortest for start, end in ranges):
+            continue
         key = (tuple(sorted((costs.stage(r) for r in ranges), reverse=True)), bounds[1:])
         if best is None or key < best[0]:
             best = (key, ranges)
@@ -34,18 +37,24 @@ def test_the_slowest_stage_is_as_fast_as_any_cut_allows_and_ties_break_alike():
     for _ in range(1500):
         n_layers = rng.randint(1, 8)
         stages = rng.randint(1, n_layers)
+        min_layers = rng.randint(1, 3)
         # Small values on purpose: many ties between cuts.
         per_layer = tuple(rng.choice([rng.randint(0, 4), rng.randint(0, 40)]) for _ in range(n_layers))
         costs = StepCosts(per_layer, rng.randint(0, 50))
-        assert balanced_ranges(costs, stages) == exhaustive(costs, stages), (costs, stages)
+        expected = exhaustive(costs, stages, min_layers)
+        assert balanced_ranges(costs, stages, min_layers) == expected, (costs, stages, min_layers)
 
 
-def test_a_vocabulary_heavier_than_the_layers_leaves_the_last_node_one_layer():
+def test_a_vocabulary_heavier_than_the_layers_leaves_the_last_node_the_fewest_layers():
     ranges = balanced_ranges(GEMMA_LIKE, 3)
     assert ranges == [(0, 8), (8, 17), (17, 18)]
     slowest = max(GEMMA_LIKE.stage(r) for r in ranges)
     assert slowest < max(GEMMA_LIKE.stage(r) for r in even_ranges(18, 3))
     assert slowest == GEMMA_LIKE.output + GEMMA_LIKE.per_layer[17]
+    # Two layers a node at least (meshnode split's default): the tail keeps two.
+    assert balanced_ranges(GEMMA_LIKE, 3, min_layers=2) == [(0, 8), (8, 16), (16, 18)]
+    # A model too short for the floor is cut as if there were none.
+    assert balanced_ranges(StepCosts((1, 1, 1), 9), 3, min_layers=2) == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_a_small_output_projection_keeps_the_split_near_even():

@@ -40,7 +40,7 @@ def tiny_model():
 def test_each_node_gets_its_balanced_range(split, tiny_model):
     gguf = read_gguf(tiny_model)
     n_layers = model_info(gguf).n_layers
-    expected = balanced_ranges(step_costs(n_layers, {t.name: t.nbytes for t in gguf.tensors}), 2)
+    expected = balanced_ranges(step_costs(n_layers, {t.name: t.nbytes for t in gguf.tensors}), 2, 2)
     result = split("--nodes", "2", "--model", str(tiny_model))
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -59,6 +59,9 @@ def test_no_nodes_more_nodes_than_layers_and_a_file_that_is_no_model_are_refused
     result = split("--nodes", "0", "--model", str(tiny_model))
     assert result.returncode == 2
     assert "a pipeline has one node at least" in result.stderr
+    result = split("--nodes", "2", "--min-layers", "0", "--model", str(tiny_model))
+    assert result.returncode == 2
+    assert "a node serves one layer at least" in result.stderr
     not_a_model = tmp_path / "notes.txt"
     not_a_model.write_text("hello")
     result = split("--nodes", "2", "--model", str(not_a_model))
@@ -68,8 +71,13 @@ def test_no_nodes_more_nodes_than_layers_and_a_file_that_is_no_model_are_refused
 
 def test_the_built_in_gemma_gets_a_light_tail(split):
     """No --model: the built-in Gemma 3 270M, whose output projection outweighs its 18 layers."""
-    result = split("--nodes", "3")
-    assert result.returncode == 0, result.stderr
-    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [(row[1], row[4]) for row in rows] == [("0:8", "0:6"), ("8:17", "6:12"), ("17:18", "12:18")]
-    assert "Slowest stage: 182.3 MB against 201.4 MB split evenly (10% less)." in result.stdout
+
+    def ranges(*args: str) -> list[tuple[str, str]]:
+        result = split("--nodes", "3", *args)
+        assert result.returncode == 0, result.stderr
+        rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+        return [(row[1], row[4]) for row in rows]
+
+    assert ranges() == [("0:8", "0:6"), ("8:16", "6:12"), ("16:18", "12:18")]
+    assert ranges("--min-layers", "1") == [("0:8", "0:6"), ("8:17", "6:12"), ("17:18", "12:18")]
+    assert "Slowest stage: 186.2 MB against 201.4 MB split evenly (8% less)." in split("--nodes", "3").stdout
