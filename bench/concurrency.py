@@ -266,9 +266,8 @@ def parse_config(name: str) -> MeshConfig:
 
 
 async def bench(
-    args: argparse.Namespace, model: Path, prompts: list[list[int]]
+    args: argparse.Namespace, configs: list[MeshConfig], model: Path, prompts: list[list[int]]
 ) -> dict[tuple[str, int], list[Trial]]:
-    configs = [parse_config(name) for name in args.configs.split(",")]
     keys = [config.name for config in configs]
     levels = [int(level) for level in args.levels.split(",")]
     trials: dict[tuple[str, int], list[Trial]] = {}
@@ -385,18 +384,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.node_arg is None:
         args.node_arg = ["--max-sessions", "8"]
+    # Before the model is prepared: a misspelt configuration fails at once.
+    configs = [parse_config(name) for name in args.configs.split(",")]
     model = prepare_run(args)
     rng = np.random.default_rng(11)
     levels = [int(level) for level in args.levels.split(",")]
     prompts = [random_prompt(rng, args.prompt_tokens) for _ in range(max(levels))]
-    trials = asyncio.run(bench(args, model, prompts))
+    trials = asyncio.run(bench(args, configs, model, prompts))
 
     model_name = "Gemma 3 270M Q4_K_M" if args.model is None else model.name
     print(f"{model_name}, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
           f"medians of {args.rounds} alternating rounds, {args.threads} threads per process; "
           f"weight repack {'on' if args.repack else 'off'}")  # fmt: skip
     labels = {"a": "(a) monolithic, one after another", BATCHED: f"{BATCHED_LABEL} one context, k per batch"}
-    configs = [parse_config(name) for name in args.configs.split(",")]
     labels.update({config.name: config.label for config in configs})
     width = max(36, *(len(label) for label in labels.values()))
     print(f"{'configuration':<{width}} {'k':>3} {'tok/s':>8} {'vs k=1':>7} {'vs (a)':>7} {'vs ' + BATCHED_LABEL:>7} "
