@@ -366,6 +366,21 @@ def _driver_families(stats: Any) -> list[Metric]:
         _counter("meshnode_tokens_generated_total", "Tokens generated for API clients", stats.tokens),
         _counter("meshnode_reroutes_total", "Routes re-planned after a failed hop", stats.reroutes),
         _counter("meshnode_cache_rebuilds_total", "Re-prefills after a cache miss", stats.rebuilds),
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_routes_opened_total",
+            "Routes this head opened (each epoch of each generation), by how their stages run: "
+            "in pipeline cohorts, or every session in one batch a stage",
+            [
+                ({"pipeline": "cohorts"}, stats.routes_in_cohorts),
+                ({"pipeline": "one_batch"}, stats.routes_in_one_batch),
+            ],
+        ),
+        _gauge(
+            "meshnode_route_pipeline_cohorts",
+            "Pipeline cohorts of the last route this head opened (0: every session in one batch a stage)",
+            stats.last_route_cohorts,
+        ),
     ]
 
 

@@ -213,6 +213,11 @@ class DriverStats:
     accepted_draft_tokens: int = 0
     rebuilds: int = 0
     reroutes: int = 0
+    # Routes opened (every epoch of every generation) by how their stages run: in pipeline
+    # cohorts, or every session in one batch a stage; and the last one's cohorts (0: one batch).
+    routes_in_cohorts: int = 0
+    routes_in_one_batch: int = 0
+    last_route_cohorts: int = 0
     replay_mismatches: int = 0
     last_route: tuple[str, ...] = ()
     # Per hop of last_route: how it computes (its announced numerics).
@@ -465,6 +470,11 @@ class _Generation:
         first = route.hops[0]
         link_to_first = first.node_id
         stages = pipeline_stages(self.options.pipeline, route.hops, self.options.pipeline_cohorts)
+        self.stats.last_route_cohorts = stages
+        if stages:
+            self.stats.routes_in_cohorts += 1
+        else:
+            self.stats.routes_in_one_batch += 1
         log.debug(
             "generation %s epoch %d: route %s, %s",
             self.session_id[:8],

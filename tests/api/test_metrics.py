@@ -120,6 +120,15 @@ async def test_a_generation_moves_the_counters_and_fills_the_latency_histograms(
     for name, moved in COUNTERS_OF_A_GENERATION.items():
         assert value(after, name) - value(before, name) == moved, name
     assert value(after, "meshnode_generations_total", outcome="completed") == 1
+    # Its route, two hops sharing this machine, which announce no CPUs: every session in one
+    # batch a stage (head.pipeline), and the metric says so.
+    assert (
+        value(after, "meshnode_routes_opened_total", pipeline="one_batch")
+        - value(before, "meshnode_routes_opened_total", pipeline="one_batch")
+        == 1
+    )
+    assert value(after, "meshnode_routes_opened_total", pipeline="cohorts") == 0
+    assert value(after, "meshnode_route_pipeline_cohorts") == 0
     # The head's shard ran the prompt's prefill and a decode step for each later token at least.
     assert value(after, "meshnode_engine_steps_total", kind="prefill") >= 1
     assert value(after, "meshnode_engine_steps_total", kind="decode") >= GENERATED - 1

@@ -19,7 +19,7 @@ from helpers.polling import eventually
 from engines.interface import GREEDY, BatchStep
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.head.candidates import announced_hosts, shard_candidate
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverOptions, DriverStats, GenerationDriver
 from meshnode.head.pipeline import pipeline_stages
 from meshnode.head.planner import Hop, plan_route
 from meshnode.wire.cpu_mask import MAX_CPU_MASK_BYTES, cpu_mask, cpus_of_mask
@@ -202,7 +202,7 @@ async def generate_three_at_once(
     prompts: Sequence[list[int]] = ([5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3]),
     tail_delay_s: float = STEP_S,
     tokens: int = 8,
-) -> tuple[StageClock, list[list[int]], list[list[int]]]:
+) -> tuple[StageClock, list[list[int]], list[list[int]], DriverStats]:
     clock = StageClock()
     async with three_hop_routes() as routes:
         for index, shard in routes.shards.items():
@@ -216,13 +216,15 @@ async def generate_three_at_once(
         texts = await asyncio.gather(
             *(collect(driver.generate(routes.model, p, GREEDY, tokens)) for p in prompts)
         )
-    return clock, list(texts), [reference(p, tokens) for p in prompts]
+    return clock, list(texts), [reference(p, tokens) for p in prompts], driver.stats
 
 
 async def test_three_generations_keep_three_stages_busy_at_once_with_each_its_own_text() -> None:
-    clock, texts, expected = await generate_three_at_once("on")
+    clock, texts, expected, stats = await generate_three_at_once("on")
     assert texts == expected
     assert clock.all_busy_at_once()
+    # What the head's /metrics reports: three routes opened, each in one cohort per stage.
+    assert (stats.routes_in_cohorts, stats.routes_in_one_batch, stats.last_route_cohorts) == (3, 0, 3)
     # Cohorts of one session: 3 generations over 3 stages.
     assert {sessions for batches in clock.batches.values() for _, _, sessions in batches} == {1}
 
@@ -234,8 +236,11 @@ async def test_two_cohorts_let_the_slowest_stage_batch_two_where_one_per_stage_g
     prompts = ([5, 3, 8, 1], [9, 2, 7, 7], [4, 6, 1, 3], [2, 2, 9, 5])
     tail_sizes = {}
     for cohorts in (0, 2):
-        clock, texts, expected = await generate_three_at_once("on", cohorts, prompts, tail_delay_s=3 * STEP_S)
+        clock, texts, expected, stats = await generate_three_at_once(
+            "on", cohorts, prompts, tail_delay_s=3 * STEP_S
+        )
         assert texts == expected
+        assert (stats.routes_in_cohorts, stats.last_route_cohorts) == (4, cohorts or 3)
         tail_sizes[cohorts] = [sessions for _, _, sessions in clock.batches[TAIL]]
     assert set(tail_sizes[0]) == {1}, tail_sizes
     assert max(tail_sizes[2]) == 2 and tail_sizes[2].count(2) >= len(tail_sizes[2]) // 2, tail_sizes
@@ -306,8 +311,9 @@ async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_t
     # Prefills run one at a time, so the three start apart; 24 tokens give the free engine's wait
     # for sessions due back room to bring them together even on a loaded machine (8 did not, once
     # in a full run on 2 cores).
-    clock, texts, expected = await generate_three_at_once("off", tokens=24)
+    clock, texts, expected, stats = await generate_three_at_once("off", tokens=24)
     assert texts == expected
+    assert (stats.routes_in_cohorts, stats.routes_in_one_batch, stats.last_route_cohorts) == (0, 3, 0)
     # The convoy: sessions ready together at a stage run in one batch there.
     assert max(sessions for batches in clock.batches.values() for _, _, sessions in batches) > 1
 
