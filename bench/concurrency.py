@@ -54,7 +54,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -295,10 +297,40 @@ def parse_config(name: str) -> MeshConfig:
     return MeshConfig(name, base, tuple(node_args))
 
 
+@dataclass(frozen=True)
+class RoutesOpened:
+    """How a mesh's head ran the routes it opened (its /metrics): the mode a run measured."""
+
+    in_cohorts: int
+    in_one_batch: int
+    last_cohorts: int
+
+    def describe(self) -> str:
+        last = f"{self.last_cohorts} cohorts" if self.last_cohorts else "one batch a stage"
+        return f"routes opened in cohorts {self.in_cohorts}, in one batch a stage {self.in_one_batch}; last: {last}"
+
+
+async def routes_opened(api: str) -> RoutesOpened:
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(f"{api}/metrics") as response:
+        text = await response.text()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return RoutesOpened(
+        round(samples[("meshnode_routes_opened_total", (("pipeline", "cohorts"),))]),
+        round(samples[("meshnode_routes_opened_total", (("pipeline", "one_batch"),))]),
+        round(samples[("meshnode_route_pipeline_cohorts", ())]),
+    )
+
+
 async def bench(
     args: argparse.Namespace, configs: list[MeshConfig], model: Path, prompts: list[list[int]]
-) -> dict[tuple[str, int], list[Trial]]:
+) -> tuple[dict[tuple[str, int], list[Trial]], dict[str, RoutesOpened]]:
     keys = [config.name for config in configs]
+    opened: dict[str, RoutesOpened] = {}
     levels = [int(level) for level in args.levels.split(",")]
     trials: dict[tuple[str, int], list[Trial]] = {}
     meshes: dict[str, LocalMesh] = {}
@@ -342,12 +374,14 @@ async def bench(
                         file=sys.stderr,
                         flush=True,
                     )
+            for key in keys:
+                opened[key] = await routes_opened(apis[key])
         finally:
             for mesh in meshes.values():
                 await asyncio.to_thread(mesh.stop_all)
             mono.close()
             multi.close()
-    return trials
+    return trials, opened
 
 
 def print_cpu(
@@ -420,7 +454,7 @@ def main() -> None:
     rng = np.random.default_rng(11)
     levels = [int(level) for level in args.levels.split(",")]
     prompts = [random_prompt(rng, args.prompt_tokens) for _ in range(max(levels))]
-    trials = asyncio.run(bench(args, configs, model, prompts))
+    trials, opened = asyncio.run(bench(args, configs, model, prompts))
 
     model_name = "Gemma 3 270M Q4_K_M" if args.model is None else model.name
     print(f"{model_name}, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
@@ -447,6 +481,10 @@ def main() -> None:
         "steady: decode tokens/s while every stream decodes, Trial.steady_tokens_per_s)"
     )
     print_cpu(trials, labels, levels, width)
+    print()
+    print("How each mesh's head ran its routes (its /metrics, warm-up included):")
+    for config in configs:
+        print(f"{config.label:<{width}} {opened[config.name].describe()}")
     if 4 not in levels or 1 not in levels:
         return
     for config in configs:
