@@ -120,8 +120,8 @@ async def test_a_generation_moves_the_counters_and_fills_the_latency_histograms(
     for name, moved in COUNTERS_OF_A_GENERATION.items():
         assert value(after, name) - value(before, name) == moved, name
     assert value(after, "meshnode_generations_total", outcome="completed") == 1
-    # Its route, two hops sharing this machine, which announce no CPUs: every session in one
-    # batch a stage (head.pipeline), and the metric says so.
+    # Its route's hops announce no machines of their own, so --pipeline auto keeps every
+    # session in one batch a stage (head.pipeline), and the metric says so.
     assert (
         value(after, "meshnode_routes_opened_total", pipeline="one_batch")
         - value(before, "meshnode_routes_opened_total", pipeline="one_batch")
