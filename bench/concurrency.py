@@ -375,7 +375,11 @@ async def bench(
                         flush=True,
                     )
             for key in keys:
-                opened[key] = await routes_opened(apis[key])
+                # The figures above must not be lost to a failed scrape: say so instead.
+                try:
+                    opened[key] = await routes_opened(apis[key])
+                except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+                    print(f"  {key}: could not read its head's /metrics: {exc!r}", file=sys.stderr)
         finally:
             for mesh in meshes.values():
                 await asyncio.to_thread(mesh.stop_all)
@@ -484,7 +488,10 @@ def main() -> None:
     print()
     print("How each mesh's head ran its routes (its /metrics, warm-up included):")
     for config in configs:
-        print(f"{config.label:<{width}} {opened[config.name].describe()}")
+        routes = opened.get(config.name)
+        print(
+            f"{config.label:<{width}} {routes.describe() if routes is not None else 'unknown (no /metrics read)'}"
+        )
     if 4 not in levels or 1 not in levels:
         return
     for config in configs:
