@@ -64,9 +64,9 @@ def _install(directory: str) -> None:
         finally:
             record((clock(), "e1", len(self.steps)))
 
-    def traced_done(self, batch_id, outcome):  # type: ignore[no-untyped-def]
+    def traced_done(self, batch_id, *rest):  # type: ignore[no-untyped-def]
         record((clock(), "back", batch_id))
-        return batch_done(self, batch_id, outcome)
+        return batch_done(self, batch_id, *rest)
 
     QuicEndpoint.datagram_received = traced_received  # type: ignore[method-assign]
     QuicEndpoint.sendto = traced_sendto  # type: ignore[method-assign]
