@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engines.openmp_wait import available_cpus, openmp_wait_env
 from meshnode.app.api_commands import describe_summary, print_stream
 from meshnode.app.cli_error import CliError
 from meshnode.app.local_mesh import LocalMesh, LocalMeshError
@@ -62,7 +63,9 @@ async def run_demo(args: argparse.Namespace) -> int:
         raise CliError(f"the demo splits an 18-layer model; {model.name} has {info.n_layers}")
 
     with _work_dir(args.work_dir) as work_dir:
-        mesh = LocalMesh(work_dir, model, threads=args.threads)
+        # Three nodes and the relay: a short OpenMP spin unless each node has cores of its own.
+        openmp = openmp_wait_env(len(SPLITS), args.threads, available_cpus(), others=1)
+        mesh = LocalMesh(work_dir, model, threads=args.threads, env=openmp)
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         loop.add_signal_handler(signal.SIGINT, stopping.set)
@@ -168,7 +171,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=DEFAULT_SAMPLING["seed"], metavar="S", help="(default %(default)s)"
     )
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads per node")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compute threads per node (default: all the cores, which the three nodes then share)",
+    )
     p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                    help="keep data dirs and logs here (default: a temporary directory, removed)")  # fmt: skip
     p.set_defaults(handler=run_demo)

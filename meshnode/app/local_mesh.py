@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.openmp_wait import SHORT_SPIN_ENV
 from meshnode.app.child_exit import exit_message, read_log_tail
 from meshnode.app.status import query_status
 
@@ -39,12 +40,10 @@ START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
 # Short timers so the nodes see each other within seconds.
 FAST_TIMING = ("--heartbeat-interval", "1", "--gossip-timeout", "3", "--probe-timeout", "2")
-# Nodes on one machine share its cores. llama.cpp's OpenMP workers spin for a while after every
-# graph by default (libgomp: 300 000 spins), burning the cores the next hop needs: three nodes on
-# two cores decoded 9-17 tokens/s spinning. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) makes every
-# barrier inside a graph a futex wake-up (2x slower per node); a short spin keeps the barriers
-# fast and lets idle nodes sleep (bench/e2e.py, bench/RESULTS.md).
-SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "1000"}
+# Nodes on one machine that share its cores: llama.cpp's OpenMP threads spin briefly, then sleep
+# (engines.openmp_wait). The default for a LocalMesh whose caller does not say how its nodes
+# fit the machine; callers that know pass openmp_wait_env's answer instead.
+SHARED_CORES_ENV = SHORT_SPIN_ENV
 
 
 class LocalMeshError(Exception):
