@@ -18,7 +18,12 @@ Gemma 3 270M Q4_K_M, greedy, loopback, one machine, all in one run:
 
 ``--configs`` names them, each optionally with node options of its own, ``KEY+OPTION=VALUE``:
 ``--configs d+pipeline=off,d+pipeline=on,dt+pipeline=on`` runs three meshes side by side in
-the same alternating rounds (``--node-arg`` goes to every node of every mesh).
+the same alternating rounds (``--node-arg`` goes to every node of every mesh); and
+``KEY+env.NAME=VALUE`` adds to one mesh's environment (``d+env.GOMP_SPINCOUNT=1000``).
+
+Each mesh's nodes wait in OpenMP as suits them on this machine (bench/e2e.py's ``nodes_env``,
+engines.openmp_wait): a short spin where they and the bench share the cores, libgomp's own
+where each node has cores of its own; (a) and (a') run with this process's own setting.
 
 (b)-(d) are real ``meshnode`` processes started once and left running; the bench streams
 k ``/v1/completions`` requests at the same time to the first node's API, each with its own
@@ -61,7 +66,17 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import CONFIGS, Layout, Monolithic, prepare_run, random_prompt, start_mesh
+from e2e import (
+    CONFIGS,
+    OWN_OPENMP,
+    Layout,
+    Monolithic,
+    describe_openmp,
+    nodes_env,
+    prepare_run,
+    random_prompt,
+    start_mesh,
+)
 from process_cpu import CpuSplit, cpu_seconds, cpu_split_since, thread_cpu_seconds, usable_cores
 
 from meshnode.app.local_mesh import LocalMesh
@@ -268,20 +283,25 @@ async def concurrent_streams(api: str, prompts: list[list[int]], count: int) -> 
 @dataclass(frozen=True)
 class MeshConfig:
     """One entry of ``--configs``: ``KEY[+OPTION=VALUE...]``, a configuration of bench/e2e.py
-    whose nodes also get ``--OPTION VALUE`` each (``d+pipeline=on+pipeline-cohorts=2``), so
-    that variants of one layout run side by side in the same alternating rounds."""
+    whose nodes also get ``--OPTION VALUE`` each (``d+pipeline=on+pipeline-cohorts=2``), or
+    ``env.NAME=VALUE`` in their environment (``d+env.GOMP_SPINCOUNT=1000``), so that variants of
+    one layout run side by side in the same alternating rounds."""
 
     name: str
     base: str
     node_args: tuple[str, ...]
+    node_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
-        return " ".join([CONFIGS[self.base][0], *self.node_args])
+        return " ".join([CONFIGS[self.base][0], *self.node_args, *(f"{k}={v}" for k, v in self.node_env)])
 
     @property
     def layout(self) -> Layout:
         return CONFIGS[self.base][1]
+
+
+ENV_OPTION = "env."
 
 
 def parse_config(name: str) -> MeshConfig:
@@ -289,12 +309,16 @@ def parse_config(name: str) -> MeshConfig:
     if base not in CONFIGS:
         raise SystemExit(f"--configs: unknown configuration {base!r} (one of {', '.join(CONFIGS)})")
     node_args: list[str] = []
+    node_env: dict[str, str] = {}
     for option in options:
         flag, equals, value = option.partition("=")
         if not flag or not equals:
             raise SystemExit(f"--configs: {option!r} in {name!r} is not OPTION=VALUE")
-        node_args += [f"--{flag}", value]
-    return MeshConfig(name, base, tuple(node_args))
+        if flag.startswith(ENV_OPTION) and len(flag) > len(ENV_OPTION):
+            node_env[flag[len(ENV_OPTION) :]] = value
+        else:
+            node_args += [f"--{flag}", value]
+    return MeshConfig(name, base, tuple(node_args), tuple(node_env.items()))
 
 
 @dataclass(frozen=True)
@@ -345,8 +369,8 @@ async def bench(
                     stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-conc-{index}-"))
                 )
                 print(f"  starting {config.label}", file=sys.stderr, flush=True)
-                env = dict(item.split("=", 1) for item in args.node_env)
-                env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
+                env = {**nodes_env(args, len(config.layout)), **dict(config.node_env)}
+                print(f"  its nodes: {describe_openmp(env)}", file=sys.stderr, flush=True)
                 mesh, apis[key] = await start_mesh(
                     work, model, config.layout, args.threads, env, extra=[*args.node_arg, *config.node_args]
                 )
@@ -464,6 +488,9 @@ def main() -> None:
     print(f"{model_name}, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
           f"medians of {args.rounds} alternating rounds, {args.threads} threads per process; "
           f"weight repack {'on' if args.repack else 'off'}")  # fmt: skip
+    waits = [f"{config.label}: {describe_openmp({**nodes_env(args, len(config.layout)), **dict(config.node_env)})}"
+             for config in configs]  # fmt: skip
+    print(f"OpenMP waiting: (a) and (a'): {describe_openmp(OWN_OPENMP)}; the nodes of {'; '.join(waits)}")
     labels = {"a": "(a) monolithic, one after another", BATCHED: f"{BATCHED_LABEL} one context, k per batch"}
     labels.update({config.name: config.label for config in configs})
     width = max(36, *(len(label) for label in labels.values()))

@@ -139,8 +139,11 @@ ls -l "$model"
 # event loop (9 of 16) and so runs two cohorts (--pipeline-cohorts 2; the head logs it at debug).
 # bench/pipeline_overlap.py --stage-ms, timed as the three nodes measured on the device and as
 # the two splits measure here, predicts the light tail in two cohorts near 2.5x its k=1
-# (bench/RESULTS.md, "A light tail").
-configs=${CORES_CHECK_CONFIGS:-d+pipeline=off,d,dt}
+# (bench/RESULTS.md, "A light tail"). Every node now waits in OpenMP as on a machine of its own
+# (libgomp's spin; engines.openmp_wait: 3 x 3 + 1 <= 16 CPUs), where the 2026-12-05 run gave
+# them the short spin of nodes sharing cores: the fourth mesh, the convoy under that short spin,
+# says what the change is worth on cores of their own.
+configs=${CORES_CHECK_CONFIGS:-d+pipeline=off,d,dt,d+pipeline=off+env.GOMP_SPINCOUNT=1000}
 stamp "== bench/concurrency.py, three CPU nodes of 2 threads, speculation off, configs $configs ($(left) s left)"
 timeout --signal=INT --kill-after=15 "$(($(left) - 10))" "$VPY" bench/concurrency.py \
   --model "$model" --configs "$configs" --levels "${CORES_CHECK_LEVELS:-1,4,8}" \

@@ -50,7 +50,7 @@ the pinned llama-cpp-python sdist's vendored llama.cpp (``bench/build_llama_rpc.
            output layer on the second: (d)'s split;
 
 each a decode-only test (``-p 0 -n --tokens -d --prompt-tokens -r --rpc-reps -o json``), every process
-with ``--threads`` threads and the nodes' environment (``GOMP_SPINCOUNT=1000``). A verbose run of each
+with ``--threads`` threads and the three-node mesh's environment (``nodes_env``). A verbose run of each
 split first checks llama.cpp's load log for the offloaded layers and a model buffer on every server.
 The table gives each split's decode tokens/s, its ratio against rpc1 and its added ms/token
 (1000/tps − 1000/tps_rpc1), beside (c) and (d) against (a), and the issue's target: (d)'s added
@@ -75,7 +75,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,11 +91,15 @@ import rpc_anchor
 from engines.default_model import default_model_path
 from engines.engine_guard import choose_weight_repack
 from engines.engine_probe import ProbeTarget
+from engines.openmp_wait import available_cpus, openmp_wait_env
 from engines.weight_repack import WeightRepack
-from meshnode.app.local_mesh import SHARED_CORES_ENV, LocalMesh
+from meshnode.app.local_mesh import LocalMesh
 from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.wire.pb import shard
 from tests.helpers.delay_proxy import free_udp_port
+
+# How (a) waits in OpenMP: libgomp read this process's environment when llama.cpp loaded above.
+OWN_OPENMP = {name: value for name in ("GOMP_SPINCOUNT",) if (value := os.environ.get(name)) is not None}
 
 if TYPE_CHECKING:
     from meshnode.node import Node
@@ -325,7 +329,7 @@ async def bench(
         depth=len(prompt),
         reps=args.rpc_reps,
         repack=args.repack,
-        env={"GOMP_SPINCOUNT": "1000", **dict(item.split("=", 1) for item in args.node_env)},
+        env=nodes_env(args, 3),
     )
     endpoints: list[str] = []
     meshes: dict[str, LocalMesh] = {}
@@ -339,8 +343,8 @@ async def bench(
                 label, layout, threads = CONFIGS[key]
                 work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-e2e-{key}-")))
                 print(f"  starting {label}", file=sys.stderr, flush=True)
-                env = dict(item.split("=", 1) for item in args.node_env)
-                env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
+                env = nodes_env(args, len(layout))
+                print(f"  its nodes: {describe_openmp(env)}", file=sys.stderr, flush=True)
                 proxies = None
                 if key in DELAYS_MS:
                     proxies = DelayProxies(DELAYS_MS[key], len(layout))
@@ -594,14 +598,14 @@ async def answer_paths(
 
 
 def prepare_run(args: argparse.Namespace) -> Path:
-    """The model, with ``args.repack`` set and this process under the nodes' environment.
+    """The model, with ``args.repack`` set: one repack setting serves (a) and every node, what a
+    node's own probe chooses here.
 
-    (a) runs under the same runtime settings as the nodes (same threads, same OpenMP waiting),
-    and one repack setting serves (a) and every node: what a node's own probe chooses here."""
-    # Given settings add to the shared-core defaults (or replace one of the same name): dropping
-    # GOMP_SPINCOUNT by naming another variable left the nodes' OpenMP threads spinning.
-    given = dict(item.split("=", 1) for item in args.node_env or [])
-    args.node_env = [f"{k}={v}" for k, v in {**SHARED_CORES_ENV, **given}.items()]
+    ``--node-env`` goes to the nodes (``nodes_env``) and into this process's environment, but
+    OpenMP settings do not reach (a): libgomp read them when llama.cpp loaded, on import. (a)
+    runs with the OpenMP waiting this process started with (libgomp's own spin unless exported
+    before the bench), as llama.cpp run alone on this machine does."""
+    args.node_env = list(args.node_env or [])
     os.environ.update(dict(item.split("=", 1) for item in args.node_env))
     # --model where a bench has it (bench/concurrency.py): a machine without the Gemma package.
     given_model = getattr(args, "model", None)
@@ -610,6 +614,23 @@ def prepare_run(args: argparse.Namespace) -> Path:
         WeightRepack.AUTO, ProbeTarget(model, threads=args.threads)
     ).weight_repack
     return model
+
+
+def nodes_env(args: argparse.Namespace, processes: int) -> dict[str, str]:
+    """The environment of a mesh of ``processes`` nodes: the OpenMP waiting that suits them on
+    this machine (engines.openmp_wait: a short spin where they and this bench's client share the
+    cores, libgomp's own where each node has cores of its own, as on machines of their own), the
+    weight repack choice, then ``--node-env`` (which may replace either)."""
+    env = openmp_wait_env(processes, args.threads, available_cpus(), others=1)
+    env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
+    env.update(dict(item.split("=", 1) for item in args.node_env))
+    return env
+
+
+def describe_openmp(env: Mapping[str, str]) -> str:
+    """How a process under ``env`` waits in OpenMP, for the benches' headers."""
+    spin = env.get("GOMP_SPINCOUNT")
+    return "libgomp's own spin" if spin is None else f"GOMP_SPINCOUNT={spin}"
 
 
 def random_prompt(rng: np.random.Generator, tokens: int) -> list[int]:
@@ -650,9 +671,10 @@ def main() -> None:
         action="append",
         default=None,
         metavar="KEY=VALUE",
-        help="environment of the node processes and of (a), added to what meshnode demo sets ("
-        + " ".join(f"{k}={v}" for k, v in SHARED_CORES_ENV.items())
-        + "; name a variable to change it)",
+        help="environment of the node processes, added to (or replacing) the OpenMP waiting that "
+        "suits them here: GOMP_SPINCOUNT=1000 where the nodes share the cores, libgomp's own spin "
+        "where each has cores of its own (engines.openmp_wait); OpenMP settings reach (a) only "
+        "when exported before the bench",
     )
     parser.add_argument(
         "--answer-paths",

@@ -139,9 +139,8 @@ def critical_paths(traces: list[NodeTrace]) -> tuple[list[list[float]], list[dic
 
 
 async def run(args: argparse.Namespace, model: Path, prompt: list[int], trace_dir: Path) -> list[NodeTrace]:
-    env = dict(item.split("=", 1) for item in args.node_env)
-    env.update({"MESHNODE_WEIGHT_REPACK": "on" if args.repack else "off",
-                "PYTHONPATH": str(HOOKS), "MESHNODE_TRACE_DIR": str(trace_dir)})  # fmt: skip
+    env = e2e.nodes_env(args, len(e2e.THREE))
+    env.update({"PYTHONPATH": str(HOOKS), "MESHNODE_TRACE_DIR": str(trace_dir)})
     with tempfile.TemporaryDirectory(prefix="meshnode-timeline-") as work:
         mesh, api = await e2e.start_mesh(
             Path(work), model, e2e.THREE, args.threads, env, extra=["--speculation", "off"]

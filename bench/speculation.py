@@ -98,8 +98,7 @@ async def bench(args: argparse.Namespace, model: Path, prompt: list[int]) -> dic
             for key in keys:
                 work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-spec-{key}-")))
                 print(f"  starting {key}", file=sys.stderr, flush=True)
-                env = dict(item.split("=", 1) for item in args.node_env)
-                env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
+                env = e2e.nodes_env(args, len(e2e.THREE))
                 delay = next((ms for ms in args.delay_ms if key.startswith(f"d+{ms:g}ms")), None)
                 proxies = None
                 if delay is not None:
