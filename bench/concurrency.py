@@ -321,6 +321,11 @@ def parse_config(name: str) -> MeshConfig:
     return MeshConfig(name, base, tuple(node_args), tuple(node_env.items()))
 
 
+def mesh_env(args: argparse.Namespace, config: MeshConfig) -> dict[str, str]:
+    """The environment of ``config``'s nodes: bench/e2e.py's for a mesh of its size, then its own."""
+    return {**nodes_env(args, len(config.layout)), **dict(config.node_env)}
+
+
 @dataclass(frozen=True)
 class RoutesOpened:
     """How a mesh's head ran the routes it opened (its /metrics): the mode a run measured."""
@@ -369,7 +374,7 @@ async def bench(
                     stack.enter_context(tempfile.TemporaryDirectory(prefix=f"meshnode-conc-{index}-"))
                 )
                 print(f"  starting {config.label}", file=sys.stderr, flush=True)
-                env = {**nodes_env(args, len(config.layout)), **dict(config.node_env)}
+                env = mesh_env(args, config)
                 print(f"  its nodes: {describe_openmp(env)}", file=sys.stderr, flush=True)
                 mesh, apis[key] = await start_mesh(
                     work, model, config.layout, args.threads, env, extra=[*args.node_arg, *config.node_args]
@@ -488,8 +493,7 @@ def main() -> None:
     print(f"{model_name}, greedy, prompts of {args.prompt_tokens} tokens, {args.tokens} generated per request, "
           f"medians of {args.rounds} alternating rounds, {args.threads} threads per process; "
           f"weight repack {'on' if args.repack else 'off'}")  # fmt: skip
-    waits = [f"{config.label}: {describe_openmp({**nodes_env(args, len(config.layout)), **dict(config.node_env)})}"
-             for config in configs]  # fmt: skip
+    waits = [f"{config.label}: {describe_openmp(mesh_env(args, config))}" for config in configs]
     print(f"OpenMP waiting: (a) and (a'): {describe_openmp(OWN_OPENMP)}; the nodes of {'; '.join(waits)}")
     labels = {"a": "(a) monolithic, one after another", BATCHED: f"{BATCHED_LABEL} one context, k per batch"}
     labels.update({config.name: config.label for config in configs})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from engines.interface import (
 from engines.llama_lib import ensure_llama_backend, llama_cpp_version
 from engines.llama_runtime import BatchSequence, LlamaRuntime
 from engines.model_files import ModelFile, model_fingerprint, open_model_file, range_file
+from engines.openmp_wait import available_cpus
 from engines.resident_memory import (
     ShardBudget,
     ShardMemory,
@@ -89,13 +89,6 @@ def runtime_numerics(backend: str, weight_repack: bool) -> str:
     Stable for one configuration, so equal text means equal arithmetic."""
     repack = "on" if weight_repack else "off"
     return f"llama-cpp-python {llama_cpp_version()}; {backend}; weight repack {repack}"
-
-
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _session_band(chunk: Sequence[BatchEntry]) -> tuple[int, bool]:
@@ -192,7 +185,7 @@ class LlamaShardEngine(SessionedEngine):
             backend=f"llama.cpp ({llama_cpp_version()})",
             device=backend,
             numerics=runtime_numerics(backend, request.weight_repack),
-            compute_threads=request.n_threads or _default_threads(),
+            compute_threads=request.n_threads or available_cpus(),
         )
         # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.
         assert self._main.n_ctx_seq >= request.n_ctx
@@ -210,7 +203,7 @@ class LlamaShardEngine(SessionedEngine):
             n_ctx=request.n_ctx * request.n_seq_max,
             n_seq_max=request.n_seq_max,
             n_batch=request.n_batch,
-            n_threads=request.n_threads or _default_threads(),
+            n_threads=request.n_threads or available_cpus(),
             n_gpu_layers=request.n_gpu_layers,
             weight_repack=request.weight_repack,
             takes_embeddings=start_layer > 0,
