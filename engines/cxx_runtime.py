@@ -78,10 +78,16 @@ def elf_needed(path: Path) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+LIBRARY_PATH_ENV = "LLAMA_CPP_LIB_PATH"
+
+
 def llama_library_dir() -> Path:
+    """The folder llama-cpp-python loads ``libllama`` from: its own ``lib/``, or the one
+    ``LLAMA_CPP_LIB_PATH`` names (read, as llama-cpp-python reads it, when it is imported)."""
     import llama_cpp
 
-    return Path(llama_cpp.__file__).parent / "lib"
+    override = os.environ.get(LIBRARY_PATH_ENV)
+    return Path(override) if override else Path(llama_cpp.__file__).parent / "lib"
 
 
 def bundled_cxx_runtime(library_dir: Path | None = None) -> Path | None:

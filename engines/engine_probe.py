@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engines.cache import cache_root, write_bytes_atomically
+from engines.cxx_runtime import llama_library_dir
 
 PROBE_DIR = "engine-probes"
 # Loading a large model dominates; a decode that has not finished by then has hung.
@@ -108,12 +109,13 @@ def signal_description(number: int) -> str:
 
 
 def llama_build_id() -> str:
-    """The llama-cpp-python version and a digest of its shared libraries' names, sizes and mtimes:
-    a rebuild of the same version (for CUDA, or another CPU) is another build."""
+    """The llama-cpp-python version and a digest of the shared libraries' names, sizes and mtimes
+    in the folder it loads them from: a rebuild of the same version (for CUDA, or another CPU),
+    or another build named by ``LLAMA_CPP_LIB_PATH``, is another build."""
     import llama_cpp
 
-    package = Path(llama_cpp.__file__).parent
-    libraries = sorted(package.glob("lib/*.so*")) + sorted(package.glob("lib/*.dylib"))
+    directory = llama_library_dir()
+    libraries = sorted(directory.glob("*.so*")) + sorted(directory.glob("*.dylib"))
     digest = hashlib.sha256()
     for library in libraries:
         info = library.stat()

@@ -69,6 +69,16 @@ def test_the_installed_llama_cpp_links_the_shared_runtime():
     assert bundled_cxx_runtime() is None
 
 
+def test_the_library_folder_is_the_one_llama_cpp_lib_path_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    own = cxx_runtime.llama_library_dir()
+    assert (own / "libllama.so").exists()
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    assert cxx_runtime.llama_library_dir() == tmp_path
+
+
 def test_files_that_are_not_64_bit_elf_libraries_are_not_read_as_any(tmp_path: Path):
     text = tmp_path / "libllama.so"
     text.write_text("not a library")

@@ -45,6 +45,23 @@ def test_a_verdict_is_cached_per_key(tiny_model: Path, tmp_path: Path, monkeypat
     assert probe(ProbeTarget(tiny_model, 0, 3, threads=1, cache_dir=tmp_path, weight_repack=True)).cached
 
 
+def test_a_build_named_by_llama_cpp_lib_path_is_another_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """llama-cpp-python loads its libraries from ``LLAMA_CPP_LIB_PATH`` when that is set: a verdict
+    proved on its own ``lib/`` must not answer for another build loaded that way."""
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    own = engine_probe.llama_build_id()
+    other = tmp_path / "other-build"
+    other.mkdir()
+    (other / "libllama.so").write_bytes(b"another build")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(other))
+    named = engine_probe.llama_build_id()
+    assert named != own and named.split("+")[0] == own.split("+")[0]
+    (other / "libggml-cpu.so").write_bytes(b"its CPU backend")
+    assert engine_probe.llama_build_id() != named
+
+
 def test_a_verdict_on_one_role_or_offload_does_not_answer_for_another(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
