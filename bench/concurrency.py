@@ -77,7 +77,7 @@ from e2e import (
     random_prompt,
     start_mesh,
 )
-from process_cpu import CpuSplit, cpu_seconds, cpu_split_since, thread_cpu_seconds, usable_cores
+from process_cpu import CpuSplit, cpu_reading, cpu_seconds, cpu_split_since, usable_cores
 
 from meshnode.app.local_mesh import LocalMesh
 from meshnode.head.api_client import StreamSummary, TextChunk, stream_completion
@@ -155,7 +155,7 @@ def in_process(run: Callable[..., Trial], *args: Any) -> Trial:
 async def across_nodes(mesh: LocalMesh, run: Awaitable[Trial]) -> Trial:
     """The trial ``run`` comes to, with the CPU each node and this process used meanwhile."""
     pids = {child.name: child.process.pid for child in mesh.children if child.alive()}
-    nodes_before = {name: thread_cpu_seconds(pid) for name, pid in pids.items()}
+    nodes_before = {name: cpu_reading(pid) for name, pid in pids.items()}
     bench_before = cpu_seconds(os.getpid())
     trial = await run
     cpu = {name: cpu_split_since(pid, nodes_before[name]) for name, pid in pids.items()}

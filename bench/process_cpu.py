@@ -4,14 +4,14 @@ a machine's cores went.
 A meshnode process runs its event loop on the main thread (thread id = process id); everything
 else it burns is the engine: the engine thread (which is also the master of llama.cpp's OpenMP
 team while it computes), the team's workers and the executors. So ``CpuSplit`` is the loop's
-share and the rest. A thread that ends between two readings takes its time with it, which only
-undercounts; the nodes' threads live as long as the node.
+share and the rest. The rest is the process's total less the loop's, so threads that end between
+two readings still count (a llama.cpp built without OpenMP starts and joins its compute threads
+for every graph).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,15 +29,17 @@ def cpu_seconds(pid: int) -> float:
     return _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """User + system CPU time of each live thread of a process so far, by thread id."""
-    times: dict[int, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            times[int(task.name)] = _stat_cpu_seconds((task / "stat").read_text())
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended while listed
-            continue
-    return times
+@dataclass(frozen=True)
+class CpuReading:
+    """A process's CPU seconds so far: all its threads, ended ones included, and its main thread's."""
+
+    total_s: float
+    main_s: float
+
+
+def cpu_reading(pid: int) -> CpuReading:
+    main = _stat_cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat").read_text())
+    return CpuReading(total_s=cpu_seconds(pid), main_s=main)
 
 
 @dataclass(frozen=True)
@@ -52,17 +54,11 @@ class CpuSplit:
         return self.main_s + self.others_s
 
 
-def cpu_split_since(pid: int, before: Mapping[int, float]) -> CpuSplit:
-    """What each thread of ``pid`` used since ``before`` (a ``thread_cpu_seconds`` reading),
-    split into the main thread and the rest; threads born since count from zero."""
-    main = others = 0.0
-    for tid, seconds in thread_cpu_seconds(pid).items():
-        used = seconds - before.get(tid, 0.0)
-        if tid == pid:
-            main += used
-        else:
-            others += used
-    return CpuSplit(main, others)
+def cpu_split_since(pid: int, before: CpuReading) -> CpuSplit:
+    """What ``pid`` used since ``before`` (a ``cpu_reading``), split into the main thread and the rest."""
+    now = cpu_reading(pid)
+    main = now.main_s - before.main_s
+    return CpuSplit(main, now.total_s - before.total_s - main)
 
 
 def usable_cores() -> int:
@@ -70,4 +66,4 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-__all__ = ["CpuSplit", "cpu_seconds", "cpu_split_since", "thread_cpu_seconds", "usable_cores"]
+__all__ = ["CpuReading", "CpuSplit", "cpu_reading", "cpu_seconds", "cpu_split_since", "usable_cores"]
