@@ -83,7 +83,8 @@ LIBRARY_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 
 def llama_library_dir() -> Path:
     """The folder llama-cpp-python loads ``libllama`` from: its own ``lib/``, or the one
-    ``LLAMA_CPP_LIB_PATH`` names (read, as llama-cpp-python reads it, when it is imported)."""
+    ``LLAMA_CPP_LIB_PATH`` names. llama-cpp-python reads that once, on import; it is set
+    before a node starts and its probe children inherit it, so reading it now agrees."""
     import llama_cpp
 
     override = os.environ.get(LIBRARY_PATH_ENV)
