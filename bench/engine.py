@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from engines.default_model import default_model_path
+from engines.engine_chain import chain_step
 from engines.gguf_info import read_model_info
-from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest, StepResult
+from engines.interface import LoadRequest, SessionKey
 from engines.llama_engine import LlamaShardEngine
 
 PREFILL_TOKENS = 128
@@ -98,30 +99,11 @@ def chain_buffers(chain: list[LlamaShardEngine]) -> dict[str, float]:
     return total
 
 
-def step(
-    chain: list[LlamaShardEngine], key: SessionKey, position: int, tokens: tuple[int, ...]
-) -> StepResult:
-    hidden = None
-    for index, engine in enumerate(chain):
-        tail = index == len(chain) - 1
-        request = StepRequest(
-            key,
-            position,
-            token_ids=tokens if index == 0 else None,
-            hidden=hidden,
-            expected_past_len=position if position else None,
-            sampling=GREEDY if tail else None,
-        )
-        result = engine.decode(request) if position else engine.prefill(request)
-        hidden = result.hidden
-    return result
-
-
 def prefill_seconds(
     chain: list[LlamaShardEngine], key: SessionKey, prompt: tuple[int, ...]
 ) -> tuple[float, int]:
     started = time.perf_counter()
-    token = step(chain, key, 0, prompt).token_id
+    token = chain_step(chain, key, 0, prompt, want_logits=False).token_id
     assert token is not None
     return time.perf_counter() - started, token
 
@@ -132,7 +114,7 @@ def decode_block(
     """Seconds per token over ``count`` greedy decode steps, and the last token."""
     started = time.perf_counter()
     for offset in range(count):
-        next_token = step(chain, key, position + offset, (token,)).token_id
+        next_token = chain_step(chain, key, position + offset, (token,), want_logits=False).token_id
         assert next_token is not None
         token = next_token
     return (time.perf_counter() - started) / count, token

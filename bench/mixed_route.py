@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.engine_chain import chain_step
 from engines.gguf_info import read_model_info
-from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest, StepResult
+from engines.interface import LoadRequest, SessionKey
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import ensure_tiny_model
 from engines.tokenizer import Tokenizer
@@ -57,26 +58,6 @@ def _load(path: Path, start: int, end: int | None, gpu_layers: int, threads: int
     return engine
 
 
-def _step(
-    chain: list[LlamaShardEngine], key: SessionKey, position: int, tokens: tuple[int, ...]
-) -> StepResult:
-    hidden = None
-    for index, engine in enumerate(chain):
-        tail = index == len(chain) - 1
-        request = StepRequest(
-            key,
-            position,
-            token_ids=tokens if index == 0 else None,
-            hidden=hidden,
-            expected_past_len=position if position else None,
-            sampling=GREEDY if tail else None,
-            want_logits=tail,
-        )
-        result = engine.decode(request) if position else engine.prefill(request)
-        hidden = result.hidden
-    return result
-
-
 def generate(
     path: Path, split: int, placement: tuple[int, int], prompt: tuple[int, ...], steps: int, threads: int
 ) -> Run:
@@ -86,7 +67,7 @@ def generate(
     logits: list[np.ndarray] = []
     position, feed = 0, prompt
     for _ in range(steps + 1):
-        result = _step(chain, key, position, feed)
+        result = chain_step(chain, key, position, feed)
         assert result.token_id is not None and result.logits is not None
         tokens.append(result.token_id)
         logits.append(np.array(result.logits, dtype=np.float32))

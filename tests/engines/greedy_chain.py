@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest
+from engines.engine_chain import chain_step
+from engines.interface import SessionKey, ShardEngine
 
 Run = tuple[list[np.ndarray], list[int]]
 
@@ -17,20 +18,7 @@ def greedy_chain(engines: list[ShardEngine], prompt: tuple[int, ...], decode_ste
     tokens: list[int] = []
     inputs, position = prompt, 0
     for _ in range(decode_steps + 1):
-        hidden = None
-        for index, engine in enumerate(engines):
-            tail = index == len(engines) - 1
-            request = StepRequest(
-                key,
-                position,
-                token_ids=inputs if index == 0 else None,
-                hidden=hidden,
-                expected_past_len=position or None,
-                sampling=GREEDY if tail else None,
-                want_logits=tail,
-            )
-            result = engine.decode(request) if position else engine.prefill(request)
-            hidden = result.hidden
+        result = chain_step(engines, key, position, inputs)
         assert result.logits is not None and result.token_id is not None
         logits.append(result.logits.copy())
         tokens.append(result.token_id)

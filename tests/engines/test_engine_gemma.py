@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest, StepResult
+from engines.engine_chain import chain_step
+from engines.interface import LoadRequest, SessionKey, StepResult
 from engines.llama_engine import LlamaShardEngine
 from engines.tokenizer import Tokenizer
 
@@ -33,31 +34,6 @@ def _load(path: Path, start: int = 0, end: int | None = None) -> LlamaShardEngin
     return engine
 
 
-def _step(
-    chain: list[LlamaShardEngine],
-    key: SessionKey,
-    position: int,
-    tokens: tuple[int, ...],
-    start: int | None = None,
-) -> StepResult:
-    hidden = None
-    for index, engine in enumerate(chain):
-        tail = index == len(chain) - 1
-        request = StepRequest(
-            key,
-            position,
-            token_ids=tokens if index == 0 else None,
-            hidden=hidden,
-            expected_past_len=position if position else None,
-            effective_start_layer=start if tail else None,
-            sampling=GREEDY if tail else None,
-            want_logits=tail,
-        )
-        result = engine.decode(request) if position else engine.prefill(request)
-        hidden = result.hidden
-    return result
-
-
 def _generate(
     chain: list[LlamaShardEngine],
     key: SessionKey,
@@ -65,10 +41,10 @@ def _generate(
     steps: int,
     start: int | None = None,
 ) -> Iterator[StepResult]:
-    result = _step(chain, key, 0, prompt, start)
+    result = chain_step(chain, key, 0, prompt, effective_start_layer=start)
     yield result
     for step in range(steps):
-        result = _step(chain, key, len(prompt) + step, (result.token_id,), start)
+        result = chain_step(chain, key, len(prompt) + step, (result.token_id,), effective_start_layer=start)
         yield result
 
 

@@ -14,7 +14,8 @@ from gguf import GGUFWriter
 
 from engines import llama_runtime
 from engines.device_memory import cpu_buffer_type
-from engines.interface import GREEDY, EngineErrorKind, LoadRequest, SessionKey, StepRequest, StepResult
+from engines.engine_chain import chain_step
+from engines.interface import EngineErrorKind, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.llama_runtime import LlamaRuntime
 from engines.tiny_model import TINY_N_LAYERS
@@ -59,37 +60,14 @@ def _load(
     return engine
 
 
-def _chain_step(
-    engines: list[LlamaShardEngine], key: SessionKey, position: int, tokens: tuple[int, ...]
-) -> StepResult:
-    """One prefill (position 0) or decode step through a chain of shard engines."""
-    step = (lambda e, r: e.prefill(r)) if position == 0 else (lambda e, r: e.decode(r))
-    expected = None if position == 0 else position
-    hidden = None
-    for index, engine in enumerate(engines):
-        tail = index == len(engines) - 1
-        request = StepRequest(
-            key,
-            position,
-            token_ids=tokens if index == 0 else None,
-            hidden=hidden,
-            expected_past_len=expected,
-            sampling=GREEDY if tail else None,
-            want_logits=tail,
-        )
-        result = step(engine, request)
-        hidden = result.hidden
-    return result
-
-
 def _greedy_run(
     engines: list[LlamaShardEngine], prompt: tuple[int, ...]
 ) -> tuple[list[np.ndarray], list[int]]:
     key = SessionKey("parity", 1)
-    result = _chain_step(engines, key, 0, prompt)
+    result = chain_step(engines, key, 0, prompt)
     logits, tokens = [result.logits], [result.token_id]
     for step in range(DECODE_STEPS):
-        result = _chain_step(engines, key, len(prompt) + step, (tokens[-1],))
+        result = chain_step(engines, key, len(prompt) + step, (tokens[-1],))
         logits.append(result.logits)
         tokens.append(result.token_id)
     for engine in engines:

@@ -1,0 +1,45 @@
+"""Shard engines chained in one process: a step's hidden rows handed from engine to engine, as
+the mesh hands them from node to node, with no network between. It is the reference a split
+must equal bit for bit, and the in-process baseline the benches time the mesh against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest, StepResult
+
+
+def chain_step(
+    engines: Sequence[ShardEngine],
+    key: SessionKey,
+    position: int,
+    tokens: Sequence[int],
+    *,
+    want_logits: bool = True,
+    effective_start_layer: int | None = None,
+) -> StepResult:
+    """``tokens`` at ``position`` through ``engines`` in order: a prefill at position 0, else a
+    decode that expects ``position`` tokens cached. Returns the tail's result, drawn greedily,
+    with its logits when ``want_logits``; ``effective_start_layer`` goes to the tail only."""
+    hidden = None
+    result: StepResult | None = None
+    for index, engine in enumerate(engines):
+        tail = index == len(engines) - 1
+        request = StepRequest(
+            key,
+            position,
+            token_ids=tuple(tokens) if index == 0 else None,
+            hidden=hidden,
+            expected_past_len=position or None,
+            effective_start_layer=effective_start_layer if tail else None,
+            sampling=GREEDY if tail else None,
+            want_logits=want_logits and tail,
+        )
+        result = engine.decode(request) if position else engine.prefill(request)
+        hidden = result.hidden
+    if result is None:
+        raise ValueError("a chain needs at least one engine")
+    return result
+
+
+__all__ = ["chain_step"]
