@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.engine_chain import chain_step
+from engines.engine_chain import greedy_chain
 from engines.gguf_info import read_model_info
-from engines.interface import LoadRequest, SessionKey
+from engines.interface import LoadRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import ensure_tiny_model
 from engines.tokenizer import Tokenizer
@@ -62,17 +62,7 @@ def generate(
     path: Path, split: int, placement: tuple[int, int], prompt: tuple[int, ...], steps: int, threads: int
 ) -> Run:
     chain = [_load(path, 0, split, placement[0], threads), _load(path, split, None, placement[1], threads)]
-    key = SessionKey("mixed", 1)
-    tokens: list[int] = []
-    logits: list[np.ndarray] = []
-    position, feed = 0, prompt
-    for _ in range(steps + 1):
-        result = chain_step(chain, key, position, feed)
-        assert result.token_id is not None and result.logits is not None
-        tokens.append(result.token_id)
-        logits.append(np.array(result.logits, dtype=np.float32))
-        position += len(feed)
-        feed = (result.token_id,)
+    logits, tokens = greedy_chain(chain, prompt, steps)
     buffers = [engine.weight_buffers for engine in chain]
     for engine in chain:
         engine.close()

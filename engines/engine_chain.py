@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest, StepResult
 
 
@@ -42,4 +44,26 @@ def chain_step(
     return result
 
 
-__all__ = ["chain_step"]
+# The tail's logits and token after the prefill and after each greedy decode.
+GreedyRun = tuple[list[np.ndarray], list[int]]
+
+
+def greedy_chain(engines: Sequence[ShardEngine], prompt: Sequence[int], decode_steps: int) -> GreedyRun:
+    """The prefill of ``prompt`` and ``decode_steps`` greedy decodes through ``engines``: the
+    tail's logits (copied) and token after each."""
+    key = SessionKey("greedy-chain", 1)
+    logits: list[np.ndarray] = []
+    tokens: list[int] = []
+    feed, position = tuple(prompt), 0
+    for _ in range(decode_steps + 1):
+        result = chain_step(engines, key, position, feed)
+        if result.logits is None or result.token_id is None:
+            raise ValueError("the last engine of a chain must be a tail that draws a token")
+        logits.append(result.logits.copy())
+        tokens.append(result.token_id)
+        position += len(feed)
+        feed = (result.token_id,)
+    return logits, tokens
+
+
+__all__ = ["GreedyRun", "chain_step", "greedy_chain"]

@@ -17,8 +17,8 @@ from batch_parity import Stream, batch_vs_solo, feed
 from engine_contract import prompt_tokens, raises_kind
 from engine_offload import OFFLOAD_LOGIT_TOLERANCE, gpu_layers, offloading
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from greedy_chain import Run, greedy_chain
 
+from engines.engine_chain import GreedyRun, greedy_chain
 from engines.gguf_file import GGUFFile, read_gguf
 from engines.interface import EngineErrorKind, LoadRequest, SessionKey
 from engines.llama_engine import LlamaShardEngine
@@ -69,12 +69,12 @@ def _engine(path: Path, start: int, end: int, cache_dir: Path, fingerprint: str)
     return engine
 
 
-def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> Run:
+def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> GreedyRun:
     """A prefill and ``DECODE_STEPS`` greedy decodes through the chain."""
     return greedy_chain(list(engines), prompt, DECODE_STEPS)
 
 
-def _chain(model: Path, bounds: tuple[int, ...], cache_dir: Path, prompt: tuple[int, ...]) -> Run:
+def _chain(model: Path, bounds: tuple[int, ...], cache_dir: Path, prompt: tuple[int, ...]) -> GreedyRun:
     fingerprint = cached_manifest(model, cache_dir / "manifests").root
     engines = [
         _engine(model, start, end, cache_dir, fingerprint) for start, end in itertools.pairwise(bounds)
@@ -91,9 +91,9 @@ class _References:
 
     def __init__(self, cache_dir: Path) -> None:
         self._cache_dir = cache_dir
-        self._runs: dict[str, tuple[tuple[int, ...], Run]] = {}
+        self._runs: dict[str, tuple[tuple[int, ...], GreedyRun]] = {}
 
-    def __call__(self, key: str) -> tuple[tuple[int, ...], Run]:
+    def __call__(self, key: str) -> tuple[tuple[int, ...], GreedyRun]:
         if key not in self._runs:
             model = ensure_tiny_architecture(key)
             prompt = prompt_tokens(PREFILL_TOKENS, len(tiny_vocabulary()[0]), seed=3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.engine_chain import chain_step
+from engines.engine_chain import chain_step, greedy_chain
 from engines.fake import FakeEngine, FakeModelSpec
 from engines.interface import LoadRequest, SessionKey
 
@@ -20,24 +20,11 @@ def _loaded(start: int = 0, end: int | None = None) -> FakeEngine:
     return engine
 
 
-def _greedy(engines: list[FakeEngine], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    key = SessionKey("chain", 1)
-    tokens: list[int] = []
-    logits: list[np.ndarray] = []
-    position, feed = 0, PROMPT
-    for _ in range(steps + 1):
-        result = chain_step(engines, key, position, feed)
-        assert result.token_id is not None and result.logits is not None
-        tokens.append(result.token_id)
-        logits.append(result.logits)
-        position += len(feed)
-        feed = (result.token_id,)
-    return tokens, logits
-
-
 def test_a_three_way_chain_computes_what_the_whole_range_does():
-    whole_tokens, whole_logits = _greedy([_loaded()], steps=5)
-    split_tokens, split_logits = _greedy([_loaded(0, 2), _loaded(2, 5), _loaded(5)], steps=5)
+    whole_logits, whole_tokens = greedy_chain([_loaded()], PROMPT, decode_steps=5)
+    split_logits, split_tokens = greedy_chain(
+        [_loaded(0, 2), _loaded(2, 5), _loaded(5)], PROMPT, decode_steps=5
+    )
     assert split_tokens == whole_tokens
     for got, expected in zip(split_logits, whole_logits, strict=True):
         np.testing.assert_array_equal(got, expected)

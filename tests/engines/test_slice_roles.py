@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from engine_contract import prompt_tokens, raises_kind
 from gguf import GGUFWriter
-from greedy_chain import Run, greedy_chain
 
+from engines.engine_chain import GreedyRun, greedy_chain
 from engines.gguf_file import GGUFFile, read_gguf
 from engines.interface import EngineErrorKind, LoadRequest
 from engines.llama_engine import LlamaShardEngine
@@ -99,7 +99,7 @@ def _scrambled_copy(source: Path, destination: Path, keep: frozenset[str], seed:
     return destination
 
 
-def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> Run:
+def _greedy(engines: list[LlamaShardEngine], prompt: tuple[int, ...]) -> GreedyRun:
     """A prefill and ``DECODE_STEPS`` greedy decodes through the chain."""
     return greedy_chain(list(engines), prompt, DECODE_STEPS)
 
