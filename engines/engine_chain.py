@@ -1,6 +1,6 @@
 """Shard engines chained in one process: a step's hidden rows handed from engine to engine, as
-the mesh hands them from node to node, with no network between. It is the reference a split
-must equal bit for bit, and the in-process baseline the benches time the mesh against."""
+the mesh hands them from node to node, with no network between. The parity tests hold a split
+to it bit for bit, and bench/engine.py times it against the whole model."""
 
 from __future__ import annotations
 
