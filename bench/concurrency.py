@@ -77,8 +77,9 @@ from e2e import (
     random_prompt,
     start_mesh,
 )
-from process_cpu import CpuSplit, cpu_reading, cpu_seconds, cpu_split_since, usable_cores
+from process_cpu import CpuSplit, cpu_reading, cpu_seconds, cpu_split_since
 
+from engines.openmp_wait import available_cpus
 from meshnode.app.local_mesh import LocalMesh
 from meshnode.head.api_client import StreamSummary, TextChunk, stream_completion
 
@@ -421,7 +422,7 @@ def print_cpu(
     trials: dict[tuple[str, int], list[Trial]], labels: dict[str, str], levels: list[int], width: int
 ) -> None:
     """Where the cores went: CPU ms per generated token of each process, medians over rounds."""
-    cores = usable_cores()
+    cores = available_cpus()
     print()
     print(f"CPU ms per generated token (medians over rounds): each node as event loop + engine threads, "
           f"'bench' = this process (all of (a) and (a'), the HTTP client of the meshes); 'ceiling' = "

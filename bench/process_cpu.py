@@ -61,9 +61,4 @@ def cpu_split_since(pid: int, before: CpuReading) -> CpuSplit:
     return CpuSplit(main, now.total_s - before.total_s - main)
 
 
-def usable_cores() -> int:
-    """The cores this process (and the nodes it starts) may run on."""
-    return len(os.sched_getaffinity(0))
-
-
-__all__ = ["CpuReading", "CpuSplit", "cpu_reading", "cpu_seconds", "cpu_split_since", "usable_cores"]
+__all__ = ["CpuReading", "CpuSplit", "cpu_reading", "cpu_seconds", "cpu_split_since"]
