@@ -606,7 +606,7 @@ def prepare_run(args: argparse.Namespace) -> Path:
     runs with the OpenMP waiting this process started with (libgomp's own spin unless exported
     before the bench), as llama.cpp run alone on this machine does."""
     args.node_env = list(args.node_env or [])
-    os.environ.update(dict(item.split("=", 1) for item in args.node_env))
+    os.environ.update(given_node_env(args))
     # --model where a bench has it (bench/concurrency.py): a machine without the Gemma package.
     given_model = getattr(args, "model", None)
     model = given_model if given_model is not None else default_model_path(progress=True)
@@ -616,6 +616,11 @@ def prepare_run(args: argparse.Namespace) -> Path:
     return model
 
 
+def given_node_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--node-env KEY=VALUE`` items as a mapping."""
+    return dict(item.split("=", 1) for item in args.node_env)
+
+
 def nodes_env(args: argparse.Namespace, processes: int) -> dict[str, str]:
     """The environment of a mesh of ``processes`` nodes: the OpenMP waiting that suits them on
     this machine (engines.openmp_wait: a short spin where they and this bench's client share the
@@ -623,7 +628,7 @@ def nodes_env(args: argparse.Namespace, processes: int) -> dict[str, str]:
     weight repack choice, then ``--node-env`` (which may replace either)."""
     env = openmp_wait_env(processes, args.threads, available_cpus(), others=1)
     env["MESHNODE_WEIGHT_REPACK"] = "on" if args.repack else "off"
-    env.update(dict(item.split("=", 1) for item in args.node_env))
+    env.update(given_node_env(args))
     return env
 
 

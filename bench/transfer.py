@@ -49,8 +49,8 @@ from engines.engine_probe import ProbeTarget  # noqa: E402
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest  # noqa: E402
 from engines.llama_engine import LlamaShardEngine  # noqa: E402
 from engines.model_manifest import cached_manifest  # noqa: E402
+from engines.openmp_wait import SHORT_SPIN_ENV  # noqa: E402
 from engines.weight_repack import WeightRepack  # noqa: E402
-from meshnode.app.local_mesh import SHARED_CORES_ENV  # noqa: E402
 from meshnode.artifacts.fetcher import fetch_manifest, fetch_tensors  # noqa: E402
 from meshnode.artifacts.holdings import FullModel, Holdings  # noqa: E402
 from meshnode.artifacts.server import ArtifactServer  # noqa: E402
@@ -363,7 +363,7 @@ def main() -> None:
     )
     parser.add_argument("--repack", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
-    os.environ.update(SHARED_CORES_ENV)
+    os.environ.update(SHORT_SPIN_ENV)
     if args.role == "raw-server":
         coro = raw_server()
     elif args.role == "source":

@@ -40,10 +40,6 @@ START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
 # Short timers so the nodes see each other within seconds.
 FAST_TIMING = ("--heartbeat-interval", "1", "--gossip-timeout", "3", "--probe-timeout", "2")
-# Nodes on one machine that share its cores: llama.cpp's OpenMP threads spin briefly, then sleep
-# (engines.openmp_wait). The default for a LocalMesh whose caller does not say how its nodes
-# fit the machine; callers that know pass openmp_wait_env's answer instead.
-SHARED_CORES_ENV = SHORT_SPIN_ENV
 
 
 class LocalMeshError(Exception):
@@ -113,7 +109,9 @@ class LocalMesh:
     ctx: int | None = None
     timing: Sequence[str] = FAST_TIMING
     # Environment of every process started (on top of this one's).
-    env: dict[str, str] = field(default_factory=lambda: dict(SHARED_CORES_ENV))
+    # Nodes on one machine share its cores: by default llama.cpp's OpenMP threads spin briefly,
+    # then sleep (engines.openmp_wait); callers that know how the nodes fit pass its answer.
+    env: dict[str, str] = field(default_factory=lambda: dict(SHORT_SPIN_ENV))
     children: list[Child] = field(default_factory=list)
     mesh_id: str = ""
     relay: RelayInfo | None = None
@@ -313,4 +311,4 @@ def _line(log: Path, prefix: str) -> str | None:
     return None
 
 
-__all__ = ["FAST_TIMING", "SHARED_CORES_ENV", "Child", "LocalMesh", "LocalMeshError", "RelayInfo"]
+__all__ = ["FAST_TIMING", "Child", "LocalMesh", "LocalMeshError", "RelayInfo"]
