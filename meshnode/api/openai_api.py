@@ -41,7 +41,7 @@ from meshnode.api.errors import (
     openai_errors,
     track_started_answers,
 )
-from meshnode.api.request_fields import ParsedRequest, check_against_model, parse_request
+from meshnode.api.request_fields import ParsedRequest, check_against_model, check_prompt_fits, parse_request
 from meshnode.head.backend import (
     ContextLengthExceeded,
     ContextReporting,
@@ -49,6 +49,7 @@ from meshnode.head.backend import (
     GenerationBackend,
     GenerationFailed,
     MeshBusy,
+    PromptTokenizer,
     ReadinessReporting,
     UnknownModel,
 )
@@ -186,13 +187,20 @@ class OpenAIApi:
         max_tokens = check_against_model(
             parsed, context_tokens=context, vocab_size=getattr(tokenizer, "n_vocab", None)
         )
+        param = "messages" if parsed.messages is not None else "prompt"
+        prompt = self._tokens(parsed, tokenizer)
+        check_prompt_fits(len(prompt), context_tokens=context, param=param)
+        return prompt, max_tokens
+
+    @staticmethod
+    def _tokens(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[int]:
         if parsed.prompt_tokens is not None:
-            return parsed.prompt_tokens, max_tokens
+            return parsed.prompt_tokens
         try:
             if parsed.messages is not None:
-                return tokenizer.encode_chat(parsed.messages), max_tokens
+                return tokenizer.encode_chat(parsed.messages)
             assert parsed.prompt_text is not None
-            return tokenizer.encode_prompt(parsed.prompt_text), max_tokens
+            return tokenizer.encode_prompt(parsed.prompt_text)
         except ValueError as exc:
             # The tokenizer's refusal, e.g. a chat template llama.cpp does not know: the model's
             # limit, not the client's mistake, but no retry helps (hence 400, not 500).

@@ -383,10 +383,23 @@ def check_against_model(parsed: ParsedRequest, *, context_tokens: int | None, vo
     )
 
 
+def check_prompt_fits(prompt_length: int, *, context_tokens: int | None, param: str) -> None:
+    """Refuses a prompt longer than a session's context before any node computes a chunk of
+    it: found on the route instead, it is found only after the context's worth of prefill."""
+    if context_tokens is not None and prompt_length > context_tokens:
+        raise ApiError(
+            f"This model's context holds at most {context_tokens} tokens per request; the prompt "
+            f"has {prompt_length}",
+            param,
+            code="context_length_exceeded",
+        )
+
+
 __all__ = [
     "DEFAULT_CHAT_MAX_TOKENS",
     "DEFAULT_COMPLETION_MAX_TOKENS",
     "ParsedRequest",
     "check_against_model",
+    "check_prompt_fits",
     "parse_request",
 ]

@@ -225,6 +225,25 @@ def test_refusals_name_the_field(client):
     assert whole.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_prompt_longer_than_the_context_is_refused_before_any_prefill(client):
+    """The refusal names the prompt's length: the API found it, not a hop after a context's
+    worth of prefill (that refusal names a position instead)."""
+    model = client.models.list().data[0].id
+    prompt = [7] * (CONTEXT + 1)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert (too_long.value.param, too_long.value.code) == ("prompt", "context_length_exceeded")
+    assert f"the prompt has {CONTEXT + 1}" in str(too_long.value)
+    with pytest.raises(openai.BadRequestError) as chat_too_long:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "a " * 4 * CONTEXT}]
+        )
+    assert (chat_too_long.value.param, chat_too_long.value.code) == ("messages", "context_length_exceeded")
+    # A prompt that fills the context exactly still gets its one token.
+    full = client.completions.create(model=model, prompt=prompt[:CONTEXT], max_tokens=1, temperature=0)
+    assert full.usage is not None and (full.usage.prompt_tokens, full.usage.completion_tokens) == (CONTEXT, 1)
+
+
 def end_of_generation_token(tokenizer: Tokenizer) -> int:
     return next(t for t in range(tokenizer.n_vocab) if tokenizer.is_end_of_generation(t))
 

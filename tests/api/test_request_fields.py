@@ -144,6 +144,9 @@ def assert_error(body: dict, *, type_: str, param: str | None, code: str | None)
         (True, {"max_tokens": 65}, "max_tokens", "context_length_exceeded"),
         (True, {"max_completion_tokens": 100}, "max_completion_tokens", "context_length_exceeded"),
         (False, {"prompt": [5, 1000]}, "prompt", None),
+        (False, {"prompt": [5] * 65, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+        (False, {"prompt": "x" * 80, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+        (True, {"messages": [{"role": "user", "content": "x" * 80}]}, "messages", "context_length_exceeded"),
     ],
 )
 async def test_a_field_that_cannot_be_honoured_is_a_400_naming_it(serve, chat, extra, param, code):
