@@ -178,8 +178,15 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
 
 def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(
+            f"{len(prompt)} prompts in one request are not supported by this server: send one request "
+            "per prompt (they run at the same time)",
+            "prompt",
+            code=UNSUPPORTED,
+        )
     if isinstance(prompt, str):
         return prompt, None
     if (

@@ -144,6 +144,9 @@ def assert_error(body: dict, *, type_: str, param: str | None, code: str | None)
         (True, {"max_tokens": 65}, "max_tokens", "context_length_exceeded"),
         (True, {"max_completion_tokens": 100}, "max_completion_tokens", "context_length_exceeded"),
         (False, {"prompt": [5, 1000]}, "prompt", None),
+        (False, {"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+        (False, {"prompt": [[5], [6]]}, "prompt", "unsupported_parameter"),
+        (False, {"prompt": [[5, -1]]}, "prompt", None),
         (False, {"prompt": [5] * 65, "max_tokens": 1}, "prompt", "context_length_exceeded"),
         (False, {"prompt": "x" * 80, "max_tokens": 1}, "prompt", "context_length_exceeded"),
         (True, {"messages": [{"role": "user", "content": "x" * 80}]}, "messages", "context_length_exceeded"),
@@ -175,6 +178,15 @@ async def test_fields_at_their_default_are_accepted(serve, extra):
         "POST", f"{base}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, **extra}
     )
     assert status == 200, answer
+
+
+@pytest.mark.parametrize("prompt", ["hi", ["hi"], [104, 105], [[104, 105]]])
+async def test_each_form_of_one_prompt_reaches_the_backend_as_its_tokens(serve, prompt):
+    backend = ContextBackend()
+    base = await serve(backend)
+    status, answer, _ = await call("POST", f"{base}/v1/completions", json={"model": "tiny", "prompt": prompt})
+    assert status == 200, answer
+    assert backend.calls[-1][0] == [104, 105]
 
 
 async def test_sampling_fields_reach_the_backend(serve):
