@@ -31,15 +31,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("meshnode.cli")
 
 
-async def serve_node(node: Node, args: argparse.Namespace) -> int:
-    """Run ``node`` until a signal; with ``--model``, serve its shard and (unless
-    ``--api-listen off``) the API, and drain both before leaving."""
+def check_serving_options(args: argparse.Namespace) -> None:
+    """Refuses a bad ``--model``, ``--layers`` or ``--model-name`` before anything loads, and
+    before ``create`` writes a mesh that a corrected command would then find in its way."""
     if args.model is None:
         if args.layers is not None:
             raise CliError("--layers needs --model", code=2)
         if args.model_name is not None:
             # A placed node serves whichever model the mesh lacks, under the name the mesh knows.
             raise CliError("--model-name needs --model", code=2)
+        return
+    from meshnode.dataplane.service import describe_served_model
+
+    try:
+        describe_served_model(args.model, args.layers)
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
+
+
+async def serve_node(node: Node, args: argparse.Namespace) -> int:
+    """Run ``node`` until a signal; with ``--model``, serve its shard and (unless
+    ``--api-listen off``) the API, and drain both before leaving."""
+    check_serving_options(args)
+    if args.model is None:
         if args.placement == "off":
             return await run_node(node)
         from meshnode.app.placed_serving import serve_placed_node
@@ -47,17 +61,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         show_file_passes(node)  # the slice of the range it takes is written after it joins
         return await serve_placed_node(node, args, node.data_dir.path)
     # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
-    from meshnode.dataplane.service import (
-        ShardService,
-        ShardServiceError,
-        ShardServiceOptions,
-        describe_served_model,
-    )
-
-    try:
-        describe_served_model(args.model, args.layers)  # refuses a bad file or range before loading
-    except ValueError as exc:
-        raise CliError(str(exc), code=2) from None
+    from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
 
     options = ShardServiceOptions(
         model=args.model,
@@ -118,4 +122,4 @@ async def start_head(
         return None
 
 
-__all__ = ["serve_node", "start_head"]
+__all__ = ["check_serving_options", "serve_node", "start_head"]

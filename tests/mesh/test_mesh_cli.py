@@ -141,6 +141,20 @@ def test_start_without_membership_fails_clearly(tmp_path):
     assert result.returncode == 1 and "no mesh membership" in one_line_error(result)
 
 
+def test_create_with_a_bad_model_creates_no_mesh_so_the_corrected_command_can(tmp_path):
+    data_dir = tmp_path / "c"
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("not a GGUF")
+    for model, reason in ((tmp_path / "missing.gguf", "No such file"), (not_a_model, "not a GGUF file")):
+        result = meshnode(
+            "create", "--data-dir", str(data_dir), "--model", str(model), "--listen", "127.0.0.1:0"
+        )
+        assert result.returncode == 2 and reason in one_line_error(result)
+        assert not DataDir(data_dir).has_membership()
+    result = meshnode("start", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0")
+    assert result.returncode == 1 and "no mesh membership" in one_line_error(result)
+
+
 def test_duration_and_layer_arguments():
     import argparse
 
