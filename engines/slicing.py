@@ -148,6 +148,14 @@ class SlicePlan:
         """Index, inside the slice, of the last layer that belongs to the range."""
         return self.first_real_layer + self.layer_end - self.layer_start - 1
 
+    def source_layers(self) -> list[int]:
+        """The source layer each layer of the slice copies, in order, passthrough layers
+        included: each has its own KV cache in llama.cpp, as a real layer does."""
+        layers = [self.layer_start] * self.lead_passthrough + list(range(self.layer_start, self.layer_end))
+        if self.passthrough:
+            layers.append(self.layer_end - 1)
+        return layers
+
     @property
     def keeps_vocabulary(self) -> bool:
         """Whether the slice keeps the model's vocabulary: the head reads token ids and the tail
@@ -302,9 +310,7 @@ def _slice_metadata(gguf: GGUFFile, plan: SlicePlan, source_digest: str) -> list
     arch = gguf.architecture
     total = int(gguf.get(f"{arch}.block_count"))  # type: ignore[call-overload]
     # The source layer each slice layer copies (its per-layer metadata comes along).
-    layer_ids = [plan.layer_start] * plan.lead_passthrough + list(range(plan.layer_start, plan.layer_end))
-    if plan.passthrough:
-        layer_ids.append(plan.layer_end - 1)
+    layer_ids = plan.source_layers()
     pattern_key = f"{arch}.attention.sliding_window_pattern"
     swa = _swa_layers(gguf, arch, total)
 

@@ -3,7 +3,9 @@
 llama.cpp allocates the whole KV cache at load time, ``n_seq_max`` sessions of
 ``n_ctx`` tokens each (``kv_unified = False``), so the number of sessions is a
 memory decision made before the engine loads. One token of one layer costs
-``n_head_kv × (key_length + value_length) × bytes per element`` (f16: 2).
+``n_head_kv × (key_length + value_length) × bytes per element`` (2: the engine's
+K is f16 and its V bf16 or f16). The layers are those of the file the engine
+loads: a slice's passthrough layers (engines.slicing) have caches of their own.
 Sliding-window layers cost as much as full ones: the engine runs with
 ``swa_full = True``, which gives them full-size caches. The budget is, unless
 the operator names one, half of what the kernel says is available
@@ -27,7 +29,7 @@ the GGUF header and ``/proc/meminfo`` for it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +41,7 @@ AUTO_SESSIONS_CAP = 64
 DEFAULT_MEMORY_SHARE = 0.5
 # The most auto gives the KV caches; --kv-budget may give more.
 AUTO_BUDGET_CAP = 2**30
-# f16, llama.cpp's default cache type (the engine sets no other).
+# K f16, V bf16 (CPU) or f16 (GPU): two bytes an element either way.
 F16_BYTES = 2
 # llama.cpp rounds a sequence's cache up to a multiple of 256 cells.
 KV_CELL_PADDING = 256
@@ -56,7 +58,7 @@ def _int(value: object) -> int:
     return int(value)  # type: ignore[call-overload]
 
 
-def _per_layer(value: object, layers: range) -> list[int]:
+def _per_layer(value: object, layers: Sequence[int]) -> list[int]:
     """A per-layer count: one number for every layer, or an array indexed by layer."""
     if isinstance(value, int | float):
         return [_int(value)] * len(layers)
@@ -64,15 +66,16 @@ def _per_layer(value: object, layers: range) -> list[int]:
         values = [_int(v) for v in value]  # type: ignore[attr-defined]
     except TypeError:
         raise KvShapeError(f"unexpected per-layer value {value!r}") from None
-    if len(values) < layers.stop:
-        raise KvShapeError(f"{len(values)} per-layer values for layers up to {layers.stop}")
+    if layers and len(values) <= max(layers):
+        raise KvShapeError(f"{len(values)} per-layer values for layers up to {max(layers) + 1}")
     return [values[i] for i in layers]
 
 
 def kv_bytes_per_token(
-    metadata: Mapping[str, object], start: int, end: int, *, bytes_per_element: int = F16_BYTES
+    metadata: Mapping[str, object], layers: Sequence[int], *, bytes_per_element: int = F16_BYTES
 ) -> int:
-    """Bytes one token's K and V take over layers ``[start, end)``, from the GGUF metadata."""
+    """Bytes one token's K and V take over the source ``layers`` a model file holds (a layer
+    twice where a slice holds two copies of it), from the GGUF metadata."""
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise KvShapeError("general.architecture is missing")
@@ -84,7 +87,6 @@ def kv_bytes_per_token(
     embedding = get("embedding_length")
     if heads is None or embedding is None:
         raise KvShapeError(f"{arch}.attention.head_count or {arch}.embedding_length is missing")
-    layers = range(start, end)
     head_counts = _per_layer(heads, layers)
     kv_heads = get("attention.head_count_kv")
     kv_head_counts = head_counts if kv_heads is None else _per_layer(kv_heads, layers)
@@ -199,6 +201,8 @@ def shard_session_plan(
     ``budget_bytes`` or, by default, from ``meminfo``. Raises :class:`KvShapeError` or OSError."""
     # Imported here like describe_served_model does: only a node serving a model needs gguf.
     from engines.gguf_file import GGUFFormatError, read_gguf
+    from engines.interface import EngineError
+    from engines.slicing import plan_model_slice
 
     try:
         header = read_gguf(model)
@@ -208,7 +212,14 @@ def shard_session_plan(
     arch = header.architecture
     total = _int(metadata.get(f"{arch}.block_count", 0))
     start, end = layers if layers is not None else (0, total)
-    per_session = session_kv_bytes(kv_bytes_per_token(metadata, start, end), n_ctx)
+    try:
+        plan = plan_model_slice(header, start, end)
+    except EngineError as exc:
+        raise KvShapeError(str(exc)) from None
+    # A non-tail slice's passthrough layer (engines.slicing) has a cache too: a one-layer head
+    # holds two layers' worth per session.
+    cached = list(range(total)) if plan is None else plan.source_layers()
+    per_session = session_kv_bytes(kv_bytes_per_token(metadata, cached), n_ctx)
     if chosen is None and budget_bytes is None:
         weights = weight_bytes(((t.name, t.nbytes) for t in header.tensors), start, end)
         budget_bytes = default_budget(_read_mem_available(meminfo), weights)

@@ -38,16 +38,16 @@ GEMMA3 = {
 
 def test_a_token_costs_its_kv_heads_times_k_and_v_in_f16_on_every_served_layer():
     # Sliding-window layers count in full: the engine runs llama.cpp with swa_full.
-    assert kv_bytes_per_token(GEMMA3, 0, 18) == 18 * 1 * (256 + 256) * 2
-    assert kv_bytes_per_token(GEMMA3, 9, 18) == 9 * 512 * 2
-    assert kv_bytes_per_token(GEMMA3, 0, 1, bytes_per_element=1) == 512
+    assert kv_bytes_per_token(GEMMA3, range(18)) == 18 * 1 * (256 + 256) * 2
+    assert kv_bytes_per_token(GEMMA3, range(9, 18)) == 9 * 512 * 2
+    assert kv_bytes_per_token(GEMMA3, [0], bytes_per_element=1) == 512
 
 
-def test_per_layer_head_counts_are_taken_for_the_served_layers_only():
+def test_per_layer_head_counts_are_taken_for_the_cached_layers_only_and_a_copy_counts_again():
     metadata = {**GEMMA3, "gemma3.attention.head_count_kv": [0, 1, 2, 4]}
-    assert kv_bytes_per_token(metadata, 2, 4) == (2 + 4) * 512 * 2
+    assert kv_bytes_per_token(metadata, [2, 3, 3]) == (2 + 4 + 4) * 512 * 2
     with pytest.raises(KvShapeError):
-        kv_bytes_per_token(metadata, 2, 6)
+        kv_bytes_per_token(metadata, range(2, 6))
 
 
 def test_without_head_sizes_a_head_is_the_embedding_over_the_heads_and_every_head_has_kv():
@@ -56,9 +56,9 @@ def test_without_head_sizes_a_head_is_the_embedding_over_the_heads_and_every_hea
         "llama.embedding_length": 64,
         "llama.attention.head_count": 8,
     }
-    assert kv_bytes_per_token(metadata, 0, 2) == 2 * 8 * (8 + 8) * 2
+    assert kv_bytes_per_token(metadata, range(2)) == 2 * 8 * (8 + 8) * 2
     with pytest.raises(KvShapeError):
-        kv_bytes_per_token({"llama.embedding_length": 64}, 0, 1)
+        kv_bytes_per_token({"llama.embedding_length": 64}, [0])
 
 
 def test_a_session_holds_its_context_rounded_up_to_whole_cells():
@@ -110,8 +110,8 @@ def test_a_shard_loads_its_blocks_and_every_tensor_outside_them():
 def test_a_real_models_shard_is_sized_from_its_header_and_the_machines_memory(tmp_path: Path):
     model = ensure_tiny_model()
     whole = shard_session_plan(model, None, 4096, budget_bytes=5 * 2**40)
-    half = shard_session_plan(model, (0, TINY_N_LAYERS // 2), 4096, budget_bytes=5 * 2**40)
-    assert whole.per_session_bytes == 2 * half.per_session_bytes > 0
+    tail = shard_session_plan(model, (TINY_N_LAYERS // 2, TINY_N_LAYERS), 4096, budget_bytes=5 * 2**40)
+    assert whole.per_session_bytes == 2 * tail.per_session_bytes > 0
     exact = shard_session_plan(model, None, 4096, budget_bytes=5 * whole.per_session_bytes)
     assert (exact.sessions, exact.reason) == (5, "budget")
 
