@@ -165,10 +165,23 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+def _data_dir_to_come(name: str, path: Path) -> Finding:
+    """A data directory not made yet is what a fresh machine has: ``init``, ``create`` and
+    ``join`` make it. Only a place they could not make it in needs fixing."""
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if parent.is_dir() and os.access(parent, os.W_OK | os.X_OK):
+        return ok(name, f"{path} not made yet (meshnode init, create or join makes it)")
+    return problem(
+        name,
+        f"{path} does not exist and {parent} is not a writable directory",
+        "pass --data-dir a writable place",
+    )
+
+
 def check_data_dir(path: Path) -> list[Finding]:
     name = "data directory"
     if not path.exists():
-        return [problem(name, f"{path} does not exist", f"meshnode init --data-dir {path}")]
+        return [_data_dir_to_come(name, path)]
     if not path.is_dir():
         return [problem(name, f"{path} is not a directory", "point --data-dir at a directory")]
     findings: list[Finding] = []

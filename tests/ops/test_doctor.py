@@ -101,10 +101,18 @@ def test_missing_pieces_and_a_bad_layer_range(tmp_path, tiny_model):
         f"127.0.0.1:{free_udp_port()}",
     )
     assert result.returncode == 1
-    assert "does not exist" in result.stdout and "meshnode init" in result.stdout
+    assert "nowhere not made yet (meshnode init, create or join makes it)" in result.stdout
     assert "2:99 is outside the model's 0:6" in result.stdout
     missing = doctor("--data-dir", str(tmp_path), "--model", str(tmp_path / "none.gguf"))
     assert "none.gguf does not exist" in missing.stdout
+
+
+def test_a_data_directory_that_cannot_be_made_is_a_problem(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = doctor("--data-dir", str(blocker / "data"), "--listen", f"127.0.0.1:{free_udp_port()}")
+    assert result.returncode == 1
+    assert f"{blocker / 'data'} does not exist and {blocker} is not a writable directory" in result.stdout
 
 
 @pytest.mark.parametrize(
