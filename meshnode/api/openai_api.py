@@ -23,6 +23,7 @@ for a model and not draining; else 503 with the reason); ``/livez`` (also
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -152,7 +153,7 @@ class OpenAIApi:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError("the request body is not valid JSON") from None
         parsed = parse_request(body, chat=chat, served=self.backend.model_names())
-        prompt, max_tokens = self._prompt(parsed)
+        prompt, max_tokens = await self._prompt(parsed)
         completion = CompletionRequest(parsed.model, prompt, max_tokens, parsed.sampling, parsed.stop)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         events = run_completion(self.backend, completion)
@@ -173,7 +174,7 @@ class OpenAIApi:
         finally:
             await events.aclose()
 
-    def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], int]:
+    async def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], int]:
         """The prompt's tokens and the request's max_tokens, checked against the model."""
         try:
             tokenizer = self.backend.tokenizer(parsed.model)
@@ -188,7 +189,9 @@ class OpenAIApi:
             parsed, context_tokens=context, vocab_size=getattr(tokenizer, "n_vocab", None)
         )
         param = "messages" if parsed.messages is not None else "prompt"
-        prompt = self._tokens(parsed, tokenizer)
+        # Off the event loop: a 4 MiB prompt takes llama.cpp seconds to tokenize, and every
+        # stream this node serves, and its QUIC connections, would wait meanwhile.
+        prompt = await asyncio.to_thread(self._tokens, parsed, tokenizer)
         check_prompt_fits(len(prompt), context_tokens=context, param=param)
         return prompt, max_tokens
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import openai
@@ -227,3 +228,40 @@ async def test_client_disconnect_closes_the_token_stream(serve, stream):
         await session.close()
     await asyncio.wait_for(backend.closed.wait(), timeout=5)
     assert backend.tokens_sent < 400
+
+
+class SlowTokenizerBackend(ScriptedBackend):
+    """Its tokenizer holds the prompt "slow" until ``released`` is set, as llama.cpp holds a
+    prompt of megabytes for seconds."""
+
+    def __init__(self) -> None:
+        super().__init__("ok")
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self.waited: list[bool] = []
+
+    def tokenizer(self, model: str):
+        plain = super().tokenizer(model)
+        backend = self
+
+        class Held(type(plain)):
+            def encode_prompt(self, text: str) -> list[int]:
+                if text == "slow":
+                    backend.entered.set()
+                    backend.waited.append(backend.released.wait(timeout=30))
+                return plain.encode_prompt(text)
+
+        return Held()
+
+
+async def test_other_requests_are_served_while_a_prompt_is_tokenized(serve):
+    backend = SlowTokenizerBackend()
+    base = await serve(backend)
+    slow = asyncio.create_task(post(f"{base}/v1/completions", {"model": "tiny", "prompt": "slow"}))
+    assert await asyncio.to_thread(backend.entered.wait, 30)
+    status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "fast"})
+    assert (status, body["choices"][0]["text"]) == (200, "ok")
+    backend.released.set()
+    status, body = await slow
+    assert (status, body["choices"][0]["text"]) == (200, "ok")
+    assert backend.waited == [True]
