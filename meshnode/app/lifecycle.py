@@ -11,6 +11,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from meshnode.app.join_retry import DEFAULT_JOIN_TIMEOUT_S, join_until
 from meshnode.node import JoinError, Node
 
 # The node's logger, as when this lived in meshnode.node: the draining and leaving lines are
@@ -24,12 +25,14 @@ async def run_node(
     on_ready: Callable[[Node], None] | None = None,
     drain: Callable[[], Awaitable[None]] | None = None,
     drain_timeout: float = 30.0,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT_S,
 ) -> int:
     """Start, join or reconnect, serve until SIGINT/SIGTERM, then leave cleanly. Returns an exit code.
 
     With ``drain``, the first signal drains first: ``drain()`` stops new work and
     returns once in-flight work is done; it is given ``drain_timeout`` seconds, and a
-    second signal cuts it short. PeerLeaving goes out after the drain either way.
+    second signal cuts it short. PeerLeaving goes out after the drain either way. A joiner
+    keeps trying bootstrap peers it cannot reach for ``join_timeout`` seconds (:mod:`.join_retry`).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -41,7 +44,7 @@ async def run_node(
             await node.reconnect()
         else:
             try:
-                await node.join()
+                await join_until(node, stop, join_timeout)
             except JoinError as exc:
                 log.error("%s", exc)
                 return 3

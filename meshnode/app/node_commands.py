@@ -27,6 +27,7 @@ from meshnode.app.cli_args import (
 )
 from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
+from meshnode.app.join_retry import add_join_options
 from meshnode.app.lease_options import add_lease_options, link_settings
 from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
 from meshnode.app.node_serving import check_serving_options, serve_node
@@ -119,6 +120,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     timing.add_argument(
         "--certificate-ttl", type=positive, default=DEFAULT_CERTIFICATE_TTL_S, help=argparse.SUPPRESS
     )
+    add_join_options(timing)
     timing.add_argument(
         "--drain-timeout",
         type=positive,

@@ -55,7 +55,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     check_serving_options(args)
     if args.model is None:
         if args.placement == "off":
-            return await run_node(node)
+            return await run_node(node, join_timeout=args.join_timeout)
         from meshnode.app.placed_serving import serve_placed_node
 
         show_file_passes(node)  # the slice of the range it takes is written after it joins
@@ -97,7 +97,9 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
             await service.drain()
 
         try:
-            return await run_node(node, drain=drain, drain_timeout=args.drain_timeout)
+            return await run_node(
+                node, drain=drain, drain_timeout=args.drain_timeout, join_timeout=args.join_timeout
+            )
         finally:
             if head is not None:
                 await head.aclose()

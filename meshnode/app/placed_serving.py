@@ -145,7 +145,13 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             await serving.drain()
 
     try:
-        return await run_node(node, on_ready=place, drain=drain, drain_timeout=args.drain_timeout)
+        return await run_node(
+            node,
+            on_ready=place,
+            drain=drain,
+            drain_timeout=args.drain_timeout,
+            join_timeout=args.join_timeout,
+        )
     finally:
         for task in running:
             task.cancel()

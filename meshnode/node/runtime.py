@@ -85,7 +85,12 @@ _LINK_ATTEMPTS = 3
 
 
 class JoinError(Exception):
-    """No bootstrap peer admitted us; the message is the one-line reason."""
+    """No bootstrap peer admitted us; the message is the one-line reason. ``refused``: one of
+    them answered no, which another try would only repeat; else none could be reached."""
+
+    def __init__(self, message: str, *, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 # How any conversation with a peer can fail: reaching it (DialError, PeerUnreachable), the
@@ -343,6 +348,7 @@ class Node:
         """Invite holder: dial bootstrap peers until one admits us and grants membership."""
         assert self.state.invite is not None
         reasons: list[str] = []
+        refused = False
         for endpoint in self.state.invite.bootstrap:
             try:
                 link = await self._started_dialer().dial_endpoint(endpoint)
@@ -352,8 +358,15 @@ class Node:
                     "bootstrap peer %s refused us: %s", endpoint, in_words(refusal.code, refusal.detail)
                 )
                 reasons.append(in_words(refusal.code, refusal.detail))
+                refused = True
                 if self.removal.is_set():
                     break  # a verified revocation names us: no other member will admit us
+                continue
+            except MeshRefusal as refusal:
+                # An answer, though one we refuse (another mesh, a forged grant): no retry helps.
+                log.warning("bootstrap peer %s answered what we refuse: %s", endpoint, refusal)
+                reasons.append(f"{endpoint}: {refusal}")
+                refused = True
                 continue
             except PEER_FAILURES as exc:
                 log.warning("bootstrap peer %s failed: %s", endpoint, exc or type(exc).__name__)
@@ -363,7 +376,9 @@ class Node:
                 self._save_membership()
                 log.info("joined mesh %s via %s", self.mesh_id, short_id(endpoint.id))
                 return
-        raise JoinError("join refused: " + ("; ".join(reasons) if reasons else "no bootstrap peers"))
+        if refused or not reasons:
+            raise JoinError("join refused: " + ("; ".join(reasons) or "no bootstrap peers"), refused=True)
+        raise JoinError("no bootstrap peer reachable: " + "; ".join(reasons), refused=False)
 
     async def reconnect(self) -> int:
         """Member restart: gossip with the peers we knew; returns how many answered."""
