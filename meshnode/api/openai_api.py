@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+"""OpenAI-compatible HTTP API: ``/v1/models`` (and ``/v1/models/{id}``), ``/v1/completions``, ``/v1/chat/completions``.
 
 Requests are validated into typed settings (:mod:`.request_fields`): every field is
 honoured or refused with a 400 naming it, never silently ignored. Every error status —
@@ -91,6 +91,8 @@ class OpenAIApi:
         add_cors_on_prepare(self.app, access)
         track_started_answers(self.app)
         self.app.router.add_get("/v1/models", self.models)
+        # A model id may hold slashes ("org/name" through --model-name).
+        self.app.router.add_get("/v1/models/{model:.+}", self.model)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/health", self.health)
@@ -118,17 +120,30 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "meshnode",
-                **self._coverage(name),
-            }
-            for name in self.backend.model_names()
-        ]
+        data = [self._model_object(name, created) for name in self.backend.model_names()]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model, as OpenAI's ``models.retrieve`` asks for it; 404 naming what is served."""
+        name = request.match_info["model"]
+        served = self.backend.model_names()
+        if name not in served:
+            raise ApiError(
+                f"model '{name}' is not served here (available: {', '.join(served) or 'none'})",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+        return web.json_response(self._model_object(name, int(time.time())))
+
+    def _model_object(self, name: str, created: int) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "meshnode",
+            **self._coverage(name),
+        }
 
     def _coverage(self, model: str) -> dict[str, Any]:
         """``meshnode``: the model's layer count and ``coverage``, [start, end, replicas] per span

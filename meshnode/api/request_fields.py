@@ -56,18 +56,39 @@ SAMPLING_FIELDS = frozenset(
     }
 )
 COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
+# Chat fields of OpenAI's that this node honours only where they ask for nothing it lacks:
+# name -> (the values that ask for nothing more than it does, what a client asks for otherwise).
+CHAT_FIELDS_AT_DEFAULT: dict[str, tuple[tuple[object, ...], str]] = {
+    "store": ((None, False), "(storing completions)"),
+    "service_tier": ((None, "auto", "default"), "other than auto or default"),
+    "modalities": ((None, ["text"]), "other than text"),
+    "audio": ((None,), "(audio output)"),
+    "prediction": ((None,), "(predicted outputs)"),
+    "reasoning_effort": ((None,), "(reasoning models)"),
+    "verbosity": ((None,), "(reasoning models)"),
+    "web_search_options": ((None,), "(web search)"),
 }
+# Labels that change nothing in the answer: a client's cache hint and end-user id, like ``user``.
+CHAT_LABEL_FIELDS = ("prompt_cache_key", "safety_identifier")
+MAX_METADATA_ENTRIES = 16
+CHAT_FIELDS = (
+    COMMON_FIELDS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "metadata",
+        *CHAT_LABEL_FIELDS,
+    }
+    | CHAT_FIELDS_AT_DEFAULT.keys()
+)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 
 
@@ -127,6 +148,18 @@ def _content_text(content: Any, index: int) -> str:
     raise ApiError("message content must be a string or a list of text parts", f"messages[{index}].content")
 
 
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's labels for a stored completion (this node stores none): only their shape is checked."""
+    if metadata is None:
+        return
+    if (
+        not isinstance(metadata, dict)
+        or len(metadata) > MAX_METADATA_ENTRIES
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise ApiError(f"'metadata' must map at most {MAX_METADATA_ENTRIES} strings to strings", "metadata")
+
+
 def _refuse_unhonoured(body: dict[str, Any], *, chat: bool) -> None:
     """Known OpenAI fields that this node honours only at their default."""
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -151,9 +184,13 @@ def _refuse_unhonoured(body: dict[str, Any], *, chat: bool) -> None:
             raise _unsupported(name, "(tool calling)")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise ApiError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise ApiError("'user' must be a string", "user")
+    for name, (accepted, what) in CHAT_FIELDS_AT_DEFAULT.items():
+        if name in body and body[name] not in accepted:
+            raise _unsupported(name, what)
+    for name in ("user", *CHAT_LABEL_FIELDS):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ApiError(f"'{name}' must be a string", name)
+    _check_metadata(body.get("metadata"))
     if _integer(body, "n", 1, 1, 128) != 1:
         raise _unsupported("n", "above 1")
 

@@ -47,6 +47,23 @@ async def test_models_and_plain_completion(serve):
     assert body["system_fingerprint"] is None  # this backend cannot say how it computes
 
 
+async def test_one_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(serve):
+    base = await serve(ScriptedBackend())
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/v1/models/tiny") as response:
+            assert response.status == 200
+            assert {k: v for k, v in (await response.json()).items() if k != "created"} == {
+                "id": "tiny",
+                "object": "model",
+                "owned_by": "meshnode",
+            }
+        async with session.get(f"{base}/v1/models/org/other") as response:
+            error = (await response.json())["error"]
+            assert response.status == 404
+            assert (error["code"], error["param"]) == ("model_not_found", "model")
+            assert error["message"] == "model 'org/other' is not served here (available: tiny)"
+
+
 async def test_responses_carry_the_system_fingerprint_of_the_route_at_the_time(serve):
     base = await serve(FingerprintedBackend("Hello", switch_after=3))
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}

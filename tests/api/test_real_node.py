@@ -196,6 +196,13 @@ def test_the_same_seed_gives_the_same_sampled_text(client):
     assert len({sampled(seed) for seed in (1, 2, 3, 4)} | {first}) > 1
 
 
+def test_the_official_client_retrieves_the_served_model(client):
+    model = client.models.list().data[0].id
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-" + model)
+
+
 def test_include_usage_with_the_official_client(client):
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
