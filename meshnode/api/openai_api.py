@@ -108,15 +108,17 @@ class OpenAIApi:
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 200 only when a generation could start here now, else 503 with the reason."""
         models = self.backend.model_names()
-        if isinstance(self.backend, ReadinessReporting):
-            reason = self.backend.not_ready_reason()
-        else:
-            reason = None if models else "no model has a complete route"
+        reason = self._not_ready_reason(models)
         if reason is not None:
             return web.json_response(
                 {"status": "unavailable", "reason": reason, "models": models}, status=503
             )
         return web.json_response({"status": "ok", "models": models})
+
+    def _not_ready_reason(self, models: list[str]) -> str | None:
+        if isinstance(self.backend, ReadinessReporting):
+            return self.backend.not_ready_reason()
+        return None if models else "no model has a complete route"
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
@@ -167,7 +169,16 @@ class OpenAIApi:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError("the request body is not valid JSON") from None
-        parsed = parse_request(body, chat=chat, served=self.backend.model_names())
+        served = self.backend.model_names()
+        if not served and isinstance(body, dict) and body.get("model") is None:
+            # Nothing to default to: say why, as a named model's request would (503, not a 400
+            # asking for a model no name would make servable).
+            raise ApiError(
+                f"no model can be served here now: {self._not_ready_reason(served) or 'no complete route'}",
+                status=503,
+                error_type=SERVICE_UNAVAILABLE,
+            )
+        parsed = parse_request(body, chat=chat, served=served)
         prompt, max_tokens = await self._prompt(parsed)
         completion = CompletionRequest(parsed.model, prompt, max_tokens, parsed.sampling, parsed.stop)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

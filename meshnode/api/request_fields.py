@@ -376,7 +376,7 @@ def parse_request(body: Any, *, chat: bool, served: list[str]) -> ParsedRequest:
     if model is None and len(served) == 1:
         model = served[0]
     if not isinstance(model, str) or not model:
-        raise ApiError("'model' is required", "model")
+        raise ApiError(f"'model' is required: this node serves {', '.join(served) or 'none yet'}", "model")
     prompt_text = prompt_tokens = messages = None
     if chat:
         messages = _messages(body)

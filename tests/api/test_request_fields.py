@@ -172,6 +172,35 @@ async def test_a_field_that_cannot_be_honoured_is_a_400_naming_it(serve, chat, e
     assert backend.calls == []
 
 
+class UnroutableBackend(ContextBackend):
+    """A mesh node whose model has no complete route yet: it lists no model."""
+
+    def model_names(self) -> list[str]:
+        return []
+
+
+async def test_a_request_naming_no_model_while_none_is_servable_is_a_503_saying_why(serve):
+    backend = UnroutableBackend(reason="no route covers layers [9, 18) of the model")
+    base = await serve(backend)
+    status, answer, _ = await call("POST", f"{base}/v1/completions", json={"prompt": "x"})
+    assert status == 503
+    assert_error(answer, type_="service_unavailable", param=None, code=None)
+    assert (
+        answer["error"]["message"]
+        == "no model can be served here now: no route covers layers [9, 18) of the model"
+    )
+    assert backend.calls == []
+
+
+async def test_a_request_naming_no_model_where_several_are_served_is_told_which(serve):
+    backend = ContextBackend()
+    backend.model_names = lambda: ["tiny", "other"]  # type: ignore[method-assign]
+    base = await serve(backend)
+    status, answer, _ = await call("POST", f"{base}/v1/completions", json={"prompt": "x"})
+    assert status == 400
+    assert answer["error"]["message"] == "'model' is required: this node serves tiny, other"
+
+
 @pytest.mark.parametrize(
     "extra",
     [
