@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from meshnode.api.answer_log import logged_answer
 from meshnode.api.auth import ApiAccess, access_middleware, add_cors_on_prepare
 from meshnode.api.errors import (
     RATE_LIMIT,
@@ -182,7 +183,7 @@ class OpenAIApi:
         prompt, max_tokens = await self._prompt(parsed)
         completion = CompletionRequest(parsed.model, prompt, max_tokens, parsed.sampling, parsed.stop)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        events = run_completion(self.backend, completion)
+        events = logged_answer(run_completion(self.backend, completion), ident, parsed.model)
         try:
             if parsed.stream:
                 return await self._stream(request, events, parsed, ident, chat=chat)

@@ -10,7 +10,7 @@ the stream's ``system_fingerprint`` as it stood then (a re-route may change it).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from engines.interface import SamplingParams
@@ -53,7 +53,7 @@ class CompletionResult:
 
 async def run_completion(
     backend: GenerationBackend, request: CompletionRequest
-) -> AsyncIterator[TextDelta | CompletionResult]:
+) -> AsyncGenerator[TextDelta | CompletionResult, None]:
     """Yields text deltas, then exactly one :class:`CompletionResult`."""
     tokenizer = backend.tokenizer(request.model)
     detokenizer = tokenizer.detokenizer()

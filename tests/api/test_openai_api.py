@@ -2,11 +2,13 @@
 
 import asyncio
 import json
+import logging
 import threading
 
 import aiohttp
 import openai
 import pytest
+from helpers.polling import eventually
 from scripted_backend import FingerprintedBackend, ScriptedBackend
 
 from engines.interface import SamplingParams
@@ -282,3 +284,17 @@ async def test_other_requests_are_served_while_a_prompt_is_tokenized(serve):
     status, body = await slow
     assert (status, body["choices"][0]["text"]) == (200, "ok")
     assert backend.waited == [True]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_finished_answer_is_one_log_line_with_its_tokens(serve, caplog, stream):
+    caplog.set_level(logging.INFO, logger="meshnode.api.openai_api")
+    base = await serve(ScriptedBackend())
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 5, "stream": stream}
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", json=body) as r:
+        assert r.status == 200
+        await r.read()
+    await eventually(lambda: any("completion tokens" in m for m in caplog.messages))
+    (line,) = [m for m in caplog.messages if "completion tokens" in m]
+    assert line.startswith("cmpl-") and " tiny: 2 prompt + 5 completion tokens (length) in " in line
+    assert "first text after " in line
