@@ -197,8 +197,12 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", type=Path, required=True, metavar="PATH", help="GGUF model")
     add_model_name_option(p)
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
-    p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
+    p.add_argument(
+        "--threads", type=positive_int, default=None, metavar="N", help="compute threads (all cores)"
+    )
+    p.add_argument(
+        "--ctx", type=positive_int, default=4096, metavar="N", help="context tokens per session (4096)"
+    )
     p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     add_session_options(p)
     add_weight_repack_option(p)

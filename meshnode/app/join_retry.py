@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 
+from meshnode.app.cli_args import non_negative
 from meshnode.node import JoinError, Node
 
 # The node's logger: the join's story is the node's.
@@ -31,20 +32,10 @@ def next_retry_delay(previous: float | None) -> float:
     return FIRST_RETRY_S if previous is None else min(2 * previous, LONGEST_RETRY_S)
 
 
-def non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError("seconds must be 0 or more")
-    return value
-
-
 def add_join_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--join-timeout",
-        type=non_negative_seconds,
+        type=non_negative,
         default=DEFAULT_JOIN_TIMEOUT_S,
         metavar="SECONDS",
         help="keep trying bootstrap peers that cannot be reached for this long before giving up "

@@ -23,6 +23,7 @@ from meshnode.app.cli_args import (
     parse_duration,
     parse_layers,
     positive,
+    positive_int,
     relay_endpoint,
 )
 from meshnode.app.cli_error import CliError
@@ -100,8 +101,12 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--layers", type=parse_layers, metavar="A:B", help="layer range to serve (default: all)"
     )
     model.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
-    model.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (all cores)")
-    model.add_argument("--ctx", type=int, default=4096, metavar="N", help="context tokens per session (4096)")
+    model.add_argument(
+        "--threads", type=positive_int, default=None, metavar="N", help="compute threads (all cores)"
+    )
+    model.add_argument(
+        "--ctx", type=positive_int, default=4096, metavar="N", help="context tokens per session (4096)"
+    )
     add_session_options(model)
     add_weight_repack_option(model)
     add_api_listen_option(model)

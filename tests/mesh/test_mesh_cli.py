@@ -188,6 +188,25 @@ def test_number_arguments_refuse_values_outside_their_range_and_keep_their_edges
             parse("x")
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["serve", "--model", "m.gguf", "--ctx", "0"],
+        ["serve", "--model", "m.gguf", "--threads", "0"],
+        ["join", "--invite", "x", "--ctx", "-5"],
+        ["start", "--threads", "0"],
+        ["join", "--invite", "x", "--join-timeout", "-1"],
+    ],
+)
+def test_sizes_a_node_cannot_run_with_are_refused_before_it_starts(command, capsys):
+    from meshnode.app.cli import build_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(command)
+    assert refused.value.code == 2
+    assert f"argument {command[-2]}: must " in capsys.readouterr().err
+
+
 def test_status_text_says_how_many_sessions_each_shard_holds_and_serves():
     from meshnode.app.status import format_status
 
