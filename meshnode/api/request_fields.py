@@ -36,6 +36,10 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 # OpenAI's bias range; -100 effectively bans a token, 100 all but forces it.
 LOGIT_BIAS_LIMIT = 100.0
 MAX_STOP_STRINGS = 4
+# The head matches stop strings against each token's text on its event loop, looking back up to
+# a stop string's length: longer ones would cost every stream there time (0.8 ms a token at
+# worst for four of 512, 48 ms for one of 20,000).
+MAX_STOP_CHARS = 512
 
 UNSUPPORTED = "unsupported_parameter"
 UNKNOWN = "unknown_parameter"
@@ -240,10 +244,14 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise ApiError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", "stop")
+        stop = [stop]
+    if not (
+        isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) for s in stop)
+    ):
+        raise ApiError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    return tuple(stop)
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:

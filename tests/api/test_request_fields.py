@@ -144,6 +144,8 @@ def assert_error(body: dict, *, type_: str, param: str | None, code: str | None)
         (True, {"max_tokens": 65}, "max_tokens", "context_length_exceeded"),
         (True, {"max_completion_tokens": 100}, "max_completion_tokens", "context_length_exceeded"),
         (False, {"prompt": [5, 1000]}, "prompt", None),
+        (True, {"stop": "x" * 513}, "stop", None),
+        (False, {"stop": ["ok", "y" * 513]}, "stop", None),
         (True, {"store": True}, "store", "unsupported_parameter"),
         (True, {"service_tier": "flex"}, "service_tier", "unsupported_parameter"),
         (True, {"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
