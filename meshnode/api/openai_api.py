@@ -170,6 +170,9 @@ class OpenAIApi:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError("the request body is not valid JSON") from None
+        except RecursionError:
+            # Python's parser recurses once per level: "[[[[..." a few thousand deep stops it.
+            raise ApiError("the request body nests JSON too deeply") from None
         served = self.backend.model_names()
         if not served and isinstance(body, dict) and body.get("model") is None:
             # Nothing to default to: say why, as a named model's request would (503, not a 400

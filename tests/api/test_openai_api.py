@@ -193,6 +193,12 @@ async def test_chat_validation_and_invalid_json(serve):
     async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", data=b"{nope") as r:
         assert r.status == 400
         assert "not valid JSON" in (await r.json())["error"]["message"]
+    deep = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", data=deep) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["message"] == "the request body nests JSON too deeply"
+    status, body = await post(f"{base}/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert status == 200  # and the server goes on answering
 
 
 async def test_generation_failure_is_a_503_with_the_reason(serve):
