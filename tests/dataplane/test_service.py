@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from gguf import GGUFWriter
 from helpers.loopback_mesh import AnnouncingPeer, LoopbackMesh
 from helpers.node_processes import write_member
 from helpers.polling import eventually
@@ -100,7 +102,7 @@ def test_the_cli_refuses_a_model_it_cannot_serve_before_joining(tmp_path: Path) 
     member = tmp_path / "member"
     write_member(member, MeshKey.generate())
 
-    def start(*args: str) -> subprocess.CompletedProcess[str]:
+    def start_with(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
         command = [
             sys.executable,
             "-m",
@@ -115,12 +117,25 @@ def test_the_cli_refuses_a_model_it_cannot_serve_before_joining(tmp_path: Path) 
             [*command, "--model", str(model), *args], capture_output=True, text=True, timeout=60, check=False
         )
 
+    def start(*args: str) -> subprocess.CompletedProcess[str]:
+        return start_with(model, *args)
+
     out_of_range = start("--layers", "0:9")
     assert out_of_range.returncode == 2
     assert "layer range 0:9 is not within the model's 6 layers" in out_of_range.stderr
-    no_context = start("--layers", "0:3", "--ctx", "0")
-    assert no_context.returncode == 1
-    errors = [line for line in no_context.stderr.splitlines() if line.startswith("meshnode start:")]
+    # A header good enough to plan from, which the engine then cannot load: one line, exit 1.
+    unloadable = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(unloadable), "gpt2")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    refused = start_with(unloadable)
+    assert refused.returncode == 1
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("meshnode start:")]
     assert errors == [
-        "meshnode start: cannot serve meshnode-tiny-llama-v1.gguf: n_ctx, n_seq_max and n_batch must be positive"
+        f"meshnode start: cannot serve gpt2.gguf: cannot read {unloadable}: {unloadable}: "
+        "gpt2.embedding_length is missing"
     ]
