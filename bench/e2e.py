@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import rpc_anchor
+from one_sequence_batch import fill_one_sequence
 
 from engines.default_model import default_model_path
 from engines.engine_guard import choose_weight_repack
@@ -220,15 +221,8 @@ class Monolithic:
         self.memory = self.lib.llama_get_memory(self.ctx)
 
     def _decode(self, tokens: list[int], first_position: int) -> int:
-        batch = self.batch
-        batch.n_tokens = len(tokens)
-        for i, token in enumerate(tokens):
-            batch.token[i] = token
-            batch.pos[i] = first_position + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = i == len(tokens) - 1
-        if self.lib.llama_decode(self.ctx, batch) != 0:
+        fill_one_sequence(self.batch, tokens, first_position)
+        if self.lib.llama_decode(self.ctx, self.batch) != 0:
             raise RuntimeError("llama_decode failed")
         logits = np.ctypeslib.as_array(
             ctypes.cast(self.lib.llama_get_logits_ith(self.ctx, -1), ctypes.POINTER(ctypes.c_float)),

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from one_sequence_batch import fill_one_sequence
 
 from engines.default_model import default_model_path
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
@@ -81,15 +82,8 @@ class PlainContext:
 
     def forward(self, first_position: int, tokens: list[int]) -> np.ndarray:
         """The logits after the last of ``tokens``, placed from ``first_position``."""
-        batch = self._batch
-        for offset, token in enumerate(tokens):
-            batch.token[offset] = token
-            batch.pos[offset] = first_position + offset
-            batch.n_seq_id[offset] = 1
-            batch.seq_id[offset][0] = 0
-            batch.logits[offset] = offset == len(tokens) - 1
-        batch.n_tokens = len(tokens)
-        if llama_cpp.llama_decode(self._ctx, batch) != 0:
+        fill_one_sequence(self._batch, tokens, first_position)
+        if llama_cpp.llama_decode(self._ctx, self._batch) != 0:
             raise RuntimeError(f"llama_decode failed at position {first_position}")
         row = llama_cpp.llama_get_logits_ith(self._ctx, len(tokens) - 1)
         return np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy()

@@ -192,9 +192,7 @@ class OpenAIApi:
                 return await self._stream(request, events, parsed, ident, chat=chat)
             return await self._whole(events, parsed, ident, chat=chat)
         except ContextLengthExceeded as exc:
-            raise ApiError(
-                str(exc), "messages" if chat else "prompt", code="context_length_exceeded"
-            ) from None
+            raise ApiError(str(exc), parsed.prompt_param, code="context_length_exceeded") from None
         except MeshBusy as exc:
             log.info("generation %s refused: %s", ident, exc)
             raise busy_error(exc) from None
@@ -218,11 +216,10 @@ class OpenAIApi:
         max_tokens = check_against_model(
             parsed, context_tokens=context, vocab_size=getattr(tokenizer, "n_vocab", None)
         )
-        param = "messages" if parsed.messages is not None else "prompt"
         # Off the event loop: a 4 MiB prompt takes llama.cpp seconds to tokenize, and every
         # stream this node serves, and its QUIC connections, would wait meanwhile.
         prompt = await asyncio.to_thread(self._tokens, parsed, tokenizer)
-        check_prompt_fits(len(prompt), context_tokens=context, param=param)
+        check_prompt_fits(len(prompt), context_tokens=context, param=parsed.prompt_param)
         return prompt, max_tokens
 
     @staticmethod
@@ -237,10 +234,11 @@ class OpenAIApi:
         except ValueError as exc:
             # The tokenizer's refusal, e.g. a chat template llama.cpp does not know: the model's
             # limit, not the client's mistake, but no retry helps (hence 400, not 500).
-            param = "messages" if parsed.messages is not None else "prompt"
             code = "unsupported_chat_template" if parsed.messages is not None else None
             raise ApiError(
-                f"{exc} (try /v1/completions with a prompt)" if code else str(exc), param, code=code
+                f"{exc} (try /v1/completions with a prompt)" if code else str(exc),
+                parsed.prompt_param,
+                code=code,
             ) from None
 
     async def _whole(

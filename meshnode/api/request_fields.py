@@ -110,6 +110,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
 
+    @property
+    def prompt_param(self) -> str:
+        """The field an error about the prompt names: ``messages`` for a chat, else ``prompt``."""
+        return "messages" if self.messages is not None else "prompt"
+
 
 def _unsupported(name: str, what: str) -> ApiError:
     return ApiError(f"'{name}' {what} is not supported by this server", name, code=UNSUPPORTED)

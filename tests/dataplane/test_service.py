@@ -6,9 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gguf import GGUFWriter
+from helpers.bare_gguf import write_bare_gguf
 from helpers.loopback_mesh import AnnouncingPeer, LoopbackMesh
 from helpers.node_processes import write_member
 from helpers.polling import eventually
@@ -124,14 +123,7 @@ def test_the_cli_refuses_a_model_it_cannot_serve_before_joining(tmp_path: Path) 
     assert out_of_range.returncode == 2
     assert "layer range 0:9 is not within the model's 6 layers" in out_of_range.stderr
     # A header good enough to plan from, which the engine then cannot load: one line, exit 1.
-    unloadable = tmp_path / "gpt2.gguf"
-    writer = GGUFWriter(str(unloadable), "gpt2")
-    writer.add_block_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    unloadable = write_bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
     refused = start_with(unloadable)
     assert refused.returncode == 1
     errors = [line for line in refused.stderr.splitlines() if line.startswith("meshnode start:")]

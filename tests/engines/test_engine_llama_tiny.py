@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from engine_contract import EngineContract, ManualClock, prompt_tokens, raises_kind
 from engine_offload import OFFLOAD_LOGIT_TOLERANCE, gpu_layers, offloading
-from gguf import GGUFWriter
+from helpers.bare_gguf import write_bare_gguf
 
 from engines import llama_runtime
 from engines.device_memory import cpu_buffer_type
@@ -197,19 +197,8 @@ def test_passthrough_layer_in_a_split_of_its_own(tiny_model: Path) -> None:
     tail.close()
 
 
-def _write_gguf(path: Path, arch: str) -> Path:
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_unsupported_architecture_is_refused_at_load(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    path = write_bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with raises_kind(EngineErrorKind.UNSUPPORTED_MODEL) as caught:
         LlamaShardEngine().load(LoadRequest(str(path)))
     assert "gpt2" in caught.value.detail
