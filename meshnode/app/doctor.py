@@ -22,6 +22,7 @@ from pathlib import Path
 from engines.weight_repack import WeightRepack
 from meshnode.app.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
 from meshnode.app.data_dirs import node_data_dir
+from meshnode.app.listen_check import bind_problem
 from meshnode.app.status import query_status
 from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
@@ -304,30 +305,21 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
     return findings
 
 
-def _bindable(kind: int, host: str, port: int) -> OSError | None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return exc
-    return None
-
-
-def check_port(name: str, address: str, kind: int, node_running: bool) -> list[Finding]:
+def check_port(name: str, address: str, kind: socket.SocketKind, node_running: bool) -> list[Finding]:
     try:
         host, port = parse_host_port(address, allow_zero_port=True)
     except AddressError as exc:
         return [problem(name, str(exc), "use HOST:PORT")]
     if node_running:
         return [ok(name, f"{address} (in use by the running node)")]
-    error = _bindable(kind, host, port)
+    error = bind_problem(kind, host, port)
     if error is None:
         return [ok(name, f"{address} is free")]
     proto = "udp" if kind == socket.SOCK_DGRAM else "tcp"
     return [
         problem(
             name,
-            f"cannot bind {address}: {error.strerror}",
+            f"cannot bind {address}: {error.reason}",
             f"free the port (e.g. `ss -lpn '( sport = :{port} )'` over {proto}) or choose another",
         )
     ]

@@ -32,6 +32,7 @@ from meshnode.head.route_backend import LocalModel, RouteBackend
 from meshnode.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from meshnode.metrics import MetricSources, NodeMetrics
 from meshnode.transport.addresses import format_host_port
+from meshnode.transport.bind_errors import listen_error
 from meshnode.wire.pb import mesh
 
 if TYPE_CHECKING:
@@ -129,8 +130,8 @@ class HeadService:
             )
         except OSError as exc:
             tokenizer.close()
-            where = format_host_port(options.api_host, options.api_port)
-            raise HeadError(f"cannot serve the API on {where}: {exc.strerror or exc}") from None
+            bind_error = listen_error("TCP", options.api_host, options.api_port, exc)
+            raise HeadError(f"cannot serve the API: {bind_error}; choose another with --api-listen") from None
         url = api_url(options.api_host, port)
         loopback = options.api_host in ("127.0.0.1", "::1", "localhost")
         exposed = "" if loopback else " (all interfaces)"

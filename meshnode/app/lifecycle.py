@@ -11,8 +11,10 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from meshnode.app.cli_error import CliError
 from meshnode.app.join_retry import DEFAULT_JOIN_TIMEOUT_S, join_until
 from meshnode.node import JoinError, Node
+from meshnode.transport.bind_errors import ListenError
 
 # The node's logger, as when this lived in meshnode.node: the draining and leaving lines are
 # part of the node's story, and an operator's log filter on the name keeps seeing them.
@@ -39,7 +41,12 @@ async def run_node(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await node.start()
+        try:
+            await node.start()
+        except ListenError as exc:
+            raise CliError(
+                f"{exc}; choose another with --listen HOST:PORT (port 0 picks a free one)"
+            ) from None
         if node.state.is_member:
             await node.reconnect()
         else:

@@ -30,6 +30,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
 from meshnode.app.join_retry import add_join_options
 from meshnode.app.lease_options import add_lease_options, link_settings
+from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
 from meshnode.app.node_serving import check_serving_options, serve_node
 from meshnode.app.placement_options import add_placement_options
@@ -174,6 +175,7 @@ async def cmd_create(args: argparse.Namespace) -> int:
         if data_dir.has_membership():
             raise CliError(f"{data_dir.path} is already a mesh member; use `meshnode start`")
         check_serving_options(args)
+        check_listen_addresses(args)
         mesh_key = MeshKey.generate()
         certificate = issue_certificate(
             mesh_key,

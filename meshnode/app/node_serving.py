@@ -19,6 +19,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
+from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
 from meshnode.app.speculation_options import driver_options
@@ -53,6 +54,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     """Run ``node`` until a signal; with ``--model``, serve its shard and (unless
     ``--api-listen off``) the API, and drain both before leaving."""
     check_serving_options(args)
+    check_listen_addresses(args)  # before a model that may take minutes to load
     if args.model is None:
         if args.placement == "off":
             return await run_node(node, join_timeout=args.join_timeout)

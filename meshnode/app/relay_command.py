@@ -27,6 +27,7 @@ from meshnode.identity import IdentityError
 from meshnode.logs import configure_logging
 from meshnode.membership.store import StoreError
 from meshnode.transport.addresses import format_host_port, parse_host_port
+from meshnode.transport.bind_errors import ListenError
 from relay.core import RelayPolicy
 from relay.metrics import METRICS_PATH, RelayMetricsServer
 from relay.server import RelayServer, load_relay_identity
@@ -136,7 +137,11 @@ async def run_relay(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     metrics: RelayMetricsServer | None = None
     try:
-        await server.start(host, port)
+        try:
+            await server.start(host, port)
+        except ListenError as exc:
+            print(f"meshnode relay: {exc}; choose another with --listen HOST:PORT", file=sys.stderr)
+            return 1
         if args.metrics_listen is not None:
             metrics = RelayMetricsServer(server)
             metrics_host, metrics_port = parse_host_port(args.metrics_listen, allow_zero_port=True)

@@ -33,6 +33,7 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
+from meshnode.transport.bind_errors import listen_error
 from meshnode.transport.buffers import Progress, ReceiveBuffer
 from meshnode.transport.credited_stream import CreditedStream
 from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
@@ -450,7 +451,10 @@ class QuicEndpoint(asyncio.DatagramProtocol):
     ) -> QuicEndpoint:
         endpoint = cls(identity, handler, settings or QuicSettings())
         loop = asyncio.get_running_loop()
-        await loop.create_datagram_endpoint(lambda: endpoint, local_addr=(host, port))
+        try:
+            await loop.create_datagram_endpoint(lambda: endpoint, local_addr=(host, port))
+        except OSError as exc:
+            raise listen_error("UDP", host, port, exc) from exc
         endpoint._housekeeping = loop.create_task(endpoint._housekeep())
         return endpoint
 

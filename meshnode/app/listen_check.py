@@ -1,0 +1,53 @@
+"""Binds the addresses ``meshnode create`` will listen on, and lets them go again, before it
+writes a mesh.
+
+The node binds its QUIC socket and its API only after the model has loaded. Without this
+check a busy port fails ``create`` after the mesh is written, and the corrected command is
+then told the directory is already a member. A port taken between this check and the real
+bind still fails cleanly (a :class:`ListenError` from the node's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from meshnode.app.api_options import api_address
+from meshnode.app.cli_error import CliError
+from meshnode.transport.addresses import parse_host_port
+from meshnode.transport.bind_errors import ListenError, listen_error
+
+
+def bind_problem(kind: socket.SocketKind, host: str, port: int) -> ListenError | None:
+    """Why ``host:port`` cannot be bound now as the node would bind it (UDP for QUIC, TCP for
+    the API), or None where it can."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=kind)[0]
+        with socket.socket(family, kind) as probe:
+            if kind == socket.SOCK_STREAM:
+                # The API server sets it too: a port whose old connections linger in TIME_WAIT is free.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        return listen_error("UDP" if kind == socket.SOCK_DGRAM else "TCP", host, port, exc)
+    return None
+
+
+def serves_api(args: argparse.Namespace) -> bool:
+    """A node serves the API unless it is off, or the node serves no layers and takes none."""
+    return args.api_listen is not False and (args.model is not None or args.placement != "off")
+
+
+def check_listen_addresses(args: argparse.Namespace) -> None:
+    """Refuses a ``--listen`` or ``--api-listen`` address this machine cannot bind now."""
+    host, port = parse_host_port(args.listen, allow_zero_port=True)
+    problem = bind_problem(socket.SOCK_DGRAM, host, port)
+    if problem is not None:
+        raise CliError(f"{problem}; choose another with --listen HOST:PORT (port 0 picks a free one)")
+    if serves_api(args):
+        problem = bind_problem(socket.SOCK_STREAM, *api_address(args.api_listen))
+        if problem is not None:
+            raise CliError(f"{problem}; choose another with --api-listen HOST:PORT, or 'off'")
+
+
+__all__ = ["bind_problem", "check_listen_addresses", "serves_api"]
