@@ -89,6 +89,11 @@ def positive_int(text: str) -> int:
     return _checked(value, value >= 1, "must be at least 1")
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    return _checked(value, value >= 0, "must not be negative")
+
+
 def weight_repack(text: str) -> WeightRepack:
     try:
         return WeightRepack.parse(text)

@@ -20,6 +20,7 @@ from meshnode.app.api_options import add_api_listen_option, add_model_name_optio
 from meshnode.app.cli_args import (
     add_weight_repack_option,
     host_port,
+    non_negative_int,
     parse_duration,
     parse_layers,
     positive,
@@ -115,13 +116,29 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     add_lease_options(parser)
     add_read_limit_options(parser)
     timing = parser.add_argument_group("timing (seconds; shorten for tests)")
-    timing.add_argument("--heartbeat-interval", type=positive, default=5.0, help="gossip period (default 5)")
-    timing.add_argument("--gossip-timeout", type=positive, default=3.0, help="wait for a gossip reply (3)")
-    timing.add_argument("--probe-timeout", type=positive, default=3.0, help="wait for a probe echo (3)")
     timing.add_argument(
-        "--peer-timeout", type=positive, default=None, help="probe a peer silent this long (4 heartbeats)"
+        "--heartbeat-interval",
+        type=positive,
+        metavar="SECONDS",
+        default=5.0,
+        help="gossip period (default 5)",
     )
-    timing.add_argument("--tombstone-ttl", type=positive, default=60.0, help="remember departed peers (60)")
+    timing.add_argument(
+        "--gossip-timeout", type=positive, metavar="SECONDS", default=3.0, help="wait for a gossip reply (3)"
+    )
+    timing.add_argument(
+        "--probe-timeout", type=positive, metavar="SECONDS", default=3.0, help="wait for a probe echo (3)"
+    )
+    timing.add_argument(
+        "--peer-timeout",
+        type=positive,
+        default=None,
+        metavar="SECONDS",
+        help="probe a peer silent this long (4 heartbeats)",
+    )
+    timing.add_argument(
+        "--tombstone-ttl", type=positive, metavar="SECONDS", default=60.0, help="remember departed peers (60)"
+    )
     # Hidden: the lifetime of the certificates this node issues as an admin; tests shorten it.
     timing.add_argument(
         "--certificate-ttl", type=positive, default=DEFAULT_CERTIFICATE_TTL_S, help=argparse.SUPPRESS
@@ -130,6 +147,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     timing.add_argument(
         "--drain-timeout",
         type=positive,
+        metavar="SECONDS",
         default=30.0,
         help="on SIGTERM, wait this long for in-flight generations before leaving (30)",
     )
@@ -374,7 +392,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="bootstrap address of this node (default: ask the running node)",
     )
-    p.add_argument("--extra-peers", type=int, default=3, help="also list up to N connected peers (default 3)")
+    p.add_argument(
+        "--extra-peers",
+        type=non_negative_int,
+        default=3,
+        metavar="N",
+        help="also list up to N connected peers (default 3)",
+    )
     add_invite_options(p)
     p.set_defaults(handler=cmd_invite)
 

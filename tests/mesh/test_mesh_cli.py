@@ -174,16 +174,29 @@ def test_duration_and_layer_arguments():
 def test_number_arguments_refuse_values_outside_their_range_and_keep_their_edges():
     import argparse
 
-    from meshnode.app.cli_args import non_negative, positive, positive_int, share
+    from meshnode.app.cli_args import non_negative, non_negative_int, positive, positive_int, share
 
-    accepted = [(positive, "0.5", 0.5), (non_negative, "0", 0.0), (share, "1", 1.0), (positive_int, "1", 1)]
+    accepted = [
+        (positive, "0.5", 0.5),
+        (non_negative, "0", 0.0),
+        (share, "1", 1.0),
+        (positive_int, "1", 1),
+        (non_negative_int, "0", 0),
+    ]
     for parse, text, value in accepted:
         assert parse(text) == value
-    refused = [(positive, "0"), (non_negative, "-0.1"), (share, "0"), (share, "1.01"), (positive_int, "0")]
+    refused = [
+        (positive, "0"),
+        (non_negative, "-0.1"),
+        (share, "0"),
+        (share, "1.01"),
+        (positive_int, "0"),
+        (non_negative_int, "-1"),
+    ]
     for parse, text in refused:
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
-    for parse in (positive, non_negative, share, positive_int):
+    for parse in (positive, non_negative, share, positive_int, non_negative_int):
         with pytest.raises(ValueError):  # argparse names the type: "invalid share value: 'x'"
             parse("x")
 
