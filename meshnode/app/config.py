@@ -25,9 +25,10 @@ came from. An unknown key in the file is an error (a typo must not be ignored).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,12 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
+def _suggestion(name: str, known: Iterable[str]) -> str:
+    """ "; did you mean 'x'?" for a key one typo away from a known option, else ""."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {close[0].replace('-', '_')!r}?" if close else ""
+
+
 def _file_values(
     data: Mapping[str, Any],
     command: str,
@@ -149,12 +156,17 @@ def _file_values(
         if name in options:
             values[options[name].dest] = _convert(options[name], value, f"config file {path}: {key}")
         elif name not in known_anywhere:
-            raise ConfigError(f"config file {path}: unknown option {key!r}")
+            raise ConfigError(
+                f"config file {path}: unknown option {key!r}{_suggestion(name, known_anywhere)}"
+            )
     section = data.get(command, {})
     for key, value in section.items():
         name = key.replace("_", "-")
         if name not in options:
-            raise ConfigError(f"config file {path}: [{command}] unknown option {key!r} for `{command}`")
+            raise ConfigError(
+                f"config file {path}: [{command}] unknown option {key!r} for `{command}`"
+                f"{_suggestion(name, options)}"
+            )
         values[options[name].dest] = _convert(options[name], value, f"config file {path}: [{command}] {key}")
     return values
 

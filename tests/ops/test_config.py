@@ -66,8 +66,14 @@ def test_one_file_configures_a_node_and_a_relay(tmp_path):
 @pytest.mark.parametrize(
     ("text", "env", "message"),
     [
-        ('lisen = "x"\n', {}, "unknown option 'lisen'"),
-        ('[start]\nmesh = ["m"]\n', {}, "[start] unknown option 'mesh'"),
+        ('lisen = "x"\n', {}, "unknown option 'lisen'; did you mean 'listen'?"),
+        ("heartbeat_intervl = 2\n", {}, "did you mean 'heartbeat_interval'?"),
+        ('[start]\nmesh = ["m"]\n', {}, "[start] unknown option 'mesh' for `start`"),
+        (
+            '[start]\nmodle = "m.gguf"\n',
+            {},
+            "[start] unknown option 'modle' for `start`; did you mean 'model'?",
+        ),
         ("[nonsense]\nx = 1\n", {}, "[nonsense] is not a meshnode command"),
         ('layers = "6:0"\n', {}, "layers must be START:END"),
         ("listen = [1, 2]\n", {}, "expected a single value"),
