@@ -38,6 +38,7 @@ from meshnode.app.placement_options import add_placement_options
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.app.session_options import add_session_options
 from meshnode.app.status import format_status, query_status
+from meshnode.app.stored_membership import load_stored_membership, membership_for_join
 from meshnode.identity import IdentityError, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
     DEFAULT_CERTIFICATE_TTL_S,
@@ -50,7 +51,7 @@ from meshnode.membership.credentials import (
     issue_certificate,
 )
 from meshnode.membership.invite_ledger import record_issued
-from meshnode.membership.store import DataDir, MembershipState, StoreError
+from meshnode.membership.store import DataDir, MembershipState
 from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig
 from meshnode.wire.mesh_refusal import MeshRefusal
 
@@ -227,15 +228,7 @@ async def cmd_join(args: argparse.Namespace) -> int:
     data_dir = locked_node_data_dir(args)
     try:
         identity, _ = load_or_create_identity(data_dir.path)
-        membership = None
-        if data_dir.has_membership():
-            membership = _load_membership(data_dir, identity.node_id)
-            if membership.mesh_id != invite.mesh_id:
-                raise CliError(
-                    f"{data_dir.path} belongs to mesh {membership.mesh_id}; the invite is for mesh "
-                    f"{invite.mesh_id} (use another --data-dir)"
-                )
-            log.info("already a member of mesh %s; starting from stored membership", membership.mesh_id)
+        membership = membership_for_join(data_dir, identity.node_id, invite)
         log.info(
             "joining mesh %s (invite from %s, %d bootstrap peer(s))",
             invite.mesh_id,
@@ -248,13 +241,6 @@ async def cmd_join(args: argparse.Namespace) -> int:
         data_dir.unlock()
 
 
-def _load_membership(data_dir: DataDir, node_id: bytes) -> MembershipState:
-    try:
-        return data_dir.load_membership(node_id)
-    except (StoreError, MeshRefusal) as exc:
-        raise CliError(str(exc)) from None
-
-
 async def cmd_start(args: argparse.Namespace) -> int:
     data_dir = locked_node_data_dir(args)
     try:
@@ -262,7 +248,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
             identity = load_identity(data_dir.path)
         except IdentityError as exc:
             raise CliError(str(exc)) from None
-        membership = _load_membership(data_dir, identity.node_id)
+        membership = load_stored_membership(data_dir, identity.node_id)
         return await serve_node(Node(identity, data_dir, node_config(args), membership=membership), args)
     finally:
         data_dir.unlock()
@@ -278,7 +264,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
         identity = load_identity(path)
     except IdentityError as exc:
         raise CliError(str(exc)) from None
-    membership = _load_membership(DataDir(path), identity.node_id)
+    membership = load_stored_membership(DataDir(path), identity.node_id)
     if membership.mesh_key is None:
         raise CliError(NOT_ADMIN)
     bootstrap = [Endpoint(identity.node_id, address) for address in args.address]

@@ -46,6 +46,8 @@ log = logging.getLogger("meshnode.node")
 
 # How long the last frame to a removed peer may take before its link is closed anyway.
 _FAREWELL_TIMEOUT_S = 2.0
+# An expired member keeps its identity and fetched model: a new invite joins from the same directory.
+REJOIN_HINT = "ask an admin for a new invite and `meshnode join --invite` with the same --data-dir"
 
 
 def load_revocations(data_dir: DataDir, mesh_id: str) -> RevocationList:
@@ -100,7 +102,7 @@ class MembershipKeeper:
         if refusal.code == mesh.MESH_ERROR_CERTIFICATE_EXPIRED and self.state.own_certificate_expired(
             time.time()
         ):
-            self._removed(in_words(refusal.code, "ask an admin for a new invite"))
+            self._removed(in_words(refusal.code, REJOIN_HINT))
 
     def relayed_revocation(self, revocation: membership.Revocation) -> None:
         """A relay refused us with this revocation: believed once it verifies, like one in gossip."""
@@ -114,7 +116,7 @@ class MembershipKeeper:
         # An expired certificate is never renewed (admins refuse it like everyone), so this is final.
         if self.state.own_certificate_expired(unix_now):
             self._removed(
-                in_words(mesh.MESH_ERROR_CERTIFICATE_EXPIRED, "no admin renewed it; ask for a new invite")
+                in_words(mesh.MESH_ERROR_CERTIFICATE_EXPIRED, f"no admin renewed it; {REJOIN_HINT}")
             )
 
     def invite_used(self, invite_id: bytes, node_id: bytes) -> None:
