@@ -13,6 +13,7 @@ import logging
 import time
 
 from meshnode.app.cli_error import CliError
+from meshnode.identity import IdentityError, load_identity
 from meshnode.membership.credentials import Invite
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.wire.mesh_refusal import MeshRefusal
@@ -28,6 +29,22 @@ def load_stored_membership(data_dir: DataDir, node_id: bytes) -> MembershipState
         raise CliError(str(exc)) from None
 
 
+def _expired_plain_member(membership: MembershipState, unix_now: float) -> bool:
+    # An admin renews its own certificate from the mesh key, however long it was away.
+    return not membership.is_admin and unix_now >= membership.certificate_body.expires_unix
+
+
+def stored_membership_expired(data_dir: DataDir, unix_now: float | None = None) -> bool:
+    """Whether the directory holds a plain membership whose certificate has expired (False where
+    it holds none, or one that cannot be read: ``start`` then says what is wrong with it)."""
+    try:
+        identity = load_identity(data_dir.path)
+        membership = data_dir.load_membership(identity.node_id)
+    except (IdentityError, StoreError, MeshRefusal):
+        return False
+    return _expired_plain_member(membership, time.time() if unix_now is None else unix_now)
+
+
 def membership_for_join(
     data_dir: DataDir, node_id: bytes, invite: Invite, unix_now: float | None = None
 ) -> MembershipState | None:
@@ -41,8 +58,7 @@ def membership_for_join(
             f"{invite.mesh_id} (use another --data-dir)"
         )
     expires = membership.certificate_body.expires_unix
-    now = time.time() if unix_now is None else unix_now
-    if not membership.is_admin and now >= expires:
+    if _expired_plain_member(membership, time.time() if unix_now is None else unix_now):
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(expires))
         log.info("the stored membership certificate expired at %s; joining again with the invite", when)
         return None
@@ -50,4 +66,4 @@ def membership_for_join(
     return membership
 
 
-__all__ = ["load_stored_membership", "membership_for_join"]
+__all__ = ["load_stored_membership", "membership_for_join", "stored_membership_expired"]

@@ -19,35 +19,33 @@ from typing import Any
 
 from meshnode.app import node_commands
 from meshnode.app.data_dirs import node_data_dir
+from meshnode.app.stored_membership import stored_membership_expired
 from meshnode.membership.store import DataDir
 
 log = logging.getLogger("meshnode.cli")
 
 
-def up_action(args: argparse.Namespace) -> str:
-    """Which command ``up`` runs for ``args``: ``start``, ``join`` or ``create``."""
-    if DataDir(node_data_dir(args)).has_membership():
-        return "start"
-    if args.invite is not None or os.environ.get(node_commands.INVITE_ENV):
-        return "join"
-    return "create"
+def up_action(args: argparse.Namespace) -> tuple[str, str]:
+    """Which command ``up`` runs for ``args`` (``start``, ``join`` or ``create``), and why."""
+    data_dir = DataDir(node_data_dir(args))
+    invited = args.invite is not None or bool(os.environ.get(node_commands.INVITE_ENV))
+    if data_dir.has_membership():
+        if invited and stored_membership_expired(data_dir):
+            return "join", "the stored membership certificate expired and an invite is given"
+        return "start", "the data directory is a mesh member"
+    if invited:
+        return "join", "not a member yet and an invite is given"
+    return "create", "not a member and no invite"
 
 
 async def cmd_up(args: argparse.Namespace) -> int:
-    action = up_action(args)
-    log.info("meshnode up: %s, so running `meshnode %s`", _REASONS[action], action)
+    action, reason = up_action(args)
+    log.info("meshnode up: %s, so running `meshnode %s`", reason, action)
     if action == "start":
         return await node_commands.cmd_start(args)
     if action == "join":
         return await node_commands.cmd_join(args)
     return await node_commands.cmd_create(args)
-
-
-_REASONS = {
-    "start": "the data directory is a mesh member",
-    "join": "not a member yet and an invite is given",
-    "create": "not a member and no invite",
-}
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
