@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from engines.weight_repack import WeightRepack
 from meshnode.app.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
@@ -305,13 +306,22 @@ def check_model(model: Path, layers: tuple[int, int] | None) -> list[Finding]:
     return findings
 
 
-def check_port(name: str, address: str, kind: socket.SocketKind, node_running: bool) -> list[Finding]:
+def running_node_ports(node: dict[str, Any]) -> list[Finding]:
+    """What the data directory's running node listens on, from its status: it may have been
+    started with other options than doctor was given."""
+    addresses = ", ".join(node.get("addresses", [])) or "none"
+    api = node.get("api_url")
+    return [
+        ok("QUIC port", f"in use by the running node, which advertises {addresses}"),
+        ok("API port", f"in use by the running node: {api}" if api else "the running node serves no API"),
+    ]
+
+
+def check_port(name: str, address: str, kind: socket.SocketKind) -> list[Finding]:
     try:
         host, port = parse_host_port(address, allow_zero_port=True)
     except AddressError as exc:
         return [problem(name, str(exc), "use HOST:PORT")]
-    if node_running:
-        return [ok(name, f"{address} (in use by the running node)")]
     error = bind_problem(kind, host, port)
     if error is None:
         return [ok(name, f"{address} is free")]
@@ -379,10 +389,10 @@ def check_disk(path: Path) -> list[Finding]:
 
 def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print) -> int:
     data_dir = node_data_dir(args)
-    node_running = False
+    running: dict[str, Any] | None = None
     with contextlib.suppress(OSError):
-        query_status(data_dir, timeout=1.0)
-        node_running = True
+        running = query_status(data_dir, timeout=1.0)["node"]
+    node_running = running is not None
     findings: list[Finding] = []
     findings += check_backend(args.n_gpu_layers)
     findings += check_capture()
@@ -400,9 +410,12 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
         findings += model_findings
         if all(f.severity is not Severity.PROBLEM for f in model_findings):
             findings += check_engine_probe(args.model, args.layers, args.n_gpu_layers, args.weight_repack)
-    findings += check_port("QUIC port", args.listen, socket.SOCK_DGRAM, node_running)
-    if args.api_listen:
-        findings += check_port("API port", args.api_listen, socket.SOCK_STREAM, node_running)
+    if running is not None:
+        findings += running_node_ports(running)
+    else:
+        findings += check_port("QUIC port", args.listen, socket.SOCK_DGRAM)
+        if args.api_listen:
+            findings += check_port("API port", args.api_listen, socket.SOCK_STREAM)
     extra = [(endpoint.id, endpoint.address) for endpoint in args.relay]
     findings += check_relays(list(dict.fromkeys(relays + extra)), args.timeout)
     findings += check_disk(data_dir)

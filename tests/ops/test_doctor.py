@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers.node_processes import NodeProcess
+from helpers.polling import wait_until
 
 from engines.tiny_model import ensure_tiny_model
 from meshnode.identity import NODE_KEY_FILE, load_or_create_identity
@@ -143,3 +145,20 @@ def test_the_hidden_capture_callback_is_named(monkeypatch, native):
     assert finding.severity is (doctor_module.Severity.OK if native else doctor_module.Severity.WARNING)
     assert ("C eval callback" in finding.detail) and (("not built" in finding.detail) != native)
     assert bool(finding.fix) != native
+
+
+def test_a_running_node_is_shown_with_the_addresses_it_really_uses(tmp_path):
+    """Doctor is often run without the options the node was started with: it reports the
+    running node's own addresses, not its default port as free or busy."""
+    node = NodeProcess(tmp_path, "n")
+    node.start("create", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--placement", "off")
+    try:
+        status = wait_until(node.live_status, timeout=60, what="the node answers status")
+        advertised = status["node"]["addresses"][0]
+        result = doctor("--data-dir", str(node.data_dir))
+    finally:
+        node.stop()
+    lines = result.stdout.splitlines()
+    assert f"[ok     ] QUIC port: in use by the running node, which advertises {advertised}" in lines
+    assert "[ok     ] API port: the running node serves no API" in lines  # --placement off: no layers
+    assert "7447" not in result.stdout
