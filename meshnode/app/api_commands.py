@@ -96,7 +96,8 @@ async def print_stream(
             else:
                 summary = event
     except ApiError as exc:
-        raise CliError(str(exc)) from None
+        hint = " (give the node's key with --api-key KEY or $MESHNODE_API_KEY)" if exc.status == 401 else ""
+        raise CliError(f"{exc}{hint}") from None
     sys.stdout.write("\n")
     sys.stdout.flush()
     assert summary is not None

@@ -17,7 +17,12 @@ import aiohttp
 
 
 class ApiError(Exception):
-    """The API refused the request or could not be reached; the message is one line."""
+    """The API refused the request or could not be reached; the message is one line, ``status``
+    the HTTP status of a refusal (None where no answer came)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ async def stream_completion(
             session.post(base_url.rstrip("/") + path, json=body, headers=auth_headers(api_key)) as response,
         ):
             if response.status != 200:
-                raise ApiError(await _error_text(response))
+                raise ApiError(await _error_text(response), response.status)
             async for raw in response.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):

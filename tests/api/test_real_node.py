@@ -123,7 +123,10 @@ def test_generate_sends_the_key_from_the_environment(node):
          "--api-key", "sk-wrong"],
         capture_output=True, text=True, timeout=60, env=without_key,
     )  # fmt: skip
-    assert refused.returncode == 1 and "401" in refused.stderr
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        "meshnode generate: 401: Incorrect API key provided. "
+        "(give the node's key with --api-key KEY or $MESHNODE_API_KEY)"
+    )
 
 
 def test_penalties_change_greedy_output_exactly_as_llama_cpp_computes_them(client, tiny_model):
