@@ -1,10 +1,10 @@
-"""Binds the addresses ``meshnode create`` will listen on, and lets them go again, before it
-writes a mesh.
+"""Binds the addresses a node will listen on, and lets them go again: before ``create``
+writes a mesh, and before any node loads its model.
 
-The node binds its QUIC socket and its API only after the model has loaded. Without this
-check a busy port fails ``create`` after the mesh is written, and the corrected command is
-then told the directory is already a member. A port taken between this check and the real
-bind still fails cleanly (a :class:`ListenError` from the node's start).
+The node binds its QUIC socket and its API only after the model has loaded, which may take
+minutes. Without this check a busy port fails ``create`` after the mesh is written, and the
+corrected command is then told the directory is already a member. A port taken between this
+check and the real bind still fails cleanly (a :class:`ListenError` from the node's start).
 """
 
 from __future__ import annotations
