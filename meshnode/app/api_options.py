@@ -116,17 +116,12 @@ def api_access(args: argparse.Namespace) -> ApiAccess:
     return ApiAccess(api_key=args.api_key, cors_origins=tuple(args.cors_origin or ()))
 
 
-def api_address(api_listen: ApiListen) -> tuple[str, int]:
-    """Where the API listens: the given address, or the loopback default (None); not for ``off``."""
-    return api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
-
-
 def head_options(
     api_listen: ApiListen, access: ApiAccess | None = None, driver: DriverOptions | None = None
 ) -> HeadOptions:
-    """The API at :func:`api_address`; ``driver``: how its generations run
-    (meshnode.app.speculation_options.driver_options)."""
-    host, port = api_address(api_listen)
+    """Where the API goes: the given address, or the loopback default (None); not for ``off``.
+    ``driver``: how its generations run (meshnode.app.speculation_options.driver_options)."""
+    host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
     return HeadOptions(
         api_host=host, api_port=port, access=access or ApiAccess(), driver=driver or DriverOptions()
     )
@@ -140,7 +135,6 @@ __all__ = [
     "add_api_listen_option",
     "add_model_name_option",
     "api_access",
-    "api_address",
     "head_options",
     "parse_api_key",
     "parse_api_listen",

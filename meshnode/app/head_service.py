@@ -131,7 +131,9 @@ class HeadService:
         except OSError as exc:
             tokenizer.close()
             bind_error = listen_error("TCP", options.api_host, options.api_port, exc)
-            raise HeadError(f"cannot serve the API: {bind_error}; choose another with --api-listen") from None
+            raise HeadError(
+                f"cannot serve the API: {bind_error}; choose another with --api-listen HOST:PORT"
+            ) from None
         url = api_url(options.api_host, port)
         loopback = options.api_host in ("127.0.0.1", "::1", "localhost")
         exposed = "" if loopback else " (all interfaces)"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import socket
 
-from meshnode.app.api_options import api_address
 from meshnode.app.cli_error import CliError
 from meshnode.transport.addresses import parse_host_port
 from meshnode.transport.bind_errors import ListenError, listen_error
@@ -33,9 +32,13 @@ def bind_problem(kind: socket.SocketKind, host: str, port: int) -> ListenError |
     return None
 
 
-def serves_api(args: argparse.Namespace) -> bool:
-    """A node serves the API unless it is off, or the node serves no layers and takes none."""
-    return args.api_listen is not False and (args.model is not None or args.placement != "off")
+def required_api_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """The API address the node must be able to bind: one given with ``--api-listen``, on a node
+    that serves or takes layers. The default address, when busy, only warns (several nodes may
+    share a machine), so it is not required."""
+    if not isinstance(args.api_listen, tuple):
+        return None
+    return args.api_listen if args.model is not None or args.placement != "off" else None
 
 
 def check_listen_addresses(args: argparse.Namespace) -> None:
@@ -44,10 +47,11 @@ def check_listen_addresses(args: argparse.Namespace) -> None:
     problem = bind_problem(socket.SOCK_DGRAM, host, port)
     if problem is not None:
         raise CliError(f"{problem}; choose another with --listen HOST:PORT (port 0 picks a free one)")
-    if serves_api(args):
-        problem = bind_problem(socket.SOCK_STREAM, *api_address(args.api_listen))
+    api = required_api_address(args)
+    if api is not None:
+        problem = bind_problem(socket.SOCK_STREAM, *api)
         if problem is not None:
             raise CliError(f"{problem}; choose another with --api-listen HOST:PORT, or 'off'")
 
 
-__all__ = ["bind_problem", "check_listen_addresses", "serves_api"]
+__all__ = ["bind_problem", "check_listen_addresses", "required_api_address"]

@@ -122,7 +122,7 @@ async def start_head(
     except HeadError as exc:
         if args.api_listen is not None:
             raise CliError(str(exc)) from None
-        log.warning("%s; running without the API (choose another with --api-listen HOST:PORT)", exc)
+        log.warning("%s; running without the API", exc)
         return None
 
 

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import pytest
 from helpers.mesh_nodes import fast_config, first_member
 
+from meshnode.app.cli import build_parser
 from meshnode.app.cli_error import CliError
 from meshnode.app.lifecycle import run_node
-from meshnode.app.listen_check import bind_problem
+from meshnode.app.listen_check import bind_problem, required_api_address
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
 
@@ -92,3 +93,16 @@ def test_an_address_this_machine_lacks_is_named_as_such():
     assert problem is not None
     assert str(problem) == "cannot listen on UDP 192.0.2.1:0: this machine has no such address"
     assert bind_problem(socket.SOCK_DGRAM, "127.0.0.1", 0) is None
+
+
+def test_only_an_api_address_given_on_the_command_line_must_be_free():
+    # Several nodes on one machine share the default API port: the later ones warn and run
+    # without the API, so only an address the person chose is refused when busy.
+    parser = build_parser()
+    given = parser.parse_args(["join", "--api-listen", "127.0.0.1:9", "--model", "m.gguf"])
+    assert required_api_address(given) == ("127.0.0.1", 9)
+    assert required_api_address(parser.parse_args(["join", "--model", "m.gguf"])) is None
+    assert required_api_address(parser.parse_args(["join", "--api-listen", "off"])) is None
+    # A member that serves no layers and takes none serves no API either.
+    idle = parser.parse_args(["join", "--api-listen", "127.0.0.1:9", "--placement", "off"])
+    assert required_api_address(idle) is None
