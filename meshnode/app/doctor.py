@@ -28,6 +28,7 @@ from meshnode.app.status import query_status
 from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
 from meshnode.transport.addresses import AddressError, parse_host_port
+from meshnode.transport.udp_address import local_host_to_reach
 from meshnode.wire.crc32c import simd_built, simd_in_use
 from meshnode.wire.mesh_refusal import MeshRefusal
 
@@ -338,7 +339,7 @@ def check_port(name: str, address: str, kind: socket.SocketKind) -> list[Finding
 async def _dial_relay(relay_id: bytes, address: str, timeout: float) -> str | None:
     from meshnode.relaylink.client import RelayDialer
 
-    dialer = await RelayDialer.open(NodeIdentity.generate(), host="0.0.0.0")
+    dialer = await RelayDialer.open(NodeIdentity.generate(), host=local_host_to_reach(address))
     try:
         link = await dialer.endpoint.dial(address, relay_id, timeout=timeout)
         link.close("doctor")

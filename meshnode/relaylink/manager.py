@@ -39,6 +39,7 @@ from meshnode.relaylink.seal import (
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.base import LinkHandler, PeerLink, StreamError
+from meshnode.transport.udp_address import local_host_to_reach
 
 log = logging.getLogger("meshnode.relaylink")
 
@@ -124,7 +125,7 @@ class RelayLinks:
             )
             client.on_revocation = self._on_revocation
             self._clients[endpoint.id] = client
-            await client.start(self._local_host)
+            await client.start(local_host_to_reach(endpoint.address, self._local_host))
 
     @property
     def relays(self) -> list[Endpoint]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from meshnode.identity import NodeIdentity, short_id
-from meshnode.transport.addresses import format_host_port, parse_host_port
+from meshnode.transport.addresses import parse_host_port
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.bind_errors import listen_error
 from meshnode.transport.buffers import Progress, ReceiveBuffer
@@ -43,6 +42,7 @@ from meshnode.transport.read_limits import (
     ReadLimits,
     process_budget,
 )
+from meshnode.transport.udp_address import FamilyMismatch, SockAddr, describe_sockaddr, sockaddr_for
 from meshnode.wire.buffer_budget import BufferBudget
 from meshnode.wire.framing import ALPN
 
@@ -187,7 +187,7 @@ class QuicLink(PeerLink):
         *,
         initiated_locally: bool,
         expected_peer_id: bytes | None,
-        remote_address: tuple[str, int],
+        remote_address: SockAddr,
     ) -> None:
         self.endpoint = endpoint
         self.quic = quic
@@ -235,7 +235,7 @@ class QuicLink(PeerLink):
 
     @property
     def description(self) -> str:
-        return f"quic {format_host_port(*self.remote_address[:2])}"
+        return f"quic {describe_sockaddr(self.remote_address)}"
 
     @property
     def stream_count(self) -> int:
@@ -380,7 +380,7 @@ class QuicLink(PeerLink):
             self.endpoint.handler.link_established(self)
 
     def _refuse(self, reason: str) -> None:
-        log.info("refused QUIC connection from %s: %s", format_host_port(*self.remote_address[:2]), reason)
+        log.info("refused QUIC connection from %s: %s", describe_sockaddr(self.remote_address), reason)
         if not self.connected.done():
             self.connected.set_exception(DialError(reason))
             self.connected.exception()  # mark retrieved: dials await it, accepts do not
@@ -495,21 +495,27 @@ class QuicEndpoint(asyncio.DatagramProtocol):
             raise
         return link
 
-    async def _resolve(self, address: str) -> tuple[str, int]:
+    async def _resolve(self, address: str) -> SockAddr:
+        """The address to dial ``address`` at, as this endpoint's socket reports its peers."""
         host, port = parse_host_port(address)
         try:
-            ipaddress.ip_address(host)
-            return host, port
+            return sockaddr_for(self._family, host, port)
+        except FamilyMismatch as exc:
+            raise DialError(f"cannot dial {address}: {exc}") from None
         except ValueError:
-            pass
+            pass  # a name, not an IP literal
+        # An IPv4-only socket can use only A records; a dual-stack one either kind.
+        family = socket.AF_INET if self._family == socket.AF_INET else socket.AF_UNSPEC
         # getaddrinfo runs in the default executor and cannot be cancelled: bound how
         # many names (announced by peers, possibly bogus) can tie it up at once.
         try:
             async with self._resolving, asyncio.timeout(self.settings.handshake_timeout):
-                infos = await self.loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+                infos = await self.loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
         except (OSError, TimeoutError) as exc:
             raise DialError(f"cannot resolve {address}: {exc or type(exc).__name__}") from None
-        return cast(tuple[str, int], infos[0][4][:2])
+        if not infos:
+            raise DialError(f"cannot resolve {address}: no address")
+        return sockaddr_for(self._family, str(infos[0][4][0]), port)
 
     def close(self) -> None:
         for link in list(self._links):
