@@ -28,7 +28,6 @@ What later layers use:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -70,6 +69,7 @@ from meshnode.sansio import SECOND_NS
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
+from meshnode.transport.local_addresses import default_advertised
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
 from meshnode.transport.request_reply import REQUEST_FAILURES, request_reply
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
@@ -134,14 +134,6 @@ class NodeConfig:
 
 def _to_ns(seconds: float) -> int:
     return round(seconds * SECOND_NS)
-
-
-def _outbound_ip() -> str:
-    """The local address used to reach other hosts (no packet is sent)."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: routing lookup only
-        return str(probe.getsockname()[0])
-    return "127.0.0.1"
 
 
 class Node:
@@ -284,9 +276,7 @@ class Node:
         host, port = parse_host_port(self.config.listen, allow_zero_port=True)
         self.endpoint = await QuicEndpoint.listen(self.identity, self, host, port, self.config.quic)
         bound_host, bound_port = self.endpoint.local_address
-        advertise = self.config.advertise or [
-            format_host_port(_outbound_ip() if bound_host in ("0.0.0.0", "::") else bound_host, bound_port)
-        ]
+        advertise = self.config.advertise or default_advertised(bound_host, bound_port)
         self.state.local.ClearField("addresses")
         self.state.local.addresses.extend(advertise)
         await self._start_relays()

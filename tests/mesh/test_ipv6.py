@@ -17,6 +17,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
+from meshnode.transport.local_addresses import advertised_hosts, outbound_address
 from meshnode.transport.quic import DialError, QuicEndpoint
 from meshnode.transport.udp_address import (
     FamilyMismatch,
@@ -144,3 +145,25 @@ async def test_a_relay_at_an_ipv6_address_carries_nodes_that_listen_on_ipv4(tmp_
             await joiner.shutdown()
         await first.shutdown()
         await server.close()
+
+
+def test_a_wildcard_listener_advertises_an_address_of_each_family_it_serves():
+    assert advertised_hosts("0.0.0.0", "192.0.2.2", "fd00::2") == ["192.0.2.2"]
+    assert advertised_hosts("0.0.0.0", None, "fd00::2") == ["127.0.0.1"]
+    assert advertised_hosts("::", "192.0.2.2", "fd00::2") == ["192.0.2.2", "fd00::2"]
+    # An IPv6-only host: it used to advertise 127.0.0.1, which no peer can dial.
+    assert advertised_hosts("::", None, "fd00::2") == ["fd00::2"]
+    assert advertised_hosts("::", None, None) == ["::1"]
+    assert advertised_hosts("10.1.2.3", "192.0.2.2", None) == ["10.1.2.3"]
+
+
+@needs_ipv6
+async def test_a_dual_stack_node_advertises_what_this_machine_routes(tmp_path):
+    node = first_member(tmp_path / "a", fast_config(listen="[::]:0"), MeshKey.generate())
+    await node.start()
+    try:
+        port = node.endpoint.local_address[1]
+        expected = advertised_hosts("::", outbound_address(socket.AF_INET), outbound_address(socket.AF_INET6))
+        assert node.addresses == [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in expected]
+    finally:
+        await node.shutdown()
