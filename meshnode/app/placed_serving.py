@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +62,16 @@ async def offer_model_file(node: Node, path: Path, args: argparse.Namespace, ser
         log.warning("not offering %s to joining nodes: %s", path.name, exc)
         return
     offer_artifacts(node, holdings, args, lambda: holds_sessions(service))
+
+
+def _report_placement_end(task: asyncio.Task[None]) -> None:
+    """Placement retries what it expects to fail; anything else ends it, and says so, where
+    it used to leave a node that had joined serving nothing without a word."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None:
+        log.error("placement stopped: this node will serve no layers until restarted", exc_info=error)
 
 
 class _PlacedShard:
@@ -137,7 +146,9 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     running: list[asyncio.Task[None]] = []
 
     def place(_: Node) -> None:
-        running.append(asyncio.ensure_future(placement.run()))
+        task = asyncio.ensure_future(placement.run())
+        task.add_done_callback(_report_placement_end)
+        running.append(task)
 
     async def drain() -> None:
         serving = placement.serving
@@ -155,8 +166,8 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     finally:
         for task in running:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A placement that failed was logged when it ended (_report_placement_end).
+        await asyncio.gather(*running, return_exceptions=True)
         await placement.aclose()
 
 

@@ -31,10 +31,11 @@ from typing import Any, Protocol
 
 from engines.gguf_file import read_gguf
 from engines.slicing import tensors_for_range
+from meshnode.artifacts.disk_room import check_disk_room
 from meshnode.artifacts.fetcher import Quarantine, TransferError, fetch_manifest, fetch_tensors
 from meshnode.artifacts.holdings import Holdings, PartialHolding
 from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
-from meshnode.artifacts.store import ArtifactStore, PartialModel
+from meshnode.artifacts.store import ArtifactStore, PartialModel, StoreError
 from meshnode.autoplace.layer_costs import LayerCosts, layer_costs
 from meshnode.autoplace.memory_budget import read_machine_budget
 from meshnode.autoplace.mesh_models import (
@@ -173,7 +174,7 @@ class AutoShard:
             try:
                 await self._place_and_serve()
                 return
-            except (TransferError, PlacementError, OSError, ValueError) as exc:
+            except (TransferError, PlacementError, StoreError, OSError, ValueError) as exc:
                 log.warning("placement: %s; trying again in %.0f s", exc, retry_s)
                 self._state = f"retrying: {exc}"
                 await self._let_go()
@@ -297,6 +298,10 @@ class AutoShard:
         if not partial.missing(wanted):
             log.info("layers [%d, %d): every tensor is already verified on disk", *layers)
             return
+        missing_bytes = sum(
+            partial.manifest.tensors[partial.index_of(name)].nbytes for name in partial.missing(wanted)
+        )
+        check_disk_room(self._store.store_dir, missing_bytes, what=f"layers [{layers[0]}, {layers[1]})")
         self._state = "fetching"
         sources = coverage(self._announcements(), self._model, exclude=self._node.node_id).sources
         progress = TransferProgress(f"layers {layers[0]}:{layers[1]}")

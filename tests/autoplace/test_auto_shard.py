@@ -143,3 +143,65 @@ async def test_two_nodes_placing_at_once_take_different_ranges_and_one_moves_whe
     finally:
         for node in (*nodes, creator):
             await node.shutdown()
+
+
+def test_the_room_check_names_what_is_needed_and_where():
+    from meshnode.artifacts.disk_room import NoDiskRoom, check_disk_room
+
+    check_disk_room(Path("/"), 1, what="layers [0, 2)", reserve=0)
+    with pytest.raises(NoDiskRoom, match=r"layers \[0, 2\) need .* MiB more under /, which has .* MiB free"):
+        check_disk_room(Path("/"), 2**62, what="layers [0, 2)")
+
+
+async def test_a_disk_without_room_or_failing_mid_fetch_is_retried_and_said_not_a_silent_stop(
+    tmp_path, monkeypatch
+):
+    """A full model store used to end placement without a word: the node had joined, served
+    nothing and logged nothing. Now the room is checked before the fetch, a write that fails
+    mid-fetch is retried like a lost source, and both are in the placement status."""
+    import shutil
+
+    from meshnode.artifacts import disk_room
+    from meshnode.artifacts.store import TensorWriter
+
+    model = ensure_tiny_model()
+    root = build_manifest(model).root
+    creator = await start_first_node(tmp_path)
+    joiner: Node | None = None
+    real_disk_usage, real_write = shutil.disk_usage, TensorWriter.write
+    try:
+        announce(creator, root, CREATOR_LAYERS)
+        holdings = Holdings()
+        holdings.add(FullModel(model))
+        ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(creator)
+        joiner = await start_joiner(tmp_path, "j", creator)
+        await eventually(lambda: joiner.peers(), what="the joiner sees the creator")
+
+        monkeypatch.setattr(
+            disk_room.shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=2**20)
+        )
+        async with placing(tmp_path, joiner, model) as placement:
+            await eventually(
+                lambda: "more under" in placement.status()["state"], timeout=30, what="the room refusal"
+            )
+            assert placement.status()["state"].startswith("retrying: layers [2, 6) need ")
+            assert placement.fetched_bytes == 0
+
+            def no_space(self: TensorWriter, data: bytes) -> None:
+                raise OSError(28, "No space left on device")
+
+            monkeypatch.setattr(disk_room.shutil, "disk_usage", real_disk_usage)
+            monkeypatch.setattr(TensorWriter, "write", no_space)
+            await eventually(
+                lambda: "No space left on device" in placement.status()["state"],
+                timeout=30,
+                what="the failed write reported",
+            )
+            monkeypatch.setattr(TensorWriter, "write", real_write)
+            await eventually(
+                lambda: placed(placement) == (2, TINY_N_LAYERS), timeout=60, what="placed once room is back"
+            )
+    finally:
+        if joiner is not None:
+            await joiner.shutdown()
+        await creator.shutdown()
