@@ -60,6 +60,10 @@ def write_private_file(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        # A write on a descriptor names no file: say which one could not be written.
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

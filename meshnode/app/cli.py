@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -33,7 +34,7 @@ from meshnode.app import (
     split_command,
     up_command,
 )
-from meshnode.app.cli_error import CliError
+from meshnode.app.cli_error import CliError, os_error_line
 from meshnode.app.config import ConfigError, add_config_option, parse_args_with_config
 from meshnode.app.event_loop import run_async
 from meshnode.identity import DATA_DIR_ENV
@@ -95,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"meshnode {args.command}: {exc}", file=sys.stderr)
         return exc.code
+    except OSError as exc:
+        # The machine refused something (a full disk, a permission): say what, not where in
+        # meshnode it surfaced; the traceback is kept for --log-level debug.
+        logging.getLogger("meshnode.cli").debug("%s failed", args.command, exc_info=True)
+        print(f"meshnode {args.command}: {os_error_line(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -156,8 +156,12 @@ class DataDir:
         except BlockingIOError:
             os.close(fd)
             raise StoreError(f"another meshnode is running on {self.path}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as exc:
+            os.close(fd)
+            raise OSError(exc.errno, exc.strerror, str(self.path / LOCK_FILE)) from exc
         self._lock_fd = fd
 
     def unlock(self) -> None:

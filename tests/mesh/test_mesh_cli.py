@@ -256,3 +256,31 @@ def test_status_text_says_how_each_served_range_is_computed():
     text = format_status(status)
     assert "serving: m [0:3) of 6 (llama-cpp-python 0.3.36; cpu; weight repack off)" in text
     assert "serving m [0:3) of 6 (numerics unreported)" in text
+
+
+def test_what_the_machine_refuses_is_one_line_naming_the_file(tmp_path):
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    for command in (["init"], ["create", "--listen", "127.0.0.1:0", "--api-listen", "off"]):
+        result = meshnode(*command, "--data-dir", str(not_a_directory / "node"))
+        assert result.returncode == 1
+        assert one_line_error(result) == f"meshnode {command[0]}: Not a directory: {not_a_directory / 'node'}"
+
+
+def test_a_full_disk_is_named_with_the_file_and_what_to_do(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from meshnode.app.cli_error import os_error_line
+    from meshnode.identity import write_private_file
+
+    def full(fd: int) -> None:  # where a delayed allocation meets a full disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as refused:
+        write_private_file(tmp_path / "node_key.pem", b"key")
+    assert os_error_line(refused.value) == (
+        f"No space left on device: {tmp_path / 'node_key.pem'} (free space on that disk)"
+    )
+    assert not list(tmp_path.iterdir())  # no temporary file left behind
