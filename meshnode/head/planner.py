@@ -22,6 +22,7 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from meshnode.identity import short_id
 from meshnode.wire.errors import MeshnodeError
 
 # A hop costs at least this much (ms) even on loopback: serialization, a
@@ -223,5 +224,33 @@ def _explain_gap(candidates: list[ShardCandidate], model: ModelIdentity) -> str:
     )
     return (
         f"no route covers layers [{reach}, {model.total_layers}) of the model "
-        f"(usable shards: {served or 'none'})"
+        f"(usable shards: {served or 'none'}){_other_files_at(candidates, model, reach)}"
+    )
+
+
+def _other_files_at(candidates: list[ShardCandidate], model: ModelIdentity, layer: int) -> str:
+    """Where shards of another file (or recipe) hold the missing ``layer``: the likeliest cause of
+    a gap a person believes is covered, such as a node started with another quantization or copy."""
+    others = sorted(
+        (
+            c
+            for c in candidates
+            if c.model != model
+            and c.model.total_layers == model.total_layers
+            and c.start_layer <= layer < c.end_layer
+        ),
+        key=lambda c: c.node_id,
+    )
+    if not others:
+        return ""
+    described = []
+    for c in others[:3]:
+        if c.model.model_artifact_digest == model.model_artifact_digest:
+            what = f"the same file under another runtime recipe ({c.model.runtime_recipe_digest[:12]}…)"
+        else:
+            what = f"another file, fingerprint {c.model.model_artifact_digest[:12]}…"
+        described.append(f"node {short_id(c.node_id)} serves [{c.start_layer},{c.end_layer}) of {what}")
+    return (
+        f"; {'; '.join(described)}: every shard of a route must load the same GGUF as this one "
+        f"(fingerprint {model.model_artifact_digest[:12]}…)"
     )

@@ -6,6 +6,7 @@ from meshnode.head.planner import (
     ShardCandidate,
     plan_route,
 )
+from meshnode.identity import short_id
 
 GEMMA = ModelIdentity("sha256:aa", "sha256:r1", 18)
 OTHER_RECIPE = ModelIdentity("sha256:aa", "sha256:r2", 18)
@@ -54,6 +55,27 @@ def test_mismatched_fingerprints_never_mix():
     pool = [shard("a", 0, 9), shard("b", 9, 18, model=OTHER_RECIPE)]
     with pytest.raises(NoRouteError, match=r"layers \[9, 18\)"):
         plan_route(pool, GEMMA)
+
+
+def test_a_gap_held_by_another_file_or_recipe_names_the_node_and_both_fingerprints():
+    """A person who started the second node with another copy or quantization sees why the
+    layers it serves do not count, not only that they are missing."""
+    other_file = ModelIdentity("sha256:bb", "sha256:r1", 18)
+    other_size = ModelIdentity("sha256:cc", "sha256:r1", 26)  # another model altogether: not named
+    pool = [shard("a", 0, 9), shard("b", 9, 18, model=other_file), shard("c", 9, 26, model=other_size)]
+    with pytest.raises(NoRouteError) as info:
+        plan_route(pool, GEMMA)
+    b = short_id(pool[1].node_id)
+    assert str(info.value) == (
+        "no route covers layers [9, 18) of the model (usable shards: [0,9)); "
+        f"node {b} serves [9,18) of another file, fingerprint sha256:bb…: every shard of a route "
+        "must load the same GGUF as this one (fingerprint sha256:aa…)"
+    )
+    with pytest.raises(NoRouteError, match=r"of the same file under another runtime recipe \(sha256:r2…\)"):
+        plan_route([shard("a", 0, 9), shard("b", 9, 18, model=OTHER_RECIPE)], GEMMA)
+    with pytest.raises(NoRouteError) as plain:
+        plan_route([shard("a", 0, 9)], GEMMA)
+    assert str(plain.value) == "no route covers layers [9, 18) of the model (usable shards: [0,9))"
 
 
 def test_hops_that_differ_only_in_numerics_form_one_route_and_keep_their_numerics():
