@@ -11,7 +11,7 @@ import argparse
 from typing import TypeVar
 
 from engines.weight_repack import WeightRepack
-from meshnode.membership.credentials import Endpoint
+from meshnode.membership.credentials import MAX_INVITE_TTL_S, Endpoint
 from meshnode.transport.addresses import AddressError, parse_host_port
 
 _Number = TypeVar("_Number", int, float)
@@ -29,6 +29,17 @@ def parse_duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 30m, 24h)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError("duration must be positive")
+    return value
+
+
+def parse_invite_ttl(text: str) -> float:
+    """A ``parse_duration`` an invite may live: a bearer secret, so a month at most."""
+    value = parse_duration(text)
+    if value > MAX_INVITE_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_INVITE_TTL_S // 86400}d: an invite admits whoever holds it until it expires "
+            "(issue a new one when it runs out; --revoke withdraws one early)"
+        )
     return value
 
 

@@ -21,7 +21,7 @@ from meshnode.app.cli_args import (
     add_weight_repack_option,
     host_port,
     non_negative_int,
-    parse_duration,
+    parse_invite_ttl,
     parse_layers,
     positive,
     positive_int,
@@ -368,7 +368,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "id. --list shows the invites issued here; --revoke ID withdraws one.",
     )
     p.add_argument(
-        "--ttl", type=parse_duration, default=24 * 3600.0, help="validity, e.g. 30m, 24h (default 24h)"
+        "--ttl",
+        type=parse_invite_ttl,
+        default=24 * 3600.0,
+        metavar="DURATION",
+        help="validity, e.g. 30m, 24h, 7d (default 24h, at most 30d)",
     )
     p.add_argument(
         "--address",

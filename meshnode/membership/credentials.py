@@ -62,6 +62,8 @@ TOKEN_VERSION = 1
 MAX_TOKEN_CHARS = 16 * 1024
 MAX_ENDPOINTS = 16
 DEFAULT_INVITE_TTL_S = 24 * 3600
+# An invite admits whoever holds it, as often as they like, until it expires: a month at most.
+MAX_INVITE_TTL_S = 30 * 24 * 3600
 DEFAULT_CERTIFICATE_TTL_S = 24 * 3600
 
 MALFORMED = mesh.MESH_ERROR_MALFORMED
@@ -190,8 +192,8 @@ def create_invite(
 ) -> Invite:
     if not bootstrap:
         raise ValueError("an invite needs at least one bootstrap peer")
-    if ttl_s <= 0:
-        raise ValueError("invite ttl must be positive")
+    if not 0 < ttl_s <= MAX_INVITE_TTL_S:
+        raise ValueError(f"invite ttl must be positive and at most {MAX_INVITE_TTL_S // 86400} days")
     invite_key = Ed25519PrivateKey.generate()
     body = membership.InviteBody(
         mesh_public_key=mesh_key.public_key,
@@ -445,6 +447,7 @@ def open_grant(
 __all__ = [
     "DEFAULT_CERTIFICATE_TTL_S",
     "DEFAULT_INVITE_TTL_S",
+    "MAX_INVITE_TTL_S",
     "Endpoint",
     "Invite",
     "MeshKey",

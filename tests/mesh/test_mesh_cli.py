@@ -129,6 +129,12 @@ def test_invite_needs_a_running_node_or_an_address(tmp_path):
     assert 1700 <= invite.expires_unix - invite.body.issued_unix <= 1800
     assert result.stdout.strip() not in result.stderr  # the token goes to stdout only
 
+    # A bearer secret usable by anyone until it expires: a month at most (it used to take 100000d).
+    month = meshnode("invite", "--data-dir", str(data_dir), "--address", "192.0.2.7:7447", "--ttl", "30d")
+    assert month.returncode == 0
+    result = meshnode("invite", "--data-dir", str(data_dir), "--address", "192.0.2.7:7447", "--ttl", "31d")
+    assert result.returncode == 2 and "argument --ttl: at most 30d" in result.stderr and not result.stdout
+
 
 def test_status_without_a_running_node_fails_clearly(tmp_path):
     result = meshnode("status", "--data-dir", str(tmp_path / "none"))

@@ -9,6 +9,7 @@ import pytest
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, private_key_seed
 from meshnode.membership.credentials import (
+    MAX_INVITE_TTL_S,
     Endpoint,
     MeshKey,
     certificate_proof,
@@ -244,3 +245,10 @@ def test_data_dir_lock_refuses_a_second_node(tmp_path):
         first.unlock()
     second.lock()
     second.unlock()
+
+
+def test_an_invite_lives_a_month_at_most():
+    mesh_key, issuer = MeshKey.generate(), NodeIdentity.generate()
+    assert new_invite(mesh_key, issuer, ttl=MAX_INVITE_TTL_S).expires_unix == NOW + MAX_INVITE_TTL_S
+    with pytest.raises(ValueError, match="at most 30 days"):
+        new_invite(mesh_key, issuer, ttl=MAX_INVITE_TTL_S + 1)
