@@ -11,7 +11,7 @@ import argparse
 from typing import TypeVar
 
 from engines.weight_repack import WeightRepack
-from meshnode.membership.credentials import MAX_INVITE_TTL_S, Endpoint
+from meshnode.membership.credentials import MAX_INVITE_TTL_S, MESH_ID_CHARS, Endpoint, is_mesh_id
 from meshnode.transport.addresses import AddressError, parse_host_port
 
 _Number = TypeVar("_Number", int, float)
@@ -39,6 +39,16 @@ def parse_invite_ttl(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"at most {MAX_INVITE_TTL_S // 86400}d: an invite admits whoever holds it until it expires "
             "(issue a new one when it runs out; --revoke withdraws one early)"
+        )
+    return value
+
+
+def mesh_id(text: str) -> str:
+    """A mesh id as ``meshnode status`` and ``invite`` print it (case and spaces forgiven)."""
+    value = text.strip().lower()
+    if not is_mesh_id(value):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a mesh id ({MESH_ID_CHARS} letters and digits 2-7, as `meshnode status` shows it)"
         )
     return value
 

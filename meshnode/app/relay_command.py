@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Any
 
-from meshnode.app.cli_args import host_port, positive_int
+from meshnode.app.cli_args import host_port, mesh_id, positive_int
 from meshnode.app.data_dirs import RELAY_DATA_DIR_ENV, relay_data_dir
 from meshnode.app.event_loop import run_async
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mesh",
+        type=mesh_id,
         action="append",
         default=[],
         metavar="MESH_ID",

@@ -80,6 +80,14 @@ def mesh_id_from_public_key(mesh_public_key: bytes) -> str:
     return base64.b32encode(digest).decode("ascii").rstrip("=").lower()
 
 
+MESH_ID_CHARS = 26  # base32 of a 16-byte digest, unpadded
+
+
+def is_mesh_id(text: str) -> bool:
+    """Whether ``text`` has the form of a mesh id (it may still name no mesh)."""
+    return len(text) == MESH_ID_CHARS and all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in text)
+
+
 class MeshKey:
     """The mesh signing key. Secret: its ``repr`` shows only the mesh id."""
 
@@ -448,6 +456,7 @@ __all__ = [
     "DEFAULT_CERTIFICATE_TTL_S",
     "DEFAULT_INVITE_TTL_S",
     "MAX_INVITE_TTL_S",
+    "MESH_ID_CHARS",
     "Endpoint",
     "Invite",
     "MeshKey",
@@ -459,6 +468,7 @@ __all__ = [
     "decode_certificate_body",
     "decode_invite_token",
     "encode_invite_token",
+    "is_mesh_id",
     "issue_certificate",
     "make_grant",
     "make_invite_proof",

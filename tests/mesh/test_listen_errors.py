@@ -74,7 +74,7 @@ def test_create_on_a_busy_api_port_names_it_and_writes_no_mesh(tmp_path, busy_tc
 
 
 def test_a_relay_on_a_busy_port_names_it(tmp_path, busy_udp):
-    result = meshnode("relay", "--data-dir", str(tmp_path / "r"), "--listen", busy_udp, "--mesh", "m")
+    result = meshnode("relay", "--data-dir", str(tmp_path / "r"), "--listen", busy_udp, "--mesh", "a" * 26)
     assert result.returncode == 1
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith(f"meshnode relay: cannot listen on UDP {busy_udp}: {IN_USE}")

@@ -58,7 +58,9 @@ def test_lists_and_converted_types(tmp_path):
 
 
 def test_one_file_configures_a_node_and_a_relay(tmp_path):
-    config = write(tmp_path, 'heartbeat-interval = 3\n[relay]\nmesh = ["m1"]\nkeepalive = 12\n')
+    config = write(
+        tmp_path, 'heartbeat-interval = 3\n[relay]\nmesh = ["aaaaaaaaaaaaaaaaaaaaaaaaaa"]\nkeepalive = 12\n'
+    )
     assert parse(["relay", "--config", str(config)]).keepalive == 12.0
     assert parse(["start", "--config", str(config)]).heartbeat_interval == 3.0
 

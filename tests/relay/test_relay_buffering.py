@@ -149,7 +149,7 @@ def test_the_relay_command_takes_the_caps_from_its_options_and_environment() -> 
     environ = {"MESHNODE_RELAY_FRAME_BUFFER_TOTAL": "128MiB", "MESHNODE_RELAY_MAX_UNREGISTERED": "64"}
     args = parse_args_with_config(
         build_parser(),
-        ["relay", "--mesh", "m", "--max-unregistered-per-source", "4", "--frame-stall-timeout", "5"],
+        ["relay", "--mesh", "a" * 26, "--max-unregistered-per-source", "4", "--frame-stall-timeout", "5"],
         environ,
     )
     assert (args.frame_buffer_total, args.max_unregistered, args.max_unregistered_per_source) == (

@@ -29,9 +29,18 @@ def test_relay_needs_a_mesh(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "--mesh" in capsys.readouterr().err
 
 
+def test_a_mistyped_mesh_id_is_refused_not_served(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A relay started with a typo would refuse every member of the mesh meant, without a word.
+    with pytest.raises(SystemExit):
+        main(["relay", "--data-dir", str(tmp_path), "--mesh", "7i3pcggwxf4q4yf2s3ejzp5mr"])
+    assert (
+        "'7i3pcggwxf4q4yf2s3ejzp5mr' is not a mesh id (26 letters and digits 2-7" in capsys.readouterr().err
+    )
+
+
 def test_keepalive_over_the_nat_timeout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
-        main(["relay", "--data-dir", str(tmp_path), "--mesh", "m", "--keepalive", "30"])
+        main(["relay", "--data-dir", str(tmp_path), "--mesh", "a" * 26, "--keepalive", "30"])
 
 
 @pytest.mark.slow
@@ -44,7 +53,7 @@ def test_python_m_relay_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
             "--listen",
             "127.0.0.1:0",
             "--mesh",
-            "abc",
+            "a" * 26,
             "--data-dir",
             str(tmp_path),
         ],

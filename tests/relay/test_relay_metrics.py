@@ -106,7 +106,7 @@ async def test_forwarded_frames_refusals_and_members_show_in_the_relays_metrics(
 
 @pytest.mark.slow
 def test_relay_command_serves_metrics_on_metrics_listen(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "relay", "--listen", "127.0.0.1:0", "--mesh", "abc"]
+    command = [sys.executable, "-m", "relay", "--listen", "127.0.0.1:0", "--mesh", "a" * 26]
     command += ["--data-dir", str(tmp_path), "--metrics-listen", "127.0.0.1:0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
