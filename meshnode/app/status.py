@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshnode.membership.socket_path import reachable_socket_path
 from meshnode.membership.store import DataDir
 
 
@@ -29,7 +30,8 @@ def ask_node(data_dir: Path, request: str, timeout: float = 3.0) -> dict[str, An
     path = DataDir(data_dir).control_socket
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.settimeout(timeout)
-        client.connect(str(path))
+        with reachable_socket_path(path) as reachable:
+            client.connect(reachable)
         client.sendall(request.encode("ascii") + b"\n")
         chunks = []
         while chunk := client.recv(65536):

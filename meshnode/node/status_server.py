@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.identity import ensure_private_dir
+from meshnode.membership.socket_path import reachable_socket_path
 from meshnode.node.status_report import StatusReport
 
 # The node's logger, as when this lived in the node module.
@@ -46,8 +47,9 @@ class StatusServer:
         ensure_private_dir(self.path.parent)
         self.path.unlink(missing_ok=True)  # the node holds the data-dir lock: a leftover socket is stale
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        except OSError as exc:  # e.g. a data-dir path longer than AF_UNIX allows
+            with reachable_socket_path(self.path) as reachable:
+                self._server = await asyncio.start_unix_server(self._serve, path=reachable)
+        except OSError as exc:
             log.warning(
                 "no status socket at %s (%s); `meshnode status` will not reach this node", self.path, exc
             )

@@ -9,6 +9,7 @@ import stat
 
 from mesh_helpers import FakeLink
 
+from meshnode.app.status import ask_node
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey, issue_certificate
 from meshnode.membership.store import MembershipState
@@ -173,8 +174,23 @@ async def test_the_socket_answers_status_with_the_report_and_nothing_else(tmp_pa
     assert not path.exists()
 
 
+async def test_a_data_directory_deeper_than_af_unix_allows_still_answers_status(tmp_path):
+    # A data directory under a long home or project path used to leave the node without a status
+    # socket: `meshnode status` and `invite` then said no node was running.
+    path = tmp_path / ("d" * 60) / ("e" * 60) / "control.sock"
+    assert len(str(path)) > 107
+    report, _, _ = a_report_with_one_peer()
+    server = StatusServer(path, lambda: report)
+    await server.start()
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert await asyncio.to_thread(ask_node, path.parent, "status") == report.to_json()
+    finally:
+        server.close()
+
+
 async def test_a_socket_that_cannot_be_made_is_a_warning(tmp_path, caplog):
-    path = tmp_path / ("d" * 120) / "control.sock"  # longer than AF_UNIX allows
+    path = tmp_path / "data" / ("s" * 120)  # a name longer than AF_UNIX allows, however reached
     server = StatusServer(path, lambda: a_report_with_one_peer()[0])
     with caplog.at_level(logging.WARNING, logger="meshnode.node"):
         await server.start()
