@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from meshnode.app.cli import build_parser
-from meshnode.app.config import parse_args_with_config
+from meshnode.app.config import ConfigError, parse_args_with_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -105,12 +105,20 @@ def test_units_pass_systemd_analyze_verify(tmp_path, unit):
     assert "Failed" not in result.stderr
 
 
-def test_example_config_is_accepted_for_nodes_and_the_relay():
+def test_example_config_is_accepted_for_nodes_and_the_relay(tmp_path):
     example = str(DEPLOY / "meshnode.example.toml")
     node = meshnode_args(["start", "--config", example])
     assert (node.listen, node.layers, node.log_format) == ("0.0.0.0:7447", (0, 9), "json")
-    relay = meshnode_args(["relay", "--config", example])
-    assert (relay.listen, relay.mesh) == ("0.0.0.0:7448", ["replace-with-your-mesh-id"])
+    # The relay's mesh is a placeholder it refuses until replaced, naming what a mesh id is.
+    with pytest.raises(ConfigError, match=r"'replace-with-your-mesh-id' is not a mesh id"):
+        meshnode_args(["relay", "--config", example])
+    mesh_id = "x3v5bmazmzs72uyh2v3mb4pe7q"
+    replaced = tmp_path / "meshnode.toml"
+    replaced.write_text(
+        (DEPLOY / "meshnode.example.toml").read_text().replace("replace-with-your-mesh-id", mesh_id)
+    )
+    relay = meshnode_args(["relay", "--config", str(replaced)])
+    assert (relay.listen, relay.mesh) == ("0.0.0.0:7448", [mesh_id])
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
