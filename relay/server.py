@@ -135,6 +135,7 @@ class RelayServer:
                 task.cancel()
         if self.endpoint is not None:
             self.endpoint.close()
+            await self.endpoint.wait_closed()  # a relay restarted in the same process rebinds its port
         await asyncio.sleep(0)
 
     # -- LinkHandler -----------------------------------------------------------------

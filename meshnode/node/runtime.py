@@ -402,7 +402,8 @@ class Node:
             await self.relay_links.close()
         if self.endpoint is not None:
             self.endpoint.close()
-            await asyncio.sleep(0)  # let the CONNECTION_CLOSE datagrams go out
+            # The CONNECTION_CLOSE datagrams go out first; then the port is free for a restart.
+            await self.endpoint.wait_closed()
         log.info("node %s stopped", self.identity.short_id)
 
     # -- links -----------------------------------------------------------------------

@@ -438,6 +438,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._family = socket.AF_INET
+        self._socket_closed = asyncio.Event()
         self._resolving = asyncio.Semaphore(_MAX_CONCURRENT_RESOLVES)
 
     @classmethod
@@ -525,6 +526,15 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         if self._transport is not None:
             # Let the CONNECTION_CLOSE datagrams queued above leave first.
             self.loop.call_soon(self._transport.close)
+        else:
+            self._socket_closed.set()
+
+    async def wait_closed(self, timeout: float = 2.0) -> None:
+        """After :meth:`close`: until the socket is closed and its port free to bind again
+        (the event loop closes it a few turns later; Python 3.13's waits for queued sends)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._socket_closed.wait()
 
     # -- routing ---------------------------------------------------------------
 
@@ -550,6 +560,9 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         sock = self._transport.get_extra_info("socket")
         if sock is not None:
             self._family = sock.family
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._socket_closed.set()
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         try:

@@ -218,3 +218,15 @@ async def test_many_streams_reset_by_the_peer_do_not_use_up_the_stream_limit():
                     await asyncio.wait_for(stream.read(), 5)
         finally:
             resetter.cancel()
+
+
+async def test_a_closed_endpoint_frees_its_port_for_a_restart_in_the_same_process():
+    identity = NodeIdentity.generate()
+    first = await QuicEndpoint.listen(identity, Recorder(), "127.0.0.1", 0)
+    port = first.local_address[1]
+    first.close()
+    await first.wait_closed()
+    again = await QuicEndpoint.listen(identity, Recorder(), "127.0.0.1", port)
+    assert again.local_address[1] == port
+    again.close()
+    await again.wait_closed()
