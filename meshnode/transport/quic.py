@@ -516,7 +516,9 @@ class QuicEndpoint(asyncio.DatagramProtocol):
             raise DialError(f"cannot resolve {address}: {exc or type(exc).__name__}") from None
         if not infos:
             raise DialError(f"cannot resolve {address}: no address")
-        return sockaddr_for(self._family, str(infos[0][4][0]), port)
+        # IPv4 first: a node listens on 0.0.0.0 by default, which an AAAA record cannot reach.
+        first = min(infos, key=lambda info: info[0] != socket.AF_INET)
+        return sockaddr_for(self._family, str(first[4][0]), port)
 
     def close(self) -> None:
         for link in list(self._links):

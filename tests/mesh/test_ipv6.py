@@ -167,3 +167,30 @@ async def test_a_dual_stack_node_advertises_what_this_machine_routes(tmp_path):
         assert node.addresses == [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in expected]
     finally:
         await node.shutdown()
+
+
+@needs_ipv6
+async def test_a_dual_stack_node_dials_a_name_with_both_records_at_its_ipv4_address(monkeypatch):
+    # The default --listen is 0.0.0.0: a peer's name with an AAAA record first must not be dialed
+    # at the IPv6 address its node does not listen on.
+    b_id = NodeIdentity.generate()
+    a = await QuicEndpoint.listen(NodeIdentity.generate(), Recorder(), "::", 0)
+    b = await QuicEndpoint.listen(b_id, Recorder(), "127.0.0.1", 0)
+    port = b.local_address[1]
+
+    async def both_records(host, port_, **kwargs):
+        assert host == "peer.example"
+        return [
+            (socket.AF_INET6, socket.SOCK_DGRAM, 17, "", ("::1", port_, 0, 0)),
+            (socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.0.1", port_)),
+        ]
+
+    monkeypatch.setattr(a.loop, "getaddrinfo", both_records)
+    try:
+        link = await a.dial(f"peer.example:{port}", b_id.node_id, timeout=5)
+        assert link.description == f"quic 127.0.0.1:{port}"
+    finally:
+        a.close()
+        b.close()
+        await a.wait_closed()
+        await b.wait_closed()
