@@ -64,3 +64,8 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     root.setLevel(getattr(logging, level.upper()))
     # aioquic's own loggers are chatty at debug level and say nothing we need.
     logging.getLogger("quic").setLevel(logging.WARNING)
+
+
+def mib(count: int | float) -> str:
+    """A byte count as log lines and messages print it: ``235.2 MiB``."""
+    return f"{count / 2**20:.1f} MiB"

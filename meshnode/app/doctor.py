@@ -393,7 +393,6 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
     running: dict[str, Any] | None = None
     with contextlib.suppress(OSError):
         running = query_status(data_dir, timeout=1.0)["node"]
-    node_running = running is not None
     findings: list[Finding] = []
     findings += check_backend(args.n_gpu_layers)
     findings += check_capture()
@@ -404,7 +403,7 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
         membership, relays = check_membership(data_dir)
         findings += membership
     findings.append(
-        ok("node", "running on this data directory") if node_running else ok("node", "not running")
+        ok("node", "running on this data directory") if running is not None else ok("node", "not running")
     )
     if args.model is not None:
         model_findings = check_model(args.model, args.layers)

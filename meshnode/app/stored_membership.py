@@ -31,7 +31,7 @@ def load_stored_membership(data_dir: DataDir, node_id: bytes) -> MembershipState
 
 def _expired_plain_member(membership: MembershipState, unix_now: float) -> bool:
     # An admin renews its own certificate from the mesh key, however long it was away.
-    return not membership.is_admin and unix_now >= membership.certificate_body.expires_unix
+    return not membership.is_admin and membership.certificate_expired(unix_now)
 
 
 def stored_membership_expired(data_dir: DataDir, unix_now: float | None = None) -> bool:
@@ -57,9 +57,8 @@ def membership_for_join(
             f"{data_dir.path} belongs to mesh {membership.mesh_id}; the invite is for mesh "
             f"{invite.mesh_id} (use another --data-dir)"
         )
-    expires = membership.certificate_body.expires_unix
     if _expired_plain_member(membership, time.time() if unix_now is None else unix_now):
-        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(expires))
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(membership.certificate_body.expires_unix))
         log.info("the stored membership certificate expired at %s; joining again with the invite", when)
         return None
     log.info("already a member of mesh %s; starting from stored membership", membership.mesh_id)

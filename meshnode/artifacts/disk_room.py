@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from meshnode.artifacts.store import StoreError
+from meshnode.logs import mib
 
 # Left free on the store's disk by any fetch: the node's logs and the rest of the machine need room.
 DISK_RESERVE_BYTES = 128 * 2**20
@@ -20,18 +21,14 @@ class NoDiskRoom(StoreError):
     """The store's disk cannot take the tensors to fetch; the message says how much is needed."""
 
 
-def _mib(count: int) -> str:
-    return f"{count / 2**20:.1f} MiB"
-
-
 def check_disk_room(directory: Path, needed: int, *, what: str, reserve: int = DISK_RESERVE_BYTES) -> None:
     """Raises :class:`NoDiskRoom` unless ``directory``'s disk has ``needed`` bytes free beyond
     ``reserve``; ``what`` names what needs them ("layers [0, 9)")."""
     free = shutil.disk_usage(directory).free
     if needed + reserve > free:
         raise NoDiskRoom(
-            f"{what} need {_mib(needed)} more under {directory}, which has {_mib(free)} free "
-            f"({_mib(reserve)} of it kept free): free space there, or choose another --model-store"
+            f"{what} need {mib(needed)} more under {directory}, which has {mib(free)} free "
+            f"({mib(reserve)} of it kept free): free space there, or choose another --model-store"
         )
 
 

@@ -46,6 +46,7 @@ from meshnode.autoplace.mesh_models import (
     most_needed,
 )
 from meshnode.identity import short_id
+from meshnode.logs import mib
 from meshnode.mesh.placement import Range, Replacement, choose_range
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
@@ -256,8 +257,8 @@ class AutoShard:
         if layers is None:
             cheapest = min(costs.per_layer) + costs.shared
             raise PlacementError(
-                f"a budget of {_mib(budget)} holds no layer of {model.name} (the cheapest needs "
-                f"{_mib(cheapest)}); raise --memory-budget or free memory"
+                f"a budget of {mib(budget)} holds no layer of {model.name} (the cheapest needs "
+                f"{mib(cheapest)}); raise --memory-budget or free memory"
             )
         return layers
 
@@ -274,7 +275,7 @@ class AutoShard:
                 "claiming layers [%d, %d) of %s (%s); waiting %.0f s for other claims",
                 *layers,
                 model.name,
-                _mib(costs.range_bytes(*layers)),
+                mib(costs.range_bytes(*layers)),
                 self._settings.claim_settle_s,
             )
             await asyncio.sleep(self._settings.claim_settle_s)
@@ -321,7 +322,7 @@ class AutoShard:
             "fetched layers [%d, %d): %d tensor(s), %s from %s%s",
             *layers,
             len(report.fetched),
-            _mib(report.bytes_received),
+            mib(report.bytes_received),
             describe_sources(report.bytes_by_source),
             f"; quarantined {describe_sources(report.quarantined)}" if report.quarantined else "",
         )
@@ -363,10 +364,6 @@ class AutoShard:
 
 class PlacementError(Exception):
     """This node cannot place itself now; the message says why and what to change."""
-
-
-def _mib(count: int) -> str:
-    return f"{count / 2**20:.1f} MiB"
 
 
 def describe_sources(sources: Iterable[bytes]) -> str:

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnode.logs import mib
+
 # llama.cpp's LLAMA_MAX_SEQ: a context with more sequences is refused.
 LLAMA_MAX_SEQ = 256
 # The most sessions auto chooses.
@@ -134,22 +136,18 @@ class SessionPlan:
     reason: str
 
     def describe(self) -> str:
-        per = _mib(self.per_session_bytes)
+        per = mib(self.per_session_bytes)
         if self.reason == "chosen":
             return f"{self.sessions} sessions (chosen; KV {per} each)"
         if self.reason == "unknown":
             return f"{self.sessions} sessions (no memory figure; KV {per} each)"
-        budget = _mib(self.budget_bytes or 0)
+        budget = mib(self.budget_bytes or 0)
         why = {
             "budget": "what the budget holds",
             "cap": f"auto's cap of {AUTO_SESSIONS_CAP}",
             "floor": "the budget holds less than one; at least one is served",
         }[self.reason]
         return f"{self.sessions} sessions of KV {per} each in a budget of {budget} ({why})"
-
-
-def _mib(count: int) -> str:
-    return f"{count / 2**20:.1f} MiB"
 
 
 def default_budget(

@@ -64,6 +64,9 @@ class MembershipState:
     def is_admin(self) -> bool:
         return self.mesh_key is not None
 
+    def certificate_expired(self, unix_now: float) -> bool:
+        return unix_now >= self.certificate_body.expires_unix
+
     def __repr__(self) -> str:
         return f"MembershipState(mesh_id={self.mesh_id}, known_peers={len(self.known_peers)})"
 

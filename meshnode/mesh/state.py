@@ -185,7 +185,7 @@ class MeshState:
         return learned
 
     def own_certificate_expired(self, unix_now: float) -> bool:
-        return self.membership is not None and unix_now >= self.membership.certificate_body.expires_unix
+        return self.membership is not None and self.membership.certificate_expired(unix_now)
 
     def renew_own_certificate(self, unix_now: float) -> bool:
         """An admin renews its own certificate past half its lifetime (nobody else needs to)."""
