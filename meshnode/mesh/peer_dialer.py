@@ -41,7 +41,12 @@ class RelayRoute(Protocol):
     async def add_relays(self, endpoints: Iterable[Endpoint]) -> None: ...
 
     async def open_link(
-        self, peer_id: bytes, *, via: Iterable[bytes] = (), timeout: float | None = None
+        self,
+        peer_id: bytes,
+        *,
+        via: Iterable[bytes] = (),
+        avoid: Iterable[bytes] = (),
+        timeout: float | None = None,
     ) -> PeerLink: ...
 
 
@@ -95,8 +100,11 @@ class PeerDialer:
         self._connect_timeout = connect_timeout
         self._relay_only = relay_only
 
-    async def dial_peer(self, peer_id: bytes) -> PeerLink:
-        """A new link to a peer in the table or among the known peers; raises :class:`PeerUnreachable`."""
+    async def dial_peer(self, peer_id: bytes, avoid_relays: Iterable[bytes] = ()) -> PeerLink:
+        """A new link to a peer in the table or among the known peers; raises :class:`PeerUnreachable`.
+
+        ``avoid_relays``: relays the peer stopped answering through, not used for this dial.
+        """
         announcement = self._announcement_of(peer_id)
         plan = dial_plan(peer_id, announcement, self._known_peers(), relay_only=self._relay_only)
         failures = []
@@ -109,7 +117,10 @@ class PeerDialer:
             await self._relays.add_relays(plan.relays)
             try:
                 return await self._relays.open_link(
-                    peer_id, via=[r.id for r in plan.relays], timeout=self._connect_timeout
+                    peer_id,
+                    via=[r.id for r in plan.relays],
+                    avoid=avoid_relays,
+                    timeout=self._connect_timeout,
                 )
             except ConnectionError as exc:
                 failures.append(f"relay: {exc}")

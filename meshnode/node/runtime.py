@@ -32,7 +32,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,10 +408,13 @@ class Node:
 
     # -- links -----------------------------------------------------------------------
 
-    async def get_link(self, peer_id: bytes) -> PeerLink:
-        """A live link to ``peer_id`` on which a gossip exchange (mutual admission) completed."""
+    async def get_link(self, peer_id: bytes, avoid_relays: Collection[bytes] = ()) -> PeerLink:
+        """A live link to ``peer_id`` on which a gossip exchange (mutual admission) completed.
+
+        A new link does not go through ``avoid_relays`` (see :meth:`_probe_around_relay`).
+        """
         for attempt in range(_LINK_ATTEMPTS):
-            link = await self._connect(peer_id)
+            link = await self._connect(peer_id, avoid_relays)
             try:
                 await self._ensure_exchanged(link)
             except LinkClosed:
@@ -426,8 +429,9 @@ class Node:
         assert self._dialer is not None, "the node dials only once started"
         return self._dialer
 
-    async def _connect(self, peer_id: bytes) -> PeerLink:
-        return await self._links.connect(peer_id, self._started_dialer().dial_peer)
+    async def _connect(self, peer_id: bytes, avoid_relays: Collection[bytes] = ()) -> PeerLink:
+        dialer = self._started_dialer()
+        return await self._links.connect(peer_id, lambda peer: dialer.dial_peer(peer, avoid_relays))
 
     async def _ensure_exchanged(self, link: PeerLink) -> None:
         done = self._exchanged.get(link)
@@ -603,7 +607,9 @@ class Node:
 
     async def _confirm_down(self, peer_id: bytes, reporter: bytes | None) -> None:
         try:
-            if await self.probe(peer_id):
+            started_at = asyncio.get_running_loop().time()
+            answered, probed = await self._probe_on_link(peer_id)
+            if answered or await self._probe_again(peer_id, probed, started_at):
                 return
             why = "unreachable, probe failed" + (f" (reported by {short_id(reporter)})" if reporter else "")
             if self._drop(peer_id, why, close_link=True) and reporter is None:
@@ -611,22 +617,56 @@ class Node:
         finally:
             self._probing.discard(peer_id)
 
-    async def probe(self, peer_id: bytes) -> bool:
+    async def probe(self, peer_id: bytes, avoid_relays: Collection[bytes] = ()) -> bool:
         """True when the peer echoes a PROBE within ``probe_timeout``."""
+        answered, _link = await self._probe_on_link(peer_id, avoid_relays)
+        return answered
+
+    async def _probe_on_link(
+        self, peer_id: bytes, avoid_relays: Collection[bytes] = ()
+    ) -> tuple[bool, PeerLink | None]:
+        """Whether the peer echoed a PROBE within ``probe_timeout``, and the link the probe began on.
+
+        That is the link kept when the probe started, else the one it dialed (``None``: none).
+        """
         nonce = os.urandom(16)
+        link = self._links.get(peer_id)
         try:
             async with asyncio.timeout(self.config.probe_timeout):
-                link = await self.get_link(peer_id)
+                used = await self.get_link(peer_id, avoid_relays)
+                link = link or used
                 probe = mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
-                data = await request_reply(link, StreamType.PROBE, probe, timeout=None)
+                data = await request_reply(used, StreamType.PROBE, probe, timeout=None)
         except PEER_FAILURES:
-            return False
+            return False, link
         if data is None:
-            return False
+            return False, link
         try:
-            return decode(mesh.Probe, data).nonce == nonce
+            return decode(mesh.Probe, data).nonce == nonce, link
         except MeshRefusal:
+            return False, link
+
+    async def _probe_again(self, peer_id: bytes, unanswered: PeerLink | None, started_at: float) -> bool:
+        """After an unanswered probe: a second one where the peer may be reached another way.
+
+        A relay that dies without closing keeps its connection for its idle timeout
+        (15 s), and the peer would be dropped although another of its relays reaches
+        it: the second probe goes around that relay. A peer that moved first (its new
+        link came up during the probe) gets a whole probe on the new link.
+        """
+        current = self._links.get(peer_id)
+        if current is not None and current.established_at >= started_at:
+            return await self.probe(peer_id)
+        if unanswered is None or unanswered.relay_id is None:
             return False
+        relay_id = unanswered.relay_id
+        unanswered.close("no answer through this relay")
+        log.info(
+            "peer %s did not answer through relay %s; trying its other relays",
+            short_id(peer_id),
+            short_id(relay_id),
+        )
+        return await self.probe(peer_id, avoid_relays=(relay_id,))
 
     async def _serve_probe(self, stream: FramedStream) -> None:
         probe = await receive_message(stream, mesh.Probe, self.config.probe_timeout)

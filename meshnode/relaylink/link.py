@@ -110,6 +110,7 @@ class RelayedPeerLink(PeerLink):
         session: SealedSession,
         send: SendPayload,
         handler: LinkHandler,
+        relay_id: bytes,
         relay_description: str,
         mux_config: MuxConfig | None = None,
         on_closed: Callable[[RelayedPeerLink], None] | None = None,
@@ -117,6 +118,7 @@ class RelayedPeerLink(PeerLink):
         self.session = session
         self.peer_id = session.peer_id
         self.initiated_locally = session.initiated_locally
+        self.relay_id = relay_id
         self.established_at = asyncio.get_running_loop().time()
         self.mux = ChannelMux(session.local_id, session.peer_id, mux_config or MuxConfig())
         self.progress = Progress()

@@ -98,6 +98,8 @@ class RelayLinks:
         self._links: dict[_Key, RelayedPeerLink] = {}
         self._pending: dict[_Key, asyncio.Future[RelayedPeerLink]] = {}
         self._any_registered = asyncio.Event()
+        # Relays some peer stopped answering through (see open_link's ``avoid``).
+        self._doubted: set[bytes] = set()
         self._closed = False
         # What each of this manager's relay clients reports into.
         self.client_callbacks = RelayCallbacks(
@@ -160,10 +162,23 @@ class RelayLinks:
     # -- links ---------------------------------------------------------------------------
 
     async def open_link(
-        self, peer_id: bytes, *, via: Iterable[bytes] = (), timeout: float | None = None
+        self,
+        peer_id: bytes,
+        *,
+        via: Iterable[bytes] = (),
+        avoid: Iterable[bytes] = (),
+        timeout: float | None = None,
     ) -> PeerLink:
-        """A relayed link to ``peer_id`` through one of ``via`` (its announced relays), or any of ours."""
-        client = await self._pick_client(set(via))
+        """A relayed link to ``peer_id`` through one of ``via`` (its announced relays), or any of ours.
+
+        ``avoid`` names relays the peer stopped answering through: a relay that died
+        without closing looks registered until its connection times out (15 s), and
+        another relay the peer uses reaches it sooner. Until an avoided relay delivers
+        again or reconnects, it is also the last choice for every other peer.
+        """
+        avoided = set(avoid)
+        self._doubted |= avoided
+        client = await self._pick_client(set(via), avoided)
         key = (client.relay_id, peer_id)
         link = self._links.get(key)
         if link is not None and not link.is_closed:
@@ -188,21 +203,27 @@ class RelayLinks:
                 f"{short_id(peer_id)} did not answer a sealed handshake through relay {client.endpoint_info}"
             ) from None
 
-    async def _pick_client(self, via: set[bytes]) -> RelayClient:
+    async def _pick_client(self, via: set[bytes], avoid: set[bytes]) -> RelayClient:
+        def usable() -> list[RelayClient]:
+            return [c for c in self._clients.values() if c.relay_id not in avoid]
+
         def candidates() -> list[RelayClient]:
-            ours = [c for c in self._clients.values() if c.registered]
+            ours = [c for c in usable() if c.registered]
             shared = [c for c in ours if c.relay_id in via]
-            return shared or ([] if via & set(self._clients) else ours)
+            found = shared or ([] if via & {c.relay_id for c in usable()} else ours)
+            return sorted(found, key=lambda c: c.relay_id in self._doubted)  # stable: doubted ones last
 
         found = candidates()
-        if not found and self._clients:
+        if not found and usable():
             # Registrations may still be coming up (node start, relay restart).
             deadline = asyncio.get_running_loop().time() + self.settings.registration_wait
             while not found and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
                 found = candidates()
         if not found:
-            names = ", ".join(str(c.endpoint_info) for c in self._clients.values()) or "none configured"
+            names = ", ".join(str(c.endpoint_info) for c in usable()) or (
+                "none besides the one it stopped answering through" if avoid else "none configured"
+            )
             raise RelayDialError(f"not registered with a relay the peer uses (relays: {names})")
         return found[0]
 
@@ -246,6 +267,7 @@ class RelayLinks:
         key = (client.relay_id, source)
         if source == self.identity.node_id:
             return
+        self._doubted.discard(client.relay_id)  # it delivers: alive
         self.stats.bytes_received += len(payload)
         try:
             sealer = self._sealer(key)
@@ -284,6 +306,7 @@ class RelayLinks:
             session=event.session,
             send=send,
             handler=self.handler,
+            relay_id=client.relay_id,
             relay_description=str(client.endpoint_info),
             mux_config=self.settings.mux,
             on_closed=lambda closed, k=key: self._link_closed(k, closed),
@@ -324,6 +347,7 @@ class RelayLinks:
 
     def _on_up(self, client: RelayClient) -> None:
         self._any_registered.set()
+        self._doubted.discard(client.relay_id)
         # Each registration hands over what we know: a relay that restarted or never heard learns it.
         client.send_revocations(self._revocations())
 

@@ -96,6 +96,9 @@ class PeerLink(abc.ABC):
     initiated_locally: bool
     # Event-loop time when the link became usable.
     established_at: float
+    # The relay a relayed link passes through (None: a direct link). A peer that stops
+    # answering on a relayed link may still be reachable through another of its relays.
+    relay_id: bytes | None = None
     # Set once the link is closed; implementations create it and set it exactly once.
     _closed: asyncio.Event
 

@@ -73,14 +73,21 @@ class Relays:
         self.link = link
         self.added: list[Endpoint] = []
         self.opened: list[tuple[bytes, list[bytes]]] = []
+        self.avoided: list[list[bytes]] = []
 
     async def add_relays(self, endpoints: Iterable[Endpoint]) -> None:
         self.added.extend(endpoints)
 
     async def open_link(
-        self, peer_id: bytes, *, via: Iterable[bytes] = (), timeout: float | None = None
+        self,
+        peer_id: bytes,
+        *,
+        via: Iterable[bytes] = (),
+        avoid: Iterable[bytes] = (),
+        timeout: float | None = None,
     ) -> PeerLink:
         self.opened.append((peer_id, list(via)))
+        self.avoided.append(list(avoid))
         if self.link is None:
             raise ConnectionError("not registered with a relay the peer uses")
         return self.link
@@ -121,6 +128,14 @@ async def test_when_no_address_answers_the_peers_relays_are_registered_with_and_
     peer = announcement("10.0.0.2:1", relays=[RELAY])
     assert await dialer(Direct({}), relays, peer=peer).dial_peer(B) is relayed
     assert relays.added == [Endpoint(RELAY, "relay:1")] and relays.opened == [(B, [RELAY])]
+
+
+async def test_a_relay_the_peer_stopped_answering_through_is_passed_on_as_avoided():
+    relays = Relays(FakeLink(B, dialed_here=True, at=1.0))
+    peer = announcement(relays=[RELAY])
+    await dialer(Direct({}), relays, peer=peer).dial_peer(B)
+    await dialer(Direct({}), relays, peer=peer).dial_peer(B, avoid_relays=[RELAY])
+    assert relays.avoided == [[], [RELAY]]
 
 
 async def test_an_unreachable_peer_names_every_attempt():

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from helpers.rss import MiB, PeakRss
-from relay_helpers import EchoHandler, new_member, registered_links
+from relay_helpers import EchoHandler, new_member, registered_links, start_relay_process
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
@@ -43,27 +41,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 ATTACKERS = 100
 RSS_GROWTH_LIMIT = 64 * MiB
-
-
-async def start_relay(tmp_path: Path, mesh_id: str) -> tuple[subprocess.Popen[str], Endpoint]:
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "meshnode", "relay", "--data-dir", str(tmp_path / "relay")),
-            *("--listen", "127.0.0.1:0", "--mesh", mesh_id),
-            *("--max-unregistered-per-source", str(2 * ATTACKERS)),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=(tmp_path / "relay.log").open("w"),
-        text=True,
-    )
-    assert process.stdout is not None
-    loop = asyncio.get_running_loop()
-    id_line = await asyncio.wait_for(loop.run_in_executor(None, process.stdout.readline), 30)
-    address_line = await asyncio.wait_for(loop.run_in_executor(None, process.stdout.readline), 30)
-    assert id_line.startswith("relay id: "), id_line
-    assert address_line.startswith("relay listening on "), address_line
-    relay_id = bytes.fromhex(id_line.removeprefix("relay id: ").strip())
-    return process, Endpoint(relay_id, address_line.removeprefix("relay listening on ").strip())
 
 
 async def stranger_announces_a_big_frame(relay_endpoint: Endpoint, dialing: asyncio.Semaphore) -> str:
@@ -97,7 +74,9 @@ async def stranger_announces_a_big_frame(relay_endpoint: Endpoint, dialing: asyn
 
 async def test_announced_frames_from_strangers_do_not_reserve_relay_memory(tmp_path: Path) -> None:
     mesh_key = MeshKey.generate()
-    process, relay_endpoint = await start_relay(tmp_path, mesh_key.mesh_id)
+    process, relay_endpoint = await start_relay_process(
+        tmp_path / "relay", mesh_key.mesh_id, "--max-unregistered-per-source", str(2 * ATTACKERS)
+    )
     links: list[RelayLinks] = []
     try:
         a, b = new_member(mesh_key), new_member(mesh_key)

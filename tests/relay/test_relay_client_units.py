@@ -98,3 +98,59 @@ async def test_a_dial_the_relay_refused_does_not_make_us_ignore_the_peers_own_ha
     assert [(destination, payload[0]) for destination, _, payload in client.sent] == [
         (other.node_id, KIND_RESPONSE)
     ]
+
+
+def inits_sent(client: RegisteredClient) -> list[bytes]:
+    return [destination for destination, channel, payload in client.sent if payload[0] == KIND_INIT]
+
+
+async def test_a_dial_avoiding_a_relay_goes_through_another_and_that_relay_comes_last_until_it_delivers() -> (
+    None
+):
+    # A relay that died without closing still counts as registered for 15 s: a peer that stopped
+    # answering through it is dialed through another, and so is every other peer, until it delivers.
+    me = NodeIdentity.generate()
+    links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None)
+    silent, other = RegisteredClient(relay_id=b"\x01" * 32), RegisteredClient(relay_id=b"\x02" * 32)
+    for client in (silent, other):
+        links._clients[client.relay_id] = client  # type: ignore[assignment]
+    both = [silent.relay_id, other.relay_id]
+    peers = [NodeIdentity.generate().node_id for _ in range(3)]
+
+    dials = [asyncio.create_task(links.open_link(peers[0], via=both, timeout=5.0))]
+    await asyncio.sleep(0)
+    assert inits_sent(silent) == [peers[0]] and inits_sent(other) == []  # first choice: announced first
+
+    dials.append(
+        asyncio.create_task(links.open_link(peers[0], via=both, avoid=[silent.relay_id], timeout=5.0))
+    )
+    dials.append(asyncio.create_task(links.open_link(peers[1], via=both, timeout=5.0)))
+    await asyncio.sleep(0)
+    assert inits_sent(other) == [peers[0], peers[1]] and inits_sent(silent) == [peers[0]]
+
+    # Any payload through the silent relay shows it alive: it is the first choice again.
+    links.client_callbacks.deliver(silent, peers[1], 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]
+    dials.append(asyncio.create_task(links.open_link(peers[2], via=both, timeout=5.0)))
+    await asyncio.sleep(0)
+    assert inits_sent(silent) == [peers[0], peers[2]]
+    for dial in dials:
+        dial.cancel()
+    await asyncio.gather(*dials, return_exceptions=True)
+
+
+async def test_a_dial_avoiding_the_only_relay_fails_at_once_saying_so() -> None:
+    me = NodeIdentity.generate()
+    links = RelayLinks(
+        me,
+        NullHandler(),
+        mesh_id="m",
+        proof_for=lambda _r: None,
+        settings=RelayLinkSettings(registration_wait=60),
+    )
+    only = RegisteredClient()
+    links._clients[only.relay_id] = only  # type: ignore[assignment]
+    peer = NodeIdentity.generate().node_id
+    with pytest.raises(RelayDialError, match="none besides the one it stopped answering through"):
+        # Not after registration_wait: no other relay is coming up.
+        await asyncio.wait_for(links.open_link(peer, via=[only.relay_id], avoid=[only.relay_id]), 10)
+    assert only.sent == []

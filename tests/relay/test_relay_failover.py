@@ -1,0 +1,96 @@
+"""Relayed peers stay in the mesh when the relay their link goes through dies.
+
+Two relay-only nodes (NAT stand-ins, in this process) register with two real
+``meshnode relay`` processes, and each announces both. The relay their link
+uses is killed with SIGKILL: it sends no CONNECTION_CLOSE, so both nodes'
+connections to it look alive until their idle timeout (15 s). Before, each
+node's heartbeat and then its probe went through the dead relay and it dropped
+the other (seen by hand at default timing: dropped at +11 s, back at +25 s).
+Now a probe unanswered on a relayed link is retried through the peer's other
+relay, and neither node drops the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_invited_node
+from helpers.polling import eventually
+from relay_helpers import start_relay_process
+
+from meshnode.membership.credentials import Endpoint, MeshKey
+from meshnode.node import Node
+
+pytestmark = pytest.mark.timeout(90)
+
+# Longer than the nodes take to drop an unanswering peer (heartbeat 0.3 s, gossip and
+# probe timeouts 2 s each) and shorter than a relay connection's idle timeout (15 s).
+WATCH_S = 9.0
+
+
+def announced_relays(viewer: Node, peer: Node) -> set[bytes]:
+    for entry in viewer.peers():
+        if entry.peer_id == peer.node_id:
+            return {bytes(r.relay_id) for r in entry.announcement.relays}
+    return set()
+
+
+def registered_with(node: Node) -> set[bytes]:
+    return {bytes.fromhex(r.id) for r in node.status().node.relays if r.registered}
+
+
+async def test_peers_move_to_their_other_relay_when_theirs_dies_without_closing(tmp_path: Path) -> None:
+    mesh_key = MeshKey.generate()
+    relays: list[tuple[subprocess.Popen[str], Endpoint]] = []
+    nodes: list[Node] = []
+    try:
+        for name in ("r1", "r2"):
+            relays.append(await start_relay_process(tmp_path / name, mesh_key.mesh_id))
+        endpoints = [endpoint for _process, endpoint in relays]
+        both = {endpoint.id for endpoint in endpoints}
+        node_a = first_member(tmp_path / "a", relay_only_config(relays=endpoints), mesh_key)
+        nodes.append(node_a)
+        await node_a.start()
+        invite = invite_from(node_a, relays=endpoints)
+        node_b = await start_invited_node(tmp_path / "b", relay_only_config(relays=endpoints), invite)
+        nodes.append(node_b)
+
+        await eventually(
+            lambda: (
+                registered_with(node_a) == registered_with(node_b) == both
+                and announced_relays(node_a, node_b) == announced_relays(node_b, node_a) == both
+            ),
+            timeout=20,
+        )
+        assert await node_a.probe(node_b.node_id)
+        used_link = node_a.link_to(node_b.node_id)
+        assert used_link is not None and used_link.relay_id in both
+        (dead_process,) = [process for process, endpoint in relays if endpoint.id == used_link.relay_id]
+        (other_relay,) = both - {used_link.relay_id}
+
+        dead_process.kill()
+        dead_process.wait(10)
+        loop = asyncio.get_running_loop()
+        watch_until = loop.time() + WATCH_S
+        while loop.time() < watch_until:
+            assert node_b.node_id in node_a.state.table, "A dropped B although another relay reaches it"
+            assert node_a.node_id in node_b.state.table, "B dropped A although another relay reaches it"
+            await asyncio.sleep(0.05)
+
+        # Both still count the dead relay as registered (its connection has not timed out),
+        # yet they talk through the other one.
+        assert used_link.relay_id in registered_with(node_a)
+        assert await node_a.probe(node_b.node_id)
+        assert await node_b.probe(node_a.node_id)
+        for node, peer in ((node_a, node_b), (node_b, node_a)):
+            link = node.link_to(peer.node_id)
+            assert link is not None and link.relay_id == other_relay, link and link.description
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
+        for process, _endpoint in relays:
+            process.kill()
+            process.wait(10)
