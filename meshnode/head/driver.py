@@ -108,8 +108,11 @@ class RouteEnvironment(Protocol):
         """A link to the hop (an in-process one for this node itself)."""
         ...
 
-    async def alive(self, node_id: bytes) -> bool:
-        """Whether the peer answers a liveness probe (the caller bounds the wait)."""
+    async def alive(self, node_id: bytes, probe_timeout: float) -> bool:
+        """Whether the peer answers a liveness probe waiting ``probe_timeout`` at most.
+
+        A mesh node may probe twice (once more around a relay that stopped answering).
+        """
         ...
 
 
@@ -711,8 +714,9 @@ class _Generation:
 
     async def _alive(self, node_id: bytes) -> bool:
         try:
-            async with asyncio.timeout(self.options.probe_timeout_s):
-                return await self.env.alive(node_id)
+            # Bounds a check that hangs; the environment bounds each probe itself.
+            async with asyncio.timeout(2 * self.options.probe_timeout_s + 1):
+                return await self.env.alive(node_id, self.options.probe_timeout_s)
         except (TimeoutError, *ROUTE_FAILURES):
             return False
 

@@ -3,7 +3,8 @@
 :class:`NodeRoutes` reads the node's peer table (plus what this node itself
 serves), links to peers with ``Node.get_link`` and checks liveness with the mesh
 PROBE, which the peer's event loop answers at once (a shard's Health waits for
-its engine thread, so a busy peer would look dead). This node's own shard is
+its engine thread, so a busy peer would look dead); ``Node.reachable`` probes once
+more around a relay that stopped answering. This node's own shard is
 reached through a :class:`~meshnode.head.local_link.LocalShardLink`.
 
 :class:`StandaloneShardHost` is the whole-model single-node mode: it is both
@@ -46,10 +47,10 @@ class NodeRoutes:
             return await self.local.link()
         return await self.node.get_link(node_id)
 
-    async def alive(self, node_id: bytes) -> bool:
+    async def alive(self, node_id: bytes, probe_timeout: float) -> bool:
         if node_id == self.node.node_id:
             return self.local is not None
-        return await self.node.probe(node_id)
+        return await self.node.reachable(node_id, probe_timeout)
 
 
 class StandaloneShardHost:
@@ -89,7 +90,7 @@ class StandaloneShardHost:
     async def link(self, node_id: bytes) -> PeerLink:
         return await self.get_link(node_id)
 
-    async def alive(self, node_id: bytes) -> bool:
+    async def alive(self, node_id: bytes, probe_timeout: float) -> bool:
         return node_id == self.node_id
 
     async def aclose(self) -> None:

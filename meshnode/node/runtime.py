@@ -47,6 +47,7 @@ from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.receive import receive_message
+from meshnode.mesh.reprobe import reprobe_after
 from meshnode.mesh.rules import (
     PeerDownAction,
     PeerLeavingAction,
@@ -411,7 +412,7 @@ class Node:
     async def get_link(self, peer_id: bytes, avoid_relays: Collection[bytes] = ()) -> PeerLink:
         """A live link to ``peer_id`` on which a gossip exchange (mutual admission) completed.
 
-        A new link does not go through ``avoid_relays`` (see :meth:`_probe_around_relay`).
+        A new link does not go through ``avoid_relays`` (see :meth:`reachable`).
         """
         for attempt in range(_LINK_ATTEMPTS):
             link = await self._connect(peer_id, avoid_relays)
@@ -607,9 +608,7 @@ class Node:
 
     async def _confirm_down(self, peer_id: bytes, reporter: bytes | None) -> None:
         try:
-            started_at = asyncio.get_running_loop().time()
-            answered, probed = await self._probe_on_link(peer_id)
-            if answered or await self._probe_again(peer_id, probed, started_at):
+            if await self.reachable(peer_id):
                 return
             why = "unreachable, probe failed" + (f" (reported by {short_id(reporter)})" if reporter else "")
             if self._drop(peer_id, why, close_link=True) and reporter is None:
@@ -617,22 +616,49 @@ class Node:
         finally:
             self._probing.discard(peer_id)
 
-    async def probe(self, peer_id: bytes, avoid_relays: Collection[bytes] = ()) -> bool:
-        """True when the peer echoes a PROBE within ``probe_timeout``."""
-        answered, _link = await self._probe_on_link(peer_id, avoid_relays)
+    async def reachable(self, peer_id: bytes, probe_timeout: float | None = None) -> bool:
+        """Whether the peer answers a probe, or a second one where it may be reached another way.
+
+        See :mod:`meshnode.mesh.reprobe` (a relay that died without closing). Each probe
+        waits ``probe_timeout`` at most (default: the node's ``probe_timeout``).
+        """
+        began_at = asyncio.get_running_loop().time()
+        answered, unanswered = await self._probe_on_link(peer_id, (), probe_timeout)
+        if answered:
+            return True
+        again = reprobe_after(unanswered, self._links.get(peer_id), began_at)
+        if again is None:
+            return False
+        if again.give_up is not None:
+            again.give_up.close("no answer through this relay")
+            log.info(
+                "peer %s did not answer through %s; trying its other relays",
+                short_id(peer_id),
+                again.give_up.description,
+            )
+        return await self.probe(peer_id, again.avoid_relays, probe_timeout)
+
+    async def probe(
+        self, peer_id: bytes, avoid_relays: Collection[bytes] = (), timeout: float | None = None
+    ) -> bool:
+        """True when the peer echoes a PROBE within ``timeout`` (default: ``probe_timeout``).
+
+        A new link does not go through ``avoid_relays``.
+        """
+        answered, _link = await self._probe_on_link(peer_id, avoid_relays, timeout)
         return answered
 
     async def _probe_on_link(
-        self, peer_id: bytes, avoid_relays: Collection[bytes] = ()
+        self, peer_id: bytes, avoid_relays: Collection[bytes], timeout: float | None
     ) -> tuple[bool, PeerLink | None]:
-        """Whether the peer echoed a PROBE within ``probe_timeout``, and the link the probe began on.
+        """Whether the peer echoed a PROBE in time, and the link the probe began on.
 
         That is the link kept when the probe started, else the one it dialed (``None``: none).
         """
         nonce = os.urandom(16)
         link = self._links.get(peer_id)
         try:
-            async with asyncio.timeout(self.config.probe_timeout):
+            async with asyncio.timeout(self.config.probe_timeout if timeout is None else timeout):
                 used = await self.get_link(peer_id, avoid_relays)
                 link = link or used
                 probe = mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
@@ -645,28 +671,6 @@ class Node:
             return decode(mesh.Probe, data).nonce == nonce, link
         except MeshRefusal:
             return False, link
-
-    async def _probe_again(self, peer_id: bytes, unanswered: PeerLink | None, started_at: float) -> bool:
-        """After an unanswered probe: a second one where the peer may be reached another way.
-
-        A relay that dies without closing keeps its connection for its idle timeout
-        (15 s), and the peer would be dropped although another of its relays reaches
-        it: the second probe goes around that relay. A peer that moved first (its new
-        link came up during the probe) gets a whole probe on the new link.
-        """
-        current = self._links.get(peer_id)
-        if current is not None and current.established_at >= started_at:
-            return await self.probe(peer_id)
-        if unanswered is None or unanswered.relay_id is None:
-            return False
-        relay_id = unanswered.relay_id
-        unanswered.close("no answer through this relay")
-        log.info(
-            "peer %s did not answer through relay %s; trying its other relays",
-            short_id(peer_id),
-            short_id(relay_id),
-        )
-        return await self.probe(peer_id, avoid_relays=(relay_id,))
 
     async def _serve_probe(self, stream: FramedStream) -> None:
         probe = await receive_message(stream, mesh.Probe, self.config.probe_timeout)

@@ -90,6 +90,7 @@ async def stream_chat(
             if not data or data == b"[DONE]":
                 continue
             event = json.loads(data)
+            assert "error" not in event, f"the answer ended in an error: {event['error']}"
             usage = event.get("usage") or usage
             for choice in event["choices"]:
                 pieces.append(choice["delta"].get("content") or "")

@@ -91,7 +91,7 @@ class LoopbackRoutes:
             return await self.local.link()
         return await self.me.get_link(node_id)
 
-    async def alive(self, node_id: bytes) -> bool:
+    async def alive(self, node_id: bytes, probe_timeout: float) -> bool:
         self.alive_calls += 1
         return not self.mesh.down.get(node_id, False)
 

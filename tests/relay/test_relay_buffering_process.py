@@ -25,8 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.relay_process import start_relay_process
 from helpers.rss import MiB, PeakRss
-from relay_helpers import EchoHandler, new_member, registered_links, start_relay_process
+from relay_helpers import EchoHandler, new_member, registered_links
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey

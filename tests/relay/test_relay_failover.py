@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_invited_node
 from helpers.polling import eventually
-from relay_helpers import start_relay_process
+from helpers.relay_process import start_relay_process
 
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.node import Node

@@ -1,0 +1,51 @@
+"""When a peer that left a probe unanswered gets a second probe, and around which relay."""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshnode.mesh.reprobe import Reprobe, reprobe_after
+from meshnode.transport.base import MeshStream, PeerLink
+
+RELAY = b"\x07" * 32
+
+
+class Link(PeerLink):
+    def __init__(self, *, at: float, relay_id: bytes | None = None) -> None:
+        self.peer_id = b"\x02" * 32
+        self.initiated_locally = True
+        self.established_at = at
+        self.relay_id = relay_id
+        self._closed = asyncio.Event()
+
+    async def open_raw_stream(self) -> MeshStream:
+        raise NotImplementedError
+
+    def close(self, reason: str = "") -> None:
+        self._closed.set()
+
+    @property
+    def description(self) -> str:
+        return "test link"
+
+
+async def test_a_silent_relayed_link_is_given_up_and_the_second_probe_goes_around_its_relay() -> None:
+    relayed = Link(at=1.0, relay_id=RELAY)
+    assert reprobe_after(relayed, relayed, probe_began_at=5.0) == Reprobe(
+        avoid_relays=(RELAY,), give_up=relayed
+    )
+    # The link closed while the probe waited (none kept now): still around its relay.
+    assert reprobe_after(relayed, None, probe_began_at=5.0) == Reprobe(avoid_relays=(RELAY,), give_up=relayed)
+
+
+async def test_a_link_that_came_up_during_the_probe_gets_a_whole_probe_and_nothing_is_closed() -> None:
+    old, new = Link(at=1.0, relay_id=RELAY), Link(at=6.0, relay_id=b"\x08" * 32)
+    assert reprobe_after(old, new, probe_began_at=5.0) == Reprobe(avoid_relays=(), give_up=None)
+    # Also where the probe found no link and dialed one that came up too late to answer in time.
+    assert reprobe_after(new, new, probe_began_at=5.0) == Reprobe(avoid_relays=(), give_up=None)
+
+
+async def test_a_silent_direct_link_or_no_link_at_all_gets_no_second_probe() -> None:
+    direct = Link(at=1.0)
+    assert reprobe_after(direct, direct, probe_began_at=5.0) is None
+    assert reprobe_after(None, None, probe_began_at=5.0) is None
