@@ -436,7 +436,8 @@ class Node:
 
     async def _ensure_exchanged(self, link: PeerLink) -> None:
         done = self._exchanged.get(link)
-        if done is not None and done.done() and done.exception() is None:
+        # A cancelled exchange (its caller timed out) proves nothing: exchange again.
+        if done is not None and done.done() and not done.cancelled() and done.exception() is None:
             return
         await self._exchange(link)
 

@@ -152,6 +152,25 @@ async def test_get_link_from_both_sides_at_once_succeeds_on_the_surviving_link(t
         await other.shutdown()
 
 
+async def test_a_gossip_exchange_cut_off_by_a_timeout_leaves_the_link_usable(tmp_path, first):
+    # A heartbeat or probe that times out cancels the gossip exchange it was waiting on. The
+    # next get_link on that link raised CancelledError (a cancelled future's exception()),
+    # so probes raised instead of answering and callers saw themselves cancelled.
+    other = await start_first_node(tmp_path, "other", mesh_key=first.state.membership.mesh_key)
+    try:
+        first.add_known_peer(Endpoint(other.node_id, other.addresses[0]))
+        link = await first.get_link(other.node_id)
+        cut_off = asyncio.ensure_future(first._exchange(link))  # as a heartbeat starts one
+        await asyncio.sleep(0)
+        cut_off.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut_off
+        assert await first.probe(other.node_id)
+        assert await first.get_link(other.node_id) is link
+    finally:
+        await other.shutdown()
+
+
 async def test_join_refusal_is_a_one_line_reason(tmp_path, first):
     expired = invite_for(first, ttl=10, now=time.time() - 60)
     node = Node(NodeIdentity.generate(), DataDir(tmp_path / "late"), fast_config(), invite=expired)
