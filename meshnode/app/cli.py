@@ -2,7 +2,8 @@
 
 Subcommands come from modules. Each module in :data:`COMMAND_MODULES` exposes
 ``register(subparsers, common)``: it adds its parsers (passing ``parents=[common]``
-gives them ``--data-dir`` and ``--log-level``) and sets ``handler`` with
+gives them ``--data-dir`` and ``--log-level``; the relay's own ``common_options``
+describes its different state directory) and sets ``handler`` with
 ``parser.set_defaults(handler=fn)``, where ``fn(args)`` returns an exit code or
 is a coroutine function returning one (run on uvloop when installed). To add a
 subcommand (``relay``, ``generate``, ``demo``, ...), write such a module and add
@@ -35,9 +36,9 @@ from meshnode.app import (
     up_command,
 )
 from meshnode.app.cli_error import CliError, os_error_line
-from meshnode.app.config import ConfigError, add_config_option, parse_args_with_config
+from meshnode.app.common_options import common_options
+from meshnode.app.config import ConfigError, parse_args_with_config
 from meshnode.app.event_loop import run_async
-from meshnode.identity import DATA_DIR_ENV
 from meshnode.logs import configure_logging
 
 # Modules that add subcommands, in the order ``--help`` lists them; see the module docstring.
@@ -54,22 +55,7 @@ COMMAND_MODULES: tuple[ModuleType, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--data-dir",
-        metavar="DIR",
-        help=f"node state directory (default ${DATA_DIR_ENV} or ~/.local/share/meshnode)",
-    )
-    common.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)"
-    )
-    common.add_argument(
-        "--log-format",
-        default="text",
-        choices=["text", "json"],
-        help="text lines, or one JSON object per line (default text)",
-    )
-    add_config_option(common)
+    common = common_options()
     parser = argparse.ArgumentParser(
         prog="meshnode",
         description="Pool machines to run one large language model over a QUIC mesh.",

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from meshnode.app.cli_args import host_port, mesh_id, positive_int
+from meshnode.app.common_options import common_options
 from meshnode.app.data_dirs import RELAY_DATA_DIR_ENV, relay_data_dir
 from meshnode.app.event_loop import run_async
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
@@ -170,14 +171,17 @@ async def run_relay(args: argparse.Namespace) -> int:
             loop.remove_signal_handler(signum)
 
 
+RELAY_DATA_DIR_HELP = f"relay state directory, holding its identity key (default ${RELAY_DATA_DIR_ENV} or ~/.local/share/meshnode-relay)"
+
+
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     """Hook for ``meshnode.app.cli.COMMAND_MODULES``."""
     parser = subparsers.add_parser(
         "relay",
-        parents=[common],
+        # Not ``common``: a relay keeps its identity in a directory of its own.
+        parents=[common_options(RELAY_DATA_DIR_HELP)],
         help="run a relay for NATed mesh members",
-        description="Forward sealed frames between members of the given meshes that cannot dial each other. "
-        f"--data-dir holds the relay's identity key (default ${RELAY_DATA_DIR_ENV} or ~/.local/share/meshnode-relay).",
+        description="Forward sealed frames between members of the given meshes that cannot dial each other.",
     )
     add_arguments(parser)
     parser.set_defaults(handler=run_relay)
@@ -186,7 +190,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m relay``: the relay alone, without the rest of the ``meshnode`` command line."""
     parser = argparse.ArgumentParser(prog="python -m relay", description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", metavar="DIR", help="relay state directory")
+    parser.add_argument("--data-dir", metavar="DIR", help=RELAY_DATA_DIR_HELP)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="text", choices=["text", "json"])
     add_arguments(parser)

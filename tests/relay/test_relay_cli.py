@@ -24,6 +24,23 @@ def test_show_id_creates_a_private_key_once_and_prints_a_stable_id(
     assert capsys.readouterr().out.strip() == first
 
 
+def test_help_names_the_relays_own_state_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    # The relay's --data-dir help said "node state directory ... ~/.local/share/meshnode",
+    # while a relay keeps its key in ~/.local/share/meshnode-relay.
+    with pytest.raises(SystemExit):
+        main(["relay", "--help"])
+    relay_help = " ".join(capsys.readouterr().out.split())
+    assert "--data-dir DIR relay state directory, holding its identity key (default" in relay_help
+    assert "$MESHNODE_RELAY_DATA_DIR or ~/.local/share/meshnode-relay)" in relay_help
+    with pytest.raises(SystemExit):
+        main(["join", "--help"])
+    join_help = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--data-dir DIR node state directory (default $MESHNODE_DATA_DIR or ~/.local/share/meshnode)"
+        in join_help
+    )
+
+
 def test_relay_needs_a_mesh(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["relay", "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0"]) == 2
     assert "--mesh" in capsys.readouterr().err
