@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshnode.identity import short_id
 from meshnode.membership.socket_path import reachable_socket_path
 from meshnode.membership.store import DataDir
 
@@ -48,6 +49,7 @@ def format_status(status: dict[str, Any]) -> str:
     ]
     if node.get("api_url"):
         lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
+    lines += [_relay_line(relay) for relay in node.get("relays") or []]
     startup = (status.get("sections") or {}).get("startup")
     if startup:
         lines.append(f"  starting: {startup['state']}")
@@ -69,6 +71,13 @@ def format_status(status: dict[str, Any]) -> str:
         )
     lines += _membership_lines(status.get("membership") or {})
     return "\n".join(lines)
+
+
+def _relay_line(relay: dict[str, Any]) -> str:
+    named = f"{short_id(bytes.fromhex(relay['id']))}@{relay['address']}"
+    if relay["registered"]:
+        return f"  relay {named}: registered"
+    return f"  relay {named}: not registered ({relay.get('problem') or 'connecting'})"
 
 
 def _membership_lines(membership: dict[str, Any]) -> list[str]:

@@ -55,6 +55,8 @@ class RelayStatus:
     id: str
     address: str
     registered: bool
+    # Why the last registration attempt failed or the connection ended ("" while registered).
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,17 @@ def _seconds_since(then_ns: int, now_ns: int) -> float:
 def _relays(links: RelayLinks | None) -> list[RelayStatus]:
     if links is None:
         return []
-    registered = {e.id for e in links.registered_relays()}
-    return [
-        RelayStatus(id=e.id.hex(), address=e.address, registered=e.id in registered) for e in links.relays
-    ]
+    statuses = []
+    for endpoint in links.relays:
+        client = links.client(endpoint.id)
+        registered = client is not None and client.registered
+        problem = "" if registered or client is None else client.last_error
+        statuses.append(
+            RelayStatus(
+                id=endpoint.id.hex(), address=endpoint.address, registered=registered, problem=problem
+            )
+        )
+    return statuses
 
 
 def _capacity(announcement: mesh.PeerAnnouncement) -> CapacityStatus:

@@ -32,7 +32,7 @@ from meshnode.relaywire.ratelimit import TokenBucket
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import DialError, QuicEndpoint, QuicLink, QuicSettings
+from meshnode.transport.quic import DialError, PeerKeyMismatch, QuicEndpoint, QuicLink, QuicSettings
 from meshnode.wire.errors import FramingError
 
 log = logging.getLogger("meshnode.relaylink")
@@ -254,6 +254,16 @@ async def _recv_or_refused(framed: FramedStream) -> relay.RelayServerMessage:
     return message
 
 
+def registration_failure(exc: Exception) -> str:
+    """Why registering failed, with the fix where the cause is a setting."""
+    if isinstance(exc, PeerKeyMismatch):
+        return (
+            f"{exc}: the relay id given (--relay, or in the invite) is not this relay's; "
+            "`meshnode relay --show-id` on the relay prints its id"
+        )
+    return str(exc)
+
+
 @dataclass
 class RelayCallbacks:
     deliver: Callable[[RelayClient, bytes, int, bytes], None]
@@ -357,10 +367,11 @@ class RelayClient:
                 if isinstance(exc, RelayRefused):
                     self._pass_revocation(exc)
                 delay = self._backoff.next()
+                why = registration_failure(exc)
                 # Say it once per distinct reason; a relay that stays down must not flood the log.
-                level = logging.DEBUG if str(exc) == self.last_error else logging.WARNING
-                self.last_error = str(exc)
-                log.log(level, "relay %s: %s; retrying in %.1f s", self.endpoint_info, exc, delay)
+                level = logging.DEBUG if why == self.last_error else logging.WARNING
+                self.last_error = why
+                log.log(level, "relay %s: %s; retrying in %.1f s", self.endpoint_info, why, delay)
                 await asyncio.sleep(delay)
                 continue
             self._backoff.reset()

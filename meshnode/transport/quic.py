@@ -82,6 +82,15 @@ class DialError(ConnectionError):
     pass
 
 
+class PeerKeyMismatch(DialError):
+    """The dialed address answered with another node's key than the one we were told to expect."""
+
+    def __init__(self, presented: bytes, expected: bytes) -> None:
+        super().__init__(f"peer key {short_id(presented)} is not the expected node {short_id(expected)}")
+        self.presented = presented
+        self.expected = expected
+
+
 class PeerStreamIds:
     """The peer-opened bidirectional stream ids a link has seen: every id below ``next_unseen``,
     plus those in ``seen_ahead`` (streams can surface out of order after loss). Memory stays
@@ -369,9 +378,7 @@ class QuicLink(PeerLink):
         elif peer_key is None:
             self._refuse("peer presented no Ed25519 certificate")
         elif self.expected_peer_id is not None and peer_key != self.expected_peer_id:
-            self._refuse(
-                f"peer key {short_id(peer_key)} is not the expected node {short_id(self.expected_peer_id)}"
-            )
+            self._refuse(PeerKeyMismatch(peer_key, self.expected_peer_id))
         else:
             self.peer_id = peer_key
             self.established_at = self.endpoint.loop.time()
@@ -379,12 +386,16 @@ class QuicLink(PeerLink):
                 self.connected.set_result(None)
             self.endpoint.handler.link_established(self)
 
-    def _refuse(self, reason: str) -> None:
-        log.info("refused QUIC connection from %s: %s", describe_sockaddr(self.remote_address), reason)
+    def _refuse(self, reason: str | DialError) -> None:
+        error = reason if isinstance(reason, DialError) else DialError(reason)
+        # Our own dial's caller reports the failure (once per reason, where it retries);
+        # a connection that came in has only this line.
+        level = logging.DEBUG if self.initiated_locally else logging.INFO
+        log.log(level, "refused QUIC connection from %s: %s", describe_sockaddr(self.remote_address), error)
         if not self.connected.done():
-            self.connected.set_exception(DialError(reason))
+            self.connected.set_exception(error)
             self.connected.exception()  # mark retrieved: dials await it, accepts do not
-        self.close(reason)
+        self.close(str(error))
 
     def _mark_closed(self, reason: str) -> None:
         if self.is_closed:
@@ -617,4 +628,12 @@ class QuicEndpoint(asyncio.DatagramProtocol):
                     link.ping()
 
 
-__all__ = ["DialError", "PeerStreamIds", "QuicEndpoint", "QuicLink", "QuicMeshStream", "QuicSettings"]
+__all__ = [
+    "DialError",
+    "PeerKeyMismatch",
+    "PeerStreamIds",
+    "QuicEndpoint",
+    "QuicLink",
+    "QuicMeshStream",
+    "QuicSettings",
+]

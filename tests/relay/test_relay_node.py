@@ -6,14 +6,16 @@ masquerading routers in network namespaces.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
 from helpers.polling import eventually
 
-from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import MeshKey
+from meshnode.app.status import format_status
+from meshnode.identity import NodeIdentity, short_id
+from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
 from meshnode.node.status_report import AnnouncedRelay, RelayStatus
@@ -90,4 +92,32 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
         if node_b is not None:
             await node_b.shutdown()
         await node_a.shutdown()
+        await server.close(flush_timeout=0.3)
+
+
+async def test_a_wrong_relay_id_is_named_with_its_fix_in_the_log_and_in_status(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mesh_key = MeshKey.generate()
+    server, relay = await start_relay_server(mesh_key)
+    mistyped = Endpoint(NodeIdentity.generate().node_id, relay.address)
+    node = first_member(tmp_path / "a", relay_only_config(mistyped), mesh_key)
+    caplog.set_level(logging.DEBUG)
+    try:
+        await node.start()
+        (status,) = await eventually(lambda: [r for r in node.status().node.relays if r.problem], 10)
+        hint = (
+            "the relay id given (--relay, or in the invite) is not this relay's; `meshnode relay --show-id`"
+        )
+        assert status.registered is False
+        assert status.problem.startswith(f"peer key {short_id(server.relay_id)} is not the expected node")
+        assert hint in status.problem
+        shown = format_status(node.status().to_json())
+        assert f"  relay {short_id(mistyped.id)}@{relay.address}: not registered (peer key" in shown
+        assert [r.levelname for r in caplog.records if hint in r.getMessage()] == ["WARNING"]
+        # The dial's own refusal is the relay client's to report: no INFO line per retry besides.
+        refusals = [r for r in caplog.records if r.getMessage().startswith("refused QUIC connection")]
+        assert refusals and {r.levelname for r in refusals} == {"DEBUG"}
+    finally:
+        await node.shutdown()
         await server.close(flush_timeout=0.3)
