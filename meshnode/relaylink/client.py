@@ -34,6 +34,7 @@ from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamErro
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, PeerKeyMismatch, QuicEndpoint, QuicLink, QuicSettings
 from meshnode.wire.errors import FramingError
+from meshnode.wire.pb import mesh
 
 log = logging.getLogger("meshnode.relaylink")
 
@@ -254,13 +255,15 @@ async def _recv_or_refused(framed: FramedStream) -> relay.RelayServerMessage:
     return message
 
 
-def registration_failure(exc: Exception) -> str:
-    """Why registering failed, with the fix where the cause is a setting."""
+def registration_failure(exc: Exception, mesh_id: str) -> str:
+    """Why registering for ``mesh_id`` failed, with the fix where the cause is a setting."""
     if isinstance(exc, PeerKeyMismatch):
         return (
             f"{exc}: the relay id given (--relay, or in the invite) is not this relay's; "
             "`meshnode relay --show-id` on the relay prints its id"
         )
+    if isinstance(exc, RelayRefused) and exc.membership_error == mesh.MESH_ERROR_OTHER_MESH:
+        return f"{exc}: start the relay with --mesh {mesh_id} (repeatable, one per mesh it serves)"
     return str(exc)
 
 
@@ -367,7 +370,7 @@ class RelayClient:
                 if isinstance(exc, RelayRefused):
                     self._pass_revocation(exc)
                 delay = self._backoff.next()
-                why = registration_failure(exc)
+                why = registration_failure(exc, self.mesh_id)
                 # Say it once per distinct reason; a relay that stays down must not flood the log.
                 level = logging.DEBUG if why == self.last_error else logging.WARNING
                 self.last_error = why

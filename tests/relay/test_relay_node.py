@@ -121,3 +121,19 @@ async def test_a_wrong_relay_id_is_named_with_its_fix_in_the_log_and_in_status(
     finally:
         await node.shutdown()
         await server.close(flush_timeout=0.3)
+
+
+async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(tmp_path: Path) -> None:
+    mesh_key, other_mesh = MeshKey.generate(), MeshKey.generate()
+    server, relay = await start_relay_server(other_mesh)
+    node = first_member(tmp_path / "a", relay_only_config(relay), mesh_key)
+    try:
+        await node.start()
+        (status,) = await eventually(lambda: [r for r in node.status().node.relays if r.problem], 10)
+        assert status.problem == (
+            "RELAY_ERROR_NOT_A_MEMBER: this relay does not serve that mesh: "
+            f"start the relay with --mesh {mesh_key.mesh_id} (repeatable, one per mesh it serves)"
+        )
+    finally:
+        await node.shutdown()
+        await server.close(flush_timeout=0.3)
