@@ -31,11 +31,13 @@ from pathlib import Path
 
 from meshnode.identity import NodeIdentity, load_or_create_identity, short_id
 from meshnode.membership.store import DataDir
+from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.relaywire import protocol as p
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicLink, QuicSettings
+from meshnode.transport.udp_address import describe_sockaddr
 from meshnode.wire.errors import FramingError
 from relay.core import RelayCore, RelayPolicy
 
@@ -44,6 +46,8 @@ log = logging.getLogger("meshnode.relay")
 # A refusal is flushed before the connection closes, for at most this long.
 _FLUSH_TIMEOUT_S = 2.0
 _HOUSEKEEPING_S = 0.5
+# Nodes whose last refusal is remembered, so that a retry with the same mistake is not logged again.
+_REFUSALS_REMEMBERED = 1024
 
 
 @dataclass
@@ -56,6 +60,7 @@ class _Client:
     # Closes a connection the core gave up on even if its writer is stuck behind a client
     # that stopped reading (the refusal can then never be flushed).
     close_timer: asyncio.TimerHandle | None = None
+    registered: bool = False
 
 
 def load_relay_identity(data_dir: Path) -> tuple[NodeIdentity, bool]:
@@ -95,6 +100,10 @@ class RelayServer:
         self._flush_timeout = flush_timeout
         # Times a client ran ahead of its rate limits and the relay stopped reading from it.
         self.read_pauses = 0
+        # Registrations, their ends and refusals, for the operator; strangers cannot flood it.
+        self._client_log = RateLimitedLog(log)
+        self._last_refusal: dict[bytes, str] = {}  # by node id, oldest first
+        self._closing = False
 
     @property
     def relay_id(self) -> bytes:
@@ -121,6 +130,7 @@ class RelayServer:
     async def close(self, flush_timeout: float = _FLUSH_TIMEOUT_S) -> None:
         """Tell every client the relay is going away (waiting up to ``flush_timeout``), then close."""
         self._flush_timeout = flush_timeout
+        self._closing = True  # "relay stopping" says it for every client
         self.core.shutdown()
         self._wake()
         clients = list(self._clients.values())
@@ -161,6 +171,8 @@ class RelayServer:
             return
         self._by_conn.pop(client.conn_id, None)
         self.core.connection_lost(client.conn_id)
+        if client.registered and not self._closing:
+            self._client_log.log(logging.INFO, "%s left: %s", _who(link), reason)
         if client.close_timer is not None:
             client.close_timer.cancel()
         for task in client.tasks:
@@ -201,6 +213,9 @@ class RelayServer:
                     client.link.close("client finished its relay stream")
                     return
                 core.receive_frame(client.conn_id, body, time.monotonic_ns(), unix_now=time.time())
+                if not client.registered and core.registered_node(client.conn_id) is not None:
+                    client.registered = True
+                    self._client_log.log(logging.INFO, "registered %s", _who(client.link))
                 if core.revocations_changed:
                     self._save_revocations()
                 framed.max_recv_frame_bytes = core.max_frame_bytes(client.conn_id)
@@ -230,10 +245,23 @@ class RelayServer:
                     await client.wake.wait()
                     continue
                 if core.is_closing(client.conn_id):
-                    last_refusal = _refusal_text(body) or last_refusal
+                    refusal = _refusal_text(body)
+                    if refusal and not self._closing:
+                        client.registered = False  # this line says why it ends
+                        self._log_refusal(client.link, refusal)
+                    last_refusal = refusal or last_refusal
                 await framed.send_frame(body)
         except StreamError:
             pass
+
+    def _log_refusal(self, link: QuicLink, refusal: str) -> None:
+        # A node retrying with the same mistake is said once (until its reason changes).
+        repeated = self._last_refusal.pop(link.peer_id, None) == refusal
+        self._last_refusal[link.peer_id] = refusal
+        while len(self._last_refusal) > _REFUSALS_REMEMBERED:
+            self._last_refusal.pop(next(iter(self._last_refusal)))
+        level = logging.DEBUG if repeated else logging.INFO
+        self._client_log.log(level, "refused %s: %s", _who(link), refusal)
 
     async def _flush_and_close(self, client: _Client, framed: FramedStream, reason: str) -> None:
         link = client.link
@@ -261,6 +289,11 @@ class RelayServer:
             await asyncio.sleep(_HOUSEKEEPING_S)
             self.core.handle_timer(time.monotonic_ns())
             self._wake()
+
+
+def _who(link: QuicLink) -> str:
+    """``node 4ceybayaat4r at 192.0.2.7:50123``."""
+    return f"node {short_id(link.peer_id)} at {describe_sockaddr(link.remote_address)}"
 
 
 def _refusal_text(body: bytes) -> str:

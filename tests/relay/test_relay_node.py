@@ -25,7 +25,10 @@ from meshnode.wire.pb import mesh
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(tmp_path: Path) -> None:
+async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="meshnode.relay")
     mesh_key = MeshKey.generate()
     server, relay = await start_relay_server(mesh_key)
     node_a = first_member(tmp_path / "a", relay_only_config(relay), mesh_key)
@@ -86,6 +89,12 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(t
         assert await node_c.probe(node_b.node_id)
         assert (await node_c.get_link(node_b.node_id)).description.startswith("relay ")
         assert [r.id for r in node_c.status().node.relays] == [server.relay_id.hex()]
+        # The relay's log names each registration and how it ended.
+        relay_lines = [r.getMessage() for r in caplog.records if r.name == "meshnode.relay"]
+        assert any(
+            line.startswith(f"registered node {node_b.identity.short_id} at 127.0.0.1:")
+            for line in relay_lines
+        )
     finally:
         if node_c is not None:
             await node_c.shutdown()
@@ -123,16 +132,31 @@ async def test_a_wrong_relay_id_is_named_with_its_fix_in_the_log_and_in_status(
         await server.close(flush_timeout=0.3)
 
 
-async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(tmp_path: Path) -> None:
+async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     mesh_key, other_mesh = MeshKey.generate(), MeshKey.generate()
     server, relay = await start_relay_server(other_mesh)
     node = first_member(tmp_path / "a", relay_only_config(relay), mesh_key)
+    caplog.set_level(logging.DEBUG, logger="meshnode.relay")
     try:
         await node.start()
         (status,) = await eventually(lambda: [r for r in node.status().node.relays if r.problem], 10)
         assert status.problem == (
             "RELAY_ERROR_NOT_A_MEMBER: this relay does not serve that mesh: "
             f"start the relay with --mesh {mesh_key.mesh_id} (repeatable, one per mesh it serves)"
+        )
+        # The relay's operator reads it too, once however often the node retries.
+        await eventually(lambda: server.core.stats.refused_registrations >= 3, 10)
+        refused = [
+            r for r in caplog.records if r.name == "meshnode.relay" and "refused node" in r.getMessage()
+        ]
+        assert [r.levelname for r in refused][:3] == ["INFO", "DEBUG", "DEBUG"]
+        assert refused[0].getMessage().startswith(f"refused node {short_id(node.node_id)} at 127.0.0.1:")
+        assert (
+            refused[0]
+            .getMessage()
+            .endswith(": RELAY_ERROR_NOT_A_MEMBER: this relay does not serve that mesh")
         )
     finally:
         await node.shutdown()
