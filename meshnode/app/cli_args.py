@@ -68,6 +68,17 @@ def host_port(text: str) -> str:
     return text
 
 
+def relay_id(text: str) -> bytes:
+    """A relay's 32-byte id in hex (``meshnode relay --show-id`` prints it)."""
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != 32:
+        raise argparse.ArgumentTypeError(f"a relay id is 64 hex digits, got {text!r}")
+    return value
+
+
 def relay_endpoint(text: str) -> Endpoint:
     """``RELAY_ID@HOST:PORT`` with the relay id in hex (``meshnode relay --show-id`` prints it)."""
     relay_hex, sep, address = text.partition("@")

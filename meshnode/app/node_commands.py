@@ -26,6 +26,7 @@ from meshnode.app.cli_args import (
     positive,
     positive_int,
     relay_endpoint,
+    relay_id,
 )
 from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
@@ -92,7 +93,17 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="RELAY_ID@HOST:PORT",
-        help="register with this relay (repeatable; kept in the membership and put in invites)",
+        help="register with this relay (repeatable; kept in the membership and put in invites; "
+        "a stored relay's address is replaced by the one given: a relay that moved)",
+    )
+    group.add_argument(
+        "--forget-relay",
+        type=relay_id,
+        action="append",
+        default=[],
+        metavar="RELAY_ID",
+        help="stop using this relay: drop it from the membership and from the invites made here "
+        "(repeatable; hex id, as `meshnode status --json` lists it)",
     )
     group.add_argument(
         "--relay-only", action="store_true", help="never dial peers directly; always go through a relay"
@@ -170,6 +181,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         tombstone_ttl=args.tombstone_ttl,
         directly_reachable=not args.not_directly_reachable,
         relays=list(args.relay),
+        forget_relays=list(args.forget_relay),
         relay_only=args.relay_only,
         quic=apply_read_limit_options(args, link_settings(args)),
         certificate_ttl=args.certificate_ttl,

@@ -39,6 +39,7 @@ from typing import Any
 from meshnode import __version__
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import DEFAULT_CERTIFICATE_TTL_S, Endpoint, Invite
+from meshnode.membership.relay_list import merge_relays
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.credential_gate import REVOCATION_CODES
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
@@ -118,8 +119,10 @@ class NodeConfig:
     # Links to one peer that came up this close together are a simultaneous dial.
     link_race_window: float = 2.0
     directly_reachable: bool = True
-    # Relays to register with besides those of the invite / stored membership (kept in membership).
+    # Relays to register with besides those of the invite / stored membership (kept in membership;
+    # a stored relay's address is replaced by the one given here), and relay ids to drop from it.
     relays: list[Endpoint] = field(default_factory=list)
+    forget_relays: list[bytes] = field(default_factory=list)
     # Never dial peers directly; always go through a relay (tests, strict NAT).
     relay_only: bool = False
     role: int = mesh.NODE_ROLE_WORKER
@@ -307,20 +310,21 @@ class Node:
         )
 
     async def _start_relays(self) -> None:
-        """Register with our relays: the invite's / membership's, plus ``config.relays``."""
+        """Register with our relays: the invite's / membership's, merged with the command line's."""
         local = self.state.local
-        known = {bytes(r.relay_id) for r in local.relays}
-        for extra in self.config.relays:
-            if extra.id not in known:
-                known.add(extra.id)
-                local.relays.append(mesh.RelayEndpoint(relay_id=extra.id, address=extra.address))
+        merged = merge_relays(
+            [Endpoint(id=bytes(r.relay_id), address=r.address) for r in local.relays],
+            self.config.relays,
+            forget=self.config.forget_relays,
+        )
+        del local.relays[:]
+        local.relays.extend(mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in merged.relays)
+        for change in merged.changes:
+            log.info("%s", change)
         membership = self.state.membership
-        if membership is not None:
-            stored = {r.id for r in membership.relays}
-            added = [e for e in self.config.relays if e.id not in stored]
-            if added:
-                membership.relays = [*membership.relays, *added]
-                self._save_membership()
+        if membership is not None and merged.changes:
+            membership.relays = merged.relays
+            self._save_membership()
         # Always present: a node with no relays of its own still reaches NATed peers through the
         # relays they announce (registered on first use, see PeerDialer.dial_peer).
         self.relay_links = RelayLinks(

@@ -86,3 +86,17 @@ def test_python_m_relay_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert process.wait(timeout=10) == 0
     finally:
         process.kill()
+
+
+def test_forget_relay_takes_a_relay_id_and_reaches_the_node_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from meshnode.app.cli import build_parser
+    from meshnode.app.node_commands import node_config
+
+    relay_id = "ab" * 32
+    args = build_parser().parse_args(["start", "--forget-relay", relay_id, "--forget-relay", "cd" * 32])
+    assert node_config(args).forget_relays == [bytes.fromhex(relay_id), bytes.fromhex("cd" * 32)]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["start", "--forget-relay", "4ceybayaat4r"])
+    assert "a relay id is 64 hex digits, got '4ceybayaat4r'" in capsys.readouterr().err

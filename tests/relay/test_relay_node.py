@@ -10,14 +10,20 @@ import logging
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import first_member, invite_from, relay_only_config, start_relay_server
+from helpers.mesh_nodes import (
+    first_member,
+    invite_from,
+    new_membership,
+    relay_only_config,
+    start_relay_server,
+)
 from helpers.polling import eventually
 
 from meshnode.app.status import format_status
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint, MeshKey
-from meshnode.membership.store import DataDir
-from meshnode.node import Node
+from meshnode.membership.store import DataDir, MembershipState
+from meshnode.node import Node, NodeConfig
 from meshnode.node.status_report import AnnouncedRelay, RelayStatus
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
@@ -160,4 +166,43 @@ async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(
         )
     finally:
         await node.shutdown()
+        await server.close(flush_timeout=0.3)
+
+
+async def test_a_relay_that_moved_is_followed_and_one_taken_out_of_service_is_forgotten(
+    tmp_path: Path,
+) -> None:
+    mesh_key = MeshKey.generate()
+    server, relay = await start_relay_server(mesh_key)
+    data_dir = DataDir(tmp_path / "a")
+    identity = NodeIdentity.generate()
+
+    async def run_once(
+        config: NodeConfig, membership: MembershipState, *, registers: bool = False
+    ) -> list[RelayStatus]:
+        node = Node(identity, data_dir, config, membership=membership)
+        try:
+            await node.start()
+            if registers:
+                await eventually(lambda: all(r.registered for r in node.status().node.relays), 10)
+            return node.status().node.relays
+        finally:
+            await node.shutdown()
+
+    try:
+        # Stored at an address where the relay no longer is (it moved).
+        old = Endpoint(relay.id, "127.0.0.1:9")
+        await run_once(relay_only_config(old), new_membership(mesh_key, identity))
+        assert data_dir.load_membership(identity.node_id).relays == [old]
+
+        statuses = await run_once(
+            relay_only_config(relay), data_dir.load_membership(identity.node_id), registers=True
+        )
+        assert statuses == [RelayStatus(id=relay.id.hex(), address=relay.address, registered=True)]
+        assert data_dir.load_membership(identity.node_id).relays == [relay]
+
+        forgetting = relay_only_config(forget_relays=[relay.id])
+        assert await run_once(forgetting, data_dir.load_membership(identity.node_id)) == []
+        assert data_dir.load_membership(identity.node_id).relays == []
+    finally:
         await server.close(flush_timeout=0.3)
