@@ -38,7 +38,7 @@ class RelayRoute(Protocol):
     A failure is a ``ConnectionError`` (``RelayDialError``).
     """
 
-    async def add_relays(self, endpoints: Iterable[Endpoint]) -> None: ...
+    async def add_peer_relays(self, endpoints: Iterable[Endpoint]) -> None: ...
 
     async def open_link(
         self,
@@ -114,7 +114,7 @@ class PeerDialer:
             except DialError as exc:
                 failures.append(f"{address}: {exc}")
         if self._relays is not None:
-            await self._relays.add_relays(plan.relays)
+            await self._relays.add_peer_relays(plan.relays)
             try:
                 return await self._relays.open_link(
                     peer_id,

@@ -56,6 +56,8 @@ class RelayLinkSettings:
     # How long open_link waits for a registration when none is up yet.
     registration_wait: float = 5.0
     max_peers: int = 1024
+    # Relays learned from peers' announcements registered with at once, besides our own.
+    max_peer_relays: int = 8
     mux: MuxConfig = field(default_factory=MuxConfig)
     client: RelayClientSettings = field(default_factory=RelayClientSettings)
 
@@ -94,6 +96,8 @@ class RelayLinks:
         self._on_revocation = on_revocation
         self._local_host = local_host
         self._clients: dict[bytes, RelayClient] = {}
+        # Our own relays (never evicted); the other clients serve relays peers announce.
+        self._own: set[bytes] = set()
         self._sealers: dict[_Key, PeerSealer] = {}
         self._links: dict[_Key, RelayedPeerLink] = {}
         self._pending: dict[_Key, asyncio.Future[RelayedPeerLink]] = {}
@@ -113,21 +117,56 @@ class RelayLinks:
     # -- relays ------------------------------------------------------------------------
 
     async def add_relays(self, endpoints: Iterable[Endpoint]) -> None:
-        """Start registering with every relay not known yet."""
+        """Start registering with these relays of ours (invite, membership, ``--relay``), for good."""
+        for endpoint in endpoints:
+            self._own.add(endpoint.id)
+            await self._start_client(endpoint)
+
+    async def add_peer_relays(self, endpoints: Iterable[Endpoint]) -> None:
+        """Start registering with relays a peer announces, to reach it through one of them.
+
+        At most ``max_peer_relays`` besides ours at once: a relay holding no link makes room
+        for a new one, so a member announcing ever new relays cannot make this node hold a
+        socket and a registration loop for each.
+        """
         for endpoint in endpoints:
             if self._closed or endpoint.id in self._clients:
                 continue
-            client = RelayClient(
-                self.identity,
-                endpoint,
-                mesh_id=self.mesh_id,
-                proof_for=self._proof_for,
-                callbacks=self.client_callbacks,
-                settings=self.settings.client,
-            )
-            client.on_revocation = self._on_revocation
-            self._clients[endpoint.id] = client
-            await client.start(local_host_to_reach(endpoint.address, self._local_host))
+            peer_relays = [rid for rid in self._clients if rid not in self._own]
+            if len(peer_relays) >= self.settings.max_peer_relays and not await self._evict_idle_peer_relay():
+                log.debug("not registering with relay %s: %d peer relays in use", endpoint, len(peer_relays))
+                continue
+            await self._start_client(endpoint)
+
+    async def _evict_idle_peer_relay(self) -> bool:
+        """Stop using a peer's relay that holds no link: one never registered first, else the oldest."""
+        busy = {relay_id for relay_id, _peer in (*self._links, *self._pending)}
+        idle = [c for rid, c in self._clients.items() if rid not in self._own and rid not in busy]
+        if not idle:
+            return False
+        client = min(idle, key=lambda c: c.registered)  # stable: the oldest among equals
+        del self._clients[client.relay_id]
+        for key in [k for k in self._sealers if k[0] == client.relay_id]:
+            self._drop_sealer(key)
+        self._doubted.discard(client.relay_id)
+        log.debug("stopped using relay %s (idle; making room for another peer's relay)", client.endpoint_info)
+        await client.close()
+        return True
+
+    async def _start_client(self, endpoint: Endpoint) -> None:
+        if self._closed or endpoint.id in self._clients:
+            return
+        client = RelayClient(
+            self.identity,
+            endpoint,
+            mesh_id=self.mesh_id,
+            proof_for=self._proof_for,
+            callbacks=self.client_callbacks,
+            settings=self.settings.client,
+        )
+        client.on_revocation = self._on_revocation
+        self._clients[endpoint.id] = client
+        await client.start(local_host_to_reach(endpoint.address, self._local_host))
 
     @property
     def relays(self) -> list[Endpoint]:

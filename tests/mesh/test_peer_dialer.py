@@ -75,7 +75,7 @@ class Relays:
         self.opened: list[tuple[bytes, list[bytes]]] = []
         self.avoided: list[list[bytes]] = []
 
-    async def add_relays(self, endpoints: Iterable[Endpoint]) -> None:
+    async def add_peer_relays(self, endpoints: Iterable[Endpoint]) -> None:
         self.added.extend(endpoints)
 
     async def open_link(

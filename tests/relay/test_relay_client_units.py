@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import Endpoint
 from meshnode.relaylink.client import Backoff
 from meshnode.relaylink.manager import RelayDialError, RelayLinks, RelayLinkSettings
 from meshnode.relaylink.seal import CONTROL_CHANNEL, KIND_INIT, KIND_RESPONSE, PeerSealer
@@ -154,3 +155,29 @@ async def test_a_dial_avoiding_the_only_relay_fails_at_once_saying_so() -> None:
         # Not after registration_wait: no other relay is coming up.
         await asyncio.wait_for(links.open_link(peer, via=[only.relay_id], avoid=[only.relay_id]), 10)
     assert only.sent == []
+
+
+async def test_relays_announced_by_peers_are_bounded_and_an_idle_one_makes_room() -> None:
+    # An admitted member may announce ever new relays; each one this node registered with
+    # cost a UDP socket and a registration loop, for good.
+    me = NodeIdentity.generate()
+    settings = RelayLinkSettings(max_peer_relays=2)
+    links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None, settings=settings)
+    own = Endpoint(bytes([1]) * 32, "127.0.0.1:9")
+    announced = [Endpoint(bytes([n]) * 32, "127.0.0.1:9") for n in (2, 3, 4, 5)]
+    try:
+        await links.add_relays([own])
+        await links.add_peer_relays(announced[:2])
+        assert [r.id for r in links.relays] == [own.id, announced[0].id, announced[1].id]
+        # A handshake in progress through the oldest keeps it; the next idle one makes room.
+        links._pending[(announced[0].id, b"\x07" * 32)] = asyncio.get_running_loop().create_future()
+        await links.add_peer_relays(announced[2:3])
+        assert [r.id for r in links.relays] == [own.id, announced[0].id, announced[2].id]
+        # Every peer relay busy: the new one is not registered with (ours never counts or goes).
+        links._pending[(announced[2].id, b"\x07" * 32)] = asyncio.get_running_loop().create_future()
+        await links.add_peer_relays(announced[3:])
+        assert [r.id for r in links.relays] == [own.id, announced[0].id, announced[2].id]
+    finally:
+        for future in links._pending.values():
+            future.cancel()
+        await links.close()
