@@ -321,6 +321,11 @@ class Node:
         local.relays.extend(mesh.RelayEndpoint(relay_id=r.id, address=r.address) for r in merged.relays)
         for change in merged.changes:
             log.info("%s", change)
+        if self.config.relay_only and not merged.relays:
+            log.warning(
+                "--relay-only with no relay: this node dials no peer, and only peers that dial it "
+                "reach it; name a relay with --relay RELAY_ID@HOST:PORT"
+            )
         membership = self.state.membership
         if membership is not None and merged.changes:
             membership.relays = merged.relays

@@ -206,3 +206,17 @@ async def test_a_relay_that_moved_is_followed_and_one_taken_out_of_service_is_fo
         assert data_dir.load_membership(identity.node_id).relays == []
     finally:
         await server.close(flush_timeout=0.3)
+
+
+async def test_relay_only_without_any_relay_says_the_node_dials_no_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = first_member(tmp_path / "a", relay_only_config(), MeshKey.generate())
+    try:
+        await node.start()
+    finally:
+        await node.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("--relay-only with no relay: this node dials no peer") for w in warnings), (
+        warnings
+    )
