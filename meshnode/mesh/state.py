@@ -46,6 +46,7 @@ from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import (
     DEFAULT_CERTIFICATE_TTL_S,
+    Endpoint,
     Invite,
     MeshKey,
     certificate_proof,
@@ -340,7 +341,8 @@ class MeshState:
                 frame.membership_grant, mesh_id=self.mesh_id, node_id=self.node_id, unix_now=unix_now
             )
             if self.membership is None:
-                relays = self.invite.relays if self.invite is not None else []
+                # Kept: the relays this node registers with (its invite's, merged with --relay).
+                relays = [Endpoint(id=bytes(r.relay_id), address=r.address) for r in self.local.relays]
                 self.membership = MembershipState(mesh_key=mesh_key, certificate=certificate, relays=relays)
                 joined = True
             else:

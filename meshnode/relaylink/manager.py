@@ -149,6 +149,8 @@ class RelayLinks:
         for key in [k for k in self._sealers if k[0] == client.relay_id]:
             self._drop_sealer(key)
         self._doubted.discard(client.relay_id)
+        if not any(c.registered for c in self._clients.values()):
+            self._any_registered.clear()  # a closed client reports no "down"
         log.debug("stopped using relay %s (idle; making room for another peer's relay)", client.endpoint_info)
         await client.close()
         return True

@@ -220,3 +220,28 @@ async def test_relay_only_without_any_relay_says_the_node_dials_no_one(
     assert any(w.startswith("--relay-only with no relay: this node dials no peer") for w in warnings), (
         warnings
     )
+
+
+async def test_a_joiner_keeps_its_own_relays_besides_the_invites(tmp_path: Path) -> None:
+    # Its membership used to keep the invite's relays only: a restart without --relay lost
+    # the relay the node had been told to use.
+    mesh_key = MeshKey.generate()
+    (server_1, relay_1), (server_2, relay_2) = [await start_relay_server(mesh_key) for _ in range(2)]
+    node_a = first_member(tmp_path / "a", relay_only_config(relay_1), mesh_key)
+    node_b: Node | None = None
+    try:
+        await node_a.start()
+        invite = invite_from(node_a, relays=[relay_1])
+        node_b = Node(
+            NodeIdentity.generate(), DataDir(tmp_path / "b"), relay_only_config(relay_2), invite=invite
+        )
+        await node_b.start()
+        await node_b.join()
+        stored = DataDir(tmp_path / "b").load_membership(node_b.node_id)
+        assert stored.relays == [relay_1, relay_2]
+    finally:
+        if node_b is not None:
+            await node_b.shutdown()
+        await node_a.shutdown()
+        await server_1.close(flush_timeout=0.3)
+        await server_2.close(flush_timeout=0.3)
