@@ -41,6 +41,8 @@ def check_serving_options(args: argparse.Namespace) -> None:
         if args.model_name is not None:
             # A placed node serves whichever model the mesh lacks, under the name the mesh knows.
             raise CliError("--model-name needs --model", code=2)
+        if args.placement != "off" and args.model_store is not None:
+            _check_model_store_free(args.model_store)  # the default one is inside the locked data dir
         return
     from meshnode.dataplane.service import describe_served_model
 
@@ -48,6 +50,17 @@ def check_serving_options(args: argparse.Namespace) -> None:
         describe_served_model(args.model, args.layers)
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
+
+
+def _check_model_store_free(store_dir: Path) -> None:
+    from meshnode.artifacts.store import ArtifactStore, StoreInUse
+
+    store = ArtifactStore(store_dir)
+    try:
+        store.lock()
+    except StoreInUse as exc:
+        raise CliError(str(exc)) from None
+    store.unlock()  # placement takes it for good once the node runs
 
 
 async def serve_node(node: Node, args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from meshnode.app.placement_options import placement_settings, upload_limiter
 from meshnode.app.session_options import max_sessions
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
+from meshnode.artifacts.store import StoreInUse
 from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeRequest
 from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
 from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
@@ -135,7 +136,10 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             raise
         return _PlacedShard(service, head, handlers)
 
-    placement = AutoShard(node, placement_settings(args, data_dir), start_serving, holdings)
+    try:
+        placement = AutoShard(node, placement_settings(args, data_dir), start_serving, holdings)
+    except StoreInUse as exc:
+        raise CliError(str(exc)) from None
 
     def busy() -> bool:
         serving = placement.serving

@@ -48,7 +48,8 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="where fetched model tensors are kept and resumed from (default: <data-dir>/models)",
+        help="where fetched model tensors are kept and resumed from, by one node at a time "
+        "(default: <data-dir>/models)",
     )
     group.add_argument(
         "--upload-limit",

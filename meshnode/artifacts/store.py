@@ -17,6 +17,7 @@ mid-write is simply fetched again. A torn last journal line is ignored and cut a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,8 @@ JOURNAL_FILE = "journal"
 # The verified manifest and metadata blob, kept so a restarted node resumes without asking a peer.
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.bin"
+# Held (flock) by the one process that writes the store.
+LOCK_FILE = ".lock"
 
 
 class StoreError(Exception):
@@ -46,9 +49,38 @@ class TensorDigestMismatch(StoreError):
         self.name = name
 
 
+class StoreInUse(StoreError):
+    """Another process holds the store: two writers would replace each other's files mid-fetch."""
+
+
 class ArtifactStore:
     def __init__(self, store_dir: Path) -> None:
         self.store_dir = Path(store_dir)
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Take the store for this process; raises :class:`StoreInUse` when another holds it.
+
+        Two nodes on one store would each create a model's sparse file and write tensors into
+        whichever inode they opened, while the journal both append to vouches for them all:
+        a node could then load holes as weights.
+        """
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreInUse(
+                f"another meshnode uses the model store {self.store_dir}; "
+                "give each node its own --model-store (the default is <data-dir>/models)"
+            ) from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def open(self, manifest: ModelManifest, metadata_blob: bytes) -> PartialModel:
         """The partial model for ``manifest`` (created on first use, resumed after that).

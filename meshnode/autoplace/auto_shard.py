@@ -125,6 +125,7 @@ class AutoShard:
         self._start_serving = start_serving
         self._holdings = holdings
         self._store = ArtifactStore(settings.store_dir)
+        self._store.lock()  # StoreInUse: another node on this store (the caller says so and stops)
         self._read_budget = budget or (
             lambda: read_machine_budget(settings.memory_budget, offload=settings.offload)
         )
@@ -359,7 +360,10 @@ class AutoShard:
         self._node.set_serving(None)
 
     async def aclose(self) -> None:
-        await self._let_go()
+        try:
+            await self._let_go()
+        finally:
+            self._store.unlock()
 
 
 class PlacementError(Exception):
