@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshnode.identity import short_id
+
 # How this node reaches a peer, from the status report's link description ("quic HOST:PORT",
 # "relay RELAY", None without a live link).
 LINK_DIRECT = "direct"
@@ -149,6 +151,11 @@ def _models(nodes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return models
 
 
+def _relay(relay: Mapping[str, Any]) -> dict[str, Any]:
+    """One of this node's relays as its status says, with the short id people read elsewhere."""
+    return {**relay, "short_id": short_id(bytes.fromhex(relay["id"]))}
+
+
 def mesh_view(status: Mapping[str, Any], throughput: Throughput) -> dict[str, Any]:
     """What the console shows of the mesh, from this node's status report ``status``."""
     node = status["node"]
@@ -161,7 +168,7 @@ def mesh_view(status: Mapping[str, Any], throughput: Throughput) -> dict[str, An
         "mesh_id": node.get("mesh_id", ""),
         "member": bool(node.get("member", False)),
         "uptime_s": float(node.get("uptime_s", 0.0)),
-        "relays": [dict(relay) for relay in node.get("relays", [])],
+        "relays": [_relay(relay) for relay in node.get("relays", [])],
         "nodes": nodes,
         "links": {
             "direct": sum(1 for n in nodes if n["link"]["kind"] == LINK_DIRECT),

@@ -59,6 +59,9 @@ class ConsoleDom(HTMLParser):
         self._in_answer = False
         self.answer: list[str] = []
         self.element_ids: set[str] = set()
+        # This node's relays: id -> (registered, the line's text).
+        self.relays: dict[str, tuple[str, str]] = {}
+        self._relay: str | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {name: value or "" for name, value in attrs}
@@ -71,6 +74,9 @@ class ConsoleDom(HTMLParser):
             self.segments.append((int(a["data-start"]), int(a["data-end"]), a["data-nodes"].split()))
         if "data-model" in a:
             self.models[a["data-model"]] = a["data-complete"]
+        if "relay" in a.get("class", "").split():
+            self._relay = a["data-relay-id"]
+            self.relays[self._relay] = (a["data-registered"], "")
         if a.get("id") == "state":
             self.state = a.get("data-state", "")
         self._in_coverage_text = a.get("class") == "coverage-text"
@@ -80,8 +86,13 @@ class ConsoleDom(HTMLParser):
 
     def handle_endtag(self, tag: str) -> None:
         self._in_answer = False
+        if tag == "div":
+            self._relay = None
 
     def handle_data(self, data: str) -> None:
+        if self._relay is not None:
+            registered, text = self.relays[self._relay]
+            self.relays[self._relay] = (registered, text + data)
         if self._in_answer:
             self.answer.append(data)
         if self._in_coverage_text:

@@ -20,6 +20,7 @@ import pytest
 from helpers.node_processes import QuicCluster, api_node_args
 
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
+from meshnode.identity import short_id
 
 from .headless_browser import ConsoleDom, run_browser, save_artifact
 
@@ -27,13 +28,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 SPLITS = {"A": (0, 2), "B": (2, 4), "C": (4, TINY_N_LAYERS)}
 MODEL = "meshnode-tiny-llama-v1"
+SILENT_RELAY_ID = "5a" * 32
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, browser: str) -> Iterator[QuicCluster]:
-    cluster = QuicCluster(
-        tmp_path_factory.mktemp("console-mesh"), ensure_tiny_model(), api_node_args(SPLITS, ["A"])
-    )
+    node_args = api_node_args(SPLITS, ["A"])
+    # A relay that never answers, so that the page has a relay and its problem to show.
+    node_args["A"] += ["--relay", f"{SILENT_RELAY_ID}@127.0.0.1:9"]
+    cluster = QuicCluster(tmp_path_factory.mktemp("console-mesh"), ensure_tiny_model(), node_args)
     with cluster.running(SPLITS):
         yield cluster
 
@@ -78,6 +81,10 @@ async def test_the_console_shows_every_node_and_the_models_coverage(cluster, bro
     assert dom.segments == expected
     # The node's resident-memory section, when its status report has one.
     assert ("memory" in dom.element_ids) == ("memory" in view["sections"])
+    # This node's relay, and why it is not registered.
+    registered, line = dom.relays[SILENT_RELAY_ID]
+    assert registered == "false"
+    assert line.startswith(f"relay: {short_id(bytes.fromhex(SILENT_RELAY_ID))}@127.0.0.1:9: not registered (")
     # The answer streamed from /v1/completions into the page.
     assert dom.answer_done, f"{dumped.stdout[-2000:]}\nthe nodes' logs:\n{cluster.log_tails()}"
     assert "".join(dom.answer).strip()

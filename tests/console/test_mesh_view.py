@@ -1,6 +1,7 @@
 """The console's view of the mesh, built from a status report (meshnode/console/mesh_view.py)."""
 
 from meshnode.console.mesh_view import Throughput, layer_coverage, link_kind, mesh_view
+from meshnode.identity import short_id
 
 MODEL = "gemma-3-270m-q4_k_m"
 
@@ -47,7 +48,7 @@ def report(self_layers: tuple[int, int] | None, peers: list[dict], sections: dic
             "member": True,
             "addresses": ["127.0.0.1:7447"],
             "directly_reachable": True,
-            "relays": [{"id": "rr", "address": "relay:7448", "registered": True}],
+            "relays": [{"id": "ab" * 32, "address": "relay:7448", "registered": True, "problem": ""}],
             "incarnation": 1,
             "heartbeat_seq": 9,
             "serving": serving(*self_layers) if self_layers else None,
@@ -146,7 +147,15 @@ def test_load_roles_and_counters_are_carried():
         "shard_tokens": 300,
         "active_generations": 1,
     }
-    assert view["relays"] == [{"id": "rr", "address": "relay:7448", "registered": True}]
+    assert view["relays"] == [
+        {
+            "id": "ab" * 32,
+            "short_id": short_id(b"\xab" * 32),
+            "address": "relay:7448",
+            "registered": True,
+            "problem": "",
+        }
+    ]
 
 
 def test_placement_and_memory_sections_pass_through():

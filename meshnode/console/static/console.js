@@ -162,6 +162,12 @@ function drawSections(view) {
       `${mib(memory.rss_bytes)} MiB resident; the shard ${mib(memory.shard_bytes)} MiB of its ` +
       `${mib(memory.budget_bytes)} MiB budget`, progressBar(fraction)));
   }
+  for (const relay of view.relays) {
+    const state = relay.registered ? "registered" : `not registered (${relay.problem || "connecting"})`;
+    box.append(el("div", { class: "relay", "data-relay-id": relay.id, "data-registered": relay.registered },
+      el("strong", {}, "relay: "), `${relay.short_id}@${relay.address}: `,
+      el("span", { class: relay.registered ? "ok" : "bad" }, state)));
+  }
   $("sections-box").hidden = box.childElementCount === 0;
 }
 
