@@ -38,6 +38,9 @@ from meshnode.wire.pb import mesh
 
 log = logging.getLogger("meshnode.relaylink")
 
+# Addresses kept per relay: the one given first, and those peers announced since.
+MAX_RELAY_ADDRESSES = 4
+
 # Pace to this fraction of the relay's announced limits (its buckets started earlier).
 _PACING_MARGIN = 0.9
 
@@ -291,7 +294,9 @@ class RelayClient:
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.identity = identity
+        # Where the relay is dialed now; see consider_address for the others.
         self.endpoint_info = relay_endpoint
+        self._addresses = [relay_endpoint.address]
         self.mesh_id = mesh_id
         self.settings = settings or RelayClientSettings()
         self.quic_settings = dataclasses.replace(self.settings.quic, alpn=p.RELAY_ALPN)
@@ -314,6 +319,23 @@ class RelayClient:
     @property
     def relay_id(self) -> bytes:
         return self.endpoint_info.id
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    def consider_address(self, address: str) -> None:
+        """Another address peers announce for this relay (it may have moved).
+
+        While the current address does not answer, the next one is dialed, in turn; the
+        first address given stays among them, and at most ``MAX_RELAY_ADDRESSES`` are kept:
+        a member may announce any address, and the relay's key is checked at each.
+        """
+        if address in self._addresses:
+            return
+        self._addresses.append(address)
+        if len(self._addresses) > MAX_RELAY_ADDRESSES:
+            del self._addresses[1]  # the oldest announced one
 
     @property
     def registered(self) -> bool:
@@ -371,6 +393,8 @@ class RelayClient:
                     self._pass_revocation(exc)
                 delay = self._backoff.next()
                 why = registration_failure(exc, self.mesh_id)
+                if isinstance(exc, DialError):  # not reached there: try its next address
+                    self._next_address()
                 # Say it once per distinct reason; a relay that stays down must not flood the log.
                 level = logging.DEBUG if why == self.last_error else logging.WARNING
                 self.last_error = why
@@ -393,6 +417,14 @@ class RelayClient:
             self._callbacks.down(self, reason)
             if not self._closed:
                 await asyncio.sleep(self._backoff.next())
+
+    def _next_address(self) -> None:
+        current = self.endpoint_info.address
+        at = self._addresses.index(current) if current in self._addresses else -1
+        following = self._addresses[(at + 1) % len(self._addresses)]
+        if following != current:
+            log.debug("relay %s: trying its address %s next", self.endpoint_info, following)
+            self.endpoint_info = Endpoint(id=self.relay_id, address=following)
 
     async def _pump(self, session: RelaySession) -> str:
         writer = asyncio.get_running_loop().create_task(self._write_loop(session))

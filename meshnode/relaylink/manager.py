@@ -130,7 +130,11 @@ class RelayLinks:
         socket and a registration loop for each.
         """
         for endpoint in endpoints:
-            if self._closed or endpoint.id in self._clients:
+            known = self._clients.get(endpoint.id)
+            if known is not None:
+                known.consider_address(endpoint.address)
+                continue
+            if self._closed:
                 continue
             peer_relays = [rid for rid in self._clients if rid not in self._own]
             if len(peer_relays) >= self.settings.max_peer_relays and not await self._evict_idle_peer_relay():

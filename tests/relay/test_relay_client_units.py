@@ -6,10 +6,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 import pytest
+from helpers.mesh_nodes import start_relay_server
+from relay_helpers import EchoHandler, new_member
 
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint
-from meshnode.relaylink.client import Backoff
+from meshnode.membership.credentials import Endpoint, MeshKey
+from meshnode.relaylink.client import MAX_RELAY_ADDRESSES, Backoff, RelayClientSettings
 from meshnode.relaylink.manager import RelayDialError, RelayLinks, RelayLinkSettings
 from meshnode.relaylink.seal import CONTROL_CHANNEL, KIND_INIT, KIND_RESPONSE, PeerSealer
 from meshnode.relaywire.protocol import relay
@@ -181,3 +183,35 @@ async def test_relays_announced_by_peers_are_bounded_and_an_idle_one_makes_room(
         for future in links._pending.values():
             future.cancel()
         await links.close()
+
+
+async def test_a_relay_that_moved_is_reached_at_the_address_peers_announce_for_it() -> None:
+    # A node whose stored address for its relay went stale kept dialing it; peers that know the
+    # new address announce it, and the relay's key is what is checked, wherever it answers.
+    mesh_key = MeshKey.generate()
+    server, relay = await start_relay_server(mesh_key)
+    member = new_member(mesh_key)
+    settings = RelayLinkSettings(client=RelayClientSettings(connect_timeout=0.3, backoff_initial=0.05))
+    links = RelayLinks(
+        member.identity,
+        EchoHandler(),
+        mesh_id=member.mesh_id,
+        proof_for=lambda _relay_id: member.proof,
+        settings=settings,
+        local_host="127.0.0.1",
+    )
+    stale = Endpoint(relay.id, "127.0.0.1:9")
+    try:
+        await links.add_relays([stale])
+        await links.add_peer_relays([relay])  # as a peer's announcement names it
+        await links.wait_registered(10)
+        assert links.registered_relays() == [relay]
+        client = links.client(relay.id)
+        assert client is not None and client.addresses == [stale.address, relay.address]
+        # Bounded: a member may announce any number of addresses.
+        for port in range(10, 20):
+            client.consider_address(f"127.0.0.1:{port}")
+        assert len(client.addresses) == MAX_RELAY_ADDRESSES and client.addresses[0] == stale.address
+    finally:
+        await links.close()
+        await server.close(flush_timeout=0.3)
