@@ -126,8 +126,9 @@ class PeerDialer:
                 failures.append(f"relay: {exc}")
         raise PeerUnreachable(f"{short_id(peer_id)} unreachable ({'; '.join(failures) or 'no address'})")
 
-    async def dial_endpoint(self, endpoint: Endpoint) -> PeerLink:
-        """A bootstrap peer (reachability unknown): dial it, else reach it through our relays.
+    async def dial_endpoint(self, endpoint: Endpoint, via: Iterable[bytes] = ()) -> PeerLink:
+        """A bootstrap peer (reachability unknown): dial it, else reach it through our relays,
+        those in ``via`` first (an invite's: the inviting node registers with them).
 
         Raises ``DialError`` naming both attempts.
         """
@@ -140,7 +141,7 @@ class PeerDialer:
         if self._relays is None:
             raise DialError(failure)
         try:
-            return await self._relays.open_link(endpoint.id, timeout=self._connect_timeout)
+            return await self._relays.open_link(endpoint.id, via=via, timeout=self._connect_timeout)
         except ConnectionError as exc:
             raise DialError(f"{failure}; relay: {exc}") from None
 

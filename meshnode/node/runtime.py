@@ -349,9 +349,10 @@ class Node:
         assert self.state.invite is not None
         reasons: list[str] = []
         refused = False
+        invite_relays = [r.id for r in self.state.invite.relays]
         for endpoint in self.state.invite.bootstrap:
             try:
-                link = await self._started_dialer().dial_endpoint(endpoint)
+                link = await self._started_dialer().dial_endpoint(endpoint, via=invite_relays)
                 await self._exchange(link)
             except RemoteRefusal as refusal:
                 log.warning(

@@ -162,6 +162,9 @@ async def test_a_bootstrap_peer_is_dialed_then_reached_through_our_relays():
     relays = Relays(relayed)
     assert await dialer(Direct({}), relays).dial_endpoint(Endpoint(B, "10.0.0.2:1")) is relayed
     assert relays.opened == [(B, [])]  # any relay of ours: the peer's are not known yet
+    # An invite's relays, where the inviting node registers, come first (a joiner's own may not reach it).
+    await dialer(Direct({}), relays).dial_endpoint(Endpoint(B, "10.0.0.2:1"), via=[RELAY])
+    assert relays.opened[-1] == (B, [RELAY])
 
 
 async def test_a_bootstrap_peer_reached_neither_way_is_a_dial_error_naming_both():

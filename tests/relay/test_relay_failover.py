@@ -54,6 +54,8 @@ async def test_peers_move_to_their_other_relay_when_theirs_dies_without_closing(
         node_a = first_member(tmp_path / "a", relay_only_config(relays=endpoints), mesh_key)
         nodes.append(node_a)
         await node_a.start()
+        # The joiner may reach A through either relay: A must be registered with both first.
+        await eventually(lambda: registered_with(node_a) == both, timeout=20)
         invite = invite_from(node_a, relays=endpoints)
         node_b = await start_invited_node(tmp_path / "b", relay_only_config(relays=endpoints), invite)
         nodes.append(node_b)

@@ -231,6 +231,8 @@ async def test_a_joiner_keeps_its_own_relays_besides_the_invites(tmp_path: Path)
     node_b: Node | None = None
     try:
         await node_a.start()
+        assert node_a.relay_links is not None
+        await node_a.relay_links.wait_registered(10)  # the joiner reaches A through relay_1 only
         invite = invite_from(node_a, relays=[relay_1])
         node_b = Node(
             NodeIdentity.generate(), DataDir(tmp_path / "b"), relay_only_config(relay_2), invite=invite
