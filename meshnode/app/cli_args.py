@@ -83,13 +83,12 @@ def relay_endpoint(text: str) -> Endpoint:
     """``RELAY_ID@HOST:PORT`` with the relay id in hex (``meshnode relay --show-id`` prints it)."""
     relay_hex, sep, address = text.partition("@")
     try:
-        relay_id = bytes.fromhex(relay_hex)
-        parse_host_port(address)
-    except (ValueError, AddressError):
-        relay_id = b""
-    if not sep or len(relay_id) != 32:
-        raise argparse.ArgumentTypeError(f"relay must be RELAY_ID_HEX@HOST:PORT, got {text!r}")
-    return Endpoint(id=relay_id, address=address)
+        if sep:
+            parse_host_port(address)
+            return Endpoint(id=relay_id(relay_hex), address=address)
+    except (AddressError, argparse.ArgumentTypeError):
+        pass
+    raise argparse.ArgumentTypeError(f"relay must be RELAY_ID_HEX@HOST:PORT, got {text!r}")
 
 
 def _checked(value: _Number, ok: bool, expected: str) -> _Number:

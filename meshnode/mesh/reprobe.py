@@ -17,10 +17,14 @@ from meshnode.transport.base import PeerLink
 
 @dataclass(frozen=True)
 class Reprobe:
-    # New links for the second probe do not go through these relays.
-    avoid_relays: tuple[bytes, ...]
     # The link to close before it: new work must not go to it either.
     give_up: PeerLink | None
+
+    @property
+    def avoid_relays(self) -> tuple[bytes, ...]:
+        """Relays new links for the second probe do not go through: the given-up link's."""
+        relay = self.give_up.relay_id if self.give_up is not None else None
+        return (relay,) if relay is not None else ()
 
 
 def reprobe_after(
@@ -32,10 +36,10 @@ def reprobe_after(
     the one the first probe began on (``None``: it had none and dialed none).
     """
     if current is not None and current.established_at >= probe_began_at:
-        return Reprobe(avoid_relays=(), give_up=None)
+        return Reprobe(give_up=None)
     if unanswered is None or unanswered.relay_id is None:
         return None
-    return Reprobe(avoid_relays=(unanswered.relay_id,), give_up=unanswered)
+    return Reprobe(give_up=unanswered)
 
 
 __all__ = ["Reprobe", "reprobe_after"]
