@@ -23,6 +23,7 @@ import numpy as np
 
 from engines.interface import EngineError, EngineErrorKind
 from engines.llama_lib import ensure_llama_backend
+from engines.resident_memory import outside_shards, return_freed_heap
 
 # llama_token_data as numpy sees it, so that a whole vocabulary is filled without a loop.
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -41,7 +42,9 @@ def grammar_vocab(model_path: str | Path) -> llama_cpp.llama_vocab_p:
             ensure_llama_backend()
             params = llama_cpp.llama_model_default_params()
             params.vocab_only = True
-            model = llama_cpp.llama_model_load_from_file(key.encode(), params)
+            # Kept for the process's life, and not the shard's memory.
+            with outside_shards("grammar vocabulary"):
+                model = llama_cpp.llama_model_load_from_file(key.encode(), params)
             if not model:
                 raise EngineError(EngineErrorKind.INTERNAL, f"cannot read the vocabulary of {key}")
             _vocab_models[key] = model
@@ -76,6 +79,10 @@ class GrammarConstraint:
         data["logit"] = logits
         data["p"] = 0.0
         self._apply(data)
+        # llama.cpp decodes every candidate for the check and frees it all, but glibc kept the
+        # 38-46 MiB in the heap (for Gemma 3's vocabulary), resident for the node's life and
+        # counted as the shard's. Handing it back costs 2 ms against the mask's 55-75 ms.
+        return_freed_heap()
         return np.ascontiguousarray(data["logit"])
 
     def accept(self, token: int) -> None:

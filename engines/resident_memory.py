@@ -8,16 +8,24 @@ and pre-faults every page, so a slice file is resident in full). The shard's own
 mapped model files' resident pages (``/proc/self/smaps``) plus the growth of the process's
 anonymous memory since just before its first model loaded: the interpreter, numpy, and the
 llama.cpp libraries' code (file-backed pages that its first load faults in) are not the shard's.
+Neither are the vocabularies the head's tokenizer and the JSON-mode grammar load (41 MiB for
+Gemma 3's 262144 tokens, after the first model may have loaded): their growth is measured
+around their load (:func:`outside_shards`) and left out of the shard's share. The shard's own
+model keeps a vocabulary too where it has the model's ends; that one is the shard's, and part
+of its budget (``ShardBudget.vocabulary_bytes``).
 
 No llama.cpp here: the node's status and metrics read this without loading a model.
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,18 +105,39 @@ _BUFFER_LINES = (
 )
 
 
+def is_anonymous_host_buffer(buffer_type: str) -> bool:
+    """Whether llama.cpp's weights in ``buffer_type`` sit in the process's anonymous memory: its
+    CPU buffers and repacked copies (CPU, CPU_REPACK, AMX) and pinned host buffers (CUDA_Host),
+    not a mapped file (CPU_Mapped) or a device (CUDA0)."""
+    if buffer_type.endswith("_Mapped"):
+        return False
+    return buffer_type in ("CPU", "AMX") or buffer_type.startswith("CPU_") or buffer_type.endswith("_Host")
+
+
 @dataclass(frozen=True)
 class ShardBudget:
-    """What a shard has to hold, in bytes (llama.cpp prints MiB with two decimals)."""
+    """What a shard has to hold, in bytes (llama.cpp prints MiB with two decimals).
+
+    ``vocabulary_bytes`` is the one part llama.cpp does not report: the model's vocabulary and
+    other host-side tables, which a shard that keeps the vocabulary (the head's and the tail's)
+    holds beside its buffers (32 MiB for Gemma 3). It is measured: the anonymous memory the
+    model's load gained, less the weights it placed in anonymous buffers."""
 
     weights_bytes: int = 0
     kv_bytes: int = 0
     compute_bytes: int = 0
     output_bytes: int = 0
+    vocabulary_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
+        return (
+            self.weights_bytes
+            + self.kv_bytes
+            + self.compute_bytes
+            + self.output_bytes
+            + self.vocabulary_bytes
+        )
 
     def __add__(self, other: ShardBudget) -> ShardBudget:
         return ShardBudget(
@@ -116,6 +145,7 @@ class ShardBudget:
             self.kv_bytes + other.kv_bytes,
             self.compute_bytes + other.compute_bytes,
             self.output_bytes + other.output_bytes,
+            self.vocabulary_bytes + other.vocabulary_bytes,
         )
 
 
@@ -126,6 +156,7 @@ class BufferReport:
         self._bytes = dict.fromkeys(BufferKind, 0)
         # Per kind, per buffer type (CPU_Mapped, CPU, CUDA0, ...), in MiB as logged.
         self.by_type: dict[BufferKind, dict[str, float]] = {kind: {} for kind in BufferKind}
+        self._vocabulary_bytes = 0
 
     def note(self, line: str) -> bool:
         """Count ``line`` if it reports a buffer; whether it did."""
@@ -138,12 +169,23 @@ class BufferReport:
                 return True
         return False
 
+    def note_model_load(self, anonymous_growth: int) -> None:
+        """Count, as the vocabulary, what the model's load added to anonymous memory beyond the
+        weights it reported in anonymous buffers (call once the model has loaded)."""
+        anonymous_weights = sum(
+            round(mib * MIB)
+            for name, mib in self.by_type[BufferKind.WEIGHTS].items()
+            if is_anonymous_host_buffer(name)
+        )
+        self._vocabulary_bytes = max(0, anonymous_growth - anonymous_weights)
+
     def budget(self) -> ShardBudget:
         return ShardBudget(
             self._bytes[BufferKind.WEIGHTS],
             self._bytes[BufferKind.KV],
             self._bytes[BufferKind.COMPUTE],
             self._bytes[BufferKind.OUTPUT],
+            self._vocabulary_bytes,
         )
 
 
@@ -157,13 +199,19 @@ class ShardMemory:
     budget: ShardBudget
     # The process before its first model loaded; ``None`` when none has loaded yet.
     baseline: ProcessMemory | None
+    # Anonymous growth since the baseline that is not the shards' (vocabularies), by what it is.
+    outside: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def outside_bytes(self) -> int:
+        return sum(self.outside.values())
 
     @property
     def shard_bytes(self) -> int:
         """The shards' resident share: their mapped model files, and the anonymous memory the
-        process gained since before its first model loaded."""
+        process gained since before its first model loaded, less what was measured as not theirs."""
         before = self.baseline.anon_bytes if self.baseline is not None else 0
-        return max(0, self.process.anon_bytes - before) + self.model_file_bytes
+        return max(0, self.process.anon_bytes - before - self.outside_bytes) + self.model_file_bytes
 
     @property
     def budget_ratio(self) -> float:
@@ -178,11 +226,13 @@ class ShardMemory:
             "model_file_bytes": self.model_file_bytes,
             "shard_bytes": self.shard_bytes,
             "budget_bytes": self.budget.total_bytes,
+            "outside_bytes": dict(self.outside),
             "budget": {
                 "weights_bytes": self.budget.weights_bytes,
                 "kv_bytes": self.budget.kv_bytes,
                 "compute_bytes": self.budget.compute_bytes,
                 "output_bytes": self.budget.output_bytes,
+                "vocabulary_bytes": self.budget.vocabulary_bytes,
             },
         }
 
@@ -196,6 +246,9 @@ class BudgetedShard(Protocol):
 
 _lock = threading.Lock()
 _baseline: ProcessMemory | None = None
+_outside: dict[str, int] = {}
+# libc's malloc_trim once looked up; False where there is none.
+_malloc_trim: Any = None
 # Loaded shards (engines), weakly: a shard dropped without close stops counting.
 _shards: weakref.WeakSet[BudgetedShard] = weakref.WeakSet()
 
@@ -206,6 +259,58 @@ def record_baseline() -> None:
     with _lock:
         if _baseline is None:
             _baseline = process_memory()
+
+
+def return_freed_heap() -> None:
+    """Give the system back what malloc holds freed (glibc's ``malloc_trim``; elsewhere nothing)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+class OutsideShare:
+    """Memory measured as not the shards' (:func:`outside_shards`); ``release`` when it is freed."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.bytes = 0
+
+    def release(self) -> None:
+        """Stop leaving it out, once its memory is freed: the freed heap is handed back to the
+        system first (glibc keeps it otherwise, and it would count as the shards')."""
+        return_freed_heap()
+        with _lock:
+            left = _outside.get(self.label, 0) - self.bytes
+            if left > 0:
+                _outside[self.label] = left
+            else:
+                _outside.pop(self.label, None)
+        self.bytes = 0
+
+
+@contextmanager
+def outside_shards(label: str) -> Iterator[OutsideShare]:
+    """Leave the anonymous memory the block allocates out of the shards' share, under ``label``.
+
+    The baseline is taken first if no model has loaded yet, so the growth is always counted
+    after it and subtracting it is right whichever loads first. Other threads allocating
+    meanwhile count too; a vocabulary loads in well under a second."""
+    record_baseline()
+    share = OutsideShare(label)
+    before = process_memory()
+    try:
+        yield share
+    finally:
+        after = process_memory()
+        if before is not None and after is not None:
+            share.bytes = max(0, after.anon_bytes - before.anon_bytes)
+            with _lock:
+                _outside[label] = _outside.get(label, 0) + share.bytes
 
 
 def track_shard(shard: BudgetedShard) -> None:
@@ -227,8 +332,9 @@ def shard_memory(shards: list[BudgetedShard] | None = None) -> ShardMemory | Non
     with _lock:
         chosen = list(_shards) if shards is None else shards
         baseline = _baseline
+        outside = dict(_outside)
     budget = sum((shard.memory_budget() for shard in chosen), ShardBudget())
-    return ShardMemory(process, model_file_memory(), budget, baseline)
+    return ShardMemory(process, model_file_memory(), budget, baseline, outside)
 
 
 __all__ = [
@@ -236,14 +342,18 @@ __all__ = [
     "BudgetedShard",
     "BufferKind",
     "BufferReport",
+    "OutsideShare",
     "ProcessMemory",
     "ShardBudget",
     "ShardMemory",
+    "is_anonymous_host_buffer",
     "model_file_memory",
+    "outside_shards",
     "parse_proc_status",
     "parse_smaps_file_rss",
     "process_memory",
     "record_baseline",
+    "return_freed_heap",
     "shard_memory",
     "track_shard",
     "untrack_shard",

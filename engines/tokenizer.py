@@ -10,8 +10,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from engines.gguf_file import read_gguf
 from engines.llama_lib import ensure_llama_backend
+from engines.resident_memory import OutsideShare, outside_shards
 
 # llama.cpp built-in template names for models whose GGUF carries no chat template.
 _FALLBACK_TEMPLATES = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma"}
@@ -39,8 +39,16 @@ class TextStream:
 
 
 class Tokenizer:
-    def __init__(self, model_path: Path, model: llama_cpp.llama_model_p, architecture: str) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        model: llama_cpp.llama_model_p,
+        architecture: str,
+        memory: OutsideShare | None = None,
+    ) -> None:
         self.model_path = model_path
+        # The vocabulary's memory, kept out of the shard's resident share until it is freed.
+        self._memory = memory
         self.architecture = architecture
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -56,14 +64,22 @@ class Tokenizer:
     @classmethod
     def open(cls, model_path: Path | str) -> Tokenizer:
         path = Path(model_path)
-        architecture = read_gguf(path).architecture
         ensure_llama_backend()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        with outside_shards("tokenizer") as memory:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not model:
+            memory.release()
             raise TokenizerError(f"llama.cpp could not load the vocabulary of {path}")
-        return cls(path, model, architecture)
+        # From llama.cpp's copy of the metadata: parsing the GGUF here again would leave its
+        # 262144 token strings' worth of freed Python heap in the process (9 MiB for Gemma 3).
+        buffer = ctypes.create_string_buffer(128)
+        if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buffer, len(buffer)) < 0:
+            llama_cpp.llama_model_free(model)
+            memory.release()
+            raise TokenizerError(f"{path} names no general.architecture")
+        return cls(path, model, buffer.value.decode("utf-8", "replace"), memory)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids for ``text``; ``add_special`` adds BOS where the model asks for it,
@@ -144,6 +160,8 @@ class Tokenizer:
         if self._model:
             llama_cpp.llama_model_free(self._model)
             self._model = None
+            if self._memory is not None:
+                self._memory.release()
 
     def __enter__(self) -> Tokenizer:
         return self

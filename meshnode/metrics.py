@@ -399,13 +399,20 @@ def _memory_families(memory: ShardMemory | None) -> list[Metric]:
         ),
         _gauge(
             "meshnode_shard_resident_bytes",
-            "The shards' resident share: mapped model files, and anonymous memory gained since the first load",
+            "The shards' resident share: mapped model files, and anonymous memory gained since the first load "
+            "less the vocabularies' (meshnode_outside_shard_bytes)",
             memory.shard_bytes,
         ),
         _labelled(
             GaugeMetricFamily,
+            "meshnode_outside_shard_bytes",
+            "Anonymous memory gained since the first load that is not the shards', by what it is",
+            [({"kind": name}, value) for name, value in memory.outside.items()],
+        ),
+        _labelled(
+            GaugeMetricFamily,
             "meshnode_shard_memory_budget_bytes",
-            "What the loaded shards should hold, by buffer (as llama.cpp reports them)",
+            "What the loaded shards should hold, by buffer (as llama.cpp reports them; the vocabulary measured at load)",
             budget,
         ),
     ]

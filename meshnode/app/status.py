@@ -112,7 +112,8 @@ def _sessions_text(entry: dict[str, Any]) -> str:
 
 def _memory_text(memory: dict[str, Any]) -> str:
     """``  memory: 96 MiB resident (46 file-backed); the shard 41 MiB against its budget 44 MiB
-    (weights 25, KV 14, compute 4.9, output 0)`` (engines.resident_memory.ShardMemory.to_json)."""
+    (weights 25, KV 14, compute 4.9, output 0); vocabulary 44 MiB besides``
+    (engines.resident_memory.ShardMemory.to_json)."""
 
     def mib(value: int) -> str:
         return f"{value / (1 << 20):.2g}" if value < 10 << 20 else f"{value / (1 << 20):.0f}"
@@ -121,9 +122,16 @@ def _memory_text(memory: dict[str, Any]) -> str:
     parts = ", ".join(
         f"{name.removesuffix('_bytes').replace('kv', 'KV')} {mib(value)}" for name, value in budget.items()
     )
+    # An older node's report has no "outside_bytes".
+    outside = "".join(
+        f"; {name} {mib(value)} MiB besides"
+        for name, value in (memory.get("outside_bytes") or {}).items()
+        if value
+    )
     return (
         f"  memory: {mib(memory['rss_bytes'])} MiB resident ({mib(memory['rss_file_bytes'])} file-backed); "
         f"the shard {mib(memory['shard_bytes'])} MiB against its budget {mib(memory['budget_bytes'])} MiB ({parts})"
+        f"{outside}"
     )
 
 

@@ -62,11 +62,16 @@ class ConsoleDom(HTMLParser):
         # This node's relays: id -> (registered, the line's text).
         self.relays: dict[str, tuple[str, str]] = {}
         self._relay: str | None = None
+        # The memory section's text, and how deep in its divs the parser is (0: outside).
+        self.memory_text = ""
+        self._memory_depth = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {name: value or "" for name, value in attrs}
         if "id" in a:
             self.element_ids.add(a["id"])
+        if tag == "div" and (self._memory_depth or a.get("id") == "memory"):
+            self._memory_depth += 1
         if tag == "tr" and "data-node-id" in a:
             self.node_ids.append(a["data-node-id"])
             self.links[a["data-node-id"]] = a["data-link"]
@@ -88,8 +93,11 @@ class ConsoleDom(HTMLParser):
         self._in_answer = False
         if tag == "div":
             self._relay = None
+            self._memory_depth = max(0, self._memory_depth - 1)
 
     def handle_data(self, data: str) -> None:
+        if self._memory_depth:
+            self.memory_text += data
         if self._relay is not None:
             registered, text = self.relays[self._relay]
             self.relays[self._relay] = (registered, text + data)

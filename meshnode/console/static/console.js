@@ -160,7 +160,9 @@ function drawSections(view) {
     const fraction = memory.budget_bytes ? memory.shard_bytes / memory.budget_bytes : 0;
     box.append(el("div", { id: "memory" }, el("strong", {}, "memory: "),
       `${mib(memory.rss_bytes)} MiB resident; the shard ${mib(memory.shard_bytes)} MiB of its ` +
-      `${mib(memory.budget_bytes)} MiB budget`, progressBar(fraction)));
+      `${mib(memory.budget_bytes)} MiB budget`, progressBar(fraction),
+      ...Object.entries(memory.outside_bytes || {}).filter(([, bytes]) => bytes > 0).map(([name, bytes]) =>
+        el("span", { class: "muted" }, `${name} ${mib(bytes)} MiB besides`))));
   }
   for (const relay of view.relays) {
     const state = relay.registered ? "registered" : `not registered (${relay.problem || "connecting"})`;
