@@ -6,6 +6,12 @@ the peer uses reaches it: the second probe gives that link up and dials around
 its relay. A peer that reconnected during the probe (its new link came up after
 the probe began, typically because it moved to another relay first) gets a whole
 probe on the new link. A direct link that stayed silent gets no second probe.
+
+A probe refused outright (in well under its timeout: the peer's relay says it is not
+registered there) does not confirm the peer down either while a probe's time has not
+passed: a relay that restarts has its nodes register again one by one, each some
+hundreds of milliseconds apart, and the first one back used to drop every peer not yet
+back (:func:`retry_refused_in`).
 """
 
 from __future__ import annotations
@@ -42,4 +48,23 @@ def reprobe_after(
     return Reprobe(give_up=unanswered)
 
 
-__all__ = ["Reprobe", "reprobe_after"]
+# A probe that failed within this share of its timeout was refused, not left unanswered.
+REFUSED_WITHIN_SHARE = 0.5
+# How long to wait before probing a peer whose probe was refused.
+REFUSED_RETRY_INTERVAL_S = 0.5
+
+
+def retry_refused_in(
+    first_began_at: float, began_at: float, failed_at: float, probe_timeout: float
+) -> float | None:
+    """Seconds to wait before probing again a peer whose probe began at ``began_at`` and failed
+    at ``failed_at`` (the first of this confirmation began at ``first_began_at``); ``None``: the
+    peer is confirmed down. A refused probe is retried until ``probe_timeout`` has passed since
+    the first; an unanswered one is not."""
+    refused = failed_at - began_at < REFUSED_WITHIN_SHARE * probe_timeout
+    if not refused or failed_at + REFUSED_RETRY_INTERVAL_S >= first_began_at + probe_timeout:
+        return None
+    return REFUSED_RETRY_INTERVAL_S
+
+
+__all__ = ["REFUSED_RETRY_INTERVAL_S", "REFUSED_WITHIN_SHARE", "Reprobe", "reprobe_after", "retry_refused_in"]

@@ -48,7 +48,7 @@ from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.receive import receive_message
-from meshnode.mesh.reprobe import reprobe_after
+from meshnode.mesh.reprobe import reprobe_after, retry_refused_in
 from meshnode.mesh.rules import (
     PeerDownAction,
     PeerLeavingAction,
@@ -618,9 +618,17 @@ class Node:
         self._spawn(self._confirm_down(peer_id, reporter))
 
     async def _confirm_down(self, peer_id: bytes, reporter: bytes | None) -> None:
+        clock = asyncio.get_running_loop().time
+        first_began_at = clock()
         try:
-            if await self.reachable(peer_id):
-                return
+            while True:
+                began_at = clock()
+                if await self.reachable(peer_id):
+                    return
+                wait = retry_refused_in(first_began_at, began_at, clock(), self.config.probe_timeout)
+                if wait is None:
+                    break
+                await asyncio.sleep(wait)
             why = "unreachable, probe failed" + (f" (reported by {short_id(reporter)})" if reporter else "")
             if self._drop(peer_id, why, close_link=True) and reporter is None:
                 await self._broadcast_peer_down(peer_id)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from meshnode.mesh.reprobe import Reprobe, reprobe_after
+from meshnode.mesh.reprobe import (
+    REFUSED_RETRY_INTERVAL_S,
+    REFUSED_WITHIN_SHARE,
+    Reprobe,
+    reprobe_after,
+    retry_refused_in,
+)
 from meshnode.transport.base import MeshStream, PeerLink
 
 RELAY = b"\x07" * 32
@@ -48,3 +54,15 @@ async def test_a_silent_direct_link_or_no_link_at_all_gets_no_second_probe() -> 
     direct = Link(at=1.0)
     assert reprobe_after(direct, direct, probe_began_at=5.0) is None
     assert reprobe_after(None, None, probe_began_at=5.0) is None
+
+
+def test_a_refused_probe_is_retried_until_a_probe_timeout_has_passed() -> None:
+    timeout = 2.0
+    # Refused at once (0.01 s into a 2 s probe): probe again in a moment.
+    assert retry_refused_in(100.0, 100.0, 100.01, timeout) == REFUSED_RETRY_INTERVAL_S
+    # Still refused 1.2 s after the first: once more.
+    assert retry_refused_in(100.0, 101.2, 101.21, timeout) == REFUSED_RETRY_INTERVAL_S
+    # A retry would begin past the first probe's timeout: the peer is down.
+    assert retry_refused_in(100.0, 101.6, 101.61, timeout) is None
+    # Left unanswered (most of its timeout): no retry, however early.
+    assert retry_refused_in(100.0, 100.0, 100.0 + REFUSED_WITHIN_SHARE * timeout, timeout) is None

@@ -127,6 +127,9 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
             return bool(peer.get("link")) and peer["link"].startswith("relay ") and both_see_each_other()
 
         wait_until(relayed_link_again, 40, "a relayed link between A and B after the restart")
+        # Neither dropped the other while the relay registered them again one by one.
+        for name in ("a", "b"):
+            assert "dropped peer" not in mesh.logs[name].read_text(errors="replace"), name
         if "MESHNODE_NAT_DUMP" in os.environ:
             print(mesh.dump())
     except BaseException:
