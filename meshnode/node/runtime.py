@@ -48,7 +48,6 @@ from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.receive import receive_message
-from meshnode.mesh.reprobe import reprobe_after, retry_refused_in
 from meshnode.mesh.rules import (
     PeerDownAction,
     PeerLeavingAction,
@@ -64,6 +63,7 @@ from meshnode.mesh.validation import (
     validate_route_request,
 )
 from meshnode.node.membership_keeper import MembershipKeeper, load_revocations
+from meshnode.node.reachability import Reachability
 from meshnode.node.status_report import StatusReport, status_report
 from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
@@ -224,6 +224,7 @@ class Node:
         )
         # Set once this node is out of the mesh (removed, or its certificate expired); see keeper.
         self.removal = self.keeper.removal
+        self._reachability = Reachability(self._probe_on_link, self._links.get, lambda: self.relay_links)
 
     # -- identity and announcement -------------------------------------------------
 
@@ -618,17 +619,9 @@ class Node:
         self._spawn(self._confirm_down(peer_id, reporter))
 
     async def _confirm_down(self, peer_id: bytes, reporter: bytes | None) -> None:
-        clock = asyncio.get_running_loop().time
-        first_began_at = clock()
         try:
-            while True:
-                began_at = clock()
-                if await self.reachable(peer_id):
-                    return
-                wait = retry_refused_in(first_began_at, began_at, clock(), self.config.probe_timeout)
-                if wait is None:
-                    break
-                await asyncio.sleep(wait)
+            if await self.reachable(peer_id):
+                return
             why = "unreachable, probe failed" + (f" (reported by {short_id(reporter)})" if reporter else "")
             if self._drop(peer_id, why, close_link=True) and reporter is None:
                 await self._broadcast_peer_down(peer_id)
@@ -636,26 +629,11 @@ class Node:
             self._probing.discard(peer_id)
 
     async def reachable(self, peer_id: bytes, probe_timeout: float | None = None) -> bool:
-        """Whether the peer answers a probe, or a second one where it may be reached another way.
-
-        See :mod:`meshnode.mesh.reprobe` (a relay that died without closing). Each probe
-        waits ``probe_timeout`` at most (default: the node's ``probe_timeout``).
-        """
-        began_at = asyncio.get_running_loop().time()
-        answered, unanswered = await self._probe_on_link(peer_id, (), probe_timeout)
-        if answered:
-            return True
-        again = reprobe_after(unanswered, self._links.get(peer_id), began_at)
-        if again is None:
-            return False
-        if again.give_up is not None:
-            again.give_up.close("no answer through this relay")
-            log.info(
-                "peer %s did not answer through %s; trying its other relays",
-                short_id(peer_id),
-                again.give_up.description,
-            )
-        return await self.probe(peer_id, again.avoid_relays, probe_timeout)
+        """Whether the peer answers a probe, or the second chances of
+        :class:`meshnode.node.reachability.Reachability`. Each probe waits ``probe_timeout``
+        at most (default: the node's ``probe_timeout``)."""
+        timeout = self.config.probe_timeout if probe_timeout is None else probe_timeout
+        return await self._reachability.reachable(peer_id, timeout)
 
     async def probe(
         self, peer_id: bytes, avoid_relays: Collection[bytes] = (), timeout: float | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import random
 import time
@@ -279,6 +280,17 @@ class RelayCallbacks:
     down: Callable[[RelayClient, str], None]
 
 
+class RelayCheck(enum.Enum):
+    """What RelayClient.confirm_alive found."""
+
+    # The relay answered on the connection we had.
+    ANSWERED = "answered"
+    # That connection was dead (the relay restarted, or our path to it changed); a new one is registered.
+    REGISTERED_AGAIN = "registered again"
+    # Neither, within the time given.
+    AWAY = "away"
+
+
 class RelayClient:
     """Keeps this node registered with one relay and moves frames both ways."""
 
@@ -362,6 +374,35 @@ class RelayClient:
             return
         self._outgoing.extend(p.encode_revocations(revocations))
         self._wake.set()
+
+    async def confirm_alive(self, timeout: float) -> RelayCheck:
+        """Whether this relay answers on our connection, or on a new one within ``timeout``.
+
+        A relay that restarted, or died without closing, leaves our connection looking alive
+        until its idle timeout (15 s): it answers a PING with nothing. A connection that leaves
+        a PING unanswered for half of ``timeout`` is given up and the relay registered with
+        again.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        session = self.session
+        if session is not None and not session.is_closed:
+            pinged_at = loop.time()
+            session.link.ping()
+            while loop.time() - pinged_at < timeout / 2:
+                if session.link.last_received_at > pinged_at:
+                    return RelayCheck.ANSWERED
+                if session.is_closed:
+                    break
+                await asyncio.sleep(0.02)
+            if not session.is_closed:
+                log.info("relay %s left a ping unanswered; registering again", self.endpoint_info)
+                session.close("the relay left a ping unanswered")
+        while loop.time() < deadline:
+            if self.registered and self.session is not session:
+                return RelayCheck.REGISTERED_AGAIN
+            await asyncio.sleep(0.05)
+        return RelayCheck.AWAY
 
     async def close(self) -> None:
         self._closed = True
@@ -476,6 +517,7 @@ class RelayClient:
 __all__ = [
     "Backoff",
     "RelayCallbacks",
+    "RelayCheck",
     "RelayClient",
     "RelayClientSettings",
     "RelayDialer",

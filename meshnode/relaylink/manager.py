@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint
-from meshnode.relaylink.client import RelayCallbacks, RelayClient, RelayClientSettings
+from meshnode.relaylink.client import RelayCallbacks, RelayCheck, RelayClient, RelayClientSettings
 from meshnode.relaylink.link import RelayedPeerLink
 from meshnode.relaylink.mux import MuxConfig
 from meshnode.relaylink.seal import (
@@ -183,6 +183,12 @@ class RelayLinks:
 
     def client(self, relay_id: bytes) -> RelayClient | None:
         return self._clients.get(relay_id)
+
+    async def confirm_relay(self, relay_id: bytes, timeout: float) -> RelayCheck:
+        """Whether ``relay_id`` answers us, on our connection or on a new registration made
+        within ``timeout`` (RelayClient.confirm_alive); AWAY for a relay we do not use."""
+        client = self._clients.get(relay_id)
+        return RelayCheck.AWAY if client is None else await client.confirm_alive(timeout)
 
     async def wait_registered(self, timeout: float | None = None) -> None:
         async with asyncio.timeout(timeout):

@@ -11,7 +11,7 @@ from relay_helpers import EchoHandler, new_member
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
-from meshnode.relaylink.client import MAX_RELAY_ADDRESSES, Backoff, RelayClientSettings
+from meshnode.relaylink.client import MAX_RELAY_ADDRESSES, Backoff, RelayCheck, RelayClientSettings
 from meshnode.relaylink.manager import RelayDialError, RelayLinks, RelayLinkSettings
 from meshnode.relaylink.seal import CONTROL_CHANNEL, KIND_INIT, KIND_RESPONSE, PeerSealer
 from meshnode.relaywire.protocol import relay
@@ -212,6 +212,31 @@ async def test_a_relay_that_moved_is_reached_at_the_address_peers_announce_for_i
         for port in range(10, 20):
             client.consider_address(f"127.0.0.1:{port}")
         assert len(client.addresses) == MAX_RELAY_ADDRESSES and client.addresses[0] == stale.address
+    finally:
+        await links.close()
+        await server.close(flush_timeout=0.3)
+
+
+async def test_a_relay_that_answers_its_ping_is_kept_and_one_we_do_not_use_is_away() -> None:
+    # Checking a relay that is fine must not cost its registration (and every link through it).
+    mesh_key = MeshKey.generate()
+    server, relay = await start_relay_server(mesh_key)
+    member = new_member(mesh_key)
+    links = RelayLinks(
+        member.identity,
+        EchoHandler(),
+        mesh_id=member.mesh_id,
+        proof_for=lambda _relay_id: member.proof,
+        local_host="127.0.0.1",
+    )
+    try:
+        await links.add_relays([relay])
+        await links.wait_registered(10)
+        client = links.client(relay.id)
+        assert client is not None and client.registrations == 1
+        assert await links.confirm_relay(relay.id, 2.0) is RelayCheck.ANSWERED
+        assert client.registrations == 1 and client.registered
+        assert await links.confirm_relay(b"\x01" * 32, 2.0) is RelayCheck.AWAY
     finally:
         await links.close()
         await server.close(flush_timeout=0.3)

@@ -1,4 +1,5 @@
-"""A relay that restarts does not make its nodes drop each other.
+"""A relay that restarts does not make its nodes drop each other, whether it closed its
+connections on the way down or was killed (SIGKILL) and left them looking alive.
 
 When a relay restarts, its nodes register again one by one. The first one back used to
 heartbeat a peer not yet back, hear from the relay "not registered here", probe it, hear the
@@ -8,6 +9,12 @@ Now a probe refused outright is retried until a probe's time has passed.
 Node A is a real ``meshnode`` process, stopped (SIGSTOP) while the relay restarts so that it
 registers again well after B does; B runs in this process. Both reach each other only
 through the relay.
+
+Killed, the relay sends no CONNECTION_CLOSE: its nodes' connections looked alive until their
+idle timeout (15 s), the restarted relay ignored them, and the nodes dropped each other after
+a probe (about 5 s in) until the timeout let them register again. Now a node whose probe
+through its relay goes unanswered pings the relay on that connection, and one that answers
+nothing is registered with again at once.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import invite_to, relay_only_config, start_invited_node
+from helpers.mesh_nodes import first_member, invite_from, invite_to, relay_only_config, start_invited_node
 from helpers.node_processes import NODE_TIMING, NodeProcess, write_member
 from helpers.polling import eventually
 from helpers.relay_process import relay_option, start_relay_process
 
 from meshnode.membership.credentials import MeshKey
+from meshnode.node import Node
+from meshnode.relaylink.client import RelayClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,3 +109,62 @@ async def test_nodes_keep_each_other_while_a_restarted_relay_registers_them_agai
         node_a.stop()
         relay.kill()
         relay.wait(10)
+
+
+# Shorter than a relay connection's idle timeout (15 s): the nodes must not need it.
+WATCH_AFTER_KILL_S = 12.0
+
+
+async def test_nodes_register_again_at_once_with_a_relay_killed_and_restarted(tmp_path: Path) -> None:
+    mesh_key = MeshKey.generate()
+    listen = f"127.0.0.1:{free_udp_port()}"
+    relay, endpoint = await start_relay_process(tmp_path / "relay", mesh_key.mesh_id, "--listen", listen)
+    nodes: list[Node] = []
+    try:
+        node_a = first_member(tmp_path / "a", relay_only_config(endpoint), mesh_key)
+        nodes.append(node_a)
+        await node_a.start()
+        await eventually(
+            lambda: node_a.relay_links is not None and node_a.relay_links.registered_relays(), 20
+        )
+        node_b = await start_invited_node(
+            tmp_path / "b", relay_only_config(endpoint), invite_from(node_a, relays=[endpoint])
+        )
+        nodes.append(node_b)
+        await eventually(
+            lambda: node_a.node_id in node_b.state.table and node_b.node_id in node_a.state.table, 20
+        )
+        assert await node_a.probe(node_b.node_id)
+
+        relay.kill()
+        relay.wait(10)
+        relay, _same = await start_relay_process(tmp_path / "relay", mesh_key.mesh_id, "--listen", listen)
+        assert _same == endpoint
+        registrations = {node: client_of(node).registrations for node in nodes}
+
+        loop = asyncio.get_running_loop()
+        watch_until = loop.time() + WATCH_AFTER_KILL_S
+        while loop.time() < watch_until:
+            assert node_b.node_id in node_a.state.table, "A dropped B while the relay came back"
+            assert node_a.node_id in node_b.state.table, "B dropped A while the relay came back"
+            if all(client_of(node).registrations > registrations[node] for node in nodes) and (
+                await node_a.probe(node_b.node_id, timeout=1.0)
+            ):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the nodes did not register again before their connections timed out")
+        assert await node_b.probe(node_a.node_id)
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
+        relay.kill()
+        relay.wait(10)
+
+
+def client_of(node: Node) -> RelayClient:
+    assert node.relay_links is not None
+    (endpoint,) = node.relay_links.relays
+    client = node.relay_links.client(endpoint.id)
+    assert client is not None
+    return client

@@ -1,0 +1,98 @@
+"""Whether a peer answers, with the second chances a probe gets (the rules are pure, in
+:mod:`meshnode.mesh.reprobe`).
+
+- A probe unanswered on a relayed link: that link is given up and the peer probed around
+  its relay, through another one it announces. Before that, the relay is pinged on our own
+  connection: a relay that restarted, or died without closing, leaves that connection
+  looking alive until its idle timeout (15 s); one that answers nothing is registered with
+  again at once, and the peer asked through it once more.
+- A probe refused outright (the relay says the peer is not registered there) is retried
+  for a probe's time: the nodes of a relay that came back register again one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection
+
+from meshnode.identity import short_id
+from meshnode.mesh.reprobe import reprobe_after, retry_refused_in
+from meshnode.relaylink.client import RelayCheck
+from meshnode.relaylink.manager import RelayLinks
+from meshnode.transport.base import PeerLink
+
+log = logging.getLogger("meshnode.node")
+
+# (peer, relays a new link avoids, timeout) -> (whether it echoed, the link the probe began on).
+ProbeOnLink = Callable[[bytes, Collection[bytes], float], Awaitable[tuple[bool, PeerLink | None]]]
+
+
+class Reachability:
+    def __init__(
+        self,
+        probe_on_link: ProbeOnLink,
+        current_link: Callable[[bytes], PeerLink | None],
+        relay_links: Callable[[], RelayLinks | None],
+    ) -> None:
+        self._probe_on_link = probe_on_link
+        self._current_link = current_link
+        self._relay_links = relay_links
+
+    async def reachable(self, peer_id: bytes, timeout: float) -> bool:
+        """Whether the peer answers a probe of ``timeout`` seconds, or its second chances."""
+        clock = asyncio.get_running_loop().time
+        began_at = clock()
+        answered, unanswered = await self._probe_on_link(peer_id, (), timeout)
+        if answered:
+            return True
+        again = reprobe_after(unanswered, self._current_link(peer_id), began_at)
+        if again is None:
+            wait = retry_refused_in(began_at, began_at, clock(), timeout)
+            if wait is None:
+                return False
+            await asyncio.sleep(wait)
+            return await self._probe_while_refused(peer_id, (), timeout, began_at)
+        avoid = again.avoid_relays
+        if again.give_up is not None:
+            again.give_up.close("no answer through this relay")
+            if await self._relay_registered_again(again.give_up.relay_id, timeout):
+                avoid = ()
+            log.info(
+                "peer %s did not answer through %s; trying %s",
+                short_id(peer_id),
+                again.give_up.description,
+                "its other relays" if avoid else "again",
+            )
+        return await self._probe_while_refused(peer_id, avoid, timeout)
+
+    async def _relay_registered_again(self, relay_id: bytes | None, timeout: float) -> bool:
+        relay_links = self._relay_links()
+        if relay_id is None or relay_links is None:
+            return False
+        return await relay_links.confirm_relay(relay_id, timeout) is RelayCheck.REGISTERED_AGAIN
+
+    async def _probe_while_refused(
+        self,
+        peer_id: bytes,
+        avoid_relays: Collection[bytes],
+        timeout: float,
+        refused_since: float | None = None,
+    ) -> bool:
+        """Probe, and again while the probes are refused outright, from ``refused_since``
+        (default: this first probe's start)."""
+        clock = asyncio.get_running_loop().time
+        while True:
+            began_at = clock()
+            if refused_since is None:
+                refused_since = began_at
+            answered, _link = await self._probe_on_link(peer_id, avoid_relays, timeout)
+            if answered:
+                return True
+            wait = retry_refused_in(refused_since, began_at, clock(), timeout)
+            if wait is None:
+                return False
+            await asyncio.sleep(wait)
+
+
+__all__ = ["ProbeOnLink", "Reachability"]
