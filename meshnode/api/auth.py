@@ -17,44 +17,18 @@ other requests are answered without CORS headers, so the browser withholds them.
 
 from __future__ import annotations
 
-import hmac
-from dataclasses import dataclass
-
 from aiohttp import web
 
+from meshnode.api.access import ANY_ORIGIN, ApiAccess
 from meshnode.api.errors import INVALID_REQUEST, Handler, Middleware, error_response
 
 # Paths that need the key when one is set.
 PROTECTED_PREFIXES = ("/v1/", "/meshnode/")
-ANY_ORIGIN = "*"
 CORS_ALLOWED_METHODS = "GET, POST, OPTIONS"
 CORS_ALLOWED_HEADERS = "Authorization, Content-Type"
 # How long a browser may cache a preflight answer.
 CORS_MAX_AGE_S = 600
 INVALID_API_KEY = "invalid_api_key"
-
-
-@dataclass(frozen=True)
-class ApiAccess:
-    # None: no authentication (the API binds to loopback by default).
-    api_key: str | None = None
-    cors_origins: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        # Dataclass reprs end up in logs and tracebacks; the key must not.
-        key = "set" if self.api_key else "none"
-        return f"ApiAccess(api_key=<{key}>, cors_origins={self.cors_origins!r})"
-
-    def origin_allowed(self, origin: str) -> bool:
-        return ANY_ORIGIN in self.cors_origins or origin in self.cors_origins
-
-    def key_matches(self, authorization: str | None) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, presented = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(presented.strip().encode(), self.api_key.encode())
 
 
 def needs_key(path: str) -> bool:

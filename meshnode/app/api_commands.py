@@ -16,7 +16,7 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnode.app.api_options import (
     add_api_access_options,
@@ -29,19 +29,17 @@ from meshnode.app.api_options import (
 from meshnode.app.cli_args import add_weight_repack_option, positive_int
 from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import node_data_dir
-from meshnode.app.head_service import DEFAULT_API_LISTEN, HeadError, start_standalone
-from meshnode.app.lifecycle import run_drain
+from meshnode.app.head_options import DEFAULT_API_LISTEN
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.session_options import add_session_options, max_sessions
 from meshnode.app.speculation_options import add_speculation_options, driver_options
 from meshnode.app.status import query_status
-from meshnode.head.api_client import (
-    ApiError,
-    StreamSummary,
-    TextChunk,
-    completion_request,
-    stream_completion,
-)
+
+if TYPE_CHECKING:
+    from meshnode.head.api_client import StreamSummary
+
+# The HTTP client, the head and the shard load in the commands that use them, not when the
+# command line is read: `meshnode status` and the relay need none of them.
 
 # ---------------------------------------------------------------------------- generate
 
@@ -62,6 +60,8 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise CliError("nothing to generate from: give --prompt TEXT (or a prompt on stdin)", code=2)
+    from meshnode.head.api_client import completion_request
+
     base = args.api or _api_from_status(args)
     path, body = completion_request(
         prompt,
@@ -87,6 +87,8 @@ async def print_stream(
     base: str, path: str, body: dict[str, Any], *, indent: str = "", api_key: str | None = None
 ) -> StreamSummary:
     """Stream a completion to stdout as it arrives; returns its summary."""
+    from meshnode.head.api_client import ApiError, TextChunk, stream_completion
+
     summary: StreamSummary | None = None
     try:
         async for event in stream_completion(base, path, body, api_key=api_key):
@@ -121,6 +123,8 @@ DRAIN_TIMEOUT_S = 30.0
 
 async def cmd_serve(args: argparse.Namespace) -> int:
     # Loaded only by `serve`: it brings the shard worker and server with it.
+    from meshnode.app.head_service import HeadError, start_standalone
+    from meshnode.app.lifecycle import run_drain
     from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
 
     if args.api_listen is False:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshnode.api.auth import ANY_ORIGIN, ApiAccess
-from meshnode.app.head_service import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
+from meshnode.api.access import ANY_ORIGIN, ApiAccess
+from meshnode.app.head_options import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.speculation_options import add_speculation_options
-from meshnode.head.driver import DriverOptions
+from meshnode.head.driver_options import DriverOptions
 from meshnode.mesh.validation import MAX_TEXT
 from meshnode.transport.addresses import AddressError, parse_host_port
 

@@ -22,13 +22,14 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.openmp_wait import available_cpus, openmp_wait_env
 from meshnode.app.api_commands import describe_summary, print_stream
 from meshnode.app.cli_error import CliError
-from meshnode.app.local_mesh import LocalMesh, LocalMeshError
-from meshnode.head.api_client import ApiError, completion_request
+
+if TYPE_CHECKING:
+    from meshnode.app.local_mesh import LocalMesh
 
 # Gemma 3 270M as packaged is the pretrained (not instruction-tuned) model: it continues text rather
 # than answering chat turns, so the demo asks for a continuation. With this seed the sampled story
@@ -44,9 +45,12 @@ def say(text: str = "") -> None:
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    # Imported here: the gguf package adds to the start-up of every command, and only the demo needs these.
+    # Imported here: the gguf package, the HTTP client and the local mesh add to the start-up of
+    # every command, and only the demo needs them.
     from engines.default_model import ModelAssemblyError, default_model_path
     from engines.gguf_info import read_model_info
+    from meshnode.app.local_mesh import LocalMesh, LocalMeshError
+    from meshnode.head.api_client import ApiError
 
     say("meshnode demo: one relay and three nodes on this machine share one model over a QUIC mesh")
     say()
@@ -122,6 +126,8 @@ async def _run(mesh: LocalMesh, args: argparse.Namespace) -> int:
 
     api, listed = await mesh.wait_route("A")
     say(f"[4/5] route   A [0,6) -> B [6,12) -> C [12,18) complete; node A's API lists {listed[0]}")
+
+    from meshnode.head.api_client import completion_request  # see run_demo
 
     path, body = completion_request(
         args.prompt,

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from meshnode.api.auth import ApiAccess
 from meshnode.api.openai_api import start_api_server
+from meshnode.app.head_options import DEFAULT_API_LISTEN, HeadOptions
 from meshnode.console.server import add_console_routes, mesh_source
-from meshnode.head.driver import DriverOptions, GenerationDriver, RouteEnvironment
+from meshnode.head.driver import GenerationDriver, RouteEnvironment
 from meshnode.head.environment import NodeRoutes, StandaloneShardHost
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.route_backend import LocalModel, RouteBackend
@@ -42,22 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshnode.head")
 
-DEFAULT_API_HOST = "127.0.0.1"
-DEFAULT_API_PORT = 8080
-DEFAULT_API_LISTEN = f"{DEFAULT_API_HOST}:{DEFAULT_API_PORT}"
-
 
 class HeadError(Exception):
     """The head could not start; one line for the operator."""
-
-
-@dataclass(frozen=True)
-class HeadOptions:
-    api_host: str = DEFAULT_API_HOST
-    api_port: int = DEFAULT_API_PORT
-    driver: DriverOptions = field(default_factory=DriverOptions)
-    # Who may call the API (--api-key, --cors-origin).
-    access: ApiAccess = field(default_factory=ApiAccess)
 
 
 def api_url(host: str, port: int) -> str:

@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from meshnode.app.cli_args import non_negative
-from meshnode.node import JoinError, Node
+from meshnode.node import JoinError
+
+if TYPE_CHECKING:
+    from meshnode.node import Node
 
 # The node's logger: the join's story is the node's.
 log = logging.getLogger("meshnode.node")

@@ -17,7 +17,7 @@ import argparse
 
 from meshnode.app.cli_args import non_negative, positive, share
 from meshnode.dataplane.lease import LeaseSettings
-from meshnode.transport.quic import QuicSettings
+from meshnode.transport.quic_settings import QuicSettings
 
 DEFAULT_LINK_TIMEOUT_S = 10.0
 _DEFAULTS = LeaseSettings()

@@ -10,10 +10,14 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from meshnode.app.cli_error import CliError
 from meshnode.app.join_retry import DEFAULT_JOIN_TIMEOUT_S, join_until
-from meshnode.node import JoinError, Node
+from meshnode.node import JoinError
+
+if TYPE_CHECKING:
+    from meshnode.node import Node
 from meshnode.transport.bind_errors import ListenError
 
 # The node's logger, as when this lived in meshnode.node: the draining and leaving lines are

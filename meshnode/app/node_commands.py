@@ -34,16 +34,16 @@ from meshnode.app.join_retry import add_join_options
 from meshnode.app.lease_options import add_lease_options, link_settings
 from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
-from meshnode.app.node_serving import check_serving_options, serve_node
 from meshnode.app.placement_options import add_placement_options
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.app.session_options import add_session_options
 from meshnode.app.status import format_status, query_status
 from meshnode.app.stored_membership import load_stored_membership, membership_for_join
-from meshnode.identity import IdentityError, load_identity, load_or_create_identity, short_id
+from meshnode.identity import IdentityError, NodeIdentity, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
     DEFAULT_CERTIFICATE_TTL_S,
     Endpoint,
+    Invite,
     MeshKey,
     check_invite,
     create_invite,
@@ -53,7 +53,7 @@ from meshnode.membership.credentials import (
 )
 from meshnode.membership.invite_ledger import record_issued
 from meshnode.membership.store import DataDir, MembershipState
-from meshnode.node import DEFAULT_LISTEN, Node, NodeConfig
+from meshnode.node.config import DEFAULT_LISTEN, NodeConfig
 from meshnode.wire.mesh_refusal import MeshRefusal
 
 INVITE_ENV = "MESHNODE_INVITE"
@@ -205,6 +205,8 @@ async def cmd_create(args: argparse.Namespace) -> int:
         identity, _ = load_or_create_identity(data_dir.path)
         if data_dir.has_membership():
             raise CliError(f"{data_dir.path} is already a mesh member; use `meshnode start`")
+        from meshnode.app.node_serving import check_serving_options  # see _run_node
+
         check_serving_options(args)
         check_listen_addresses(args)
         mesh_key = MeshKey.generate()
@@ -219,9 +221,26 @@ async def cmd_create(args: argparse.Namespace) -> int:
         membership = MembershipState(mesh_key=mesh_key, certificate=certificate)
         data_dir.save_membership(membership)
         log.info("created mesh %s; run `meshnode invite` to invite other nodes", mesh_key.mesh_id)
-        return await serve_node(Node(identity, data_dir, node_config(args), membership=membership), args)
+        return await _run_node(identity, data_dir, args, membership)
     finally:
         data_dir.unlock()
+
+
+async def _run_node(
+    identity: NodeIdentity,
+    data_dir: DataDir,
+    args: argparse.Namespace,
+    membership: MembershipState | None,
+    invite: Invite | None = None,
+) -> int:
+    """Run the node until it stops. The node, and its engine and API, load here and not when
+    the command line is read, so that `meshnode status` and the other quick commands (and
+    the relay) do not pay a second of imports each."""
+    from meshnode.app.node_serving import serve_node
+    from meshnode.node.runtime import Node
+
+    node = Node(identity, data_dir, node_config(args), membership=membership, invite=invite)
+    return await serve_node(node, args)
 
 
 def _read_invite_text(args: argparse.Namespace) -> str:
@@ -247,8 +266,7 @@ async def cmd_join(args: argparse.Namespace) -> int:
             short_id(invite.issuer_id),
             len(invite.bootstrap),
         )
-        node = Node(identity, data_dir, node_config(args), membership=membership, invite=invite)
-        return await serve_node(node, args)
+        return await _run_node(identity, data_dir, args, membership, invite)
     finally:
         data_dir.unlock()
 
@@ -261,7 +279,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
         except IdentityError as exc:
             raise CliError(str(exc)) from None
         membership = load_stored_membership(data_dir, identity.node_id)
-        return await serve_node(Node(identity, data_dir, node_config(args), membership=membership), args)
+        return await _run_node(identity, data_dir, args, membership)
     finally:
         data_dir.unlock()
 

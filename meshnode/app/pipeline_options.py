@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshnode.head.driver import DriverOptions
+from meshnode.head.driver_options import DriverOptions
 from meshnode.head.pipeline import MAX_PIPELINE_COHORTS, PIPELINE_MODES
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import re
 
 from meshnode.app.cli_args import positive
-from meshnode.transport.quic import QuicSettings
+from meshnode.transport.quic_settings import QuicSettings
 from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,
     DEFAULT_PROCESS_BUFFER_BYTES,

@@ -30,8 +30,6 @@ from meshnode.membership.store import StoreError
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.bind_errors import ListenError
 from relay.core import RelayPolicy
-from relay.metrics import METRICS_PATH, RelayMetricsServer
-from relay.server import RelayServer, load_relay_identity
 
 DEFAULT_LISTEN = "0.0.0.0:7448"
 log = logging.getLogger("meshnode.relay")
@@ -99,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def run_relay(args: argparse.Namespace) -> int:
+    # QUIC, and aiohttp for the metrics, load here: not for every command the CLI reads.
+    from relay.metrics import METRICS_PATH, RelayMetricsServer
+    from relay.server import RelayServer, load_relay_identity
+
     try:
         identity, created = load_relay_identity(relay_data_dir(args))
     except IdentityError as exc:

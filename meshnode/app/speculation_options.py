@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.interface import MAX_DRAFT_TOKENS
-from meshnode.head.driver import DriverOptions
+from meshnode.head.driver_options import DriverOptions
 
 SPECULATION_CHOICES = ("auto", "off")
 

@@ -45,6 +45,7 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
+from meshnode.autoplace.settings import AutoPlaceSettings
 from meshnode.identity import short_id
 from meshnode.logs import mib
 from meshnode.mesh.placement import Range, Replacement, choose_range
@@ -90,24 +91,6 @@ class ServeRequest:
 
 
 StartServing = Callable[[ServeRequest], Awaitable[Serving]]
-
-
-@dataclass(frozen=True)
-class AutoPlaceSettings:
-    store_dir: Path
-    # Bytes of weights at most (--memory-budget); None: half the memory available.
-    memory_budget: int | None = None
-    # The weights go to the GPUs (--n-gpu-layers): the memory available is theirs, not RAM.
-    offload: bool = False
-    # How often gossip is looked at (the heartbeat interval).
-    poll_s: float = 5.0
-    # How long a claim stands before the node loads it: a few gossip rounds.
-    claim_settle_s: float = 15.0
-    # How long a better range must stay better before a serving node moves to it.
-    move_settle_s: float = 60.0
-    min_gain_layers: int = 1
-    # How long a moving node waits for the generations through it before it lets go.
-    move_drain_s: float = 10.0
 
 
 class AutoShard:

@@ -16,9 +16,12 @@ keeps the batches of a stage that costs most larger. Pure.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from meshnode.dataplane.route import MAX_ROUTE_HOPS
-from meshnode.head.planner import Hop
+
+if TYPE_CHECKING:
+    from meshnode.head.planner import Hop
 
 PIPELINE_MODES = ("auto", "on", "off")
 MAX_PIPELINE_COHORTS = MAX_ROUTE_HOPS + 1  # a route's stages at most

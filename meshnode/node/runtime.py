@@ -33,12 +33,11 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 from meshnode import __version__
 from meshnode.identity import NodeIdentity, short_id
-from meshnode.membership.credentials import DEFAULT_CERTIFICATE_TTL_S, Endpoint, Invite
+from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.relay_list import merge_relays
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.credential_gate import REVOCATION_CODES
@@ -62,6 +61,7 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
+from meshnode.node.config import DEFAULT_LISTEN, DEFAULT_PORT, JoinError, NodeConfig
 from meshnode.node.membership_keeper import MembershipKeeper, load_revocations
 from meshnode.node.reachability import Reachability
 from meshnode.node.status_report import StatusReport, status_report
@@ -72,7 +72,7 @@ from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.local_addresses import default_advertised
-from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
+from meshnode.transport.quic import DialError, QuicEndpoint
 from meshnode.transport.request_reply import REQUEST_FAILURES, request_reply
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, in_words
@@ -81,59 +81,12 @@ from meshnode.wire.pb import mesh
 # Named for the package, as when the node was one module: operators filter on it.
 log = logging.getLogger("meshnode.node")
 
-DEFAULT_PORT = 7447
-DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
 _LINK_ATTEMPTS = 3
-
-
-class JoinError(Exception):
-    """No bootstrap peer admitted us; the message is the one-line reason. ``refused``: one of
-    them answered no, which another try would only repeat; else none could be reached."""
-
-    def __init__(self, message: str, *, refused: bool) -> None:
-        super().__init__(message)
-        self.refused = refused
-
 
 # How any conversation with a peer can fail: reaching it (DialError, PeerUnreachable), the
 # exchange (request_reply's failures, the peer's RemoteRefusal among them), or an answer this
 # node refuses (MeshRefusal). A RemoteRefusal is caught before these where it is told apart.
 PEER_FAILURES: tuple[type[Exception], ...] = (DialError, PeerUnreachable, MeshRefusal, *REQUEST_FAILURES)
-
-
-@dataclass
-class NodeConfig:
-    listen: str = DEFAULT_LISTEN
-    # Addresses announced to peers; default: the bound address (see Node.addresses).
-    advertise: list[str] = field(default_factory=list)
-    heartbeat_interval: float = 5.0
-    # Wait for a gossip reply / a probe echo.
-    gossip_timeout: float = 3.0
-    probe_timeout: float = 3.0
-    # A peer with no fresher announcement for this long is probed; default 4 heartbeats.
-    peer_timeout: float | None = None
-    tombstone_ttl: float = 60.0
-    connect_timeout: float = 5.0
-    stream_type_timeout: float = 5.0
-    leave_timeout: float = 1.0
-    # Links to one peer that came up this close together are a simultaneous dial.
-    link_race_window: float = 2.0
-    directly_reachable: bool = True
-    # Relays to register with besides those of the invite / stored membership (kept in membership;
-    # a stored relay's address is replaced by the one given here), and relay ids to drop from it.
-    relays: list[Endpoint] = field(default_factory=list)
-    forget_relays: list[bytes] = field(default_factory=list)
-    # Never dial peers directly; always go through a relay (tests, strict NAT).
-    relay_only: bool = False
-    role: int = mesh.NODE_ROLE_WORKER
-    http_port: int = 0
-    # Lifetime of the member certificates this node issues and renews, as an admin.
-    certificate_ttl: float = DEFAULT_CERTIFICATE_TTL_S
-    quic: QuicSettings = field(default_factory=QuicSettings)
-
-    @property
-    def effective_peer_timeout(self) -> float:
-        return self.peer_timeout if self.peer_timeout is not None else 4 * self.heartbeat_interval
 
 
 def _to_ns(seconds: float) -> int:

@@ -21,12 +21,10 @@ import asyncio
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
 from typing import cast
 
 from aioquic.buffer import Buffer
 from aioquic.quic import events
-from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from meshnode.identity import NodeIdentity, short_id
@@ -36,15 +34,10 @@ from meshnode.transport.bind_errors import listen_error
 from meshnode.transport.buffers import Progress, ReceiveBuffer
 from meshnode.transport.credited_stream import CreditedStream
 from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
-from meshnode.transport.read_limits import (
-    DEFAULT_CONNECTION_BUFFER_BYTES,
-    DEFAULT_STALL_TIMEOUT_S,
-    ReadLimits,
-    process_budget,
-)
+from meshnode.transport.quic_settings import SMALLEST_MAX_DATAGRAM_SIZE, QuicSettings
+from meshnode.transport.read_limits import ReadLimits, process_budget
 from meshnode.transport.udp_address import FamilyMismatch, SockAddr, describe_sockaddr, sockaddr_for
 from meshnode.wire.buffer_budget import BufferBudget
-from meshnode.wire.framing import ALPN
 
 log = logging.getLogger("meshnode.transport.quic")
 
@@ -52,30 +45,6 @@ _WRITE_CHUNK = 256 * 1024
 _MAX_CONCURRENT_RESOLVES = 4
 # QUIC error code for application-initiated closes that carry a reason phrase.
 _CLOSE_APPLICATION = 0x0
-
-
-@dataclass(frozen=True)
-class QuicSettings:
-    # Receive credit: at most this many unread bytes per stream / per connection.
-    stream_window: int = 1024 * 1024
-    connection_window: int = 4 * 1024 * 1024
-    # Send side: `write` waits while more than this is unacknowledged.
-    max_stream_backlog: int = 1024 * 1024
-    max_connection_backlog: int = 4 * 1024 * 1024
-    idle_timeout: float = 30.0
-    keepalive_interval: float = 10.0
-    handshake_timeout: float = 5.0
-    max_links: int = 256
-    max_datagram_size: int = SMALLEST_MAX_DATAGRAM_SIZE
-    # Another protocol on the same machinery (the relay uses ``meshnode-relay/1``).
-    alpn: str = ALPN
-    # How long a received packet may wait for its ACK to ride on outgoing data
-    # (seconds; aioquic's own default is 1 ms). None keeps aioquic's default.
-    ack_delay: float | None = 0.005
-    # Bytes of incomplete frames a link's readers may hold; and how long a reader
-    # waits mid-frame for more before giving the stream up (None: forever).
-    frame_buffer_per_connection: int = DEFAULT_CONNECTION_BUFFER_BYTES
-    frame_stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
 
 
 class DialError(ConnectionError):

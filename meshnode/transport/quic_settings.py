@@ -1,0 +1,40 @@
+"""How a QUIC endpoint behaves (:class:`QuicSettings`), apart from the QUIC machinery itself so
+that the command line reads its defaults without loading aioquic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshnode.transport.read_limits import DEFAULT_CONNECTION_BUFFER_BYTES, DEFAULT_STALL_TIMEOUT_S
+from meshnode.wire.framing import ALPN
+
+# The smallest datagram QUIC lets a path carry (RFC 9000 section 14; aioquic's
+# SMALLEST_MAX_DATAGRAM_SIZE): what a link sends before it knows better.
+SMALLEST_MAX_DATAGRAM_SIZE = 1200
+
+
+@dataclass(frozen=True)
+class QuicSettings:
+    # Receive credit: at most this many unread bytes per stream / per connection.
+    stream_window: int = 1024 * 1024
+    connection_window: int = 4 * 1024 * 1024
+    # Send side: `write` waits while more than this is unacknowledged.
+    max_stream_backlog: int = 1024 * 1024
+    max_connection_backlog: int = 4 * 1024 * 1024
+    idle_timeout: float = 30.0
+    keepalive_interval: float = 10.0
+    handshake_timeout: float = 5.0
+    max_links: int = 256
+    max_datagram_size: int = SMALLEST_MAX_DATAGRAM_SIZE
+    # Another protocol on the same machinery (the relay uses ``meshnode-relay/1``).
+    alpn: str = ALPN
+    # How long a received packet may wait for its ACK to ride on outgoing data
+    # (seconds; aioquic's own default is 1 ms). None keeps aioquic's default.
+    ack_delay: float | None = 0.005
+    # Bytes of incomplete frames a link's readers may hold; and how long a reader
+    # waits mid-frame for more before giving the stream up (None: forever).
+    frame_buffer_per_connection: int = DEFAULT_CONNECTION_BUFFER_BYTES
+    frame_stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
+
+
+__all__ = ["SMALLEST_MAX_DATAGRAM_SIZE", "QuicSettings"]
