@@ -8,7 +8,7 @@ and pre-faults every page, so a slice file is resident in full). The shard's own
 mapped model files' resident pages (``/proc/self/smaps``) plus the growth of the process's
 anonymous memory since just before its first model loaded: the interpreter, numpy, and the
 llama.cpp libraries' code (file-backed pages that its first load faults in) are not the shard's.
-Neither are the vocabularies the head's tokenizer and the JSON-mode grammar load (41 MiB for
+Neither are the vocabularies the head's tokenizer and the JSON-mode grammar load (about 40 MiB each for
 Gemma 3's 262144 tokens, after the first model may have loaded): their growth is measured
 around their load (:func:`outside_shards`) and left out of the shard's share. The shard's own
 model keeps a vocabulary too where it has the model's ends; that one is the shard's, and part
@@ -120,7 +120,7 @@ class ShardBudget:
 
     ``vocabulary_bytes`` is the one part llama.cpp does not report: the model's vocabulary and
     other host-side tables, which a shard that keeps the vocabulary (the head's and the tail's)
-    holds beside its buffers (32 MiB for Gemma 3). It is measured: the anonymous memory the
+    holds beside its buffers (about 40 MiB for Gemma 3). It is measured: the anonymous memory the
     model's load gained, less the weights it placed in anonymous buffers."""
 
     weights_bytes: int = 0

@@ -1,9 +1,9 @@
 """A head node's memory line read "over its budget" (1330 MiB against 1257 on a Gemma node):
-two vocabularies nobody counted. The shard's own model keeps the vocabulary (32 MiB for Gemma
-3's 262144 tokens), which llama.cpp reports in none of its buffer lines: it is now measured at
-load and part of the budget. And the API's tokenizer loads a second one (41 MiB) after the
-shard, which counted in the shard's resident share: it is now measured and left out ("tokenizer
-41 MiB besides"). Measured in a fresh child process, as a node runs: the whole model as one
+two vocabularies nobody counted. The shard's own model keeps the vocabulary (about 40 MiB for
+Gemma 3's 262144 tokens), which llama.cpp reports in none of its buffer lines: it is now
+measured at load and part of the budget. And the API's tokenizer loads a second one (about as
+much) after the shard, which counted in the shard's resident share: it is now measured and left
+out ("tokenizer 40 MiB besides"). Measured in a fresh child process, as a node runs: the whole model as one
 shard first, then the tokenizer opened, closed and opened again (a placed node that moves),
 then a JSON-mode grammar masking the vocabulary."""
 
@@ -71,8 +71,8 @@ _CHILD = textwrap.dedent(
 )
 
 # Python's own allocations between samples move the share a little (up to 9 MiB seen: the
-# tokenizer parses the GGUF's 262144 token strings in Python first), against the 32 and 41 MiB
-# vocabularies.
+# tokenizer parsed the GGUF's 262144 token strings in Python first), against the vocabularies'
+# 40 MiB.
 NOISE = 16 * MIB
 
 
