@@ -35,7 +35,11 @@ print(json.dumps([name for name in sys.argv[1:] if name in sys.modules]))
 
 def test_reading_the_command_line_loads_none_of_what_running_a_node_needs() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, *HEAVY_MODULES], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", _CHILD, *HEAVY_MODULES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == []
