@@ -40,6 +40,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engines.request_limits import (
+    DEFAULT_PENALTY_LAST_N,
+    MAX_DRAFT_TOKENS,
+)
+
 if TYPE_CHECKING:
     from engines.sampling import SamplingHistory
 
@@ -92,17 +97,6 @@ class SessionKey:
 
     session_id: str
     epoch: int
-
-
-# How many recent tokens the penalties look back on unless told (llama.cpp's default), and
-# the most a request may ask for (the window travels in the route, token by token).
-DEFAULT_PENALTY_LAST_N = 64
-MAX_PENALTY_LAST_N = 4096
-# A GBNF grammar travels in the route too.
-MAX_GRAMMAR_BYTES = 256 * 1024
-# The most draft tokens one verify step carries: the tail computes logits for every position
-# of it (llama.cpp sizes its output buffer for 1 + this many rows).
-MAX_DRAFT_TOKENS = 15
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engines.interface import (
-    MAX_GRAMMAR_BYTES,
-    MAX_PENALTY_LAST_N,
-    EngineError,
-    EngineErrorKind,
-    SamplingParams,
-)
+from engines.interface import EngineError, EngineErrorKind, SamplingParams
+from engines.request_limits import MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N
 
 if TYPE_CHECKING:
     from engines.grammar import GrammarConstraint

@@ -24,7 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engines.interface import DEFAULT_PENALTY_LAST_N, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N, SamplingParams
+from engines.interface import SamplingParams
+from engines.request_limits import DEFAULT_PENALTY_LAST_N, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N
 from meshnode.api.errors import ApiError
 from meshnode.dataplane.route import MAX_LOGIT_BIASES
 

@@ -29,7 +29,6 @@ from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, load_i
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
 from meshnode.transport.addresses import AddressError, parse_host_port
 from meshnode.transport.udp_address import local_host_to_reach
-from meshnode.wire.crc32c import simd_built, simd_in_use
 from meshnode.wire.mesh_refusal import MeshRefusal
 
 MIN_FREE_BYTES = 2 * 1024**3  # room for a model slice or two
@@ -107,6 +106,8 @@ def check_backend(n_gpu_layers: int) -> list[Finding]:
 
 
 def check_checksum() -> list[Finding]:
+    from meshnode.wire.crc32c import simd_built, simd_in_use  # numpy: not for every command line
+
     if simd_in_use():
         return [ok("CRC32C", "meshnode's AVX2 + VPCLMULQDQ extension")]
     if simd_built():

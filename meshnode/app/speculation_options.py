@@ -13,7 +13,7 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from engines.interface import MAX_DRAFT_TOKENS
+from engines.request_limits import MAX_DRAFT_TOKENS
 from meshnode.head.driver_options import DriverOptions
 
 SPECULATION_CHOICES = ("auto", "off")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engines.gguf_file import GGUFFormatError, read_gguf
-from engines.gguf_info import model_info
 from meshnode.app.cli_error import CliError
 from meshnode.autoplace.stage_balance import balanced_ranges, even_ranges, step_costs
 
@@ -38,6 +36,10 @@ def run_split(args: argparse.Namespace) -> int:
             path = default_model_path(True)
         except ModelAssemblyError as exc:
             raise CliError(str(exc)) from exc
+    # The gguf package (and numpy) load here, not for every command the CLI reads.
+    from engines.gguf_file import GGUFFormatError, read_gguf
+    from engines.gguf_info import model_info
+
     try:
         gguf = read_gguf(path)
         info = model_info(gguf)

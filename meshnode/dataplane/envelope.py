@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.interface import MAX_DRAFT_TOKENS
+from engines.request_limits import MAX_DRAFT_TOKENS
 from meshnode.dataplane.errors import payload_corrupt
 from meshnode.wire.pb import shard
 

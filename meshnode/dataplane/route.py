@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engines.interface import GREEDY, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N, SamplingParams
+from engines.interface import GREEDY, SamplingParams
+from engines.request_limits import MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N
 from engines.sampling import with_history
 from meshnode.dataplane.errors import payload_corrupt, refusal
+from meshnode.dataplane.route_limits import MAX_ROUTE_HOPS
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.pb import shard
 
-MAX_ROUTE_HOPS = 64
 # OpenAI allows 300 biased tokens; a route carrying more is refused.
 MAX_LOGIT_BIASES = 1024
 NODE_ID_BYTES = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engines.interface import MAX_DRAFT_TOKENS
+from engines.request_limits import MAX_DRAFT_TOKENS
 from meshnode.head.pipeline import MAX_PIPELINE_COHORTS, PIPELINE_MODES
 from meshnode.head.recovery import RecoveryBudget
 from meshnode.wire.pb import shard

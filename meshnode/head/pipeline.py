@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshnode.dataplane.route import MAX_ROUTE_HOPS
+from meshnode.dataplane.route_limits import MAX_ROUTE_HOPS
 
 if TYPE_CHECKING:
     from meshnode.head.planner import Hop

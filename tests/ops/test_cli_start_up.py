@@ -11,6 +11,8 @@ import sys
 
 # What only running a node, the API, a relay or an engine needs.
 HEAVY_MODULES = (
+    "numpy",
+    "gguf",
     "aiohttp",
     "aioquic",
     "llama_cpp",

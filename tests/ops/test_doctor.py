@@ -127,9 +127,10 @@ def test_a_data_directory_that_cannot_be_made_is_a_problem(tmp_path):
 )
 def test_the_checksum_implementation_is_named(monkeypatch, in_use, built, severity, words):
     from meshnode.app import doctor as doctor_module
+    from meshnode.wire import crc32c
 
-    monkeypatch.setattr(doctor_module, "simd_in_use", lambda: in_use)
-    monkeypatch.setattr(doctor_module, "simd_built", lambda: built)
+    monkeypatch.setattr(crc32c, "simd_in_use", lambda: in_use)
+    monkeypatch.setattr(crc32c, "simd_built", lambda: built)
     (finding,) = doctor_module.check_checksum()
     assert finding.severity is doctor_module.Severity[severity]
     assert words in finding.detail
