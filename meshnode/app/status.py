@@ -112,7 +112,7 @@ def _sessions_text(entry: dict[str, Any]) -> str:
 
 def _memory_text(memory: dict[str, Any]) -> str:
     """``  memory: 96 MiB resident (46 file-backed); the shard 41 MiB against its budget 44 MiB
-    (weights 25, KV 14, compute 4.9, output 0); vocabulary 44 MiB besides``
+    (weights 25, KV 14, compute 4.9, output 0, vocabulary 0); not the shard's: tokenizer 40 MiB``
     (engines.resident_memory.ShardMemory.to_json)."""
 
     def mib(value: int) -> str:
@@ -123,11 +123,10 @@ def _memory_text(memory: dict[str, Any]) -> str:
         f"{name.removesuffix('_bytes').replace('kv', 'KV')} {mib(value)}" for name, value in budget.items()
     )
     # An older node's report has no "outside_bytes".
-    outside = "".join(
-        f"; {name} {mib(value)} MiB besides"
-        for name, value in (memory.get("outside_bytes") or {}).items()
-        if value
+    outside = ", ".join(
+        f"{name} {mib(value)} MiB" for name, value in (memory.get("outside_bytes") or {}).items() if value
     )
+    outside = f"; not the shard's: {outside}" if outside else ""
     return (
         f"  memory: {mib(memory['rss_bytes'])} MiB resident ({mib(memory['rss_file_bytes'])} file-backed); "
         f"the shard {mib(memory['shard_bytes'])} MiB against its budget {mib(memory['budget_bytes'])} MiB ({parts})"

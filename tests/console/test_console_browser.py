@@ -84,7 +84,9 @@ async def test_the_console_shows_every_node_and_the_models_coverage(cluster, bro
     assert ("memory" in dom.element_ids) == ("memory" in view["sections"])
     if "memory" in view["sections"]:
         assert view["sections"]["memory"]["outside_bytes"]["tokenizer"] > 0
-        assert "MiB budget" in dom.memory_text and "tokenizer " in dom.memory_text, dom.memory_text
+        assert "MiB budget" in dom.memory_text and "not the shard's: tokenizer " in dom.memory_text, (
+            dom.memory_text
+        )
     # This node's relay, and why it is not registered.
     registered, line = dom.relays[SILENT_RELAY_ID]
     assert registered == "false"

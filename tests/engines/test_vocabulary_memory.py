@@ -3,7 +3,7 @@ two vocabularies nobody counted. The shard's own model keeps the vocabulary (abo
 Gemma 3's 262144 tokens), which llama.cpp reports in none of its buffer lines: it is now
 measured at load and part of the budget. And the API's tokenizer loads a second one (about as
 much) after the shard, which counted in the shard's resident share: it is now measured and left
-out ("tokenizer 40 MiB besides"). Measured in a fresh child process, as a node runs: the whole model as one
+out ("not the shard's: tokenizer 40 MiB"). Measured in a fresh child process, as a node runs: the whole model as one
 shard first, then the tokenizer opened, closed and opened again (a placed node that moves),
 then a JSON-mode grammar masking the vocabulary."""
 
@@ -131,7 +131,7 @@ def test_memory_left_out_of_the_shard_is_shown_beside_it() -> None:
     shown = format_status({"node": node, "peers": [], "sections": {"memory": memory.to_json()}})
     assert (
         "the shard 141 MiB against its budget 144 MiB (weights 25, KV 112, compute 7, output 0, vocabulary 0); "
-        "tokenizer 44 MiB besides"
+        "not the shard's: tokenizer 44 MiB"
     ) in shown
 
 

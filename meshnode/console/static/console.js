@@ -131,6 +131,13 @@ function drawThroughput(view) {
   $("throughput").textContent = text;
 }
 
+// What the process holds beside its shards (the API's tokenizer, JSON mode's vocabulary).
+function outsideShard(memory) {
+  const parts = Object.entries(memory.outside_bytes || {}).filter(([, bytes]) => bytes > 0)
+    .map(([name, bytes]) => `${name} ${mib(bytes)} MiB`);
+  return parts.length ? [el("span", { class: "muted" }, `not the shard's: ${parts.join(", ")}`)] : [];
+}
+
 function progressBar(fraction) {
   const bar = el("div", { class: "progress" + (fraction > 1 ? " over" : "") });
   bar.append(el("div", { class: "fill", style: `width:${(100 * Math.min(1, fraction)).toFixed(1)}%` }));
@@ -161,8 +168,7 @@ function drawSections(view) {
     box.append(el("div", { id: "memory" }, el("strong", {}, "memory: "),
       `${mib(memory.rss_bytes)} MiB resident; the shard ${mib(memory.shard_bytes)} MiB of its ` +
       `${mib(memory.budget_bytes)} MiB budget`, progressBar(fraction),
-      ...Object.entries(memory.outside_bytes || {}).filter(([, bytes]) => bytes > 0).map(([name, bytes]) =>
-        el("span", { class: "muted" }, `${name} ${mib(bytes)} MiB besides`))));
+      ...outsideShard(memory)));
   }
   for (const relay of view.relays) {
     const state = relay.registered ? "registered" : `not registered (${relay.problem || "connecting"})`;
