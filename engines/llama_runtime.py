@@ -238,9 +238,14 @@ class LlamaRuntime:
         if self._capture is not None:
             context_params.cb_eval = self._capture.callback
             context_params.cb_eval_user_data = self._capture.user_data
+        before = process_memory()
         with _reporting_buffers(buffer_report):
             self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
-        # Weights, KV, compute and output buffers as llama.cpp reported them (resident_memory).
+        after = process_memory()
+        if before is not None and after is not None:
+            buffer_report.note_context_creation(after.anon_bytes - before.anon_bytes)
+        # Weights, KV, compute and output buffers as llama.cpp reported them, and the vocabulary
+        # and context tables it did not report, as measured (resident_memory).
         self.memory_budget = buffer_report.budget()
         if not self._ctx:
             self.close()

@@ -118,16 +118,20 @@ def is_anonymous_host_buffer(buffer_type: str) -> bool:
 class ShardBudget:
     """What a shard has to hold, in bytes (llama.cpp prints MiB with two decimals).
 
-    ``vocabulary_bytes`` is the one part llama.cpp does not report: the model's vocabulary and
-    other host-side tables, which a shard that keeps the vocabulary (the head's and the tail's)
-    holds beside its buffers (about 40 MiB for Gemma 3). It is measured: the anonymous memory the
-    model's load gained, less the weights it placed in anonymous buffers."""
+    Two parts llama.cpp does not report are measured. ``vocabulary_bytes``: the model's
+    vocabulary and other host-side tables, which a shard that keeps the vocabulary (the head's
+    and the tail's) holds beside its buffers (about 40 MiB for Gemma 3): the anonymous memory
+    the model's load gained, less the weights it placed in anonymous buffers.
+    ``context_table_bytes``: the KV cache's bookkeeping, per cell of every session's cache
+    (11 MiB for 64 sessions of 4096 tokens): the anonymous memory creating the context gained,
+    less the KV cache."""
 
     weights_bytes: int = 0
     kv_bytes: int = 0
     compute_bytes: int = 0
     output_bytes: int = 0
     vocabulary_bytes: int = 0
+    context_table_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -137,6 +141,7 @@ class ShardBudget:
             + self.compute_bytes
             + self.output_bytes
             + self.vocabulary_bytes
+            + self.context_table_bytes
         )
 
     def __add__(self, other: ShardBudget) -> ShardBudget:
@@ -146,6 +151,7 @@ class ShardBudget:
             self.compute_bytes + other.compute_bytes,
             self.output_bytes + other.output_bytes,
             self.vocabulary_bytes + other.vocabulary_bytes,
+            self.context_table_bytes + other.context_table_bytes,
         )
 
 
@@ -157,6 +163,7 @@ class BufferReport:
         # Per kind, per buffer type (CPU_Mapped, CPU, CUDA0, ...), in MiB as logged.
         self.by_type: dict[BufferKind, dict[str, float]] = {kind: {} for kind in BufferKind}
         self._vocabulary_bytes = 0
+        self._context_table_bytes = 0
 
     def note(self, line: str) -> bool:
         """Count ``line`` if it reports a buffer; whether it did."""
@@ -179,6 +186,12 @@ class BufferReport:
         )
         self._vocabulary_bytes = max(0, anonymous_growth - anonymous_weights)
 
+    def note_context_creation(self, anonymous_growth: int) -> None:
+        """Count, as context tables, what creating the context added to anonymous memory beyond
+        the KV cache (which llama.cpp clears, so it is resident at once; its compute and output
+        buffers are not touched yet). Call once the context exists."""
+        self._context_table_bytes = max(0, anonymous_growth - self._bytes[BufferKind.KV])
+
     def budget(self) -> ShardBudget:
         return ShardBudget(
             self._bytes[BufferKind.WEIGHTS],
@@ -186,6 +199,7 @@ class BufferReport:
             self._bytes[BufferKind.COMPUTE],
             self._bytes[BufferKind.OUTPUT],
             self._vocabulary_bytes,
+            self._context_table_bytes,
         )
 
 
@@ -233,6 +247,7 @@ class ShardMemory:
                 "compute_bytes": self.budget.compute_bytes,
                 "output_bytes": self.budget.output_bytes,
                 "vocabulary_bytes": self.budget.vocabulary_bytes,
+                "context_table_bytes": self.budget.context_table_bytes,
             },
         }
 

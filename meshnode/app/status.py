@@ -110,18 +110,28 @@ def _sessions_text(entry: dict[str, Any]) -> str:
     return f"  sessions {active}/{capacity}"
 
 
+# The budget's parts as the memory line names them (an unknown one by its key).
+_BUDGET_PARTS = {
+    "weights_bytes": "weights",
+    "kv_bytes": "KV",
+    "compute_bytes": "compute",
+    "output_bytes": "output",
+    "vocabulary_bytes": "vocabulary",
+    "context_table_bytes": "context tables",
+}
+
+
 def _memory_text(memory: dict[str, Any]) -> str:
     """``  memory: 96 MiB resident (46 file-backed); the shard 41 MiB against its budget 44 MiB
-    (weights 25, KV 14, compute 4.9, output 0, vocabulary 0); not the shard's: tokenizer 40 MiB``
+    (weights 25, KV 14, compute 4.9, output 0, vocabulary 0, context tables 0.2); not the shard's:
+    tokenizer 40 MiB``
     (engines.resident_memory.ShardMemory.to_json)."""
 
     def mib(value: int) -> str:
         return f"{value / (1 << 20):.2g}" if value < 10 << 20 else f"{value / (1 << 20):.0f}"
 
     budget = memory["budget"]
-    parts = ", ".join(
-        f"{name.removesuffix('_bytes').replace('kv', 'KV')} {mib(value)}" for name, value in budget.items()
-    )
+    parts = ", ".join(f"{_BUDGET_PARTS.get(name, name)} {mib(value)}" for name, value in budget.items())
     # An older node's report has no "outside_bytes".
     outside = ", ".join(
         f"{name} {mib(value)} MiB" for name, value in (memory.get("outside_bytes") or {}).items() if value

@@ -194,7 +194,7 @@ def test_status_and_metrics_show_resident_memory_against_the_budget() -> None:
     shown = format_status({"node": node, "peers": [], "sections": {"memory": memory.to_json()}})
     assert (
         "memory: 200 MiB resident (50 file-backed); the shard 135 MiB against its budget 144 MiB "
-        "(weights 25, KV 112, compute 7, output 0, vocabulary 0)"
+        "(weights 25, KV 112, compute 7, output 0, vocabulary 0, context tables 0)"
     ) in shown
 
 
