@@ -6,9 +6,9 @@ drawn from the unconstrained logits is kept when the grammar accepts it (one can
 check), and only otherwise are all candidates masked and the draw repeated: masking a
 262144-token vocabulary costs hundreds of milliseconds, checking one token almost nothing.
 
-Vocabularies are loaded ``vocab_only`` from the model file, once per file: the tail's
-runtime may be a layer slice, and its tokenizer is the source file's anyway. Everything
-here runs on the engine's thread.
+An engine whose loaded range holds the whole vocabulary (a tail keeps it) hands its own
+(``LlamaShardEngine.grammar_vocabulary``); otherwise the vocabulary is loaded ``vocab_only``
+from the model file, once per file. Everything here runs on the engine's thread.
 """
 
 from __future__ import annotations

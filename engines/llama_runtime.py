@@ -513,6 +513,10 @@ class LlamaRuntime:
     def cached_length(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
 
+    def vocabulary(self) -> llama_cpp.llama_vocab_p | None:
+        """The loaded model's vocabulary (lives as long as this runtime)."""
+        return llama_cpp.llama_model_get_vocab(self._model) if self._model else None
+
     def resident_bytes(self) -> int:
         return int(llama_cpp.llama_model_size(self._model)) if self._model else 0
 

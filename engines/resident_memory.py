@@ -8,9 +8,10 @@ and pre-faults every page, so a slice file is resident in full). The shard's own
 mapped model files' resident pages (``/proc/self/smaps``) plus the growth of the process's
 anonymous memory since just before its first model loaded: the interpreter, numpy, and the
 llama.cpp libraries' code (file-backed pages that its first load faults in) are not the shard's.
-Neither are the vocabularies the head's tokenizer and the JSON-mode grammar load (about 40 MiB each for
-Gemma 3's 262144 tokens, after the first model may have loaded): their growth is measured
-around their load (:func:`outside_shards`) and left out of the shard's share. The shard's own
+Neither are the vocabularies the head's tokenizer and, at a shard without one, the JSON-mode
+grammar load (about 40 MiB each for Gemma 3's 262144 tokens, after the first model may have
+loaded): their growth is measured around their load (:func:`outside_shards`) and left out of
+the shard's share. The shard's own
 model keeps a vocabulary too where it has the model's ends; that one is the shard's, and part
 of its budget (``ShardBudget.vocabulary_bytes``).
 
@@ -188,9 +189,10 @@ class BufferReport:
 
     def note_context_creation(self, anonymous_growth: int) -> None:
         """Count, as context tables, what creating the context added to anonymous memory beyond
-        the KV cache (which llama.cpp clears, so it is resident at once; its compute and output
-        buffers are not touched yet). Call once the context exists."""
-        self._context_table_bytes = max(0, anonymous_growth - self._bytes[BufferKind.KV])
+        the KV cache and the output buffer (llama.cpp clears both, so they are resident at once;
+        the compute buffer is not touched yet). Call once the context exists."""
+        cleared = self._bytes[BufferKind.KV] + self._bytes[BufferKind.OUTPUT]
+        self._context_table_bytes = max(0, anonymous_growth - cleared)
 
     def budget(self) -> ShardBudget:
         return ShardBudget(

@@ -5,7 +5,8 @@ measured at load and part of the budget. And the API's tokenizer loads a second 
 much) after the shard, which counted in the shard's resident share: it is now measured and left
 out ("not the shard's: tokenizer 40 MiB"). Measured in a fresh child process, as a node runs: the whole model as one
 shard first, then the tokenizer opened, closed and opened again (a placed node that moves),
-then a JSON-mode grammar masking the vocabulary."""
+then JSON mode: on the shard's own vocabulary, and on the file's (a shard without one) masking
+the whole vocabulary."""
 
 from __future__ import annotations
 
@@ -21,13 +22,10 @@ from engines.gguf_info import read_model_info
 from engines.resident_memory import (
     MIB,
     BufferReport,
-    OutsideShare,
     ProcessMemory,
     ShardBudget,
     ShardMemory,
     is_anonymous_host_buffer,
-    outside_shards,
-    shard_memory,
 )
 from meshnode.app.status import format_status
 from meshnode.metrics import _memory_families, samples_by_name
@@ -57,6 +55,9 @@ _CHILD = textwrap.dedent(
     report["tokenizer_closed"] = sample()
     tokenizer = Tokenizer.open(model_path)
     report["tokenizer_reopened"] = sample()
+    # JSON mode at a shard that holds the whole vocabulary uses its own.
+    report["own_grammar_vocabulary"] = engine.grammar_vocabulary() is not None
+    report["grammar_from_own"] = sample()
 
     import numpy as np
     from engines.grammar import GrammarConstraint, grammar_vocab, json_grammar
@@ -107,7 +108,10 @@ def test_a_head_shard_reads_within_its_budget_and_its_tokenizer_is_not_counted(
     reopened = report["tokenizer_reopened"]
     assert reopened["outside"]["tokenizer"] > 30 * MIB
     assert abs(reopened["shard"] - alone["shard"]) < NOISE
-    # JSON mode: the grammar's vocabulary is left out too, and the 38-46 MiB llama.cpp allocates
+    # JSON mode on this shard: its own vocabulary, no second copy.
+    assert report["own_grammar_vocabulary"]
+    assert "grammar vocabulary" not in report["grammar_from_own"]["outside"]
+    # JSON mode with the file's vocabulary (a shard without it): left out too, and the 38-46 MiB llama.cpp allocates
     # and frees to mask a whole vocabulary is handed back, not left resident as the shard's.
     masked = report["grammar_masked"]
     assert masked["outside"]["grammar vocabulary"] > 20 * MIB
@@ -136,18 +140,34 @@ def test_memory_left_out_of_the_shard_is_shown_beside_it() -> None:
     ) in shown
 
 
-def test_a_released_share_stops_being_left_out() -> None:
+_RELEASE_CHILD = textwrap.dedent(
+    """
+    import json, mmap
+    from engines.resident_memory import MIB, outside_shards, shard_memory
+
+    # A fresh private anonymous mapping (not malloc, which may hand back heap that is resident
+    # already; not mmap's default, shared memory, which the kernel counts apart from anonymous).
     with outside_shards("test-buffer") as share:
-        held = bytearray(16 * MIB)
-        held[::4096] = b"\1" * len(held[::4096])  # touch every page: resident
-    memory = shard_memory()
-    assert memory is not None
-    assert isinstance(share, OutsideShare) and memory.outside["test-buffer"] == share.bytes
-    assert share.bytes >= 15 * MIB
-    del held
+        held = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for offset in range(0, 16 * MIB, 4096):  # touch every page: resident
+            held[offset] = 1
+    measured, left_out = share.bytes, shard_memory().outside.get("test-buffer")
+    held.close()
     share.release()
-    memory = shard_memory()
-    assert memory is not None and "test-buffer" not in memory.outside
+    print(json.dumps({"measured": measured, "left_out": left_out, "after": shard_memory().outside}))
+    """
+)
+
+
+def test_a_released_share_stops_being_left_out() -> None:
+    # In a fresh process: in this one, other tests' objects may be freed meanwhile.
+    done = subprocess.run(
+        [sys.executable, "-c", _RELEASE_CHILD], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["measured"] >= 15 * MIB and report["left_out"] == report["measured"]
+    assert report["after"] == {}
 
 
 def test_only_the_weights_in_anonymous_buffers_are_taken_from_the_load_growth() -> None:
