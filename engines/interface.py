@@ -428,6 +428,12 @@ class ShardEngine(ABC):
     @abstractmethod
     def metrics(self) -> EngineMetrics: ...
 
+    def vocabulary_model(self) -> object | None:
+        """A llama.cpp model (``llama_model_p``) holding the whole vocabulary and chat template of
+        the loaded model, which a head in this process may tokenize with instead of loading a
+        second copy; valid until this engine closes or loads again. None: no such model."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to free by default
         """Free native resources."""
 

@@ -234,14 +234,25 @@ class LlamaShardEngine(SessionedEngine):
         self._refresh_budget()
         return runtime
 
+    def _holds_vocabulary(self) -> LlamaRuntime | None:
+        """The main runtime where its model holds the whole vocabulary (a slice that keeps it
+        copies every tokenizer key of the source, chat template included; one that does not
+        has an empty vocabulary)."""
+        main, info = self._main, self._info
+        return main if main is not None and info is not None and main.n_vocab == info.vocab_size else None
+
     def grammar_vocabulary(self) -> object | None:
         # The loaded range's own vocabulary where it holds the whole of it (a tail keeps it): a
         # second copy from the file cost 39 MiB for Gemma 3. A grammar built on it is used only
         # by this engine's sessions, which end with it. Else the source file's, always there.
-        main, info = self._main, self._info
-        if main is not None and info is not None and main.n_vocab == info.vocab_size:
+        main = self._holds_vocabulary()
+        if main is not None:
             return main.vocabulary()
         return grammar_vocab(self._gguf.path) if self._gguf is not None else None
+
+    def vocabulary_model(self) -> object | None:
+        main = self._holds_vocabulary()
+        return main.model if main is not None else None
 
     @property
     def weight_buffers(self) -> dict[str, float]:

@@ -513,6 +513,11 @@ class LlamaRuntime:
     def cached_length(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
 
+    @property
+    def model(self) -> llama_cpp.llama_model_p | None:
+        """The loaded model (lives as long as this runtime)."""
+        return self._model
+
     def vocabulary(self) -> llama_cpp.llama_vocab_p | None:
         """The loaded model's vocabulary (lives as long as this runtime)."""
         return llama_cpp.llama_model_get_vocab(self._model) if self._model else None

@@ -8,9 +8,9 @@ and pre-faults every page, so a slice file is resident in full). The shard's own
 mapped model files' resident pages (``/proc/self/smaps``) plus the growth of the process's
 anonymous memory since just before its first model loaded: the interpreter, numpy, and the
 llama.cpp libraries' code (file-backed pages that its first load faults in) are not the shard's.
-Neither are the vocabularies the head's tokenizer and, at a shard without one, the JSON-mode
-grammar load (about 40 MiB each for Gemma 3's 262144 tokens, after the first model may have
-loaded): their growth is measured around their load (:func:`outside_shards`) and left out of
+Neither are the vocabularies that the head's tokenizer and the JSON-mode grammar load where the
+shard holds none of its own (about 40 MiB each for Gemma 3's 262144 tokens, after the first
+model may have loaded): their growth is measured around their load (:func:`outside_shards`) and left out of
 the shard's share. The shard's own
 model keeps a vocabulary too where it has the model's ends; that one is the shard's, and part
 of its budget (``ShardBudget.vocabulary_bytes``).

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import llama_cpp
 
@@ -38,6 +39,15 @@ class TextStream:
         return self._decoder.decode(b"", final=True)
 
 
+def _architecture(model: llama_cpp.llama_model_p, path: Path) -> str:
+    # From llama.cpp's copy of the metadata: parsing the GGUF here again would leave its
+    # 262144 token strings' worth of freed Python heap in the process (9 MiB for Gemma 3).
+    buffer = ctypes.create_string_buffer(128)
+    if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buffer, len(buffer)) < 0:
+        raise TokenizerError(f"{path} names no general.architecture")
+    return buffer.value.decode("utf-8", "replace")
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -45,10 +55,14 @@ class Tokenizer:
         model: llama_cpp.llama_model_p,
         architecture: str,
         memory: OutsideShare | None = None,
+        *,
+        owns_model: bool = True,
     ) -> None:
         self.model_path = model_path
         # The vocabulary's memory, kept out of the shard's resident share until it is freed.
         self._memory = memory
+        # False: the model is an engine's (Tokenizer.borrowing), freed by it, not here.
+        self._owns_model = owns_model
         self.architecture = architecture
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -62,6 +76,14 @@ class Tokenizer:
         self._pieces: dict[int, bytes] = {}
 
     @classmethod
+    def borrowing(cls, model_path: Path | str, model: object) -> Tokenizer:
+        """A tokenizer on a loaded engine's model (ShardEngine.vocabulary_model) instead of a
+        second copy of the vocabulary (about 40 MiB for Gemma 3); it must be closed, and not
+        used, once that engine closes."""
+        loaded = cast(llama_cpp.llama_model_p, model)
+        return cls(Path(model_path), loaded, _architecture(loaded, Path(model_path)), owns_model=False)
+
+    @classmethod
     def open(cls, model_path: Path | str) -> Tokenizer:
         path = Path(model_path)
         ensure_llama_backend()
@@ -72,14 +94,13 @@ class Tokenizer:
         if not model:
             memory.release()
             raise TokenizerError(f"llama.cpp could not load the vocabulary of {path}")
-        # From llama.cpp's copy of the metadata: parsing the GGUF here again would leave its
-        # 262144 token strings' worth of freed Python heap in the process (9 MiB for Gemma 3).
-        buffer = ctypes.create_string_buffer(128)
-        if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buffer, len(buffer)) < 0:
+        try:
+            architecture = _architecture(model, path)
+        except TokenizerError:
             llama_cpp.llama_model_free(model)
             memory.release()
-            raise TokenizerError(f"{path} names no general.architecture")
-        return cls(path, model, buffer.value.decode("utf-8", "replace"), memory)
+            raise
+        return cls(path, model, architecture, memory)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids for ``text``; ``add_special`` adds BOS where the model asks for it,
@@ -158,7 +179,8 @@ class Tokenizer:
 
     def close(self) -> None:
         if self._model:
-            llama_cpp.llama_model_free(self._model)
+            if self._owns_model:
+                llama_cpp.llama_model_free(self._model)
             self._model = None
             if self._memory is not None:
                 self._memory.release()

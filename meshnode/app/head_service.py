@@ -80,13 +80,21 @@ class HeadService:
         options: HeadOptions,
         local: LocalShardLink | StandaloneShardHost | None = None,
         metrics: MetricSources | None = None,
+        vocabulary_model: object | None = None,
     ) -> HeadService:
         """Open the model's tokenizer, build the driver and serve the API (with ``/metrics``
-        over ``metrics`` and the driver). Raises :class:`HeadError`."""
+        over ``metrics`` and the driver). Raises :class:`HeadError`.
+
+        ``vocabulary_model``: the local shard engine's model where it holds the whole
+        vocabulary (ShardEngine.vocabulary_model); the tokenizer then uses it instead of
+        loading a second copy, and the head must close before that engine does."""
         from engines.tokenizer import Tokenizer, TokenizerError  # llama.cpp loads only with a model
 
         try:
-            tokenizer = await asyncio.to_thread(Tokenizer.open, model_path)
+            if vocabulary_model is not None:
+                tokenizer = Tokenizer.borrowing(model_path, vocabulary_model)
+            else:
+                tokenizer = await asyncio.to_thread(Tokenizer.open, model_path)
         except (TokenizerError, OSError, ValueError) as exc:
             raise HeadError(f"cannot read the tokenizer of {model_path.name}: {exc}") from None
         driver = GenerationDriver(env, options.driver)
@@ -158,6 +166,8 @@ async def start_node_head(
             options=options,
             local=local,
             metrics=MetricSources(node=node, server=service.server),
+            # The head closes before the service (node_serving, placed_serving).
+            vocabulary_model=service.server.engine.vocabulary_model(),
         )
     except BaseException:
         await local.aclose()
@@ -202,6 +212,7 @@ async def start_standalone(shard_options: ShardServiceOptions, options: HeadOpti
             served=service.served,
             options=options,
             metrics=MetricSources(server=service.server),
+            vocabulary_model=service.server.engine.vocabulary_model(),  # StandaloneHead closes it first
         )
     except BaseException:
         await service.aclose()

@@ -76,3 +76,51 @@ def test_gemma_without_a_template_uses_llama_cpps_gemma_format(gemma_model: Path
         assert tokens[0] == gemma.bos_token and len(end_of_turn) == 1 and end_of_turn[0] in tokens
         assert gemma.is_end_of_generation(end_of_turn[0])
         assert gemma.detokenize(gemma.tokenize("Grüße, 世界", add_special=False)) == "Grüße, 世界"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layers, holds",
+    [((0, 9), True), ((9, 18), True), ((6, 12), False)],
+    ids=["head-slice", "tail-slice", "middle-slice"],
+)
+def test_a_head_tokenizes_with_its_shards_own_vocabulary(
+    gemma_model: Path, tmp_path: Path, layers: tuple[int, int], holds: bool
+) -> None:
+    """The head of a node whose shard holds the vocabulary borrows it instead of loading a
+    second copy (about 40 MiB for Gemma 3): same tokens, template and pieces as the file's;
+    closing the tokenizer leaves the engine's model to the engine."""
+    from engines.interface import LoadRequest, SessionKey, StepRequest
+    from engines.llama_engine import LlamaShardEngine
+
+    engine = LlamaShardEngine()
+    engine.load(
+        LoadRequest(str(gemma_model), *layers, n_ctx=256, n_seq_max=1, n_threads=1, cache_dir=str(tmp_path))
+    )
+    try:
+        model = engine.vocabulary_model()
+        assert (model is not None) == holds
+        if model is None:
+            return
+        borrowed = Tokenizer.borrowing(gemma_model, model)
+        with Tokenizer.open(gemma_model) as own:
+            text = "The sea was calm: héllo ✓ 日本 <start_of_turn>"
+            assert borrowed.encode_prompt(text) == own.encode_prompt(text)
+            assert borrowed.encode_chat(MESSAGES) == own.encode_chat(MESSAGES)
+            assert borrowed.chat_template == own.chat_template and borrowed.architecture == own.architecture
+            assert (borrowed.bos_token, borrowed.eos_token, borrowed.n_vocab) == (
+                own.bos_token,
+                own.eos_token,
+                own.n_vocab,
+            )
+            tokens = own.encode_prompt(text)
+            assert [borrowed.piece(t) for t in tokens] == [own.piece(t) for t in tokens]
+        borrowed.close()
+        # The engine's model is still there: it computes.
+        if layers[0] == 0:
+            result = engine.prefill(StepRequest(SessionKey("after", 1), 0, token_ids=tuple(tokens)))
+            assert result.hidden is not None or result.token_id is not None
+        else:
+            assert engine.vocabulary_model() is model
+    finally:
+        engine.close()

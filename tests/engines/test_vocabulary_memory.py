@@ -1,9 +1,10 @@
 """A head node's memory line read "over its budget" (1330 MiB against 1257 on a Gemma node):
 two vocabularies nobody counted. The shard's own model keeps the vocabulary (about 40 MiB for
 Gemma 3's 262144 tokens), which llama.cpp reports in none of its buffer lines: it is now
-measured at load and part of the budget. And the API's tokenizer loads a second one (about as
-much) after the shard, which counted in the shard's resident share: it is now measured and left
-out ("not the shard's: tokenizer 40 MiB"). Measured in a fresh child process, as a node runs: the whole model as one
+measured at load and part of the budget. And the API's tokenizer loaded a second one (about as
+much) after the shard, which counted in the shard's resident share: where it still does (a head
+whose shard holds no vocabulary; a head on one that does borrows it, test_engine_tokenizer.py)
+it is measured and left out ("not the shard's: tokenizer 40 MiB"). Measured in a fresh child process, as a node runs: the whole model as one
 shard first, then the tokenizer opened, closed and opened again (a placed node that moves),
 then JSON mode: on the shard's own vocabulary, and on the file's (a shard without one) masking
 the whole vocabulary."""
