@@ -25,7 +25,7 @@ from engines.device_memory import first_offload_buffer_type
 from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
 from engines.llama_lib import ensure_llama_backend, overridden_tensors, requested_abort, weight_buffers
-from engines.resident_memory import BufferReport, process_memory, record_baseline
+from engines.resident_memory import BufferReport, anonymous_growth, record_baseline
 from engines.row_invariance import ROW_INVARIANT_MAX_ROWS
 
 # llama_decode return codes (llama.h).
@@ -177,16 +177,15 @@ class LlamaRuntime:
         if self._buffer_overrides is not None:
             model_params.tensor_buft_overrides = self._buffer_overrides.address
         buffer_report = BufferReport()
-        before = process_memory()
         with (
             weight_buffers() as buffers,
             overridden_tensors() as overridden,
             _reporting_buffers(buffer_report),
+            anonymous_growth() as loaded,
         ):
             self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
-        after = process_memory()
-        if before is not None and after is not None:
-            buffer_report.note_model_load(after.anon_bytes - before.anon_bytes)
+        if loaded.bytes is not None:
+            buffer_report.note_model_load(loaded.bytes)
         # Weight buffer types and their MiB, as llama.cpp reported them (AMX, CPU_REPACK, CUDA0, ...).
         self.weight_buffers = dict(buffers)
         # Tensors llama.cpp placed by an override (name -> buffer type), as it reported them.
@@ -238,12 +237,10 @@ class LlamaRuntime:
         if self._capture is not None:
             context_params.cb_eval = self._capture.callback
             context_params.cb_eval_user_data = self._capture.user_data
-        before = process_memory()
-        with _reporting_buffers(buffer_report):
+        with _reporting_buffers(buffer_report), anonymous_growth() as created:
             self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
-        after = process_memory()
-        if before is not None and after is not None:
-            buffer_report.note_context_creation(after.anon_bytes - before.anon_bytes)
+        if created.bytes is not None:
+            buffer_report.note_context_creation(created.bytes)
         # Weights, KV, compute and output buffers as llama.cpp reported them, and the vocabulary
         # and context tables it did not report, as measured (resident_memory).
         self.memory_budget = buffer_report.budget()

@@ -310,6 +310,26 @@ class OutsideShare:
         self.bytes = 0
 
 
+@dataclass
+class AnonymousGrowth:
+    """What a block added to the process's anonymous memory (``None`` where there is no /proc)."""
+
+    bytes: int | None = None
+
+
+@contextmanager
+def anonymous_growth() -> Iterator[AnonymousGrowth]:
+    """Measure the anonymous memory the block adds (other threads' allocations meanwhile count)."""
+    growth = AnonymousGrowth()
+    before = process_memory()
+    try:
+        yield growth
+    finally:
+        after = process_memory()
+        if before is not None and after is not None:
+            growth.bytes = after.anon_bytes - before.anon_bytes
+
+
 @contextmanager
 def outside_shards(label: str) -> Iterator[OutsideShare]:
     """Leave the anonymous memory the block allocates out of the shards' share, under ``label``.
@@ -319,15 +339,12 @@ def outside_shards(label: str) -> Iterator[OutsideShare]:
     meanwhile count too; a vocabulary loads in well under a second."""
     record_baseline()
     share = OutsideShare(label)
-    before = process_memory()
-    try:
+    with anonymous_growth() as growth:
         yield share
-    finally:
-        after = process_memory()
-        if before is not None and after is not None:
-            share.bytes = max(0, after.anon_bytes - before.anon_bytes)
-            with _lock:
-                _outside[label] = _outside.get(label, 0) + share.bytes
+    if growth.bytes is not None:
+        share.bytes = max(0, growth.bytes)
+        with _lock:
+            _outside[label] = _outside.get(label, 0) + share.bytes
 
 
 def track_shard(shard: BudgetedShard) -> None:
@@ -356,6 +373,7 @@ def shard_memory(shards: list[BudgetedShard] | None = None) -> ShardMemory | Non
 
 __all__ = [
     "MIB",
+    "AnonymousGrowth",
     "BudgetedShard",
     "BufferKind",
     "BufferReport",
@@ -363,6 +381,7 @@ __all__ = [
     "ProcessMemory",
     "ShardBudget",
     "ShardMemory",
+    "anonymous_growth",
     "is_anonymous_host_buffer",
     "model_file_memory",
     "outside_shards",

@@ -412,7 +412,8 @@ def _memory_families(memory: ShardMemory | None) -> list[Metric]:
         _labelled(
             GaugeMetricFamily,
             "meshnode_shard_memory_budget_bytes",
-            "What the loaded shards should hold, by buffer (as llama.cpp reports them; the vocabulary measured at load)",
+            "What the loaded shards should hold, by part (buffers as llama.cpp reports them; vocabulary and "
+            "context tables as measured at load)",
             budget,
         ),
     ]

@@ -72,6 +72,23 @@ _CHILD = textwrap.dedent(
     """
 )
 
+
+def run_child(script: str, *args: object) -> dict:
+    """What ``script`` printed last, as JSON, run in a fresh interpreter: nothing this test run
+    loaded or freed counts in its memory."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report: dict = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\n{report}")
+    return report
+
+
 # Python's own allocations between samples move the share a little (up to 9 MiB seen: the
 # tokenizer parsed the GGUF's 262144 token strings in Python first), against the vocabularies'
 # 40 MiB.
@@ -83,16 +100,7 @@ def test_a_head_shard_reads_within_its_budget_and_its_tokenizer_is_not_counted(
     gemma_model: Path, tmp_path: Path
 ) -> None:
     n_layers = read_model_info(gemma_model).n_layers
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(gemma_model), str(n_layers), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"\n{report}")
+    report = run_child(_CHILD, gemma_model, n_layers, tmp_path)
     alone = report["shard_only"]
     # The model's own vocabulary is in the budget, and the shard reads within it.
     assert alone["budget"]["vocabulary_bytes"] > 20 * MIB
@@ -162,11 +170,7 @@ _RELEASE_CHILD = textwrap.dedent(
 
 def test_a_released_share_stops_being_left_out() -> None:
     # In a fresh process: in this one, other tests' objects may be freed meanwhile.
-    done = subprocess.run(
-        [sys.executable, "-c", _RELEASE_CHILD], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_child(_RELEASE_CHILD)
     assert report["measured"] >= 15 * MIB and report["left_out"] == report["measured"]
     assert report["after"] == {}
 
@@ -223,16 +227,7 @@ def test_a_shard_holding_many_sessions_reads_within_its_budget(tiny_model: Path,
     # 64 sessions of 4096 tokens, as auto gives a small model: llama.cpp's bookkeeping for the
     # 262144 cells (11 MiB, reported in no buffer line) made a tiny shard read 210 MiB against
     # a budget of 199.
-    done = subprocess.run(
-        [sys.executable, "-c", _MANY_SESSIONS_CHILD, str(tiny_model), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"\n{report}")
+    report = run_child(_MANY_SESSIONS_CHILD, tiny_model, tmp_path)
     assert report["budget"]["context_table_bytes"] > 5 * MIB
     # The process's own growth since its first load counts in the shard too (Python objects):
     # a little slack, well under the 14 MiB the tables add.
