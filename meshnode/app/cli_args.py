@@ -97,31 +97,39 @@ def _checked(value: _Number, ok: bool, expected: str) -> _Number:
     return value
 
 
-# A text that is no number raises float()'s or int()'s ValueError, which argparse reports as
-# "invalid positive value: 'x'" by the function's name: keep one named function per rule.
+def _number(text: str, kind: type[_Number]) -> _Number:
+    """``kind(text)``, refused in words: argparse would report the ValueError by this module's
+    function name ("invalid positive_int value"), and the config layer as Python's own message."""
+    try:
+        return kind(text)
+    except ValueError:
+        words = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}") from None
+
+
 def positive(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     return _checked(value, value > 0, "must be positive")
 
 
 def non_negative(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     return _checked(value, value >= 0, "must not be negative")
 
 
 def share(text: str) -> float:
     """A fraction of something, in (0, 1]."""
-    value = float(text)
+    value = _number(text, float)
     return _checked(value, 0 < value <= 1, "must be a fraction in (0, 1]")
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     return _checked(value, value >= 1, "must be at least 1")
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     return _checked(value, value >= 0, "must not be negative")
 
 

@@ -82,12 +82,23 @@ def _is_list(action: argparse.Action) -> bool:
     return isinstance(action, argparse._AppendAction)
 
 
+_TYPE_WORDS = {int: "a whole number", float: "a number"}
+
+
+def _type_problem(kind: Any, value: str, exc: Exception) -> str:
+    """Say what the option takes rather than echo Python's conversion error ("invalid literal
+    for int() with base 10"); a converter of the project's own already says it plainly."""
+    if kind in _TYPE_WORDS:
+        return f"expected {_TYPE_WORDS[kind]}, got {value!r}"
+    return str(exc)
+
+
 def _convert_one(action: argparse.Action, value: Any, source: str) -> Any:
     if isinstance(value, str) and action.type is not None:
         try:
             value = action.type(value)  # type: ignore[operator]
         except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{source}: {_type_problem(action.type, value, exc)}") from None
     if action.choices is not None and value not in action.choices:
         choices = ", ".join(map(str, action.choices))
         raise ConfigError(f"{source}: {value!r} is not one of {choices}")

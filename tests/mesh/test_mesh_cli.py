@@ -1,6 +1,7 @@
 """The meshnode command line, run as real processes (no node needs to run for these)."""
 
 import base64
+import re
 import stat
 import subprocess
 import sys
@@ -202,9 +203,19 @@ def test_number_arguments_refuse_values_outside_their_range_and_keep_their_edges
     for parse, text in refused:
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
-    for parse in (positive, non_negative, share, positive_int, non_negative_int):
-        with pytest.raises(ValueError):  # argparse names the type: "invalid share value: 'x'"
+    for parse, words in [
+        (positive, "a number"),
+        (non_negative, "a number"),
+        (share, "a number"),
+        (positive_int, "a whole number"),
+        (non_negative_int, "a whole number"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError) as refusal:
             parse("x")
+        assert str(refusal.value) == f"expected {words}, got 'x'"
+    # "1.5" is a number but not a whole one.
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape("expected a whole number, got '1.5'")):
+        positive_int("1.5")
 
 
 @pytest.mark.parametrize(
@@ -290,3 +301,12 @@ def test_a_full_disk_is_named_with_the_file_and_what_to_do(tmp_path, monkeypatch
         f"No space left on device: {tmp_path / 'node_key.pem'} (free space on that disk)"
     )
     assert not list(tmp_path.iterdir())  # no temporary file left behind
+
+
+def test_a_value_that_is_no_number_is_refused_in_words(capsys):
+    from meshnode.app.cli import build_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", "--model", "m.gguf", "--threads", "two"])
+    assert refused.value.code == 2
+    assert "argument --threads: expected a whole number, got 'two'" in capsys.readouterr().err

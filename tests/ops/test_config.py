@@ -83,6 +83,8 @@ def test_one_file_configures_a_node_and_a_relay(tmp_path):
         ("", {"MESHNODE_RELAY_ONLY": "maybe"}, "$MESHNODE_RELAY_ONLY: expected true or false"),
         ("", {"MESHNODE_HEARTBEAT_INTERVAL": "-1"}, "$MESHNODE_HEARTBEAT_INTERVAL"),
         ("", {"MESHNODE_LOG_LEVEL": "loud"}, "is not one of"),
+        ("", {"MESHNODE_THREADS": "abc"}, "$MESHNODE_THREADS: expected a whole number, got 'abc'"),
+        ('probe_timeout = "soon"\n', {}, "probe_timeout: expected a number, got 'soon'"),
     ],
 )
 def test_bad_values_name_their_source(tmp_path, text, env, message):
