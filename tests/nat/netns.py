@@ -214,6 +214,50 @@ class NatLab:
                 text=True,
             )
 
+    # -- impairing the routers ----------------------------------------------------------
+
+    def lose(self, percent: int) -> None:
+        """Each router drops this share of the UDP datagrams it forwards, either way, at random
+        (nftables ``numgen random``): a lossy last mile on both homes. A datagram relayed from
+        one home to the other crosses both routers."""
+        if not 0 <= percent <= 100:
+            raise ValueError(f"a loss is 0 to 100 percent, not {percent}")
+        rules = (
+            "table inet impair {\n"
+            "  chain forward {\n"
+            "    type filter hook forward priority filter - 10; policy accept;\n"
+            f"    meta l4proto udp numgen random mod 100 < {percent} counter drop\n"
+            "  }\n"
+            "}\n"
+        )
+        for router in ("rta", "rtb"):
+            self.heal_router(router)
+            if percent:
+                subprocess.run(
+                    self.command(router, ["nft", "-f", "-"]),
+                    input=rules,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+
+    def heal_router(self, router: str) -> None:
+        subprocess.run(
+            self.command(router, ["nft", "delete", "table", "inet", "impair"]), capture_output=True
+        )
+
+    def datagrams_lost(self) -> int:
+        """Datagrams the routers' ``lose`` rules have dropped so far."""
+        total = 0
+        for router in ("rta", "rtb"):
+            listed = subprocess.run(
+                self.command(router, ["nft", "list", "table", "inet", "impair"]),
+                capture_output=True,
+                text=True,
+            )
+            total += sum(int(found) for found in re.findall(r"counter packets (\d+)", listed.stdout))
+        return total
+
     # -- running things inside ------------------------------------------------------------
 
     def command(self, role: str, argv: Sequence[str]) -> list[str]:

@@ -10,96 +10,22 @@ the generation (the in-flight step is retried with the same idempotency step).
 
 from __future__ import annotations
 
-import contextlib
-import io
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from chain_mesh import (
+    RESTART_AT_STEP,
+    data_plane_missing,
+    run_driver,
+    start_two_shard_chain,
+    unsplit_reference,
+)
 from helpers.polling import wait_until
-from nat_mesh import RELAY_PORT, Mesh, node_args, peers_of, relay_registered
-from netns import SERVICE_ADDRESS, NatLab
+from nat_mesh import relay_registered
+from netns import NatLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
-
-SPLIT = 3
-CHUNK_TOKENS = 16
-PROMPT_TOKENS = 40
-DECODE_STEPS = 20
-RESTART_AT_STEP = 8
-DRIVER = Path(__file__).with_name("chain_driver.py")
-
-
-def data_plane_missing() -> str | None:
-    """What this test needs from the data plane (issue 5) that is not there yet, if anything."""
-    try:
-        from meshnode.dataplane.service import ShardService  # noqa: F401
-        from meshnode.dataplane.session_link import ShardSession  # noqa: F401
-    except ImportError as exc:
-        return f"data plane API missing: {exc}"
-    from meshnode.app.cli import build_parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            build_parser().parse_args(["join", "--model", "m.gguf", "--threads", "1", "--ctx", "512"])
-    except SystemExit:
-        return "`meshnode join --model ... --threads ... --ctx ...` (shard serving from the CLI) is missing"
-    return None
-
-
-def unsplit_reference(model: Path) -> tuple[list[int], list[int], list[np.ndarray]]:
-    """A prompt, and the whole model's greedy tokens and logits for it, prefilled in the chunks the
-    client sends."""
-    from helpers.tiny_llama import load_engine, run_unsplit
-
-    from engines.tiny_model import TINY_N_LAYERS
-
-    engine = load_engine(model, 0, TINY_N_LAYERS)
-    try:
-        vocab = engine.capabilities().vocab_size
-        prompt = [int(t) for t in np.random.default_rng(5).integers(3, vocab, size=PROMPT_TOKENS)]
-        tokens, logits = run_unsplit(engine, prompt, chunk_tokens=CHUNK_TOKENS, decode_steps=DECODE_STEPS)
-        return prompt, tokens, logits
-    finally:
-        engine.close()
-
-
-def shard_args(model: Path, start: int, end: int) -> list[str]:
-    return ["--model", str(model), "--layers", f"{start}:{end}", "--threads", "1", "--ctx", "512"]
-
-
-def run_driver(
-    mesh: Mesh, name: str, invite: str, prompt: list[int], *, restart_relay: bool = False
-) -> dict[str, np.ndarray]:
-    invite_file = mesh.root / f"{name}.invite"
-    invite_file.write_text(invite)
-    out = mesh.root / f"{name}.npz"
-    argv = [
-        sys.executable,
-        str(DRIVER),
-        str(mesh.dir(name)),
-        str(invite_file),
-        str(out),
-        ",".join(map(str, prompt)),
-    ]
-    if restart_relay:
-        assert mesh.relay is not None
-        # The driver kills the relay right after submitting a step; its pid inside the lab is the process's own.
-        argv += ["--stop-relay", str(mesh.relay.pid), "--at", str(RESTART_AT_STEP)]
-    log = mesh.root / f"{name}.log"
-    mesh.logs[name] = log
-    driver = mesh.lab.spawn("pub", argv, log=log)
-    if restart_relay:
-        wait_until(
-            lambda: b"RELAY-STOPPED" in log.read_bytes() or driver.poll() is not None, 120, "the relay stop"
-        )
-        assert mesh.relay is not None
-        mesh.relay.wait(timeout=20)
-        mesh.start_relay(mesh.mesh_id)
-    assert driver.wait(timeout=180) == 0, f"driver {name} failed"
-    with np.load(out) as saved:
-        return {key: saved[key] for key in saved.files}
 
 
 def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_relay_restart(
@@ -113,45 +39,11 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
     model = ensure_tiny_model()
     prompt, expected_tokens, expected_logits = unsplit_reference(model)
 
-    mesh = Mesh(nat_lab, tmp_path)
+    chain = start_two_shard_chain(nat_lab, tmp_path, model)
+    mesh = chain.mesh
     try:
-        relay_id = nat_lab.run(
-            "pub", [sys.executable, "-m", "relay", "--show-id", "--data-dir", str(mesh.dir("r"))]
-        ).stdout.strip()
-        relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
-        mesh.spawn(
-            "a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg, *shard_args(model, 0, SPLIT))
-        )
-        wait_until(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
-        status_a = mesh.status("a")
-        mesh.mesh_id = status_a["node"]["mesh_id"]
-        mesh.start_relay(mesh.mesh_id)
-        wait_until(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
-
-        def invite() -> str:
-            made = nat_lab.run(
-                "ha", [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(mesh.dir("a"))]
-            )
-            assert made.returncode == 0, made.stderr
-            return made.stdout.strip()
-
-        mesh.spawn(
-            "b",
-            "hb",
-            node_args("join", mesh.dir("b"), "--invite", "-", *shard_args(model, SPLIT, 6)),
-            stdin=invite(),
-        )
-        id_a = status_a["node"]["id"]
-        wait_until(lambda: (mesh.status("b") or {}).get("node", {}).get("serving"), 90, "B to serve")
-        id_b = mesh.status("b")["node"]["id"]
-        wait_until(
-            lambda: id_b in peers_of(mesh.status("a")) and id_a in peers_of(mesh.status("b")),
-            60,
-            "A and B to meet",
-        )
-
         # 1. A clean generation: every hop relayed, logits bit-identical to the unsplit model.
-        clean = run_driver(mesh, "c1", invite(), prompt)
+        clean = run_driver(mesh, "c1", chain.invite(), prompt)
         assert [str(x) for x in clean["links"]] and all(str(x).startswith("relay ") for x in clean["links"])
         assert clean["tokens"].tolist() == expected_tokens
         np.testing.assert_array_equal(clean["logits"], np.stack(expected_logits))
@@ -160,7 +52,7 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
 
         # 2. The relay restarts while a decode step is in flight: the nodes re-register, the step is
         #    retried as the same idempotency step, and the output is still the unsplit model's.
-        restarted = run_driver(mesh, "c2", invite(), prompt, restart_relay=True)
+        restarted = run_driver(mesh, "c2", chain.invite(), prompt, restart_relay=True)
         print(
             "after the relay restart:",
             list(restarted["retries"]),
