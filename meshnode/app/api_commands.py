@@ -50,7 +50,7 @@ def _api_from_status(args: argparse.Namespace) -> str:
         status = query_status(data_dir)
     except (OSError, ValueError):
         raise CliError(f"no node running on {data_dir} (start one, or pass --api URL)") from None
-    url = status["node"].get("api_url")
+    url = (status.get("node") or status.get("standalone") or {}).get("api_url")
     if not url:
         raise CliError(f"the node on {data_dir} serves no API (it needs --model, and --api-listen not off)")
     return str(url)
@@ -125,6 +125,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     # Loaded only by `serve`: it brings the shard worker and server with it.
     from meshnode.app.head_service import HeadError, start_standalone
     from meshnode.app.lifecycle import run_drain
+    from meshnode.app.standalone_status import answer_status
     from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
 
     if args.api_listen is False:
@@ -150,6 +151,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             running = await start_standalone(shard_options, head)
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
+        status = await answer_status(node_data_dir(args), running.url, running.host.announcement)
         try:
             alias = f" as {args.model_name}" if args.model_name else ""
             print(f"serving {args.model.name}{alias} (all layers) at {running.url}/v1", flush=True)
@@ -157,6 +159,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             stop.clear()
             await run_drain(running.drain, stop, DRAIN_TIMEOUT_S)
         finally:
+            if status is not None:
+                status.close()
             await running.aclose()
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
 import socket
@@ -24,7 +23,7 @@ from engines.weight_repack import WeightRepack
 from meshnode.app.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
 from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.listen_check import bind_problem
-from meshnode.app.status import query_status
+from meshnode.app.status import NotANodeError, query_node_status
 from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
 from meshnode.transport.addresses import AddressError, parse_host_port
@@ -392,8 +391,13 @@ def check_disk(path: Path) -> list[Finding]:
 def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print) -> int:
     data_dir = node_data_dir(args)
     running: dict[str, Any] | None = None
-    with contextlib.suppress(OSError):
-        running = query_status(data_dir, timeout=1.0)["node"]
+    standalone = False
+    try:
+        running = query_node_status(data_dir, timeout=1.0)["node"]
+    except NotANodeError:
+        standalone = True
+    except OSError:
+        pass
     findings: list[Finding] = []
     findings += check_backend(args.n_gpu_layers)
     findings += check_capture()
@@ -403,9 +407,13 @@ def run_doctor(args: argparse.Namespace, *, emit: Callable[[str], None] = print)
     if data_dir.is_dir():
         membership, relays = check_membership(data_dir)
         findings += membership
-    findings.append(
-        ok("node", "running on this data directory") if running is not None else ok("node", "not running")
-    )
+    if running is not None:
+        node_state = "running on this data directory"
+    elif standalone:
+        node_state = "not running (a standalone `meshnode serve` answers on this data directory)"
+    else:
+        node_state = "not running"
+    findings.append(ok("node", node_state))
     if args.model is not None:
         model_findings = check_model(args.model, args.layers)
         findings += model_findings

@@ -16,7 +16,7 @@ from typing import Any
 
 from meshnode.app.cli_error import CliError
 from meshnode.app.data_dirs import node_data_dir
-from meshnode.app.status import ask_node, query_status
+from meshnode.app.status import ask_node, query_node_status
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import IdentityError, load_identity, short_id
 from meshnode.membership.credentials import MeshKey
@@ -49,7 +49,7 @@ def _admin_key(membership_state: MembershipState) -> MeshKey:
 
 def _running_status(args: argparse.Namespace) -> dict[str, Any] | None:
     try:
-        return query_status(node_data_dir(args))
+        return query_node_status(node_data_dir(args))
     except OSError:
         return None
 

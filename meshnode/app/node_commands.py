@@ -37,7 +37,7 @@ from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_inv
 from meshnode.app.placement_options import add_placement_options
 from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.app.session_options import add_session_options
-from meshnode.app.status import format_status, query_status
+from meshnode.app.status import format_status, query_node_status, query_status
 from meshnode.app.stored_membership import load_stored_membership, membership_for_join
 from meshnode.identity import IdentityError, NodeIdentity, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
@@ -300,7 +300,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
     bootstrap = [Endpoint(identity.node_id, address) for address in args.address]
     if not bootstrap:
         try:
-            status = query_status(path)
+            status = query_node_status(path)
         except OSError:
             raise CliError(
                 "the node is not running; start it (the invite carries its address) or pass --address"

@@ -25,6 +25,19 @@ def query_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
     return ask_node(data_dir, "status", timeout)
 
 
+class NotANodeError(OSError):
+    """The data directory's socket answers for a ``meshnode serve`` process, not a mesh node."""
+
+
+def query_node_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
+    """:func:`query_status` for commands that need a mesh node: ``OSError`` when none answers, and
+    :class:`NotANodeError` (an ``OSError``) when a standalone server does."""
+    status = query_status(data_dir, timeout)
+    if "node" not in status:
+        raise NotANodeError(f"a standalone server (meshnode serve), not a mesh node, answers on {data_dir}")
+    return status
+
+
 def ask_node(data_dir: Path, request: str, timeout: float = 3.0) -> dict[str, Any]:
     """Send one request line to the node running on ``data_dir``; its JSON answer, ``OSError`` when
     none answers."""
@@ -41,6 +54,8 @@ def ask_node(data_dir: Path, request: str, timeout: float = 3.0) -> dict[str, An
 
 
 def format_status(status: dict[str, Any]) -> str:
+    if "standalone" in status:
+        return _standalone_text(status)
     node = status["node"]
     lines = [
         f"node {node['short_id']}  mesh {node['mesh_id']}  {'member' if node['member'] else 'joining'}",
@@ -70,6 +85,20 @@ def format_status(status: dict[str, Any]) -> str:
             f"serving {_serving_text(peer['serving'])}{_sessions_text(peer)}  heard {peer['age_s']:.1f}s ago"
         )
     lines += _membership_lines(status.get("membership") or {})
+    return "\n".join(lines)
+
+
+def _standalone_text(status: dict[str, Any]) -> str:
+    """A `meshnode serve` process (meshnode.app.standalone_status): no mesh, no peers."""
+    server = status["standalone"]
+    lines = [
+        f"standalone server (meshnode serve: no mesh), up {server['uptime_s']:.0f} s",
+        f"  serving: {_serving_text(server['serving'])}{_sessions_text(server)}",
+        f"  API: {server['api_url']}/v1 (try: meshnode generate --prompt ...)",
+    ]
+    memory = (status.get("sections") or {}).get("memory")
+    if memory:
+        lines.append(_memory_text(memory))
     return "\n".join(lines)
 
 

@@ -72,12 +72,27 @@ class CapacityStatus:
     max_concurrent_sessions: int
     max_context_tokens: int
 
+    @classmethod
+    def of(cls, announcement: mesh.PeerAnnouncement) -> CapacityStatus:
+        return cls(
+            max_concurrent_sessions=announcement.capacity.max_concurrent_sessions,
+            max_context_tokens=announcement.capacity.max_context_tokens,
+        )
+
 
 @dataclass(frozen=True)
 class LoadStatus:
     active_sessions: int
     queued_chunks: int
     kv_pressure: float
+
+    @classmethod
+    def of(cls, announcement: mesh.PeerAnnouncement) -> LoadStatus:
+        return cls(
+            active_sessions=announcement.load.active_sessions,
+            queued_chunks=announcement.load.queued_chunks,
+            kv_pressure=round(announcement.load.kv_pressure, 4),
+        )
 
 
 @dataclass(frozen=True)
@@ -167,21 +182,6 @@ def _relays(links: RelayLinks | None) -> list[RelayStatus]:
     return statuses
 
 
-def _capacity(announcement: mesh.PeerAnnouncement) -> CapacityStatus:
-    return CapacityStatus(
-        max_concurrent_sessions=announcement.capacity.max_concurrent_sessions,
-        max_context_tokens=announcement.capacity.max_context_tokens,
-    )
-
-
-def _load(announcement: mesh.PeerAnnouncement) -> LoadStatus:
-    return LoadStatus(
-        active_sessions=announcement.load.active_sessions,
-        queued_chunks=announcement.load.queued_chunks,
-        kv_pressure=round(announcement.load.kv_pressure, 4),
-    )
-
-
 def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: int) -> PeerStatus:
     announcement = entry.announcement
     last_direct_ns = entry.last_direct_ns
@@ -193,8 +193,8 @@ def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: in
         directly_reachable=announcement.directly_reachable,
         relays=[AnnouncedRelay(id=r.relay_id.hex(), address=r.address) for r in announcement.relays],
         serving=ServingStatus.of(announcement),
-        capacity=_capacity(announcement),
-        load=_load(announcement),
+        capacity=CapacityStatus.of(announcement),
+        load=LoadStatus.of(announcement),
         link=link.description if link is not None else None,
         admitted=admitted,
         age_s=_seconds_since(entry.last_heard_ns, now_ns),
@@ -237,8 +237,8 @@ def status_report(
         serving=ServingStatus.of(local),
         uptime_s=_seconds_since(started_at_ns, now_ns),
         api_url=api_url,
-        capacity=_capacity(local),
-        load=_load(local),
+        capacity=CapacityStatus.of(local),
+        load=LoadStatus.of(local),
     )
     peers = [
         _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now_ns=now_ns)

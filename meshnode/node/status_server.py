@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from meshnode.identity import ensure_private_dir
 from meshnode.membership.socket_path import reachable_socket_path
-from meshnode.node.status_report import StatusReport
 
 # The node's logger, as when this lived in the node module.
 log = logging.getLogger("meshnode.node")
@@ -29,11 +29,17 @@ REQUEST_LIMIT = 4096
 REQUEST_TIMEOUT_S = 2.0
 
 
+class JsonReport(Protocol):
+    """What the socket answers ``status`` with: a node's ``StatusReport``, or a standalone server's."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
 class StatusServer:
     def __init__(
         self,
         path: Path,
-        report: Callable[[], StatusReport],
+        report: Callable[[], JsonReport],
         *,
         control: Callable[[str], dict[str, Any]] | None = None,
     ) -> None:
@@ -41,6 +47,9 @@ class StatusServer:
         self._report = report
         self._control = control
         self._server: asyncio.Server | None = None
+        # The socket file this server made: another process may replace it at the path (a node
+        # taking the directory from `meshnode serve`), and closing must not unlink that one.
+        self._inode: int | None = None
 
     async def start(self) -> None:
         """Listen on ``path``; a socket that cannot be made is a warning, not a failed node."""
@@ -55,11 +64,19 @@ class StatusServer:
             )
             return
         self.path.chmod(0o600)
+        self._inode = self.path.stat().st_ino
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            self.path.unlink(missing_ok=True)
+            if self._still_ours():
+                self.path.unlink(missing_ok=True)
+
+    def _still_ours(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except OSError:
+            return False
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -81,4 +98,4 @@ class StatusServer:
             writer.close()
 
 
-__all__ = ["REQUEST_LIMIT", "StatusServer"]
+__all__ = ["REQUEST_LIMIT", "JsonReport", "StatusServer"]

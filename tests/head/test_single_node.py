@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.serve_process import serving_process, whole_model_greedy_text
+from helpers.serve_process import serve_data_dir, serving_process, whole_model_greedy_text
 
 from engines.tiny_model import ensure_tiny_model
 
@@ -32,10 +34,13 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def serving(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
-) -> Iterator[tuple[str, subprocess.Popen]]:
-    with serving_process(tmp_path_factory.mktemp("serve") / "serve.log", tiny_model) as served:
+def serve_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def serving(serve_log: Path, tiny_model: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    with serving_process(serve_log, tiny_model) as served:
         yield served
 
 
@@ -89,10 +94,46 @@ def test_serve_exposes_metrics_without_mesh_families(serving):
     assert "meshnode_peers" not in names  # no mesh in single-node mode
 
 
-def test_serve_stops_cleanly_on_sigterm(serving):
+def test_status_and_generate_find_a_standalone_server_through_its_data_directory(
+    serving, serve_log, tiny_model
+):
+    url, _ = serving
+    data_dir = str(serve_data_dir(serve_log))
+    shown = meshnode("status", "--data-dir", data_dir)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("standalone server (meshnode serve: no mesh), up ")
+    assert lines[1].startswith(f"  serving: {tiny_model.stem} [0:6) of 6 (")
+    assert re.search(r"  sessions 0/\d+$", lines[1]), lines[1]
+    assert lines[2] == f"  API: {url}/v1 (try: meshnode generate --prompt ...)"
+    assert lines[3].startswith("  memory: ") and "against its budget" in lines[3]
+    raw = json.loads(meshnode("status", "--data-dir", data_dir, "--json").stdout)
+    assert raw["standalone"]["api_url"] == url and "node" not in raw
+    # `generate` with no --api finds the server's API as it finds a node's.
+    done = meshnode(
+        "generate",
+        "--data-dir",
+        data_dir,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        str(TOKENS),
+        "--temperature",
+        "0",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == reference_text(tiny_model) + "\n"
+    # `doctor` tells a server from a node (tests/ops/test_standalone_status.py: the other commands).
+    doctor = meshnode("doctor", "--data-dir", data_dir)
+    assert "node: not running (a standalone `meshnode serve` answers on this data directory)" in doctor.stdout
+
+
+def test_serve_stops_cleanly_on_sigterm(serving, serve_log):
     _, process = serving
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
+    # Its status socket goes with it.
+    assert not (serve_data_dir(serve_log) / "control.sock").exists()
 
 
 def test_a_mesh_node_serving_every_layer_answers_alone(tmp_path, tiny_model):

@@ -18,16 +18,22 @@ from engines.tokenizer import Tokenizer
 _API_LINE = re.compile(r"at (http://127\.0\.0\.1:\d+)/v1")
 
 
+def serve_data_dir(log: Path) -> Path:
+    """Where :func:`serving_process` logging to ``log`` keeps its data directory (not the user's)."""
+    return log.parent / "serve-data"
+
+
 @contextlib.contextmanager
 def serving_process(
     log: Path, model: Path, *options: str, env: Mapping[str, str] | None = None, ctx: int = 512
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``meshnode serve --model MODEL`` on a free loopback port, logging to ``log``: its API URL
-    once it answers, and the process; SIGTERM afterwards."""
+    """``meshnode serve --model MODEL`` on a free loopback port, logging to ``log``, its data
+    directory (its status socket) ``serve_data_dir(log)``: its API URL once it answers, and the
+    process; SIGTERM afterwards."""
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--api-listen", "127.0.0.1:0",
-             "--threads", "1", "--ctx", str(ctx), *options],
+             "--threads", "1", "--ctx", str(ctx), "--data-dir", str(serve_data_dir(log)), *options],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
     try:
@@ -64,4 +70,4 @@ def whole_model_greedy_text(model: Path, prompt_text: str, tokens: int) -> str:
     return text
 
 
-__all__ = ["serving_process", "whole_model_greedy_text"]
+__all__ = ["serve_data_dir", "serving_process", "whole_model_greedy_text"]
