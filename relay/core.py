@@ -426,6 +426,10 @@ class RelayCore:
         """Node ids registered now: the members this relay forwards for."""
         return len(self._registered)
 
+    def registered_members(self) -> list[tuple[bytes, str]]:
+        """(node id, mesh id) of each member registered now."""
+        return [(node_id, registration.mesh_id) for node_id, registration in self._registered.items()]
+
     def queued_frames(self) -> int:
         """Frames waiting for their destinations, all queues."""
         return sum(len(registration.queue) for registration in self._registered.values())

@@ -125,7 +125,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     # Loaded only by `serve`: it brings the shard worker and server with it.
     from meshnode.app.head_service import HeadError, start_standalone
     from meshnode.app.lifecycle import run_drain
-    from meshnode.app.standalone_status import answer_status
+    from meshnode.app.standalone_status import answer_standalone_status
     from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
 
     if args.api_listen is False:
@@ -151,7 +151,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             running = await start_standalone(shard_options, head)
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
-        status = await answer_status(node_data_dir(args), running.url, running.host.announcement)
+        status = await answer_standalone_status(node_data_dir(args), running.url, running.host.announcement)
         try:
             alias = f" as {args.model_name}" if args.model_name else ""
             print(f"serving {args.model.name}{alias} (all layers) at {running.url}/v1", flush=True)

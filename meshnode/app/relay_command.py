@@ -17,7 +17,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnode.app.cli_args import host_port, mesh_id, positive_int
 from meshnode.app.common_options import common_options
@@ -30,6 +30,9 @@ from meshnode.membership.store import StoreError
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.bind_errors import ListenError
 from relay.core import RelayPolicy
+
+if TYPE_CHECKING:
+    from meshnode.node.status_server import StatusServer
 
 DEFAULT_LISTEN = "0.0.0.0:7448"
 log = logging.getLogger("meshnode.relay")
@@ -98,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def run_relay(args: argparse.Namespace) -> int:
     # QUIC, and aiohttp for the metrics, load here: not for every command the CLI reads.
+    from meshnode.app.relay_status import answer_relay_status
     from relay.metrics import METRICS_PATH, RelayMetricsServer
     from relay.server import RelayServer, load_relay_identity
 
@@ -140,6 +144,7 @@ async def run_relay(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     metrics: RelayMetricsServer | None = None
+    status: StatusServer | None = None
     try:
         try:
             await server.start(host, port)
@@ -157,15 +162,20 @@ async def run_relay(args: argparse.Namespace) -> int:
                     f"meshnode relay: cannot serve metrics on {where}: {exc.strerror or exc}", file=sys.stderr
                 )
                 return 1
+        metrics_url = f"http://{format_host_port(*metrics.address)}{METRICS_PATH}" if metrics else None
+        # Answering status before saying it listens: whoever reads the lines below can ask at once.
+        status = await answer_relay_status(relay_data_dir(args), server, metrics_url)
         bound_host, bound_port = server.address
         print(f"relay id: {identity.node_id.hex()}", flush=True)
         print(f"relay listening on {format_host_port(bound_host, bound_port)}", flush=True)
-        if metrics is not None:
-            print(f"relay metrics on http://{format_host_port(*metrics.address)}{METRICS_PATH}", flush=True)
+        if metrics_url is not None:
+            print(f"relay metrics on {metrics_url}", flush=True)
         await stop.wait()
         log.info("relay stopping")
         return 0
     finally:
+        if status is not None:
+            status.close()
         if metrics is not None:
             await metrics.close()
         await server.close()

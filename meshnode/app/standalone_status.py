@@ -2,29 +2,22 @@
 
 A server of one has no mesh, but a person who started it asks it the same
 questions as a node: what it serves, how busy it is, its memory, and where its
-API is. Its data directory's status socket answers them, as a node's does,
-unless something already answers there: a node owns its directory (it holds the
-directory's lock), so a server started beside it leaves the socket to the node,
-and a node started later on the server's directory takes the socket over.
+API is. Its data directory's status socket answers them, as a node's does
+(meshnode.app.status_socket: unless a node already answers there).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engines.resident_memory import shard_memory
-from meshnode.app.status import query_status
-from meshnode.membership.store import DataDir
+from meshnode.app.status_socket import answer_status
 from meshnode.node.status_report import CapacityStatus, LoadStatus, ServingStatus
 from meshnode.node.status_server import StatusServer
 from meshnode.wire.pb import mesh
-
-log = logging.getLogger("meshnode.cli")
 
 
 @dataclass(frozen=True)
@@ -64,28 +57,12 @@ def standalone_status(api_url: str, announcement: mesh.PeerAnnouncement, started
     )
 
 
-async def answer_status(
+async def answer_standalone_status(
     data_dir: Path, api_url: str, announcement: mesh.PeerAnnouncement
 ) -> StatusServer | None:
-    """Answer ``meshnode status`` on ``data_dir``'s socket for this server (close it when done);
-    ``None`` where a node already answers there."""
-    try:
-        await asyncio.to_thread(query_status, data_dir, 1.0)
-    except OSError:
-        pass  # nobody answers: the socket, if any, is a leftover
-    else:
-        log.info(
-            "`meshnode status` and `generate` on %s answer for the node running there, not this server "
-            "(give serve a --data-dir of its own to ask it)",
-            data_dir,
-        )
-        return None
+    """Answer ``meshnode status`` on ``data_dir`` for this server (meshnode.app.status_socket)."""
     started = time.monotonic()
-    server = StatusServer(
-        DataDir(data_dir).control_socket, lambda: standalone_status(api_url, announcement, started)
-    )
-    await server.start()
-    return server
+    return await answer_status(data_dir, lambda: standalone_status(api_url, announcement, started), "server")
 
 
-__all__ = ["StandaloneServer", "StandaloneStatus", "answer_status", "standalone_status"]
+__all__ = ["StandaloneServer", "StandaloneStatus", "answer_standalone_status", "standalone_status"]

@@ -56,6 +56,8 @@ def ask_node(data_dir: Path, request: str, timeout: float = 3.0) -> dict[str, An
 def format_status(status: dict[str, Any]) -> str:
     if "standalone" in status:
         return _standalone_text(status)
+    if "relay" in status:
+        return _relay_process_text(status["relay"])
     node = status["node"]
     lines = [
         f"node {node['short_id']}  mesh {node['mesh_id']}  {'member' if node['member'] else 'joining'}",
@@ -100,6 +102,42 @@ def _standalone_text(status: dict[str, Any]) -> str:
     if memory:
         lines.append(_memory_text(memory))
     return "\n".join(lines)
+
+
+def _relay_process_text(relay: dict[str, Any]) -> str:
+    """A `meshnode relay` process (meshnode.app.relay_status)."""
+    members = relay["members"]
+    lines = [
+        f"relay {relay['short_id']}  listening on {relay['address']}  up {relay['uptime_s']:.0f} s",
+        f"  meshes: {', '.join(relay['meshes'])}",
+        f"  connections {relay['connections']} ({relay['unregistered']} not registered); "
+        f"{relay['registrations']} registrations since start",
+        f"  forwarded {relay['frames_forwarded']} frames, {_bytes_text(relay['bytes_forwarded'])}; queued "
+        f"{_bytes_text(relay['queued_bytes'])} of {_bytes_text(relay['queued_bytes_limit'])}",
+    ]
+    for kind in ("frames", "connections"):
+        refused = relay[f"{kind}_refused"]
+        if refused:
+            counts = ", ".join(
+                f"{reason.removeprefix('RELAY_ERROR_')} {n}" for reason, n in sorted(refused.items())
+            )
+            lines.append(f"  {kind} refused: {counts}")
+    if relay.get("metrics_url"):
+        lines.append(f"  metrics: {relay['metrics_url']}")
+    lines.append(f"members registered ({len(members)}):")
+    lines += [
+        f"  {member['short_id']}  mesh {member['mesh_id']}"
+        + (f"  queued {_bytes_text(member['queued_bytes'])}" if member["queued_bytes"] else "")
+        for member in members
+    ]
+    return "\n".join(lines)
+
+
+def _bytes_text(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
 
 
 def _relay_line(relay: dict[str, Any]) -> str:

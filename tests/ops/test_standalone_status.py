@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.app.standalone_status import answer_status
+from meshnode.app.standalone_status import answer_standalone_status as answer_status
 from meshnode.app.status import NotANodeError, query_node_status, query_status
 from meshnode.membership.store import DataDir
 from meshnode.node.status_server import StatusServer
@@ -60,7 +60,7 @@ async def test_a_server_leaves_the_socket_to_a_node_that_answers_there(tmp_path:
     try:
         caplog.set_level("INFO", "meshnode.cli")
         assert await answer_status(tmp_path, "http://127.0.0.1:1", announcement()) is None
-        assert "answer for the node running there, not this server" in caplog.text
+        assert "answers for the process already running there, not this server" in caplog.text
         assert "node" in await ask(tmp_path, node_only=True)
     finally:
         node.close()
