@@ -427,7 +427,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="show the running node's view of the mesh",
         description="Ask the node running on the data directory for its peers, ids, addresses, what they "
-        "serve, reachability and how recently each was heard from.",
+        "serve, reachability and how recently each was heard from. A `meshnode serve` process answers "
+        "with what it serves and its API, a relay (--data-dir of the relay) with its registered members "
+        "and what it forwarded and refused.",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_status)
