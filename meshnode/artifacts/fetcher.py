@@ -14,6 +14,7 @@ missing, :class:`TransferError` names it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
 import logging
@@ -40,7 +41,7 @@ from meshnode.artifacts.protocol import (
     verified_manifest,
 )
 from meshnode.artifacts.schedule import FetchPlan, Quarantine
-from meshnode.artifacts.store import PartialModel, StoreError, TensorDigestMismatch
+from meshnode.artifacts.store import PartialModel, StoreError, TensorDigestMismatch, TensorWriter
 from meshnode.identity import short_id
 from meshnode.transport.base import PeerLink
 from meshnode.transport.request_reply import REQUEST_FAILURES
@@ -52,6 +53,8 @@ OpenLink = Callable[[bytes], Awaitable[PeerLink]]
 
 # Tensors in flight per source: enough to keep a link busy across request round trips.
 IN_FLIGHT_PER_SOURCE = 2
+# A tensor's bytes are made durable and recorded for resuming each time this many more arrived.
+CHECKPOINT_BYTES = 32 << 20
 # A frame must arrive within this long, or the source is treated as failed.
 FRAME_TIMEOUT_S = 30.0
 # An overloaded source is retried after a growing pause, this many times per worker.
@@ -117,13 +120,16 @@ async def _fetch_item(
     nbytes: int,
     sink: Callable[[bytes], None],
     received: Counter[bytes],
+    offset: int = 0,
+    after_chunk: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Stream item ``item`` (``nbytes`` long, from the verified manifest) into ``sink``."""
+    """Stream item ``item`` (``nbytes`` long, from the verified manifest) from ``offset`` to its
+    end into ``sink``, awaiting ``after_chunk`` after each chunk it takes."""
     stream = await link.open_stream(StreamType.ARTIFACT)
     try:
-        await stream.send_frame(encode_fetch(root, item))
+        await stream.send_frame(encode_fetch(root, item, offset=offset))
         stream.finish()
-        receiver = ChunkReceiver(0, nbytes)
+        receiver = ChunkReceiver(offset, nbytes - offset)
         while not receiver.finished:
             body = await stream.recv_frame(timeout=FRAME_TIMEOUT_S)
             if body is None:
@@ -132,6 +138,8 @@ async def _fetch_item(
             data = receiver.accept(parse_reply(body))
             if data is not None:
                 sink(data)
+                if after_chunk is not None:
+                    await after_chunk()
     finally:
         stream.close()
 
@@ -195,6 +203,8 @@ class _Outcome(enum.Enum):
     OVERLOADED = "overloaded"
     REFUSED = "refused"
     FAILED = "failed"
+    # A resumed tensor's bytes did not match: dropped, to be fetched whole.
+    RESTARTED = "restarted"
 
 
 class _TensorFetch:
@@ -271,7 +281,11 @@ class _TensorFetch:
 
     async def fetch_one(self, source: bytes, index: int) -> _Outcome:
         tensor = self.partial.manifest.tensors[index]
-        writer = self.partial.writer(tensor.name)
+        try:
+            # Goes on from bytes an earlier attempt left, which it reads back from disk first.
+            writer = await asyncio.to_thread(self.partial.writer, tensor.name)
+        except OSError as error:
+            raise StoreError(f"cannot read back {tensor.name!r}: {error}") from error
 
         def sink(data: bytes) -> None:
             try:
@@ -281,22 +295,43 @@ class _TensorFetch:
             if self.progress is not None:
                 self.progress.advance(len(data), time.monotonic_ns())
 
+        kept = writer.written
+
+        async def checkpoint() -> None:
+            # Now and then what arrived is made durable and counted, so that even a SIGKILL loses
+            # only the bytes since (a cancelled or failed fetch keeps everything that arrived).
+            nonlocal kept
+            if writer.written - kept >= CHECKPOINT_BYTES:
+                kept = writer.written
+                await asyncio.to_thread(self._keep, writer)
+
         try:
             # Asked per tensor: the node keeps one link per peer and redials one that dropped.
             link = await self.open_link(source)
-            await _fetch_item(link, self.root, index, tensor.nbytes, sink, self.received)
+            await _fetch_item(
+                link, self.root, index, tensor.nbytes, sink, self.received, writer.written, checkpoint
+            )
             try:
                 await asyncio.to_thread(writer.commit)
             except OSError as error:
                 raise StoreError(f"cannot journal {tensor.name!r}: {error}") from error
-        except (TensorDigestMismatch, BadReply) as error:
+        except TensorDigestMismatch as error:
             self._rewind(writer.written)
+            self.partial.discard(tensor.name)
             self.plan.give_back(index)
-            self.plan.lose(source, "quarantined")
-            self.quarantine.add(source, f"tensor {tensor.name!r}: {error}")
-            return _Outcome.QUARANTINED
-        except PeerRefused as refusal:
+            if writer.resumed:
+                # Part of the bytes came from an earlier attempt, maybe from another source: blame
+                # nobody, fetch it whole (a source that then sends wrong bytes is quarantined).
+                log.info("%s did not match its digest after resuming; fetching it whole", tensor.name)
+                return _Outcome.RESTARTED
+            return self._quarantined(source, index, f"tensor {tensor.name!r}: {error}")
+        except BadReply as error:
             self._rewind(writer.written)
+            self.partial.discard(tensor.name)
+            self.plan.give_back(index)
+            return self._quarantined(source, index, f"tensor {tensor.name!r}: {error}")
+        except PeerRefused as refusal:
+            self._keep(writer)
             if refusal.code == NOT_HELD:
                 self.plan.give_back(index, not_held_by=source)
                 return _Outcome.NOT_HELD
@@ -307,17 +342,40 @@ class _TensorFetch:
             self.plan.lose(source, str(refusal))
             return _Outcome.REFUSED
         except _SOURCE_FAILURES as error:
-            self._rewind(writer.written)
+            self._keep(writer)
             self.plan.give_back(index)
             self.failed[source] = _describe(error)
             self.plan.lose(source, _describe(error))
-            log.info("source %s failed on %s: %s", short_id(source), tensor.name, _describe(error))
+            log.info(
+                "source %s failed on %s%s: %s",
+                short_id(source),
+                tensor.name,
+                f" at byte {writer.written} of {tensor.nbytes} (kept, to go on from)"
+                if writer.written
+                else "",
+                _describe(error),
+            )
             return _Outcome.FAILED
         except BaseException:
+            # Stopped (cancelled, or our disk failed): what arrived is kept for the next run.
+            with contextlib.suppress(OSError):
+                self.partial.keep(writer)
             self.plan.give_back(index)
             raise
         self.plan.succeeded(index, source)
         return _Outcome.DONE
+
+    def _quarantined(self, source: bytes, index: int, reason: str) -> _Outcome:
+        self.plan.lose(source, "quarantined")
+        self.quarantine.add(source, reason)
+        return _Outcome.QUARANTINED
+
+    def _keep(self, writer: TensorWriter) -> None:
+        """Keep the bytes of a tensor whose source stopped mid-way, for any source to go on from."""
+        try:
+            self.partial.keep(writer)
+        except OSError as error:  # our disk: ends the whole fetch
+            raise StoreError(f"cannot keep what arrived of {writer.tensor.name!r}: {error}") from error
 
     def _rewind(self, nbytes: int) -> None:
         # Progress counts verified-or-arriving bytes; a discarded attempt's bytes are not done.
@@ -354,6 +412,7 @@ async def fetch_tensors(
         manifest = partial.manifest
         total = sum(manifest.tensors[partial.index_of(n)].nbytes for n in names)
         done = sum(manifest.tensors[partial.index_of(n)].nbytes for n in resumed)
+        done += sum(partial.unfinished_bytes(n) for n in missing)
         progress.begin(total, done, time.monotonic_ns())
     if missing:
         held = await asyncio.gather(*(run.holdings_of(source) for source in sources))

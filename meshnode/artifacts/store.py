@@ -12,6 +12,13 @@ fsync'd and then its name appended to ``journal`` and the journal fsync'd. That
 order is the crash rule: after a SIGKILL (or a power cut) a journaled tensor's bytes
 are on disk, and reopening trusts the journal and nothing else, so a tensor cut off
 mid-write is simply fetched again. A torn last journal line is ignored and cut away.
+
+A tensor cut off by its source (the link failed, the fetch was stopped) keeps what
+arrived: its bytes are fsync'd and ``unfinished.json`` records how many there are,
+so the next attempt, from any source and in any later run, asks only for the rest.
+Nothing of those bytes is trusted until the whole tensor's digest matches; the
+bytes already there are hashed again from disk when the tensor is resumed. A
+SIGKILL mid-tensor loses only what arrived since the last such record.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ JOURNAL_FILE = "journal"
 # The verified manifest and metadata blob, kept so a restarted node resumes without asking a peer.
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.bin"
+# Tensors cut off mid-way: how many of their bytes are on disk (fsync'd), to resume from there.
+UNFINISHED_FILE = "unfinished.json"
+# Resumed bytes are hashed again from disk in blocks of this size.
+_REHASH_BLOCK_BYTES = 4 << 20
 # Held (flock) by the one process that writes the store.
 LOCK_FILE = ".lock"
 
@@ -129,16 +140,21 @@ class PartialModel:
         self._index = {t.name: i for i, t in enumerate(manifest.tensors)}
         directory.mkdir(parents=True, exist_ok=True)
         self._verified: set[str] = set()
+        # name -> bytes of it on disk, for tensors cut off mid-way (UNFINISHED_FILE).
+        self._unfinished: dict[str, int] = {}
         # Commits run in worker threads (fsync blocks); journal lines must not interleave.
         self._journal_lock = threading.Lock()
+        self._unfinished_lock = threading.Lock()
         fresh = not self._header_matches()
         if fresh:
             # A new model, or a header from another layout: nothing in the old file is trusted.
-            with contextlib.suppress(FileNotFoundError):
-                self.journal_path.unlink()
+            for stale in (self.journal_path, self._unfinished_path):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
             self._create_file()
         else:
             self._verified = self._read_journal()
+            self._unfinished = self._read_unfinished()
         self._fd = os.open(self.path, os.O_RDWR)
         self._journal = open(self.journal_path, "ab")  # noqa: SIM115 -- lives as long as the model
 
@@ -190,9 +206,31 @@ class PartialModel:
         return os.pread(self._fd, length, self.tensor_offset(index) + offset)
 
     def writer(self, name: str) -> TensorWriter:
-        """A writer for tensor ``name``'s bytes, start to end."""
+        """A writer for tensor ``name``'s bytes to its end: from where an earlier attempt was cut
+        off (:meth:`keep`), whose bytes it hashes again from disk first, else from its start."""
         index = self.index_of(name)
-        return TensorWriter(self, self.manifest.tensors[index], self.tensor_offset(index))
+        writer = TensorWriter(self, self.manifest.tensors[index], self.tensor_offset(index))
+        resumed = self._unfinished.get(name, 0)
+        if resumed:
+            writer.rehash(resumed)
+        return writer
+
+    def unfinished_bytes(self, name: str) -> int:
+        """Bytes of tensor ``name`` on disk from an attempt that was cut off (0: none)."""
+        return self._unfinished.get(name, 0)
+
+    def keep(self, writer: TensorWriter) -> None:
+        """Keep what ``writer`` wrote of a tensor whose source stopped mid-way, for the next
+        attempt (from any source, in this run or a later one) to go on from."""
+        name = writer.tensor.name
+        if name in self._verified or writer.written == self._unfinished.get(name, 0):
+            return
+        os.fsync(self._fd)  # the bytes first, then the record that counts them
+        self._record_unfinished(name, writer.written)
+
+    def discard(self, name: str) -> None:
+        """Trust nothing of tensor ``name``'s unfinished bytes: the next attempt starts over."""
+        self._record_unfinished(name, 0)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -255,6 +293,44 @@ class PartialModel:
             self._journal.flush()
             os.fsync(self._journal.fileno())
             self._verified.add(tensor.name)
+        self._record_unfinished(tensor.name, 0)
+
+    @property
+    def _unfinished_path(self) -> Path:
+        return self.directory / UNFINISHED_FILE
+
+    def _read_unfinished(self) -> dict[str, int]:
+        """The record of cut-off tensors, each checked against this manifest (name, digest, a size
+        short of the tensor's); anything else in it is ignored."""
+        try:
+            entries = json.loads(self._unfinished_path.read_bytes())
+        except (OSError, ValueError):
+            return {}
+        kept: dict[str, int] = {}
+        for entry in entries if isinstance(entries, list) else []:
+            try:
+                name, sha256, nbytes = entry["name"], entry["sha256"], entry["bytes"]
+                tensor = self.manifest.tensors[self._index[name]]
+            except (KeyError, TypeError):
+                continue
+            resumable = isinstance(nbytes, int) and 0 < nbytes < tensor.nbytes
+            if tensor.sha256 == sha256 and resumable and name not in self._verified:
+                kept[name] = nbytes
+        return kept
+
+    def _record_unfinished(self, name: str, nbytes: int) -> None:
+        """``nbytes`` of tensor ``name`` are on disk (0: none to resume from), recorded on disk."""
+        # Commits run in worker threads, keep and discard in the event loop's.
+        with self._unfinished_lock:
+            if nbytes and name not in self._verified:
+                self._unfinished[name] = nbytes
+            elif self._unfinished.pop(name, None) is None:
+                return
+            entries = [
+                {"name": name, "sha256": self.manifest.tensors[self._index[name]].sha256, "bytes": nbytes}
+                for name, nbytes in sorted(self._unfinished.items())
+            ]
+            write_bytes_atomically(self._unfinished_path, json.dumps(entries).encode())
 
 
 def _parse_journal_line(line: bytes, manifest: ModelManifest) -> str | None:
@@ -290,6 +366,22 @@ class TensorWriter:
         self._file_offset = file_offset
         self._digest = hashlib.sha256()
         self.written = 0
+        # Bytes an earlier attempt wrote, taken as they are on disk (0: this writer wrote all).
+        self.resumed = 0
+
+    def rehash(self, nbytes: int) -> None:
+        """Take the tensor's first ``nbytes`` as they are on disk and go on after them."""
+        while self.written < nbytes:
+            block = os.pread(
+                self._model._fd,
+                min(_REHASH_BLOCK_BYTES, nbytes - self.written),
+                self._file_offset + self.written,
+            )
+            if not block:
+                raise StoreError(f"{self._model.path} ends inside tensor {self.tensor.name!r}")
+            self._digest.update(block)
+            self.written += len(block)
+        self.resumed = nbytes
 
     def write(self, data: bytes | memoryview) -> None:
         if self.written + len(data) > self.tensor.nbytes:

@@ -4,12 +4,14 @@
 
 Resumes from the store when a previous run left the model there (no manifest asked
 again), otherwise asks the source for the manifest first. Writes a JSON report at the end.
+``$CHECKPOINT_BYTES`` sets how often a tensor's arriving bytes are made durable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +20,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 from helpers.mesh_nodes import fast_config, start_invited_node  # noqa: E402
 
+from meshnode.artifacts import fetcher  # noqa: E402
 from meshnode.artifacts.fetcher import fetch_manifest, fetch_tensors  # noqa: E402
 from meshnode.artifacts.store import ArtifactStore  # noqa: E402
 from meshnode.membership.credentials import decode_invite_token  # noqa: E402
@@ -52,5 +55,7 @@ async def main(
 
 
 if __name__ == "__main__":
+    if "CHECKPOINT_BYTES" in os.environ:  # the test's small tensors checkpoint as a big one would
+        fetcher.CHECKPOINT_BYTES = int(os.environ["CHECKPOINT_BYTES"])
     token, store_dir, root, source_hex, report_path, *names = sys.argv[1:]
     asyncio.run(main(token, store_dir, root, source_hex, report_path, names))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,72 @@ def test_resume_after_a_crash_trusts_only_journaled_tensors(
     with store.open(tiny_manifest, tiny_metadata) as again:
         assert again.verified == frozenset([*done, cut])
         assert tensor_bytes(again.path, cut) == tensor_bytes(tiny_model, cut)
+
+
+def test_a_kept_part_of_a_tensor_is_resumed_after_reopening_and_forgotten_once_verified(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    store = ArtifactStore(tmp_path)
+    name = "blk.0.ffn_down.weight"
+    data = tensor_bytes(tiny_model, name)
+    with store.open(tiny_manifest, tiny_metadata) as partial:
+        writer = partial.writer(name)
+        writer.write(data[:10_000])
+        partial.keep(writer)
+        assert partial.unfinished_bytes(name) == 10_000
+    with store.open(tiny_manifest, tiny_metadata) as resumed:
+        assert resumed.unfinished_bytes(name) == 10_000 and resumed.missing([name]) == (name,)
+        writer = resumed.writer(name)
+        assert (writer.written, writer.resumed) == (10_000, 10_000)
+        writer.write(data[10_000:])
+        writer.commit()
+        assert resumed.verified == frozenset([name]) and resumed.unfinished_bytes(name) == 0
+    with store.open(tiny_manifest, tiny_metadata) as again:
+        assert again.unfinished_bytes(name) == 0 and again.writer(name).written == 0
+        assert tensor_bytes(again.path, name) == data
+
+
+def test_a_kept_part_that_is_wrong_fails_the_digest_and_discarding_it_starts_over(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    store = ArtifactStore(tmp_path)
+    name = "blk.0.ffn_down.weight"
+    data = tensor_bytes(tiny_model, name)
+    with store.open(tiny_manifest, tiny_metadata) as partial:
+        writer = partial.writer(name)
+        writer.write(bytes([data[0] ^ 0x01]) + data[1:10_000])
+        partial.keep(writer)
+        resumed = partial.writer(name)
+        resumed.write(data[10_000:])
+        with pytest.raises(TensorDigestMismatch):
+            resumed.commit()
+        partial.discard(name)
+        assert partial.unfinished_bytes(name) == 0
+        write_tensor(partial, tiny_model, name)
+        assert partial.verified == frozenset([name])
+
+
+def test_unfinished_records_that_do_not_fit_the_manifest_are_ignored(tmp_path, tiny_manifest, tiny_metadata):
+    store = ArtifactStore(tmp_path)
+    store.open(tiny_manifest, tiny_metadata).close()
+    first, second = tiny_manifest.tensors[0], tiny_manifest.tensors[1]
+    record = tmp_path / tiny_manifest.root / "unfinished.json"
+    record.write_text(
+        json.dumps(
+            [
+                {"name": first.name, "sha256": "0" * 64, "bytes": 10},  # another model's tensor
+                {"name": second.name, "sha256": second.sha256, "bytes": second.nbytes},  # all of it
+                {"name": "no.such.tensor", "sha256": second.sha256, "bytes": 10},
+                {"name": second.name, "sha256": second.sha256, "bytes": -5},
+                "not an entry",
+            ]
+        )
+    )
+    with store.open(tiny_manifest, tiny_metadata) as partial:
+        assert partial.unfinished_bytes(first.name) == partial.unfinished_bytes(second.name) == 0
+    record.write_text("{torn")
+    with store.open(tiny_manifest, tiny_metadata) as partial:
+        assert partial.unfinished_bytes(first.name) == 0
 
 
 def test_journal_lines_that_do_not_match_the_manifest_are_ignored(tmp_path, tiny_manifest, tiny_metadata):

@@ -29,10 +29,23 @@ from meshnode.artifacts.store import ArtifactStore, StoreError
 from meshnode.artifacts.upload_limit import UploadLimiter
 from meshnode.wire.framing import StreamType
 
-from .transfer_nodes import DisconnectingHolding, FlippingHolding, LyingMetadata, mesh_of, serve
+from .transfer_nodes import (
+    CuttingHolding,
+    DisconnectingHolding,
+    FlippingHolding,
+    LyingMetadata,
+    mesh_of,
+    serve,
+)
 
 # Frame headers and protobuf fields per chunk, plus the manifest replies: far below this.
 OVERHEAD_BYTES = 64 * 1024
+
+
+# A source sending 4 KiB chunks paced well below what the joiner reads, so that the joiner has
+# read what was sent before the source's stream fails (a reset drops what is still unread).
+def paced() -> dict:
+    return {"chunk_bytes": 4096, "limiter": UploadLimiter(bytes_per_s=256 * 1024)}
 
 
 def head_range(manifest, layers: int) -> list[str]:
@@ -144,6 +157,64 @@ async def test_a_source_that_disconnects_mid_tensor_is_dropped_and_another_finis
         await holding.shutdown
         assert leaving.id in report.failed_sources and report.quarantined == {}
         assert set(report.fetched) == set(wanted)
+
+
+async def test_a_tensor_cut_off_mid_way_is_resumed_from_its_last_byte_by_another_source_in_a_later_run(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    name = "token_embd.weight"
+    index = next(i for i, t in enumerate(tiny_manifest.tensors) if t.name == name)
+    size = tiny_manifest.tensors[index].nbytes
+    cut = 16 * 4096
+    async with mesh_of(tmp_path, 3) as (cutting_node, honest_node, joiner):
+        cutting = serve(cutting_node, CuttingHolding(FullModel(tiny_model), index, cut), **paced())
+        honest = serve(honest_node, FullModel(tiny_model), chunk_bytes=4096)
+        store = ArtifactStore(tmp_path / "store")
+        with store.open(tiny_manifest, tiny_metadata) as partial, pytest.raises(TransferError):
+            await fetch_tensors(joiner.get_link, partial, [name], [cutting.id])
+        assert cutting.server.uploaded_bytes == cut
+        # A later run (the store opened again) asks the other source for the rest only.
+        progress = TransferProgress()
+        with store.open(tiny_manifest, tiny_metadata) as partial:
+            kept = partial.unfinished_bytes(name)
+            # What the joiner had read when the source's stream failed (a chunk may be lost with it).
+            assert cut - 2 * 4096 <= kept <= cut
+            report = await fetch_tensors(joiner.get_link, partial, [name], [honest.id], progress=progress)
+            assert partial.verified == frozenset([name]) and partial.unfinished_bytes(name) == 0
+        assert honest.server.uploaded_bytes == size - kept
+        assert report.quarantined == {} and report.fetched == (name,)
+        assert progress.done_bytes == progress.total_bytes == size
+        with store.open(tiny_manifest, tiny_metadata) as partial:
+            assert partial.verified == frozenset([name]) and partial.unfinished_bytes(name) == 0
+
+
+async def test_resumed_bytes_that_were_wrong_on_disk_are_fetched_again_whole_and_blame_no_source(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    name = "token_embd.weight"
+    index = next(i for i, t in enumerate(tiny_manifest.tensors) if t.name == name)
+    size = tiny_manifest.tensors[index].nbytes
+    cut = 16 * 4096
+    async with mesh_of(tmp_path, 3) as (cutting_node, honest_node, joiner):
+        cutting = serve(cutting_node, CuttingHolding(FullModel(tiny_model), index, cut), **paced())
+        honest = serve(honest_node, FullModel(tiny_model), chunk_bytes=4096)
+        store = ArtifactStore(tmp_path / "store")
+        with store.open(tiny_manifest, tiny_metadata) as partial, pytest.raises(TransferError):
+            await fetch_tensors(joiner.get_link, partial, [name], [cutting.id])
+        with store.open(tiny_manifest, tiny_metadata) as partial:
+            kept = partial.unfinished_bytes(name)
+            assert kept > cut // 2
+            # A byte of what was kept goes bad on disk (or its source sent it wrong).
+            with partial.path.open("r+b") as file:
+                file.seek(partial.tensor_offset(index) + cut // 2)
+                flipped = file.read(1)[0] ^ 0x01
+                file.seek(-1, 1)
+                file.write(bytes([flipped]))
+            report = await fetch_tensors(joiner.get_link, partial, [name], [honest.id])
+            assert partial.verified == frozenset([name])
+        # The rest once, then the whole tensor again; the honest source is not blamed.
+        assert honest.server.uploaded_bytes == (size - kept) + size
+        assert report.quarantined == {}
 
 
 async def test_a_local_disk_failure_ends_the_fetch_and_blames_no_source(

@@ -69,6 +69,28 @@ class DisconnectingHolding:
         return self.honest.read(index, offset, length)
 
 
+class CuttingHolding:
+    """Uploads tensor ``index`` up to byte ``cut`` the first time it is asked, then fails that
+    upload (its stream ends with an error, as when the source's disk or link gives out)."""
+
+    def __init__(self, honest: HeldArtifact, index: int, cut: int) -> None:
+        self.honest = honest
+        self.manifest = honest.manifest
+        self.metadata_blob = honest.metadata_blob
+        self.index = index
+        self.cut = cut
+        self.has_cut = False
+
+    def held_indices(self) -> frozenset[int]:
+        return self.honest.held_indices()
+
+    def read(self, index: int, offset: int, length: int) -> bytes:
+        if index == self.index and offset + length > self.cut and not self.has_cut:
+            self.has_cut = True
+            raise OSError("this source's disk gave out")
+        return self.honest.read(index, offset, length)
+
+
 @dataclass
 class Peer:
     node: Node
