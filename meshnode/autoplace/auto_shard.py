@@ -46,6 +46,7 @@ from meshnode.autoplace.mesh_models import (
     most_needed,
 )
 from meshnode.autoplace.settings import AutoPlaceSettings
+from meshnode.cancellation import cancel_and_wait
 from meshnode.identity import short_id
 from meshnode.logs import mib
 from meshnode.mesh.placement import Range, Replacement, choose_range
@@ -298,9 +299,7 @@ class AutoShard:
             )
         finally:
             progress.finish()
-            display.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await display
+            await cancel_and_wait(display)
         self.fetched_bytes += report.bytes_received
         log.info(
             "fetched layers [%d, %d): %d tensor(s), %s from %s%s",

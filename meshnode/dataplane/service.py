@@ -13,7 +13,6 @@ GGUF header first, so a bad file or range is refused before anything loads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -23,6 +22,7 @@ from typing import Protocol
 
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
+from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.lease import LeaseSettings
 from meshnode.dataplane.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.worker import WorkerConfig
@@ -294,9 +294,7 @@ class ShardService:
 
     async def aclose(self) -> None:
         if self._refresh is not None:
-            self._refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh
+            await cancel_and_wait(self._refresh)
         self.node.set_serving(None)
         await self.server.aclose()
 

@@ -14,7 +14,6 @@ client the relay has to slow down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -24,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from meshnode.cancellation import cancel_and_wait
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint
@@ -407,9 +407,7 @@ class RelayClient:
     async def close(self) -> None:
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         if self.session is not None:
             self.session.close()
         if self._dialer is not None:
@@ -472,9 +470,7 @@ class RelayClient:
         try:
             return await self._read_loop(session)
         finally:
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StreamError):
-                await writer
+            await cancel_and_wait(writer, quiet=(StreamError,))
             session.close()
 
     async def _read_loop(self, session: RelaySession) -> str:
