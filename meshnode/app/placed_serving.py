@@ -26,6 +26,7 @@ from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import StoreInUse
 from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeRequest
 from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
+from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
 from meshnode.node import Node
 from meshnode.wire.framing import StreamType
@@ -158,6 +159,11 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         serving = placement.serving
         if serving is not None:
             await serving.drain()
+            return
+        # Still placing (waiting, claiming, fetching): stop it before the node's links close under
+        # it, so that a fetch ends as stopped (keeping what arrived), not as failed and retried.
+        for task in running:
+            await cancel_and_wait(task)
 
     try:
         return await run_node(

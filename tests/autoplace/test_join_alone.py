@@ -229,6 +229,9 @@ def test_a_joiner_stopped_mid_transfer_exits_and_resumes_without_refetching_what
         assert joiner.process is not None
         joiner.process.send_signal(signal.SIGTERM)
         assert joiner.process.wait(20) == 0, joiner.log_path.read_text()[-3000:]
+        # Its fetch was stopped before its links closed: no failed source, nothing retried.
+        stopped_log = joiner.log_path.read_text()
+        assert "LinkClosed" not in stopped_log and "could not be fetched" not in stopped_log
         # What the stopped node had verified (its journal), and kept of the tensors it was fetching.
         manifest = build_manifest(model)
         store = ArtifactStore(joiner.data_dir / "models")
