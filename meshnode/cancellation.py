@@ -14,9 +14,7 @@ import asyncio
 from typing import Any
 
 
-async def cancel_and_wait(
-    task: asyncio.Future[object], *, quiet: tuple[type[BaseException], ...] = ()
-) -> None:
+async def cancel_and_wait(task: asyncio.Future[Any], *, quiet: tuple[type[BaseException], ...] = ()) -> None:
     """Cancel ``task`` and wait until it has ended. Its own cancellation, and the exceptions in
     ``quiet``, end here; any other exception it ends with is raised, and so is a cancellation of
     the caller while it waits."""
