@@ -126,12 +126,16 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     from meshnode.app.head_service import HeadError, start_standalone
     from meshnode.app.lifecycle import run_drain
     from meshnode.app.standalone_status import answer_standalone_status
-    from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions
+    from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions, describe_served_model
 
     if args.api_listen is False:
         raise CliError("serve exists to answer the API; --api-listen off makes no sense here", code=2)
     if not args.model.is_file():
         raise CliError(f"no model file at {args.model}", code=2)
+    try:
+        describe_served_model(args.model, None)  # a file that is no GGUF: refused here, in one line
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
     shard_options = ShardServiceOptions(
         model=args.model,
         model_name=args.model_name,

@@ -80,6 +80,13 @@ def test_serve_refuses_a_missing_model_and_a_disabled_api(tmp_path):
     assert done.returncode == 2 and "no model file at" in done.stderr
     done = meshnode("serve", "--model", str(tmp_path / "none.gguf"), "--api-listen", "off")
     assert done.returncode == 2 and "makes no sense" in done.stderr
+    # A file that is not a GGUF: one line saying so, before anything sizes or loads it.
+    (tmp_path / "notes.gguf").write_text("not a model\n")
+    done = meshnode("serve", "--model", str(tmp_path / "notes.gguf"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"meshnode serve: cannot read GGUF {tmp_path / 'notes.gguf'}: {tmp_path / 'notes.gguf'} is not a GGUF file (bad magic)"
+    ]
 
 
 def test_serve_exposes_metrics_without_mesh_families(serving):
