@@ -152,11 +152,17 @@ async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(
             "RELAY_ERROR_NOT_A_MEMBER: this relay does not serve that mesh: "
             f"start the relay with --mesh {mesh_key.mesh_id} (repeatable, one per mesh it serves)"
         )
-        # The relay's operator reads it too, once however often the node retries.
-        await eventually(lambda: server.core.stats.refused_registrations >= 3, 10)
-        refused = [
-            r for r in caplog.records if r.name == "meshnode.relay" and "refused node" in r.getMessage()
-        ]
+
+        # The relay's operator reads it too, once however often the node retries. (Each refusal is
+        # logged as its frame goes out, after the relay's count has grown: wait for the lines.)
+        def refused_lines() -> list[logging.LogRecord]:
+            return [
+                r for r in caplog.records if r.name == "meshnode.relay" and "refused node" in r.getMessage()
+            ]
+
+        await eventually(lambda: len(refused_lines()) >= 3, 10)
+        refused = refused_lines()
+        assert server.core.stats.refused_registrations >= 3
         assert [r.levelname for r in refused][:3] == ["INFO", "DEBUG", "DEBUG"]
         assert refused[0].getMessage().startswith(f"refused node {short_id(node.node_id)} at 127.0.0.1:")
         assert (
