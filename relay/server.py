@@ -148,6 +148,16 @@ class RelayServer:
             await self.endpoint.wait_closed()  # a relay restarted in the same process rebinds its port
         await asyncio.sleep(0)
 
+    def member_addresses(self) -> dict[bytes, str]:
+        """Where each registered member connects from, by node id (as the relay sees it: a NATed
+        member's router)."""
+        addresses = {}
+        for client in self._clients.values():
+            node_id = self.core.registered_node(client.conn_id)
+            if node_id is not None:
+                addresses[node_id] = describe_sockaddr(client.link.remote_address)
+        return addresses
+
     # -- LinkHandler -----------------------------------------------------------------
 
     def link_established(self, link: PeerLink) -> None:

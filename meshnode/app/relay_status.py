@@ -25,6 +25,8 @@ class RegisteredMember:
     id: str
     short_id: str
     mesh_id: str
+    # Where it connects from, as the relay sees it (a NATed member's router).
+    address: str
     queued_bytes: int
 
 
@@ -61,8 +63,15 @@ class RelayStatus:
 
 def relay_status(server: RelayServer, started: float, metrics_url: str | None) -> RelayStatus:
     core, stats = server.core, server.core.stats
+    addresses = server.member_addresses()
     members = [
-        RegisteredMember(node_id.hex(), short_id(node_id), mesh_id, core.queued_bytes_for(node_id))
+        RegisteredMember(
+            node_id.hex(),
+            short_id(node_id),
+            mesh_id,
+            addresses.get(node_id, "?"),
+            core.queued_bytes_for(node_id),
+        )
         for node_id, mesh_id in core.registered_members()
     ]
     return RelayStatus(

@@ -126,7 +126,7 @@ def _relay_process_text(relay: dict[str, Any]) -> str:
         lines.append(f"  metrics: {relay['metrics_url']}")
     lines.append(f"members registered ({len(members)}):")
     lines += [
-        f"  {member['short_id']}  mesh {member['mesh_id']}"
+        f"  {member['short_id']}  mesh {member['mesh_id']}  from {member.get('address', '?')}"
         + (f"  queued {_bytes_text(member['queued_bytes'])}" if member["queued_bytes"] else "")
         for member in members
     ]

@@ -44,6 +44,7 @@ async def test_the_status_names_registered_members_and_counts_what_was_forwarded
         assert shown["id"] == server.relay_id.hex() and shown["meshes"] == [mesh_key.mesh_id]
         assert sorted(m["short_id"] for m in shown["members"]) == sorted(short_id(m.node_id) for m in members)
         assert {m["mesh_id"] for m in shown["members"]} == {mesh_key.mesh_id}
+        assert all(m["address"].startswith("127.0.0.1:") for m in shown["members"])
         assert shown["frames_refused"] == {"RELAY_ERROR_DESTINATION_UNKNOWN": 1}
         assert shown["frames_forwarded"] >= 1 and shown["connections"] == 2
 
@@ -58,6 +59,7 @@ async def test_the_status_names_registered_members_and_counts_what_was_forwarded
         assert sorted(line.split()[0] for line in lines[members_at + 1 :]) == sorted(
             short_id(m.node_id) for m in members
         )
+        assert all("  from 127.0.0.1:" in line for line in lines[members_at + 1 :])
     finally:
         await server.close(flush_timeout=0.3)
         for dialer in dialers:
