@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.identity import short_id
+from meshnode.logs import mib
 from meshnode.membership.socket_path import reachable_socket_path
 from meshnode.membership.store import DataDir
 
@@ -112,8 +113,8 @@ def _relay_process_text(relay: dict[str, Any]) -> str:
         f"  meshes: {', '.join(relay['meshes'])}",
         f"  connections {relay['connections']} ({relay['unregistered']} not registered); "
         f"{relay['registrations']} registrations since start",
-        f"  forwarded {relay['frames_forwarded']} frames, {_bytes_text(relay['bytes_forwarded'])}; queued "
-        f"{_bytes_text(relay['queued_bytes'])} of {_bytes_text(relay['queued_bytes_limit'])}",
+        f"  forwarded {relay['frames_forwarded']} frames, {mib(relay['bytes_forwarded'])}; queued "
+        f"{mib(relay['queued_bytes'])} of {mib(relay['queued_bytes_limit'])}",
     ]
     for kind in ("frames", "connections"):
         refused = relay[f"{kind}_refused"]
@@ -127,17 +128,10 @@ def _relay_process_text(relay: dict[str, Any]) -> str:
     lines.append(f"members registered ({len(members)}):")
     lines += [
         f"  {member['short_id']}  mesh {member['mesh_id']}  from {member.get('address', '?')}"
-        + (f"  queued {_bytes_text(member['queued_bytes'])}" if member["queued_bytes"] else "")
+        + (f"  queued {mib(member['queued_bytes'])}" if member["queued_bytes"] else "")
         for member in members
     ]
     return "\n".join(lines)
-
-
-def _bytes_text(count: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} B"
 
 
 def _relay_line(relay: dict[str, Any]) -> str:
@@ -194,19 +188,19 @@ def _memory_text(memory: dict[str, Any]) -> str:
     tokenizer 40 MiB``
     (engines.resident_memory.ShardMemory.to_json)."""
 
-    def mib(value: int) -> str:
+    def in_mib(value: int) -> str:  # a number only: the line says MiB once per group
         return f"{value / (1 << 20):.2g}" if value < 10 << 20 else f"{value / (1 << 20):.0f}"
 
     budget = memory["budget"]
-    parts = ", ".join(f"{_BUDGET_PARTS.get(name, name)} {mib(value)}" for name, value in budget.items())
+    parts = ", ".join(f"{_BUDGET_PARTS.get(name, name)} {in_mib(value)}" for name, value in budget.items())
     # An older node's report has no "outside_bytes".
     outside = ", ".join(
-        f"{name} {mib(value)} MiB" for name, value in (memory.get("outside_bytes") or {}).items() if value
+        f"{name} {in_mib(value)} MiB" for name, value in (memory.get("outside_bytes") or {}).items() if value
     )
     outside = f"; not the shard's: {outside}" if outside else ""
     return (
-        f"  memory: {mib(memory['rss_bytes'])} MiB resident ({mib(memory['rss_file_bytes'])} file-backed); "
-        f"the shard {mib(memory['shard_bytes'])} MiB against its budget {mib(memory['budget_bytes'])} MiB ({parts})"
+        f"  memory: {in_mib(memory['rss_bytes'])} MiB resident ({in_mib(memory['rss_file_bytes'])} file-backed); "
+        f"the shard {in_mib(memory['shard_bytes'])} MiB against its budget {in_mib(memory['budget_bytes'])} MiB ({parts})"
         f"{outside}"
     )
 

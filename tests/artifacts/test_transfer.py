@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -27,6 +29,7 @@ from meshnode.artifacts.protocol import (
 from meshnode.artifacts.schedule import Quarantine
 from meshnode.artifacts.store import ArtifactStore, StoreError
 from meshnode.artifacts.upload_limit import UploadLimiter
+from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 
 from .transfer_nodes import (
@@ -34,6 +37,7 @@ from .transfer_nodes import (
     DisconnectingHolding,
     FlippingHolding,
     LyingMetadata,
+    Peer,
     mesh_of,
     serve,
 )
@@ -159,59 +163,76 @@ async def test_a_source_that_disconnects_mid_tensor_is_dropped_and_another_finis
         assert set(report.fetched) == set(wanted)
 
 
+CUT_TENSOR = "token_embd.weight"
+# The cutting source fails its upload of CUT_TENSOR here, in 4 KiB chunks.
+CUT_AT = 16 * 4096
+
+
+@contextlib.asynccontextmanager
+async def cut_off_once(
+    tmp_path, tiny_model, manifest, metadata
+) -> AsyncIterator[tuple[Node, Peer, ArtifactStore, int]]:
+    """A joiner and its store after a fetch of CUT_TENSOR whose only source failed mid-way; an
+    honest source to go on with, and the bytes the store kept."""
+    index = next(i for i, t in enumerate(manifest.tensors) if t.name == CUT_TENSOR)
+    async with mesh_of(tmp_path, 3) as (cutting_node, honest_node, joiner):
+        cutting = serve(cutting_node, CuttingHolding(FullModel(tiny_model), index, CUT_AT), **paced())
+        honest = serve(honest_node, FullModel(tiny_model), chunk_bytes=4096)
+        store = ArtifactStore(tmp_path / "store")
+        with store.open(manifest, metadata) as partial, pytest.raises(TransferError):
+            await fetch_tensors(joiner.get_link, partial, [CUT_TENSOR], [cutting.id])
+        assert cutting.server.uploaded_bytes == CUT_AT
+        with store.open(manifest, metadata) as partial:
+            kept = partial.unfinished_bytes(CUT_TENSOR)
+        # What the joiner had read when the source's stream failed (a chunk may be lost with it).
+        assert CUT_AT - 2 * 4096 <= kept <= CUT_AT
+        yield joiner, honest, store, kept
+
+
 async def test_a_tensor_cut_off_mid_way_is_resumed_from_its_last_byte_by_another_source_in_a_later_run(
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
-    name = "token_embd.weight"
-    index = next(i for i, t in enumerate(tiny_manifest.tensors) if t.name == name)
-    size = tiny_manifest.tensors[index].nbytes
-    cut = 16 * 4096
-    async with mesh_of(tmp_path, 3) as (cutting_node, honest_node, joiner):
-        cutting = serve(cutting_node, CuttingHolding(FullModel(tiny_model), index, cut), **paced())
-        honest = serve(honest_node, FullModel(tiny_model), chunk_bytes=4096)
-        store = ArtifactStore(tmp_path / "store")
-        with store.open(tiny_manifest, tiny_metadata) as partial, pytest.raises(TransferError):
-            await fetch_tensors(joiner.get_link, partial, [name], [cutting.id])
-        assert cutting.server.uploaded_bytes == cut
+    size = tiny_manifest.tensor(CUT_TENSOR).nbytes
+    async with cut_off_once(tmp_path, tiny_model, tiny_manifest, tiny_metadata) as (
+        joiner,
+        honest,
+        store,
+        kept,
+    ):
         # A later run (the store opened again) asks the other source for the rest only.
         progress = TransferProgress()
         with store.open(tiny_manifest, tiny_metadata) as partial:
-            kept = partial.unfinished_bytes(name)
-            # What the joiner had read when the source's stream failed (a chunk may be lost with it).
-            assert cut - 2 * 4096 <= kept <= cut
-            report = await fetch_tensors(joiner.get_link, partial, [name], [honest.id], progress=progress)
-            assert partial.verified == frozenset([name]) and partial.unfinished_bytes(name) == 0
+            report = await fetch_tensors(
+                joiner.get_link, partial, [CUT_TENSOR], [honest.id], progress=progress
+            )
+            assert partial.verified == frozenset([CUT_TENSOR]) and partial.unfinished_bytes(CUT_TENSOR) == 0
         assert honest.server.uploaded_bytes == size - kept
-        assert report.quarantined == {} and report.fetched == (name,)
+        assert report.quarantined == {} and report.fetched == (CUT_TENSOR,)
         assert progress.done_bytes == progress.total_bytes == size
         with store.open(tiny_manifest, tiny_metadata) as partial:
-            assert partial.verified == frozenset([name]) and partial.unfinished_bytes(name) == 0
+            assert partial.verified == frozenset([CUT_TENSOR]) and partial.unfinished_bytes(CUT_TENSOR) == 0
 
 
 async def test_resumed_bytes_that_were_wrong_on_disk_are_fetched_again_whole_and_blame_no_source(
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
-    name = "token_embd.weight"
-    index = next(i for i, t in enumerate(tiny_manifest.tensors) if t.name == name)
-    size = tiny_manifest.tensors[index].nbytes
-    cut = 16 * 4096
-    async with mesh_of(tmp_path, 3) as (cutting_node, honest_node, joiner):
-        cutting = serve(cutting_node, CuttingHolding(FullModel(tiny_model), index, cut), **paced())
-        honest = serve(honest_node, FullModel(tiny_model), chunk_bytes=4096)
-        store = ArtifactStore(tmp_path / "store")
-        with store.open(tiny_manifest, tiny_metadata) as partial, pytest.raises(TransferError):
-            await fetch_tensors(joiner.get_link, partial, [name], [cutting.id])
+    size = tiny_manifest.tensor(CUT_TENSOR).nbytes
+    async with cut_off_once(tmp_path, tiny_model, tiny_manifest, tiny_metadata) as (
+        joiner,
+        honest,
+        store,
+        kept,
+    ):
         with store.open(tiny_manifest, tiny_metadata) as partial:
-            kept = partial.unfinished_bytes(name)
-            assert kept > cut // 2
             # A byte of what was kept goes bad on disk (or its source sent it wrong).
+            index = partial.index_of(CUT_TENSOR)
             with partial.path.open("r+b") as file:
-                file.seek(partial.tensor_offset(index) + cut // 2)
+                file.seek(partial.tensor_offset(index) + kept // 2)
                 flipped = file.read(1)[0] ^ 0x01
                 file.seek(-1, 1)
                 file.write(bytes([flipped]))
-            report = await fetch_tensors(joiner.get_link, partial, [name], [honest.id])
-            assert partial.verified == frozenset([name])
+            report = await fetch_tensors(joiner.get_link, partial, [CUT_TENSOR], [honest.id])
+            assert partial.verified == frozenset([CUT_TENSOR])
         # The rest once, then the whole tensor again; the honest source is not blamed.
         assert honest.server.uploaded_bytes == (size - kept) + size
         assert report.quarantined == {}
