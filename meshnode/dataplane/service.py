@@ -293,10 +293,12 @@ class ShardService:
             await asyncio.sleep(poll_s)
 
     async def aclose(self) -> None:
-        if self._refresh is not None:
-            await cancel_and_wait(self._refresh)
-        self.node.set_serving(None)
-        await self.server.aclose()
+        try:
+            if self._refresh is not None:
+                await cancel_and_wait(self._refresh)
+        finally:  # the server closes even when our caller is cancelled meanwhile
+            self.node.set_serving(None)
+            await self.server.aclose()
 
 
 __all__ = [

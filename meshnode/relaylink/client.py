@@ -406,12 +406,14 @@ class RelayClient:
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-        if self.session is not None:
-            self.session.close()
-        if self._dialer is not None:
-            self._dialer.close()
+        try:
+            if self._task is not None:
+                await cancel_and_wait(self._task)
+        finally:  # closed even when our caller is cancelled meanwhile
+            if self.session is not None:
+                self.session.close()
+            if self._dialer is not None:
+                self._dialer.close()
         await asyncio.sleep(0)
 
     # -- the registration loop --------------------------------------------------------------
@@ -470,8 +472,10 @@ class RelayClient:
         try:
             return await self._read_loop(session)
         finally:
-            await cancel_and_wait(writer, quiet=(StreamError,))
-            session.close()
+            try:
+                await cancel_and_wait(writer, quiet=(StreamError,))
+            finally:
+                session.close()
 
     async def _read_loop(self, session: RelaySession) -> str:
         callbacks = self._callbacks
