@@ -1,4 +1,4 @@
-"""The relayed chain over lossy last miles: answers are the unsplit model's, and no node drops another.
+"""Lossy last miles: relayed answers are the unsplit model's, no node drops another, a joiner places itself.
 
 Each NAT router drops a share of the UDP datagrams it forwards, either way, at random
 (nftables in the lab's routers, so the loss is the kernel's, not a proxy's): every
@@ -167,6 +167,10 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
         )  # fmt: skip
         assert answer.returncode == 0, answer.stderr
         assert answer.stdout == reference + "\n"
+        id_a, id_b = (mesh.status(name)["node"]["id"] for name in ("a", "b"))  # type: ignore[index]
+        for name, other in (("a", id_b), ("b", id_a)):
+            log = mesh.logs[name].read_text(errors="replace")
+            assert f"dropped peer {short_id(bytes.fromhex(other))}" not in log, name
         print(f"{nat_lab.datagrams_lost()} datagrams lost; B fetched {placed()['fetched_bytes']} bytes")
     except BaseException:
         print(mesh.dump())
