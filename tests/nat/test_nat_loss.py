@@ -159,6 +159,14 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
         assert start <= 3 and end == TINY_N_LAYERS  # it covers the layers nobody served
         transfer = placed()["transfer"]
         assert transfer["done_bytes"] == transfer["total_bytes"] > 0
+        id_a, id_b = (mesh.status(name)["node"]["id"] for name in ("a", "b"))  # type: ignore[index]
+
+        def a_knows_b_serves() -> bool:
+            served = (peers_of(mesh.status("a")).get(id_b) or {}).get("serving") or {}
+            return served.get("end_layer") == TINY_N_LAYERS
+
+        # B's announcement reaches A by gossip, over the same lossy links.
+        wait_until(a_knows_b_serves, 60, "A to hear that B serves its layers")
         answer = nat_lab.run(
             "ha",
             [sys.executable, "-m", "meshnode", "generate", "--data-dir", str(mesh.dir("a")), "--quiet",
@@ -167,7 +175,6 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
         )  # fmt: skip
         assert answer.returncode == 0, answer.stderr
         assert answer.stdout == reference + "\n"
-        id_a, id_b = (mesh.status(name)["node"]["id"] for name in ("a", "b"))  # type: ignore[index]
         for name, other in (("a", id_b), ("b", id_a)):
             log = mesh.logs[name].read_text(errors="replace")
             assert f"dropped peer {short_id(bytes.fromhex(other))}" not in log, name
