@@ -98,6 +98,32 @@ def run_driver(
         return {key: saved[key] for key in saved.files}
 
 
+def invite_from_a(mesh: Mesh) -> str:
+    """An invite made by A (its `meshnode invite`, inside its home)."""
+    made = mesh.lab.run("ha", [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(mesh.dir("a"))])
+    assert made.returncode == 0, made.stderr
+    return made.stdout.strip()
+
+
+def start_a_behind_the_relay(mesh: Mesh, model: Path) -> str:
+    """The relay, and A (behind NAT A) serving ``[0, SPLIT)`` of ``model`` and registered with it;
+    A's node id."""
+    relay_id = mesh.lab.run(
+        "pub", [sys.executable, "-m", "relay", "--show-id", "--data-dir", str(mesh.dir("r"))]
+    ).stdout.strip()
+    relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
+    mesh.spawn(
+        "a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg, *shard_args(model, 0, SPLIT))
+    )
+    wait_until(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
+    status_a = mesh.status("a")
+    assert status_a is not None
+    mesh.mesh_id = status_a["node"]["mesh_id"]
+    mesh.start_relay(mesh.mesh_id)
+    wait_until(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
+    return str(status_a["node"]["id"])
+
+
 @dataclass
 class TwoShardChain:
     mesh: Mesh
@@ -105,11 +131,7 @@ class TwoShardChain:
     id_b: str
 
     def invite(self) -> str:
-        made = self.mesh.lab.run(
-            "ha", [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(self.mesh.dir("a"))]
-        )
-        assert made.returncode == 0, made.stderr
-        return made.stdout.strip()
+        return invite_from_a(self.mesh)
 
 
 def start_two_shard_chain(lab: NatLab, root: Path, model: Path) -> TwoShardChain:
@@ -117,20 +139,7 @@ def start_two_shard_chain(lab: NatLab, root: Path, model: Path) -> TwoShardChain
     processes' logs are printed (the lab's teardown stops them)."""
     mesh = Mesh(lab, root)
     try:
-        relay_id = lab.run(
-            "pub", [sys.executable, "-m", "relay", "--show-id", "--data-dir", str(mesh.dir("r"))]
-        ).stdout.strip()
-        relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
-        mesh.spawn(
-            "a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg, *shard_args(model, 0, SPLIT))
-        )
-        wait_until(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
-        status_a = mesh.status("a")
-        assert status_a is not None
-        mesh.mesh_id = status_a["node"]["mesh_id"]
-        mesh.start_relay(mesh.mesh_id)
-        wait_until(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
-        chain = TwoShardChain(mesh, status_a["node"]["id"], "")
+        chain = TwoShardChain(mesh, start_a_behind_the_relay(mesh, model), "")
         mesh.spawn(
             "b",
             "hb",

@@ -17,10 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chain_mesh import run_driver, start_two_shard_chain, unsplit_reference
+from chain_mesh import (
+    invite_from_a,
+    run_driver,
+    start_a_behind_the_relay,
+    start_two_shard_chain,
+    unsplit_reference,
+)
 from helpers.polling import wait_until
-from nat_mesh import RELAY_PORT, Mesh, node_args, peers_of, relay_registered
-from netns import SERVICE_ADDRESS, NatLab
+from nat_mesh import Mesh, node_args, peers_of, relay_registered
+from netns import NatLab
 
 from meshnode.identity import short_id
 
@@ -112,34 +118,9 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
     reference = whole_model_greedy_text(model, "The capital of France is", 16)
     mesh = Mesh(nat_lab, tmp_path)
     try:
-        relay_id = nat_lab.run(
-            "pub", [sys.executable, "-m", "relay", "--show-id", "--data-dir", str(mesh.dir("r"))]
-        ).stdout.strip()
-        relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
+        start_a_behind_the_relay(mesh, model)
+        invite = invite_from_a(mesh)
         shard = ["--threads", "1", "--ctx", "512"]
-        mesh.spawn(
-            "a",
-            "ha",
-            node_args(
-                "create",
-                mesh.dir("a"),
-                "--relay",
-                relay_arg,
-                "--model",
-                str(model),
-                "--layers",
-                "0:3",
-                *shard,
-            ),
-        )
-        wait_until(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
-        mesh.mesh_id = mesh.status("a")["node"]["mesh_id"]  # type: ignore[index]
-        mesh.start_relay(mesh.mesh_id)
-        wait_until(lambda: relay_registered(mesh.status("a")), 30, "A to register with the relay")
-        invite = nat_lab.run(
-            "ha", [sys.executable, "-m", "meshnode", "invite", "--data-dir", str(mesh.dir("a"))]
-        )
-        assert invite.returncode == 0, invite.stderr
 
         nat_lab.lose(LOSS_PERCENT)
         mesh.spawn(
@@ -148,7 +129,7 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
             node_args(
                 "join", mesh.dir("b"), "--invite", "-", "--claim-settle", "2", "--api-listen", "off", *shard
             ),
-            stdin=invite.stdout.strip(),
+            stdin=invite,
         )
 
         def placed() -> dict:
