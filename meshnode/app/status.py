@@ -66,14 +66,12 @@ def format_status(status: dict[str, Any]) -> str:
         f"{_sessions_text(node)}",
     ]
     if node.get("api_url"):
-        lines.append(f"  API: {node['api_url']}/v1 (try: meshnode generate --prompt ...)")
+        lines.append(_api_line(node["api_url"]))
     lines += [_relay_line(relay) for relay in node.get("relays") or []]
     startup = (status.get("sections") or {}).get("startup")
     if startup:
         lines.append(f"  starting: {startup['state']}")
-    memory = (status.get("sections") or {}).get("memory")
-    if memory:
-        lines.append(_memory_text(memory))
+    lines += _memory_lines(status)
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
@@ -97,12 +95,20 @@ def _standalone_text(status: dict[str, Any]) -> str:
     lines = [
         f"standalone server (meshnode serve: no mesh), up {server['uptime_s']:.0f} s",
         f"  serving: {_serving_text(server['serving'])}{_sessions_text(server)}",
-        f"  API: {server['api_url']}/v1 (try: meshnode generate --prompt ...)",
+        _api_line(server["api_url"]),
+        *_memory_lines(status),
     ]
-    memory = (status.get("sections") or {}).get("memory")
-    if memory:
-        lines.append(_memory_text(memory))
     return "\n".join(lines)
+
+
+def _api_line(url: str) -> str:
+    return f"  API: {url}/v1 (try: meshnode generate --prompt ...)"
+
+
+def _memory_lines(status: dict[str, Any]) -> list[str]:
+    """The memory line of a process that reports its shard's memory (none where it does not)."""
+    memory = (status.get("sections") or {}).get("memory")
+    return [_memory_text(memory)] if memory else []
 
 
 def _relay_process_text(relay: dict[str, Any]) -> str:
