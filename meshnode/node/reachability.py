@@ -62,7 +62,7 @@ class Reachability:
                 "peer %s did not answer through %s; trying %s",
                 short_id(peer_id),
                 again.give_up.description,
-                "its other relays" if avoid else "again",
+                "its other relays (it again if there are none)" if avoid else "again",
             )
         return await self._probe_while_refused(peer_id, avoid, timeout)
 

@@ -14,6 +14,7 @@ client the relay has to slow down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -48,6 +49,10 @@ _PACING_MARGIN = 0.9
 
 class RelayUnavailable(LinkClosed):
     """Not registered with the relay right now."""
+
+
+class RegistrationNotNeeded(Exception):
+    """A registration given up before it went out: the connection it was to replace answered."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,7 @@ class RelayDialer:
         proof: membership.MembershipProof | None,
         connect_timeout: float = 5.0,
         register_timeout: float = 5.0,
+        still_needed: Callable[[], bool] = lambda: True,
     ) -> RelaySession:
         return await connect_and_register(
             self.endpoint,
@@ -194,6 +200,7 @@ class RelayDialer:
             proof=proof,
             connect_timeout=connect_timeout,
             register_timeout=register_timeout,
+            still_needed=still_needed,
         )
 
     def close(self) -> None:
@@ -210,8 +217,14 @@ async def connect_and_register(
     proof: membership.MembershipProof | None,
     connect_timeout: float = 5.0,
     register_timeout: float = 5.0,
+    still_needed: Callable[[], bool] = lambda: True,
 ) -> RelaySession:
-    """Dial, authenticate the relay by its pinned id, register. Raises ``RelayRefused``/``DialError``."""
+    """Dial, authenticate the relay by its pinned id, register. Raises ``RelayRefused``/``DialError``.
+
+    ``still_needed`` is asked just before the registration goes out (a registration replaces
+    this node's earlier one at the relay); when it says no, the new connection is closed
+    unregistered and :class:`RegistrationNotNeeded` raised.
+    """
     link = await endpoint.dial(relay_endpoint.address, relay_endpoint.id, timeout=connect_timeout)
     try:
         async with asyncio.timeout(register_timeout):
@@ -232,10 +245,15 @@ async def connect_and_register(
             )
             if proof is not None:
                 register.membership_proof.CopyFrom(proof)
+            if not still_needed():
+                raise RegistrationNotNeeded("no longer needed")
             await framed.send_frame(relay.RelayClientMessage(register=register).SerializeToString())
             reply = await _recv_or_refused(framed)
             if reply.WhichOneof("kind") != "registered":
                 raise RelayRefused(p.PROTOCOL, f"relay answered {reply.WhichOneof('kind')} to registration")
+    except RegistrationNotNeeded:
+        link.close("registration no longer needed")
+        raise
     except TimeoutError:
         link.close("registration timed out")
         raise DialError(f"relay {relay_endpoint} did not complete registration in time") from None
@@ -259,6 +277,11 @@ async def _recv_or_refused(framed: FramedStream) -> relay.RelayServerMessage:
     return message
 
 
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def registration_failure(exc: Exception, mesh_id: str) -> str:
     """Why registering for ``mesh_id`` failed, with the fix where the cause is a setting."""
     if isinstance(exc, PeerKeyMismatch):
@@ -278,6 +301,8 @@ class RelayCallbacks:
     send_refused: Callable[[RelayClient, relay.RelaySendRefused], None]
     up: Callable[[RelayClient], None]
     down: Callable[[RelayClient, str], None]
+    # The connection left a ping unanswered: still registered, but maybe dead (see confirm_alive).
+    silent: Callable[[RelayClient, str], None]
 
 
 class RelayCheck(enum.Enum):
@@ -325,6 +350,10 @@ class RelayClient:
         self.last_error = ""
         self.registrations = 0
         self._closed = False
+        # The relay check running now, and the registration it is making to replace a silent
+        # connection (see confirm_alive).
+        self._check: asyncio.Task[RelayCheck] | None = None
+        self._replacing: asyncio.Task[RelaySession | None] | None = None
         # Told a revocation the relay refused us with (RelayRefusal.revocation); the node verifies it.
         self.on_revocation: Callable[[membership.Revocation], None] | None = None
 
@@ -380,9 +409,21 @@ class RelayClient:
 
         A relay that restarted, or died without closing, leaves our connection looking alive
         until its idle timeout (15 s): it answers a PING with nothing. A connection that leaves
-        a PING unanswered for half of ``timeout`` is given up and the relay registered with
-        again.
+        a PING unanswered for half of ``timeout`` gets a new connection registered beside it
+        (:meth:`_register_replacement`). Checks asked for while one runs share it.
         """
+        if self._check is None or self._check.done():
+            self._check = asyncio.get_running_loop().create_task(self._confirm_alive(timeout))
+        check = self._check
+        try:
+            # Shielded: a caller that stops waiting must not end the check the others wait on.
+            return await asyncio.shield(check)
+        except asyncio.CancelledError:
+            if check.cancelled() and self._closed and not _being_cancelled():
+                return RelayCheck.AWAY  # the client closed under the check
+            raise
+
+    async def _confirm_alive(self, timeout: float) -> RelayCheck:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         session = self.session
@@ -396,22 +437,78 @@ class RelayClient:
                     break
                 await asyncio.sleep(0.02)
             if not session.is_closed:
-                log.info("relay %s left a ping unanswered; registering again", self.endpoint_info)
-                session.close("the relay left a ping unanswered")
+                log.info(
+                    "relay %s left a ping unanswered for %.1f s; registering on a new connection "
+                    "(the old one serves until then)",
+                    self.endpoint_info,
+                    timeout / 2,
+                )
+                self._callbacks.silent(self, "the relay left a ping unanswered")
+                if self._replacing is None or self._replacing.done():
+                    self._replacing = loop.create_task(self._register_replacement(session, pinged_at))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                        if await asyncio.shield(self._replacing) is None and not session.is_closed:
+                            return RelayCheck.ANSWERED
         while loop.time() < deadline:
             if self.registered and self.session is not session:
                 return RelayCheck.REGISTERED_AGAIN
             await asyncio.sleep(0.05)
         return RelayCheck.AWAY
 
+    async def _register_replacement(self, session: RelaySession, pinged_at: float) -> RelaySession | None:
+        """A new registration to take over from ``session``, silent since ``pinged_at``.
+
+        Made before the old connection is closed, so that a relay that is alive, only slow to
+        answer (a lossy or congested path), never sees this node unregistered: the new
+        registration replaces the old at the relay, and peers are told nothing. It is given up
+        unsent if the old connection answers first. ``None``: not needed, or it failed (then
+        the old connection, still silent, is closed and the registration loop takes over).
+        """
+        assert self._dialer is not None
+
+        def silent() -> bool:
+            return session.link.last_received_at <= pinged_at
+
+        try:
+            replacement = await self._dialer.register(
+                self.endpoint_info,
+                mesh_id=self.mesh_id,
+                proof=self._proof_for(self.relay_id),
+                connect_timeout=self.settings.connect_timeout,
+                register_timeout=self.settings.register_timeout,
+                still_needed=silent,
+            )
+        except RegistrationNotNeeded:
+            log.info("relay %s answered on the old connection after all; keeping it", self.endpoint_info)
+            return None
+        except (DialError, RelayRefused, StreamError, FramingError) as exc:
+            if isinstance(exc, RelayRefused):
+                self._pass_revocation(exc)
+            if silent():
+                session.close(f"the relay left a ping unanswered and a new connection failed: {exc}")
+            return None
+        if self._closed:
+            replacement.close()
+            return None
+        # The relay has moved our registration (and what it queued for us) to the new connection.
+        session.close("replaced by a new registration")
+        return replacement
+
     async def close(self) -> None:
         self._closed = True
         try:
-            if self._task is not None:
-                await cancel_and_wait(self._task)
+            for task in (self._task, self._replacing, self._check):
+                if task is not None:
+                    await cancel_and_wait(task)
         finally:  # closed even when our caller is cancelled meanwhile
             if self.session is not None:
                 self.session.close()
+            replacing = self._replacing
+            if replacing is not None and replacing.done() and not replacing.cancelled():
+                replacement = replacing.result()
+                if replacement is not None:
+                    replacement.close()
             if self._dialer is not None:
                 self._dialer.close()
         await asyncio.sleep(0)
@@ -419,28 +516,9 @@ class RelayClient:
     # -- the registration loop --------------------------------------------------------------
 
     async def _run(self) -> None:
-        assert self._dialer is not None
         while not self._closed:
-            try:
-                session = await self._dialer.register(
-                    self.endpoint_info,
-                    mesh_id=self.mesh_id,
-                    proof=self._proof_for(self.relay_id),
-                    connect_timeout=self.settings.connect_timeout,
-                    register_timeout=self.settings.register_timeout,
-                )
-            except (DialError, RelayRefused, StreamError, FramingError) as exc:
-                if isinstance(exc, RelayRefused):
-                    self._pass_revocation(exc)
-                delay = self._backoff.next()
-                why = registration_failure(exc, self.mesh_id)
-                if isinstance(exc, DialError):  # not reached there: try its next address
-                    self._next_address()
-                # Say it once per distinct reason; a relay that stays down must not flood the log.
-                level = logging.DEBUG if why == self.last_error else logging.WARNING
-                self.last_error = why
-                log.log(level, "relay %s: %s; retrying in %.1f s", self.endpoint_info, why, delay)
-                await asyncio.sleep(delay)
+            session = await self._replacement() or await self._register()
+            if session is None:
                 continue
             self._backoff.reset()
             self.session = session
@@ -456,8 +534,41 @@ class RelayClient:
             self.last_error = reason
             log.info("relay %s connection lost: %s", self.endpoint_info, reason)
             self._callbacks.down(self, reason)
-            if not self._closed:
+            if not self._closed and self._replacing is None:
                 await asyncio.sleep(self._backoff.next())
+
+    async def _replacement(self) -> RelaySession | None:
+        """The registration a relay check made to replace the connection just lost, if any."""
+        replacing, self._replacing = self._replacing, None
+        if replacing is None:
+            return None
+        replacement = await asyncio.shield(replacing)
+        return replacement if replacement is not None and not replacement.is_closed else None
+
+    async def _register(self) -> RelaySession | None:
+        """A new registration; ``None`` after a failure, its backoff waited."""
+        assert self._dialer is not None
+        try:
+            return await self._dialer.register(
+                self.endpoint_info,
+                mesh_id=self.mesh_id,
+                proof=self._proof_for(self.relay_id),
+                connect_timeout=self.settings.connect_timeout,
+                register_timeout=self.settings.register_timeout,
+            )
+        except (DialError, RelayRefused, StreamError, FramingError) as exc:
+            if isinstance(exc, RelayRefused):
+                self._pass_revocation(exc)
+            delay = self._backoff.next()
+            why = registration_failure(exc, self.mesh_id)
+            if isinstance(exc, DialError):  # not reached there: try its next address
+                self._next_address()
+            # Say it once per distinct reason; a relay that stays down must not flood the log.
+            level = logging.DEBUG if why == self.last_error else logging.WARNING
+            self.last_error = why
+            log.log(level, "relay %s: %s; retrying in %.1f s", self.endpoint_info, why, delay)
+            await asyncio.sleep(delay)
+            return None
 
     def _next_address(self) -> None:
         current = self.endpoint_info.address
@@ -516,6 +627,7 @@ class RelayClient:
 
 __all__ = [
     "Backoff",
+    "RegistrationNotNeeded",
     "RelayCallbacks",
     "RelayCheck",
     "RelayClient",

@@ -112,6 +112,7 @@ class RelayLinks:
             send_refused=self._on_send_refused,
             up=self._on_up,
             down=self._on_down,
+            silent=self._on_silent,
         )
 
     # -- relays ------------------------------------------------------------------------
@@ -255,24 +256,28 @@ class RelayLinks:
             ) from None
 
     async def _pick_client(self, via: set[bytes], avoid: set[bytes]) -> RelayClient:
-        def usable() -> list[RelayClient]:
-            return [c for c in self._clients.values() if c.relay_id not in avoid]
+        def usable(avoiding: set[bytes]) -> list[RelayClient]:
+            return [c for c in self._clients.values() if c.relay_id not in avoiding]
 
-        def candidates() -> list[RelayClient]:
-            ours = [c for c in usable() if c.registered]
+        def candidates(avoiding: set[bytes]) -> list[RelayClient]:
+            ours = [c for c in usable(avoiding) if c.registered]
             shared = [c for c in ours if c.relay_id in via]
-            found = shared or ([] if via & {c.relay_id for c in usable()} else ours)
+            found = shared or ([] if via & {c.relay_id for c in usable(avoiding)} else ours)
             return sorted(found, key=lambda c: c.relay_id in self._doubted)  # stable: doubted ones last
 
-        found = candidates()
-        if not found and usable():
+        found = candidates(avoid)
+        if not found and usable(avoid):
             # Registrations may still be coming up (node start, relay restart).
             deadline = asyncio.get_running_loop().time() + self.settings.registration_wait
             while not found and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
-                found = candidates()
+                found = candidates(avoid)
+        if not found and avoid:
+            # No other relay reaches the peer: the one it went silent through is still worth a
+            # try (a lossy or congested path is slow, not dead; a dead relay fails this dial).
+            found = candidates(set())
         if not found:
-            names = ", ".join(str(c.endpoint_info) for c in usable()) or (
+            names = ", ".join(str(c.endpoint_info) for c in usable(avoid)) or (
                 "none besides the one it stopped answering through" if avoid else "none configured"
             )
             raise RelayDialError(f"not registered with a relay the peer uses (relays: {names})")
@@ -416,6 +421,15 @@ class RelayLinks:
             self._drop_sealer(key)
         if not any(c.registered for c in self._clients.values()):
             self._any_registered.clear()
+
+    def _on_silent(self, client: RelayClient, reason: str) -> None:
+        # New links go elsewhere while it may be dead, and dials waiting on it fail now rather
+        # than at their handshake timeout: a probe's second chance must not join one of them.
+        # Links through it stay until the registration moves to a new connection or this one is
+        # given up (then they end, as frames in flight on it may be lost).
+        self._doubted.add(client.relay_id)
+        for key in [k for k in self._pending if k[0] == client.relay_id]:
+            self._fail_pending(key, RelayDialError(f"relay {client.endpoint_info} went silent: {reason}"))
 
     def _drop_sealer(self, key: _Key) -> None:
         self._sealers.pop(key, None)

@@ -1,4 +1,4 @@
-"""Lossy last miles: relayed answers are the unsplit model's, and no node drops another.
+"""Lossy last miles: relayed answers are the unsplit model's, no node drops another, a joiner places itself.
 
 Each NAT router drops a share of the UDP datagrams it forwards, either way, at random
 (nftables in the lab's routers, so the loss is the kernel's, not a proxy's): every
@@ -11,18 +11,21 @@ tell a relay that was killed and restarted, and register with it again.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from chain_mesh import (
+    invite_from_a,
     run_driver,
+    start_a_behind_the_relay,
     start_two_shard_chain,
     unsplit_reference,
 )
 from helpers.polling import wait_until
-from nat_mesh import peers_of, relay_registered
+from nat_mesh import Mesh, node_args, peers_of, relay_registered
 from netns import NatLab
 
 from meshnode.identity import short_id
@@ -96,6 +99,67 @@ def test_the_relayed_chain_answers_exactly_over_lossy_links(nat_lab: NatLab, tmp
         for name, other in (("a", chain.id_b), ("b", chain.id_a)):
             log = mesh.logs[name].read_text(errors="replace")
             assert f"dropped peer {short_id(bytes.fromhex(other))}" not in log, name
+    except BaseException:
+        print(mesh.dump())
+        raise
+
+
+def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_lossy_links(
+    nat_lab: NatLab, tmp_path: Path
+) -> None:
+    """B, behind NAT B, joins with only the invite while every router loses 20% of its datagrams:
+    it takes the layers nobody serves, fetches them from A through the relay (each tensor checked
+    against the manifest), and A's API then answers with the whole model's greedy text."""
+    from helpers.serve_process import whole_model_greedy_text
+
+    from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
+
+    model = ensure_tiny_model()
+    reference = whole_model_greedy_text(model, "The capital of France is", 16)
+    mesh = Mesh(nat_lab, tmp_path)
+    try:
+        start_a_behind_the_relay(mesh, model)
+        invite = invite_from_a(mesh)
+        shard = ["--threads", "1", "--ctx", "512"]
+
+        nat_lab.lose(LOSS_PERCENT)
+        mesh.spawn(
+            "b",
+            "hb",
+            node_args(
+                "join", mesh.dir("b"), "--invite", "-", "--claim-settle", "2", "--api-listen", "off", *shard
+            ),
+            stdin=invite,
+        )
+
+        def placed() -> dict:
+            return ((mesh.status("b") or {}).get("sections") or {}).get("placement") or {}
+
+        wait_until(lambda: placed().get("state") == "serving", 120, "B to place itself and serve")
+        start, end = placed()["layers"]
+        assert start <= 3 and end == TINY_N_LAYERS  # it covers the layers nobody served
+        transfer = placed()["transfer"]
+        assert transfer["done_bytes"] == transfer["total_bytes"] > 0
+        id_a, id_b = (mesh.status(name)["node"]["id"] for name in ("a", "b"))  # type: ignore[index]
+
+        def a_knows_b_serves() -> bool:
+            served = (peers_of(mesh.status("a")).get(id_b) or {}).get("serving") or {}
+            return served.get("end_layer") == TINY_N_LAYERS
+
+        # B's announcement reaches A by gossip, over the same lossy links.
+        wait_until(a_knows_b_serves, 60, "A to hear that B serves its layers")
+        answer = nat_lab.run(
+            "ha",
+            [sys.executable, "-m", "meshnode", "generate", "--data-dir", str(mesh.dir("a")), "--quiet",
+             "--prompt", "The capital of France is", "--max-tokens", "16", "--temperature", "0"],
+            timeout=120,
+        )  # fmt: skip
+        assert answer.returncode == 0, answer.stderr
+        assert answer.stdout == reference + "\n"
+        for name, other in (("a", id_b), ("b", id_a)):
+            log = mesh.logs[name].read_text(errors="replace")
+            assert f"dropped peer {short_id(bytes.fromhex(other))}" not in log, name
+        print(f"{nat_lab.datagrams_lost()} datagrams lost; B fetched {placed()['fetched_bytes']} bytes")
     except BaseException:
         print(mesh.dump())
         raise

@@ -141,7 +141,10 @@ async def test_a_dial_avoiding_a_relay_goes_through_another_and_that_relay_comes
     await asyncio.gather(*dials, return_exceptions=True)
 
 
-async def test_a_dial_avoiding_the_only_relay_fails_at_once_saying_so() -> None:
+async def test_a_dial_avoiding_the_only_relay_goes_through_it_at_once() -> None:
+    # A probe's second chance avoids the relay its peer went silent through; with no other
+    # relay it used to fail at once, and a peer only slow to answer (a lossy path through a
+    # live relay, the NAT lab under 20% loss) was dropped. It goes through that relay again.
     me = NodeIdentity.generate()
     links = RelayLinks(
         me,
@@ -153,10 +156,14 @@ async def test_a_dial_avoiding_the_only_relay_fails_at_once_saying_so() -> None:
     only = RegisteredClient()
     links._clients[only.relay_id] = only  # type: ignore[assignment]
     peer = NodeIdentity.generate().node_id
-    with pytest.raises(RelayDialError, match="none besides the one it stopped answering through"):
-        # Not after registration_wait: no other relay is coming up.
-        await asyncio.wait_for(links.open_link(peer, via=[only.relay_id], avoid=[only.relay_id]), 10)
-    assert only.sent == []
+    dial = asyncio.create_task(links.open_link(peer, via=[only.relay_id], avoid=[only.relay_id], timeout=5.0))
+    # Not after registration_wait: no other relay is coming up.
+    async with asyncio.timeout(10):
+        while not only.sent:
+            await asyncio.sleep(0)
+    assert only.sent[0][0] == peer and only.sent[0][2][0] == KIND_INIT
+    dial.cancel()
+    await asyncio.gather(dial, return_exceptions=True)
 
 
 async def test_relays_announced_by_peers_are_bounded_and_an_idle_one_makes_room() -> None:

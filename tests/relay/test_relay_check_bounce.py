@@ -1,0 +1,115 @@
+"""A relay check that wrongly takes a live relay for a dead one (its ping answered late, on a
+lossy or busy path) registers on a new connection before it closes the old one: the relay moves
+the registration over, the node is never unregistered there, and its peers keep it.
+
+Seen under 20% loss in the NAT lab: the check closed the old connection first, the relay told
+the peer probing the node that it had left, and the peer dropped it for a moment."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from helpers.mesh_nodes import (
+    first_member,
+    invite_from,
+    relay_only_config,
+    start_invited_node,
+    start_relay_server,
+)
+from helpers.polling import eventually
+from relay_helpers import new_member
+
+from meshnode.membership.credentials import MeshKey
+from meshnode.node import Node
+from meshnode.relaylink.client import RegistrationNotNeeded, RelayCheck, RelayClient, RelayDialer
+
+pytestmark = pytest.mark.timeout(60)
+
+# How long nothing reaches A on its relay connection: longer than its relay check waits for a ping.
+STALL_S = 1.5
+CHECK_TIMEOUT_S = 2.0
+
+
+def client_of(node: Node) -> RelayClient:
+    assert node.relay_links is not None
+    (endpoint,) = node.relay_links.relays
+    client = node.relay_links.client(endpoint.id)
+    assert client is not None
+    return client
+
+
+async def test_a_check_that_misjudges_a_live_relay_moves_the_registration_without_a_gap(
+    tmp_path: Path,
+) -> None:
+    mesh_key = MeshKey.generate()
+    relay, endpoint = await start_relay_server(mesh_key)
+    nodes: list[Node] = []
+    try:
+        node_a = first_member(tmp_path / "a", relay_only_config(endpoint), mesh_key)
+        nodes.append(node_a)
+        await node_a.start()
+        await eventually(
+            lambda: node_a.relay_links is not None and node_a.relay_links.registered_relays(), 20
+        )
+        node_b = await start_invited_node(
+            tmp_path / "b", relay_only_config(endpoint), invite_from(node_a, relays=[endpoint])
+        )
+        nodes.append(node_b)
+        await eventually(
+            lambda: node_a.node_id in node_b.state.table and node_b.node_id in node_a.state.table, 20
+        )
+        assert await node_b.probe(node_a.node_id)
+
+        client = client_of(node_a)
+        assert client.session is not None
+        old = client.session
+        loop = asyncio.get_running_loop()
+        stalled_until = loop.time() + STALL_S
+        receive = old.link.datagram_received
+
+        def lossy(data: bytes, addr: tuple[str, int]) -> None:
+            if loop.time() >= stalled_until:
+                receive(data, addr)
+
+        old.link.datagram_received = lossy  # type: ignore[method-assign]
+        check = asyncio.create_task(client.confirm_alive(CHECK_TIMEOUT_S))
+        # Two checks at once (two peers' probes) share one: one replacement, not two.
+        second = asyncio.create_task(client.confirm_alive(CHECK_TIMEOUT_S))
+        while not check.done():
+            registered = {node_id for node_id, _mesh in relay.core.registered_members()}
+            assert node_a.node_id in registered, "the relay unregistered A while its check registered again"
+            await asyncio.sleep(0.005)
+        assert await check is RelayCheck.REGISTERED_AGAIN
+        assert await second is RelayCheck.REGISTERED_AGAIN
+        assert old.is_closed and client.session is not old and client.registrations == 2
+        assert relay.core.stats.replaced == 1
+
+        assert await node_b.reachable(node_a.node_id)
+        assert node_a.node_id in node_b.state.table and node_b.node_id in node_a.state.table
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
+        await relay.close()
+
+
+async def test_a_registration_no_longer_needed_is_never_sent() -> None:
+    # The old connection answered while the new one was being set up: the relay must not move
+    # the registration (and end the old connection's links) for nothing.
+    mesh_key = MeshKey.generate()
+    relay, endpoint = await start_relay_server(mesh_key)
+    member = new_member(mesh_key)
+    dialer = await RelayDialer.open(member.identity, host="127.0.0.1")
+    try:
+        with pytest.raises(RegistrationNotNeeded):
+            await dialer.register(
+                endpoint, mesh_id=member.mesh_id, proof=member.proof, still_needed=lambda: False
+            )
+        assert relay.core.stats.registrations == 0 and relay.core.registered_members() == []
+        session = await dialer.register(endpoint, mesh_id=member.mesh_id, proof=member.proof)
+        assert relay.core.registered_members() == [(member.identity.node_id, member.mesh_id)]
+        session.close()
+    finally:
+        dialer.close()
+        await relay.close()
