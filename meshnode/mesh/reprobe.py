@@ -48,6 +48,16 @@ def reprobe_after(
     return Reprobe(give_up=unanswered)
 
 
+def heard_during_probe(link: PeerLink | None, probe_began_at: float) -> bool:
+    """Whether the peer sent on ``link``, still open, after a probe on it began at ``probe_began_at``.
+
+    Such a peer is slow to answer, not gone: a relayed link carrying a bulk transfer over a
+    lossy path (the NAT lab under 20% loss) queues the probe's echo behind the transfer's data
+    for seconds, and giving the link up then ends the transfer too.
+    """
+    return link is not None and not link.is_closed and link.last_heard_at > probe_began_at
+
+
 # A probe that failed within this share of its timeout was refused, not left unanswered.
 REFUSED_WITHIN_SHARE = 0.5
 # How long to wait before probing a peer whose probe was refused.
@@ -67,4 +77,11 @@ def retry_refused_in(
     return REFUSED_RETRY_INTERVAL_S
 
 
-__all__ = ["REFUSED_RETRY_INTERVAL_S", "REFUSED_WITHIN_SHARE", "Reprobe", "reprobe_after", "retry_refused_in"]
+__all__ = [
+    "REFUSED_RETRY_INTERVAL_S",
+    "REFUSED_WITHIN_SHARE",
+    "Reprobe",
+    "heard_during_probe",
+    "reprobe_after",
+    "retry_refused_in",
+]

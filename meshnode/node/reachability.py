@@ -6,6 +6,8 @@
   connection: a relay that restarted, or died without closing, leaves that connection
   looking alive until its idle timeout (15 s); one that answers nothing is registered with
   again at once, and the peer asked through it once more.
+- A probe unanswered on a link the peer sent on meanwhile counts as answered: the peer is
+  slow (its echo queued behind a transfer on a lossy relayed path), not gone.
 - A probe refused outright (the relay says the peer is not registered there) is retried
   for a probe's time: the nodes of a relay that came back register again one by one.
 """
@@ -17,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 
 from meshnode.identity import short_id
-from meshnode.mesh.reprobe import reprobe_after, retry_refused_in
+from meshnode.mesh.reprobe import heard_during_probe, reprobe_after, retry_refused_in
 from meshnode.relaylink.client import RelayCheck
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.transport.base import PeerLink
@@ -43,7 +45,7 @@ class Reachability:
         """Whether the peer answers a probe of ``timeout`` seconds, or its second chances."""
         clock = asyncio.get_running_loop().time
         began_at = clock()
-        answered, unanswered = await self._probe_on_link(peer_id, (), timeout)
+        answered, unanswered = await self._probe_or_hear(peer_id, (), timeout)
         if answered:
             return True
         again = reprobe_after(unanswered, self._current_link(peer_id), began_at)
@@ -66,6 +68,22 @@ class Reachability:
             )
         return await self._probe_while_refused(peer_id, avoid, timeout)
 
+    async def _probe_or_hear(
+        self, peer_id: bytes, avoid_relays: Collection[bytes], timeout: float
+    ) -> tuple[bool, PeerLink | None]:
+        """A probe, counted as answered when the peer sent on the probed link while it waited."""
+        began_at = asyncio.get_running_loop().time()
+        answered, link = await self._probe_on_link(peer_id, avoid_relays, timeout)
+        if not answered and heard_during_probe(link, began_at):
+            assert link is not None
+            log.info(
+                "peer %s left a probe unanswered on %s but sent on it meanwhile: slow, not gone",
+                short_id(peer_id),
+                link.description,
+            )
+            return True, link
+        return answered, link
+
     async def _relay_registered_again(self, relay_id: bytes | None, timeout: float) -> bool:
         relay_links = self._relay_links()
         if relay_id is None or relay_links is None:
@@ -86,7 +104,7 @@ class Reachability:
             began_at = clock()
             if refused_since is None:
                 refused_since = began_at
-            answered, _link = await self._probe_on_link(peer_id, avoid_relays, timeout)
+            answered, _link = await self._probe_or_hear(peer_id, avoid_relays, timeout)
             if answered:
                 return True
             wait = retry_refused_in(refused_since, began_at, clock(), timeout)

@@ -160,6 +160,7 @@ class RelayedPeerLink(PeerLink):
         """An opened record from the peer."""
         if self.is_closed:
             return
+        self.last_heard_at = asyncio.get_running_loop().time()
         try:
             self.mux.receive_record(channel, record)
         except MuxError as exc:

@@ -99,6 +99,9 @@ class PeerLink(abc.ABC):
     # The relay a relayed link passes through (None: a direct link). A peer that stops
     # answering on a relayed link may still be reachable through another of its relays.
     relay_id: bytes | None = None
+    # Event-loop time of the last record the peer sent on this link (-inf: not tracked). A peer
+    # that sends while one of our probes waits is slow, not gone.
+    last_heard_at: float = float("-inf")
     # Set once the link is closed; implementations create it and set it exactly once.
     _closed: asyncio.Event
 

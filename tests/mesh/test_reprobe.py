@@ -8,6 +8,7 @@ from meshnode.mesh.reprobe import (
     REFUSED_RETRY_INTERVAL_S,
     REFUSED_WITHIN_SHARE,
     Reprobe,
+    heard_during_probe,
     reprobe_after,
     retry_refused_in,
 )
@@ -66,3 +67,15 @@ def test_a_refused_probe_is_retried_until_a_probe_timeout_has_passed() -> None:
     assert retry_refused_in(100.0, 101.6, 101.61, timeout) is None
     # Left unanswered (most of its timeout): no retry, however early.
     assert retry_refused_in(100.0, 100.0, 100.0 + REFUSED_WITHIN_SHARE * timeout, timeout) is None
+
+
+async def test_a_peer_that_sent_on_the_probed_link_while_the_probe_waited_is_slow_not_gone() -> None:
+    link = Link(at=1.0, relay_id=RELAY)
+    assert not heard_during_probe(link, probe_began_at=5.0)  # never heard: not tracked, or silent
+    link.last_heard_at = 4.9  # before the probe: says nothing about now
+    assert not heard_during_probe(link, probe_began_at=5.0)
+    link.last_heard_at = 6.0
+    assert heard_during_probe(link, probe_began_at=5.0)
+    link.close()  # a closed link is not the peer's voice any more
+    assert not heard_during_probe(link, probe_began_at=5.0)
+    assert not heard_during_probe(None, probe_began_at=5.0)
