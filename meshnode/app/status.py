@@ -241,7 +241,9 @@ def _serving_text(serving: dict[str, Any] | None) -> str:
     if not serving:
         return "nothing"
     span = f"[{serving['start_layer']}:{serving['end_layer']}) of {serving['total_layers']}"
-    return f"{serving['model']} {span} ({serving.get('numerics') or 'numerics unreported'})"
+    state = serving.get("state", "serving")
+    text = f"{serving['model']} {span} ({serving.get('numerics') or 'numerics unreported'})"
+    return text if state == "serving" else f"{text}, {state}"
 
 
 __all__ = ["ask_node", "format_status", "query_status"]

@@ -20,7 +20,7 @@ from meshnode.mesh.state import MeshState
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
-from meshnode.wire.pb import mesh
+from meshnode.wire.pb import mesh, shard
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class ServingStatus:
     total_layers: int
     model_digest: str
     numerics: str
+    # "serving"; "claimed" while the node fetches and loads the range (routes skip it);
+    # "draining" or "not serving" as its load record says.
+    state: str = "serving"
 
     @classmethod
     def of(cls, announcement: mesh.PeerAnnouncement) -> ServingStatus | None:
@@ -45,7 +48,20 @@ class ServingStatus:
             total_layers=serving.total_layers,
             model_digest=serving.fingerprint.model_artifact_digest,
             numerics=serving.numerics,
+            state=_serving_state(announcement),
         )
+
+
+def _serving_state(announcement: mesh.PeerAnnouncement) -> str:
+    state = announcement.load.serving_state
+    if (
+        state == shard.SERVING_STATE_NOT_SERVING
+        and not announcement.serving.fingerprint.runtime_recipe_digest
+    ):
+        return "claimed"  # a claim (autoplace.mesh_models.claim_announcement)
+    if state in (shard.SERVING_STATE_UNSPECIFIED, shard.SERVING_STATE_SERVING):
+        return "serving"
+    return shard.ServingState.Name(state).removeprefix("SERVING_STATE_").lower().replace("_", " ")
 
 
 @dataclass(frozen=True)

@@ -399,6 +399,7 @@ async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
             "total_layers": 6,
             "model_digest": "",
             "numerics": "",
+            "state": "serving",
         }
         assert peer["capacity"]["max_concurrent_sessions"] == 4
         async with RawPeer() as stranger:

@@ -108,6 +108,7 @@ def test_the_report_serializes_to_the_status_sockets_json():
                     "total_layers": 6,
                     "model_digest": "sha256:abc",
                     "numerics": "f32",
+                    "state": "serving",
                 },
                 "capacity": {"max_concurrent_sessions": 4, "max_context_tokens": 4096},
                 "load": {"active_sessions": 1, "queued_chunks": 2, "kv_pressure": 0.1235},

@@ -144,7 +144,8 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
 
         def a_knows_b_serves() -> bool:
             served = (peers_of(mesh.status("a")).get(id_b) or {}).get("serving") or {}
-            return served.get("end_layer") == TINY_N_LAYERS
+            # Not B's claim, which A hears first (gossip, while B fetches): routes skip a claim.
+            return served.get("end_layer") == TINY_N_LAYERS and served.get("state") == "serving"
 
         # B's announcement reaches A by gossip, over the same lossy links.
         wait_until(a_knows_b_serves, 60, "A to hear that B serves its layers")

@@ -12,32 +12,20 @@ from pathlib import Path
 
 import pytest
 from helpers.mesh_nodes import (
-    first_member,
-    invite_from,
-    relay_only_config,
-    start_invited_node,
     start_relay_server,
 )
-from helpers.polling import eventually
 from relay_helpers import new_member
+from relayed_nodes import client_of, start_relayed_pair
 
 from meshnode.membership.credentials import MeshKey
 from meshnode.node import Node
-from meshnode.relaylink.client import RegistrationNotNeeded, RelayCheck, RelayClient, RelayDialer
+from meshnode.relaylink.client import RegistrationNotNeeded, RelayCheck, RelayDialer
 
 pytestmark = pytest.mark.timeout(60)
 
 # How long nothing reaches A on its relay connection: longer than its relay check waits for a ping.
 STALL_S = 1.5
 CHECK_TIMEOUT_S = 2.0
-
-
-def client_of(node: Node) -> RelayClient:
-    assert node.relay_links is not None
-    (endpoint,) = node.relay_links.relays
-    client = node.relay_links.client(endpoint.id)
-    assert client is not None
-    return client
 
 
 async def test_a_check_that_misjudges_a_live_relay_moves_the_registration_without_a_gap(
@@ -47,19 +35,7 @@ async def test_a_check_that_misjudges_a_live_relay_moves_the_registration_withou
     relay, endpoint = await start_relay_server(mesh_key)
     nodes: list[Node] = []
     try:
-        node_a = first_member(tmp_path / "a", relay_only_config(endpoint), mesh_key)
-        nodes.append(node_a)
-        await node_a.start()
-        await eventually(
-            lambda: node_a.relay_links is not None and node_a.relay_links.registered_relays(), 20
-        )
-        node_b = await start_invited_node(
-            tmp_path / "b", relay_only_config(endpoint), invite_from(node_a, relays=[endpoint])
-        )
-        nodes.append(node_b)
-        await eventually(
-            lambda: node_a.node_id in node_b.state.table and node_b.node_id in node_a.state.table, 20
-        )
+        node_a, node_b = await start_relayed_pair(tmp_path, mesh_key, endpoint, nodes)
         assert await node_b.probe(node_a.node_id)
 
         client = client_of(node_a)

@@ -25,14 +25,14 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers.mesh_nodes import first_member, invite_from, invite_to, relay_only_config, start_invited_node
+from helpers.mesh_nodes import invite_to, relay_only_config, start_invited_node
 from helpers.node_processes import NODE_TIMING, NodeProcess, write_member
 from helpers.polling import eventually
 from helpers.relay_process import relay_option, start_relay_process
+from relayed_nodes import client_of, start_relayed_pair
 
 from meshnode.membership.credentials import MeshKey
 from meshnode.node import Node
-from meshnode.relaylink.client import RelayClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,19 +121,7 @@ async def test_nodes_register_again_at_once_with_a_relay_killed_and_restarted(tm
     relay, endpoint = await start_relay_process(tmp_path / "relay", mesh_key.mesh_id, "--listen", listen)
     nodes: list[Node] = []
     try:
-        node_a = first_member(tmp_path / "a", relay_only_config(endpoint), mesh_key)
-        nodes.append(node_a)
-        await node_a.start()
-        await eventually(
-            lambda: node_a.relay_links is not None and node_a.relay_links.registered_relays(), 20
-        )
-        node_b = await start_invited_node(
-            tmp_path / "b", relay_only_config(endpoint), invite_from(node_a, relays=[endpoint])
-        )
-        nodes.append(node_b)
-        await eventually(
-            lambda: node_a.node_id in node_b.state.table and node_b.node_id in node_a.state.table, 20
-        )
+        node_a, node_b = await start_relayed_pair(tmp_path, mesh_key, endpoint, nodes)
         assert await node_a.probe(node_b.node_id)
 
         relay.kill()
@@ -160,11 +148,3 @@ async def test_nodes_register_again_at_once_with_a_relay_killed_and_restarted(tm
             await node.shutdown()
         relay.kill()
         relay.wait(10)
-
-
-def client_of(node: Node) -> RelayClient:
-    assert node.relay_links is not None
-    (endpoint,) = node.relay_links.relays
-    client = node.relay_links.client(endpoint.id)
-    assert client is not None
-    return client

@@ -11,13 +11,9 @@ from pathlib import Path
 
 import pytest
 from helpers.mesh_nodes import (
-    first_member,
-    invite_from,
-    relay_only_config,
-    start_invited_node,
     start_relay_server,
 )
-from helpers.polling import eventually
+from relayed_nodes import start_relayed_pair
 
 from meshnode.membership.credentials import MeshKey
 from meshnode.node import Node
@@ -32,19 +28,7 @@ async def test_a_peer_that_sends_while_its_probe_echo_is_late_is_kept_with_its_l
     relay, endpoint = await start_relay_server(mesh_key)
     nodes: list[Node] = []
     try:
-        node_a = first_member(tmp_path / "a", relay_only_config(endpoint), mesh_key)
-        nodes.append(node_a)
-        await node_a.start()
-        await eventually(
-            lambda: node_a.relay_links is not None and node_a.relay_links.registered_relays(), 20
-        )
-        node_b = await start_invited_node(
-            tmp_path / "b", relay_only_config(endpoint), invite_from(node_a, relays=[endpoint])
-        )
-        nodes.append(node_b)
-        await eventually(
-            lambda: node_a.node_id in node_b.state.table and node_b.node_id in node_a.state.table, 20
-        )
+        node_a, node_b = await start_relayed_pair(tmp_path, mesh_key, endpoint, nodes)
         link = node_b.link_to(node_a.node_id)
         assert link is not None and link.relay_id == endpoint.id
 
