@@ -9,6 +9,9 @@ logits, prefills PROMPT (comma-separated token ids, 16-token chunks) and runs
 the decode steps. Every hop between the client and the NATed shards, and
 between the shards, goes through the relay.
 
+With ``--restarts-on-cache-miss N``, a CACHE_MISS (a hop lost the session) starts the
+generation again from the prompt, at most N times, as a head would rebuild the session.
+
 With ``--stop-relay``, right after submitting decode step ``--at`` it sends
 SIGTERM to the relay process (the step is then in flight through the relay),
 prints ``RELAY-STOPPED``, and completes the step by retrying it with the same
@@ -88,32 +91,44 @@ async def main(args: argparse.Namespace) -> int:
             links_used.add(current.description)
             return current
 
-        async with ShardSession.open(
-            link,
-            fingerprint=fingerprint,
-            shard_range=shard.ShardRange(start_layer=0, end_layer=SPLIT, effective_start_layer=0),
-            downstream=[make_hop(tail_id, SPLIT, TINY_N_LAYERS, SPLIT)],
-            return_logits=True,
-            config=client_config,
-            options=SessionOptions(max_reconnects=40, reconnect_backoff_s=0.1),
-        ) as session:
-            first = await session.prefill(prompt)
-            tokens, logits, duplicates = [first.token], [first.logits], []
-            first_link = session.link
-            position = len(prompt)
-            for step in range(DECODE_STEPS):
-                handle = session.submit_decode(tokens[-1], position=position)
-                if args.stop_relay and step == args.at:
-                    # Let the step leave this node first, so it is in flight through the relay and A.
-                    await asyncio.sleep(args.stop_delay)
-                    os.kill(args.stop_relay, signal.SIGTERM)
-                    print("RELAY-STOPPED", flush=True)
-                output = await decode_with_retries(session, handle, retries.append)
-                tokens.append(output.token)
-                logits.append(output.logits)
-                duplicates.append(bool(output.duplicate))
-                position += 1
-            reconnected = session.link is not first_link
+        restarts: list[str] = []
+        while True:
+            try:
+                async with ShardSession.open(
+                    link,
+                    fingerprint=fingerprint,
+                    shard_range=shard.ShardRange(start_layer=0, end_layer=SPLIT, effective_start_layer=0),
+                    downstream=[make_hop(tail_id, SPLIT, TINY_N_LAYERS, SPLIT)],
+                    return_logits=True,
+                    config=client_config,
+                    options=SessionOptions(max_reconnects=40, reconnect_backoff_s=0.1),
+                ) as session:
+                    first = await session.prefill(prompt)
+                    tokens, logits, duplicates = [first.token], [first.logits], []
+                    first_link = session.link
+                    position = len(prompt)
+                    for step in range(DECODE_STEPS):
+                        handle = session.submit_decode(tokens[-1], position=position)
+                        if args.stop_relay and step == args.at:
+                            # Let the step leave this node first, so it is in flight through the relay and A.
+                            await asyncio.sleep(args.stop_delay)
+                            os.kill(args.stop_relay, signal.SIGTERM)
+                            print("RELAY-STOPPED", flush=True)
+                        output = await decode_with_retries(session, handle, retries.append)
+                        tokens.append(output.token)
+                        logits.append(output.logits)
+                        duplicates.append(bool(output.duplicate))
+                        position += 1
+                    reconnected = session.link is not first_link
+                break
+            except ShardProtocolError as exc:
+                # A hop that lost the session (its owner's link was gone past the session grace)
+                # answers CACHE_MISS; a head rebuilds the session, and so does this driver, from
+                # the prompt, when told to. The tokens and logits it returns are the rebuilt run's.
+                if exc.code != shard.ERROR_CODE_CACHE_MISS or len(restarts) >= args.restarts_on_cache_miss:
+                    raise
+                restarts.append(exc.detail)
+                print(f"restarting the generation: {exc.detail}", flush=True)
         np.savez(
             args.out,
             tokens=np.array(tokens),
@@ -121,6 +136,7 @@ async def main(args: argparse.Namespace) -> int:
             duplicates=np.array(duplicates),
             reconnected=np.array(reconnected),
             retries=np.array(retries, dtype=str),
+            restarts=np.array(restarts, dtype=str),
             links=np.array(sorted(links_used), dtype=str),
             dropped=np.array(node.relay_links.frames_dropped if node.relay_links else -1),
         )
@@ -139,4 +155,5 @@ if __name__ == "__main__":
     parser.add_argument("--stop-relay", type=int, default=0)
     parser.add_argument("--at", type=int, default=0)
     parser.add_argument("--stop-delay", type=float, default=0.002)
+    parser.add_argument("--restarts-on-cache-miss", type=int, default=0)
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -66,7 +66,13 @@ def shard_args(model: Path, start: int, end: int) -> list[str]:
 
 
 def run_driver(
-    mesh: Mesh, name: str, invite: str, prompt: list[int], *, restart_relay: bool = False
+    mesh: Mesh,
+    name: str,
+    invite: str,
+    prompt: list[int],
+    *,
+    restart_relay: bool = False,
+    restarts_on_cache_miss: int = 0,
 ) -> dict[str, np.ndarray]:
     invite_file = mesh.root / f"{name}.invite"
     invite_file.write_text(invite)
@@ -79,6 +85,8 @@ def run_driver(
         str(out),
         ",".join(map(str, prompt)),
     ]
+    if restarts_on_cache_miss:
+        argv += ["--restarts-on-cache-miss", str(restarts_on_cache_miss)]
     if restart_relay:
         assert mesh.relay is not None
         # The driver kills the relay right after submitting a step; its pid inside the lab is the process's own.

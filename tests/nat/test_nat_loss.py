@@ -48,7 +48,10 @@ def test_the_relayed_chain_answers_exactly_over_lossy_links(nat_lab: NatLab, tmp
         nat_lab.lose(LOSS_PERCENT)
         # A client joins through the relay and drives prefill and decode through A and B.
         began = time.monotonic()
-        lossy = run_driver(mesh, "lossy", chain.invite(), prompt)
+        # Links that churn under loss can outlast a session's grace (5 s) at a hop, which then
+        # answers CACHE_MISS; a head rebuilds the session, and the driver starts over (seen once
+        # in nine runs). The answer must still be the unsplit model's, exactly.
+        lossy = run_driver(mesh, "lossy", chain.invite(), prompt, restarts_on_cache_miss=2)
         driven_s = time.monotonic() - began
         # Heartbeats, gossip and probes go on over the lossy links for a while longer.
         time.sleep(HOLD_S)
@@ -59,8 +62,10 @@ def test_the_relayed_chain_answers_exactly_over_lossy_links(nat_lab: NatLab, tmp
             f"the client joined and generated in {driven_s:.1f} s;",
             "step retries:",
             list(lossy["retries"]),
-            "relay checks that registered again:",
-            {name: log.count("registering again") for name, log in logs.items()},
+            "restarts:",
+            list(lossy["restarts"]),
+            "relay checks that found a ping unanswered:",
+            {name: log.count("left a ping unanswered") for name, log in logs.items()},
         )
         assert lost > 100, "the routers lost too little for the test to mean anything"
         assert lossy["tokens"].tolist() == expected_tokens
