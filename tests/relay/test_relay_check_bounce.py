@@ -23,9 +23,9 @@ from meshnode.relaylink.client import RegistrationNotNeeded, RelayCheck, RelayDi
 
 pytestmark = pytest.mark.timeout(60)
 
-# How long nothing reaches A on its relay connection: longer than its relay check waits for a ping.
-STALL_S = 1.5
-CHECK_TIMEOUT_S = 2.0
+# The check waits half of this for its ping's answer, and the rest for the new registration
+# (generous: a loaded CI machine).
+CHECK_TIMEOUT_S = 4.0
 
 
 async def test_a_check_that_misjudges_a_live_relay_moves_the_registration_without_a_gap(
@@ -41,15 +41,11 @@ async def test_a_check_that_misjudges_a_live_relay_moves_the_registration_withou
         client = client_of(node_a)
         assert client.session is not None
         old = client.session
-        loop = asyncio.get_running_loop()
-        stalled_until = loop.time() + STALL_S
-        receive = old.link.datagram_received
 
-        def lossy(data: bytes, addr: tuple[str, int]) -> None:
-            if loop.time() >= stalled_until:
-                receive(data, addr)
+        def stalled(data: bytes, addr: tuple[str, int]) -> None:
+            pass  # nothing reaches A on its old connection any more: the ping goes unanswered
 
-        old.link.datagram_received = lossy  # type: ignore[method-assign]
+        old.link.datagram_received = stalled  # type: ignore[method-assign]
         check = asyncio.create_task(client.confirm_alive(CHECK_TIMEOUT_S))
         # Two checks at once (two peers' probes) share one: one replacement, not two.
         second = asyncio.create_task(client.confirm_alive(CHECK_TIMEOUT_S))
