@@ -31,6 +31,10 @@ UNREACHABLE_HINT = (
 )
 
 
+class JoinStopped(JoinError):
+    """A signal stopped the join while it waited to try again: nothing went wrong."""
+
+
 def next_retry_delay(previous: float | None) -> float:
     """Seconds before the next try: doubling from :data:`FIRST_RETRY_S` up to :data:`LONGEST_RETRY_S`."""
     return FIRST_RETRY_S if previous is None else min(2 * previous, LONGEST_RETRY_S)
@@ -70,7 +74,7 @@ async def join_until(node: Node, stop: asyncio.Event, timeout_s: float) -> None:
             await asyncio.wait_for(stop.wait(), delay)
         except TimeoutError:
             continue
-        raise JoinError("stopped before joining the mesh", refused=False)
+        raise JoinStopped("stopped before joining the mesh", refused=False)
 
 
-__all__ = ["DEFAULT_JOIN_TIMEOUT_S", "add_join_options", "join_until", "next_retry_delay"]
+__all__ = ["DEFAULT_JOIN_TIMEOUT_S", "JoinStopped", "add_join_options", "join_until", "next_retry_delay"]

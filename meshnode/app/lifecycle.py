@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from meshnode.app.cli_error import CliError
-from meshnode.app.join_retry import DEFAULT_JOIN_TIMEOUT_S, join_until
+from meshnode.app.join_retry import DEFAULT_JOIN_TIMEOUT_S, JoinStopped, join_until
 from meshnode.node import JoinError
 
 if TYPE_CHECKING:
@@ -56,6 +56,10 @@ async def run_node(
         else:
             try:
                 await join_until(node, stop, join_timeout)
+            except JoinStopped as exc:
+                # Asked to stop (Ctrl-C, SIGTERM): a clean exit, like a stop once serving.
+                log.info("%s; nothing was stored", exc)
+                return 0
             except JoinError as exc:
                 log.error("%s", exc)
                 return 3

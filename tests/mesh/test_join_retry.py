@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 import pytest
 from helpers.delay_proxy import free_udp_port
 from helpers.mesh_nodes import fast_config, first_member, invite_to
+from helpers.node_processes import NodeProcess
 from helpers.polling import eventually
 
-from meshnode.app.join_retry import LONGEST_RETRY_S, UNREACHABLE_HINT, join_until, next_retry_delay
+from meshnode.app.join_retry import (
+    LONGEST_RETRY_S,
+    UNREACHABLE_HINT,
+    JoinStopped,
+    join_until,
+    next_retry_delay,
+)
 from meshnode.identity import NodeIdentity
-from meshnode.membership.credentials import Endpoint, MeshKey, create_invite
+from meshnode.membership.credentials import Endpoint, MeshKey, create_invite, encode_invite_token
 from meshnode.membership.store import DataDir
 from meshnode.node import JoinError, Node
 
@@ -107,7 +115,32 @@ async def test_a_signal_while_waiting_to_try_again_stops_the_join(tmp_path):
     stop = asyncio.Event()
     stop.set()
     try:
-        with pytest.raises(JoinError, match="stopped before joining the mesh"):
+        with pytest.raises(JoinStopped, match="stopped before joining the mesh"):
             await join_until(joiner, stop, timeout_s=40)
     finally:
         await joiner.shutdown()
+
+
+def test_a_join_process_stopped_while_it_waits_for_its_bootstrap_exits_cleanly(tmp_path):
+    # It used to exit with 3, the code of a refused join, as if something had gone wrong.
+    invite = invite_to(MeshKey.generate(), NodeIdentity.generate().node_id, f"127.0.0.1:{free_udp_port()}")
+    joiner = NodeProcess(tmp_path, "joiner")
+    joiner.start(
+        "join",
+        "--invite",
+        "-",
+        "--listen",
+        "127.0.0.1:0",
+        stdin=encode_invite_token(invite),
+    )
+    assert joiner.process is not None
+    deadline = time.monotonic() + 30
+    while "trying again" not in joiner.log_path.read_text(errors="replace"):
+        assert joiner.process.poll() is None, joiner.log_path.read_text(errors="replace")
+        assert time.monotonic() < deadline, "the join never waited to try again"
+        time.sleep(0.05)
+    joiner.process.send_signal(signal.SIGTERM)
+    assert joiner.process.wait(20) == 0
+    log = joiner.log_path.read_text(errors="replace")
+    assert "stopped before joining the mesh; nothing was stored" in log and "ERROR" not in log
+    assert not DataDir(joiner.data_dir).has_membership()
