@@ -10,7 +10,10 @@ links) and this process (node A and the load generator), all on uvloop.
    float32 hidden values of Gemma 3 270M plus envelope) on a stream and B answers
    64 bytes, direct QUIC vs a sealed relayed link. Target: relayed median
    <= 2 x direct median + 1 ms.
-2. Relay forwarding throughput with 1, 10 and 100 concurrent senders (this
+2. The same round trip while another stream of the same relayed link pushes a transfer to
+   B's sink (head-of-line blocking: the link's channels share one relay connection in order),
+   against the idle round trip above.
+3. Relay forwarding throughput with 1, 10 and 100 concurrent senders (this
    process), each streaming 16 KiB relay frames to its own receiver (a fourth
    process), raw relay sessions without sealing (the relay's own cost), in
    frames/s and MB/s, against one direct QUIC stream from A to B's sink moving
@@ -140,6 +143,31 @@ async def round_trips(stream: FramedStream, count: int) -> list[float]:
         await stream.recv_frame(10)
         samples.append(clock() - start)
     return samples
+
+
+async def round_trips_beside_a_transfer(
+    probe: FramedStream, bulk: FramedStream, count: int
+) -> tuple[list[float], float]:
+    """Decode-step round trips on ``probe`` while ``bulk``, a stream on the same link, pushes
+    frames to B's sink as fast as its credit allows; the samples and the transfer's bytes/s."""
+    frame = b"b" * BULK_FRAME
+    sent = [0]
+
+    async def push() -> None:
+        while True:
+            await bulk.send_frame(frame)
+            sent[0] += len(frame)
+
+    pusher = asyncio.ensure_future(push())
+    try:
+        await asyncio.sleep(0.5)  # the transfer fills its windows first
+        start, before = time.perf_counter(), sent[0]
+        samples = await round_trips(probe, count)
+        rate = (sent[0] - before) / (time.perf_counter() - start)
+    finally:
+        pusher.cancel()
+        await asyncio.gather(pusher, return_exceptions=True)
+    return samples, rate
 
 
 async def direct_bulk(stream: FramedStream, seconds: float) -> float:
@@ -328,6 +356,21 @@ async def main(args: argparse.Namespace) -> int:
                 f"  relay / direct = {ratio:.2f}x; target relay <= 2 x direct + 1 ms = {ms(target)} ms: {verdict}"
             )
             print(f"  sealed frames dropped: {links.frames_dropped}")
+
+            # Head-of-line blocking: one relay connection carries every channel of the link in
+            # order, so a step queued behind a transfer's data waits for it.
+            count = max(20, args.round_trips // 10)
+            print(f"\ndecode-step round trip while the same relayed link carries a transfer, {count} each")
+            beside, rate = await round_trips_beside_a_transfer(
+                streams["relay"], await relayed_link.open_stream(StreamType.SUBPROTOCOL), count
+            )
+            idle = statistics.median(samples["relay"])
+            busy = statistics.median(beside)
+            print(
+                f"  idle link (above): median {ms(idle)} ms; beside a transfer at {rate / 1e6:.1f} MB/s: "
+                f"median {ms(busy)} ms  p90 {ms(sorted(beside)[int(len(beside) * 0.9)])} ms  "
+                f"max {ms(max(beside))} ms  ({busy / idle:.1f}x idle)"
+            )
 
             print(f"\nforwarding throughput, {BULK_FRAME // 1024} KiB frames, {args.seconds:g} s per run")
             bulk_stream = await direct_link.open_stream(StreamType.SUBPROTOCOL)
