@@ -184,8 +184,10 @@ async def cut_off_once(
         assert cutting.server.uploaded_bytes == CUT_AT
         with store.open(manifest, metadata) as partial:
             kept = partial.unfinished_bytes(CUT_TENSOR)
-        # What the joiner had read when the source's stream failed (a chunk may be lost with it).
-        assert CUT_AT - 2 * 4096 <= kept <= CUT_AT
+        # What the joiner had read when the source's stream failed: whole chunks, and not the
+        # ones still unread then (a reset stream's data is dropped; on a loaded machine that was
+        # 9 of the 16 chunks once, so how many are kept is not asserted, only that some are).
+        assert 0 < kept <= CUT_AT and kept % 4096 == 0
         yield joiner, honest, store, kept
 
 
