@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshnode.mesh.placement import Claim, Range
+from meshnode.mesh.serving_states import ACCEPTING_STATES, is_claim
 from meshnode.wire.pb import mesh, shard
 
 Announcements = Iterable[tuple[bytes, mesh.PeerAnnouncement]]
@@ -60,13 +61,6 @@ def _served(announcement: mesh.PeerAnnouncement) -> tuple[MeshModel, Range] | No
     return MeshModel(digest, served.model_name, served.total_layers), (span.start_layer, span.end_layer)
 
 
-def _is_claim(announcement: mesh.PeerAnnouncement) -> bool:
-    return (
-        not announcement.serving.fingerprint.runtime_recipe_digest
-        and announcement.load.serving_state == shard.SERVING_STATE_NOT_SERVING
-    )
-
-
 def served_models(announcements: Announcements) -> list[MeshModel]:
     """Every model some node serves or claims, once each, in order of first mention."""
     found: dict[str, MeshModel] = {}
@@ -87,12 +81,9 @@ def coverage(announcements: Announcements, model: MeshModel, *, exclude: bytes) 
         if node_id == exclude or entry is None or entry[0].fingerprint != model.fingerprint:
             continue
         sources.append(node_id)
-        if _is_claim(announcement):
+        if is_claim(announcement):
             claims.append(Claim(node_id, entry[1]))
-        elif announcement.load.serving_state in (
-            shard.SERVING_STATE_UNSPECIFIED,
-            shard.SERVING_STATE_SERVING,
-        ):
+        elif announcement.load.serving_state in ACCEPTING_STATES:
             served.append((node_id, entry[1]))
     return ModelCoverage(model, tuple(served), tuple(claims), tuple(sources))
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshnode.head.planner import ModelIdentity, NoRouteError, ShardCandidate, models_available, plan_route
+from meshnode.mesh.serving_states import ACCEPTING_STATES
 from meshnode.transport.addresses import AddressError, parse_host_port
 from meshnode.wire.cpu_mask import cpus_of_mask
 from meshnode.wire.pb import mesh, shard
 
 # Serving states a peer may announce and still take new sessions. UNSPECIFIED is
 # what a node announces before its first load report.
-_ACCEPTING_STATES = (shard.SERVING_STATE_UNSPECIFIED, shard.SERVING_STATE_SERVING)
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 
@@ -59,7 +59,7 @@ def shard_candidate(
         rtt_ms=0.0 if rtt_ms is None else rtt_ms,
         active_sessions=announcement.load.active_sessions,
         max_sessions=announcement.capacity.max_concurrent_sessions,
-        accepting=announcement.load.serving_state in _ACCEPTING_STATES,
+        accepting=announcement.load.serving_state in ACCEPTING_STATES,
         numerics=served.numerics,
         max_context_tokens=announcement.capacity.max_context_tokens,
         verifies_drafts=served.verifies_drafts,

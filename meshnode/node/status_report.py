@@ -16,11 +16,12 @@ from typing import Any
 from engines.resident_memory import shard_memory
 from meshnode.identity import short_id
 from meshnode.mesh.peer_table import PeerEntry
+from meshnode.mesh.serving_states import serving_state_name
 from meshnode.mesh.state import MeshState
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
-from meshnode.wire.pb import mesh, shard
+from meshnode.wire.pb import mesh
 
 
 @dataclass(frozen=True)
@@ -48,20 +49,8 @@ class ServingStatus:
             total_layers=serving.total_layers,
             model_digest=serving.fingerprint.model_artifact_digest,
             numerics=serving.numerics,
-            state=_serving_state(announcement),
+            state=serving_state_name(announcement),
         )
-
-
-def _serving_state(announcement: mesh.PeerAnnouncement) -> str:
-    state = announcement.load.serving_state
-    if (
-        state == shard.SERVING_STATE_NOT_SERVING
-        and not announcement.serving.fingerprint.runtime_recipe_digest
-    ):
-        return "claimed"  # a claim (autoplace.mesh_models.claim_announcement)
-    if state in (shard.SERVING_STATE_UNSPECIFIED, shard.SERVING_STATE_SERVING):
-        return "serving"
-    return shard.ServingState.Name(state).removeprefix("SERVING_STATE_").lower().replace("_", " ")
 
 
 @dataclass(frozen=True)

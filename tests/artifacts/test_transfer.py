@@ -195,12 +195,8 @@ async def test_a_tensor_cut_off_mid_way_is_resumed_from_its_last_byte_by_another
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
     size = tiny_manifest.tensor(CUT_TENSOR).nbytes
-    async with cut_off_once(tmp_path, tiny_model, tiny_manifest, tiny_metadata) as (
-        joiner,
-        honest,
-        store,
-        kept,
-    ):
+    async with cut_off_once(tmp_path, tiny_model, tiny_manifest, tiny_metadata) as cut:
+        joiner, honest, store, kept = cut
         # A later run (the store opened again) asks the other source for the rest only.
         progress = TransferProgress()
         with store.open(tiny_manifest, tiny_metadata) as partial:
@@ -219,12 +215,8 @@ async def test_resumed_bytes_that_were_wrong_on_disk_are_fetched_again_whole_and
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
     size = tiny_manifest.tensor(CUT_TENSOR).nbytes
-    async with cut_off_once(tmp_path, tiny_model, tiny_manifest, tiny_metadata) as (
-        joiner,
-        honest,
-        store,
-        kept,
-    ):
+    async with cut_off_once(tmp_path, tiny_model, tiny_manifest, tiny_metadata) as cut:
+        joiner, honest, store, kept = cut
         with store.open(tiny_manifest, tiny_metadata) as partial:
             # A byte of what was kept goes bad on disk (or its source sent it wrong).
             index = partial.index_of(CUT_TENSOR)
