@@ -558,7 +558,7 @@ class RelayCore:
         elif self._queued_total + cost > policy.total_queue_bytes:
             reason = "relay queue budget is full"
         else:
-            queue.push(conn.node_id, frame)
+            queue.push(conn.node_id, frame, send.channel)
             self._queued_total += cost
             self.stats.queued_bytes = self._queued_total
             conn.sent_to.add(destination)

@@ -1,9 +1,13 @@
 """One destination's queue: per-source sub-queues served by deficit round robin.
 
-Each sender to a destination has its own FIFO (so one sender's frames stay in
-order) and the sub-queues take turns by bytes (DRR, Shreedhar & Varghese): a
-sender flooding a destination gets its share and no more, and a frame from a
-quiet sender waits behind at most one quantum-sized turn of each busy sender.
+Each sender to a destination has its own sub-queue and the sub-queues take turns
+by bytes (DRR, Shreedhar & Varghese): a sender flooding a destination gets its
+share and no more, and a frame from a quiet sender waits behind at most one
+quantum-sized turn of each busy sender. Within a sender's sub-queue its channels
+take turns too (:class:`~meshnode.relaywire.channel_turns.ChannelTurns`: a
+channel's frames in order, control frames a barrier, at most
+:data:`MAX_OVERTAKEN` earlier frames passed, well inside the receiver's replay
+window), so a decode step does not wait behind a transfer on the same link.
 Admission limits (bytes per sender, per destination, per relay) are the
 caller's; this class only counts.
 """
@@ -13,10 +17,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from meshnode.relaywire.channel_turns import CONTROL_CHANNEL, ChannelTurns
+
+# Half the sealed sessions' replay window (2 048 counters): a frame reordered at the relay
+# still authenticates at the receiver.
+MAX_OVERTAKEN = 1024
+
 
 @dataclass
 class _SubQueue:
-    frames: deque[bytes] = field(default_factory=deque)
+    frames: ChannelTurns[bytes] = field(default_factory=lambda: ChannelTurns(MAX_OVERTAKEN))
     nbytes: int = 0
     deficit: int = 0
 
@@ -49,13 +59,15 @@ class FairQueue:
     def cost(self, frame: bytes) -> int:
         return len(frame) + self.frame_overhead
 
-    def push(self, source: bytes, frame: bytes) -> None:
+    def push(self, source: bytes, frame: bytes, channel: int = CONTROL_CHANNEL) -> None:
+        """Queue ``frame``, which ``source`` sent on ``channel`` (the default keeps it in
+        order with everything the source queued)."""
         sub = self._subqueues.get(source)
         if sub is None:
             sub = self._subqueues[source] = _SubQueue()
             self._active.append(source)
         cost = len(frame) + self.frame_overhead
-        sub.frames.append(frame)
+        sub.frames.push(channel, frame)
         sub.nbytes += cost
         self.nbytes += cost
         self.nframes += 1
@@ -71,10 +83,10 @@ class FairQueue:
         while True:
             source = active[0]
             sub = subqueues[source]
-            head = sub.frames[0]
+            head = sub.frames.peek()
             cost = len(head) + self.frame_overhead
             if cost <= sub.deficit:
-                sub.frames.popleft()
+                sub.frames.pop()
                 sub.deficit -= cost
                 sub.nbytes -= cost
                 self.nbytes -= cost
@@ -107,4 +119,4 @@ class FairQueue:
         return freed
 
 
-__all__ = ["FairQueue"]
+__all__ = ["MAX_OVERTAKEN", "FairQueue"]

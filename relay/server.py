@@ -91,6 +91,7 @@ class RelayServer:
             alpn=p.RELAY_ALPN,
             keepalive_interval=min(base.keepalive_interval, self.policy.keepalive_s),
             max_links=max(base.max_links, self.policy.max_connections),
+            max_stream_unsent=p.MAX_UNSENT_BYTES,
         )
         self.endpoint: QuicEndpoint | None = None
         self._ids = itertools.count(1)

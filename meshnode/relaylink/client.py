@@ -28,6 +28,7 @@ from meshnode.cancellation import cancel_and_wait
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint
+from meshnode.relaylink.send_turns import OutgoingRecord, Sealer, SendTurns
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.relaywire.ratelimit import TokenBucket
@@ -64,7 +65,9 @@ class RelayClientSettings:
     # A relay that vanishes without closing (crash, network cut) is noticed within idle_timeout;
     # both sides ping well before it.
     quic: QuicSettings = field(
-        default_factory=lambda: QuicSettings(alpn=p.RELAY_ALPN, idle_timeout=15.0, keepalive_interval=5.0)
+        default_factory=lambda: QuicSettings(
+            alpn=p.RELAY_ALPN, idle_timeout=15.0, keepalive_interval=5.0, max_stream_unsent=p.MAX_UNSENT_BYTES
+        )
     )
 
 
@@ -342,7 +345,9 @@ class RelayClient:
         self._backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max, rng)
         self._dialer: RelayDialer | None = None
         self._task: asyncio.Task[None] | None = None
-        self._outgoing: deque[bytes] = deque()
+        # Relay messages of this client's own (revocations), sent before any peer's record.
+        self._own_messages: deque[bytes] = deque()
+        self._outgoing = SendTurns()
         self._wake = asyncio.Event()
         self._registered = asyncio.Event()
         self.session: RelaySession | None = None
@@ -390,18 +395,19 @@ class RelayClient:
         async with asyncio.timeout(timeout):
             await self._registered.wait()
 
-    def send(self, destination: bytes, channel: int, payload: bytes) -> None:
-        """Queue one frame for the relay (bounded by the senders' own flow control)."""
+    def send(self, destination: bytes, channel: int, payload: bytes, seal: Sealer | None = None) -> None:
+        """Queue one record for ``destination`` (bounded by the senders' own flow control); with
+        ``seal``, it is sealed when it leaves (see :mod:`meshnode.relaylink.send_turns`)."""
         if not self.registered:
             raise RelayUnavailable(f"not registered with relay {self.endpoint_info}")
-        self._outgoing.append(p.encode_send(destination, channel, payload))
+        self._outgoing.push(destination, OutgoingRecord(channel, payload, seal))
         self._wake.set()
 
     def send_revocations(self, revocations: list[membership.Revocation]) -> None:
         """Hand the relay the revocations we know (it ends and refuses the registrations they name)."""
         if not self.registered or not revocations:
             return
-        self._outgoing.extend(p.encode_revocations(revocations))
+        self._own_messages.extend(p.encode_revocations(revocations))
         self._wake.set()
 
     async def confirm_alive(self, timeout: float) -> RelayCheck:
@@ -531,6 +537,7 @@ class RelayClient:
             self.session = None
             self._registered.clear()
             self._outgoing.clear()
+            self._own_messages.clear()
             self.last_error = reason
             log.info("relay %s connection lost: %s", self.endpoint_info, reason)
             self._callbacks.down(self, reason)
@@ -617,12 +624,20 @@ class RelayClient:
             self.on_revocation(refused.revocation)
 
     async def _write_loop(self, session: RelaySession) -> None:
-        outgoing = self._outgoing
+        own, outgoing = self._own_messages, self._outgoing
         while True:
-            while not outgoing:
+            while not own and not outgoing:
                 self._wake.clear()
                 await self._wake.wait()
-            await session.send_body(outgoing.popleft())
+            if own:
+                await session.send_body(own.popleft())
+                continue
+            next_record = outgoing.pop()
+            assert next_record is not None
+            destination, record = next_record
+            payload = record.payload()
+            if payload is not None:
+                await session.send_body(p.encode_send(destination, record.channel, payload))
 
 
 __all__ = [

@@ -1,8 +1,9 @@
 """A relayed :class:`PeerLink`: channels over one sealed session through one relay.
 
 The link owns a :class:`~meshnode.relaylink.mux.ChannelMux` (channel state and
-flow control) and a sealed session; every outgoing record is sealed with the
-channel number bound in and handed to the relay client. Streams behave like the
+flow control) and a sealed session; every outgoing record is handed to the relay
+client, which seals it with the channel number bound in when it leaves (the
+channels take turns there, :mod:`meshnode.relaylink.send_turns`). Streams behave like the
 QUIC and loopback ones: ``write`` waits for credit the peer grants as its
 application reads, ``read`` returns ``b""`` at the end and raises
 :class:`StreamReset` with the peer's code after a reset, and the link's owner
@@ -30,6 +31,7 @@ from meshnode.relaylink.mux import (
     SendRecord,
 )
 from meshnode.relaylink.seal import SealedSession, SealError
+from meshnode.relaylink.send_turns import Sealer
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.buffers import Progress, ReceiveBuffer
 from meshnode.transport.credited_stream import CreditedStream
@@ -37,8 +39,9 @@ from meshnode.transport.read_limits import ReadLimits
 
 log = logging.getLogger("meshnode.relaylink")
 
-# Sends one sealed payload to the peer through the relay (non-blocking, may raise LinkClosed).
-SendPayload = Callable[[int, bytes], None]
+# Queues one record for the peer through the relay, with what seals it when it leaves
+# (non-blocking, may raise LinkClosed).
+SendRecordTo = Callable[[int, bytes, Sealer], None]
 
 
 class RelayChannelStream(CreditedStream):
@@ -108,7 +111,7 @@ class RelayedPeerLink(PeerLink):
         self,
         *,
         session: SealedSession,
-        send: SendPayload,
+        send: SendRecordTo,
         handler: LinkHandler,
         relay_id: bytes,
         relay_description: str,
@@ -216,12 +219,20 @@ class RelayedPeerLink(PeerLink):
         finally:
             self._flushing = False
 
+    def _seal(self, channel: int, record: bytes) -> bytes | None:
+        """A record sealed as it leaves; ``None`` (the link ends) when the session cannot seal it."""
+        try:
+            return self.session.seal(channel, record)
+        except SealError as exc:
+            self.terminate(f"relay send failed: {exc}")
+            return None
+
     def _carry_out(self, event: MuxEvent) -> bool:
         """False once nothing more can be done (the relay send failed, or the peer closed)."""
         if isinstance(event, SendRecord):
             try:
-                self._send(event.channel, self.session.seal(event.channel, event.record))
-            except (StreamError, SealError) as exc:
+                self._send(event.channel, event.record, self._seal)
+            except StreamError as exc:
                 self.terminate(f"relay send failed: {exc}")
                 return False
         elif self.is_closed:
@@ -254,4 +265,4 @@ class RelayedPeerLink(PeerLink):
         return True
 
 
-__all__ = ["RelayChannelStream", "RelayedPeerLink", "SendPayload"]
+__all__ = ["RelayChannelStream", "RelayedPeerLink", "SendRecordTo"]

@@ -29,6 +29,7 @@ from meshnode.relaylink.link import RelayedPeerLink
 from meshnode.relaylink.mux import MuxConfig
 from meshnode.relaylink.seal import (
     CONTROL_CHANNEL,
+    SEALED_OVERHEAD,
     Dropped,
     Opened,
     PeerSealer,
@@ -36,6 +37,7 @@ from meshnode.relaylink.seal import (
     SessionEstablished,
     SessionLost,
 )
+from meshnode.relaylink.send_turns import Sealer
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.base import LinkHandler, PeerLink, StreamError
@@ -354,9 +356,9 @@ class RelayLinks:
         self.stats.handshakes += 1
         peer_id = key[1]
 
-        def send(channel: int, payload: bytes) -> None:
-            client.send(peer_id, channel, payload)
-            self.stats.bytes_sent += len(payload)
+        def send(channel: int, record: bytes, seal: Sealer) -> None:
+            client.send(peer_id, channel, record, seal)
+            self.stats.bytes_sent += len(record) + SEALED_OVERHEAD
 
         link = RelayedPeerLink(
             session=event.session,

@@ -48,7 +48,9 @@ _HEADER = _U64.size
 
 DEFAULT_STREAM_WINDOW = 1024 * 1024
 DEFAULT_LINK_WINDOW = 4 * 1024 * 1024
-DEFAULT_MAX_CHUNK = 128 * 1024
+# A record's data at most: the channels of a link take turns a record each (send_turns), so
+# this is what one turn of a transfer costs the link's other channels on the wire.
+DEFAULT_MAX_CHUNK = 16 * 1024
 DEFAULT_MAX_PEER_CHANNELS = 512
 
 

@@ -39,6 +39,11 @@ MAX_MESH_ID_CHARS = 64
 # Channel numbers are the nodes' business; the relay only bounds them.
 MAX_CHANNEL = (1 << 62) - 1
 MAX_REVOCATIONS_PER_MESSAGE = 1024
+# What either end of a relay connection lets its one stream hold written and not yet sent; the
+# rest waits in queues where a link's channels take turns (meshnode.relaywire.channel_turns),
+# not in QUIC's, where a decode step would wait behind a transfer. What is in flight stays the
+# congestion and flow control's to size.
+MAX_UNSENT_BYTES = 64 * 1024
 
 REGISTER_TAG = b"meshnode/v1/relay-register\0"
 
@@ -220,6 +225,7 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "MAX_REGISTRATION_FRAME_BYTES",
     "MAX_RELAY_FRAME_BYTES",
+    "MAX_UNSENT_BYTES",
     "RELAY_ALPN",
     "RELAY_PROTOCOL_VERSION",
     "PayloadTooLarge",

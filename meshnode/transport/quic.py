@@ -110,6 +110,9 @@ class QuicMeshStream(CreditedStream):
             or link.connection_backlog() >= link.settings.max_connection_backlog
         ):
             return 0
+        unsent_cap = link.settings.max_stream_unsent
+        if unsent_cap is not None:
+            return max(0, min(_WRITE_CHUNK, unsent_cap - link.quic.send_unsent(self._id)))
         return _WRITE_CHUNK
 
     def _send_piece(self, piece: memoryview) -> None:
@@ -256,8 +259,13 @@ class QuicLink(PeerLink):
     def transmit(self) -> None:
         self._transmit_handle = None
         loop = self.endpoint.loop
+        sent = False
         for data, addr in self.quic.datagrams_to_send(now=loop.time()):
             self.endpoint.sendto(data, addr)
+            sent = True
+        if sent and self.settings.max_stream_unsent is not None:
+            # What was waiting to be sent went: writers held back by max_stream_unsent re-check.
+            self.progress.notify()
         timer_at = self.quic.get_timer()
         if self._timer is not None and self._timer_at != timer_at:
             self._timer.cancel()

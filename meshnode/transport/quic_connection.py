@@ -163,13 +163,20 @@ class MeshQuicConnection(QuicConnection):
 
     def send_backlog(self, stream_id: int) -> int:
         """Bytes written to ``stream_id`` and not yet acknowledged by the peer."""
+        sender = self._live_sender(stream_id)
+        return 0 if sender is None else sender._buffer_stop - sender._buffer_start
+
+    def send_unsent(self, stream_id: int) -> int:
+        """Bytes written to ``stream_id`` and not yet sent once."""
+        sender = self._live_sender(stream_id)
+        return 0 if sender is None else max(0, sender._buffer_stop - sender.highest_offset)
+
+    def _live_sender(self, stream_id: int) -> Any:
+        """The send side of ``stream_id`` while it may still send (not reset), else ``None``."""
         stream = self._streams.get(stream_id)
-        if stream is None:
-            return 0
-        sender = stream.sender
-        if sender._reset_error_code is not None:
-            return 0
-        return sender._buffer_stop - sender._buffer_start
+        if stream is None or stream.sender._reset_error_code is not None:
+            return None
+        return stream.sender
 
     # -- application-driven receive credit -------------------------------------
 

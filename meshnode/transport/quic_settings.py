@@ -21,6 +21,11 @@ class QuicSettings:
     # Send side: `write` waits while more than this is unacknowledged.
     max_stream_backlog: int = 1024 * 1024
     max_connection_backlog: int = 4 * 1024 * 1024
+    # And while more than this per stream is written but not yet sent (None: no such limit). A
+    # connection that carries many conversations on one stream (a relay client's) keeps what
+    # waits in its own queues, where they take turns, not in QUIC's, where a step waits behind
+    # all of a transfer; what is in flight is still the congestion and flow control's to size.
+    max_stream_unsent: int | None = None
     idle_timeout: float = 30.0
     keepalive_interval: float = 10.0
     handshake_timeout: float = 5.0
