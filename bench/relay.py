@@ -1,6 +1,6 @@
 """Relay cost against direct QUIC, measured in the same run on loopback.
 
-    python bench/relay.py [--round-trips 1000] [--seconds 2]
+    python bench/relay.py [--round-trips 1000] [--seconds 2] [--relay-delay-ms D]
 
 Three processes: the relay (``python -m relay``), a peer node B (echo/sink,
 reachable both directly over QUIC and through the relay with sealed relayed
@@ -20,6 +20,10 @@ links) and this process (node A and the load generator), all on uvloop.
    the same frames. The relay process's CPU share is printed too: on a machine
    with fewer cores than busy processes, the Python load generators, not the
    relay, are often the limit.
+
+With ``--relay-delay-ms D``, A reaches the relay through ``bench/udp_delay.py``, which holds
+each datagram D ms each way (a path with delay where the kernel has no netem); only parts 1
+and 2 run, and the direct path in part 1 has no delay.
 """
 
 from __future__ import annotations
@@ -128,6 +132,18 @@ def start_relay(mesh_id: str, data_dir: str) -> tuple[subprocess.Popen[str], End
     relay_id = bytes.fromhex(process.stdout.readline().split(":", 1)[1].strip())
     address = process.stdout.readline().rsplit(" ", 1)[1].strip()
     return process, Endpoint(relay_id, address)
+
+
+def start_delay_proxy(relay: Endpoint, one_way_ms: float) -> tuple[subprocess.Popen[str], Endpoint]:
+    """``bench/udp_delay.py`` in front of the relay, and the relay as reached through it."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "udp_delay.py"), "0", relay.address, str(one_way_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    port = int(process.stdout.readline().split()[1])
+    return process, Endpoint(relay.id, f"127.0.0.1:{port}")
 
 
 async def round_trips(stream: FramedStream, count: int) -> list[float]:
@@ -313,10 +329,14 @@ async def main(args: argparse.Namespace) -> int:
             text=True,
             cwd=REPO,
         )
+        delay_proxy: subprocess.Popen[str] | None = None
         try:
             assert peer.stdout is not None
             peer_port = int(peer.stdout.readline().split()[1])
             identity, proof = member(mesh_key)
+            relay_for_a = relay
+            if args.relay_delay_ms:
+                delay_proxy, relay_for_a = start_delay_proxy(relay, args.relay_delay_ms)
             endpoint = await QuicEndpoint.listen(identity, PeerHandler(), "127.0.0.1", 0)
             links = RelayLinks(
                 identity,
@@ -325,7 +345,7 @@ async def main(args: argparse.Namespace) -> int:
                 proof_for=lambda _r: proof,
                 local_host="127.0.0.1",
             )
-            await links.add_relays([relay])
+            await links.add_relays([relay_for_a])
             await links.wait_registered(10)
             direct_link = await endpoint.dial(f"127.0.0.1:{peer_port}", peer_id)
             relayed_link = await links.open_link(peer_id)
@@ -372,6 +392,10 @@ async def main(args: argparse.Namespace) -> int:
                 f"max {ms(max(beside))} ms  ({busy / idle:.1f}x idle)"
             )
 
+            if delay_proxy is not None:
+                await links.close()
+                endpoint.close()
+                return 0
             print(f"\nforwarding throughput, {BULK_FRAME // 1024} KiB frames, {args.seconds:g} s per run")
             bulk_stream = await direct_link.open_stream(StreamType.SUBPROTOCOL)
             direct_rate = await direct_bulk(bulk_stream, args.seconds)
@@ -390,6 +414,8 @@ async def main(args: argparse.Namespace) -> int:
             await links.close()
             endpoint.close()
         finally:
+            if delay_proxy is not None:
+                delay_proxy.kill()
             if peer.stdin is not None:
                 peer.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -408,6 +434,12 @@ def cli() -> int:
     )
     parser.add_argument("--round-trips", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput run")
+    parser.add_argument(
+        "--relay-delay-ms",
+        type=float,
+        default=0.0,
+        help="hold A's datagrams to and from the relay this long each way (parts 1 and 2 only)",
+    )
     parser.add_argument("--receivers", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument(
         "--peer",

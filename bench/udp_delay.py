@@ -1,0 +1,59 @@
+"""A UDP proxy that holds every datagram a fixed time each way: a path with delay on loopback.
+
+    python bench/udp_delay.py LISTEN_PORT TARGET_HOST:PORT ONE_WAY_DELAY_MS
+
+Prints ``ready PORT`` once listening. Each client address gets its own upstream socket, so the
+target sees one peer per client. Used by ``bench/relay.py --relay-delay-ms`` where the kernel has
+no netem (this machine's has none): it is a Python process, so past a few thousand datagrams a
+second its own CPU shows in what it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import uvloop
+
+
+async def serve(listen_port: int, target: tuple[str, int], delay_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    upstreams: dict[tuple[str, int], asyncio.DatagramTransport] = {}
+    down: asyncio.DatagramTransport | None = None
+
+    class Upstream(asyncio.DatagramProtocol):
+        def __init__(self, client: tuple[str, int]) -> None:
+            self.client = client
+
+        def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+            assert down is not None
+            loop.call_later(delay_s, down.sendto, data, self.client)
+
+    async def forward(client: tuple[str, int], data: bytes) -> None:
+        upstream = upstreams.get(client)
+        if upstream is None:
+            upstream, _ = await loop.create_datagram_endpoint(lambda: Upstream(client), remote_addr=target)
+            upstreams[client] = upstream
+        upstream.sendto(data)
+
+    class Downstream(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+            upstream = upstreams.get(addr)
+            if upstream is not None:
+                loop.call_later(delay_s, upstream.sendto, data)
+            else:
+                loop.call_later(delay_s, lambda: loop.create_task(forward(addr, data)))
+
+    down, _ = await loop.create_datagram_endpoint(Downstream, local_addr=("127.0.0.1", listen_port))
+    print(f"ready {down.get_extra_info('sockname')[1]}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    listen_port, target, delay_ms = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    host, port = target.rsplit(":", 1)
+    uvloop.run(serve(listen_port, (host, int(port)), delay_ms / 1000))
+
+
+if __name__ == "__main__":
+    main()
