@@ -9,8 +9,8 @@ import pytest
 from helpers.mesh_nodes import start_relay_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mux_helpers import Mux
 from relay_helpers import EchoHandler, new_member, registered_links
-from test_relay_mux import Mux
 
 from meshnode.membership.credentials import MeshKey
 from meshnode.relaylink.mux import ChannelData, ChannelFinished, MuxConfig

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from mux_helpers import Mux
 
 from meshnode.relaylink.mux import (
     ChannelData,
     ChannelFinished,
-    ChannelMux,
     ChannelOpened,
     ChannelReset,
     CreditGranted,
@@ -15,36 +15,11 @@ from meshnode.relaylink.mux import (
     MuxConfig,
     MuxError,
     MuxEvent,
-    SendRecord,
 )
 from meshnode.wire.mesh_refusal import reset_code
 from meshnode.wire.pb import mesh
 
 LOW, HIGH = b"\x01" * 32, b"\x02" * 32
-
-
-class Mux(ChannelMux):
-    """A mux whose records for the peer and events for the application the test takes apart
-    (the link carries both out in one pass): records wait for the way back."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.unsent: list[SendRecord] = []
-        self.for_application: list[MuxEvent] = []
-
-    def _sort_events(self) -> None:
-        for event in self.take_events():
-            (self.unsent if isinstance(event, SendRecord) else self.for_application).append(event)
-
-    def records(self) -> list[SendRecord]:
-        self._sort_events()
-        records, self.unsent = self.unsent, []
-        return records
-
-    def application_events(self) -> list[MuxEvent]:
-        self._sort_events()
-        events, self.for_application = self.for_application, []
-        return events
 
 
 def pair(**config: int) -> tuple[Mux, Mux]:
