@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mux_helpers import Mux
 from relay_helpers import EchoHandler, new_member, registered_links
+from seal_helpers import handshake, pair, receive
 
 from meshnode.membership.credentials import MeshKey
 from meshnode.relaylink.mux import ChannelData, ChannelFinished, MuxConfig
-from meshnode.relaylink.seal import REPLAY_WINDOW
+from meshnode.relaylink.seal import REPLAY_WINDOW, Opened
 from meshnode.relaylink.send_turns import OutgoingRecord, SendTurns
 from meshnode.relaywire.channel_turns import CONTROL_CHANNEL, ChannelTurns
 from meshnode.transport.base import PeerLink
@@ -116,6 +117,29 @@ def test_the_relay_lets_a_sources_channels_take_turns_within_the_replay_window()
         assert [f for f in frames_of_a if f != b"step"] == [b"bulk%d" % i for i in range(queued_before)]
         assert queue.nbytes == 0 and len(queue) == 0
     assert MAX_OVERTAKEN < REPLAY_WINDOW
+
+
+def test_frames_a_node_sealed_in_order_still_open_after_the_relays_turns() -> None:
+    """A node of the previous version seals in the order it queues; the relay's turns reorder
+    its frames, and every one must still open at the receiver (no replay-window drop)."""
+    a, b = pair()
+    handshake(a, b)
+    queue = FairQueue(quantum_bytes=1 << 20)
+    sent, channel_of = [], {}
+    for i in range(3 * MAX_OVERTAKEN):
+        channel = 2 if i % 50 else 4 + 2 * (i // 50)  # a transfer, and a step now and then
+        frame = a.seal(channel, b"%d" % i)
+        sent.append((channel, b"%d" % i))
+        channel_of[frame] = channel
+        queue.push(b"A", frame, channel)
+    received = []
+    while (item := queue.pop()) is not None:
+        channel = channel_of[item[1]]
+        (event,) = receive(b, channel, item[1])
+        assert isinstance(event, Opened), event
+        received.append((channel, event.plaintext))
+    assert received != sent  # the steps overtook
+    assert sorted(received) == sorted(sent)
 
 
 # -- against the real receiver: records reordered by the turns never break the channel protocol --
