@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from meshnode.identity import short_id
 from meshnode.relaylink.mux import (
+    CONTROL_CHANNEL,
     ChannelData,
     ChannelFinished,
     ChannelMux,
@@ -220,7 +221,15 @@ class RelayedPeerLink(PeerLink):
             self._flushing = False
 
     def _seal(self, channel: int, record: bytes) -> bytes | None:
-        """A record sealed as it leaves; ``None`` (the link ends) when the session cannot seal it."""
+        """A record sealed as it leaves; ``None`` when it is not to be sent.
+
+        Not a data channel's record of a link that ended while it waited: its peer would drop
+        it unread (the session is gone there too), and on a slow path it would hold back what
+        comes after it for that peer, a new link's handshake first (as a closed QUIC connection
+        sends no more stream data). The control channel's (CLOSE, link credit) still go. The
+        link ends when the session cannot seal."""
+        if self.is_closed and channel != CONTROL_CHANNEL:
+            return None
         try:
             return self.session.seal(channel, record)
         except SealError as exc:

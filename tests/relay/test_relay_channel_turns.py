@@ -14,9 +14,10 @@ from relay_helpers import EchoHandler, new_member, registered_links
 from seal_helpers import handshake, pair, receive
 
 from meshnode.membership.credentials import MeshKey
+from meshnode.relaylink.link import RelayedPeerLink
 from meshnode.relaylink.mux import ChannelData, ChannelFinished, MuxConfig
 from meshnode.relaylink.seal import REPLAY_WINDOW, Opened
-from meshnode.relaylink.send_turns import OutgoingRecord, SendTurns
+from meshnode.relaylink.send_turns import OutgoingRecord, Sealer, SendTurns
 from meshnode.relaywire.channel_turns import CONTROL_CHANNEL, ChannelTurns
 from meshnode.transport.base import PeerLink
 from meshnode.wire.framing import StreamType
@@ -140,6 +141,36 @@ def test_frames_a_node_sealed_in_order_still_open_after_the_relays_turns() -> No
         received.append((channel, event.plaintext))
     assert received != sent  # the steps overtook
     assert sorted(received) == sorted(sent)
+
+
+async def test_a_link_that_ended_sends_no_more_of_its_channels_records_but_its_close() -> None:
+    """Records of a link that ended while they waited would be dropped unread by the peer and,
+    on a slow path, hold back a new link's handshake: only its control records still go."""
+    a, b = pair()
+    handshake(a, b)
+    assert a.current is not None
+    queued: list[tuple[int, bytes, Sealer]] = []
+    link = RelayedPeerLink(
+        session=a.current,
+        send=lambda channel, record, seal: queued.append((channel, record, seal)),
+        handler=EchoHandler(),
+        relay_id=b"\x09" * 32,
+        relay_description="test",
+    )
+    stream = await link.open_stream(StreamType.PROBE)
+    await stream.send_frame(bytes(40_000))
+    channel, record, seal = queued.pop(0)
+    sealed = seal(channel, record)  # left while the link was up: it goes
+    assert sealed is not None
+    (event,) = receive(b, channel, sealed)
+    assert isinstance(event, Opened) and event.plaintext == record
+    link.close("leaving")
+    left = [(channel, seal(channel, record)) for channel, record, seal in queued]
+    assert len(left) > 2
+    assert [channel for channel, payload in left if payload is not None] == [CONTROL_CHANNEL]
+    close = next(payload for channel, payload in left if payload is not None)
+    (event,) = receive(b, CONTROL_CHANNEL, close)
+    assert isinstance(event, Opened) and b"leaving" in event.plaintext
 
 
 # -- against the real receiver: records reordered by the turns never break the channel protocol --
