@@ -18,7 +18,9 @@ import uvloop
 
 async def serve(listen_port: int, target: tuple[str, int], delay_s: float) -> None:
     loop = asyncio.get_running_loop()
-    upstreams: dict[tuple[str, int], asyncio.DatagramTransport] = {}
+    # One upstream socket per client, made once (datagrams that arrive while it is being made
+    # wait for it, so the target never sees a client from two ports).
+    upstreams: dict[tuple[str, int], asyncio.Task[asyncio.DatagramTransport]] = {}
     down: asyncio.DatagramTransport | None = None
 
     class Upstream(asyncio.DatagramProtocol):
@@ -29,20 +31,22 @@ async def serve(listen_port: int, target: tuple[str, int], delay_s: float) -> No
             assert down is not None
             loop.call_later(delay_s, down.sendto, data, self.client)
 
-    async def forward(client: tuple[str, int], data: bytes) -> None:
-        upstream = upstreams.get(client)
-        if upstream is None:
-            upstream, _ = await loop.create_datagram_endpoint(lambda: Upstream(client), remote_addr=target)
-            upstreams[client] = upstream
-        upstream.sendto(data)
+    async def open_upstream(client: tuple[str, int]) -> asyncio.DatagramTransport:
+        transport, _ = await loop.create_datagram_endpoint(lambda: Upstream(client), remote_addr=target)
+        return transport
+
+    def forward(upstream: asyncio.Task[asyncio.DatagramTransport], data: bytes) -> None:
+        if upstream.done():
+            upstream.result().sendto(data)
+        else:
+            upstream.add_done_callback(lambda made: made.result().sendto(data))
 
     class Downstream(asyncio.DatagramProtocol):
         def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
             upstream = upstreams.get(addr)
-            if upstream is not None:
-                loop.call_later(delay_s, upstream.sendto, data)
-            else:
-                loop.call_later(delay_s, lambda: loop.create_task(forward(addr, data)))
+            if upstream is None:
+                upstream = upstreams[addr] = loop.create_task(open_upstream(addr))
+            loop.call_later(delay_s, forward, upstream, data)
 
     down, _ = await loop.create_datagram_endpoint(Downstream, local_addr=("127.0.0.1", listen_port))
     print(f"ready {down.get_extra_info('sockname')[1]}", flush=True)

@@ -29,7 +29,6 @@ from meshnode.relaylink.link import RelayedPeerLink
 from meshnode.relaylink.mux import MuxConfig
 from meshnode.relaylink.seal import (
     CONTROL_CHANNEL,
-    SEALED_OVERHEAD,
     Dropped,
     Opened,
     PeerSealer,
@@ -357,8 +356,14 @@ class RelayLinks:
         peer_id = key[1]
 
         def send(channel: int, record: bytes, seal: Sealer) -> None:
-            client.send(peer_id, channel, record, seal)
-            self.stats.bytes_sent += len(record) + SEALED_OVERHEAD
+            def seal_and_count(channel: int, record: bytes) -> bytes | None:
+                # Counted as it leaves: a record of a link that ended while it waited is not sent.
+                payload = seal(channel, record)
+                if payload is not None:
+                    self.stats.bytes_sent += len(payload)
+                return payload
+
+            client.send(peer_id, channel, record, seal_and_count)
 
         link = RelayedPeerLink(
             session=event.session,

@@ -41,10 +41,12 @@ class SendTurns:
         self._destinations: dict[bytes, ChannelTurns[OutgoingRecord]] = {}
         # Destinations with records queued, in service order.
         self._order: deque[bytes] = deque()
-        self._count = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._order)
 
     def __len__(self) -> int:
-        return self._count
+        return sum(len(queued) for queued in self._destinations.values())
 
     def push(self, destination: bytes, record: OutgoingRecord) -> None:
         queued = self._destinations.get(destination)
@@ -52,7 +54,6 @@ class SendTurns:
             queued = self._destinations[destination] = ChannelTurns()
             self._order.append(destination)
         queued.push(record.channel, record)
-        self._count += 1
 
     def pop(self) -> tuple[bytes, OutgoingRecord] | None:
         """The next ``(destination, record)``, or ``None`` when nothing is queued."""
@@ -65,13 +66,11 @@ class SendTurns:
             self._order.append(destination)
         else:
             del self._destinations[destination]
-        self._count -= 1
         return destination, record
 
     def clear(self) -> None:
         self._destinations.clear()
         self._order.clear()
-        self._count = 0
 
 
 __all__ = ["OutgoingRecord", "Sealer", "SendTurns"]
