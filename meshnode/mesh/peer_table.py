@@ -43,6 +43,8 @@ class Tombstone:
     freshness: Freshness
     expires_at_ns: int
     reason: str
+    # Where the peer was last announced to listen: a member that left may come back there.
+    addresses: tuple[str, ...] = ()
 
 
 @dataclass
@@ -88,6 +90,10 @@ class PeerTable:
 
     def tombstone(self, peer_id: bytes) -> Tombstone | None:
         return self._tombstones.get(peer_id)
+
+    def tombstones(self) -> list[tuple[bytes, Tombstone]]:
+        """The peers removed and not yet forgotten, the latest removal first."""
+        return list(reversed(self._tombstones.items()))
 
     @property
     def tombstone_count(self) -> int:
@@ -138,8 +144,12 @@ class PeerTable:
         entry = self._entries.pop(peer_id, None)
         if entry is None:
             return False
+        self._tombstones.pop(peer_id, None)  # re-inserted last: tombstones() is in removal order
         self._tombstones[peer_id] = Tombstone(
-            freshness(entry.announcement), now_ns + self.tombstone_ttl_ns, reason
+            freshness(entry.announcement),
+            now_ns + self.tombstone_ttl_ns,
+            reason,
+            tuple(entry.announcement.addresses),
         )
         return True
 

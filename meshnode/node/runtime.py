@@ -39,9 +39,10 @@ from meshnode import __version__
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.relay_list import merge_relays
-from meshnode.membership.store import DataDir, MembershipState
+from meshnode.membership.store import MAX_KNOWN_PEERS, DataDir, MembershipState
 from meshnode.mesh.credential_gate import REVOCATION_CODES
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
+from meshnode.mesh.known_peers import peers_to_remember
 from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable
 from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
@@ -687,14 +688,12 @@ class Node:
         membership = self.state.membership
         if membership is None:
             return
-        known = [
-            Endpoint(id=e.peer_id, address=e.announcement.addresses[0])
-            for e in self.state.table.entries()
-            if e.announcement.addresses
-        ]
-        seen = {e.id for e in known}
-        known += [e for e in self._known_peers if e.id not in seen and e.id != self.node_id]
-        membership.known_peers = known
+        membership.known_peers = peers_to_remember(
+            self.state.table,
+            [*membership.known_peers, *self._known_peers],
+            revocations=self.state.revocations,
+            limit=MAX_KNOWN_PEERS,
+        )
         try:
             # A member promoted to admin writes the mesh key it was granted as well.
             if self.data_dir.has_membership() and (
