@@ -40,8 +40,9 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=None,
         metavar="SIZE",
-        help="most memory the layers this node takes may use, e.g. 4G (default: half the memory "
-        "available: RAM, or with --n-gpu-layers the free memory of the GPUs llama.cpp sees)",
+        help="most memory the weights of the layers this node takes may use, e.g. 4G (default: half "
+        "the memory available: RAM, or with --n-gpu-layers the free memory of the GPUs llama.cpp "
+        "sees); the KV caches come on top of it (--kv-budget)",
     )
     group.add_argument(
         "--model-store",

@@ -10,7 +10,7 @@ that stays true for ``settle_ns`` (:class:`Replacement`): a gap that closes by i
 coverage that flickers while nodes come and go, moves nobody (the oscillation Petals'
 rebalancing is known for).
 
-Pure: coverage comes in as ranges, time as ``now_ns``. Not yet wired into ``join``.
+Pure: coverage comes in as ranges, time as ``now_ns``; :mod:`meshnode.autoplace.auto_shard` runs it.
 """
 
 from __future__ import annotations
