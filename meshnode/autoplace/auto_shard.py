@@ -214,7 +214,10 @@ class AutoShard:
                 )
                 return found
             if not announced:
-                log.info("no model in the mesh yet; this node serves layers once one is announced")
+                log.info(
+                    "no model in the mesh yet; this node serves layers once one is announced "
+                    "(to serve a model file of this machine, start it with --model PATH)"
+                )
                 announced = True
             await asyncio.sleep(self._settings.poll_s)
 
