@@ -1,12 +1,12 @@
 """The peer addresses a member stores, to find the mesh again when it restarts.
 
 What the peer table lists now comes first, with the first address each peer announces now;
-then the peers it removed lately (left, or dropped as failed), the latest first, at the
-address they last announced; then the ones stored before. So peers that stopped are kept: a
-mesh stopped node by node would otherwise leave the node stopped last knowing nobody, and if
-it is the one every invite named and the others come back, or it comes back on another
-address, the mesh restarts in pieces. Removed members are dropped (no one admits them), and
-the node itself. The freshest ``limit`` are kept. Pure.
+then the peers it removed (left, or dropped as failed) and has not listed again, the latest
+first, at the address they last announced; then the ones stored before. So peers that
+stopped are kept: a mesh stopped node by node would otherwise leave the node stopped last
+knowing nobody, and if it is the one every invite named and the others come back, or it
+comes back on another address, the mesh restarts in pieces. Removed members are dropped (no
+one admits them), and the node itself. The freshest ``limit`` are kept. Pure.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def peers_to_remember(
         for entry in table.entries()
         if entry.announcement.addresses
     )
-    removed = (Endpoint(peer_id, t.addresses[0]) for peer_id, t in table.tombstones() if t.addresses)
+    removed = (Endpoint(peer_id, address) for peer_id, address in table.departed())
     kept: list[Endpoint] = []
     seen = {table.self_id}
     for endpoint in (*listed, *removed, *stored):

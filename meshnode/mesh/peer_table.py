@@ -43,8 +43,6 @@ class Tombstone:
     freshness: Freshness
     expires_at_ns: int
     reason: str
-    # Where the peer was last announced to listen: a member that left may come back there.
-    addresses: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,12 +56,18 @@ class MergeReport:
 
 
 class PeerTable:
-    def __init__(self, self_id: bytes, *, tombstone_ttl_ns: int, max_peers: int = 1024) -> None:
+    def __init__(
+        self, self_id: bytes, *, tombstone_ttl_ns: int, max_peers: int = 1024, max_departed: int = 64
+    ) -> None:
         self.self_id = self_id
         self.tombstone_ttl_ns = tombstone_ttl_ns
         self.max_peers = max_peers
+        self.max_departed = max_departed
         self._entries: dict[bytes, PeerEntry] = {}
         self._tombstones: dict[bytes, Tombstone] = {}
+        # Where removed peers last said they listen, the latest removal last; unlike a tombstone
+        # it does not expire (a member that stopped may come back there), only the oldest goes.
+        self._departed: dict[bytes, str] = {}
 
     def __contains__(self, peer_id: bytes) -> bool:
         return peer_id in self._entries
@@ -91,9 +95,10 @@ class PeerTable:
     def tombstone(self, peer_id: bytes) -> Tombstone | None:
         return self._tombstones.get(peer_id)
 
-    def tombstones(self) -> list[tuple[bytes, Tombstone]]:
-        """The peers removed and not yet forgotten, the latest removal first."""
-        return list(reversed(self._tombstones.items()))
+    def departed(self) -> list[tuple[bytes, str]]:
+        """Removed peers not listed again, with the first address they last announced, the
+        latest removal first."""
+        return list(reversed(self._departed.items()))
 
     @property
     def tombstone_count(self) -> int:
@@ -125,6 +130,7 @@ class PeerTable:
                     copy, record.signed, first_seen_ns=now_ns, last_heard_ns=now_ns
                 )
                 self._tombstones.pop(peer_id, None)
+                self._departed.pop(peer_id, None)
                 report.added.append(peer_id)
             elif action is MergeAction.UPDATE:
                 assert entry is not None
@@ -144,13 +150,14 @@ class PeerTable:
         entry = self._entries.pop(peer_id, None)
         if entry is None:
             return False
-        self._tombstones.pop(peer_id, None)  # re-inserted last: tombstones() is in removal order
         self._tombstones[peer_id] = Tombstone(
-            freshness(entry.announcement),
-            now_ns + self.tombstone_ttl_ns,
-            reason,
-            tuple(entry.announcement.addresses),
+            freshness(entry.announcement), now_ns + self.tombstone_ttl_ns, reason
         )
+        self._departed.pop(peer_id, None)  # re-inserted last: departed() is in removal order
+        if entry.announcement.addresses:
+            self._departed[peer_id] = entry.announcement.addresses[0]
+            while len(self._departed) > self.max_departed:
+                del self._departed[next(iter(self._departed))]
         return True
 
     def expire_tombstones(self, now_ns: int) -> None:

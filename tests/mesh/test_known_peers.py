@@ -72,6 +72,22 @@ def test_the_node_itself_and_repeats_are_left_out_and_the_freshest_are_kept_up_t
     assert remember(table, stored, limit=3) == [(P1, "10.0.0.1:1"), (P5, "10.0.0.5:1"), (P6, "10.0.0.6:1")]
 
 
+def test_a_departed_peer_outlives_its_tombstone_until_it_is_listed_again_and_the_oldest_go_first() -> None:
+    p1, p2, p3 = IDENTITIES[1:4]
+    table = PeerTable(ME, tombstone_ttl_ns=SECOND_NS, max_departed=2)
+    table.merge(
+        [record(p1, "10.0.0.1:1"), record(p2, "10.0.0.2:1"), record(p3, "10.0.0.3:1")], from_peer=P1, now_ns=0
+    )
+    for n, peer in enumerate((P1, P2, P3)):
+        table.remove(peer, reason="left", now_ns=n)
+    table.merge([], from_peer=P1, now_ns=60 * SECOND_NS)  # every tombstone expired
+    assert table.tombstone_count == 0
+    assert table.departed() == [(P3, "10.0.0.3:1"), (P2, "10.0.0.2:1")]
+    table.merge([record(p2, "10.0.0.2:2")], from_peer=P2, now_ns=61 * SECOND_NS)
+    assert table.departed() == [(P3, "10.0.0.3:1")]
+    assert remember(table, []) == [(P2, "10.0.0.2:2"), (P3, "10.0.0.3:1")]
+
+
 def test_a_removed_member_is_not_remembered() -> None:
     mesh_key = MeshKey.generate()
     revocations = RevocationList(mesh_key.mesh_id)
