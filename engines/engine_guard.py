@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, replace
 from engines.cxx_runtime import PRELOAD_FIX, cxx_runtime_advice, preloaded_environment
 from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, run_child, system_info
 from engines.llama_lib import llama_cpp_version
-from engines.weight_repack import WeightRepack, cpu_features, describe, plan_repack
+from engines.weight_repack import (
+    MIN_REPACKED_SHARE,
+    WeightRepack,
+    cpu_features,
+    describe,
+    plan_repack,
+    repacked_share,
+)
 
 log = logging.getLogger("engines.engine_guard")
 
@@ -56,6 +63,17 @@ class RepackChoice:
                 f"repack {describe(repack)} {outcome} ({how}{'; weights in ' + buffers if buffers else ''})"
             )
         return "; ".join(parts)
+
+
+def _too_little_repacked(verdict: ProbeVerdict) -> str:
+    """Why repacking is not worth it for the load ``verdict`` reports ("": it is)."""
+    share = repacked_share(verdict.weight_buffers)
+    if share is None or share >= MIN_REPACKED_SHARE:
+        return ""
+    return (
+        f"not repacking weights: it would hold {share:.0%} of them, too little to pay for "
+        f"batched sessions' smaller passes (at most 3 a pass instead of 7)"
+    )
 
 
 def _cpu_line(info: str) -> str:
@@ -124,11 +142,21 @@ def choose_weight_repack(
     info = system_info() if machine is None else machine
     plan = plan_repack(setting, info, llama_cpp_version())
     verdicts: list[tuple[bool, ProbeVerdict]] = []
+    # Why auto passed over repacking that survived its probe ("": it did not); then repacking
+    # is loaded only if loading without it does not survive.
+    declined = ""
     for repack in plan.candidates:
         verdict = prober(replace(target, weight_repack=repack))
         verdicts.append((repack, verdict))
         if verdict.survived:
-            return RepackChoice(repack, verdicts, plan.skipped)
+            if repack and setting is WeightRepack.AUTO and False in plan.candidates:
+                declined = _too_little_repacked(verdict)
+                if declined:
+                    continue
+            return RepackChoice(repack, verdicts, plan.skipped or declined)
+        if declined:
+            log.warning("weight repack: without it, %s; repacking after all", verdict.detail)
+            return RepackChoice(True, verdicts, plan.skipped)
         if not verdict.crashed:
             # The child failed in Python (an unreadable model, no memory): not a verdict on the
             # setting. Load it here and let the engine's own error say what is wrong.

@@ -11,7 +11,8 @@ SIGILL on another). So the choice is deliberate:
 - ``on``: repack wherever llama.cpp offers to, after a probe decode in a child process
   has survived it (``engines.engine_probe``);
 - ``auto`` (the default): like ``on`` where the probe survives, else ``off`` — except on
-  CPUs where this llama.cpp build is known to crash with it, which are not even probed.
+  CPUs where this llama.cpp build is known to crash with it, which are not even probed, and
+  where repacking would hold less than half of the shard's weights (:func:`repacked_share`).
 
 This module only decides which settings to try, in order; the probe measures them.
 """
@@ -19,6 +20,7 @@ This module only decides which settings to try, in order; the probe measures the
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -103,12 +105,37 @@ def plan_repack(setting: WeightRepack, system_info: str, llama_cpp_python: str) 
     return RepackPlan((True, False))
 
 
+# Under auto, repacking is kept only where it holds at least this share of the weights in host
+# memory. Its kernels then do most of a decode's work; where it holds less, the little they
+# speed up costs batched sessions their larger passes: with repacked weights a pass spans at
+# most 3 sessions and each reads the repacked tensors on its own (engines.row_invariance:
+# llama.cpp's repacked kernels give other bits from 4 rows on), where plain weights take 7
+# sessions a pass and are read once for all of them. Gemma 3 270M Q4_K_M repacks 13 of its
+# 248 MiB (its Q8_0 embedding, also its output matrix, and its Q5_0 weights are not): three
+# nodes at concurrency 4 gave 45.3 tokens/s repacked and 53.6 not, 36.1 and 36.0 alone.
+MIN_REPACKED_SHARE = 0.5
+# Host buffer types that hold weights as the file has them (mmapped, or copied).
+_AS_IN_THE_FILE = frozenset({"CPU", "CPU_Mapped"})
+
+
+def repacked_share(weight_buffers: Mapping[str, float]) -> float | None:
+    """The share of the host's weights a load put in repacking buffer types (``CPU_REPACK``,
+    ``AMX``, ...), from its buffer sizes (name -> MiB); None when it reported none on the host
+    (every layer offloaded, or nothing reported)."""
+    host = {name: mib for name, mib in weight_buffers.items() if name.startswith("CPU") or name == "AMX"}
+    total = sum(host.values())
+    if total <= 0:
+        return None
+    return sum(mib for name, mib in host.items() if name not in _AS_IN_THE_FILE) / total
+
+
 def describe(repack: bool) -> str:
     return "on" if repack else "off"
 
 
 __all__ = [
     "KNOWN_CRASHES",
+    "MIN_REPACKED_SHARE",
     "KnownCrash",
     "RepackPlan",
     "WeightRepack",
@@ -116,4 +143,5 @@ __all__ = [
     "describe",
     "known_crash",
     "plan_repack",
+    "repacked_share",
 ]

@@ -3,14 +3,22 @@ under auto with the build known to crash on it (checked here with a real probe, 
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from engines.engine_guard import choose_weight_repack
-from engines.engine_probe import ProbeTarget, probe
+from engines.engine_probe import ProbeTarget, ProbeVerdict, probe
 from engines.llama_lib import llama_cpp_version
-from engines.weight_repack import WeightRepack, cpu_features, known_crash, plan_repack
+from engines.weight_repack import (
+    MIN_REPACKED_SHARE,
+    WeightRepack,
+    cpu_features,
+    known_crash,
+    plan_repack,
+    repacked_share,
+)
 
 # llama_print_system_info() on the Sapphire Rapids VM where the crash was found (2026-12-01).
 AMX_CPU = (
@@ -75,3 +83,71 @@ def test_fed_an_amx_cpu_auto_loads_gemma_without_the_amx_buffer(gemma_model: Pat
     assert verdict.survived, verdict.detail
     assert set(verdict.weight_buffers) == {"CPU_Mapped"}, verdict.weight_buffers
     assert "AMX_INT8" in choice.summary()
+
+
+# What Gemma 3 270M Q4_K_M's whole-model load reports on an AVX-512 CPU with repacking.
+GEMMA_REPACKED = {"CPU_Mapped": 235.0, "CPU_REPACK": 13.0}
+
+
+def test_the_repacked_share_counts_the_hosts_weights_only():
+    assert repacked_share(GEMMA_REPACKED) == pytest.approx(13 / 248)
+    assert repacked_share({"CPU_Mapped": 10.0, "AMX": 90.0}) == pytest.approx(0.9)
+    # Offloaded layers do not count: the choice is about the layers the CPU computes.
+    assert repacked_share({"CPU_Mapped": 20.0, "CPU_REPACK": 60.0, "CUDA0": 1000.0}) == pytest.approx(0.75)
+    assert repacked_share({"CUDA0": 1000.0}) is None
+    assert repacked_share({}) is None
+
+
+def fake_prober(buffers_when_repacked: dict[str, float], *, off_survives: bool = True):
+    probed: list[bool] = []
+
+    def prober(target: ProbeTarget) -> ProbeVerdict:
+        probed.append(target.weight_repack)
+        if target.weight_repack:
+            return ProbeVerdict(survived=True, detail="ok", weight_buffers=dict(buffers_when_repacked))
+        if not off_survives:
+            return ProbeVerdict(survived=False, signal_number=int(signal.SIGILL), detail="died of SIGILL")
+        return ProbeVerdict(survived=True, detail="ok", weight_buffers={"CPU_Mapped": 248.0})
+
+    return prober, probed
+
+
+def test_auto_passes_over_repacking_that_would_hold_too_little_of_the_weights(tmp_path: Path):
+    prober, probed = fake_prober(GEMMA_REPACKED)
+    target = ProbeTarget(tmp_path / "m.gguf", cache_dir=tmp_path)
+    choice = choose_weight_repack(WeightRepack.AUTO, target, prober=prober, machine=AVX512_CPU)
+    assert choice.weight_repack is False
+    assert probed == [True, False]
+    assert "it would hold 5% of them" in choice.summary()
+
+
+def test_auto_keeps_repacking_that_holds_most_of_the_weights_and_on_is_on_whatever_it_holds(tmp_path: Path):
+    target = ProbeTarget(tmp_path / "m.gguf", cache_dir=tmp_path)
+    prober, probed = fake_prober({"CPU_Mapped": 40.0, "CPU_REPACK": 200.0})
+    assert choose_weight_repack(WeightRepack.AUTO, target, prober=prober, machine=AVX512_CPU).weight_repack
+    assert probed == [True]
+    prober, probed = fake_prober(GEMMA_REPACKED)
+    assert choose_weight_repack(WeightRepack.ON, target, prober=prober, machine=AVX512_CPU).weight_repack
+    assert probed == [True]
+
+
+def test_auto_repacks_after_all_when_loading_without_it_does_not_survive(tmp_path: Path):
+    prober, probed = fake_prober(GEMMA_REPACKED, off_survives=False)
+    target = ProbeTarget(tmp_path / "m.gguf", cache_dir=tmp_path)
+    choice = choose_weight_repack(WeightRepack.AUTO, target, prober=prober, machine=AVX512_CPU)
+    assert choice.weight_repack is True
+    assert probed == [True, False]
+
+
+@pytest.mark.slow
+def test_auto_loads_gemma_as_the_file_has_it_on_this_cpu(gemma_model: Path, tmp_path: Path):
+    """With the real probe: whatever this CPU repacks of Gemma 3 270M Q4_K_M is far from half its
+    weights (its 170 MiB Q8_0 embedding, which is also its output matrix, is not among it), so
+    auto loads it unrepacked, and a node's batches get passes of 7 sessions."""
+    target = ProbeTarget(gemma_model, 0, 18, threads=2, cache_dir=tmp_path)
+    choice = choose_weight_repack(WeightRepack.AUTO, target)
+    assert choice.weight_repack is False, choice.summary()
+    repacked = [verdict for repack, verdict in choice.verdicts if repack]
+    for verdict in repacked:  # none where this build is known to crash here (AMX)
+        share = repacked_share(verdict.weight_buffers)
+        assert share is not None and share < MIN_REPACKED_SHARE, verdict.weight_buffers
