@@ -149,7 +149,13 @@ def choose_weight_repack(
         verdict = prober(replace(target, weight_repack=repack))
         verdicts.append((repack, verdict))
         if verdict.survived:
-            if repack and setting is WeightRepack.AUTO and False in plan.candidates:
+            # A GPU node's passes do not follow the setting (engines.llama_engine): CPU nodes only.
+            if (
+                repack
+                and setting is WeightRepack.AUTO
+                and False in plan.candidates
+                and not target.n_gpu_layers
+            ):
                 declined = _too_little_repacked(verdict)
                 if declined:
                     continue

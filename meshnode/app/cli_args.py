@@ -150,6 +150,6 @@ def add_weight_repack_option(parser: argparse.ArgumentParser | argparse._Argumen
         help="let llama.cpp repack weights at load for this CPU's matrix units (AMX, AVX-512...): "
         "'on' after a probe decode in a child process survives it, 'off' never, "
         "'auto' (default) where the probe survives, the CPU is not one this llama.cpp is known to crash on "
-        "and the repacked weights would be at least half of the shard's (else batched sessions lose more "
-        "than repacking gains)",
+        "and, computing on the CPU, the repacked weights would be at least half of the shard's (else "
+        "batched sessions lose more than repacking gains)",
     )

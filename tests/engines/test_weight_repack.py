@@ -131,6 +131,13 @@ def test_auto_keeps_repacking_that_holds_most_of_the_weights_and_on_is_on_whatev
     assert probed == [True]
 
 
+def test_auto_leaves_a_gpu_nodes_setting_as_it_was(tmp_path: Path):
+    prober, probed = fake_prober({"CPU_Mapped": 170.0, "CUDA0": 80.0})
+    target = ProbeTarget(tmp_path / "m.gguf", n_gpu_layers=99, cache_dir=tmp_path)
+    assert choose_weight_repack(WeightRepack.AUTO, target, prober=prober, machine=AVX512_CPU).weight_repack
+    assert probed == [True]
+
+
 def test_auto_repacks_after_all_when_loading_without_it_does_not_survive(tmp_path: Path):
     prober, probed = fake_prober(GEMMA_REPACKED, off_survives=False)
     target = ProbeTarget(tmp_path / "m.gguf", cache_dir=tmp_path)
