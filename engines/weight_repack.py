@@ -12,7 +12,8 @@ SIGILL on another). So the choice is deliberate:
   has survived it (``engines.engine_probe``);
 - ``auto`` (the default): like ``on`` where the probe survives, else ``off`` — except on
   CPUs where this llama.cpp build is known to crash with it, which are not even probed, and
-  where repacking would hold less than half of the shard's weights (:func:`repacked_share`).
+  where, on a node computing on the CPU, repacking would hold less than half of the shard's
+  weights (:func:`repacked_share`).
 
 This module only decides which settings to try, in order; the probe measures them.
 """
