@@ -28,6 +28,7 @@ What later layers use:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -337,15 +338,21 @@ class Node:
         raise JoinError("no bootstrap peer reachable: " + "; ".join(reasons), refused=False)
 
     async def reconnect(self) -> int:
-        """Member restart: gossip with the peers we knew; returns how many answered."""
-        if not any(e.id != self.node_id for e in self._known_peers):
-            return 0
-        results = await asyncio.gather(
-            *(self._bootstrap_one(e) for e in self._known_peers if e.id != self.node_id),
-            return_exceptions=True,
-        )
-        reached = sum(1 for r in results if r is True)
-        log.info("rejoined mesh %s: %d of %d known peers answered", self.mesh_id, reached, len(results))
+        """Member restart: gossip with the peers we knew until one answers; returns how many had.
+
+        Gossip names the rest, and the dials to the others go on: one that stopped for good (the
+        stored peers keep those) must not hold the node's start for its dial timeout."""
+        dials = [self._spawn(self._bootstrap_one(e)) for e in self._known_peers if e.id != self.node_id]
+        for dial in asyncio.as_completed(dials):
+            with contextlib.suppress(Exception):  # logged as the background task it is
+                if await dial:
+                    break
+        reached = sum(1 for d in dials if d.done() and not d.cancelled() and not d.exception() and d.result())
+        if dials:
+            later = "" if all(d.done() for d in dials) else " so far (still dialing the others)"
+            log.info(
+                "rejoined mesh %s: %d of %d known peers answered%s", self.mesh_id, reached, len(dials), later
+            )
         return reached
 
     async def shutdown(self) -> None:
@@ -729,10 +736,11 @@ class Node:
         report.sections.update({name: section() for name, section in self.status_sections.items()})
         return report
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from meshnode.node import Node
 from meshnode.sansio import SECOND_NS
 from meshnode.wire.pb import mesh
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
 
 
 IDENTITIES = [NodeIdentity.from_seed(bytes([n]) * 32) for n in range(1, 8)]
@@ -147,3 +148,27 @@ async def test_a_first_node_stopped_last_and_restarted_elsewhere_finds_the_membe
     finally:
         for node in restarted:
             await node.shutdown()
+
+
+async def test_a_restarted_member_starts_once_one_stored_peer_answers_not_after_every_dial(tmp_path) -> None:
+    """A stored peer that stopped for good (the store keeps those now) answers nothing: the restart
+    goes on as soon as a live one has answered, and the dial to the silent one continues behind it."""
+    first = await start_first_node(tmp_path)
+    member = await start_joiner(tmp_path, "member", first)
+    await member.shutdown()
+    data_dir = DataDir(tmp_path / "member")
+    stored = data_dir.load_membership(member.node_id)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:  # takes datagrams, answers none
+        silent.bind(("127.0.0.1", 0))
+        gone = Endpoint(NodeIdentity.generate().node_id, f"127.0.0.1:{silent.getsockname()[1]}")
+        stored.known_peers = [gone, *stored.known_peers]
+        data_dir.save_peers(stored)
+        again = Node(member.identity, data_dir, fast_config(connect_timeout=30.0), membership=stored)
+        try:
+            await again.start()
+            assert await again.reconnect() == 1
+            assert first.node_id in again.state.table
+            assert gone.id in again._heartbeating  # still being dialed, behind the start
+        finally:
+            await again.shutdown()
+            await first.shutdown()
