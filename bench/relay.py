@@ -1,6 +1,6 @@
 """Relay cost against direct QUIC, measured in the same run on loopback.
 
-    python bench/relay.py [--round-trips 1000] [--seconds 2] [--relay-delay-ms D]
+    python bench/relay.py [--round-trips 1000] [--seconds 2] [--relay-delay-ms D] [--relay-loss-percent P]
 
 Three processes: the relay (``python -m relay``), a peer node B (echo/sink,
 reachable both directly over QUIC and through the relay with sealed relayed
@@ -22,8 +22,9 @@ links) and this process (node A and the load generator), all on uvloop.
    relay, are often the limit.
 
 With ``--relay-delay-ms D``, A reaches the relay through ``bench/udp_delay.py``, which holds
-each datagram D ms each way (a path with delay where the kernel has no netem); only parts 1
-and 2 run, and the direct path in part 1 has no delay.
+each datagram D ms each way (a path with delay where the kernel has no netem), and with
+``--relay-loss-percent P`` drops P% of them each way; only parts 1 and 2 run, and the direct
+path in part 1 has neither.
 """
 
 from __future__ import annotations
@@ -134,10 +135,19 @@ def start_relay(mesh_id: str, data_dir: str) -> tuple[subprocess.Popen[str], End
     return process, Endpoint(relay_id, address)
 
 
-def start_delay_proxy(relay: Endpoint, one_way_ms: float) -> tuple[subprocess.Popen[str], Endpoint]:
+def start_delay_proxy(
+    relay: Endpoint, one_way_ms: float, loss_percent: float = 0.0
+) -> tuple[subprocess.Popen[str], Endpoint]:
     """``bench/udp_delay.py`` in front of the relay, and the relay as reached through it."""
     process = subprocess.Popen(
-        [sys.executable, str(REPO / "bench" / "udp_delay.py"), "0", relay.address, str(one_way_ms)],
+        [
+            sys.executable,
+            str(REPO / "bench" / "udp_delay.py"),
+            "0",
+            relay.address,
+            str(one_way_ms),
+            str(loss_percent),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -335,8 +345,10 @@ async def main(args: argparse.Namespace) -> int:
             peer_port = int(peer.stdout.readline().split()[1])
             identity, proof = member(mesh_key)
             relay_for_a = relay
-            if args.relay_delay_ms:
-                delay_proxy, relay_for_a = start_delay_proxy(relay, args.relay_delay_ms)
+            if args.relay_delay_ms or args.relay_loss_percent:
+                delay_proxy, relay_for_a = start_delay_proxy(
+                    relay, args.relay_delay_ms, args.relay_loss_percent
+                )
             endpoint = await QuicEndpoint.listen(identity, PeerHandler(), "127.0.0.1", 0)
             links = RelayLinks(
                 identity,
@@ -367,7 +379,8 @@ async def main(args: argparse.Namespace) -> int:
                 results[name] = statistics.median(values)
                 print(
                     f"  {name:6s} median {ms(results[name])} ms  mean {ms(statistics.fmean(values))} ms  "
-                    f"p90 {ms(sorted(values)[int(len(values) * 0.9)])} ms"
+                    f"p90 {ms(sorted(values)[int(len(values) * 0.9)])} ms  "
+                    f"p99 {ms(sorted(values)[int(len(values) * 0.99)])} ms"
                 )
             target = 2 * results["direct"] + 0.001
             ratio = results["relay"] / results["direct"]
@@ -439,6 +452,12 @@ def cli() -> int:
         type=float,
         default=0.0,
         help="hold A's datagrams to and from the relay this long each way (parts 1 and 2 only)",
+    )
+    parser.add_argument(
+        "--relay-loss-percent",
+        type=float,
+        default=0.0,
+        help="and drop this share of them each way (parts 1 and 2 only)",
     )
     parser.add_argument("--receivers", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument(

@@ -467,6 +467,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
             stream_window=self.settings.stream_window,
             connection_window=self.settings.connection_window,
             ack_delay=self.settings.ack_delay,
+            peer_max_ack_delay=self.settings.peer_max_ack_delay,
         )
         link = QuicLink(
             self, quic, initiated_locally=True, expected_peer_id=expected_peer_id, remote_address=addr
@@ -576,6 +577,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
                 stream_window=self.settings.stream_window,
                 connection_window=self.settings.connection_window,
                 ack_delay=self.settings.ack_delay,
+                peer_max_ack_delay=self.settings.peer_max_ack_delay,
             )
             link = QuicLink(
                 self, quic, initiated_locally=False, expected_peer_id=None, remote_address=addr[:2]

@@ -111,9 +111,16 @@ class LoopClockPacer(QuicPacketPacer):
 
 class MeshQuicConnection(QuicConnection):
     def __init__(
-        self, *, stream_window: int, connection_window: int, ack_delay: float | None = None, **kwargs: Any
+        self,
+        *,
+        stream_window: int,
+        connection_window: int,
+        ack_delay: float | None = None,
+        peer_max_ack_delay: float | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._peer_max_ack_delay = peer_max_ack_delay
         self._loss._pacer = LoopClockPacer(max_datagram_size=self._max_datagram_size)
         if ack_delay is not None:
             # aioquic acknowledges only on a timer, 1 ms after an ack-eliciting
@@ -127,6 +134,12 @@ class MeshQuicConnection(QuicConnection):
         self._consumed: dict[int, int] = {}
         # Bytes delivered to the application's stream buffers and not read yet.
         self.app_unread = 0
+
+    def _parse_transport_parameters(self, data: bytes, from_session_ticket: bool = False) -> None:
+        super()._parse_transport_parameters(data, from_session_ticket)
+        if self._peer_max_ack_delay is not None:
+            # aioquic advertises 25 ms whatever its ACK timer does (QuicSettings.peer_max_ack_delay).
+            self._loss.max_ack_delay = min(self._loss.max_ack_delay, self._peer_max_ack_delay)
 
     # -- mutual authentication ------------------------------------------------
 

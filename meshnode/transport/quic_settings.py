@@ -36,6 +36,12 @@ class QuicSettings:
     # How long a received packet may wait for its ACK to ride on outgoing data
     # (seconds; aioquic's own default is 1 ms). None keeps aioquic's default.
     ack_delay: float | None = 0.005
+    # The longest a peer's ACK may take, for our probe timeout (seconds). Every peer of this
+    # endpoint is a meshnode endpoint (the ALPN says so), acknowledging within its ack_delay
+    # above; aioquic tells peers 25 ms whatever it does, and a packet lost with nothing sent
+    # after it (a decode step's last, a small window's under loss) waits that long more to be
+    # resent. None keeps what the peer advertises.
+    peer_max_ack_delay: float | None = 0.010
     # Bytes of incomplete frames a link's readers may hold; and how long a reader
     # waits mid-frame for more before giving the stream up (None: forever).
     frame_buffer_per_connection: int = DEFAULT_CONNECTION_BUFFER_BYTES
