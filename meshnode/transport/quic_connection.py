@@ -126,8 +126,8 @@ class MeshQuicConnection(QuicConnection):
             # aioquic acknowledges only on a timer, 1 ms after an ack-eliciting
             # packet. A request answered later than that costs a separate ACK
             # datagram each way; waiting a little longer lets the ACK ride on the
-            # answer. It stays far below the 25 ms max_ack_delay we advertise, so
-            # the peer's loss detection is unaffected.
+            # answer. It stays below the 10 ms a meshnode peer counts for it in its
+            # probe timeout (QuicSettings.peer_max_ack_delay; aioquic advertises 25).
             self._ack_delay = ack_delay
         self._stream_window = stream_window
         self._connection_window = connection_window
