@@ -112,22 +112,32 @@ def plan_repack(setting: WeightRepack, system_info: str, llama_cpp_python: str) 
 # most 3 sessions and each reads the repacked tensors on its own (engines.row_invariance:
 # llama.cpp's repacked kernels give other bits from 4 rows on), where plain weights take 7
 # sessions a pass and are read once for all of them. Gemma 3 270M Q4_K_M repacks 13 of its
-# 248 MiB (its Q8_0 embedding, also its output matrix, and its Q5_0 weights are not): three
+# 235 MiB (its Q8_0 embedding, also its output matrix, and its Q5_0 weights are not): three
 # nodes at concurrency 4 gave 45.3 tokens/s repacked and 53.6 not, 36.1 and 36.0 alone.
 MIN_REPACKED_SHARE = 0.5
-# Host buffer types that hold weights as the file has them (mmapped, or copied).
-_AS_IN_THE_FILE = frozenset({"CPU", "CPU_Mapped"})
 
 
 def repacked_share(weight_buffers: Mapping[str, float]) -> float | None:
     """The share of the host's weights a load put in repacking buffer types (``CPU_REPACK``,
     ``AMX``, ...), from its buffer sizes (name -> MiB); None when it reported none on the host
-    (every layer offloaded, or nothing reported)."""
-    host = {name: mib for name, mib in weight_buffers.items() if name.startswith("CPU") or name == "AMX"}
-    total = sum(host.values())
+    (every layer offloaded, or nothing reported).
+
+    ``CPU_Mapped`` is the span of the mmapped file its tensors lie in, and the repacked tensors
+    lie among them, so with mmap it counts them too (Gemma 3 270M Q4_K_M: mapped 235 MiB, the
+    whole file's weights, and 13 of them repacked as well); without mmap, ``CPU`` holds only what
+    was not repacked. A tied output matrix is repacked as a copy of the embedding, so the share
+    is capped at 1."""
+    mapped = weight_buffers.get("CPU_Mapped", 0.0)
+    plain = weight_buffers.get("CPU", 0.0)
+    repacked = sum(
+        mib
+        for name, mib in weight_buffers.items()
+        if (name.startswith("CPU") or name == "AMX") and name not in ("CPU", "CPU_Mapped")
+    )
+    total = max(mapped + plain, plain + repacked)
     if total <= 0:
         return None
-    return sum(mib for name, mib in host.items() if name not in _AS_IN_THE_FILE) / total
+    return min(1.0, repacked / total)
 
 
 def describe(repack: bool) -> str:
