@@ -18,14 +18,7 @@ from dataclasses import dataclass, field, replace
 from engines.cxx_runtime import PRELOAD_FIX, cxx_runtime_advice, preloaded_environment
 from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, run_child, system_info
 from engines.llama_lib import llama_cpp_version
-from engines.weight_repack import (
-    MIN_REPACKED_SHARE,
-    WeightRepack,
-    cpu_features,
-    describe,
-    plan_repack,
-    repacked_share,
-)
+from engines.weight_repack import WeightRepack, cpu_features, describe, plan_repack, too_little_repacked
 
 log = logging.getLogger("engines.engine_guard")
 
@@ -63,17 +56,6 @@ class RepackChoice:
                 f"repack {describe(repack)} {outcome} ({how}{'; weights in ' + buffers if buffers else ''})"
             )
         return "; ".join(parts)
-
-
-def _too_little_repacked(verdict: ProbeVerdict) -> str:
-    """Why repacking is not worth it for the load ``verdict`` reports ("": it is)."""
-    share = repacked_share(verdict.weight_buffers)
-    if share is None or share >= MIN_REPACKED_SHARE:
-        return ""
-    return (
-        f"not repacking weights: it would hold {share:.0%} of them, too little to pay for "
-        f"batched sessions' smaller passes (at most 3 a pass instead of 7)"
-    )
 
 
 def _cpu_line(info: str) -> str:
@@ -156,7 +138,7 @@ def choose_weight_repack(
                 and False in plan.candidates
                 and not target.n_gpu_layers
             ):
-                declined = _too_little_repacked(verdict)
+                declined = too_little_repacked(verdict.weight_buffers)
                 if declined:
                     continue
             return RepackChoice(repack, verdicts, plan.skipped or declined)

@@ -140,6 +140,17 @@ def repacked_share(weight_buffers: Mapping[str, float]) -> float | None:
     return min(1.0, repacked / total)
 
 
+def too_little_repacked(weight_buffers: Mapping[str, float]) -> str:
+    """Why repacking is not worth it for a load with these buffer sizes ("": it is)."""
+    share = repacked_share(weight_buffers)
+    if share is None or share >= MIN_REPACKED_SHARE:
+        return ""
+    return (
+        f"not repacking weights: it would hold {share:.0%} of them, too little to pay for "
+        f"batched sessions' smaller passes (at most 3 a pass instead of 7)"
+    )
+
+
 def describe(repack: bool) -> str:
     return "on" if repack else "off"
 
@@ -155,4 +166,5 @@ __all__ = [
     "known_crash",
     "plan_repack",
     "repacked_share",
+    "too_little_repacked",
 ]
