@@ -5,8 +5,10 @@ write, in the convention of :mod:`meshnode.sansio` (``now_ns`` is monotonic
 nanoseconds; wall-clock time only where a membership proof is checked). Per
 connection:
 
-* ``connection_made(conn, tls_peer_id, now_ns, source=host)`` queues a fresh
-  challenge, or refuses a connection over the caps.
+* ``connection_made(conn, tls_peer_id, now_ns, source=host, address=host_port)``
+  queues a fresh challenge, or refuses a connection over the caps; the client is
+  told ``address`` when it registers (``RelayRegistered.observed_address``), and
+  again by ``address_changed(conn, host_port)`` when its path moves.
 * ``max_frame_bytes(conn)`` is the largest frame to accept from the client
   now: a registration's size until it has registered.
 * ``receive_frame(conn, body, now_ns, unix_now=...)`` handles one client frame;
@@ -155,6 +157,8 @@ class _Conn:
     control: deque[bytes] = field(default_factory=deque)
     # Destinations this client sent to: they get a peer_gone when it goes.
     sent_to: set[bytes] = field(default_factory=set)
+    # Where the connection comes from ("host:port"), as the client is told.
+    address: str = ""
 
 
 @dataclass
@@ -221,8 +225,11 @@ class RelayCore:
 
     # -- inputs ------------------------------------------------------------------
 
-    def connection_made(self, conn_id: int, tls_peer_id: bytes, now_ns: int, *, source: str = "") -> None:
-        """``source``: the client's IP address (the caps on unregistered connections group by it)."""
+    def connection_made(
+        self, conn_id: int, tls_peer_id: bytes, now_ns: int, *, source: str = "", address: str = ""
+    ) -> None:
+        """``source``: the client's IP address (the caps on unregistered connections group by it);
+        ``address``: its ``host:port``, told to the client when it registers."""
         if conn_id in self._conns:
             raise ValueError(f"connection {conn_id} already known")
         policy = self.policy
@@ -233,6 +240,7 @@ class RelayCore:
             created_ns=now_ns,
             byte_bucket=TokenBucket.full(policy.rate_bytes_per_s, policy.burst_bytes, now_ns),
             frame_bucket=TokenBucket.full(policy.rate_frames_per_s, policy.burst_frames, now_ns),
+            address=address,
         )
         self._conns[conn_id] = conn
         self.stats.connections = len(self._conns)
@@ -325,6 +333,17 @@ class RelayCore:
                 revocation=revoked.signed,
             )
             self._fail(conn, refusal)
+
+    def address_changed(self, conn_id: int, address: str) -> None:
+        """``conn_id`` now comes from ``address`` (its NAT remapped it, or it moved): a registered
+        client is told, since that is where its peers can punch to it now."""
+        conn = self._conns.get(conn_id)
+        if conn is None or conn.address == address:
+            return
+        conn.address = address
+        if conn.state is ConnState.REGISTERED:
+            observed = relay.RelayObserved(observed_address=address)
+            self._control(conn, relay.RelayServerMessage(observed=observed))
 
     def stream_failed(self, conn_id: int, refusal: RelayRefused) -> None:
         """The edge stopped reading ``conn_id``'s stream; tell the client why, then close."""
@@ -516,9 +535,8 @@ class RelayCore:
         conn.mesh_id = mesh_id
         self._count_registered(conn)
         self.stats.registrations += 1
-        self._control(
-            conn, relay.RelayServerMessage(registered=relay.RelayRegistered(node_id=node_id, mesh_id=mesh_id))
-        )
+        registered = relay.RelayRegistered(node_id=node_id, mesh_id=mesh_id, observed_address=conn.address)
+        self._control(conn, relay.RelayServerMessage(registered=registered))
 
     def _refuse_registration(self, conn: _Conn, refusal: RelayRefused) -> None:
         self.stats.refused_registrations += 1

@@ -61,6 +61,8 @@ class _Client:
     # that stopped reading (the refusal can then never be flushed).
     close_timer: asyncio.TimerHandle | None = None
     registered: bool = False
+    # The client's address as last told to the core ("host:port").
+    address: str = ""
 
 
 def load_relay_identity(data_dir: Path) -> tuple[NodeIdentity, bool]:
@@ -156,7 +158,7 @@ class RelayServer:
         for client in self._clients.values():
             node_id = self.core.registered_node(client.conn_id)
             if node_id is not None:
-                addresses[node_id] = describe_sockaddr(client.link.remote_address)
+                addresses[node_id] = client.address
         return addresses
 
     # -- LinkHandler -----------------------------------------------------------------
@@ -167,8 +169,13 @@ class RelayServer:
         client = _Client(conn_id=next(self._ids), link=link)
         self._clients[link] = client
         self._by_conn[client.conn_id] = client
+        client.address = describe_sockaddr(link.remote_address)
         self.core.connection_made(
-            client.conn_id, link.peer_id, time.monotonic_ns(), source=link.remote_address[0]
+            client.conn_id,
+            link.peer_id,
+            time.monotonic_ns(),
+            source=link.remote_address[0],
+            address=client.address,
         )
         client.tasks.append(loop.create_task(self._serve(client)))
 
@@ -299,12 +306,21 @@ class RelayServer:
         while True:
             await asyncio.sleep(_HOUSEKEEPING_S)
             self.core.handle_timer(time.monotonic_ns())
+            self._follow_addresses()
             self._wake()
+
+    def _follow_addresses(self) -> None:
+        """Tell the core of clients whose datagrams now come from elsewhere (QUIC followed them)."""
+        for client in self._clients.values():
+            address = describe_sockaddr(client.link.current_address)
+            if address != client.address:
+                client.address = address
+                self.core.address_changed(client.conn_id, address)
 
 
 def _who(link: QuicLink) -> str:
     """``node 4ceybayaat4r at 192.0.2.7:50123``."""
-    return f"node {short_id(link.peer_id)} at {describe_sockaddr(link.remote_address)}"
+    return f"node {short_id(link.peer_id)} at {describe_sockaddr(link.current_address)}"
 
 
 def _refusal_text(body: bytes) -> str:

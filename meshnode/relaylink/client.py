@@ -125,13 +125,21 @@ class RelaySession:
     """One registered connection to a relay."""
 
     def __init__(
-        self, relay_id: bytes, node_id: bytes, link: QuicLink, framed: FramedStream, limits: relay.RelayLimits
+        self,
+        relay_id: bytes,
+        node_id: bytes,
+        link: QuicLink,
+        framed: FramedStream,
+        limits: relay.RelayLimits,
+        observed_address: str = "",
     ):
         self.relay_id = relay_id
         self.node_id = node_id
         self.link = link
         self.framed = framed
         self.limits = limits
+        # Where the relay sees this connection come from (RelayRegistered, then RelayObserved).
+        self.observed_address = observed_address
         now_ns = time.monotonic_ns()
         self._bytes = TokenBucket.full(
             limits.rate_bytes_per_s * _PACING_MARGIN, limits.burst_bytes * _PACING_MARGIN, now_ns
@@ -168,12 +176,23 @@ class RelaySession:
 
 
 class RelayDialer:
-    """A UDP socket for relay connections (the relay ALPN), and the handler that takes the relay's stream."""
+    """Where relay connections leave from (the relay ALPN), and the handler that takes the relay's
+    stream: the node's own QUIC socket (:meth:`shared`), or a socket of its own (:meth:`open`)."""
 
-    def __init__(self, identity: NodeIdentity, endpoint: QuicEndpoint, waiter: RelayStreamWaiter) -> None:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        endpoint: QuicEndpoint,
+        waiter: RelayStreamWaiter,
+        settings: QuicSettings,
+        *,
+        owns_endpoint: bool,
+    ) -> None:
         self.identity = identity
         self.endpoint = endpoint
         self.waiter = waiter
+        self.settings = settings
+        self.owns_endpoint = owns_endpoint
 
     @classmethod
     async def open(
@@ -182,7 +201,14 @@ class RelayDialer:
         waiter = RelayStreamWaiter()
         settings = dataclasses.replace(quic or QuicSettings(), alpn=p.RELAY_ALPN)
         endpoint = await QuicEndpoint.listen(identity, waiter, host, 0, settings)
-        return cls(identity, endpoint, waiter)
+        return cls(identity, endpoint, waiter, settings, owns_endpoint=True)
+
+    @classmethod
+    def shared(cls, endpoint: QuicEndpoint, quic: QuicSettings | None = None) -> RelayDialer:
+        """Relay connections from the node's mesh socket: the relay then observes the address
+        and port that peers behind other NATs can punch to."""
+        settings = dataclasses.replace(quic or QuicSettings(), alpn=p.RELAY_ALPN)
+        return cls(endpoint.identity, endpoint, RelayStreamWaiter(), settings, owns_endpoint=False)
 
     async def register(
         self,
@@ -204,10 +230,12 @@ class RelayDialer:
             connect_timeout=connect_timeout,
             register_timeout=register_timeout,
             still_needed=still_needed,
+            settings=self.settings,
         )
 
     def close(self) -> None:
-        self.endpoint.close()
+        if self.owns_endpoint:
+            self.endpoint.close()
 
 
 async def connect_and_register(
@@ -221,14 +249,20 @@ async def connect_and_register(
     connect_timeout: float = 5.0,
     register_timeout: float = 5.0,
     still_needed: Callable[[], bool] = lambda: True,
+    settings: QuicSettings | None = None,
 ) -> RelaySession:
     """Dial, authenticate the relay by its pinned id, register. Raises ``RelayRefused``/``DialError``.
+
+    ``settings``: the relay connection's QUIC settings, where ``endpoint`` is the node's own
+    (default: the endpoint's, a socket opened for relay connections).
 
     ``still_needed`` is asked just before the registration goes out (a registration replaces
     this node's earlier one at the relay); when it says no, the new connection is closed
     unregistered and :class:`RegistrationNotNeeded` raised.
     """
-    link = await endpoint.dial(relay_endpoint.address, relay_endpoint.id, timeout=connect_timeout)
+    link = await endpoint.dial(
+        relay_endpoint.address, relay_endpoint.id, timeout=connect_timeout, settings=settings, handler=waiter
+    )
     try:
         async with asyncio.timeout(register_timeout):
             stream = await waiter.future_for(link)
@@ -263,7 +297,14 @@ async def connect_and_register(
     except BaseException:
         link.close("registration failed")
         raise
-    return RelaySession(relay_endpoint.id, identity.node_id, link, framed, challenge.limits)
+    return RelaySession(
+        relay_endpoint.id,
+        identity.node_id,
+        link,
+        framed,
+        challenge.limits,
+        observed_address=reply.registered.observed_address,
+    )
 
 
 async def _recv_or_refused(framed: FramedStream) -> relay.RelayServerMessage:
@@ -306,6 +347,8 @@ class RelayCallbacks:
     down: Callable[[RelayClient, str], None]
     # The connection left a ping unanswered: still registered, but maybe dead (see confirm_alive).
     silent: Callable[[RelayClient, str], None]
+    # The address the relay observes this node at changed (a registration, or RelayObserved).
+    observed: Callable[[RelayClient, str], None] = lambda _client, _address: None
 
 
 class RelayCheck(enum.Enum):
@@ -354,6 +397,7 @@ class RelayClient:
         self.epoch = 0
         self.last_error = ""
         self.registrations = 0
+        self._observed_address = ""
         self._closed = False
         # The relay check running now, and the registration it is making to replace a silent
         # connection (see confirm_alive).
@@ -387,8 +431,25 @@ class RelayClient:
     def registered(self) -> bool:
         return self.session is not None and not self.session.is_closed
 
-    async def start(self, local_host: str = "0.0.0.0") -> None:
-        self._dialer = await RelayDialer.open(self.identity, self.quic_settings, local_host)
+    @property
+    def observed_address(self) -> str:
+        """Where the relay last saw this node's connection come from ("": never registered). Kept
+        while the registration is down: the NAT's mapping outlives one connection."""
+        return self._observed_address
+
+    @property
+    def shares_node_socket(self) -> bool:
+        """Whether registrations leave from the node's mesh socket (what the relay observes is
+        then where peers can punch to)."""
+        return self._dialer is not None and not self._dialer.owns_endpoint
+
+    async def start(self, local_host: str = "0.0.0.0", node_endpoint: QuicEndpoint | None = None) -> None:
+        """Start registering: from ``node_endpoint``, the node's own socket, where given and able to
+        reach the relay's address (else from a socket of its own, bound to ``local_host``)."""
+        if node_endpoint is not None and node_endpoint.can_dial(self.endpoint_info.address):
+            self._dialer = RelayDialer.shared(node_endpoint, self.quic_settings)
+        else:
+            self._dialer = await RelayDialer.open(self.identity, self.quic_settings, local_host)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def wait_registered(self, timeout: float | None = None) -> None:
@@ -531,8 +592,14 @@ class RelayClient:
             self.epoch += 1
             self.registrations += 1
             self._registered.set()
-            log.info("registered with relay %s as %s", self.endpoint_info, short_id(self.identity.node_id))
+            log.info(
+                "registered with relay %s as %s%s",
+                self.endpoint_info,
+                short_id(self.identity.node_id),
+                f"; it sees us at {session.observed_address}" if session.observed_address else "",
+            )
             self._callbacks.up(self)
+            self._observe(session.observed_address)
             reason = await self._pump(session)
             self.session = None
             self._registered.clear()
@@ -610,6 +677,12 @@ class RelayClient:
                     callbacks.peer_gone(self, bytes(message.peer_gone.peer_id), message.peer_gone.reason)
                 elif kind == "send_refused":
                     callbacks.send_refused(self, message.send_refused)
+                elif kind == "observed":
+                    address = message.observed.observed_address
+                    if address and address != session.observed_address:
+                        log.info("relay %s now sees us at %s", self.endpoint_info, address)
+                        session.observed_address = address
+                        self._observe(address)
                 elif kind == "refused":
                     refused = RelayRefused.from_pb(message.refused)
                     self._pass_revocation(refused)
@@ -618,6 +691,11 @@ class RelayClient:
             return exc.reason
         except (StreamError, FramingError, RelayRefused) as exc:
             return str(exc)
+
+    def _observe(self, address: str) -> None:
+        if address and address != self._observed_address:
+            self._observed_address = address
+            self._callbacks.observed(self, address)
 
     def _pass_revocation(self, refused: RelayRefused) -> None:
         if refused.revocation is not None and self.on_revocation is not None:

@@ -40,6 +40,7 @@ from meshnode.relaylink.send_turns import Sealer
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.base import LinkHandler, PeerLink, StreamError
+from meshnode.transport.quic import QuicEndpoint
 from meshnode.transport.udp_address import local_host_to_reach
 
 log = logging.getLogger("meshnode.relaylink")
@@ -72,6 +73,21 @@ class RelayLinkStats:
     # Sealed payload bytes through relays, both directions (handshakes included).
     bytes_sent: int = 0
     bytes_received: int = 0
+    # The same, both directions together, by peer (the last MAX_COUNTED_PEERS peers counted).
+    peer_bytes: dict[bytes, int] = field(default_factory=dict)
+
+    def count(self, peer_id: bytes, nbytes: int, *, sent: bool) -> None:
+        if sent:
+            self.bytes_sent += nbytes
+        else:
+            self.bytes_received += nbytes
+        self.peer_bytes[peer_id] = self.peer_bytes.pop(peer_id, 0) + nbytes
+        if len(self.peer_bytes) > MAX_COUNTED_PEERS:
+            del self.peer_bytes[next(iter(self.peer_bytes))]
+
+
+# Peers whose relayed bytes are counted one by one (RelayLinkStats.peer_bytes).
+MAX_COUNTED_PEERS = 1024
 
 
 class RelayLinks:
@@ -86,6 +102,8 @@ class RelayLinks:
         local_host: str = "0.0.0.0",
         revocations: Callable[[], list[membership.Revocation]] = list,
         on_revocation: Callable[[membership.Revocation], None] | None = None,
+        node_endpoint: QuicEndpoint | None = None,
+        on_observed: Callable[[], None] | None = None,
     ) -> None:
         self.identity = identity
         self.handler = handler
@@ -96,6 +114,10 @@ class RelayLinks:
         self._revocations = revocations
         self._on_revocation = on_revocation
         self._local_host = local_host
+        # Registrations leave from the node's own socket where it can reach the relay.
+        self._node_endpoint = node_endpoint
+        # Told when the address a relay observes this node at changes (observed_addresses()).
+        self._on_observed = on_observed
         self._clients: dict[bytes, RelayClient] = {}
         # Our own relays (never evicted); the other clients serve relays peers announce.
         self._own: set[bytes] = set()
@@ -114,6 +136,7 @@ class RelayLinks:
             up=self._on_up,
             down=self._on_down,
             silent=self._on_silent,
+            observed=self._on_observed_address,
         )
 
     # -- relays ------------------------------------------------------------------------
@@ -174,11 +197,20 @@ class RelayLinks:
         )
         client.on_revocation = self._on_revocation
         self._clients[endpoint.id] = client
-        await client.start(local_host_to_reach(endpoint.address, self._local_host))
+        await client.start(local_host_to_reach(endpoint.address, self._local_host), self._node_endpoint)
 
     @property
     def relays(self) -> list[Endpoint]:
         return [client.endpoint_info for client in self._clients.values()]
+
+    def observed_addresses(self) -> dict[bytes, str]:
+        """Where each relay registered from the node's own socket sees it now, by relay id: behind
+        NAT, the router's public address and the port it mapped that socket to."""
+        return {
+            relay_id: client.observed_address
+            for relay_id, client in self._clients.items()
+            if client.shares_node_socket and client.observed_address
+        }
 
     def registered_relays(self) -> list[Endpoint]:
         return [client.endpoint_info for client in self._clients.values() if client.registered]
@@ -244,7 +276,7 @@ class RelayLinks:
             try:
                 hello = sealer.start()
                 client.send(peer_id, CONTROL_CHANNEL, hello)
-                self.stats.bytes_sent += len(hello)
+                self.stats.count(peer_id, len(hello), sent=True)
             except StreamError as exc:
                 self._fail_pending(key, RelayDialError(str(exc)))
         try:
@@ -325,7 +357,7 @@ class RelayLinks:
         if source == self.identity.node_id:
             return
         self._doubted.discard(client.relay_id)  # it delivers: alive
-        self.stats.bytes_received += len(payload)
+        self.stats.count(source, len(payload), sent=False)
         try:
             sealer = self._sealer(key)
         except RelayDialError:
@@ -340,7 +372,7 @@ class RelayLinks:
             elif isinstance(event, SendControl):
                 with contextlib.suppress(StreamError):
                     client.send(source, CONTROL_CHANNEL, event.payload)
-                    self.stats.bytes_sent += len(event.payload)
+                    self.stats.count(source, len(event.payload), sent=True)
             elif isinstance(event, SessionEstablished):
                 self._established(client, key, event)
             elif isinstance(event, Dropped):
@@ -360,7 +392,7 @@ class RelayLinks:
                 # Counted as it leaves: a record of a link that ended while it waited is not sent.
                 payload = seal(channel, record)
                 if payload is not None:
-                    self.stats.bytes_sent += len(payload)
+                    self.stats.count(peer_id, len(payload), sent=True)
                 return payload
 
             client.send(peer_id, channel, record, seal_and_count)
@@ -428,6 +460,10 @@ class RelayLinks:
             self._drop_sealer(key)
         if not any(c.registered for c in self._clients.values()):
             self._any_registered.clear()
+
+    def _on_observed_address(self, client: RelayClient, address: str) -> None:
+        if self._on_observed is not None and client.shares_node_socket:
+            self._on_observed()
 
     def _on_silent(self, client: RelayClient, reason: str) -> None:
         # New links go elsewhere while it may be dead, and dials waiting on it fail now rather

@@ -14,6 +14,7 @@ from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.gen.meshnode.v1 import relay_pb2 as relay
 from meshnode.identity import NODE_ID_BYTES, SIGNATURE_BYTES, NodeIdentity
 from meshnode.membership.credentials import MAX_TOKEN_CHARS
+from meshnode.transport.addresses import is_valid_address
 from meshnode.wire.errors import (
     BufferLimitExceeded,
     FrameStalled,
@@ -192,6 +193,10 @@ def decode_server_message(body: bytes) -> relay.RelayServerMessage:
             raise RelayRefused(MALFORMED, f"challenge must be {CHALLENGE_BYTES} bytes")
     elif kind == "peer_gone":
         _check_id(message.peer_gone.peer_id, "peer id")
+    elif kind in ("registered", "observed"):
+        observed = getattr(message, kind).observed_address
+        if observed and not is_valid_address(observed):
+            raise RelayRefused(MALFORMED, "observed address is not host:port")
     elif kind is None:
         raise RelayRefused(MALFORMED, "empty relay frame")
     return message

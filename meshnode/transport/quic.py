@@ -25,6 +25,7 @@ from typing import cast
 
 from aioquic.buffer import Buffer
 from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from meshnode.identity import NodeIdentity, short_id
@@ -169,10 +170,14 @@ class QuicLink(PeerLink):
         initiated_locally: bool,
         expected_peer_id: bytes | None,
         remote_address: SockAddr,
+        settings: QuicSettings | None = None,
+        handler: LinkHandler | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.quic = quic
-        self.settings = endpoint.settings
+        # A relay registration shares the node's socket with its own ALPN, timeouts and owner.
+        self.settings = settings or endpoint.settings
+        self.handler = handler or endpoint.handler
         self.initiated_locally = initiated_locally
         self.expected_peer_id = expected_peer_id
         self.remote_address = remote_address
@@ -194,6 +199,11 @@ class QuicLink(PeerLink):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_handle: asyncio.Handle | None = None
+        # UDP payload bytes each way (status and metrics: direct against relayed traffic).
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        # How a direct link came about ("public", "lan", "punched"); the node's traversal sets it.
+        self.path = "public"
 
     # -- PeerLink --------------------------------------------------------------
 
@@ -217,6 +227,12 @@ class QuicLink(PeerLink):
     @property
     def description(self) -> str:
         return f"quic {describe_sockaddr(self.remote_address)}"
+
+    @property
+    def current_address(self) -> SockAddr:
+        """Where the peer's datagrams come from now: QUIC follows a peer whose address changed
+        (a NAT that remapped it), ``remote_address`` is where the link began."""
+        return self.quic.get_peer_address() or self.remote_address
 
     @property
     def stream_count(self) -> int:
@@ -250,6 +266,7 @@ class QuicLink(PeerLink):
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         self.last_received_at = self.endpoint.loop.time()
+        self.bytes_received += len(data)
         self.quic.receive_datagram(data, addr, now=self.last_received_at)
         self._process_events()
         # Not at once: the datagrams read in this loop turn, and the answers the woken
@@ -262,6 +279,7 @@ class QuicLink(PeerLink):
         sent = False
         for data, addr in self.quic.datagrams_to_send(now=loop.time()):
             self.endpoint.sendto(data, addr)
+            self.bytes_sent += len(data)
             sent = True
         if sent and self.settings.max_stream_unsent is not None:
             # What was waiting to be sent went: writers held back by max_stream_unsent re-check.
@@ -345,7 +363,7 @@ class QuicLink(PeerLink):
             return None  # served and forgotten already
         stream = QuicMeshStream(self, stream_id)
         self._streams[stream_id] = stream
-        self.endpoint.handler.stream_accepted(self, stream)
+        self.handler.stream_accepted(self, stream)
         return stream
 
     def _authenticate(self, event: events.HandshakeCompleted) -> None:
@@ -361,7 +379,7 @@ class QuicLink(PeerLink):
             self.established_at = self.endpoint.loop.time()
             if not self.connected.done():
                 self.connected.set_result(None)
-            self.endpoint.handler.link_established(self)
+            self.handler.link_established(self)
 
     def _refuse(self, reason: str | DialError) -> None:
         error = reason if isinstance(reason, DialError) else DialError(reason)
@@ -391,7 +409,7 @@ class QuicLink(PeerLink):
             self.connected.set_exception(DialError(reason))
             self.connected.exception()
         if self.peer_id:
-            self.endpoint.handler.link_closed(self, reason)
+            self.handler.link_closed(self, reason)
         if self._terminated:
             self._cancel_timer()
 
@@ -411,16 +429,12 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         # Shared with every other endpoint of the process unless a test swaps it.
         self.process_budget: BufferBudget = process_budget()
         self.loop = asyncio.get_running_loop()
-        certificate = self_signed_certificate(identity)
-        common = {
-            "stream_window": settings.stream_window,
-            "connection_window": settings.connection_window,
-            "idle_timeout": settings.idle_timeout,
-            "max_datagram_size": settings.max_datagram_size,
-            "alpn": settings.alpn,
-        }
-        self._server_config = quic_configuration(identity, certificate, is_client=False, **common)
-        self._client_config = quic_configuration(identity, certificate, is_client=True, **common)
+        self._certificate = self_signed_certificate(identity)
+        self._server_config = self._configuration(settings, is_client=False)
+        # Client configurations by the settings dialed with (the node's own, a relay's).
+        self._client_configs: dict[QuicSettings, QuicConfiguration] = {}
+        # UDP payload bytes of links gone, by ALPN (see traffic()).
+        self._traffic_gone: dict[str, list[int]] = {}
         self._by_cid: dict[bytes, QuicLink] = {}
         self._links: set[QuicLink] = set()
         self._transport: asyncio.DatagramTransport | None = None
@@ -457,27 +471,74 @@ class QuicEndpoint(asyncio.DatagramProtocol):
     def links(self) -> set[QuicLink]:
         return set(self._links)
 
-    async def dial(self, address: str, expected_peer_id: bytes, timeout: float | None = None) -> QuicLink:
-        """Connect to ``host:port`` and authenticate it as ``expected_peer_id``."""
+    def _configuration(self, settings: QuicSettings, *, is_client: bool) -> QuicConfiguration:
+        return quic_configuration(
+            self.identity,
+            self._certificate,
+            is_client=is_client,
+            stream_window=settings.stream_window,
+            connection_window=settings.connection_window,
+            idle_timeout=settings.idle_timeout,
+            max_datagram_size=settings.max_datagram_size,
+            alpn=settings.alpn,
+        )
+
+    def can_dial(self, address: str) -> bool:
+        """Whether this socket can send to ``address`` (an IPv6 literal needs an IPv6 socket;
+        a name is taken to resolve to an address it can reach)."""
+        try:
+            host, port = parse_host_port(address)
+            sockaddr_for(self._family, host, port)
+        except FamilyMismatch:
+            return False
+        except ValueError:
+            pass
+        return True
+
+    async def dial(
+        self,
+        address: str,
+        expected_peer_id: bytes,
+        timeout: float | None = None,
+        *,
+        settings: QuicSettings | None = None,
+        handler: LinkHandler | None = None,
+    ) -> QuicLink:
+        """Connect to ``host:port`` and authenticate it as ``expected_peer_id``.
+
+        ``settings`` and ``handler`` (default: the endpoint's) serve another protocol from the
+        same socket: a relay registration leaves from the port peers see, so the address the
+        relay observes is one they can reach.
+        """
         if self._transport is None or self._transport.is_closing():
             raise DialError("endpoint closed")
         addr = await self._resolve(address)
+        settings = settings or self.settings
+        configuration = self._client_configs.get(settings)
+        if configuration is None:
+            configuration = self._client_configs[settings] = self._configuration(settings, is_client=True)
         quic = MeshQuicConnection(
-            configuration=self._client_config,
-            stream_window=self.settings.stream_window,
-            connection_window=self.settings.connection_window,
-            ack_delay=self.settings.ack_delay,
-            peer_max_ack_delay=self.settings.peer_max_ack_delay,
+            configuration=configuration,
+            stream_window=settings.stream_window,
+            connection_window=settings.connection_window,
+            ack_delay=settings.ack_delay,
+            peer_max_ack_delay=settings.peer_max_ack_delay,
         )
         link = QuicLink(
-            self, quic, initiated_locally=True, expected_peer_id=expected_peer_id, remote_address=addr
+            self,
+            quic,
+            initiated_locally=True,
+            expected_peer_id=expected_peer_id,
+            remote_address=addr,
+            settings=settings,
+            handler=handler,
         )
         self._links.add(link)
         self.route(quic.host_cid, link)
         quic.connect(addr, now=self.loop.time())
         link.transmit()
         try:
-            await asyncio.wait_for(asyncio.shield(link.connected), timeout or self.settings.handshake_timeout)
+            await asyncio.wait_for(asyncio.shield(link.connected), timeout or settings.handshake_timeout)
         except TimeoutError:
             link.close("handshake timed out")
             raise DialError(f"no QUIC handshake with {address} in time") from None
@@ -536,9 +597,34 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         self._by_cid.pop(cid, None)
 
     def forget(self, link: QuicLink) -> None:
+        if link in self._links:
+            gone = self._traffic_gone.setdefault(link.settings.alpn, [0, 0])
+            gone[0] += link.bytes_sent
+            gone[1] += link.bytes_received
         self._links.discard(link)
         for cid in [cid for cid, owner in self._by_cid.items() if owner is link]:
             del self._by_cid[cid]
+
+    def send_datagram(self, address: str, data: bytes) -> bool:
+        """Send ``data`` from this socket to ``address`` (an IP literal ``host:port``: nothing is
+        resolved); False where it cannot be sent."""
+        try:
+            host, port = parse_host_port(address)
+            addr = sockaddr_for(self._family, host, port)
+        except ValueError:  # not host:port, not an IP literal, or a family this socket lacks
+            return False
+        self.sendto(data, addr)  # type: ignore[arg-type]
+        return True
+
+    def traffic(self, alpn: str) -> tuple[int, int]:
+        """UDP payload bytes (sent, received) of every link of protocol ``alpn`` this endpoint
+        has had, live and gone."""
+        sent, received = self._traffic_gone.get(alpn, [0, 0])
+        for link in self._links:
+            if link.settings.alpn == alpn:
+                sent += link.bytes_sent
+                received += link.bytes_received
+        return sent, received
 
     def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -593,18 +679,22 @@ class QuicEndpoint(asyncio.DatagramProtocol):
 
     async def _housekeep(self) -> None:
         """Keepalive PINGs, and closing handshakes that never finish."""
-        interval = min(self.settings.keepalive_interval, self.settings.handshake_timeout)
         while True:
-            await asyncio.sleep(interval / 2)
+            # Every link's settings are looked at: a relay registration's keepalive is its own.
+            intervals = [min(s.keepalive_interval, s.handshake_timeout) for s in self._link_settings()]
+            await asyncio.sleep(min(intervals) / 2)
             now = self.loop.time()
             for link in list(self._links):
                 if link.is_closed:
                     continue
                 if not link.peer_id:
-                    if now - link.created_at > self.settings.handshake_timeout:
+                    if now - link.created_at > link.settings.handshake_timeout:
                         link.close("handshake timed out")
-                elif now - link.last_received_at >= self.settings.keepalive_interval:
+                elif now - link.last_received_at >= link.settings.keepalive_interval:
                     link.ping()
+
+    def _link_settings(self) -> set[QuicSettings]:
+        return {self.settings, *(link.settings for link in self._links)}
 
 
 __all__ = [

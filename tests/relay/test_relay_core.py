@@ -11,6 +11,7 @@ from relay_helpers import RelayDriver as Relay
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey
 from meshnode.relaywire import protocol as p
+from meshnode.relaywire.protocol import relay
 from meshnode.wire.pb import mesh
 from relay.core import FramesReady, RelayCore, RelayPolicy
 
@@ -293,6 +294,34 @@ def test_second_registration_replaces_the_first_and_inherits_queued_frames() -> 
     r.send(conn_a, b.node_id, b"after")
     assert r.drain(conn_a) == []
     assert [m.deliver.payload for m in r.drain(new_b)] == [b"after"]
+
+
+def test_a_member_is_told_where_the_relay_sees_it_and_again_when_that_changes() -> None:
+    r = Relay()
+    member = r.member()
+    conn = 99
+    r.core.connection_made(conn, member.node_id, r.now, source="198.51.100.7", address="198.51.100.7:40001")
+    (challenge,) = r.drain(conn)
+    r.core.address_changed(conn, "198.51.100.7:40002")  # not registered yet: nothing to tell
+    assert r.drain(conn) == []
+    r.feed(conn, register_frame(member, relay_id=r.relay_id, challenge=challenge.challenge.challenge))
+    (registered,) = r.drain(conn)
+    assert registered.registered.observed_address == "198.51.100.7:40002"
+    # Its NAT remapped it: told once, and only when the address really changed.
+    r.core.address_changed(conn, "198.51.100.7:51000")
+    r.core.address_changed(conn, "198.51.100.7:51000")
+    (observed,) = r.drain(conn)
+    assert observed.observed.observed_address == "198.51.100.7:51000"
+
+
+def test_a_relay_naming_an_observed_address_that_is_no_address_is_malformed() -> None:
+    for message in (
+        relay.RelayServerMessage(registered=relay.RelayRegistered(observed_address="nowhere")),
+        relay.RelayServerMessage(observed=relay.RelayObserved(observed_address="10.0.0.1:99999")),
+    ):
+        with pytest.raises(p.RelayRefused) as refused:
+            p.decode_server_message(message.SerializeToString())
+        assert refused.value.code == p.MALFORMED
 
 
 def test_senders_are_told_when_a_destination_goes_away() -> None:

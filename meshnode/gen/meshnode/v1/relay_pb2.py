@@ -27,15 +27,15 @@ from meshnode.gen.meshnode.v1 import membership_pb2 as meshnode_dot_v1_dot_membe
 from meshnode.gen.meshnode.v1 import mesh_pb2 as meshnode_dot_v1_dot_mesh__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshnode/v1/relay.proto\x12\x0bmeshnode.v1\x1a\x1cmeshnode/v1/membership.proto\x1a\x16meshnode/v1/mesh.proto\"\xac\x01\n\x0cRelayRefusal\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.meshnode.v1.RelayErrorCode\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x34\n\x10membership_error\x18\x03 \x01(\x0e\x32\x1a.meshnode.v1.MeshErrorCode\x12+\n\nrevocation\x18\x04 \x01(\x0b\x32\x17.meshnode.v1.Revocation\"\xba\x01\n\x0bRelayLimits\x12\x19\n\x11max_payload_bytes\x18\x01 \x01(\x04\x12\x18\n\x10rate_bytes_per_s\x18\x02 \x01(\x04\x12\x13\n\x0b\x62urst_bytes\x18\x03 \x01(\x04\x12\x19\n\x11rate_frames_per_s\x18\x04 \x01(\x04\x12\x14\n\x0c\x62urst_frames\x18\x05 \x01(\x04\x12\x1a\n\x12source_queue_bytes\x18\x06 \x01(\x04\x12\x14\n\x0ckeepalive_ms\x18\x07 \x01(\r\"p\n\x0eRelayChallenge\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08relay_id\x18\x02 \x01(\x0c\x12\x11\n\tchallenge\x18\x03 \x01(\x0c\x12(\n\x06limits\x18\x04 \x01(\x0b\x32\x18.meshnode.v1.RelayLimits\"|\n\rRelayRegister\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x36\n\x10membership_proof\x18\x04 \x01(\x0b\x32\x1c.meshnode.v1.MembershipProof\"3\n\x0fRelayRegistered\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\"V\n\tRelaySend\x12\x16\n\x0e\x64\x65stination_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0f\n\x07send_id\x18\x04 \x01(\x04\"C\n\x0cRelayDeliver\x12\x11\n\tsource_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"x\n\x10RelaySendRefused\x12\x0f\n\x07send_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65stination_id\x18\x02 \x01(\x0c\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\x04\x12*\n\x07refusal\x18\x04 \x01(\x0b\x32\x19.meshnode.v1.RelayRefusal\"0\n\rRelayPeerGone\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xaa\x01\n\x12RelayClientMessage\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.meshnode.v1.RelayRegisterH\x00\x12&\n\x04send\x18\x02 \x01(\x0b\x32\x16.meshnode.v1.RelaySendH\x00\x12\x34\n\x0brevocations\x18\x03 \x01(\x0b\x32\x1d.meshnode.v1.RelayRevocationsH\x00\x42\x06\n\x04kind\"@\n\x10RelayRevocations\x12,\n\x0brevocations\x18\x01 \x03(\x0b\x32\x17.meshnode.v1.Revocation\"\xc6\x02\n\x12RelayServerMessage\x12\x30\n\tchallenge\x18\x01 \x01(\x0b\x32\x1b.meshnode.v1.RelayChallengeH\x00\x12\x32\n\nregistered\x18\x02 \x01(\x0b\x32\x1c.meshnode.v1.RelayRegisteredH\x00\x12,\n\x07refused\x18\x03 \x01(\x0b\x32\x19.meshnode.v1.RelayRefusalH\x00\x12,\n\x07\x64\x65liver\x18\x04 \x01(\x0b\x32\x19.meshnode.v1.RelayDeliverH\x00\x12\x35\n\x0csend_refused\x18\x05 \x01(\x0b\x32\x1d.meshnode.v1.RelaySendRefusedH\x00\x12/\n\tpeer_gone\x18\x06 \x01(\x0b\x32\x1a.meshnode.v1.RelayPeerGoneH\x00\x42\x06\n\x04kind*\xc0\x03\n\x0eRelayErrorCode\x12\x1b\n\x17RELAY_ERROR_UNSPECIFIED\x10\x00\x12\x19\n\x15RELAY_ERROR_MALFORMED\x10\x01\x12\x18\n\x14RELAY_ERROR_PROTOCOL\x10\x02\x12\x1d\n\x19RELAY_ERROR_BAD_SIGNATURE\x10\x03\x12!\n\x1dRELAY_ERROR_IDENTITY_MISMATCH\x10\x04\x12\x1c\n\x18RELAY_ERROR_NOT_A_MEMBER\x10\x05\x12#\n\x1fRELAY_ERROR_DESTINATION_UNKNOWN\x10\x06\x12\x1a\n\x16RELAY_ERROR_QUEUE_FULL\x10\x07\x12!\n\x1dRELAY_ERROR_PAYLOAD_TOO_LARGE\x10\x08\x12\x18\n\x14RELAY_ERROR_REPLACED\x10\t\x12$\n RELAY_ERROR_REGISTRATION_TIMEOUT\x10\n\x12\x1d\n\x19RELAY_ERROR_SHUTTING_DOWN\x10\x0b\x12\x1a\n\x16RELAY_ERROR_OVERLOADED\x10\x0c\x12\x1d\n\x19RELAY_ERROR_FRAME_STALLED\x10\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshnode/v1/relay.proto\x12\x0bmeshnode.v1\x1a\x1cmeshnode/v1/membership.proto\x1a\x16meshnode/v1/mesh.proto\"\xac\x01\n\x0cRelayRefusal\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.meshnode.v1.RelayErrorCode\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x34\n\x10membership_error\x18\x03 \x01(\x0e\x32\x1a.meshnode.v1.MeshErrorCode\x12+\n\nrevocation\x18\x04 \x01(\x0b\x32\x17.meshnode.v1.Revocation\"\xba\x01\n\x0bRelayLimits\x12\x19\n\x11max_payload_bytes\x18\x01 \x01(\x04\x12\x18\n\x10rate_bytes_per_s\x18\x02 \x01(\x04\x12\x13\n\x0b\x62urst_bytes\x18\x03 \x01(\x04\x12\x19\n\x11rate_frames_per_s\x18\x04 \x01(\x04\x12\x14\n\x0c\x62urst_frames\x18\x05 \x01(\x04\x12\x1a\n\x12source_queue_bytes\x18\x06 \x01(\x04\x12\x14\n\x0ckeepalive_ms\x18\x07 \x01(\r\"p\n\x0eRelayChallenge\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08relay_id\x18\x02 \x01(\x0c\x12\x11\n\tchallenge\x18\x03 \x01(\x0c\x12(\n\x06limits\x18\x04 \x01(\x0b\x32\x18.meshnode.v1.RelayLimits\"|\n\rRelayRegister\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x36\n\x10membership_proof\x18\x04 \x01(\x0b\x32\x1c.meshnode.v1.MembershipProof\"M\n\x0fRelayRegistered\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x18\n\x10observed_address\x18\x03 \x01(\t\")\n\rRelayObserved\x12\x18\n\x10observed_address\x18\x01 \x01(\t\"V\n\tRelaySend\x12\x16\n\x0e\x64\x65stination_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0f\n\x07send_id\x18\x04 \x01(\x04\"C\n\x0cRelayDeliver\x12\x11\n\tsource_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"x\n\x10RelaySendRefused\x12\x0f\n\x07send_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65stination_id\x18\x02 \x01(\x0c\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\x04\x12*\n\x07refusal\x18\x04 \x01(\x0b\x32\x19.meshnode.v1.RelayRefusal\"0\n\rRelayPeerGone\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xaa\x01\n\x12RelayClientMessage\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.meshnode.v1.RelayRegisterH\x00\x12&\n\x04send\x18\x02 \x01(\x0b\x32\x16.meshnode.v1.RelaySendH\x00\x12\x34\n\x0brevocations\x18\x03 \x01(\x0b\x32\x1d.meshnode.v1.RelayRevocationsH\x00\x42\x06\n\x04kind\"@\n\x10RelayRevocations\x12,\n\x0brevocations\x18\x01 \x03(\x0b\x32\x17.meshnode.v1.Revocation\"\xf6\x02\n\x12RelayServerMessage\x12\x30\n\tchallenge\x18\x01 \x01(\x0b\x32\x1b.meshnode.v1.RelayChallengeH\x00\x12\x32\n\nregistered\x18\x02 \x01(\x0b\x32\x1c.meshnode.v1.RelayRegisteredH\x00\x12,\n\x07refused\x18\x03 \x01(\x0b\x32\x19.meshnode.v1.RelayRefusalH\x00\x12,\n\x07\x64\x65liver\x18\x04 \x01(\x0b\x32\x19.meshnode.v1.RelayDeliverH\x00\x12\x35\n\x0csend_refused\x18\x05 \x01(\x0b\x32\x1d.meshnode.v1.RelaySendRefusedH\x00\x12/\n\tpeer_gone\x18\x06 \x01(\x0b\x32\x1a.meshnode.v1.RelayPeerGoneH\x00\x12.\n\x08observed\x18\x07 \x01(\x0b\x32\x1a.meshnode.v1.RelayObservedH\x00\x42\x06\n\x04kind*\xc0\x03\n\x0eRelayErrorCode\x12\x1b\n\x17RELAY_ERROR_UNSPECIFIED\x10\x00\x12\x19\n\x15RELAY_ERROR_MALFORMED\x10\x01\x12\x18\n\x14RELAY_ERROR_PROTOCOL\x10\x02\x12\x1d\n\x19RELAY_ERROR_BAD_SIGNATURE\x10\x03\x12!\n\x1dRELAY_ERROR_IDENTITY_MISMATCH\x10\x04\x12\x1c\n\x18RELAY_ERROR_NOT_A_MEMBER\x10\x05\x12#\n\x1fRELAY_ERROR_DESTINATION_UNKNOWN\x10\x06\x12\x1a\n\x16RELAY_ERROR_QUEUE_FULL\x10\x07\x12!\n\x1dRELAY_ERROR_PAYLOAD_TOO_LARGE\x10\x08\x12\x18\n\x14RELAY_ERROR_REPLACED\x10\t\x12$\n RELAY_ERROR_REGISTRATION_TIMEOUT\x10\n\x12\x1d\n\x19RELAY_ERROR_SHUTTING_DOWN\x10\x0b\x12\x1a\n\x16RELAY_ERROR_OVERLOADED\x10\x0c\x12\x1d\n\x19RELAY_ERROR_FRAME_STALLED\x10\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshnode.v1.relay_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RELAYERRORCODE']._serialized_start=1649
-  _globals['_RELAYERRORCODE']._serialized_end=2097
+  _globals['_RELAYERRORCODE']._serialized_start=1766
+  _globals['_RELAYERRORCODE']._serialized_end=2214
   _globals['_RELAYREFUSAL']._serialized_start=95
   _globals['_RELAYREFUSAL']._serialized_end=267
   _globals['_RELAYLIMITS']._serialized_start=270
@@ -45,19 +45,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELAYREGISTER']._serialized_start=572
   _globals['_RELAYREGISTER']._serialized_end=696
   _globals['_RELAYREGISTERED']._serialized_start=698
-  _globals['_RELAYREGISTERED']._serialized_end=749
-  _globals['_RELAYSEND']._serialized_start=751
-  _globals['_RELAYSEND']._serialized_end=837
-  _globals['_RELAYDELIVER']._serialized_start=839
-  _globals['_RELAYDELIVER']._serialized_end=906
-  _globals['_RELAYSENDREFUSED']._serialized_start=908
-  _globals['_RELAYSENDREFUSED']._serialized_end=1028
-  _globals['_RELAYPEERGONE']._serialized_start=1030
-  _globals['_RELAYPEERGONE']._serialized_end=1078
-  _globals['_RELAYCLIENTMESSAGE']._serialized_start=1081
-  _globals['_RELAYCLIENTMESSAGE']._serialized_end=1251
-  _globals['_RELAYREVOCATIONS']._serialized_start=1253
-  _globals['_RELAYREVOCATIONS']._serialized_end=1317
-  _globals['_RELAYSERVERMESSAGE']._serialized_start=1320
-  _globals['_RELAYSERVERMESSAGE']._serialized_end=1646
+  _globals['_RELAYREGISTERED']._serialized_end=775
+  _globals['_RELAYOBSERVED']._serialized_start=777
+  _globals['_RELAYOBSERVED']._serialized_end=818
+  _globals['_RELAYSEND']._serialized_start=820
+  _globals['_RELAYSEND']._serialized_end=906
+  _globals['_RELAYDELIVER']._serialized_start=908
+  _globals['_RELAYDELIVER']._serialized_end=975
+  _globals['_RELAYSENDREFUSED']._serialized_start=977
+  _globals['_RELAYSENDREFUSED']._serialized_end=1097
+  _globals['_RELAYPEERGONE']._serialized_start=1099
+  _globals['_RELAYPEERGONE']._serialized_end=1147
+  _globals['_RELAYCLIENTMESSAGE']._serialized_start=1150
+  _globals['_RELAYCLIENTMESSAGE']._serialized_end=1320
+  _globals['_RELAYREVOCATIONS']._serialized_start=1322
+  _globals['_RELAYREVOCATIONS']._serialized_end=1386
+  _globals['_RELAYSERVERMESSAGE']._serialized_start=1389
+  _globals['_RELAYSERVERMESSAGE']._serialized_end=1763
 # @@protoc_insertion_point(module_scope)

@@ -96,12 +96,20 @@ class RelayRegister(_message.Message):
     def __init__(self, node_id: _Optional[bytes] = ..., mesh_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ...) -> None: ...
 
 class RelayRegistered(_message.Message):
-    __slots__ = ("node_id", "mesh_id")
+    __slots__ = ("node_id", "mesh_id", "observed_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: bytes
     mesh_id: str
-    def __init__(self, node_id: _Optional[bytes] = ..., mesh_id: _Optional[str] = ...) -> None: ...
+    observed_address: str
+    def __init__(self, node_id: _Optional[bytes] = ..., mesh_id: _Optional[str] = ..., observed_address: _Optional[str] = ...) -> None: ...
+
+class RelayObserved(_message.Message):
+    __slots__ = ("observed_address",)
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    observed_address: str
+    def __init__(self, observed_address: _Optional[str] = ...) -> None: ...
 
 class RelaySend(_message.Message):
     __slots__ = ("destination_id", "channel", "payload", "send_id")
@@ -162,17 +170,19 @@ class RelayRevocations(_message.Message):
     def __init__(self, revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ...) -> None: ...
 
 class RelayServerMessage(_message.Message):
-    __slots__ = ("challenge", "registered", "refused", "deliver", "send_refused", "peer_gone")
+    __slots__ = ("challenge", "registered", "refused", "deliver", "send_refused", "peer_gone", "observed")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DELIVER_FIELD_NUMBER: _ClassVar[int]
     SEND_REFUSED_FIELD_NUMBER: _ClassVar[int]
     PEER_GONE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
     challenge: RelayChallenge
     registered: RelayRegistered
     refused: RelayRefusal
     deliver: RelayDeliver
     send_refused: RelaySendRefused
     peer_gone: RelayPeerGone
-    def __init__(self, challenge: _Optional[_Union[RelayChallenge, _Mapping]] = ..., registered: _Optional[_Union[RelayRegistered, _Mapping]] = ..., refused: _Optional[_Union[RelayRefusal, _Mapping]] = ..., deliver: _Optional[_Union[RelayDeliver, _Mapping]] = ..., send_refused: _Optional[_Union[RelaySendRefused, _Mapping]] = ..., peer_gone: _Optional[_Union[RelayPeerGone, _Mapping]] = ...) -> None: ...
+    observed: RelayObserved
+    def __init__(self, challenge: _Optional[_Union[RelayChallenge, _Mapping]] = ..., registered: _Optional[_Union[RelayRegistered, _Mapping]] = ..., refused: _Optional[_Union[RelayRefusal, _Mapping]] = ..., deliver: _Optional[_Union[RelayDeliver, _Mapping]] = ..., send_refused: _Optional[_Union[RelaySendRefused, _Mapping]] = ..., peer_gone: _Optional[_Union[RelayPeerGone, _Mapping]] = ..., observed: _Optional[_Union[RelayObserved, _Mapping]] = ...) -> None: ...
