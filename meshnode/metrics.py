@@ -228,6 +228,7 @@ def _node_families(node: Any) -> list[Metric]:
             ],
         ),
     ]
+    families += _traversal_families(node)
     relays = node.relay_links
     if relays is not None:
         stats = relays.stats
@@ -253,6 +254,45 @@ def _node_families(node: Any) -> list[Metric]:
                 len(relays.registered_relays()),
             ),
         ]
+    return families
+
+
+def _traversal_families(node: Any) -> list[Metric]:
+    """Hole punching by outcome, direct paths lost, and the bytes links carried direct and relayed."""
+    from meshnode.wire.framing import ALPN
+
+    traversal = node.traversal
+    attempts = sorted(traversal.attempts.items())
+    families: list[Metric] = [
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_hole_punch_attempts_total",
+            "Hole-punching attempts this node took part in, by its role and how they ended",
+            [({"role": role, "outcome": outcome}, count) for (role, outcome), count in attempts],
+        ),
+        _counter(
+            "meshnode_direct_paths_lost_total",
+            "Direct paths to peers behind NAT given up for the relay (silent, or unanswered)",
+            traversal.paths_lost,
+        ),
+    ]
+    samples: list[tuple[Mapping[str, str], float]] = []
+    if node.endpoint is not None:
+        sent, received = node.endpoint.traffic(ALPN)
+        samples += [({"path": "direct", "direction": "sent"}, sent)]
+        samples += [({"path": "direct", "direction": "received"}, received)]
+    relays = node.relay_links
+    if relays is not None:
+        samples += [({"path": "relayed", "direction": "sent"}, relays.stats.bytes_sent)]
+        samples += [({"path": "relayed", "direction": "received"}, relays.stats.bytes_received)]
+    families.append(
+        _labelled(
+            CounterMetricFamily,
+            "meshnode_link_bytes_total",
+            "Bytes of the links to peers: direct (QUIC datagrams) and relayed (sealed records)",
+            samples,
+        )
+    )
     return families
 
 

@@ -39,6 +39,7 @@ from meshnode.app.read_limit_options import add_read_limit_options, apply_read_l
 from meshnode.app.session_options import add_session_options
 from meshnode.app.status import format_status, query_node_status, query_status
 from meshnode.app.stored_membership import load_stored_membership, membership_for_join
+from meshnode.app.traversal_options import add_traversal_options, traversal_settings
 from meshnode.identity import IdentityError, NodeIdentity, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
     DEFAULT_CERTIFICATE_TTL_S,
@@ -108,6 +109,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--relay-only", action="store_true", help="never dial peers directly; always go through a relay"
     )
+    add_traversal_options(group)
     model = parser.add_argument_group("model")
     model.add_argument("--model", type=Path, metavar="PATH", help="GGUF model this node serves")
     add_model_name_option(model)
@@ -185,6 +187,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         relay_only=args.relay_only,
         quic=apply_read_limit_options(args, link_settings(args)),
         certificate_ttl=args.certificate_ttl,
+        traversal=traversal_settings(args),
     )
 
 

@@ -68,6 +68,7 @@ def format_status(status: dict[str, Any]) -> str:
     if node.get("api_url"):
         lines.append(_api_line(node["api_url"]))
     lines += [_relay_line(relay) for relay in node.get("relays") or []]
+    lines += _nat_lines(node, (status.get("sections") or {}).get("traversal"))
     startup = (status.get("sections") or {}).get("startup")
     if startup:
         lines.append(f"  starting: {startup['state']}")
@@ -80,13 +81,40 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(f"peers ({len(status['peers'])}):")
     for peer in sorted(status["peers"], key=lambda p: p["short_id"]):
         reach = "direct" if peer["directly_reachable"] else "relay"
-        link = peer["link"] or "no link"
+        link = _link_text(peer)
         lines.append(
             f"  {peer['short_id']}  {', '.join(peer['addresses']) or '-'}  {reach}  {link}  "
             f"serving {_serving_text(peer['serving'])}{_sessions_text(peer)}  heard {peer['age_s']:.1f}s ago"
         )
     lines += _membership_lines(status.get("membership") or {})
     return "\n".join(lines)
+
+
+def _nat_lines(node: dict[str, Any], traversal: dict[str, Any] | None) -> list[str]:
+    """Where relays see this node, what that says of its NAT, and how its punches went."""
+    observed = node.get("observed_addresses") or []
+    if not observed and not traversal:
+        return []
+    line = f"  seen by relays at {', '.join(observed) or '-'} (NAT mapping: {node.get('nat_mapping', 'unknown')})"
+    line += f"; hole punching {node.get('hole_punching', 'off')}"
+    if traversal:
+        attempts = traversal.get("punch_attempts") or {}
+        if attempts:
+            line += ": " + ", ".join(f"{what} {n}" for what, n in sorted(attempts.items()))
+        if traversal.get("direct_paths_lost"):
+            line += f"; direct paths lost {traversal['direct_paths_lost']}"
+    return [line]
+
+
+def _link_text(peer: dict[str, Any]) -> str:
+    """``quic 198.18.0.5:7447 (punched, 12 s)``: the live link, how it goes, since when."""
+    link = peer.get("link")
+    if not link:
+        return "no link"
+    path, since = peer.get("path"), peer.get("path_since_s")
+    if path is None:
+        return link
+    return f"{link} ({path}{f', {since:.0f} s' if since is not None else ''})"
 
 
 def _standalone_text(status: dict[str, Any]) -> str:

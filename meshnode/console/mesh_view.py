@@ -100,7 +100,12 @@ def _peer_node(peer: Mapping[str, Any]) -> dict[str, Any]:
         "role": role.removeprefix("NODE_ROLE_").lower() or "unknown",
         "addresses": list(peer.get("addresses", [])),
         "directly_reachable": bool(peer.get("directly_reachable", True)),
-        "link": {"kind": link_kind(peer.get("link")), "description": peer.get("link")},
+        # "path": how a direct link came about ("public", "lan", "punched"), or "relayed".
+        "link": {
+            "kind": link_kind(peer.get("link")),
+            "description": peer.get("link"),
+            "path": peer.get("path"),
+        },
         "serving": _serving(peer.get("serving")),
         "load": _load(peer),
         "heard_s": float(peer.get("age_s", 0.0)),

@@ -252,6 +252,8 @@ class ShardSession:
         # The answer stream to the tail: accepted (True), lost or refused (False), or opening.
         self._answers_ready: asyncio.Future[bool] = self._loop.create_future()
         self._answer_stream: FramedStream | None = None
+        # Answer streams whose link was superseded, read to their end behind the move.
+        self._moving_answers: set[asyncio.Task[str]] = set()
         # Set while no Ack of a unit answered directly is owed (see aclose).
         self._acks_settled = asyncio.Event()
         self._acks_settled.set()
@@ -513,8 +515,9 @@ class ShardSession:
         self._abandon(SessionTransportError("the session was aborted"))
 
     def _stop_answers(self) -> None:
-        if self._answer_task is not None:
-            self._answer_task.cancel()
+        for task in (self._answer_task, *self._moving_answers):
+            if task is not None:
+                task.cancel()
         stream, self._answer_stream = self._answer_stream, None
         _reset_quietly(stream)
         if not self._answers_ready.done():
@@ -696,14 +699,24 @@ class ShardSession:
         """Open the answer stream to the tail and hand its direct answers to the client until it
         ends. A stream that fails before the tail accepted it is tried again (up to
         ``max_reconnects`` times, backing off: the tail may not yet admit this node); one that
-        was accepted and then lost is not re-opened: the tail answers along the route again."""
+        was accepted and then lost is not re-opened: the tail answers along the route again.
+        One whose link is superseded (a direct link replaced the relayed one, which closes
+        shortly) moves: a new answer stream opens on the link kept now while the old one is read
+        to its end, and the tail answers on the newest, so no answer is lost in the move."""
         reason = "the tail ended the answer stream"
-        for attempt in range(self.options.max_reconnects + 1):
+        attempt = 0
+        while attempt <= self.options.max_reconnects:
             if attempt:
                 await asyncio.sleep(self.options.reconnect_backoff_s * attempt)
-            reason = await self._one_answer_stream(answers)
-            if self._closed or self._answers_ready.done():
+            reason, moved = await self._one_answer_stream(answers)
+            if self._closed:
                 break
+            if moved:
+                attempt = 0
+                continue
+            if self._answers_ready.done():
+                break
+            attempt += 1
         if not self._answers_ready.done():
             self._answers_ready.set_result(False)
         if not self._closed:
@@ -711,8 +724,9 @@ class ShardSession:
             self.client.answers_lost()
             self._after()
 
-    async def _one_answer_stream(self, answers: DirectAnswers) -> str:
-        """Serve one answer stream until it ends; returns why it ended."""
+    async def _one_answer_stream(self, answers: DirectAnswers) -> tuple[str, bool]:
+        """Serve one answer stream until it ends, or until its link is superseded (then it is read
+        to its end in the background); returns why it ended, and whether it moved."""
         framed: FramedStream | None = None
         try:
             source = answers.links
@@ -720,18 +734,20 @@ class ShardSession:
             framed = await link.open_stream(StreamType.SHARD_SESSION)
             self._answer_stream = framed
             await _write_frames(framed, self.client.answer_stream_start(answers.tail_range))
-            stream = framed.stream
-            limits = getattr(stream, "read_limits", None)
-            # The tail is a member, not trusted: its answers charge the link's budget too.
-            decoder = FrameDecoder(expect_stream_type=False, budget=limits.budget if limits else None)
-            while data := await stream.read(READ_CHUNK):
-                for body in decoder.feed(data):
-                    self.client.receive_answer_frame(body)
-                    if not self._answers_ready.done():
-                        self._answers_ready.set_result(True)
-                self._after()
-            decoder.end_of_stream()
-            return "the tail ended the answer stream"
+            reader = self._loop.create_task(self._read_answers(framed))
+            superseded = self._loop.create_task(link.wait_superseded())
+            try:
+                await asyncio.wait((reader, superseded), return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                reader.cancel()
+                raise
+            finally:
+                superseded.cancel()
+            if not reader.done():
+                self._moving_answers.add(reader)
+                reader.add_done_callback(self._moved_answers_read)
+                return f"{link.description} was superseded", True
+            return await reader, False
         except asyncio.CancelledError:
             raise
         except ShardProtocolError as exc:
@@ -739,13 +755,38 @@ class ShardSession:
             _reset_quietly(framed)
             if not self._answers_ready.done():
                 self._answers_ready.set_result(False)
-            return str(exc)
+            return str(exc), False
         except Exception as exc:
             _reset_quietly(framed)
-            return str(exc) or type(exc).__name__
+            return str(exc) or type(exc).__name__, False
         finally:
             if self._answer_stream is framed:
                 self._answer_stream = None
+
+    async def _read_answers(self, framed: FramedStream) -> str:
+        stream = framed.stream
+        limits = getattr(stream, "read_limits", None)
+        # The tail is a member, not trusted: its answers charge the link's budget too.
+        decoder = FrameDecoder(expect_stream_type=False, budget=limits.budget if limits else None)
+        try:
+            while data := await stream.read(READ_CHUNK):
+                for body in decoder.feed(data):
+                    self.client.receive_answer_frame(body)
+                    if not self._answers_ready.done():
+                        self._answers_ready.set_result(True)
+                self._after()
+            decoder.end_of_stream()
+        except BaseException:
+            _reset_quietly(framed)
+            raise
+        return "the tail ended the answer stream"
+
+    def _moved_answers_read(self, reader: asyncio.Task[str]) -> None:
+        """An answer stream that moved to a new link ended: what it carried was read; how it
+        ended no longer matters (its link closes behind the move)."""
+        self._moving_answers.discard(reader)
+        if not reader.cancelled():
+            reader.exception()
 
 
 class _Opening:

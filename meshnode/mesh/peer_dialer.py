@@ -10,7 +10,9 @@ both given as the small protocols below, since those live above this layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +50,15 @@ class RelayRoute(Protocol):
         avoid: Iterable[bytes] = (),
         timeout: float | None = None,
     ) -> PeerLink: ...
+
+
+class Shortcuts(Protocol):
+    """Direct addresses of a peer behind NAT worth dialing beside its relay (the same LAN), and
+    what becomes of those dials (:class:`meshnode.traversal.direct_paths.DirectPaths`)."""
+
+    def addresses(self, peer_id: bytes) -> Sequence[str]: ...
+
+    def failed(self, peer_id: bytes, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,8 +101,10 @@ class PeerDialer:
         known_peers: Callable[[], Iterable[Endpoint]],
         connect_timeout: float,
         relay_only: bool,
+        shortcuts: Shortcuts | None = None,
     ) -> None:
         self._links = links
+        self._shortcuts = shortcuts
         self._direct = direct
         self._relays = relays
         # What the peer table holds of a peer (None: not listed).
@@ -113,18 +126,51 @@ class PeerDialer:
                 return await self._dial_address(address, peer_id)
             except DialError as exc:
                 failures.append(f"{address}: {exc}")
+        shortcut = self._shortcut(peer_id) if not plan.addresses else None
         if self._relays is not None:
             await self._relays.add_peer_relays(plan.relays)
-            try:
-                return await self._relays.open_link(
+            relayed = asyncio.ensure_future(
+                self._relays.open_link(
                     peer_id,
                     via=[r.id for r in plan.relays],
                     avoid=avoid_relays,
                     timeout=self._connect_timeout,
                 )
+            )
+            try:
+                return await _first_link(shortcut, relayed, failures)
             except ConnectionError as exc:
                 failures.append(f"relay: {exc}")
+        elif shortcut is not None:
+            with contextlib.suppress(DialError):
+                return await shortcut
+            failures.append(f"same LAN: {shortcut.exception()}")
         raise PeerUnreachable(f"{short_id(peer_id)} unreachable ({'; '.join(failures) or 'no address'})")
+
+    def _shortcut(self, peer_id: bytes) -> asyncio.Task[PeerLink] | None:
+        """Dials of the peer's private addresses, where it sits behind our router (or in a private
+        network of ours), running beside the relay's handshake; ``None``: none to dial."""
+        if self._shortcuts is None or self._relay_only:
+            return None
+        addresses = list(self._shortcuts.addresses(peer_id))
+        if not addresses:
+            return None
+        shortcuts = self._shortcuts
+
+        async def dial() -> PeerLink:
+            errors = []
+            for address in addresses:
+                try:
+                    return await self._dial_address(address, peer_id)
+                except DialError as exc:
+                    errors.append(f"{address}: {exc}")
+            reason = "; ".join(errors)
+            shortcuts.failed(peer_id, reason)
+            raise DialError(reason)
+
+        task = asyncio.ensure_future(dial())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # the outcome may go unawaited
+        return task
 
     async def dial_endpoint(self, endpoint: Endpoint, via: Iterable[bytes] = ()) -> PeerLink:
         """A bootstrap peer (reachability unknown): dial it, else reach it through our relays,
@@ -150,4 +196,33 @@ class PeerDialer:
         return self._links.kept(link)
 
 
-__all__ = ["DialPlan", "DirectDialer", "PeerDialer", "PeerUnreachable", "RelayRoute", "dial_plan"]
+async def _first_link(
+    shortcut: asyncio.Future[PeerLink] | None, relayed: asyncio.Future[PeerLink], failures: list[str]
+) -> PeerLink:
+    """The first of the two dials to give a link (a relayed one's ConnectionError when neither
+    does). The other goes on: a direct link that comes later replaces the relayed one."""
+    if shortcut is None:
+        return await relayed
+    pending: set[asyncio.Future[PeerLink]] = {shortcut, relayed}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for future in done:
+            if not future.cancelled() and future.exception() is None:
+                if pending:
+                    # The other dial's outcome is not awaited: it is consumed here.
+                    next(iter(pending)).add_done_callback(lambda f: f.cancelled() or f.exception())
+                return future.result()
+    if shortcut.exception() is not None:
+        failures.append(f"same LAN: {shortcut.exception()}")
+    return relayed.result()  # raises its ConnectionError
+
+
+__all__ = [
+    "DialPlan",
+    "DirectDialer",
+    "PeerDialer",
+    "PeerUnreachable",
+    "RelayRoute",
+    "Shortcuts",
+    "dial_plan",
+]

@@ -31,14 +31,18 @@ def link_candidate(link: PeerLink, local_id: bytes) -> LinkCandidate:
     Both ends name the same dialer for one link, so they rank it the same.
     """
     dialer = local_id if link.initiated_locally else link.peer_id
-    return LinkCandidate(dialer_id=dialer, established_at=link.established_at)
+    return LinkCandidate(dialer_id=dialer, established_at=link.established_at, direct=link.relay_id is None)
 
 
 class PeerLinks:
-    def __init__(self, local_id: bytes, *, race_window: float) -> None:
+    def __init__(self, local_id: bytes, *, race_window: float, relayed_drain_s: float = 2.0) -> None:
         self._local_id = local_id
         # Links to one peer that came up this close together are a simultaneous dial.
         self._race_window = race_window
+        # A relayed link a direct one replaced serves what it carries this long before it closes
+        # (a gossip exchange or a probe finishes; a session's stream re-opens on the direct link
+        # when it closes, its unanswered units sent again as the same steps).
+        self._relayed_drain_s = relayed_drain_s
         self._links: dict[bytes, PeerLink] = {}
         self._dials: dict[bytes, asyncio.Task[PeerLink]] = {}
 
@@ -89,17 +93,37 @@ class PeerLinks:
             race_window=self._race_window,
         )
         loser = existing if keep_new else link
-        log.debug("two links to %s; closing %s", short_id(link.peer_id), loser.description)
         if not keep_new:
-            link.close("duplicate link")
+            log.debug("two links to %s; closing %s", short_id(link.peer_id), loser.description)
+            link.close(
+                "a direct link is kept"
+                if link.relay_id is not None and existing.relay_id is None
+                else "duplicate link"
+            )
             return
         self._links[link.peer_id] = link
+        if existing.relay_id is not None and link.relay_id is None:
+            existing.supersede()
+            log.info(
+                "direct link to %s (%s) replaces the relayed one; closing it in %.1f s",
+                short_id(link.peer_id),
+                link.description,
+                self._relayed_drain_s,
+            )
+            asyncio.get_running_loop().call_later(
+                self._relayed_drain_s, existing.close, "replaced by a direct link"
+            )
+            return
+        log.debug("two links to %s; closing %s", short_id(link.peer_id), loser.description)
         existing.close("replaced by a newer link")
 
-    def remove(self, link: PeerLink) -> None:
-        """A link went down: forget it, unless another link to the peer already replaced it."""
+    def remove(self, link: PeerLink) -> bool:
+        """A link went down: forget it, unless another link to the peer already replaced it.
+        True when it was the link kept for its peer."""
         if self._links.get(link.peer_id) is link:
             del self._links[link.peer_id]
+            return True
+        return False
 
 
 __all__ = ["Dial", "PeerLinks", "link_candidate"]

@@ -5,7 +5,8 @@ A relay that dies without closing keeps its connection for its idle timeout
 the peer uses reaches it: the second probe gives that link up and dials around
 its relay. A peer that reconnected during the probe (its new link came up after
 the probe began, typically because it moved to another relay first) gets a whole
-probe on the new link. A direct link that stayed silent gets no second probe.
+probe on the new link. A direct link that stayed silent gets no second probe, unless it was a
+path to a peer behind NAT (punched, or across a LAN): the peer's relay stands in for it.
 
 A probe refused outright (in well under its timeout: the peer's relay says it is not
 registered there) does not confirm the peer down either while a probe's time has not
@@ -34,16 +35,22 @@ class Reprobe:
 
 
 def reprobe_after(
-    unanswered: PeerLink | None, current: PeerLink | None, probe_began_at: float
+    unanswered: PeerLink | None,
+    current: PeerLink | None,
+    probe_began_at: float,
+    *,
+    reachable_otherwise: bool = False,
 ) -> Reprobe | None:
     """The second probe after one that began at ``probe_began_at`` on ``unanswered``; ``None``: none.
 
     ``current`` is the link kept for the peer now (``None``: none), ``unanswered``
     the one the first probe began on (``None``: it had none and dialed none).
+    ``reachable_otherwise``: ``unanswered`` is a direct path to a peer behind NAT (punched, or
+    across a LAN), which its relay stands in for: it is given up, and the peer probed there.
     """
     if current is not None and current.established_at >= probe_began_at:
         return Reprobe(give_up=None)
-    if unanswered is None or unanswered.relay_id is None:
+    if unanswered is None or (unanswered.relay_id is None and not reachable_otherwise):
         return None
     return Reprobe(give_up=unanswered)
 

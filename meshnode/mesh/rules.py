@@ -47,16 +47,23 @@ def resolve_peer_leaving(*, leaving_id: bytes, authenticated_peer_id: bytes) -> 
 class LinkCandidate:
     dialer_id: bytes  # node id of the side that dialed
     established_at: float
+    # Peer to peer, not through a relay.
+    direct: bool = True
 
 
 def keep_new_link(existing: LinkCandidate, new: LinkCandidate, *, race_window: float) -> bool:
     """Which of two links to one peer survives; both ends reach the same answer.
 
-    Two links that came up within ``race_window`` of each other from opposite
-    dialers are a simultaneous dial: keep the one dialed by the lower node id.
-    Otherwise the newer link wins — the peer reconnected (e.g. after a restart),
-    and the old link is most likely dead.
+    A direct link beats a relayed one, whichever came first: a punched hole or a LAN
+    path replaces the relay, and a working direct link is not given up for a relayed
+    one (a direct path that dies is closed, and only then is the relay used again).
+    Between two of a kind, two links that came up within ``race_window`` of each
+    other from opposite dialers are a simultaneous dial: keep the one dialed by the
+    lower node id. Otherwise the newer link wins — the peer reconnected (e.g. after a
+    restart), and the old link is most likely dead.
     """
+    if existing.direct != new.direct:
+        return new.direct
     simultaneous = (
         abs(new.established_at - existing.established_at) <= race_window
         and new.dialer_id != existing.dialer_id

@@ -77,7 +77,9 @@ def validate_announcement(announcement: mesh.PeerAnnouncement) -> None:
         _check_text(text, what)
     if len(announcement.addresses) > MAX_ADDRESSES or len(announcement.relays) > MAX_RELAYS:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "too many addresses or relays")
-    for address in announcement.addresses:
+    if len(announcement.observed_addresses) > MAX_ADDRESSES:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "too many observed addresses")
+    for address in (*announcement.addresses, *announcement.observed_addresses):
         if not is_valid_address(address):
             raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "announced address is not host:port")
     for relay in announcement.relays:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from meshnode.membership.credentials import DEFAULT_CERTIFICATE_TTL_S, Endpoint
 from meshnode.transport.quic_settings import QuicSettings
+from meshnode.traversal.settings import TraversalSettings
 from meshnode.wire.pb import mesh
 
 DEFAULT_PORT = 7447
@@ -51,6 +52,8 @@ class NodeConfig:
     # Lifetime of the member certificates this node issues and renews, as an admin.
     certificate_ttl: float = DEFAULT_CERTIFICATE_TTL_S
     quic: QuicSettings = field(default_factory=QuicSettings)
+    # Hole punching, the LAN shortcut and the watch over direct paths to peers behind NAT.
+    traversal: TraversalSettings = field(default_factory=TraversalSettings)
 
     @property
     def effective_peer_timeout(self) -> float:

@@ -6,6 +6,8 @@
   connection: a relay that restarted, or died without closing, leaves that connection
   looking alive until its idle timeout (15 s); one that answers nothing is registered with
   again at once, and the peer asked through it once more.
+- A probe unanswered on a direct path to a peer behind NAT (punched, across a LAN): that
+  link is given up and the peer probed through its relay.
 - A probe unanswered on a link the peer sent on meanwhile counts as answered: the peer is
   slow (its echo queued behind a transfer on a lossy relayed path), not gone.
 - A probe refused outright (the relay says the peer is not registered there) is retried
@@ -36,10 +38,14 @@ class Reachability:
         probe_on_link: ProbeOnLink,
         current_link: Callable[[bytes], PeerLink | None],
         relay_links: Callable[[], RelayLinks | None],
+        reachable_otherwise: Callable[[PeerLink], bool] = lambda link: link.relay_id is not None,
     ) -> None:
         self._probe_on_link = probe_on_link
         self._current_link = current_link
         self._relay_links = relay_links
+        # Whether a peer silent on a link may still answer another way (another relay; its relay,
+        # for a direct path to a peer behind NAT).
+        self._reachable_otherwise = reachable_otherwise
 
     async def reachable(self, peer_id: bytes, timeout: float) -> bool:
         """Whether the peer answers a probe of ``timeout`` seconds, or its second chances."""
@@ -48,7 +54,12 @@ class Reachability:
         answered, unanswered = await self._probe_or_hear(peer_id, (), timeout)
         if answered:
             return True
-        again = reprobe_after(unanswered, self._current_link(peer_id), began_at)
+        again = reprobe_after(
+            unanswered,
+            self._current_link(peer_id),
+            began_at,
+            reachable_otherwise=unanswered is not None and self._reachable_otherwise(unanswered),
+        )
         if again is None:
             wait = retry_refused_in(began_at, began_at, clock(), timeout)
             if wait is None:
@@ -56,14 +67,20 @@ class Reachability:
             await asyncio.sleep(wait)
             return await self._probe_while_refused(peer_id, (), timeout, began_at)
         avoid = again.avoid_relays
-        if again.give_up is not None:
-            again.give_up.close("no answer through this relay")
-            if await self._relay_registered_again(again.give_up.relay_id, timeout):
+        given_up = again.give_up
+        if given_up is not None and given_up.relay_id is None:
+            given_up.close("no answer on this direct path")
+            log.info(
+                "peer %s did not answer on %s; trying its relay", short_id(peer_id), given_up.description
+            )
+        elif given_up is not None:
+            given_up.close("no answer through this relay")
+            if await self._relay_registered_again(given_up.relay_id, timeout):
                 avoid = ()
             log.info(
                 "peer %s did not answer through %s; trying %s",
                 short_id(peer_id),
-                again.give_up.description,
+                given_up.description,
                 "its other relays (it again if there are none)" if avoid else "again",
             )
         return await self._probe_while_refused(peer_id, avoid, timeout)

@@ -66,7 +66,7 @@ from meshnode.mesh.validation import (
 from meshnode.node.config import DEFAULT_LISTEN, DEFAULT_PORT, JoinError, NodeConfig
 from meshnode.node.membership_keeper import MembershipKeeper, load_revocations
 from meshnode.node.reachability import Reachability
-from meshnode.node.status_report import StatusReport, status_report
+from meshnode.node.status_report import StatusReport, node_status
 from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
@@ -76,6 +76,7 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.local_addresses import default_advertised
 from meshnode.transport.quic import DialError, QuicEndpoint
 from meshnode.transport.request_reply import REQUEST_FAILURES, request_reply
+from meshnode.traversal.direct_paths import DirectPaths
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, in_words
 from meshnode.wire.pb import mesh
@@ -156,6 +157,11 @@ class Node:
         # Peers to dial by address besides the peer table's: the stored known peers, or the invite's.
         self._known_peers = known_peers
         self._links = PeerLinks(identity.node_id, race_window=config.link_race_window)
+        # Direct paths to peers behind NAT: punching, the LAN shortcut, their watch.
+        self.traversal = DirectPaths(
+            self.state, self._links, lambda: self.relay_links, config.traversal, relay_only=config.relay_only
+        )
+        self.dispatcher.register(StreamType.HOLE_PUNCH, self.traversal.serve_punch)
         self._dialer: PeerDialer | None = None
         self._exchanged: dict[PeerLink, asyncio.Future[None]] = {}
         self._probing: set[bytes] = set()
@@ -179,7 +185,9 @@ class Node:
         )
         # Set once this node is out of the mesh (removed, or its certificate expired); see keeper.
         self.removal = self.keeper.removal
-        self._reachability = Reachability(self._probe_on_link, self._links.get, lambda: self.relay_links)
+        self._reachability = Reachability(
+            self._probe_on_link, self._links.get, lambda: self.relay_links, self.traversal.reachable_otherwise
+        )
 
     # -- identity and announcement -------------------------------------------------
 
@@ -248,7 +256,9 @@ class Node:
             known_peers=lambda: self._known_peers,
             connect_timeout=self.config.connect_timeout,
             relay_only=self.config.relay_only,
+            shortcuts=self.traversal,
         )
+        self.traversal.start(self.endpoint, self)
         self._status_server = StatusServer(
             self.data_dir.control_socket, self.status, control=self.keeper.control
         )
@@ -295,6 +305,8 @@ class Node:
             proof_for=self.state.our_proof,
             revocations=self.state.revocations.signed,
             on_revocation=self.keeper.relayed_revocation,
+            node_endpoint=self.endpoint,
+            on_observed=self.traversal.observed_changed,
         )
         await self.relay_links.add_relays(
             Endpoint(id=bytes(r.relay_id), address=r.address) for r in local.relays
@@ -371,6 +383,7 @@ class Node:
         await self.dispatcher.aclose()
         if self._status_server is not None:
             self._status_server.close()
+        await self.traversal.close()
         if self.relay_links is not None:
             await self.relay_links.close()
         if self.endpoint is not None:
@@ -420,7 +433,7 @@ class Node:
         self.dispatcher.accept(stream)
 
     def link_closed(self, link: PeerLink, reason: str) -> None:
-        self._links.remove(link)
+        self.traversal.link_closed(link, was_kept=self._links.remove(link))
         self._exchanged.pop(link, None)
 
     def link_to(self, peer_id: bytes) -> PeerLink | None:
@@ -722,19 +735,7 @@ class Node:
 
     def status(self) -> StatusReport:
         """What ``meshnode status`` shows; its ``to_json()`` is what the status socket serves."""
-        report = status_report(
-            self.state,
-            relays=self.relay_links,
-            link_to=self._links.get,
-            stream_refusals=self.dispatcher.refusals,
-            gossip_refusals=self.gossip_refusals,
-            started_at_ns=self.started_at_ns,
-            api_url=self.api_url,
-            now_ns=time.monotonic_ns(),
-            membership=self.keeper.status_json(),
-        )
-        report.sections.update({name: section() for name, section in self.status_sections.items()})
-        return report
+        return node_status(self)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)

@@ -9,9 +9,10 @@ millisecond.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.resident_memory import shard_memory
 from meshnode.identity import short_id
@@ -21,7 +22,12 @@ from meshnode.mesh.state import MeshState
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
+from meshnode.traversal.direct_paths import DirectPaths
+from meshnode.traversal.nat_mapping import mapping_name
 from meshnode.wire.pb import mesh
+
+if TYPE_CHECKING:
+    from meshnode.node.runtime import Node
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,11 @@ class NodeStatus:
     # What this node announces of its own shard (zero while it serves none).
     capacity: CapacityStatus
     load: LoadStatus
+    # Where this node's relays see its socket, what that says of its NAT ("endpoint-independent",
+    # "endpoint-dependent", "no NAT", "unknown"), and whether it punches ("on"/"off").
+    observed_addresses: list[str] = field(default_factory=list)
+    nat_mapping: str = "unknown"
+    hole_punching: str = "off"
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,11 @@ class PeerStatus:
     incarnation: int
     heartbeat_seq: int
     version: str
+    # How the live link goes: "relayed", or direct: "public", "lan", "punched" (None: no link);
+    # since when (seconds ago); and the sealed bytes relays carried to and from the peer, ever.
+    path: str | None = None
+    path_since_s: float | None = None
+    relay_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,9 +203,26 @@ def _relays(links: RelayLinks | None) -> list[RelayStatus]:
     return statuses
 
 
-def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: int) -> PeerStatus:
+def _peer(
+    entry: PeerEntry,
+    link: PeerLink | None,
+    *,
+    admitted: bool,
+    now_ns: int,
+    traversal: DirectPaths | None,
+    relay_bytes: int,
+) -> PeerStatus:
     announcement = entry.announcement
     last_direct_ns = entry.last_direct_ns
+    path = since = None
+    if link is not None:
+        path = (
+            traversal.path_of(link).value
+            if traversal is not None
+            else ("relayed" if link.relay_id else "public")
+        )
+        # The event loop's clock is the monotonic one (asyncio's and uvloop's both).
+        since = round(max(0.0, now_ns / SECOND_NS - link.established_at), 3)
     return PeerStatus(
         id=entry.peer_id.hex(),
         short_id=short_id(entry.peer_id),
@@ -207,6 +240,9 @@ def _peer(entry: PeerEntry, link: PeerLink | None, *, admitted: bool, now_ns: in
         incarnation=announcement.incarnation,
         heartbeat_seq=announcement.heartbeat_seq,
         version=announcement.version,
+        path=path,
+        path_since_s=since,
+        relay_bytes=relay_bytes,
     )
 
 
@@ -221,6 +257,7 @@ def status_report(
     api_url: str | None,
     now_ns: int,
     membership: dict[str, Any] | None = None,
+    traversal: DirectPaths | None = None,
 ) -> StatusReport:
     """The report of the node whose membership state is ``state``, at ``now_ns``.
 
@@ -244,15 +281,30 @@ def status_report(
         api_url=api_url,
         capacity=CapacityStatus.of(local),
         load=LoadStatus.of(local),
+        observed_addresses=list(local.observed_addresses),
+        nat_mapping=mapping_name(local.nat_mapping),
+        hole_punching="on" if traversal is not None and traversal.enabled else "off",
     )
+    relayed = relays.stats.peer_bytes if relays is not None else {}
+    sections: dict[str, Any] = {}
     peers = [
-        _peer(entry, link_to(entry.peer_id), admitted=state.is_admitted(entry.peer_id), now_ns=now_ns)
+        _peer(
+            entry,
+            link_to(entry.peer_id),
+            admitted=state.is_admitted(entry.peer_id),
+            now_ns=now_ns,
+            traversal=traversal,
+            relay_bytes=relayed.get(entry.peer_id, 0),
+        )
         for entry in state.table.entries()
     ]
+    if traversal is not None:
+        sections["traversal"] = traversal.status_json()
     # Resident memory against the budget of the shards this process loaded (engines.resident_memory):
     # the engine runs in the node's process. Absent while it holds none.
     memory = shard_memory()
-    sections = {"memory": memory.to_json()} if memory is not None and memory.budget.total_bytes else {}
+    if memory is not None and memory.budget.total_bytes:
+        sections["memory"] = memory.to_json()
     return StatusReport(
         node=node,
         peers=peers,
@@ -265,6 +317,24 @@ def status_report(
     )
 
 
+def node_status(node: Node) -> StatusReport:
+    """A running node's report now (``Node.status``), the sections its parts add included."""
+    report = status_report(
+        node.state,
+        relays=node.relay_links,
+        link_to=node.link_to,
+        stream_refusals=node.dispatcher.refusals,
+        gossip_refusals=node.gossip_refusals,
+        started_at_ns=node.started_at_ns,
+        api_url=node.api_url,
+        now_ns=time.monotonic_ns(),
+        membership=node.keeper.status_json(),
+        traversal=node.traversal,
+    )
+    report.sections.update({name: section() for name, section in node.status_sections.items()})
+    return report
+
+
 __all__ = [
     "AnnouncedRelay",
     "CapacityStatus",
@@ -275,5 +345,6 @@ __all__ = [
     "RelayStatus",
     "ServingStatus",
     "StatusReport",
+    "node_status",
     "status_report",
 ]

@@ -104,6 +104,9 @@ class PeerLink(abc.ABC):
     last_heard_at: float = float("-inf")
     # Set once the link is closed; implementations create it and set it exactly once.
     _closed: asyncio.Event
+    # Set once the node keeps another link to the peer instead, and this one closes shortly (a
+    # direct link replaced a relayed one): what lives long on it moves over meanwhile.
+    _superseded: asyncio.Event | None = None
 
     @abc.abstractmethod
     async def open_raw_stream(self) -> MeshStream:
@@ -125,6 +128,17 @@ class PeerLink(abc.ABC):
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
+
+    def supersede(self) -> None:
+        """Another link to the peer replaces this one, which stays open a little longer."""
+        if self._superseded is None:
+            self._superseded = asyncio.Event()
+        self._superseded.set()
+
+    async def wait_superseded(self) -> None:
+        if self._superseded is None:
+            self._superseded = asyncio.Event()
+        await self._superseded.wait()
 
     @property
     @abc.abstractmethod

@@ -45,6 +45,8 @@ class StreamType(IntEnum):
     SUBPROTOCOL = 0x0D
     # Liveness probe used to confirm a PeerDown report before acting on it.
     PROBE = 0x0E
+    # Hole punching between members behind NAT, on their relayed link (traversal.proto).
+    HOLE_PUNCH = 0x0F
     # Shard data plane: one long-lived session stream per route session seam.
     SHARD_SESSION = 0x20
     # Unary shard calls, one request and one response on a fresh stream each.

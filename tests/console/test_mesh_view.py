@@ -171,3 +171,14 @@ def test_placement_and_memory_sections_pass_through():
 def test_the_same_report_gives_the_same_view():
     status = report((0, 6), [peer("bbbb", (6, 18), "quic x:1")])
     assert mesh_view(status, Throughput(at_s=1.0)) == mesh_view(status, Throughput(at_s=1.0))
+
+
+def test_a_direct_link_says_how_it_came_about():
+    peers = [
+        peer("bbbb", (6, 12), "quic 198.18.0.5:7447", directly_reachable=False, path="punched"),
+        peer("cccc", (12, 18), "quic 192.168.1.5:7447", directly_reachable=False, path="lan"),
+    ]
+    view = mesh_view(report((0, 6), peers), Throughput(at_s=5.0))
+    paths = {n["short_id"]: n["link"]["path"] for n in view["nodes"][1:]}
+    assert paths == {"bbbb": "punched", "cccc": "lan"}
+    assert view["links"] == {"direct": 2, "relay": 0, "none": 0}

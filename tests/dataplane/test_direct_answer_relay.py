@@ -7,6 +7,7 @@ is a sealed relay channel carrying the very frames a QUIC stream would.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,41 @@ async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_pa
         assert services[1].server.worker.direct_answers == 6
         assert (await client.get_link(tail.node_id)).description.startswith("relay ")
         await eventually(lambda: not services[1].server.load().active_sessions, 10)
+
+
+async def test_the_answer_stream_moves_to_a_direct_link_that_replaces_the_relayed_one(tmp_path: Path) -> None:
+    """A direct link to the tail comes up mid-generation (a punched hole): the relayed link drains
+    and closes, the answer stream moves over without losing an answer, no unit fails."""
+    async with relayed_chain(tmp_path) as chain:
+        head, tail, client, services = chain.head, chain.tail, chain.client, chain.services
+        await eventually(lambda: any(e.peer_id == tail.node_id for e in client.peers()), 10)
+        relayed = await client.get_link(tail.node_id)
+        answers = DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(SPLIT, LAYERS))
+        async with ShardSession.open(
+            lambda: client.get_link(head.node_id),
+            fingerprint=services[0].served.fingerprint,
+            shard_range=srange(0, SPLIT),
+            downstream=[make_hop(tail.node_id, SPLIT, LAYERS, SPLIT)],
+            answers=answers,
+        ) as session:
+            assert await session.answers_ready()
+            first = await session.prefill(PROMPT)
+            tokens, outputs = [first.token], [first.chunks[-1]]
+            position = len(PROMPT)
+            for _ in range(3):
+                outputs.append(await session.decode(tokens[-1], position=position))
+                tokens.append(outputs[-1].token)
+                position += 1
+            assert client.endpoint is not None and tail.endpoint is not None
+            direct = await client.endpoint.dial(tail.addresses[0], tail.node_id)
+            assert client.link_to(tail.node_id) is direct and not relayed.is_closed  # draining
+            # Decode through the drain and past the relayed link's close.
+            while not relayed.is_closed or len(outputs) < 30:
+                outputs.append(await session.decode(tokens[-1], position=position))
+                tokens.append(outputs[-1].token)
+                position += 1
+                await asyncio.sleep(0.1)  # the drain takes 2 s; the fake model's context is 64
+        assert tokens == reference(PROMPT, len(tokens) - 1)
+        assert all(output.done.answered_directly for output in outputs)
+        assert services[1].server.worker.direct_answers == len(outputs)
+        assert relayed.close_reason == "replaced by a direct link"

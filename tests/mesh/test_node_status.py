@@ -92,6 +92,9 @@ def test_the_report_serializes_to_the_status_sockets_json():
             "api_url": "http://127.0.0.1:8080",
             "capacity": {"max_concurrent_sessions": 0, "max_context_tokens": 0},
             "load": {"active_sessions": 0, "queued_chunks": 0, "kv_pressure": 0.0},
+            "observed_addresses": [],
+            "nat_mapping": "unknown",
+            "hole_punching": "off",
         },
         "peers": [
             {
@@ -119,6 +122,9 @@ def test_the_report_serializes_to_the_status_sockets_json():
                 "incarnation": NOW_NS - 10**9,
                 "heartbeat_seq": 0,
                 "version": "0.test",
+                "path": "public",
+                "path_since_s": 42.5,
+                "relay_bytes": 0,
             }
         ],
         "tombstones": 0,

@@ -135,3 +135,35 @@ async def test_a_caller_that_gives_up_leaves_the_dial_to_the_others():
     await asyncio.sleep(0)
     release.set()
     assert await patient is link
+
+
+def relayed(at: float, name: str, *, dialed_here: bool = True) -> FakeLink:
+    link = FakeLink(B, dialed_here=dialed_here, at=at, name=name)
+    link.relay_id = b"\x09" * 32
+    return link
+
+
+async def test_a_direct_link_replaces_a_relayed_one_which_drains_then_closes():
+    links = PeerLinks(A, race_window=WINDOW, relayed_drain_s=0.2)
+    through_relay = relayed(10.0, "relayed")
+    direct = FakeLink(B, dialed_here=False, at=50.0, name="punched")
+    links.add(through_relay)
+    links.add(direct)
+    assert links.get(B) is direct
+    # Superseded at once (long streams move over), closed only after the drain.
+    await asyncio.wait_for(through_relay.wait_superseded(), 1)
+    assert not through_relay.is_closed
+    await asyncio.sleep(0.3)
+    assert through_relay.close_reason == "replaced by a direct link"
+    assert not links.remove(through_relay) and links.get(B) is direct
+
+
+async def test_a_working_direct_link_is_not_given_up_for_a_newer_relayed_one():
+    links = PeerLinks(A, race_window=WINDOW)
+    direct = FakeLink(B, dialed_here=True, at=10.0, name="lan")
+    later = relayed(99.0, "relayed", dialed_here=False)
+    links.add(direct)
+    links.add(later)
+    assert links.get(B) is direct
+    assert later.close_reason == "a direct link is kept" and not direct.is_closed
+    assert links.remove(direct) and links.get(B) is None

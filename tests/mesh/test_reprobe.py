@@ -79,3 +79,11 @@ async def test_a_peer_that_sent_on_the_probed_link_while_the_probe_waited_is_slo
     link.close()  # a closed link is not the peer's voice any more
     assert not heard_during_probe(link, probe_began_at=5.0)
     assert not heard_during_probe(None, probe_began_at=5.0)
+
+
+async def test_a_silent_direct_path_to_a_peer_behind_nat_is_given_up_for_its_relay() -> None:
+    punched = Link(at=1.0)
+    again = reprobe_after(punched, punched, probe_began_at=5.0, reachable_otherwise=True)
+    assert again == Reprobe(give_up=punched) and again.avoid_relays == ()
+    # A public peer's direct link has nothing to fall back on: no second probe.
+    assert reprobe_after(punched, punched, probe_began_at=5.0) is None

@@ -93,7 +93,8 @@ function drawNodes(view) {
     const serves = node.serving
       ? `${node.serving.model} [${node.serving.start_layer}, ${node.serving.end_layer})`
       : "nothing";
-    const link = node.link.kind === "self" ? "—" : node.link.kind;
+    const how = node.link.kind === "direct" && node.link.path && node.link.path !== "public" ? ` (${node.link.path})` : "";
+    const link = node.link.kind === "self" ? "—" : node.link.kind + how;
     const sessions = node.load.max_sessions
       ? `${node.load.active_sessions}/${node.load.max_sessions}`
       : String(node.load.active_sessions);

@@ -41,6 +41,13 @@ class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_ROLE_WORKER: _ClassVar[NodeRole]
     NODE_ROLE_HOST: _ClassVar[NodeRole]
     NODE_ROLE_CLIENT: _ClassVar[NodeRole]
+
+class NatMapping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NAT_MAPPING_UNKNOWN: _ClassVar[NatMapping]
+    NAT_MAPPING_NONE: _ClassVar[NatMapping]
+    NAT_MAPPING_ENDPOINT_INDEPENDENT: _ClassVar[NatMapping]
+    NAT_MAPPING_ENDPOINT_DEPENDENT: _ClassVar[NatMapping]
 MESH_ERROR_UNSPECIFIED: MeshErrorCode
 MESH_ERROR_MALFORMED: MeshErrorCode
 MESH_ERROR_BAD_GENERATION: MeshErrorCode
@@ -67,6 +74,10 @@ NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_WORKER: NodeRole
 NODE_ROLE_HOST: NodeRole
 NODE_ROLE_CLIENT: NodeRole
+NAT_MAPPING_UNKNOWN: NatMapping
+NAT_MAPPING_NONE: NatMapping
+NAT_MAPPING_ENDPOINT_INDEPENDENT: NatMapping
+NAT_MAPPING_ENDPOINT_DEPENDENT: NatMapping
 
 class Refusal(_message.Message):
     __slots__ = ("code", "detail")
@@ -135,7 +146,7 @@ class MeshSubprotocol(_message.Message):
     def __init__(self, name: _Optional[str] = ..., major: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerAnnouncement(_message.Message):
-    __slots__ = ("endpoint_id", "role", "http_port", "version", "hostname", "addresses", "directly_reachable", "relays", "serving", "capacity", "load", "mesh_id", "heartbeat_seq", "incarnation", "subprotocols")
+    __slots__ = ("endpoint_id", "role", "http_port", "version", "hostname", "addresses", "directly_reachable", "relays", "serving", "capacity", "load", "mesh_id", "heartbeat_seq", "incarnation", "subprotocols", "observed_addresses", "nat_mapping")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +162,8 @@ class PeerAnnouncement(_message.Message):
     HEARTBEAT_SEQ_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SUBPROTOCOLS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    NAT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: bytes
     role: NodeRole
     http_port: int
@@ -166,7 +179,9 @@ class PeerAnnouncement(_message.Message):
     heartbeat_seq: int
     incarnation: int
     subprotocols: _containers.RepeatedCompositeFieldContainer[MeshSubprotocol]
-    def __init__(self, endpoint_id: _Optional[bytes] = ..., role: _Optional[_Union[NodeRole, str]] = ..., http_port: _Optional[int] = ..., version: _Optional[str] = ..., hostname: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., directly_reachable: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayEndpoint, _Mapping]]] = ..., serving: _Optional[_Union[ServedShard, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., mesh_id: _Optional[str] = ..., heartbeat_seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., subprotocols: _Optional[_Iterable[_Union[MeshSubprotocol, _Mapping]]] = ...) -> None: ...
+    observed_addresses: _containers.RepeatedScalarFieldContainer[str]
+    nat_mapping: NatMapping
+    def __init__(self, endpoint_id: _Optional[bytes] = ..., role: _Optional[_Union[NodeRole, str]] = ..., http_port: _Optional[int] = ..., version: _Optional[str] = ..., hostname: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., directly_reachable: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayEndpoint, _Mapping]]] = ..., serving: _Optional[_Union[ServedShard, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., mesh_id: _Optional[str] = ..., heartbeat_seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., subprotocols: _Optional[_Iterable[_Union[MeshSubprotocol, _Mapping]]] = ..., observed_addresses: _Optional[_Iterable[str]] = ..., nat_mapping: _Optional[_Union[NatMapping, str]] = ...) -> None: ...
 
 class SignedPeerRecord(_message.Message):
     __slots__ = ("record", "signature")
