@@ -78,6 +78,10 @@ class DirectPaths:
         self._is_admitted = state.is_admitted
         self._relay_links = relay_links
         self.book = PunchBook(self.settings.schedule)
+        # The LAN shortcut's dials keep a schedule of their own: two homes that number their LANs
+        # alike look like one LAN until relays have seen both, and those dials must not hold up
+        # a punch.
+        self._lan_book = PunchBook(self.settings.schedule)
         # Attempts this node took part in, by (role, outcome); direct paths that died.
         self.attempts: Counter[tuple[str, str]] = Counter()
         self.paths_lost = 0
@@ -150,9 +154,11 @@ class DirectPaths:
         return link.relay_id is not None or self.path_of(link).traversed
 
     def link_closed(self, link: PeerLink, *, was_kept: bool) -> None:
-        if was_kept and link.relay_id is None and self.path_of(link).traversed:
+        path = self.path_of(link)
+        if was_kept and path.traversed:
             now = asyncio.get_running_loop().time()
-            pair = self.book.pair(link.peer_id, now)
+            book = self._lan_book if path is PathKind.LAN else self.book
+            pair = book.pair(link.peer_id, now)
             if pair is not None:
                 pair.path_lost(now, lived_s=now - link.established_at)
             self.paths_lost += 1
@@ -161,7 +167,7 @@ class DirectPaths:
                 short_id(link.peer_id),
                 link.description,
                 link.close_reason,
-                f", next punch in {pair.retry_in(now):.0f} s" if pair is not None else "",
+                f", next try in {pair.retry_in(now):.0f} s" if pair is not None else "",
             )
         self._punched.discard(link)
 
@@ -178,12 +184,13 @@ class DirectPaths:
         found = lan_addresses(self._local, self._record_of(peer_id))
         if not found:
             return ()
-        pair = self.book.pair(peer_id, asyncio.get_running_loop().time())
-        return found if pair is not None and pair.may_try(asyncio.get_running_loop().time()) else ()
+        now = asyncio.get_running_loop().time()
+        pair = self._lan_book.pair(peer_id, now)
+        return found if pair is not None and pair.may_try(now) else ()
 
     def failed(self, peer_id: bytes, reason: str) -> None:
         now = asyncio.get_running_loop().time()
-        pair = self.book.pair(peer_id, now)
+        pair = self._lan_book.pair(peer_id, now)
         if pair is not None:
             pair.attempted(now, succeeded=False)
         log.debug("same-LAN dial of %s failed: %s", short_id(peer_id), reason)
