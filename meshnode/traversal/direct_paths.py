@@ -40,6 +40,7 @@ from meshnode.traversal.candidates import (
     classify_path,
     lan_addresses,
     own_candidates,
+    vouched_candidates,
     worth_dialing,
 )
 from meshnode.traversal.nat_mapping import classify_mapping, mapping_name, punchable
@@ -98,7 +99,7 @@ class DirectPaths:
             endpoint,
             node,
             own_offer=self._own_offer,
-            record_of=self._record_of,
+            targets=self._targets,
             direct_link=self._direct_link,
             timing=self.settings.timing,
         )
@@ -132,6 +133,12 @@ class DirectPaths:
             )
         else:
             log.info("relays see this node at %s (NAT mapping: %s)", ", ".join(unique), mapping_name(mapping))
+
+    def _targets(self, peer: bytes, offered: Sequence[str]) -> list[str]:
+        """What of a peer's offer to send to: what its own signed record announces, and only where
+        it can lead from here (not another LAN's private addresses)."""
+        record = self._record_of(peer)
+        return worth_dialing(vouched_candidates(offered, record), self._local, record)
 
     def _own_offer(self) -> tuple[Sequence[str], int]:
         local = self._local
@@ -203,9 +210,9 @@ class DirectPaths:
         peer = stream.peer_id
         started = False
 
-        def decide(peer_id: bytes, vouched: Sequence[str]) -> Decline | None:
+        def decide(peer_id: bytes, targets: Sequence[str]) -> Decline | None:
             nonlocal started
-            decline = self._decline(peer_id, vouched)
+            decline = self._decline(peer_id, targets)
             if decline is None:
                 started = True
                 self.book.start(peer_id, asyncio.get_running_loop().time())
@@ -225,7 +232,7 @@ class DirectPaths:
             outcome = report.outcome if report is not None else PunchOutcome.ERROR
             self._finished("responder", peer, report, outcome)
 
-    def _decline(self, peer: bytes, vouched: Sequence[str]) -> Decline | None:
+    def _decline(self, peer: bytes, targets: Sequence[str]) -> Decline | None:
         now = asyncio.get_running_loop().time()
         if not self.enabled:
             return Decline(traversal.PUNCH_DECLINE_DISABLED, "hole punching is off on this node")
@@ -235,7 +242,6 @@ class DirectPaths:
             )
         if self._direct_link(peer) is not None:
             return Decline(traversal.PUNCH_DECLINE_DIRECT, "already linked directly")
-        targets = worth_dialing(vouched, self._local, self._record_of(peer))
         if not targets:
             return Decline(
                 traversal.PUNCH_DECLINE_NO_CANDIDATES, "no candidate your record announces is reachable"

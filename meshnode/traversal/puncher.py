@@ -28,7 +28,6 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicLink
 from meshnode.transport.udp_address import describe_sockaddr
 from meshnode.traversal import punch_messages
-from meshnode.traversal.candidates import vouched_candidates
 from meshnode.traversal.settings import PunchTiming
 from meshnode.wire.errors import FramingError
 from meshnode.wire.framing import StreamType
@@ -94,8 +93,9 @@ class FirstLinkWins:
 
 class Puncher:
     """Runs punch attempts from the node's socket. ``own_offer()`` is what this node offers now
-    (candidates, NatMapping); ``record_of(peer)`` the peer's signed record (candidates it does not
-    announce are never dialled); ``direct_link(peer)`` the direct link kept to it, if any."""
+    (candidates, NatMapping); ``targets(peer, offered)`` which of a peer's offered candidates to
+    send to (those its own signed record announces, and that can lead somewhere from here);
+    ``direct_link(peer)`` the direct link kept to it, if any."""
 
     def __init__(
         self,
@@ -103,14 +103,14 @@ class Puncher:
         node: LinkHandler,
         *,
         own_offer: Callable[[], tuple[Sequence[str], int]],
-        record_of: Callable[[bytes], mesh.PeerAnnouncement | None],
+        targets: Callable[[bytes, Sequence[str]], list[str]],
         direct_link: Callable[[bytes], PeerLink | None],
         timing: PunchTiming | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._node = node
         self._own_offer = own_offer
-        self._record_of = record_of
+        self._targets = targets
         self._direct_link = direct_link
         self.timing = timing or PunchTiming()
         self._loop = asyncio.get_running_loop()
@@ -138,7 +138,7 @@ class Puncher:
                     retry_after_s=declined.retry_after_ms / 1000,
                 )
             rtt = self._loop.time() - sent_at
-            targets = vouched_candidates(answer.offer.candidates, self._record_of(peer))
+            targets = self._targets(peer, answer.offer.candidates)
             await framed.send_frame(punch_messages.sync())
             # The sync reaches the responder half a round trip from now: punch then, so that our
             # NAT expects the peer just as its dial leaves.
@@ -172,12 +172,12 @@ class Puncher:
     async def respond(
         self, stream: FramedStream, decide: Callable[[bytes, Sequence[str]], Decline | None]
     ) -> PunchReport:
-        """Answer an offer on ``stream`` (the dispatcher serves it); ``decide(peer, vouched
-        candidates)`` says whether to take part (``None``) or why not."""
+        """Answer an offer on ``stream`` (the dispatcher serves it); ``decide(peer, targets)`` says
+        whether to take part (``None``) or why not."""
         peer = stream.peer_id
         timing = self.timing
         offer = await self._next(stream, ("offer",), timing.answer_timeout_s)
-        targets = vouched_candidates(offer.offer.candidates, self._record_of(peer))
+        targets = self._targets(peer, offer.offer.candidates)
         decline = decide(peer, targets)
         if decline is not None:
             await stream.send_frame(
