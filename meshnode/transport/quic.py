@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 from typing import cast
@@ -484,16 +485,19 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         )
 
     def can_dial(self, address: str) -> bool:
-        """Whether this socket can send to ``address`` (an IPv6 literal needs an IPv6 socket;
-        a name is taken to resolve to an address it can reach)."""
+        """Whether this socket can send to ``address``: an IPv6 literal needs an IPv6 socket, and
+        a socket bound to loopback reaches only loopback (a name is taken to resolve to an
+        address it can reach)."""
         try:
             host, port = parse_host_port(address)
             sockaddr_for(self._family, host, port)
+            target_loopback = ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
         except FamilyMismatch:
             return False
         except ValueError:
-            pass
-        return True
+            return True
+        bound = self.local_address[0]
+        return target_loopback or not ipaddress.ip_address(bound.split("%", 1)[0]).is_loopback
 
     async def dial(
         self,

@@ -129,3 +129,17 @@ async def test_the_relay_tells_a_node_where_it_sees_its_socket_and_again_after_a
         nat.close()
         with contextlib.suppress(Exception):
             await server.close()
+
+
+async def test_a_relay_the_node_socket_cannot_reach_is_dialed_from_a_socket_of_its_own() -> None:
+    loopback = await QuicEndpoint.listen(
+        new_member(MeshKey.generate()).identity, NullHandler(), "127.0.0.1", 0
+    )
+    wildcard = await QuicEndpoint.listen(new_member(MeshKey.generate()).identity, NullHandler(), "0.0.0.0", 0)
+    try:
+        # A loopback socket reaches only loopback; an IPv4 socket no IPv6 literal.
+        assert loopback.can_dial("127.0.0.1:7448") and not loopback.can_dial("198.51.100.7:7448")
+        assert wildcard.can_dial("198.51.100.7:7448") and not wildcard.can_dial("[2001:db8::7]:7448")
+    finally:
+        loopback.close()
+        wildcard.close()
