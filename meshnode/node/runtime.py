@@ -92,6 +92,12 @@ _LINK_ATTEMPTS = 3
 PEER_FAILURES: tuple[type[Exception], ...] = (DialError, PeerUnreachable, MeshRefusal, *REQUEST_FAILURES)
 
 
+def _exchanged_ok(done: asyncio.Future[None] | None) -> bool:
+    """Whether a gossip exchange on a link completed (a cancelled one, its caller timed out,
+    proves nothing)."""
+    return done is not None and done.done() and not done.cancelled() and done.exception() is None
+
+
 def _to_ns(seconds: float) -> int:
     return round(seconds * SECOND_NS)
 
@@ -420,11 +426,8 @@ class Node:
         return await self._links.connect(peer_id, lambda peer: dialer.dial_peer(peer, avoid_relays))
 
     async def _ensure_exchanged(self, link: PeerLink) -> None:
-        done = self._exchanged.get(link)
-        # A cancelled exchange (its caller timed out) proves nothing: exchange again.
-        if done is not None and done.done() and not done.cancelled() and done.exception() is None:
-            return
-        await self._exchange(link)
+        if not _exchanged_ok(self._exchanged.get(link)):
+            await self._exchange(link)
 
     def link_established(self, link: PeerLink) -> None:
         self._links.add(link)
@@ -445,7 +448,9 @@ class Node:
     async def _exchange(self, link: PeerLink) -> None:
         """Send our GossipFrame on a new stream and take the reply (opening side)."""
         done = asyncio.get_running_loop().create_future()
-        self._exchanged[link] = done
+        if not _exchanged_ok(self._exchanged.get(link)):
+            # Not a heartbeat's on a link already exchanged: get_link would wait for it.
+            self._exchanged[link] = done
         try:
             frame = self.state.gossip_frame(link.peer_id).SerializeToString()
             data = await request_reply(link, StreamType.GOSSIP, frame, timeout=self.config.gossip_timeout)

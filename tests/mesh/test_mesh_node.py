@@ -78,6 +78,21 @@ async def route_table(link) -> mesh.RouteTable:
 # -- joining --------------------------------------------------------------------------------------------
 
 
+async def test_a_heartbeats_gossip_on_a_link_already_exchanged_does_not_hold_up_get_link(tmp_path, first):
+    joiner = await start_joiner(tmp_path, "joiner", first)
+    try:
+        link = await joiner.get_link(first.node_id)
+        # A heartbeat's exchange is under way on the link...
+        heartbeat = asyncio.ensure_future(joiner._exchange(link))
+        await asyncio.sleep(0)
+        # ...and a caller wanting the link gets it now, not after an exchange of its own.
+        assert await joiner.get_link(first.node_id) is link
+        assert not heartbeat.done()
+        await heartbeat
+    finally:
+        await joiner.shutdown()
+
+
 async def test_invite_join_makes_a_stored_member_and_both_list_each_other(tmp_path, first):
     joiner = await start_joiner(tmp_path, "joiner", first)
     try:
