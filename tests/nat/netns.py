@@ -2,14 +2,40 @@
 
 Topology (every address from 198.18.0.0/15, reserved for network testing)::
 
-    home-a 198.18.1.2 --lan-- router-a --wan 198.18.0.1/30-- public 198.18.0.2
-                                                                    198.18.100.1 (lo: services)
-    home-b 198.18.2.2 --lan-- router-b --wan 198.18.0.5/30-- public 198.18.0.6
+    home-a  198.18.1.2 --lan-- router-a --wan 198.18.0.1/30-- public 198.18.0.2
+   (home-a2 198.18.1.3 "same-lan" only)                              198.18.100.1, .2 (lo: services)
+    home-b  198.18.2.2 --lan-- router-b --wan 198.18.0.5/30-- public 198.18.0.6
 
 Each router forwards only home -> public and masquerades it (nftables), and lets
-back only replies (conntrack established/related): nothing can dial into a home.
-The public namespace has no route to the home networks at all. Nothing is
-connected to the host's own network.
+back only replies (conntrack established/related): nothing can dial into a home,
+and whatever arrives on the WAN side for the router itself and is no reply is
+dropped. The public namespace routes between the two routers' WAN addresses (the
+internet between the homes, where hole punching happens) but has no route to the
+home networks at all. Nothing is connected to the host's own network.
+
+The routers are set up as one of :data:`PRESETS` (``NatLab(preset=...)``):
+
+``home``
+    Endpoint-independent mapping (one home ip:port keeps one public port whatever
+    it sends to: the masquerade keeps the home's source port while no other flow
+    through the router holds it) and address-and-port-dependent filtering (only
+    an ip:port the home has sent to gets in). Hole punching works.
+``symmetric``
+    The same filtering, but endpoint-dependent mapping (``masquerade random``: a
+    fresh public port for every destination), so the port a home learns from a
+    public server is useless to a peer. Hole punching fails.
+``same-lan``
+    ``home``, with a second home ``ha2`` (:data:`HOME_A2`) on router A's LAN, a
+    bridge: ``ha`` and ``ha2`` reach each other directly and share one public
+    address.
+``home-lossy``
+    ``home`` with :data:`LOSSY_PERCENT` % of the UDP datagrams each router forwards
+    dropped (:meth:`NatLab.lose`).
+
+:meth:`NatLab.add_far_host` adds one more namespace, ``far`` (:data:`FAR_ADDRESS`), a server
+across a delay: the public side routes :data:`FAR_NETWORK` over a wire (``delay_wire.py``, two TUN
+devices and a process between them) that holds every packet a set time each way and changes
+nothing in it, so a server there sees each home's real router mapping, as from across the internet.
 
 Namespace names start with :data:`PREFIX` plus the owning pid, unique per lab;
 :meth:`NatLab.down` kills everything started inside and deletes them (call it
@@ -27,34 +53,67 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 PREFIX = "mnrl"
 ROLES = ("pub", "rta", "rtb", "ha", "hb")
+SAME_LAN_ROLES = (*ROLES, "ha2")
+PRESETS = ("home", "symmetric", "same-lan", "home-lossy")
+LOSSY_PERCENT = 5
 SERVICE_ADDRESS = "198.18.100.1"
+SERVICE_ADDRESS_2 = "198.18.100.2"
+FAR_ROLE = "far"
+FAR_ADDRESS = "198.18.101.1"
+FAR_NETWORK = "198.18.101.0/24"
+DELAY_WIRE = Path(__file__).with_name("delay_wire.py")
 HOME_A = "198.18.1.2"
+HOME_A2 = "198.18.1.3"
 HOME_B = "198.18.2.2"
 ROUTER_A_WAN = "198.18.0.1"
 ROUTER_B_WAN = "198.18.0.5"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+-")
 
-ROUTER_RULES = """
-table ip nat {
-  chain postrouting {
+
+def router_rules(preset: str = "home") -> str:
+    """The nftables ruleset of both routers under ``preset``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown NAT preset {preset!r}; one of {', '.join(PRESETS)}")
+    # Plain masquerade keeps the source port when no other flow holds it, and with the WAN input
+    # dropped below only the homes' own flows can: one home port, one public port, whatever the
+    # destination. `random` (like `fully-random`) draws a new port for every new flow instead.
+    masquerade = "masquerade random" if preset == "symmetric" else "masquerade"
+    return f"""
+table ip nat {{
+  chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
-    oifname "wan" masquerade
-  }
-}
-table ip filter {
-  chain forward {
+    oifname "wan" {masquerade}
+  }}
+}}
+table ip filter {{
+  # A real router drops what reaches it unasked on the WAN side. That also keeps the mapping: an
+  # accepted stray datagram to the router's port P (a peer punching first) leaves a conntrack entry
+  # holding P, and the home's own flow to that peer is then mapped to another port, so simultaneous
+  # open fails. A dropped one leaves none: conntrack confirms accepted packets only.
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "wan" ct state established,related accept
+    iifname "wan" drop
+  }}
+  chain forward {{
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname "lan" oifname "wan" accept
-  }
-}
+    # Homes on one bridged LAN ("same-lan"): with br_netfilter loaded, their frames pass this hook.
+    iifname "lan" oifname "lan" accept
+  }}
+}}
 """
+
+
+ROUTER_RULES = router_rules("home")
 
 
 def unavailable_reason() -> str | None:
@@ -111,9 +170,14 @@ def sweep_stale() -> list[str]:
 
 
 class NatLab:
-    def __init__(self) -> None:
+    """The lab under one of :data:`PRESETS`; ``up`` builds it, ``down`` removes all of it."""
+
+    def __init__(self, preset: str = "home") -> None:
+        self.rules = router_rules(preset)
+        self.preset = preset
+        self.roles: tuple[str, ...] = SAME_LAN_ROLES if preset == "same-lan" else ROLES
         self.tag = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}"
-        self.ns = {role: f"{self.tag}-{role}" for role in ROLES}
+        self.ns = {role: f"{self.tag}-{role}" for role in self.roles}
         self._processes: list[subprocess.Popen[bytes]] = []
 
     # -- lifecycle -------------------------------------------------------------------
@@ -175,44 +239,104 @@ class NatLab:
             self._ip("-n", ns[router], "addr", "add", wan_addr, "dev", "wan")
             self._ip("-n", ns["pub"], "link", "set", pub_dev, "up")
             self._ip("-n", ns[router], "link", "set", "wan", "up")
-        self._ip("-n", ns["pub"], "addr", "add", f"{SERVICE_ADDRESS}/32", "dev", "lo")
+        for service in (SERVICE_ADDRESS, SERVICE_ADDRESS_2):
+            self._ip("-n", ns["pub"], "addr", "add", f"{service}/32", "dev", "lo")
+        # The public side is the internet between the routers too: one home's datagram to the other's
+        # router crosses it (hole punching), and only the routers' own rules may stop it.
+        self._sysctl("pub", "net.ipv4.ip_forward=1")
         # routers <-> homes
-        for router, home, lan_addr, home_addr, upstream in (
-            ("rta", "ha", "198.18.1.1", HOME_A, "198.18.0.2"),
-            ("rtb", "hb", "198.18.2.1", HOME_B, "198.18.0.6"),
+        homes_a = [("ha", HOME_A), ("ha2", HOME_A2)] if "ha2" in ns else [("ha", HOME_A)]
+        for router, homes, lan_addr, upstream in (
+            ("rta", homes_a, "198.18.1.1", "198.18.0.2"),
+            ("rtb", [("hb", HOME_B)], "198.18.2.1", "198.18.0.6"),
         ):
-            self._ip(
-                "-n",
-                ns[router],
-                "link",
-                "add",
-                "lan",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                ns[home],
-            )
+            if len(homes) == 1:
+                self._home_link(router, "lan", homes[0][0])
+            else:
+                self._ip("-n", ns[router], "link", "add", "lan", "type", "bridge")
+                for home, _ in homes:
+                    port = f"lan-{home}"
+                    self._home_link(router, port, home)
+                    self._ip("-n", ns[router], "link", "set", port, "master", "lan")
             self._ip("-n", ns[router], "addr", "add", f"{lan_addr}/24", "dev", "lan")
-            self._ip("-n", ns[home], "addr", "add", f"{home_addr}/24", "dev", "eth0")
             self._ip("-n", ns[router], "link", "set", "lan", "up")
-            self._ip("-n", ns[home], "link", "set", "eth0", "up")
-            self._ip("-n", ns[home], "route", "add", "default", "via", lan_addr)
+            for home, home_addr in homes:
+                self._ip("-n", ns[home], "addr", "add", f"{home_addr}/24", "dev", "eth0")
+                self._ip("-n", ns[home], "link", "set", "eth0", "up")
+                self._ip("-n", ns[home], "route", "add", "default", "via", lan_addr)
             self._ip("-n", ns[router], "route", "add", "default", "via", upstream)
-            subprocess.run(
-                ["ip", "netns", "exec", ns[router], "sysctl", "-qw", "net.ipv4.ip_forward=1"],
-                check=True,
-                capture_output=True,
-            )
+            self._sysctl(router, "net.ipv4.ip_forward=1")
             subprocess.run(
                 ["ip", "netns", "exec", ns[router], "nft", "-f", "-"],
-                input=ROUTER_RULES,
+                input=self.rules,
                 check=True,
                 capture_output=True,
                 text=True,
             )
+        if self.preset == "home-lossy":
+            self.lose(LOSSY_PERCENT)
+
+    def _sysctl(self, role: str, setting: str) -> None:
+        subprocess.run(self.command(role, ["sysctl", "-qw", setting]), check=True, capture_output=True)
+
+    def _home_link(self, router: str, router_dev: str, home: str) -> None:
+        """A veth from ``router_dev`` in the router to ``eth0`` in the home, router end up."""
+        self._ip(
+            "-n",
+            self.ns[router],
+            "link",
+            "add",
+            router_dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            self.ns[home],
+        )
+        self._ip("-n", self.ns[router], "link", "set", router_dev, "up")
+
+    # -- a host across a delay ------------------------------------------------------------
+
+    def add_far_host(self, delay_ms: float, *, log: Path, timeout: float = 20) -> str:
+        """The ``far`` namespace at :data:`FAR_ADDRESS`, reached from the public side over a wire that
+        holds each packet ``delay_ms`` each way (``log``: the wire's output); its address.
+        :meth:`down` removes it with the rest."""
+        if FAR_ROLE in self.ns:
+            raise RuntimeError("this lab has its far host already")
+        far = self.ns[FAR_ROLE] = f"{self.tag}-{FAR_ROLE}"
+        self.roles = (*self.roles, FAR_ROLE)
+        self._ip("netns", "add", far)
+        self._ip("-n", far, "link", "set", "lo", "up")
+        # Device names say where they lead: pub's "wire-far" goes to far, far's "wire-pub" back.
+        wire = self.spawn(
+            "pub",
+            [
+                sys.executable,
+                str(DELAY_WIRE),
+                "--near-dev",
+                "wire-far",
+                "--far-dev",
+                "wire-pub",
+                "--far-netns",
+                far,
+                "--delay-ms",
+                f"{delay_ms:g}",
+            ],
+            log=log,
+        )
+        deadline = time.monotonic() + timeout
+        while b"wire ready" not in log.read_bytes():
+            if wire.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the delay wire did not start:\n{log.read_text(errors='replace')}")
+            time.sleep(0.05)
+        self._ip("-n", self.ns["pub"], "link", "set", "wire-far", "up")
+        self._ip("-n", self.ns["pub"], "route", "add", FAR_NETWORK, "dev", "wire-far")
+        self._ip("-n", far, "link", "set", "wire-pub", "up")
+        self._ip("-n", far, "addr", "add", f"{FAR_ADDRESS}/24", "dev", "wire-pub")
+        self._ip("-n", far, "route", "add", "default", "dev", "wire-pub")
+        return FAR_ADDRESS
 
     # -- impairing the routers ----------------------------------------------------------
 
@@ -245,6 +369,27 @@ class NatLab:
         subprocess.run(
             self.command(router, ["nft", "delete", "table", "inet", "impair"]), capture_output=True
         )
+
+    def cut_between_homes(self) -> None:
+        """The public side drops UDP between the two routers, both ways, from now on: a direct path
+        between the homes dies (as when a punched hole closes); each home still reaches the relay."""
+        rules = (
+            "table ip cut {\n"
+            "  chain forward {\n"
+            "    type filter hook forward priority filter - 10; policy accept;\n"
+            f"    ip saddr {ROUTER_A_WAN} ip daddr {ROUTER_B_WAN} meta l4proto udp counter drop\n"
+            f"    ip saddr {ROUTER_B_WAN} ip daddr {ROUTER_A_WAN} meta l4proto udp counter drop\n"
+            "  }\n"
+            "}\n"
+        )
+        self.join_homes()
+        subprocess.run(
+            self.command("pub", ["nft", "-f", "-"]), input=rules, check=True, capture_output=True, text=True
+        )
+
+    def join_homes(self) -> None:
+        """Undo :meth:`cut_between_homes`."""
+        subprocess.run(self.command("pub", ["nft", "delete", "table", "ip", "cut"]), capture_output=True)
 
     def datagrams_lost(self) -> int:
         """Datagrams the routers' ``lose`` rules have dropped so far."""
@@ -298,13 +443,24 @@ class NatLab:
 
 
 __all__ = [
+    "DELAY_WIRE",
+    "FAR_ADDRESS",
+    "FAR_NETWORK",
+    "FAR_ROLE",
     "HOME_A",
+    "HOME_A2",
     "HOME_B",
+    "LOSSY_PERCENT",
     "PREFIX",
+    "PRESETS",
+    "ROLES",
     "ROUTER_A_WAN",
     "ROUTER_B_WAN",
+    "SAME_LAN_ROLES",
     "SERVICE_ADDRESS",
+    "SERVICE_ADDRESS_2",
     "NatLab",
+    "router_rules",
     "sweep_stale",
     "unavailable_reason",
 ]
