@@ -12,6 +12,12 @@ between the shards, goes through the relay.
 With ``--restarts-on-cache-miss N``, a CACHE_MISS (a hop lost the session) starts the
 generation again from the prompt, at most N times, as a head would rebuild the session.
 
+With ``--step-delay S`` it waits S seconds after each decode step and prints ``STEP n`` once
+step n is done (a test changes the network while the generation runs); ``--decode-steps``
+sets how many at most, and ``--until-file PATH --then N`` stops N steps after PATH appears
+(the test decides how long the generation runs); ``--hole-punching off`` keeps this node
+from punching.
+
 With ``--stop-relay``, right after submitting decode step ``--at`` it sends
 SIGTERM to the relay process (the step is then in flight through the relay),
 prints ``RELAY-STOPPED``, and completes the step by retrying it with the same
@@ -41,11 +47,11 @@ from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
 from meshnode.membership.credentials import decode_invite_token
 from meshnode.node import NodeConfig
+from meshnode.traversal.settings import TraversalSettings
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
 CHUNK_TOKENS = 16
-DECODE_STEPS = 20
 RETRY_WINDOW_S = 60.0
 
 
@@ -72,6 +78,7 @@ async def main(args: argparse.Namespace) -> int:
         probe_timeout=3.0,
         connect_timeout=3.0,
         stream_type_timeout=3.0,
+        traversal=TraversalSettings(hole_punching=args.hole_punching == "on"),
     )
     invite = decode_invite_token(Path(args.invite_file).read_text())
     node = await start_invited_node(Path(args.data_dir), config, invite)
@@ -107,7 +114,8 @@ async def main(args: argparse.Namespace) -> int:
                     tokens, logits, duplicates = [first.token], [first.logits], []
                     first_link = session.link
                     position = len(prompt)
-                    for step in range(DECODE_STEPS):
+                    steps_after_file = 0
+                    for step in range(args.decode_steps):
                         handle = session.submit_decode(tokens[-1], position=position)
                         if args.stop_relay and step == args.at:
                             # Let the step leave this node first, so it is in flight through the relay and A.
@@ -119,6 +127,13 @@ async def main(args: argparse.Namespace) -> int:
                         logits.append(output.logits)
                         duplicates.append(bool(output.duplicate))
                         position += 1
+                        if args.step_delay:
+                            print(f"STEP {step}", flush=True)
+                            await asyncio.sleep(args.step_delay)
+                        if args.until_file and Path(args.until_file).exists():
+                            steps_after_file += 1
+                            if steps_after_file >= args.then:
+                                break
                     reconnected = session.link is not first_link
                 break
             except ShardProtocolError as exc:
@@ -156,4 +171,9 @@ if __name__ == "__main__":
     parser.add_argument("--at", type=int, default=0)
     parser.add_argument("--stop-delay", type=float, default=0.002)
     parser.add_argument("--restarts-on-cache-miss", type=int, default=0)
+    parser.add_argument("--decode-steps", type=int, default=20)
+    parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--hole-punching", choices=("on", "off"), default="on")
+    parser.add_argument("--until-file", default="")
+    parser.add_argument("--then", type=int, default=1)
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +46,9 @@ def data_plane_missing() -> str | None:
     return None
 
 
-def unsplit_reference(model: Path) -> tuple[list[int], list[int], list[np.ndarray]]:
+def unsplit_reference(
+    model: Path, decode_steps: int = DECODE_STEPS
+) -> tuple[list[int], list[int], list[np.ndarray]]:
     """A prompt, and the whole model's greedy tokens and logits for it, prefilled in the chunks the
     client sends."""
     from helpers.tiny_llama import load_engine, run_unsplit
@@ -55,7 +59,7 @@ def unsplit_reference(model: Path) -> tuple[list[int], list[int], list[np.ndarra
     try:
         vocab = engine.capabilities().vocab_size
         prompt = [int(t) for t in np.random.default_rng(5).integers(3, vocab, size=PROMPT_TOKENS)]
-        tokens, logits = run_unsplit(engine, prompt, chunk_tokens=CHUNK_TOKENS, decode_steps=DECODE_STEPS)
+        tokens, logits = run_unsplit(engine, prompt, chunk_tokens=CHUNK_TOKENS, decode_steps=decode_steps)
         return prompt, tokens, logits
     finally:
         engine.close()
@@ -63,6 +67,35 @@ def unsplit_reference(model: Path) -> tuple[list[int], list[int], list[np.ndarra
 
 def shard_args(model: Path, start: int, end: int) -> list[str]:
     return ["--model", str(model), "--layers", f"{start}:{end}", "--threads", "1", "--ctx", "512"]
+
+
+def spawn_driver(
+    mesh: Mesh, name: str, invite: str, prompt: list[int], *extra: str
+) -> subprocess.Popen[bytes]:
+    """The driver started on the public side, not waited for (``extra``: its options); it writes
+    ``NAME.npz``."""
+    invite_file = mesh.root / f"{name}.invite"
+    invite_file.write_text(invite)
+    argv = [
+        sys.executable,
+        str(DRIVER),
+        str(mesh.dir(name)),
+        str(invite_file),
+        str(mesh.root / f"{name}.npz"),
+        ",".join(map(str, prompt)),
+        *extra,
+    ]
+    log = mesh.root / f"{name}.log"
+    mesh.logs[name] = log
+    return mesh.lab.spawn("pub", argv, log=log)
+
+
+def driver_output(
+    mesh: Mesh, name: str, driver: subprocess.Popen[bytes], timeout: float = 180
+) -> dict[str, np.ndarray]:
+    assert driver.wait(timeout=timeout) == 0, f"driver {name} failed"
+    with np.load(mesh.root / f"{name}.npz") as saved:
+        return {key: saved[key] for key in saved.files}
 
 
 def run_driver(
@@ -73,37 +106,27 @@ def run_driver(
     *,
     restart_relay: bool = False,
     restarts_on_cache_miss: int = 0,
+    hole_punching: bool = True,
 ) -> dict[str, np.ndarray]:
-    invite_file = mesh.root / f"{name}.invite"
-    invite_file.write_text(invite)
-    out = mesh.root / f"{name}.npz"
-    argv = [
-        sys.executable,
-        str(DRIVER),
-        str(mesh.dir(name)),
-        str(invite_file),
-        str(out),
-        ",".join(map(str, prompt)),
-    ]
+    extra: list[str] = []
     if restarts_on_cache_miss:
-        argv += ["--restarts-on-cache-miss", str(restarts_on_cache_miss)]
+        extra += ["--restarts-on-cache-miss", str(restarts_on_cache_miss)]
+    if not hole_punching:
+        extra += ["--hole-punching", "off"]
     if restart_relay:
         assert mesh.relay is not None
         # The driver kills the relay right after submitting a step; its pid inside the lab is the process's own.
-        argv += ["--stop-relay", str(mesh.relay.pid), "--at", str(RESTART_AT_STEP)]
-    log = mesh.root / f"{name}.log"
-    mesh.logs[name] = log
-    driver = mesh.lab.spawn("pub", argv, log=log)
+        extra += ["--stop-relay", str(mesh.relay.pid), "--at", str(RESTART_AT_STEP)]
+    driver = spawn_driver(mesh, name, invite, prompt, *extra)
     if restart_relay:
+        log = mesh.logs[name]
         wait_until(
             lambda: b"RELAY-STOPPED" in log.read_bytes() or driver.poll() is not None, 120, "the relay stop"
         )
         assert mesh.relay is not None
         mesh.relay.wait(timeout=20)
         mesh.start_relay(mesh.mesh_id)
-    assert driver.wait(timeout=180) == 0, f"driver {name} failed"
-    with np.load(out) as saved:
-        return {key: saved[key] for key in saved.files}
+    return driver_output(mesh, name, driver)
 
 
 def invite_from_a(mesh: Mesh) -> str:
@@ -113,15 +136,17 @@ def invite_from_a(mesh: Mesh) -> str:
     return made.stdout.strip()
 
 
-def start_a_behind_the_relay(mesh: Mesh, model: Path) -> str:
+def start_a_behind_the_relay(mesh: Mesh, model: Path, *node_extra: str) -> str:
     """The relay, and A (behind NAT A) serving ``[0, SPLIT)`` of ``model`` and registered with it;
-    A's node id."""
+    A's node id. ``node_extra``: more of A's options."""
     relay_id = mesh.lab.run(
         "pub", [sys.executable, "-m", "relay", "--show-id", "--data-dir", str(mesh.dir("r"))]
     ).stdout.strip()
     relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
     mesh.spawn(
-        "a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg, *shard_args(model, 0, SPLIT))
+        "a",
+        "ha",
+        node_args("create", mesh.dir("a"), "--relay", relay_arg, *shard_args(model, 0, SPLIT), *node_extra),
     )
     wait_until(lambda: (mesh.status("a") or {}).get("node", {}).get("serving"), 90, "A to serve")
     status_a = mesh.status("a")
@@ -142,16 +167,20 @@ class TwoShardChain:
         return invite_from_a(self.mesh)
 
 
-def start_two_shard_chain(lab: NatLab, root: Path, model: Path) -> TwoShardChain:
-    """A relay and the two NATed shard nodes, serving and known to each other. On failure the
-    processes' logs are printed (the lab's teardown stops them)."""
+def start_two_shard_chain(
+    lab: NatLab, root: Path, model: Path, *node_extra: str, before_b: Callable[[], None] = lambda: None
+) -> TwoShardChain:
+    """A relay and the two NATed shard nodes, serving and known to each other (``node_extra``: more
+    options of both; ``before_b`` runs before B starts). On failure the processes' logs are
+    printed (the lab's teardown stops them)."""
     mesh = Mesh(lab, root)
     try:
-        chain = TwoShardChain(mesh, start_a_behind_the_relay(mesh, model), "")
+        chain = TwoShardChain(mesh, start_a_behind_the_relay(mesh, model, *node_extra), "")
+        before_b()
         mesh.spawn(
             "b",
             "hb",
-            node_args("join", mesh.dir("b"), "--invite", "-", *shard_args(model, SPLIT, 6)),
+            node_args("join", mesh.dir("b"), "--invite", "-", *shard_args(model, SPLIT, 6), *node_extra),
             stdin=chain.invite(),
         )
         wait_until(lambda: (mesh.status("b") or {}).get("node", {}).get("serving"), 90, "B to serve")

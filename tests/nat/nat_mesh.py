@@ -13,6 +13,8 @@ from meshnode.app.status import query_status
 
 NODE_PORT = 7447
 RELAY_PORT = 7448
+# Node options that keep every hop between homes on the relay (the tests of relayed links).
+RELAYED_ONLY = ("--hole-punching", "off")
 
 
 class Mesh:

@@ -22,7 +22,7 @@ from chain_mesh import (
     unsplit_reference,
 )
 from helpers.polling import wait_until
-from nat_mesh import relay_registered
+from nat_mesh import RELAYED_ONLY, relay_registered
 from netns import NatLab
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -39,11 +39,12 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
     model = ensure_tiny_model()
     prompt, expected_tokens, expected_logits = unsplit_reference(model)
 
-    chain = start_two_shard_chain(nat_lab, tmp_path, model)
+    # Punching off: every hop stays relayed (tests/nat/test_nat_traversal.py punches).
+    chain = start_two_shard_chain(nat_lab, tmp_path, model, *RELAYED_ONLY)
     mesh = chain.mesh
     try:
         # 1. A clean generation: every hop relayed, logits bit-identical to the unsplit model.
-        clean = run_driver(mesh, "c1", chain.invite(), prompt)
+        clean = run_driver(mesh, "c1", chain.invite(), prompt, hole_punching=False)
         assert [str(x) for x in clean["links"]] and all(str(x).startswith("relay ") for x in clean["links"])
         assert clean["tokens"].tolist() == expected_tokens
         np.testing.assert_array_equal(clean["logits"], np.stack(expected_logits))
@@ -52,7 +53,7 @@ def test_two_shard_chain_through_the_relay_matches_the_unsplit_model_across_a_re
 
         # 2. The relay restarts while a decode step is in flight: the nodes re-register, the step is
         #    retried as the same idempotency step, and the output is still the unsplit model's.
-        restarted = run_driver(mesh, "c2", chain.invite(), prompt, restart_relay=True)
+        restarted = run_driver(mesh, "c2", chain.invite(), prompt, restart_relay=True, hole_punching=False)
         print(
             "after the relay restart:",
             list(restarted["retries"]),

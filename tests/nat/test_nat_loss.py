@@ -25,7 +25,7 @@ from chain_mesh import (
     unsplit_reference,
 )
 from helpers.polling import wait_until
-from nat_mesh import Mesh, node_args, peers_of, relay_registered
+from nat_mesh import RELAYED_ONLY, Mesh, node_args, peers_of, relay_registered
 from netns import NatLab
 
 from meshnode.identity import short_id
@@ -43,7 +43,8 @@ def test_the_relayed_chain_answers_exactly_over_lossy_links(nat_lab: NatLab, tmp
 
     model = ensure_tiny_model()
     prompt, expected_tokens, expected_logits = unsplit_reference(model)
-    chain = start_two_shard_chain(nat_lab, tmp_path, model)
+    # Punching off: the relayed path under loss (tests/nat/test_nat_traversal.py punches).
+    chain = start_two_shard_chain(nat_lab, tmp_path, model, *RELAYED_ONLY)
     mesh = chain.mesh
     try:
         nat_lab.lose(LOSS_PERCENT)
@@ -52,7 +53,9 @@ def test_the_relayed_chain_answers_exactly_over_lossy_links(nat_lab: NatLab, tmp
         # Links that churn under loss can outlast a session's grace (5 s) at a hop, which then
         # answers CACHE_MISS; a head rebuilds the session, and the driver starts over (seen once
         # in nine runs). The answer must still be the unsplit model's, exactly.
-        lossy = run_driver(mesh, "lossy", chain.invite(), prompt, restarts_on_cache_miss=2)
+        lossy = run_driver(
+            mesh, "lossy", chain.invite(), prompt, restarts_on_cache_miss=2, hole_punching=False
+        )
         driven_s = time.monotonic() - began
         # Heartbeats, gossip and probes go on over the lossy links for a while longer.
         time.sleep(HOLD_S)
@@ -124,19 +127,22 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
     reference = whole_model_greedy_text(model, "The capital of France is", 16)
     mesh = Mesh(nat_lab, tmp_path)
     try:
-        start_a_behind_the_relay(mesh, model)
+        start_a_behind_the_relay(mesh, model, *RELAYED_ONLY)
         invite = invite_from_a(mesh)
-        shard = ["--threads", "1", "--ctx", "512"]
+        options = [
+            "--claim-settle",
+            "2",
+            "--api-listen",
+            "off",
+            "--threads",
+            "1",
+            "--ctx",
+            "512",
+            *RELAYED_ONLY,
+        ]
 
         nat_lab.lose(LOSS_PERCENT)
-        mesh.spawn(
-            "b",
-            "hb",
-            node_args(
-                "join", mesh.dir("b"), "--invite", "-", "--claim-settle", "2", "--api-listen", "off", *shard
-            ),
-            stdin=invite,
-        )
+        mesh.spawn("b", "hb", node_args("join", mesh.dir("b"), "--invite", "-", *options), stdin=invite)
 
         def placed() -> dict:
             return ((mesh.status("b") or {}).get("sections") or {}).get("placement") or {}

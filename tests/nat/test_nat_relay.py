@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.polling import wait_until
-from nat_mesh import NODE_PORT, RELAY_PORT, Mesh, node_args, peers_of, relay_registered
+from nat_mesh import NODE_PORT, RELAY_PORT, RELAYED_ONLY, Mesh, node_args, peers_of, relay_registered
 from netns import HOME_A, HOME_B, ROUTER_B_WAN, SERVICE_ADDRESS, NatLab
 
 from meshnode.identity import short_id
@@ -56,7 +56,8 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
         relay_arg = f"{relay_id}@{SERVICE_ADDRESS}:{RELAY_PORT}"
 
         # A, behind NAT A, creates the mesh and names the relay (it keeps retrying until the relay is up).
-        mesh.spawn("a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg))
+        # Punching off: this is the relayed path (tests/nat/test_nat_traversal.py punches).
+        mesh.spawn("a", "ha", node_args("create", mesh.dir("a"), "--relay", relay_arg, *RELAYED_ONLY))
         status_a = wait_until(lambda: mesh.status("a"), 30, "node A to start")
         mesh_id, id_a = status_a["node"]["mesh_id"], status_a["node"]["id"]
         mesh.start_relay(mesh_id)
@@ -69,7 +70,7 @@ def test_natted_nodes_join_through_the_relay_and_survive_a_relay_restart(
         token = invite.stdout.strip()
 
         # B, behind NAT B, joins with the invite: A's address is unreachable, so it goes through the relay.
-        mesh.spawn("b", "hb", node_args("join", mesh.dir("b"), "--invite", "-"), stdin=token)
+        mesh.spawn("b", "hb", node_args("join", mesh.dir("b"), "--invite", "-", *RELAYED_ONLY), stdin=token)
         status_b = wait_until(lambda: mesh.status("b"), 30, "node B to start")
         id_b = status_b["node"]["id"]
 
