@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 import pytest
@@ -172,3 +173,65 @@ async def test_a_bootstrap_peer_reached_neither_way_is_a_dial_error_naming_both(
         await dialer(Direct({}), Relays()).dial_endpoint(Endpoint(B, "10.0.0.2:1"))
     with pytest.raises(DialError, match=r"^direct dial disabled \(--relay-only\)$"):
         await dialer(Direct({}), None, relay_only=True).dial_endpoint(Endpoint(B, "10.0.0.2:1"))
+
+
+# -- the LAN shortcut ---------------------------------------------------------------------------------
+
+
+class Lan:
+    """The addresses of a peer behind our router, and the failures reported."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.listed = list(addresses)
+        self.failures: list[str] = []
+
+    def addresses(self, peer_id: bytes) -> list[str]:
+        return self.listed
+
+    def failed(self, peer_id: bytes, reason: str) -> None:
+        self.failures.append(reason)
+
+
+class SlowRelays(Relays):
+    """Relays whose handshake takes a while."""
+
+    async def open_link(self, peer_id: bytes, **kwargs: object) -> PeerLink:  # type: ignore[override]
+        self.opened.append((peer_id, list(kwargs.get("via", ()))))  # type: ignore[call-overload]
+        await asyncio.sleep(0.2)
+        assert self.link is not None
+        return self.link
+
+
+def lan_dialer(direct: Direct, relays: Relays, lan: Lan) -> PeerDialer:
+    peer = announcement("192.168.1.5:7447", reachable=False, relays=[RELAY])
+    return PeerDialer(
+        PeerLinks(A, race_window=2.0),
+        direct,
+        relays,
+        announcement_of={B: peer}.get,
+        known_peers=list,
+        connect_timeout=1.0,
+        relay_only=False,
+        shortcuts=lan,
+    )
+
+
+async def test_a_peer_behind_our_router_is_dialed_at_its_private_address_beside_the_relay():
+    on_lan = FakeLink(B, dialed_here=True, at=1.0, name="lan")
+    relays = SlowRelays(FakeLink(B, dialed_here=True, at=1.0, name="relayed"))
+    direct = Direct({"192.168.1.5:7447": on_lan})
+    assert await lan_dialer(direct, relays, Lan("192.168.1.5:7447")).dial_peer(B) is on_lan
+    # The relay's handshake ran beside it (a direct link that comes later replaces a relayed one).
+    assert relays.opened == [(B, [RELAY])] and direct.dialed == ["192.168.1.5:7447"]
+
+
+async def test_when_the_private_address_does_not_answer_the_relay_serves_and_the_failure_is_told():
+    relayed = FakeLink(B, dialed_here=True, at=1.0, name="relayed")
+    lan = Lan("192.168.1.5:7447")
+    assert await lan_dialer(Direct({}), Relays(relayed), lan).dial_peer(B) is relayed
+    await asyncio.sleep(0)
+    assert lan.failures == ["192.168.1.5:7447: no answer from 192.168.1.5:7447"]
+    # Nothing shared: the relay alone, no dial at all.
+    direct = Direct({})
+    assert await lan_dialer(direct, Relays(relayed), Lan()).dial_peer(B) is relayed
+    assert direct.dialed == []
