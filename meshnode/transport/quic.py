@@ -203,8 +203,6 @@ class QuicLink(PeerLink):
         # UDP payload bytes each way (status and metrics: direct against relayed traffic).
         self.bytes_sent = 0
         self.bytes_received = 0
-        # How a direct link came about ("public", "lan", "punched"); the node's traversal sets it.
-        self.path = "public"
 
     # -- PeerLink --------------------------------------------------------------
 
