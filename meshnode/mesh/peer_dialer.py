@@ -137,6 +137,9 @@ class PeerDialer:
                     timeout=self._connect_timeout,
                 )
             )
+            if shortcut is not None:
+                # Raced, so a caller that stops waiting leaves it running: its outcome is consumed.
+                relayed.add_done_callback(_consume)
             try:
                 return await _first_link(shortcut, relayed, failures)
             except ConnectionError as exc:
@@ -169,7 +172,7 @@ class PeerDialer:
             raise DialError(reason)
 
         task = asyncio.ensure_future(dial())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # the outcome may go unawaited
+        task.add_done_callback(_consume)  # the outcome may go unawaited
         return task
 
     async def dial_endpoint(self, endpoint: Endpoint, via: Iterable[bytes] = ()) -> PeerLink:
@@ -196,6 +199,12 @@ class PeerDialer:
         return self._links.kept(link)
 
 
+def _consume(future: asyncio.Future[PeerLink]) -> None:
+    """Mark a dial's failure seen (a dial raced against another may end with nobody awaiting it)."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _first_link(
     shortcut: asyncio.Future[PeerLink] | None, relayed: asyncio.Future[PeerLink], failures: list[str]
 ) -> PeerLink:
@@ -208,9 +217,6 @@ async def _first_link(
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for future in done:
             if not future.cancelled() and future.exception() is None:
-                if pending:
-                    # The other dial's outcome is not awaited: it is consumed here.
-                    next(iter(pending)).add_done_callback(lambda f: f.cancelled() or f.exception())
                 return future.result()
     if shortcut.exception() is not None:
         failures.append(f"same LAN: {shortcut.exception()}")
