@@ -187,6 +187,7 @@ class RelayServer:
         client = self._clients.pop(link, None)
         if client is None:
             return
+        assert isinstance(link, QuicLink)  # the relay's endpoint makes QUIC links only
         self._by_conn.pop(client.conn_id, None)
         self.core.connection_lost(client.conn_id)
         if client.registered and not self._closing:

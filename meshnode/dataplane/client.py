@@ -265,7 +265,7 @@ class SessionClient:
         self._unacked = 0
         proposed = self.config.proposed_flow_control or default_flow_control()
         open_ = shard.SessionOpen(
-            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            schema_version=HIGHEST_SCHEMA_VERSION,
             route_session_id=self.route_session_id,
             route_epoch=self.route_epoch,
             fingerprint=self.fingerprint,
@@ -279,7 +279,7 @@ class SessionClient:
         """Bodies of the first two frames of the answer stream to the route's tail (``tail_range``):
         an empty route, then a SessionOpen that asks for this session's direct answers."""
         open_ = shard.SessionOpen(
-            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            schema_version=HIGHEST_SCHEMA_VERSION,
             route_session_id=self.route_session_id,
             route_epoch=self.route_epoch,
             fingerprint=self.fingerprint,
@@ -317,7 +317,7 @@ class SessionClient:
 
     def submit_prefill(
         self,
-        inputs: np.ndarray | list[int] | tuple[int, ...],
+        inputs: np.ndarray | Sequence[int],
         *,
         first_position: int = 0,
         deadline: Deadline | None = None,
@@ -519,7 +519,7 @@ class SessionClient:
             return request
         fresh = position.fresh_start
         envelope = shard.Envelope(
-            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            schema_version=HIGHEST_SCHEMA_VERSION,
             work_id=unit.work_id,
             route_session_id=self.route_session_id,
             route_epoch=self.route_epoch,
@@ -565,7 +565,7 @@ class SessionClient:
         """The unary Cancel for a fresh SHARD_CANCEL stream, for when this stream is wedged."""
         self._cancel_pending(work_id)
         return shard.CancelRequest(
-            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            schema_version=HIGHEST_SCHEMA_VERSION,
             route_session_id=self.route_session_id,
             route_epoch=self.route_epoch,
             work_id=work_id,
@@ -580,7 +580,7 @@ class SessionClient:
 
     def release_request(self) -> shard.ReleaseRequest:
         return shard.ReleaseRequest(
-            schema_version=HIGHEST_SCHEMA_VERSION,  # type: ignore[arg-type]
+            schema_version=HIGHEST_SCHEMA_VERSION,
             route_session_id=self.route_session_id,
             route_epoch=self.route_epoch,
         )
@@ -627,11 +627,11 @@ class SessionClient:
             else:
                 self._owed[step] = owed
             return
-        unit = self._sent.get(step)
-        if unit is not None and unit.state is _State.SENT and unit.work_id == work_id:
+        sent = self._sent.get(step)
+        if sent is not None and sent.state is _State.SENT and sent.work_id == work_id:
             # Ahead of its Ack, as it usually is: done now; the Ack only returns the credit.
-            unit.state = _State.ANSWERED
-            self._done(unit, bundle, shard.Ack(), answered_directly=True)
+            sent.state = _State.ANSWERED
+            self._done(sent, bundle, shard.Ack(), answered_directly=True)
             return
         for unit in self._pending:
             if unit.step == step and unit.work_id == work_id:

@@ -70,7 +70,7 @@ def result_chunk(
     response = shard.SessionResponse()
     chunk = response.chunk
     envelope = chunk.envelope
-    envelope.schema_version = HIGHEST_SCHEMA_VERSION  # type: ignore[assignment]
+    envelope.schema_version = HIGHEST_SCHEMA_VERSION
     envelope.work_id = work_id
     envelope.route_session_id = session_id
     envelope.route_epoch = epoch

@@ -68,12 +68,12 @@ def _raise_if_refused(error: shard.ShardError) -> None:
 async def get_capability(
     link: PeerLink, *, timeout: float = DEFAULT_UNARY_TIMEOUT_S
 ) -> shard.CapabilityReport:
-    request = shard.CapabilityRequest(schema_version=HIGHEST_SCHEMA_VERSION)  # type: ignore[arg-type]
+    request = shard.CapabilityRequest(schema_version=HIGHEST_SCHEMA_VERSION)
     return await _call(link, StreamType.SHARD_CAPABILITY, request, shard.CapabilityReport, timeout=timeout)
 
 
 async def get_health(link: PeerLink, *, timeout: float = DEFAULT_UNARY_TIMEOUT_S) -> shard.HealthReport:
-    request = shard.HealthRequest(schema_version=HIGHEST_SCHEMA_VERSION)  # type: ignore[arg-type]
+    request = shard.HealthRequest(schema_version=HIGHEST_SCHEMA_VERSION)
     return await _call(link, StreamType.SHARD_HEALTH, request, shard.HealthReport, timeout=timeout)
 
 

@@ -340,7 +340,7 @@ class ShardServer:
             assert isinstance(request, shard.CancelRequest)
             response, actions = handle_cancel(worker, request, now_ns)
             self._apply(actions)
-        await framed.send_frame(response.SerializeToString())  # type: ignore[attr-defined]
+        await framed.send_frame(response.SerializeToString())
 
     # ------------------------------------------------------------------ actions
 

@@ -12,7 +12,7 @@ import contextlib
 from dataclasses import dataclass
 
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from engines.interface import GREEDY, EngineHealth, SessionKey, ShardEngine, StepRequest
 from meshnode.dataplane.actions import Action
@@ -96,7 +96,7 @@ def capability_report(
         detail = "requested schema version is not supported; see supported_schema_versions"
     validated = validation is not None and validation.validated
     return shard.CapabilityReport(
-        schema_version=max(SUPPORTED_SCHEMA_VERSIONS),  # type: ignore[arg-type]
+        schema_version=max(SUPPORTED_SCHEMA_VERSIONS),
         fingerprint=worker.fingerprint,
         shard_range=shard.ShardRange(
             start_layer=caps.layer_start, end_layer=caps.layer_end, effective_start_layer=caps.layer_start
@@ -109,7 +109,7 @@ def capability_report(
         max_context_tokens=caps.max_context_tokens,
         flow_control=worker.local_flow_control,
         accepted_compression=list(worker.accepted_compression),  # type: ignore[arg-type]
-        supported_schema_versions=list(SUPPORTED_SCHEMA_VERSIONS),  # type: ignore[arg-type]
+        supported_schema_versions=list(SUPPORTED_SCHEMA_VERSIONS),
         validated_at_unix_nanos=validation.validated_at_unix_nanos if validated and validation else 0,
     )
 
@@ -119,7 +119,7 @@ def health_report(worker: ShardWorker, engine_health: EngineHealth) -> shard.Hea
     load = worker.load()
     state = worker.serving_state if engine_health.loaded else shard.SERVING_STATE_NOT_SERVING
     return shard.HealthReport(
-        schema_version=max(SUPPORTED_SCHEMA_VERSIONS),  # type: ignore[arg-type]
+        schema_version=max(SUPPORTED_SCHEMA_VERSIONS),
         state=state,  # type: ignore[arg-type]
         active_sessions=load.active_sessions,
         queued_chunks=load.queued_units,
@@ -161,7 +161,7 @@ def handle_cancel(
     return shard.CancelResponse(cancelled_work_items=count), worker.take_events()
 
 
-UNARY_REQUESTS = {
+UNARY_REQUESTS: dict[StreamType, type[Message]] = {
     StreamType.SHARD_CAPABILITY: shard.CapabilityRequest,
     StreamType.SHARD_HEALTH: shard.HealthRequest,
     StreamType.SHARD_RELEASE: shard.ReleaseRequest,
@@ -169,7 +169,7 @@ UNARY_REQUESTS = {
 }
 
 
-def parse_unary_request(stream_type: StreamType, body: bytes) -> object:
+def parse_unary_request(stream_type: StreamType, body: bytes) -> Message:
     """The request message of a unary stream, or PAYLOAD_CORRUPT (close the stream unanswered)."""
     message_type = UNARY_REQUESTS.get(stream_type)
     if message_type is None:

@@ -322,7 +322,7 @@ class ShardWorker:
             if lifted is None:
                 message.ParseFromString(body)
             else:
-                envelope = message.chunk.envelope  # type: ignore[union-attr]
+                envelope = message.chunk.envelope
                 envelope.SetInParent()
                 envelope.ParseFromString(lifted[0])
         except DecodeError:

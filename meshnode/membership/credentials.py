@@ -399,7 +399,7 @@ def verify_membership_proof(
     the mesh id, its own id and the transport-authenticated peer id.
     """
     kind = proof.WhichOneof("credential") if proof is not None else None
-    if kind is None:
+    if proof is None or kind is None:
         raise MeshRefusal(NO_CREDENTIAL)
     if kind == "certificate":
         body = verify_certificate(

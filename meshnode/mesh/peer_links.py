@@ -12,8 +12,10 @@ caller's :data:`Dial` (see :mod:`meshnode.mesh.peer_dialer`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from meshnode.identity import short_id
 from meshnode.mesh.rules import LinkCandidate, keep_new_link
@@ -22,7 +24,7 @@ from meshnode.transport.base import PeerLink
 log = logging.getLogger("meshnode.mesh.peer_links")
 
 # Makes a new link to a peer; its failures reach every caller waiting for that link.
-Dial = Callable[[bytes], Awaitable[PeerLink]]
+Dial = Callable[[bytes], Coroutine[Any, Any, PeerLink]]
 
 
 def link_candidate(link: PeerLink, local_id: bytes) -> LinkCandidate:
@@ -71,7 +73,7 @@ class PeerLinks:
         if task is None:
             task = asyncio.get_running_loop().create_task(dial(peer_id))
             self._dials[peer_id] = task
-            task.add_done_callback(lambda t, p=peer_id: self._dial_finished(p, t))
+            task.add_done_callback(functools.partial(self._dial_finished, peer_id))
         return await asyncio.shield(task)
 
     def _dial_finished(self, peer_id: bytes, task: asyncio.Task[PeerLink]) -> None:

@@ -46,6 +46,8 @@ SendRecordTo = Callable[[int, bytes, Sealer], None]
 
 
 class RelayChannelStream(CreditedStream):
+    _link: RelayedPeerLink
+
     def __init__(self, link: RelayedPeerLink, channel: int) -> None:
         self._link = link
         self._channel = channel

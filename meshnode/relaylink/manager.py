@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -404,7 +405,7 @@ class RelayLinks:
             relay_id=client.relay_id,
             relay_description=str(client.endpoint_info),
             mux_config=self.settings.mux,
-            on_closed=lambda closed, k=key: self._link_closed(k, closed),
+            on_closed=functools.partial(self._link_closed, key),
         )
         self._links[key] = link
         self.stats.links_opened += 1

@@ -65,7 +65,7 @@ FRAME_STALLED = relay.RELAY_ERROR_FRAME_STALLED
 
 def relay_code_name(code: int) -> str:
     try:
-        return relay.RelayErrorCode.Name(code)  # type: ignore[arg-type]
+        return relay.RelayErrorCode.Name(code)
     except ValueError:
         return f"RELAY_ERROR_{code}"
 

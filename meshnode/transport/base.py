@@ -102,6 +102,8 @@ class PeerLink(abc.ABC):
     # Event-loop time of the last record the peer sent on this link (-inf: not tracked). A peer
     # that sends while one of our probes waits is slow, not gone.
     last_heard_at: float = float("-inf")
+    # Why the link closed ("" while open).
+    close_reason: str = ""
     # Set once the link is closed; implementations create it and set it exactly once.
     _closed: asyncio.Event
     # Set once the node keeps another link to the peer instead, and this one closes shortly (a

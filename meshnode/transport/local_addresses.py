@@ -15,7 +15,10 @@ import socket
 from meshnode.transport.addresses import format_host_port
 
 # Documentation prefixes (TEST-NET-1, 2001:db8::/32): a connect() only looks up the route.
-_ROUTE_PROBES = {socket.AF_INET: ("192.0.2.1", 9), socket.AF_INET6: ("2001:db8::1", 9)}
+_ROUTE_PROBES: dict[int, tuple[str, int]] = {
+    socket.AF_INET: ("192.0.2.1", 9),
+    socket.AF_INET6: ("2001:db8::1", 9),
+}
 
 
 def outbound_address(family: int) -> str | None:

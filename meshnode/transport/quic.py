@@ -83,6 +83,8 @@ class PeerStreamIds:
 
 
 class QuicMeshStream(CreditedStream):
+    _link: QuicLink
+
     def __init__(self, link: QuicLink, stream_id: int) -> None:
         self._link = link
         self._id = stream_id
@@ -615,7 +617,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
             addr = sockaddr_for(self._family, host, port)
         except ValueError:  # not host:port, not an IP literal, or a family this socket lacks
             return False
-        self.sendto(data, addr)  # type: ignore[arg-type]
+        self.sendto(data, addr)
         return True
 
     def traffic(self, alpn: str) -> tuple[int, int]:
@@ -628,7 +630,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
                 received += link.bytes_received
         return sent, received
 
-    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+    def sendto(self, data: bytes, addr: SockAddr) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.sendto(data, addr)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import cast
 
 from meshnode.transport.addresses import format_host_port, parse_host_port
 
@@ -38,7 +39,8 @@ def sockaddr_for(family: int, host: str, port: int) -> SockAddr:
         return (f"::ffff:{ip.ipv4_mapped}", port, 0, 0)
     # getaddrinfo turns a scope name (fe80::1%eth0) into the interface index the socket needs.
     info = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_DGRAM, 0, socket.AI_NUMERICHOST)
-    sockaddr = info[0][4]
+    # An AF_INET6 answer's address has four fields (host, port, flowinfo, scope id).
+    sockaddr = cast(tuple[str, int, int, int], info[0][4])
     return (str(sockaddr[0]), int(sockaddr[1]), int(sockaddr[2]), int(sockaddr[3]))
 
 

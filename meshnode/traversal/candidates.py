@@ -81,9 +81,7 @@ def _same_network(
     if a.version != b.version:
         return False
     prefix = 24 if a.version == 4 else 64
-    return ipaddress.ip_network(f"{b}/{prefix}", strict=False).supernet_of(
-        ipaddress.ip_network(f"{a}/{prefix}", strict=False)
-    )
+    return a in ipaddress.ip_network(f"{b}/{prefix}", strict=False)
 
 
 def lan_addresses(local: mesh.PeerAnnouncement, peer: mesh.PeerAnnouncement | None) -> list[str]:
@@ -139,12 +137,11 @@ def classify_path(
     ``punched`` whether this node made or took it in a punch."""
     if relayed:
         return PathKind.RELAYED
-    behind_nat = peer is not None and not peer.directly_reachable
-    if behind_nat and remote in peer.addresses:  # type: ignore[union-attr]
+    if peer is None or peer.directly_reachable:
+        return PathKind.PUNCHED if punched else PathKind.PUBLIC
+    if remote in peer.addresses:
         return PathKind.LAN
-    if punched or (behind_nat and remote in peer.observed_addresses):  # type: ignore[union-attr]
-        return PathKind.PUNCHED
-    return PathKind.PUBLIC
+    return PathKind.PUNCHED if punched or remote in peer.observed_addresses else PathKind.PUBLIC
 
 
 __all__ = [

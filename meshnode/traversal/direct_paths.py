@@ -122,7 +122,7 @@ class DirectPaths:
         changed = list(local.observed_addresses) != unique or local.nat_mapping != mapping
         del local.observed_addresses[:]
         local.observed_addresses.extend(unique)
-        local.nat_mapping = mapping  # type: ignore[assignment]
+        local.nat_mapping = mapping
         if not changed:
             return
         if mapping == mesh.NAT_MAPPING_ENDPOINT_DEPENDENT:
@@ -140,7 +140,7 @@ class DirectPaths:
         record = self._record_of(peer)
         return worth_dialing(vouched_candidates(offered, record), self._local, record)
 
-    def _own_offer(self) -> tuple[Sequence[str], int]:
+    def _own_offer(self) -> tuple[Sequence[str], mesh.NatMapping]:
         local = self._local
         return own_candidates(local.observed_addresses, local.addresses), local.nat_mapping
 

@@ -14,7 +14,7 @@ from meshnode.transport.addresses import AddressError, format_host_port, parse_h
 from meshnode.wire.pb import mesh
 
 
-def classify_mapping(observed: Collection[str], local_addresses: Collection[str]) -> int:
+def classify_mapping(observed: Collection[str], local_addresses: Collection[str]) -> mesh.NatMapping:
     """The ``NatMapping`` of a socket that its relays observe at ``observed`` (``host:port`` by
     relay, one each) and that this machine announces as ``local_addresses``."""
     seen: list[tuple[str, int]] = []
@@ -33,14 +33,17 @@ def classify_mapping(observed: Collection[str], local_addresses: Collection[str]
     return mesh.NAT_MAPPING_ENDPOINT_INDEPENDENT if len(seen) > 1 else mesh.NAT_MAPPING_UNKNOWN
 
 
+_NAMES: dict[int, str] = {
+    mesh.NAT_MAPPING_UNKNOWN: "unknown",
+    mesh.NAT_MAPPING_NONE: "no NAT",
+    mesh.NAT_MAPPING_ENDPOINT_INDEPENDENT: "endpoint-independent",
+    mesh.NAT_MAPPING_ENDPOINT_DEPENDENT: "endpoint-dependent",
+}
+
+
 def mapping_name(mapping: int) -> str:
     """``endpoint-independent`` etc., for status and logs."""
-    return {
-        mesh.NAT_MAPPING_UNKNOWN: "unknown",
-        mesh.NAT_MAPPING_NONE: "no NAT",
-        mesh.NAT_MAPPING_ENDPOINT_INDEPENDENT: "endpoint-independent",
-        mesh.NAT_MAPPING_ENDPOINT_DEPENDENT: "endpoint-dependent",
-    }.get(mapping, "unknown")
+    return _NAMES.get(mapping, "unknown")
 
 
 def punchable(mapping: int) -> bool:

@@ -22,7 +22,7 @@ from meshnode.wire.pb import mesh
 MAX_DETAIL = 256
 
 
-def offer(candidates: Sequence[str], nat_mapping: int) -> bytes:
+def offer(candidates: Sequence[str], nat_mapping: mesh.NatMapping) -> bytes:
     return traversal.PunchMessage(
         offer=traversal.PunchOffer(
             gen=NODE_PROTOCOL_GENERATION,
@@ -32,7 +32,7 @@ def offer(candidates: Sequence[str], nat_mapping: int) -> bytes:
     ).SerializeToString()
 
 
-def declined(reason: int, detail: str, retry_after_s: float = 0.0) -> bytes:
+def declined(reason: traversal.PunchDeclineReason, detail: str, retry_after_s: float = 0.0) -> bytes:
     return traversal.PunchMessage(
         declined=traversal.PunchDeclined(
             reason=reason, detail=detail[:MAX_DETAIL], retry_after_ms=max(0, round(retry_after_s * 1000))

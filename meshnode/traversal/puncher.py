@@ -20,6 +20,7 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from meshnode.gen.meshnode.v1 import traversal_pb2 as traversal
 from meshnode.identity import short_id
@@ -53,14 +54,14 @@ class PunchReport:
     detail: str
     reached: str = ""
     rtt_s: float | None = None
-    decline_reason: int = traversal.PUNCH_DECLINE_UNSPECIFIED
+    decline_reason: traversal.PunchDeclineReason = traversal.PUNCH_DECLINE_UNSPECIFIED
     retry_after_s: float = 0.0
     link: PeerLink | None = None
 
 
 @dataclass(frozen=True)
 class Decline:
-    reason: int
+    reason: traversal.PunchDeclineReason
     detail: str
     retry_after_s: float = 0.0
 
@@ -102,7 +103,7 @@ class Puncher:
         endpoint: QuicEndpoint,
         node: LinkHandler,
         *,
-        own_offer: Callable[[], tuple[Sequence[str], int]],
+        own_offer: Callable[[], tuple[Sequence[str], mesh.NatMapping]],
         targets: Callable[[bytes, Sequence[str]], list[str]],
         direct_link: Callable[[bytes], PeerLink | None],
         timing: PunchTiming | None = None,
@@ -232,8 +233,8 @@ class Puncher:
             self._loop.create_task(dial(address, i * timing.dial_stagger_s))
             for i, address in enumerate(targets)
         ]
-        everything = asyncio.gather(*dials)
-        chosen = self._loop.create_task(winner.chosen_event.wait())
+        everything: asyncio.Future[Any] = asyncio.gather(*dials)
+        chosen: asyncio.Future[Any] = self._loop.create_task(winner.chosen_event.wait())
         try:
             await asyncio.wait(
                 [everything, chosen],

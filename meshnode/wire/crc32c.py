@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 import numpy as np
 
 try:
-    from meshnode.wire import _crc32c_simd
+    # A C extension setup.py builds where it can (no type stub: imported by name).
+    _crc32c_simd: Any = importlib.import_module("meshnode.wire._crc32c_simd")
 except ImportError:  # not built: no compiler at install time, or not x86-64
     _crc32c_simd = None
 

@@ -73,7 +73,7 @@ _REASONS = {
 
 def code_name(code: int) -> str:
     try:
-        return mesh.MeshErrorCode.Name(code)  # type: ignore[arg-type]
+        return mesh.MeshErrorCode.Name(code)
     except ValueError:
         return f"MESH_ERROR_{code}"
 

@@ -275,7 +275,7 @@ def _assemble_wire_body(parts: TensorParts, limits: DecodeLimits) -> Buffer:
         for fragment in ordered:
             size = len(fragment.payload)
             assembled[fragment.offset : fragment.offset + size] = np.frombuffer(fragment.payload, np.uint8)
-        body = memoryview(assembled)
+        body = assembled.data
     if parts.compression == shard.COMPRESSION_NONE and len(body) != parts.total_bytes:
         raise PayloadCorrupt(f"tensor {name!r}: fragments do not cover total_bytes")
     if len(body) > limit:
