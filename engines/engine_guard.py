@@ -20,7 +20,7 @@ from engines.engine_probe import ProbeTarget, ProbeVerdict, probe, run_child, sy
 from engines.llama_lib import llama_cpp_version
 from engines.weight_repack import WeightRepack, cpu_features, describe, plan_repack, too_little_repacked
 
-log = logging.getLogger("engines.engine_guard")
+log = logging.getLogger(__name__)
 
 Prober = Callable[[ProbeTarget], ProbeVerdict]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
-log = logging.getLogger("engines.progress")
+log = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 5.0
 _MIB = 1 << 20

@@ -26,7 +26,7 @@ try:
 except ImportError:  # not built: no compiler at install time
     _hidden_capture = None
 
-_log = logging.getLogger("engines.llama_cpp")
+_log = logging.getLogger(__name__)
 
 _NAME_BYTES = 64
 

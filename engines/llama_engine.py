@@ -55,7 +55,7 @@ from engines.slicing import (
     hidden_input_scale,
 )
 
-_log = logging.getLogger("engines.llama_engine")
+_log = logging.getLogger(__name__)
 
 RECIPE_ID = "llama.cpp-layer-range"
 # Extra start-layer runtimes kept loaded for overlapping routes.

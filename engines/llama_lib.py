@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import llama_cpp
 from llama_cpp import _ggml
 
-_log = logging.getLogger("engines.llama_cpp")
+_log = logging.getLogger(__name__)
 
 _libggml = _ggml.libggml
 ggml_get_name = _libggml.ggml_get_name

@@ -72,7 +72,7 @@ from engines.interface import (
 from engines.sampling import sample_token, validate_sampling
 from engines.session_table import Session, SessionTable
 
-_log = logging.getLogger("engines.sessioned_engine")
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

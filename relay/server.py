@@ -41,7 +41,7 @@ from meshnode.transport.udp_address import describe_sockaddr
 from meshnode.wire.errors import FramingError
 from relay.core import RelayCore, RelayPolicy
 
-log = logging.getLogger("meshnode.relay")
+log = logging.getLogger(__name__)
 
 # A refusal is flushed before the connection closes, for at most this long.
 _FLUSH_TIMEOUT_S = 2.0

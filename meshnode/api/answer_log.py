@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 
 from meshnode.head.completions import CompletionResult, TextDelta
 
-log = logging.getLogger("meshnode.api.openai_api")
+log = logging.getLogger(__name__)
 
 
 async def logged_answer(

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         # The machine refused something (a full disk, a permission): say what, not where in
         # meshnode it surfaced; the traceback is kept for --log-level debug.
-        logging.getLogger("meshnode.cli").debug("%s failed", args.command, exc_info=True)
+        logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
         print(f"meshnode {args.command}: {os_error_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

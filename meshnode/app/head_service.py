@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from meshnode.dataplane.service import ShardService, ShardServiceOptions
     from meshnode.node import Node
 
-log = logging.getLogger("meshnode.head")
+log = logging.getLogger(__name__)
 
 
 class HeadError(Exception):

@@ -19,8 +19,7 @@ from meshnode.node import JoinError
 if TYPE_CHECKING:
     from meshnode.node import Node
 
-# The node's logger: the join's story is the node's.
-log = logging.getLogger("meshnode.node")
+log = logging.getLogger(__name__)
 
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 FIRST_RETRY_S = 1.0

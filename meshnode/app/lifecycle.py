@@ -20,9 +20,7 @@ if TYPE_CHECKING:
     from meshnode.node import Node
 from meshnode.transport.bind_errors import ListenError
 
-# The node's logger, as when this lived in meshnode.node: the draining and leaving lines are
-# part of the node's story, and an operator's log filter on the name keeps seeing them.
-log = logging.getLogger("meshnode.node")
+log = logging.getLogger(__name__)
 
 
 async def run_node(

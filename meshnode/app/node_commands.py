@@ -58,8 +58,7 @@ from meshnode.node.config import DEFAULT_LISTEN, NodeConfig
 from meshnode.wire.mesh_refusal import MeshRefusal
 
 INVITE_ENV = "MESHNODE_INVITE"
-# The command line's logger, named as before the command line moved into meshnode.app.
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 
 # -- options --------------------------------------------------------------------------------

@@ -28,8 +28,7 @@ from meshnode.node import Node
 if TYPE_CHECKING:
     from meshnode.dataplane.service import ShardService
 
-# The command line's logger, named as before the command line moved into meshnode.app.
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 
 def check_serving_options(args: argparse.Namespace) -> None:

@@ -31,7 +31,7 @@ from meshnode.dataplane.service import ShardService, ShardServiceError, ShardSer
 from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 
 def offer_artifacts(

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from meshnode.node.status_server import StatusServer
 
 DEFAULT_LISTEN = "0.0.0.0:7448"
-log = logging.getLogger("meshnode.relay")
+log = logging.getLogger(__name__)
 
 
 def _keepalive(text: str) -> float:

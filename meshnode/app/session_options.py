@@ -23,7 +23,7 @@ from meshnode.dataplane.kv_budget import (
     shard_session_plan,
 )
 
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 # What a shard holds when its KV size cannot be read from the file: the count before auto existed.

@@ -18,7 +18,7 @@ from meshnode.app.status import query_status
 from meshnode.membership.store import DataDir
 from meshnode.node.status_server import JsonReport, StatusServer
 
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 
 async def answer_status(data_dir: Path, report: Callable[[], JsonReport], what: str) -> StatusServer | None:

@@ -18,7 +18,7 @@ from meshnode.membership.credentials import Invite
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.wire.mesh_refusal import MeshRefusal
 
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 
 def load_stored_membership(data_dir: DataDir, node_id: bytes) -> MembershipState:

@@ -22,7 +22,7 @@ from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.stored_membership import stored_membership_expired
 from meshnode.membership.store import DataDir
 
-log = logging.getLogger("meshnode.cli")
+log = logging.getLogger(__name__)
 
 
 def up_action(args: argparse.Namespace) -> tuple[str, str]:

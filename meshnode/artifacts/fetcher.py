@@ -47,7 +47,7 @@ from meshnode.transport.base import PeerLink
 from meshnode.transport.request_reply import REQUEST_FAILURES
 from meshnode.wire.framing import StreamType
 
-log = logging.getLogger("meshnode.artifacts")
+log = logging.getLogger(__name__)
 
 OpenLink = Callable[[bytes], Awaitable[PeerLink]]
 

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from meshnode.sansio import SECOND_NS
 
-log = logging.getLogger("meshnode.artifacts.progress")
+log = logging.getLogger(__name__)
 
 # The rate is measured over the last few seconds: recent enough to follow a source
 # joining or leaving, long enough not to jitter with every chunk.

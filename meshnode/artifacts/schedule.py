@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from meshnode.identity import short_id
 
-log = logging.getLogger("meshnode.artifacts")
+log = logging.getLogger(__name__)
 
 
 class Quarantine:

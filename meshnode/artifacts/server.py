@@ -38,7 +38,7 @@ from meshnode.mesh.dispatcher import StreamHandler
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import StreamType
 
-log = logging.getLogger("meshnode.artifacts.server")
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UPLOADS_PER_PEER = 4
 # Data per chunk frame sent (the protocol allows up to CHUNK_BYTES). Each chunk is one

@@ -54,7 +54,7 @@ from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh
 
-log = logging.getLogger("meshnode.autoplace")
+log = logging.getLogger(__name__)
 
 # Placement gives up a failed step for this long before trying again (doubling, capped).
 _RETRY_FIRST_S = 1.0

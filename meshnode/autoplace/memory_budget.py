@@ -14,7 +14,7 @@ from pathlib import Path
 
 from meshnode.dataplane.kv_budget import mem_available_bytes
 
-log = logging.getLogger("meshnode.autoplace")
+log = logging.getLogger(__name__)
 
 _WEIGHT_SHARE = 0.5
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-log = logging.getLogger("meshnode.dataplane.engine")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Done = Callable[[object], None]

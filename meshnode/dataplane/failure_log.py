@@ -12,7 +12,7 @@ import logging
 
 from engines.interface import EngineError, EngineErrorKind
 
-log = logging.getLogger("meshnode.dataplane.engine")
+log = logging.getLogger(__name__)
 
 # Kinds a healthy engine raises in normal operation; the peer's typed error says all there is.
 _EXPECTED = frozenset(

@@ -78,7 +78,7 @@ from meshnode.wire.framing import StreamType, encode_frame
 from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh, shard
 
-log = logging.getLogger("meshnode.dataplane.server")
+log = logging.getLogger(__name__)
 
 PeerLinks = Callable[[bytes], Awaitable[PeerLink]]
 Register = Callable[[StreamType, StreamHandler], None]

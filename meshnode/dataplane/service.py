@@ -31,7 +31,7 @@ from meshnode.transport.base import PeerLink
 from meshnode.wire.cpu_mask import cpu_mask
 from meshnode.wire.pb import mesh, shard
 
-log = logging.getLogger("meshnode.dataplane.service")
+log = logging.getLogger(__name__)
 
 
 class ShardServiceError(Exception):

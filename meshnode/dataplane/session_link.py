@@ -86,7 +86,7 @@ from meshnode.wire.framing import FrameDecoder, StreamType, encode_frame
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import WireTensor
 
-log = logging.getLogger("meshnode.dataplane.session")
+log = logging.getLogger(__name__)
 
 LinkFactory = Callable[[], Awaitable[PeerLink]]
 LinkSource = PeerLink | LinkFactory

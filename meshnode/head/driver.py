@@ -95,7 +95,7 @@ from meshnode.transport.base import PeerLink
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-log = logging.getLogger("meshnode.head.driver")
+log = logging.getLogger(__name__)
 
 
 class RouteEnvironment(Protocol):

@@ -16,7 +16,7 @@ from meshnode.transport.base import PeerLink
 from meshnode.transport.loopback import LoopbackLink, loopback_link_pair
 from meshnode.wire.framing import StreamType
 
-log = logging.getLogger("meshnode.head.local_link")
+log = logging.getLogger(__name__)
 
 
 class LocalShardLink:

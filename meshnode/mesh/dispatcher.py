@@ -37,7 +37,7 @@ from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, reset_code
 from meshnode.wire.pb import mesh
 
-log = logging.getLogger("meshnode.mesh.dispatcher")
+log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[FramedStream], Awaitable[None]]
 

@@ -21,7 +21,7 @@ from meshnode.identity import short_id
 from meshnode.mesh.rules import LinkCandidate, keep_new_link
 from meshnode.transport.base import PeerLink
 
-log = logging.getLogger("meshnode.mesh.peer_links")
+log = logging.getLogger(__name__)
 
 # Makes a new link to a peer; its failures reach every caller waiting for that link.
 Dial = Callable[[bytes], Coroutine[Any, Any, PeerLink]]

@@ -42,7 +42,7 @@ from meshnode.transport.base import PeerLink
 from meshnode.wire.mesh_refusal import MeshRefusal, in_words
 from meshnode.wire.pb import mesh
 
-log = logging.getLogger("meshnode.node")
+log = logging.getLogger(__name__)
 
 # How long the last frame to a removed peer may take before its link is closed anyway.
 _FAREWELL_TIMEOUT_S = 2.0

@@ -26,7 +26,7 @@ from meshnode.relaylink.client import RelayCheck
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.transport.base import PeerLink
 
-log = logging.getLogger("meshnode.node")
+log = logging.getLogger(__name__)
 
 # (peer, relays a new link avoids, timeout) -> (whether it echoed, the link the probe began on).
 ProbeOnLink = Callable[[bytes, Collection[bytes], float], Awaitable[tuple[bool, PeerLink | None]]]

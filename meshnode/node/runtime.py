@@ -81,8 +81,7 @@ from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, in_words
 from meshnode.wire.pb import mesh
 
-# Named for the package, as when the node was one module: operators filter on it.
-log = logging.getLogger("meshnode.node")
+log = logging.getLogger(__name__)
 
 _LINK_ATTEMPTS = 3
 

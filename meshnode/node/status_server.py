@@ -21,8 +21,7 @@ from typing import Any, Protocol
 from meshnode.identity import ensure_private_dir
 from meshnode.membership.socket_path import reachable_socket_path
 
-# The node's logger, as when this lived in the node module.
-log = logging.getLogger("meshnode.node")
+log = logging.getLogger(__name__)
 
 # A request longer than this is refused; nothing more of it is kept (a revocation is ~200 bytes).
 REQUEST_LIMIT = 4096

@@ -39,7 +39,7 @@ from meshnode.transport.quic import DialError, PeerKeyMismatch, QuicEndpoint, Qu
 from meshnode.wire.errors import FramingError
 from meshnode.wire.pb import mesh
 
-log = logging.getLogger("meshnode.relaylink")
+log = logging.getLogger(__name__)
 
 # Addresses kept per relay: the one given first, and those peers announced since.
 MAX_RELAY_ADDRESSES = 4

@@ -38,7 +38,7 @@ from meshnode.transport.buffers import Progress, ReceiveBuffer
 from meshnode.transport.credited_stream import CreditedStream
 from meshnode.transport.read_limits import ReadLimits
 
-log = logging.getLogger("meshnode.relaylink")
+log = logging.getLogger(__name__)
 
 # Queues one record for the peer through the relay, with what seals it when it leaves
 # (non-blocking, may raise LinkClosed).

@@ -44,7 +44,7 @@ from meshnode.transport.base import LinkHandler, PeerLink, StreamError
 from meshnode.transport.quic import QuicEndpoint
 from meshnode.transport.udp_address import local_host_to_reach
 
-log = logging.getLogger("meshnode.relaylink")
+log = logging.getLogger(__name__)
 
 _Key = tuple[bytes, bytes]  # (relay id, peer id)
 

@@ -41,7 +41,7 @@ from meshnode.transport.read_limits import ReadLimits, process_budget
 from meshnode.transport.udp_address import FamilyMismatch, SockAddr, describe_sockaddr, sockaddr_for
 from meshnode.wire.buffer_budget import BufferBudget
 
-log = logging.getLogger("meshnode.transport.quic")
+log = logging.getLogger(__name__)
 
 _WRITE_CHUNK = 256 * 1024
 _MAX_CONCURRENT_RESOLVES = 4

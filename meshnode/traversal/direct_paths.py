@@ -49,7 +49,7 @@ from meshnode.traversal.puncher import Decline, Puncher, PunchOutcome, PunchRepo
 from meshnode.traversal.settings import TraversalSettings
 from meshnode.wire.pb import mesh
 
-log = logging.getLogger("meshnode.traversal")
+log = logging.getLogger(__name__)
 
 
 # Declines that say when to ask again, and those that say the peer cannot take part this round.

@@ -35,7 +35,7 @@ from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
 from meshnode.wire.pb import mesh
 
-log = logging.getLogger("meshnode.traversal")
+log = logging.getLogger(__name__)
 
 # QUIC drops it: a short header whose fixed bit is clear (RFC 9000 section 17.3).
 PUNCH_DATAGRAM = b"\x00"

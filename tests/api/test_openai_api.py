@@ -294,7 +294,7 @@ async def test_other_requests_are_served_while_a_prompt_is_tokenized(serve):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_each_finished_answer_is_one_log_line_with_its_tokens(serve, caplog, stream):
-    caplog.set_level(logging.INFO, logger="meshnode.api.openai_api")
+    caplog.set_level(logging.INFO, logger="meshnode.api")
     base = await serve(ScriptedBackend())
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 5, "stream": stream}
     async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/completions", json=body) as r:

@@ -212,14 +212,14 @@ async def test_an_engine_crash_is_internal_to_the_peer_and_explained_in_the_node
         raise RuntimeError("tensor 'blk.3.attn_q' lost its buffer")
 
     monkeypatch.setattr(edge.tail_engine, "step_batch", crash)
-    with caplog.at_level("INFO", logger="meshnode.dataplane.engine"):
+    with caplog.at_level("INFO", logger="meshnode.dataplane"):
         async with edge.open() as session:
             with pytest.raises(ShardProtocolError) as failure:
                 await session.prefill(PROMPT)
     assert failure.value.code == shard.ERROR_CODE_INTERNAL
     assert failure.value.detail == "next hop refused: ERROR_CODE_INTERNAL"
     # The peer hears a code; the operator's log says what happened, with its traceback.
-    [record] = [r for r in caplog.records if r.name == "meshnode.dataplane.engine"]
+    [record] = [r for r in caplog.records if r.name == "meshnode.dataplane.failure_log"]
     assert record.levelname == "ERROR" and "a batch of 1 step(s)" in record.getMessage()
     assert record.exc_info is not None and "lost its buffer" in str(record.exc_info[1])
     # ...and the node keeps serving once the engine does.

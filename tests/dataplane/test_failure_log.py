@@ -18,7 +18,7 @@ def test_normal_refusals_are_not_logged_and_failures_are(caplog: pytest.LogCaptu
         EngineError(EngineErrorKind.INTERNAL, "llama_decode returned -3"),
         ValueError("bad shape"),
     ]
-    with caplog.at_level(logging.INFO, logger="meshnode.dataplane.engine"):
+    with caplog.at_level(logging.INFO, logger="meshnode.dataplane"):
         assert log_engine_failures(outcomes, 5) == 2
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "engine refused step 4 of 5: internal: llama_decode returned -3"),
@@ -28,7 +28,7 @@ def test_normal_refusals_are_not_logged_and_failures_are(caplog: pytest.LogCaptu
 
 
 def test_a_batch_that_raised_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="meshnode.dataplane.engine"):
+    with caplog.at_level(logging.INFO, logger="meshnode.dataplane"):
         assert log_engine_failures(MemoryError(), 3) == 1
         assert log_engine_failures(["ok", "ok"], 2) == 0
     assert [r.getMessage() for r in caplog.records] == [

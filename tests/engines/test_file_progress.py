@@ -17,7 +17,7 @@ from engines.slicing import ensure_slice, plan_model_slice
 from engines.tiny_model import ensure_tiny_model
 
 MIB = 1 << 20
-LOGGER = "engines.progress"
+LOGGER = "engines.file_progress"
 
 
 class Clock:

@@ -37,7 +37,7 @@ def test_the_wait_between_tries_doubles_up_to_its_longest():
 
 
 async def test_a_joiner_started_before_its_bootstrap_peer_joins_once_the_peer_is_up(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="meshnode.node")
+    caplog.set_level(logging.WARNING, logger="meshnode.app.join_retry")
     mesh_key = MeshKey.generate()
     address = f"127.0.0.1:{free_udp_port()}"
     bootstrap = first_member(tmp_path / "first", fast_config(listen=address), mesh_key)
@@ -63,7 +63,7 @@ async def test_a_joiner_started_before_its_bootstrap_peer_joins_once_the_peer_is
 
 
 async def test_a_refusal_ends_the_join_without_another_try(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="meshnode.node")
+    caplog.set_level(logging.WARNING, logger="meshnode.app.join_retry")
     bootstrap = first_member(tmp_path / "first", fast_config(), MeshKey.generate())
     await bootstrap.start()
     expired = create_invite(

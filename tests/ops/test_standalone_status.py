@@ -58,7 +58,7 @@ async def test_a_server_leaves_the_socket_to_a_node_that_answers_there(tmp_path:
     node = StatusServer(DataDir(tmp_path).control_socket, NodeReport)
     await node.start()
     try:
-        caplog.set_level("INFO", "meshnode.cli")
+        caplog.set_level("INFO", "meshnode.app")
         assert await answer_status(tmp_path, "http://127.0.0.1:1", announcement()) is None
         assert "answers for the process already running there, not this server" in caplog.text
         assert "node" in await ask(tmp_path, node_only=True)

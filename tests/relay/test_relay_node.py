@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(60)
 async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="meshnode.relay")
+    caplog.set_level(logging.INFO, logger="relay")
     mesh_key = MeshKey.generate()
     server, relay = await start_relay_server(mesh_key)
     node_a = first_member(tmp_path / "a", relay_only_config(relay), mesh_key)
@@ -96,7 +96,7 @@ async def test_invited_node_joins_through_the_relay_and_members_reach_it_there(
         assert (await node_c.get_link(node_b.node_id)).description.startswith("relay ")
         assert [r.id for r in node_c.status().node.relays] == [server.relay_id.hex()]
         # The relay's log names each registration and how it ended.
-        relay_lines = [r.getMessage() for r in caplog.records if r.name == "meshnode.relay"]
+        relay_lines = [r.getMessage() for r in caplog.records if r.name == "relay.server"]
         assert any(
             line.startswith(f"registered node {node_b.identity.short_id} at 127.0.0.1:")
             for line in relay_lines
@@ -144,7 +144,7 @@ async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(
     mesh_key, other_mesh = MeshKey.generate(), MeshKey.generate()
     server, relay = await start_relay_server(other_mesh)
     node = first_member(tmp_path / "a", relay_only_config(relay), mesh_key)
-    caplog.set_level(logging.DEBUG, logger="meshnode.relay")
+    caplog.set_level(logging.DEBUG, logger="relay")
     try:
         await node.start()
         (status,) = await eventually(lambda: [r for r in node.status().node.relays if r.problem], 10)
@@ -157,7 +157,7 @@ async def test_a_relay_serving_other_meshes_is_named_with_the_option_it_lacks(
         # logged as its frame goes out, after the relay's count has grown: wait for the lines.)
         def refused_lines() -> list[logging.LogRecord]:
             return [
-                r for r in caplog.records if r.name == "meshnode.relay" and "refused node" in r.getMessage()
+                r for r in caplog.records if r.name == "relay.server" and "refused node" in r.getMessage()
             ]
 
         await eventually(lambda: len(refused_lines()) >= 3, 10)
