@@ -125,8 +125,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     # Loaded only by `serve`: it brings the shard worker and server with it.
     from meshnode.app.head_service import HeadError, start_standalone
     from meshnode.app.lifecycle import run_drain
+    from meshnode.app.shard_service import ShardServiceError, ShardServiceOptions, describe_served_model
     from meshnode.app.standalone_status import answer_standalone_status
-    from meshnode.dataplane.service import ShardServiceError, ShardServiceOptions, describe_served_model
 
     if args.api_listen is False:
         raise CliError("serve exists to answer the API; --api-listen off makes no sense here", code=2)

@@ -37,7 +37,7 @@ from meshnode.wire.pb import mesh
 
 if TYPE_CHECKING:
     from engines.tokenizer import Tokenizer
-    from meshnode.dataplane.service import ShardService, ShardServiceOptions
+    from meshnode.app.shard_service import ShardService, ShardServiceOptions
     from meshnode.node import Node
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class StandaloneHead:
 async def start_standalone(shard_options: ShardServiceOptions, options: HeadOptions) -> StandaloneHead:
     """Load every layer of ``shard_options.model`` and answer the API with it. Raises
     :class:`HeadError` (or the shard service's own error when the model cannot be served)."""
-    from meshnode.dataplane.service import ShardService
+    from meshnode.app.shard_service import ShardService
 
     host = StandaloneShardHost()
     service = await ShardService.start(host, replace(shard_options, layers=None))

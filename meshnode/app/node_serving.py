@@ -4,7 +4,7 @@ A node without ``--model`` places itself (:mod:`.placed_serving`) unless ``--pla
 
 :func:`serve_node` is where ``meshnode create``, ``join`` and ``start`` go once
 the node is built; a bad ``--model`` or ``--layers`` is refused before anything
-loads (:func:`meshnode.dataplane.service.describe_served_model`).
+loads (:func:`meshnode.app.shard_service.describe_served_model`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from meshnode.app.speculation_options import driver_options
 from meshnode.node import Node
 
 if TYPE_CHECKING:
-    from meshnode.dataplane.service import ShardService
+    from meshnode.app.shard_service import ShardService
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def check_serving_options(args: argparse.Namespace) -> None:
         if args.placement != "off" and args.model_store is not None:
             _check_model_store_free(args.model_store)  # the default one is inside the locked data dir
         return
-    from meshnode.dataplane.service import describe_served_model
+    from meshnode.app.shard_service import describe_served_model
 
     try:
         describe_served_model(args.model, args.layers)
@@ -75,7 +75,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         show_file_passes(node)  # the slice of the range it takes is written after it joins
         return await serve_placed_node(node, args, node.data_dir.path)
     # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
-    from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
+    from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
 
     options = ShardServiceOptions(
         model=args.model,

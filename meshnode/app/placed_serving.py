@@ -21,13 +21,13 @@ from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.app.placement_options import placement_settings, upload_limiter
 from meshnode.app.session_options import max_sessions
+from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import StoreInUse
 from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeRequest
 from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
 from meshnode.cancellation import cancel_and_wait
-from meshnode.dataplane.service import ShardService, ShardServiceError, ShardServiceOptions
 from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 

@@ -12,7 +12,7 @@ from helpers.mesh_nodes import first_member, invite_from, relay_only_config, sta
 from helpers.recording_engine import LAYERS, SPEC
 
 from engines.fake import FakeEngine
-from meshnode.dataplane.service import ShardService, ShardServiceOptions
+from meshnode.app.shard_service import ShardService, ShardServiceOptions
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshnode.dataplane.service import describe_served_model
+from meshnode.app.shard_service import describe_served_model
 
 
 def tiny_gguf_header(path, block_count: int | None = 6):

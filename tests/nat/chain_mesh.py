@@ -32,7 +32,7 @@ DRIVER = Path(__file__).with_name("chain_driver.py")
 def data_plane_missing() -> str | None:
     """What this test needs from the data plane (issue 5) that is not there yet, if anything."""
     try:
-        from meshnode.dataplane.service import ShardService  # noqa: F401
+        from meshnode.app.shard_service import ShardService  # noqa: F401
         from meshnode.dataplane.session_link import ShardSession  # noqa: F401
     except ImportError as exc:
         return f"data plane API missing: {exc}"

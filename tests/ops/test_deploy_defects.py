@@ -29,7 +29,7 @@ def meshnode_args(argv: list[str]):
 def test_the_compose_files_curl_asks_for_the_model_the_nodes_serve():
     text = (DEPLOY / "compose.yaml").read_text()
     services = yaml.safe_load(text)["services"]
-    # A node serves its model under the file's stem (meshnode.dataplane.service.describe_served_model).
+    # A node serves its model under the file's stem (meshnode.app.shard_service.describe_served_model).
     served = {
         Path(meshnode_args(["up", *services[name]["command"][1:]]).model).stem
         for name in ("node1", "node2", "node3")
