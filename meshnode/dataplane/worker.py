@@ -113,6 +113,7 @@ from meshnode.dataplane.actions import (
     RunBatch,
     Send,
 )
+from meshnode.dataplane.admission import AdmissionPolicy
 from meshnode.dataplane.arrival_forecast import ArrivalForecast
 from meshnode.dataplane.batch_stats import BatchStats
 from meshnode.dataplane.batching import BatchLimits, BatchScheduler
@@ -220,6 +221,13 @@ class ShardWorker:
             self.config.max_sessions if self.config.max_sessions is not None else capabilities.max_sessions
         )
         self.peer_session_cap = peer_session_cap(self.config.peer_session_share, self.max_sessions)
+        self.admission = AdmissionPolicy(
+            max_sessions=self.max_sessions,
+            peer_session_cap=self.peer_session_cap,
+            max_context_tokens=capabilities.max_context_tokens,
+            max_total_context_tokens=self.config.max_total_context_tokens,
+            max_queue_depth=self.config.max_queue_depth,
+        )
         self.serving_state: int = shard.SERVING_STATE_SERVING
         # Sessions ended, by why (for /metrics); opens refused for a peer over its share.
         self.releases: Counter[ReleaseReason] = Counter()
@@ -898,17 +906,14 @@ class ShardWorker:
         return fresh
 
     def _admit_session(self, origin: StreamOrigin) -> None:
-        if self.serving_state != shard.SERVING_STATE_SERVING:
-            state = shard.ServingState.Name(self.serving_state).removeprefix("SERVING_STATE_").lower()
-            raise errors.resource_exhausted(f"worker is not accepting new sessions ({state})")
-        if len(self._sessions) >= self.max_sessions:
-            raise errors.resource_exhausted(f"worker already serves {self.max_sessions} sessions")
-        cap = self.peer_session_cap
-        if not origin.local and self.sessions_of(origin.peer_id) >= cap:
-            self.share_refusals += 1
-            raise errors.resource_exhausted(
-                f"this peer already holds {cap} of the worker's {self.max_sessions} sessions, its share"
-            )
+        refusal = self.admission.refuse_session(
+            serving_state=self.serving_state,
+            sessions=len(self._sessions),
+            peer_sessions=None if origin.local else self.sessions_of(origin.peer_id),
+        )
+        if refusal is not None:
+            self.share_refusals += refusal.share
+            raise refusal.error
 
     def _orphan_unserved(self, origin: StreamOrigin, now_ns: int) -> None:
         """A link of ``origin`` was lost: its sessions that no open stream of it serves (the lost
@@ -998,20 +1003,15 @@ class ShardWorker:
         if verdict is not Verdict.ADMIT:
             raise _refusal_for(verdict, session)
         end = position.end
-        caps = self.capabilities
-        if end > caps.max_context_tokens:
-            raise errors.resource_exhausted(
-                f"position {end} is past the {caps.max_context_tokens}-token context of a session",
-                retryable=False,
-            )
         session_tokens = end if position.fresh_start else max(session.context_tokens, end)
-        limit = self.config.max_total_context_tokens
-        if limit is not None:
-            total = sum(s.context_tokens for s in self._sessions.values())
-            if total - session.context_tokens + session_tokens > limit:
-                raise errors.resource_exhausted(f"worker context budget of {limit} tokens is in use")
-        if self._queued >= self.config.max_queue_depth:
-            raise errors.resource_exhausted(f"worker queue holds {self._queued} units")
+        refusal = self.admission.refuse_unit(
+            position_end=end,
+            session_tokens=session_tokens,
+            tokens_in_use=sum(s.context_tokens for s in self._sessions.values()) - session.context_tokens,
+            queued=self._queued,
+        )
+        if refusal is not None:
+            raise refusal
         session.context_tokens = session_tokens
         session.ledger.admitted(unit.step)
         session.last_active_ns = now_ns
