@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.polling import eventually
@@ -17,7 +18,7 @@ from helpers.recording_engine import LAYERS
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.session_link import DirectAnswers, ShardSession
 
-from .fake_shards import SPLIT, relayed_chain
+from .fake_shards import SPLIT, RelayedChain, relayed_chain
 from .harness import reference, srange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -25,20 +26,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 PROMPT = [5, 3, 8, 1, 9, 2, 7]
 
 
+def session_with_direct_answers(chain: RelayedChain) -> Any:
+    """The client's session to the head shard, taking its tokens straight from the tail."""
+    tail, client = chain.tail, chain.client
+    return ShardSession.open(
+        lambda: client.get_link(chain.head.node_id),
+        fingerprint=chain.services[0].served.fingerprint,
+        shard_range=srange(0, SPLIT),
+        downstream=[make_hop(tail.node_id, SPLIT, LAYERS, SPLIT)],
+        answers=DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(SPLIT, LAYERS)),
+    )
+
+
 async def test_a_relayed_tail_answers_the_head_directly_through_the_relay(tmp_path: Path) -> None:
     async with relayed_chain(tmp_path) as chain:
-        head, tail, client, services = chain.head, chain.tail, chain.client, chain.services
+        tail, client, services = chain.tail, chain.client, chain.services
         # The client reaches the tail once it knows it: membership first, then the answer stream.
         await eventually(lambda: any(e.peer_id == tail.node_id for e in client.peers()), 10)
         await client.get_link(tail.node_id)
-        answers = DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(SPLIT, LAYERS))
-        async with ShardSession.open(
-            lambda: client.get_link(head.node_id),
-            fingerprint=services[0].served.fingerprint,
-            shard_range=srange(0, SPLIT),
-            downstream=[make_hop(tail.node_id, SPLIT, LAYERS, SPLIT)],
-            answers=answers,
-        ) as session:
+        async with session_with_direct_answers(chain) as session:
             assert await session.answers_ready()
             first = await session.prefill(PROMPT)
             tokens = [first.token]
@@ -57,17 +63,10 @@ async def test_the_answer_stream_moves_to_a_direct_link_that_replaces_the_relaye
     """A direct link to the tail comes up mid-generation (a punched hole): the relayed link drains
     and closes, the answer stream moves over without losing an answer, no unit fails."""
     async with relayed_chain(tmp_path) as chain:
-        head, tail, client, services = chain.head, chain.tail, chain.client, chain.services
+        tail, client, services = chain.tail, chain.client, chain.services
         await eventually(lambda: any(e.peer_id == tail.node_id for e in client.peers()), 10)
         relayed = await client.get_link(tail.node_id)
-        answers = DirectAnswers(links=lambda: client.get_link(tail.node_id), tail_range=srange(SPLIT, LAYERS))
-        async with ShardSession.open(
-            lambda: client.get_link(head.node_id),
-            fingerprint=services[0].served.fingerprint,
-            shard_range=srange(0, SPLIT),
-            downstream=[make_hop(tail.node_id, SPLIT, LAYERS, SPLIT)],
-            answers=answers,
-        ) as session:
+        async with session_with_direct_answers(chain) as session:
             assert await session.answers_ready()
             first = await session.prefill(PROMPT)
             tokens, outputs = [first.token], [first.chunks[-1]]
