@@ -217,13 +217,13 @@ class ShardWorker:
         self.config = config or WorkerConfig()
         self.local_flow_control = self.config.flow_control or default_flow_control()
         self.accepted_compression = tuple(sorted({shard.COMPRESSION_NONE, *self.config.accepted_compression}))
-        self.max_sessions = (
+        max_sessions = (
             self.config.max_sessions if self.config.max_sessions is not None else capabilities.max_sessions
         )
-        self.peer_session_cap = peer_session_cap(self.config.peer_session_share, self.max_sessions)
+        # What the worker admits: its limits live here alone (max_sessions reads them).
         self.admission = AdmissionPolicy(
-            max_sessions=self.max_sessions,
-            peer_session_cap=self.peer_session_cap,
+            max_sessions=max_sessions,
+            peer_session_cap=peer_session_cap(self.config.peer_session_share, max_sessions),
             max_context_tokens=capabilities.max_context_tokens,
             max_total_context_tokens=self.config.max_total_context_tokens,
             max_queue_depth=self.config.max_queue_depth,
@@ -273,6 +273,11 @@ class ShardWorker:
         self._events: list[Action] = []
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def max_sessions(self) -> int:
+        """Sessions this worker holds at once (its admission policy's)."""
+        return self.admission.max_sessions
 
     def set_serving_state(self, state: int) -> None:
         """SERVING accepts new sessions; DRAINING and NOT_SERVING refuse them, existing ones continue."""

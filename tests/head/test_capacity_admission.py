@@ -8,6 +8,7 @@ error and ``Retry-After``, and requests accepted meanwhile must complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 
@@ -163,7 +164,8 @@ async def test_a_replica_full_of_another_heads_sessions_refuses_and_the_next_one
 
 
 async def test_a_first_hop_at_capacity_with_no_replica_is_a_429(routes):
-    routes.shards[DRIVER_INDEX].server.worker.max_sessions = 1
+    worker = routes.shards[DRIVER_INDEX].server.worker
+    worker.admission = dataclasses.replace(worker.admission, max_sessions=1)
     first, second = await _api(routes, FAST), await _api(routes, FAST)
     held = await started(first.driver, 1)
     status, headers, body = await second.complete()
