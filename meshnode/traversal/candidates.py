@@ -31,10 +31,6 @@ class PathKind(enum.Enum):
     PUNCHED = "punched"
 
     @property
-    def direct(self) -> bool:
-        return self is not PathKind.RELAYED
-
-    @property
     def traversed(self) -> bool:
         """A direct path to a peer behind NAT, which the relay stands in for when it dies."""
         return self in (PathKind.LAN, PathKind.PUNCHED)

@@ -42,7 +42,6 @@ class PairBackoff:
         self.attempts = 0  # in the current round
         self.failed_rounds = 0
         self.next_at = float("-inf")
-        self.total_attempts = 0
 
     def may_try(self, now: float) -> bool:
         return now >= self.next_at
@@ -54,7 +53,6 @@ class PairBackoff:
         return max(0.0, self.next_at - now)
 
     def attempted(self, now: float, *, succeeded: bool) -> None:
-        self.total_attempts += 1
         if succeeded:
             # Failures are forgotten only once the path has held (path_lost decides).
             self.attempts = 0
@@ -68,7 +66,6 @@ class PairBackoff:
 
     def give_up_round(self, now: float) -> None:
         """The peer cannot take part (punching off, a symmetric NAT): no more tries this round."""
-        self.total_attempts += 1
         self._round_failed(now)
 
     def wait_at_least(self, now: float, seconds: float) -> None:

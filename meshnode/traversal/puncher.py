@@ -198,7 +198,7 @@ class Puncher:
             link = await self._dial_first(peer, targets)
         finally:
             punching.cancel()
-        reached = describe_remote(link) if link is not None else ""
+        reached = describe_sockaddr(link.remote_address) if link is not None else ""
         with contextlib.suppress(StreamError):
             await stream.send_frame(punch_messages.result(reached))
         if link is None:
@@ -265,10 +265,6 @@ class Puncher:
         if body is None:
             raise StreamError(f"the peer ended the punch stream before its {'/'.join(expect)}")
         return punch_messages.read(body, expect=expect)
-
-
-def describe_remote(link: QuicLink) -> str:
-    return describe_sockaddr(link.remote_address)
 
 
 __all__ = ["PUNCH_DATAGRAM", "Decline", "FirstLinkWins", "PunchOutcome", "PunchReport", "Puncher"]

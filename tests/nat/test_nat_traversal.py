@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from chain_mesh import driver_output, spawn_driver, start_two_shard_chain, unsplit_reference
 from helpers.polling import wait_until
+from helpers.punch_schedule import most_attempts
 from nat_mesh import NODE_PORT, RELAY_PORT, Mesh, node_args, peers_of
 from netns import HOME_A, HOME_A2, SERVICE_ADDRESS, SERVICE_ADDRESS_2, NatLab
 
-from meshnode.traversal.pair_backoff import PairBackoff, PunchSchedule
+from meshnode.traversal.pair_backoff import PunchSchedule
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -134,17 +135,6 @@ def test_homes_behind_home_routers_punch_fall_back_to_the_relay_and_move_back_li
     except BaseException:
         print(mesh.dump())
         raise
-
-
-def most_attempts(schedule: PunchSchedule, seconds: float) -> int:
-    """The most attempts a pair's schedule allows in ``seconds`` (each taking no time at all)."""
-    pair, now, count = PairBackoff(schedule), 0.0, 0
-    while now <= seconds:
-        if pair.may_try(now):
-            pair.attempted(now, succeeded=False)
-            count += 1
-        now += 0.05
-    return count
 
 
 def test_homes_behind_symmetric_nats_stay_relayed_and_keep_to_the_backoff(

@@ -120,4 +120,4 @@ def test_a_links_path_is_named_by_how_it_came_about():
         is PathKind.PUBLIC
     )
     assert PathKind.LAN.traversed and PathKind.PUNCHED.traversed
-    assert not PathKind.PUBLIC.traversed and not PathKind.RELAYED.direct
+    assert not PathKind.PUBLIC.traversed and not PathKind.RELAYED.traversed
