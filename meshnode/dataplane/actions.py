@@ -88,6 +88,15 @@ class Forward:
     work: ForwardWork
 
 
+@dataclass(frozen=True)
+class DownstreamResult:
+    """A :class:`Forward`'s outcome when the next hop took it: its result tensors, if any, or word
+    that the tail sent the result to the session's head directly (``answered_directly``)."""
+
+    bundle: shard.TensorBundle | None = None
+    answered_directly: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class CancelDownstream:
     """Pass a cancel on to the next hop of ``session`` (empty ``work_id``: every unit)."""
@@ -118,6 +127,7 @@ __all__ = [
     "Action",
     "CancelDownstream",
     "CloseStream",
+    "DownstreamResult",
     "FireCancel",
     "Forward",
     "ForwardWork",
