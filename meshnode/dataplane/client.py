@@ -43,29 +43,36 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.dataplane.actions import ForwardWork
+from meshnode.dataplane.client_requests import (
+    SessionAddress,
+    answer_stream_opening,
+    cancel_request,
+    cancel_signal,
+    release_request,
+    release_signal,
+    unit_request,
+    work_stream_opening,
+)
+from meshnode.dataplane.client_units import OutgoingUnit, UnitState, prefill_pieces
 from meshnode.dataplane.envelope import (
-    HIGHEST_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
     Deadline,
     UnitPosition,
     digests,
-    wire_deadline,
 )
 from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import BOUNDARY_DTYPES
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
-from meshnode.wire.chunking import plan_prefill_chunks
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
 from meshnode.wire.flow_control import default_flow_control
 from meshnode.wire.pb import shard
-from meshnode.wire.tensor_codec import NUMPY_DTYPES, WireTensor, decode_bundle, encode_bundle
+from meshnode.wire.tensor_codec import WireTensor, decode_bundle
 
 
 class SessionNotReady(MeshnodeError):
@@ -144,35 +151,6 @@ class PeerRefusal:
 ClientEvent = SessionReady | UnitDone | UnitFailed | SessionFailed | PeerRefusal
 
 
-# ---------------------------------------------------------------------------- units
-
-
-class _State(Enum):
-    PENDING = "pending"
-    SENT = "sent"
-    # Failed locally (deadline) while the peer still owes an answer that returns its credit.
-    ABANDONED = "abandoned"
-    # Done: its result came on the answer stream; the Ack that returns its credit is still owed.
-    ANSWERED = "answered"
-
-
-@dataclass(eq=False)
-class _Unit:
-    id: int
-    step: int
-    work_id: str
-    position: UnitPosition
-    deadline: Deadline | None
-    tokens: np.ndarray | None
-    hidden: np.ndarray | None
-    state: _State = _State.PENDING
-    body: bytes | None = None
-    attempts: int = 0
-    # When it was last sent (monotonic); the answer grace counts from here too.
-    sent_ns: int = 0
-    result: shard.TensorBundle | None = None
-
-
 class SessionClient:
     def __init__(
         self,
@@ -192,6 +170,7 @@ class SessionClient:
         self.fingerprint = fingerprint
         self.shard_range = shard_range
         self.route = route
+        self._address = SessionAddress(route_session_id, route_epoch, fingerprint, shard_range, route)
         self.config = config or ClientConfig()
         self.takes_tokens = shard_range.effective_start_layer == 0
         self.boundary_dtype = route.boundary_dtype or shard.DTYPE_FLOAT32
@@ -204,13 +183,13 @@ class SessionClient:
         self._window = 0
         self._unacked = 0
         self._send_compression = shard.COMPRESSION_NONE
-        self._pending: deque[_Unit] = deque()
-        self._sent: dict[int, _Unit] = {}
+        self._pending: deque[OutgoingUnit] = deque()
+        self._sent: dict[int, OutgoingUnit] = {}
         self._events: list[ClientEvent] = []
-        self._failed: OrderedDict[int, _Unit] = OrderedDict()
+        self._failed: OrderedDict[int, OutgoingUnit] = OrderedDict()
         self._next_unit_id = 1
         # Units whose Ack said the result went to the answer stream, until it arrives (by step).
-        self._owed: dict[int, tuple[_Unit, shard.Ack]] = {}
+        self._owed: dict[int, tuple[OutgoingUnit, shard.Ack]] = {}
         self._answers_lost = False
 
     # ------------------------------------------------------------------ state
@@ -240,14 +219,14 @@ class SessionClient:
     @property
     def outstanding(self) -> int:
         """Units still owed an answer: waiting to be sent, or sent and not given up."""
-        sent = sum(1 for u in self._sent.values() if u.state is _State.SENT)
+        sent = sum(1 for u in self._sent.values() if u.state is UnitState.SENT)
         return len(self._pending) + sent + len(self._owed)
 
     @property
     def acks_owed(self) -> int:
         """Units done by their direct answer whose Acks are still on their way back along the route
         (a release sent now would cancel them on the hops that have not acknowledged yet)."""
-        return sum(1 for u in self._sent.values() if u.state is _State.ANSWERED)
+        return sum(1 for u in self._sent.values() if u.state is UnitState.ANSWERED)
 
     def take_events(self) -> list[ClientEvent]:
         """Everything that happened since the last call, in order."""
@@ -264,32 +243,13 @@ class SessionClient:
         self._window = 0
         self._unacked = 0
         proposed = self.config.proposed_flow_control or default_flow_control()
-        open_ = shard.SessionOpen(
-            schema_version=HIGHEST_SCHEMA_VERSION,
-            route_session_id=self.route_session_id,
-            route_epoch=self.route_epoch,
-            fingerprint=self.fingerprint,
-            shard_range=self.shard_range,
-            proposed_flow_control=proposed,
-            accepted_compression=list(self.config.accepted_compression),  # type: ignore[arg-type]
-        )
-        return [self.route.SerializeToString(), shard.SessionRequest(open=open_).SerializeToString()]
+        return work_stream_opening(self._address, proposed, self.config.accepted_compression)
 
     def answer_stream_start(self, tail_range: shard.ShardRange) -> list[bytes]:
         """Bodies of the first two frames of the answer stream to the route's tail (``tail_range``):
         an empty route, then a SessionOpen that asks for this session's direct answers."""
-        open_ = shard.SessionOpen(
-            schema_version=HIGHEST_SCHEMA_VERSION,
-            route_session_id=self.route_session_id,
-            route_epoch=self.route_epoch,
-            fingerprint=self.fingerprint,
-            shard_range=tail_range,
-            proposed_flow_control=self.config.proposed_flow_control or default_flow_control(),
-            accepted_compression=list(self.config.accepted_compression),  # type: ignore[arg-type]
-            answer_stream=True,
-        )
-        route = dataplane.SessionRoute(gen=self.route.gen)
-        return [route.SerializeToString(), shard.SessionRequest(open=open_).SerializeToString()]
+        proposed = self.config.proposed_flow_control or default_flow_control()
+        return answer_stream_opening(self._address, tail_range, proposed, self.config.accepted_compression)
 
     def stream_lost(self) -> None:
         """The stream failed before every unit was answered. Unanswered units are queued to be sent
@@ -298,9 +258,9 @@ class SessionClient:
         self._accepted = False
         self._window = 0
         self._unacked = 0
-        retry: list[_Unit] = []
+        retry: list[OutgoingUnit] = []
         for unit in sorted(self._sent.values(), key=lambda u: u.step):
-            if unit.state is _State.ABANDONED or unit.state is _State.ANSWERED:
+            if unit.state is UnitState.ABANDONED or unit.state is UnitState.ANSWERED:
                 continue
             if unit.attempts >= self.config.max_attempts:
                 self._fail(
@@ -308,7 +268,7 @@ class SessionClient:
                     SessionTransportError(f"stream lost; unit was sent {unit.attempts} times unanswered"),
                 )
                 continue
-            unit.state = _State.PENDING
+            unit.state = UnitState.PENDING
             retry.append(unit)
         self._sent.clear()
         self._pending.extendleft(reversed(retry))
@@ -328,45 +288,14 @@ class SessionClient:
         ``first_position == 0`` starts fresh state; otherwise the cache must hold exactly
         ``first_position`` tokens.
         """
-        flow = self._require_flow()
-        if self.takes_tokens:
-            tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
-            n, bytes_per_token = len(tokens), 4
-            hidden = None
-        else:
-            hidden = np.asarray(inputs, dtype=np.float32)
-            if hidden.ndim != 2:
-                raise ValueError("hidden input must be [n, hidden]")
-            n = hidden.shape[0]
-            bytes_per_token = hidden.shape[1] * NUMPY_DTYPES[self.boundary_dtype].itemsize
-            tokens = None
-        chunks = plan_prefill_chunks(
-            n,
+        pieces = prefill_pieces(
+            inputs,
             first_position=first_position,
-            max_prefill_chunk_tokens=flow.max_prefill_chunk_tokens,
-            bytes_per_token=bytes_per_token,
-            max_chunk_bytes=flow.max_chunk_bytes,
+            takes_tokens=self.takes_tokens,
+            boundary_dtype=self.boundary_dtype,
+            flow=self._require_flow(),
         )
-        ids = []
-        for chunk in chunks:
-            lo = chunk.first_position - first_position
-            hi = lo + chunk.token_count
-            ids.append(
-                self._add(
-                    UnitPosition(
-                        decode=False,
-                        first_position=chunk.first_position,
-                        token_count=chunk.token_count,
-                        expected_past_len=None if chunk.first_position == 0 else chunk.first_position,
-                        chunk_index=chunk.index,
-                        chunk_count=chunk.count,
-                    ),
-                    deadline=deadline,
-                    tokens=None if tokens is None else tokens[lo:hi],
-                    hidden=None if hidden is None else hidden[lo:hi],
-                )
-            )
-        return ids
+        return [self._add(p.position, deadline=deadline, tokens=p.tokens, hidden=p.hidden) for p in pieces]
 
     def submit_decode(
         self,
@@ -429,7 +358,7 @@ class SessionClient:
         if step is None:
             step = self.next_step
         self.next_step = max(self.next_step, step + 1)
-        unit = _Unit(
+        unit = OutgoingUnit(
             id=self._next_unit_id,
             step=step,
             work_id=work_id if work_id is not None else f"{self.route_session_id}/{self.route_epoch}/{step}",
@@ -453,7 +382,7 @@ class SessionClient:
         unit = self._failed.pop(unit_id, None)
         if unit is None:
             raise KeyError(f"unit {unit_id} has not failed, or was forgotten")
-        unit.state = _State.PENDING
+        unit.state = UnitState.PENDING
         unit.result = None
         unit.attempts = 0
         self._pending.append(unit)
@@ -486,7 +415,7 @@ class SessionClient:
                     ),
                 )
                 continue
-            unit.state = _State.SENT
+            unit.state = UnitState.SENT
             unit.sent_ns = now_ns
             unit.attempts += 1
             self._sent[unit.step] = unit
@@ -494,57 +423,23 @@ class SessionClient:
             bodies.append(unit.body)
         return bodies
 
-    def _input_tensor(self, unit: _Unit) -> shard.NamedTensor:
+    def _input_tensor(self, unit: OutgoingUnit) -> shard.NamedTensor:
         if unit.tokens is not None:
             return encode_tokens(unit.tokens)
         assert unit.hidden is not None
         return encode_hidden(unit.hidden, self.boundary_dtype, self._send_compression)
 
-    def _build(self, unit: _Unit) -> shard.SessionRequest:
+    def _build(self, unit: OutgoingUnit) -> shard.SessionRequest:
         tensor = self._input_tensor(unit)
         # Inputs are encoded into the body; drop the arrays so a retry holds only bytes.
         unit.tokens = unit.hidden = None
-        position = unit.position
-        if position.single_decode and not position.rollback:
-            # Filled in place: a keyword-built DecodeStep nested in a keyword-built request copies
-            # the tensor's payload twice (the hot path: every token, every hop).
-            request = shard.SessionRequest()
-            step = request.decode
-            step.idempotency_step = unit.step
-            step.position = position.first_position
-            step.expected_past_len = position.first_position
-            step.tensor.CopyFrom(tensor)
-            step.work_id = unit.work_id
-            step.deadline_unix_nanos = wire_deadline(unit.deadline)
-            return request
-        fresh = position.fresh_start
-        envelope = shard.Envelope(
-            schema_version=HIGHEST_SCHEMA_VERSION,
+        return unit_request(
+            self._address,
+            step=unit.step,
             work_id=unit.work_id,
-            route_session_id=self.route_session_id,
-            route_epoch=self.route_epoch,
-            fingerprint=self.fingerprint,
-            shard_range=self.shard_range,
-            phase=shard.PHASE_DECODE if position.decode else shard.PHASE_PREFILL,
-            position=shard.PositionSpan(
-                first_position=position.first_position, token_count=position.token_count
-            ),
-            idempotency_step=unit.step,
-            cache_expectation=shard.CacheExpectation(
-                mode=shard.CACHE_MODE_PREFILL if fresh else shard.CACHE_MODE_DECODE,
-                expected_past_len=0 if fresh else position.first_position,
-                rollback=position.rollback,
-            ),
-            deadline_unix_nanos=wire_deadline(unit.deadline),
-            chunk=shard.ChunkInfo(
-                chunk_index=position.chunk_index,
-                chunk_count=position.chunk_count,
-                final_chunk=position.final,
-            ),
-            draft_tokens=position.draft_tokens,
-        )
-        return shard.SessionRequest(
-            chunk=shard.ActivationChunk(envelope=envelope, bundle=encode_bundle([tensor]))
+            position=unit.position,
+            deadline=unit.deadline,
+            tensor=tensor,
         )
 
     # ------------------------------------------------------------------ signals
@@ -553,40 +448,21 @@ class SessionClient:
         """In-band CancelSignal body (no credit needed). Units not yet sent fail here as CANCELLED;
         sent ones fail when the worker's CANCELLED statuses arrive."""
         self._cancel_pending(work_id)
-        signal = shard.CancelSignal(
-            route_session_id=self.route_session_id,
-            route_epoch=self.route_epoch,
-            work_id=work_id,
-            reason=reason,
-        )
-        return shard.SessionRequest(cancel=signal).SerializeToString()
+        return cancel_signal(self._address, work_id, reason)
 
     def cancel_request(self, work_id: str = "", reason: str = "") -> shard.CancelRequest:
         """The unary Cancel for a fresh SHARD_CANCEL stream, for when this stream is wedged."""
         self._cancel_pending(work_id)
-        return shard.CancelRequest(
-            schema_version=HIGHEST_SCHEMA_VERSION,
-            route_session_id=self.route_session_id,
-            route_epoch=self.route_epoch,
-            work_id=work_id,
-            reason=reason,
-        )
+        return cancel_request(self._address, work_id, reason)
 
     def release_signal(self, work_id: str = "") -> bytes:
-        signal = shard.ReleaseSignal(
-            route_session_id=self.route_session_id, route_epoch=self.route_epoch, work_id=work_id
-        )
-        return shard.SessionRequest(release=signal).SerializeToString()
+        return release_signal(self._address, work_id)
 
     def release_request(self) -> shard.ReleaseRequest:
-        return shard.ReleaseRequest(
-            schema_version=HIGHEST_SCHEMA_VERSION,
-            route_session_id=self.route_session_id,
-            route_epoch=self.route_epoch,
-        )
+        return release_request(self._address)
 
     def _cancel_pending(self, work_id: str) -> None:
-        keep: deque[_Unit] = deque()
+        keep: deque[OutgoingUnit] = deque()
         for unit in self._pending:
             if not work_id or unit.work_id == work_id:
                 self._fail(unit, refusal(shard.ERROR_CODE_CANCELLED, "cancelled before it was sent"))
@@ -628,9 +504,9 @@ class SessionClient:
                 self._owed[step] = owed
             return
         sent = self._sent.get(step)
-        if sent is not None and sent.state is _State.SENT and sent.work_id == work_id:
+        if sent is not None and sent.state is UnitState.SENT and sent.work_id == work_id:
             # Ahead of its Ack, as it usually is: done now; the Ack only returns the credit.
-            sent.state = _State.ANSWERED
+            sent.state = UnitState.ANSWERED
             self._done(sent, bundle, shard.Ack(), answered_directly=True)
             return
         for unit in self._pending:
@@ -650,7 +526,12 @@ class SessionClient:
             self._fail(unit, SessionTransportError("the tail's direct answer was lost"))
 
     def _done(
-        self, unit: _Unit, bundle: shard.TensorBundle | None, ack: shard.Ack, *, answered_directly: bool
+        self,
+        unit: OutgoingUnit,
+        bundle: shard.TensorBundle | None,
+        ack: shard.Ack,
+        *,
+        answered_directly: bool,
     ) -> None:
         self._events.append(
             UnitDone(
@@ -728,7 +609,7 @@ class SessionClient:
         if unit is None:
             raise payload_corrupt("ack for a unit not in flight")
         self._unacked -= 1
-        if unit.state is _State.ABANDONED or unit.state is _State.ANSWERED:
+        if unit.state is UnitState.ABANDONED or unit.state is UnitState.ANSWERED:
             return
         if ack.answered_directly and unit.result is None and self.config.direct_answers:
             if self._answers_lost:
@@ -751,7 +632,7 @@ class SessionClient:
             return
         self._unacked -= 1
         # A unit answered directly is done whatever befell the Acks behind it.
-        if unit.state is _State.SENT:
+        if unit.state is UnitState.SENT:
             self._fail(unit, error)
 
     # ------------------------------------------------------------------ time
@@ -767,16 +648,16 @@ class SessionClient:
                 )
         grace = self.config.answer_grace_ns
         for step, (unit, _ack) in list(self._owed.items()):
-            if unit.deadline is not None and now_ns >= _given_up_at(unit, grace):
+            if unit.deadline is not None and now_ns >= unit.given_up_at(grace):
                 del self._owed[step]
                 self._fail(unit, SessionTransportError("no direct answer by the deadline"))
         for unit in self._sent.values():
             if (
-                unit.state is _State.SENT
+                unit.state is UnitState.SENT
                 and unit.deadline is not None
-                and now_ns >= _given_up_at(unit, grace)
+                and now_ns >= unit.given_up_at(grace)
             ):
-                unit.state = _State.ABANDONED
+                unit.state = UnitState.ABANDONED
                 self._events.append(
                     UnitFailed(
                         unit.id, unit.step, unit.work_id, SessionTransportError("no answer by the deadline")
@@ -787,16 +668,16 @@ class SessionClient:
         deadlines = [u.deadline.at_ns for u in self._pending if u.deadline is not None]
         grace = self.config.answer_grace_ns
         deadlines.extend(
-            _given_up_at(u, grace)
+            u.given_up_at(grace)
             for u in self._sent.values()
-            if u.deadline is not None and u.state is _State.SENT
+            if u.deadline is not None and u.state is UnitState.SENT
         )
-        deadlines.extend(_given_up_at(u, grace) for u, _ack in self._owed.values() if u.deadline is not None)
+        deadlines.extend(u.given_up_at(grace) for u, _ack in self._owed.values() if u.deadline is not None)
         return min(deadlines, default=None)
 
     # ------------------------------------------------------------------ failures
 
-    def _fail(self, unit: _Unit, error: MeshnodeError) -> None:
+    def _fail(self, unit: OutgoingUnit, error: MeshnodeError) -> None:
         self._events.append(UnitFailed(unit.id, unit.step, unit.work_id, error))
         if unit.body is not None:
             self._failed[unit.id] = unit
@@ -814,18 +695,12 @@ class SessionClient:
         self._accepted = False
         owed = [unit for unit, _ack in self._owed.values()]
         for unit in [*sorted(self._sent.values(), key=lambda u: u.step), *owed, *self._pending]:
-            if unit.state is not _State.ABANDONED and unit.state is not _State.ANSWERED:
+            if unit.state is not UnitState.ABANDONED and unit.state is not UnitState.ANSWERED:
                 self._fail(unit, error)
         self._sent.clear()
         self._owed.clear()
         self._pending.clear()
         self._events.append(SessionFailed(error))
-
-
-def _given_up_at(unit: _Unit, grace_ns: int) -> int:
-    assert unit.deadline is not None
-    at_ns = unit.deadline.at_ns
-    return max(at_ns, unit.sent_ns) + grace_ns if grace_ns else at_ns
 
 
 __all__ = [

@@ -1,0 +1,109 @@
+"""A session sender's units: their state on the way to an answer, and how a prefill is cut into them.
+
+Plain records owned by :class:`~meshnode.dataplane.client.SessionClient`, and the pure rule
+that splits a prefill's inputs into chunks within the negotiated limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from meshnode.dataplane.envelope import Deadline, UnitPosition
+from meshnode.wire.chunking import plan_prefill_chunks
+from meshnode.wire.pb import shard
+from meshnode.wire.tensor_codec import NUMPY_DTYPES
+
+
+class UnitState(Enum):
+    PENDING = "pending"
+    SENT = "sent"
+    # Failed locally (deadline) while the peer still owes an answer that returns its credit.
+    ABANDONED = "abandoned"
+    # Done: its result came on the answer stream; the Ack that returns its credit is still owed.
+    ANSWERED = "answered"
+
+
+@dataclass(eq=False)
+class OutgoingUnit:
+    id: int
+    step: int
+    work_id: str
+    position: UnitPosition
+    deadline: Deadline | None
+    tokens: np.ndarray | None
+    hidden: np.ndarray | None
+    state: UnitState = UnitState.PENDING
+    body: bytes | None = None
+    attempts: int = 0
+    # When it was last sent (monotonic); the answer grace counts from here too.
+    sent_ns: int = 0
+    result: shard.TensorBundle | None = None
+
+    def given_up_at(self, grace_ns: int) -> int:
+        """When the sender stops waiting for its answer: its deadline, plus the grace counted from
+        the later of the deadline and its sending."""
+        assert self.deadline is not None
+        at_ns = self.deadline.at_ns
+        return max(at_ns, self.sent_ns) + grace_ns if grace_ns else at_ns
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    position: UnitPosition
+    tokens: np.ndarray | None
+    hidden: np.ndarray | None
+
+
+def prefill_pieces(
+    inputs: np.ndarray | Sequence[int],
+    *,
+    first_position: int,
+    takes_tokens: bool,
+    boundary_dtype: int,
+    flow: shard.FlowControl,
+) -> list[PrefillPiece]:
+    """Split a prefill's ``inputs`` (token ids ``[n]`` for a head hop, float32 hidden
+    ``[n, hidden]`` otherwise) into chunks within ``flow``'s limits."""
+    if takes_tokens:
+        tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
+        n, bytes_per_token = len(tokens), 4
+        hidden = None
+    else:
+        hidden = np.asarray(inputs, dtype=np.float32)
+        if hidden.ndim != 2:
+            raise ValueError("hidden input must be [n, hidden]")
+        n = hidden.shape[0]
+        bytes_per_token = hidden.shape[1] * NUMPY_DTYPES[boundary_dtype].itemsize
+        tokens = None
+    chunks = plan_prefill_chunks(
+        n,
+        first_position=first_position,
+        max_prefill_chunk_tokens=flow.max_prefill_chunk_tokens,
+        bytes_per_token=bytes_per_token,
+        max_chunk_bytes=flow.max_chunk_bytes,
+    )
+    pieces = []
+    for chunk in chunks:
+        lo = chunk.first_position - first_position
+        hi = lo + chunk.token_count
+        position = UnitPosition(
+            decode=False,
+            first_position=chunk.first_position,
+            token_count=chunk.token_count,
+            expected_past_len=None if chunk.first_position == 0 else chunk.first_position,
+            chunk_index=chunk.index,
+            chunk_count=chunk.count,
+        )
+        pieces.append(
+            PrefillPiece(
+                position, None if tokens is None else tokens[lo:hi], None if hidden is None else hidden[lo:hi]
+            )
+        )
+    return pieces
+
+
+__all__ = ["OutgoingUnit", "PrefillPiece", "UnitState", "prefill_pieces"]
