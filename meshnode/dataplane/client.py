@@ -8,6 +8,10 @@ again as the very same bytes (same idempotency step, same work id), so the
 worker acknowledges an already-applied step as a duplicate instead of applying
 it twice.
 
+How it is cut: the client keeps the stream (its negotiation and credit) and decides what
+to send; where each unit stands is :class:`~.client_book.UnitBook`'s, what the requests
+look like is :mod:`.client_requests`', and what it reports is :mod:`.client_events`.
+
 Edge loop (the :mod:`meshnode.sansio` convention)::
 
     write(encode_stream_open(StreamType.SHARD_SESSION, bodies[0]) + encode_frame(bodies[1]))
@@ -40,7 +44,6 @@ unit never sent): the edge closes that stream and calls :meth:`stream_lost`.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +51,15 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.dataplane.actions import ForwardWork
+from meshnode.dataplane.client_book import UnitBook
+from meshnode.dataplane.client_events import (
+    ClientEvent,
+    PeerRefusal,
+    SessionFailed,
+    SessionReady,
+    UnitDone,
+    UnitFailed,
+)
 from meshnode.dataplane.client_requests import (
     SessionAddress,
     answer_stream_opening,
@@ -58,21 +70,20 @@ from meshnode.dataplane.client_requests import (
     unit_request,
     work_stream_opening,
 )
-from meshnode.dataplane.client_units import OutgoingUnit, UnitState, prefill_pieces
+from meshnode.dataplane.client_units import OutgoingUnit, prefill_pieces
 from meshnode.dataplane.envelope import (
     SUPPORTED_SCHEMA_VERSIONS,
     Deadline,
     UnitPosition,
     digests,
 )
-from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
+from meshnode.dataplane.errors import payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import BOUNDARY_DTYPES
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
 from meshnode.wire.flow_control import default_flow_control
 from meshnode.wire.pb import shard
-from meshnode.wire.tensor_codec import WireTensor, decode_bundle
 
 
 class SessionNotReady(MeshnodeError):
@@ -95,60 +106,6 @@ class ClientConfig:
     # This client opens an answer stream to the tail and waits there for results that Acks say
     # went direct (the session's head); a forwarding hop's client passes such Acks on instead.
     direct_answers: bool = False
-
-
-# ---------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True, slots=True)
-class SessionReady:
-    accepted: shard.SessionAccepted
-
-
-@dataclass(frozen=True, slots=True)
-class UnitDone:
-    unit_id: int
-    step: int
-    work_id: str
-    # Result tensors the peer returned (the tail's token, or a hidden state), if any.
-    bundle: shard.TensorBundle | None
-    cache_result: shard.CacheResult
-    duplicate: bool
-    execution_nanos: int
-    # The tail sent the result to the session's head, not back along the route: for a forwarding
-    # hop, ``bundle`` is then None; for the head, the result came on its answer stream.
-    answered_directly: bool = False
-
-    def tensors(self) -> dict[str, WireTensor]:
-        """Decode (and checksum-verify) the result; PayloadCorrupt if it does not decode."""
-        return {} if self.bundle is None else decode_bundle(self.bundle)
-
-
-@dataclass(frozen=True, slots=True)
-class UnitFailed:
-    unit_id: int
-    step: int
-    work_id: str
-    # ShardProtocolError (the worker, or a local check, refused) or SessionTransportError.
-    error: MeshnodeError
-
-
-@dataclass(frozen=True, slots=True)
-class SessionFailed:
-    """The session is over: a terminal status from the peer (a ``ShardProtocolError``), or the edge
-    gave up on the transport (:meth:`SessionClient.abandon`). Every open unit failed with it."""
-
-    error: MeshnodeError
-
-
-@dataclass(frozen=True, slots=True)
-class PeerRefusal:
-    """A non-terminal status not tied to a unit (e.g. a signal the worker refused)."""
-
-    error: ShardProtocolError
-
-
-ClientEvent = SessionReady | UnitDone | UnitFailed | SessionFailed | PeerRefusal
 
 
 class SessionClient:
@@ -183,14 +140,9 @@ class SessionClient:
         self._window = 0
         self._unacked = 0
         self._send_compression = shard.COMPRESSION_NONE
-        self._pending: deque[OutgoingUnit] = deque()
-        self._sent: dict[int, OutgoingUnit] = {}
         self._events: list[ClientEvent] = []
-        self._failed: OrderedDict[int, OutgoingUnit] = OrderedDict()
+        self._units = UnitBook(self._events, retry_memory=self.config.retry_memory)
         self._next_unit_id = 1
-        # Units whose Ack said the result went to the answer stream, until it arrives (by step).
-        self._owed: dict[int, tuple[OutgoingUnit, shard.Ack]] = {}
-        self._answers_lost = False
 
     # ------------------------------------------------------------------ state
 
@@ -210,27 +162,27 @@ class SessionClient:
     @property
     def pending(self) -> int:
         """Units waiting for credit (or for the session to open)."""
-        return len(self._pending)
+        return self._units.pending
 
     @property
     def can_send(self) -> bool:
-        return self._accepted and bool(self._pending) and self._unacked < self._window
+        return self._accepted and self._units.pending > 0 and self._unacked < self._window
 
     @property
     def outstanding(self) -> int:
         """Units still owed an answer: waiting to be sent, or sent and not given up."""
-        sent = sum(1 for u in self._sent.values() if u.state is UnitState.SENT)
-        return len(self._pending) + sent + len(self._owed)
+        return self._units.outstanding
 
     @property
     def acks_owed(self) -> int:
         """Units done by their direct answer whose Acks are still on their way back along the route
         (a release sent now would cancel them on the hops that have not acknowledged yet)."""
-        return sum(1 for u in self._sent.values() if u.state is UnitState.ANSWERED)
+        return self._units.acks_owed
 
     def take_events(self) -> list[ClientEvent]:
         """Everything that happened since the last call, in order."""
-        drained, self._events = self._events, []
+        drained = list(self._events)
+        self._events.clear()
         return drained
 
     # ------------------------------------------------------------------ streams
@@ -258,20 +210,7 @@ class SessionClient:
         self._accepted = False
         self._window = 0
         self._unacked = 0
-        retry: list[OutgoingUnit] = []
-        for unit in sorted(self._sent.values(), key=lambda u: u.step):
-            if unit.state is UnitState.ABANDONED or unit.state is UnitState.ANSWERED:
-                continue
-            if unit.attempts >= self.config.max_attempts:
-                self._fail(
-                    unit,
-                    SessionTransportError(f"stream lost; unit was sent {unit.attempts} times unanswered"),
-                )
-                continue
-            unit.state = UnitState.PENDING
-            retry.append(unit)
-        self._sent.clear()
-        self._pending.extendleft(reversed(retry))
+        self._units.stream_lost(self.config.max_attempts)
 
     # ------------------------------------------------------------------ submitting work
 
@@ -368,7 +307,7 @@ class SessionClient:
             hidden=hidden,
         )
         self._next_unit_id += 1
-        self._pending.append(unit)
+        self._units.add(unit)
         return unit.id
 
     def retry(self, unit_id: int) -> None:
@@ -379,13 +318,7 @@ class SessionClient:
         """
         if self.failed is not None:
             raise SessionNotReady("the session failed; open a new one")
-        unit = self._failed.pop(unit_id, None)
-        if unit is None:
-            raise KeyError(f"unit {unit_id} has not failed, or was forgotten")
-        unit.state = UnitState.PENDING
-        unit.result = None
-        unit.attempts = 0
-        self._pending.append(unit)
+        self._units.retry(unit_id)
 
     def _require_flow(self) -> shard.FlowControl:
         if self.failed is not None or self.flow is None:
@@ -401,24 +334,16 @@ class SessionClient:
         so the worker's own DEADLINE_EXCEEDED can reach the caller."""
         bodies: list[bytes] = []
         flow = self.flow
-        while self._accepted and self._pending and self._unacked < self._window:
+        while self._accepted and self._units.pending and self._unacked < self._window:
             assert flow is not None
-            unit = self._pending.popleft()
+            unit = self._units.next_to_send()
             if unit.body is None:
                 unit.body = self._build(unit).SerializeToString()
             if len(unit.body) > flow.max_chunk_bytes:
-                self._fail(
-                    unit,
-                    refusal(
-                        shard.ERROR_CODE_FLOW_CONTROL_VIOLATION,
-                        f"unit of {len(unit.body)} bytes over the negotiated max_chunk_bytes",
-                    ),
-                )
+                detail = f"unit of {len(unit.body)} bytes over the negotiated max_chunk_bytes"
+                self._units.fail(unit, refusal(shard.ERROR_CODE_FLOW_CONTROL_VIOLATION, detail))
                 continue
-            unit.state = UnitState.SENT
-            unit.sent_ns = now_ns
-            unit.attempts += 1
-            self._sent[unit.step] = unit
+            self._units.sent(unit, now_ns)
             self._unacked += 1
             bodies.append(unit.body)
         return bodies
@@ -447,12 +372,12 @@ class SessionClient:
     def cancel_signal(self, work_id: str = "", reason: str = "") -> bytes:
         """In-band CancelSignal body (no credit needed). Units not yet sent fail here as CANCELLED;
         sent ones fail when the worker's CANCELLED statuses arrive."""
-        self._cancel_pending(work_id)
+        self._units.cancel_pending(work_id)
         return cancel_signal(self._address, work_id, reason)
 
     def cancel_request(self, work_id: str = "", reason: str = "") -> shard.CancelRequest:
         """The unary Cancel for a fresh SHARD_CANCEL stream, for when this stream is wedged."""
-        self._cancel_pending(work_id)
+        self._units.cancel_pending(work_id)
         return cancel_request(self._address, work_id, reason)
 
     def release_signal(self, work_id: str = "") -> bytes:
@@ -460,15 +385,6 @@ class SessionClient:
 
     def release_request(self) -> shard.ReleaseRequest:
         return release_request(self._address)
-
-    def _cancel_pending(self, work_id: str) -> None:
-        keep: deque[OutgoingUnit] = deque()
-        for unit in self._pending:
-            if not work_id or unit.work_id == work_id:
-                self._fail(unit, refusal(shard.ERROR_CODE_CANCELLED, "cancelled before it was sent"))
-            else:
-                keep.append(unit)
-        self._pending = keep
 
     # ------------------------------------------------------------------ receiving
 
@@ -492,59 +408,13 @@ class SessionClient:
         envelope = response.chunk.envelope
         if envelope.route_session_id != self.route_session_id or envelope.route_epoch != self.route_epoch:
             raise payload_corrupt("direct answer for another session")
-        self._on_direct_answer(envelope.idempotency_step, envelope.work_id, response.chunk.bundle)
-
-    def _on_direct_answer(self, step: int, work_id: str, bundle: shard.TensorBundle) -> None:
-        owed = self._owed.pop(step, None)
-        if owed is not None:
-            unit, ack = owed
-            if unit.work_id == work_id:
-                self._done(unit, bundle, ack, answered_directly=True)
-            else:
-                self._owed[step] = owed
-            return
-        sent = self._sent.get(step)
-        if sent is not None and sent.state is UnitState.SENT and sent.work_id == work_id:
-            # Ahead of its Ack, as it usually is: done now; the Ack only returns the credit.
-            sent.state = UnitState.ANSWERED
-            self._done(sent, bundle, shard.Ack(), answered_directly=True)
-            return
-        for unit in self._pending:
-            if unit.step == step and unit.work_id == work_id:
-                # Waiting to go out again after a stream loss, yet every hop has applied it.
-                self._pending.remove(unit)
-                self._done(unit, bundle, shard.Ack(), answered_directly=True)
-                return
+        self._units.direct_answer(envelope.idempotency_step, envelope.work_id, response.chunk.bundle)
 
     def answers_lost(self) -> None:
         """The answer stream ended: the units owed a direct answer fail (SessionTransportError), as
         does any later Ack that says its result went direct; the tail, seeing the stream gone,
         answers along the route again."""
-        self._answers_lost = True
-        owed, self._owed = list(self._owed.values()), {}
-        for unit, _ack in owed:
-            self._fail(unit, SessionTransportError("the tail's direct answer was lost"))
-
-    def _done(
-        self,
-        unit: OutgoingUnit,
-        bundle: shard.TensorBundle | None,
-        ack: shard.Ack,
-        *,
-        answered_directly: bool,
-    ) -> None:
-        self._events.append(
-            UnitDone(
-                unit_id=unit.id,
-                step=unit.step,
-                work_id=unit.work_id,
-                bundle=bundle,
-                cache_result=ack.cache_result,
-                duplicate=ack.duplicate,
-                execution_nanos=ack.execution_nanos,
-                answered_directly=answered_directly,
-            )
-        )
+        self._units.answers_lost()
 
     def receive_frame(self, body: bytes) -> None:
         response = shard.SessionResponse()
@@ -563,10 +433,7 @@ class SessionClient:
         elif kind == "ack":
             self._on_ack(response.ack)
         elif kind == "chunk":
-            unit = self._sent.get(response.chunk.envelope.idempotency_step)
-            if unit is None:
-                raise payload_corrupt("result chunk for a unit not in flight")
-            unit.result = response.chunk.bundle
+            self._units.result_arrived(response.chunk.envelope.idempotency_step, response.chunk.bundle)
         elif kind == "status":
             self._on_status(response.status)
         elif kind == "flow_control":
@@ -605,84 +472,26 @@ class SessionClient:
         self._events.append(SessionReady(accepted))
 
     def _on_ack(self, ack: shard.Ack) -> None:
-        unit = self._sent.pop(ack.idempotency_step, None)
-        if unit is None:
-            raise payload_corrupt("ack for a unit not in flight")
+        self._units.acked(ack, waits_for_direct_answers=self.config.direct_answers)
         self._unacked -= 1
-        if unit.state is UnitState.ABANDONED or unit.state is UnitState.ANSWERED:
-            return
-        if ack.answered_directly and unit.result is None and self.config.direct_answers:
-            if self._answers_lost:
-                self._fail(unit, SessionTransportError("the tail answered on a lost answer stream"))
-            else:
-                self._owed[unit.step] = (unit, ack)
-            return
-        self._done(unit, unit.result, ack, answered_directly=ack.answered_directly)
 
     def _on_status(self, status: shard.ShardStatus) -> None:
         error = ShardProtocolError.from_pb(status.error)
         if status.terminal:
             self._fail_session(error)
-            return
-        unit = self._sent.pop(status.idempotency_step, None) if status.idempotency_step else None
-        if unit is None:
-            if status.idempotency_step:
-                raise payload_corrupt("status for a unit not in flight")
-            self._events.append(PeerRefusal(error))
-            return
-        self._unacked -= 1
-        # A unit answered directly is done whatever befell the Acks behind it.
-        if unit.state is UnitState.SENT:
-            self._fail(unit, error)
+        elif self._units.refused(status.idempotency_step, error):
+            self._unacked -= 1
 
     # ------------------------------------------------------------------ time
 
     def handle_timer(self, now_ns: int) -> None:
         """Fail units whose deadline passed without an answer (a wedged or dead peer)."""
-        late = [u for u in self._pending if u.deadline is not None and now_ns >= u.deadline.at_ns]
-        if late:
-            self._pending = deque(u for u in self._pending if u not in late)
-            for unit in late:
-                self._fail(
-                    unit, refusal(shard.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed before sending")
-                )
-        grace = self.config.answer_grace_ns
-        for step, (unit, _ack) in list(self._owed.items()):
-            if unit.deadline is not None and now_ns >= unit.given_up_at(grace):
-                del self._owed[step]
-                self._fail(unit, SessionTransportError("no direct answer by the deadline"))
-        for unit in self._sent.values():
-            if (
-                unit.state is UnitState.SENT
-                and unit.deadline is not None
-                and now_ns >= unit.given_up_at(grace)
-            ):
-                unit.state = UnitState.ABANDONED
-                self._events.append(
-                    UnitFailed(
-                        unit.id, unit.step, unit.work_id, SessionTransportError("no answer by the deadline")
-                    )
-                )
+        self._units.expire(now_ns, self.config.answer_grace_ns)
 
     def get_timer(self) -> int | None:
-        deadlines = [u.deadline.at_ns for u in self._pending if u.deadline is not None]
-        grace = self.config.answer_grace_ns
-        deadlines.extend(
-            u.given_up_at(grace)
-            for u in self._sent.values()
-            if u.deadline is not None and u.state is UnitState.SENT
-        )
-        deadlines.extend(u.given_up_at(grace) for u, _ack in self._owed.values() if u.deadline is not None)
-        return min(deadlines, default=None)
+        return self._units.next_deadline(self.config.answer_grace_ns)
 
     # ------------------------------------------------------------------ failures
-
-    def _fail(self, unit: OutgoingUnit, error: MeshnodeError) -> None:
-        self._events.append(UnitFailed(unit.id, unit.step, unit.work_id, error))
-        if unit.body is not None:
-            self._failed[unit.id] = unit
-            while len(self._failed) > self.config.retry_memory:
-                self._failed.popitem(last=False)
 
     def abandon(self, error: MeshnodeError) -> None:
         """The edge gives up on the session (peer unreachable, closing): every unit not yet answered
@@ -693,13 +502,7 @@ class SessionClient:
     def _fail_session(self, error: MeshnodeError) -> None:
         self.failed = error
         self._accepted = False
-        owed = [unit for unit, _ack in self._owed.values()]
-        for unit in [*sorted(self._sent.values(), key=lambda u: u.step), *owed, *self._pending]:
-            if unit.state is not UnitState.ABANDONED and unit.state is not UnitState.ANSWERED:
-                self._fail(unit, error)
-        self._sent.clear()
-        self._owed.clear()
-        self._pending.clear()
+        self._units.fail_all(error)
         self._events.append(SessionFailed(error))
 
 
