@@ -12,7 +12,13 @@ Per client connection the relay opens one stream, then:
   buffer caps and the stall timeout (``meshnode.transport.read_limits``); a
   client that breaks them is refused with the matching code and closed;
 * a writer task writes what the core hands out, only as fast as the client
-  acknowledges, so a slow client's frames wait in the core's bounded queues.
+  acknowledges, so a slow client's frames wait in the core's bounded queues;
+* a follower task tells the core when the client's datagrams come from a new
+  address (QUIC followed a NAT that remapped it; ``QuicLink.moved``).
+
+The core's timer (registrations that time out) runs on a
+:class:`~meshnode.timer_edge.TimerEdge`: the relay wakes when ``RelayCore.get_timer()``
+says, not on a poll.
 
 When the core closes a connection, its last message (the refusal) is flushed
 first and its text is also the QUIC close reason.
@@ -34,6 +40,7 @@ from meshnode.membership.store import DataDir
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.relaywire import protocol as p
 from meshnode.sansio import SECOND_NS
+from meshnode.timer_edge import TimerEdge
 from meshnode.transport.base import MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicEndpoint, QuicLink, QuicSettings
@@ -45,7 +52,6 @@ log = logging.getLogger(__name__)
 
 # A refusal is flushed before the connection closes, for at most this long.
 _FLUSH_TIMEOUT_S = 2.0
-_HOUSEKEEPING_S = 0.5
 # Nodes whose last refusal is remembered, so that a retry with the same mistake is not logged again.
 _REFUSALS_REMEMBERED = 1024
 
@@ -99,7 +105,8 @@ class RelayServer:
         self._ids = itertools.count(1)
         self._clients: dict[PeerLink, _Client] = {}
         self._by_conn: dict[int, _Client] = {}
-        self._housekeeping: asyncio.Task[None] | None = None
+        # The core's timer (registrations that time out), armed on start.
+        self._timer: TimerEdge | None = None
         self._flush_timeout = flush_timeout
         # Times a client ran ahead of its rate limits and the relay stopped reading from it.
         self.read_pauses = 0
@@ -118,8 +125,8 @@ class RelayServer:
         return self.endpoint.local_address
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._timer = TimerEdge(self.core.get_timer, self._on_timer)
         self.endpoint = await QuicEndpoint.listen(self.identity, self, host, port, self.quic_settings)
-        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
         bound_host, bound_port = self.endpoint.local_address
         log.info(
             "relay %s listening on %s:%d (QUIC %s), meshes %s",
@@ -141,8 +148,8 @@ class RelayServer:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(flush_timeout):
                     await asyncio.gather(*(c.link.wait_closed() for c in clients), return_exceptions=True)
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
+        if self._timer is not None:
+            self._timer.close()
         for client in list(self._clients.values()):
             for task in client.tasks:
                 task.cancel()
@@ -177,7 +184,10 @@ class RelayServer:
             source=link.remote_address[0],
             address=client.address,
         )
+        if self._timer is not None:
+            self._timer.rearm()  # the new connection's registration deadline may be the next one
         client.tasks.append(loop.create_task(self._serve(client)))
+        client.tasks.append(loop.create_task(self._follow_address(client)))
 
     def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
         # Clients use only the stream the relay opened.
@@ -303,20 +313,20 @@ class RelayServer:
                     2 * self._flush_timeout, client.link.close, "closed by the relay (client not reading)"
                 )
 
-    async def _housekeep(self) -> None:
-        while True:
-            await asyncio.sleep(_HOUSEKEEPING_S)
-            self.core.handle_timer(time.monotonic_ns())
-            self._follow_addresses()
-            self._wake()
+    def _on_timer(self, now_ns: int) -> None:
+        self.core.handle_timer(now_ns)
+        self._wake()
 
-    def _follow_addresses(self) -> None:
-        """Tell the core of clients whose datagrams now come from elsewhere (QUIC followed them)."""
-        for client in self._clients.values():
-            address = describe_sockaddr(client.link.current_address)
+    async def _follow_address(self, client: _Client) -> None:
+        """Tell the core each time the client's datagrams come from elsewhere (QUIC followed them)."""
+        link = client.link
+        while True:
+            address = describe_sockaddr(link.current_address)
             if address != client.address:
                 client.address = address
                 self.core.address_changed(client.conn_id, address)
+                self._wake()
+            await link.moved.wait()
 
 
 def _who(link: QuicLink) -> str:

@@ -1,47 +1,28 @@
-"""One loop timer for a sans-IO machine's ``get_timer()``/``handle_timer(now_ns)`` pair, in monotonic nanoseconds.
+"""The data plane's loop timer: a :class:`~meshnode.timer_edge.TimerEdge` its owner arms with the times it reads.
 
-Arming for a later time than the one already armed keeps the earlier call: it
-fires, the owner handles it (nothing is due yet) and re-arms. Most re-arms on the hot
-path move the time later (a new unit's deadline is after the previous one's), so
-they cost a comparison instead of a cancel and a new loop timer.
+The session link and the shard server arm it with their machine's ``get_timer()``
+after every input and call the machine's ``handle_timer`` themselves in ``callback``,
+so the edge has no ``get_timer`` of its own to read again.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
+
+from meshnode.timer_edge import TimerEdge
 
 
 class WakeTimer:
     def __init__(self, callback: Callable[[], None]) -> None:
-        self._callback = callback
-        self._loop = asyncio.get_running_loop()
-        self._handle: asyncio.TimerHandle | None = None
-        self._at: int | None = None
-        self._closed = False
+        self._edge = TimerEdge(get_timer=lambda: None, on_due=lambda _now_ns: callback())
 
     def arm(self, when_ns: int | None) -> None:
         """Call back at ``when_ns`` (monotonic ns) unless an earlier call is armed; None arms nothing."""
-        if when_ns is None or self._closed or (self._at is not None and self._at <= when_ns):
-            return
-        if self._handle is not None:
-            self._handle.cancel()
-        self._at = when_ns
-        self._handle = self._loop.call_later(max(0.0, (when_ns - time.monotonic_ns()) / 1e9), self._fire)
+        self._edge.arm(when_ns)
 
     def cancel(self) -> None:
         """Disarm for good."""
-        self._closed = True
-        if self._handle is not None:
-            self._handle.cancel()
-        self._handle = None
-        self._at = None
-
-    def _fire(self) -> None:
-        self._handle = None
-        self._at = None
-        self._callback()
+        self._edge.close()
 
 
 __all__ = ["WakeTimer"]

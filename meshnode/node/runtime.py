@@ -70,6 +70,7 @@ from meshnode.node.status_report import StatusReport, node_status
 from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
+from meshnode.timer_edge import run_timer
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
@@ -171,6 +172,7 @@ class Node:
         self._exchanged: dict[PeerLink, asyncio.Future[None]] = {}
         self._probing: set[bytes] = set()
         self._heartbeating: set[bytes] = set()
+        self._beats = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._status_server: StatusServer | None = None
         # Named sections `meshnode status` shows besides the mesh view (added by what runs on the node).
@@ -269,7 +271,8 @@ class Node:
         )
         await self._status_server.start()
         self.state.start_heartbeat(time.monotonic_ns())
-        self._spawn(self._heartbeat_loop())
+        # A background task, so that cancelling them (shutdown, a test's crash) stops the heartbeat.
+        self._spawn(run_timer(self.state.get_timer, self._mesh_timer))
         self.keeper.after_gossip()  # a node whose data directory holds its own removal stops here
         log.info(
             "node %s listening on %s (QUIC %s), advertising %s; mesh %s",
@@ -536,17 +539,14 @@ class Node:
 
     # -- liveness ----------------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
-        beats = 0
-        while (due_ns := self.state.get_timer()) is not None:
-            await asyncio.sleep(max(0, due_ns - time.monotonic_ns()) / SECOND_NS)
-            self.state.handle_timer(time.monotonic_ns())
-            for event in self.state.take_events():
-                if isinstance(event, HeartbeatDue):
-                    beats += 1
-                    self._heartbeat(beats)
-                elif isinstance(event, PeerStale):
-                    self._suspect(event.peer_id, reporter=None)
+    def _mesh_timer(self, now_ns: int) -> None:
+        self.state.handle_timer(now_ns)
+        for event in self.state.take_events():
+            if isinstance(event, HeartbeatDue):
+                self._beats += 1
+                self._heartbeat(self._beats)
+            elif isinstance(event, PeerStale):
+                self._suspect(event.peer_id, reporter=None)
 
     def _heartbeat(self, beats: int) -> None:
         """Gossip with every peer (with the known peers while there is none); save them every tenth beat."""

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 import socket
 from typing import cast
 
@@ -30,6 +31,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from meshnode.identity import NodeIdentity, short_id
+from meshnode.sansio import SECOND_NS
+from meshnode.timer_edge import TimerEdge
 from meshnode.transport.addresses import parse_host_port
 from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLink, StreamError, StreamReset
 from meshnode.transport.bind_errors import listen_error
@@ -189,6 +192,9 @@ class QuicLink(PeerLink):
         self.last_received_at = endpoint.loop.time()
         self.created_at = self.last_received_at
         self.progress = Progress()
+        # Wakes whoever follows where the peer's datagrams come from (current_address) when it moves.
+        self.moved = Progress()
+        self._peer_address = remote_address
         self.read_limits = ReadLimits(
             budget=endpoint.process_budget.child(self.settings.frame_buffer_per_connection),
             stall_timeout=self.settings.frame_stall_timeout,
@@ -199,8 +205,7 @@ class QuicLink(PeerLink):
         self._terminated = False
         self._streams: dict[int, QuicMeshStream] = {}
         self.peer_streams = PeerStreamIds(first=1 if initiated_locally else 0)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = TimerEdge(self._quic_timer_ns, self._handle_timer)
         self._transmit_handle: asyncio.Handle | None = None
         # UDP payload bytes each way (status and metrics: direct against relayed traffic).
         self.bytes_sent = 0
@@ -232,7 +237,8 @@ class QuicLink(PeerLink):
     @property
     def current_address(self) -> SockAddr:
         """Where the peer's datagrams come from now: QUIC follows a peer whose address changed
-        (a NAT that remapped it), ``remote_address`` is where the link began."""
+        (a NAT that remapped it), ``remote_address`` is where the link began. ``moved`` wakes its
+        waiters when it changes."""
         return self.quic.get_peer_address() or self.remote_address
 
     @property
@@ -269,6 +275,7 @@ class QuicLink(PeerLink):
         self.last_received_at = self.endpoint.loop.time()
         self.bytes_received += len(data)
         self.quic.receive_datagram(data, addr, now=self.last_received_at)
+        self._notice_move()
         self._process_events()
         # Not at once: the datagrams read in this loop turn, and the answers the woken
         # readers write, leave together in one pass (fewer packets, ACKs ride on data).
@@ -285,25 +292,29 @@ class QuicLink(PeerLink):
         if sent and self.settings.max_stream_unsent is not None:
             # What was waiting to be sent went: writers held back by max_stream_unsent re-check.
             self.progress.notify()
-        timer_at = self.quic.get_timer()
-        if self._timer is not None and self._timer_at != timer_at:
-            self._timer.cancel()
-            self._timer = None
-        if self._timer is None and timer_at is not None:
-            self._timer = loop.call_at(timer_at, self._handle_timer)
-        self._timer_at = timer_at
+        self._timer.rearm()
 
     def ping(self) -> None:
         self.quic.send_ping(0)
         self.transmit()
 
-    def _handle_timer(self) -> None:
-        now = max(self._timer_at or 0.0, self.endpoint.loop.time())
-        self._timer = None
-        self._timer_at = None
-        self.quic.handle_timer(now=now)
+    def _quic_timer_ns(self) -> int | None:
+        # aioquic's times are the loop's clock in float seconds: the monotonic clock (asyncio's and
+        # uvloop's both). Rounded up, so that the time handed back is never before aioquic's own.
+        timer_at = self.quic.get_timer()
+        return None if timer_at is None else math.ceil(timer_at * SECOND_NS)
+
+    def _handle_timer(self, now_ns: int) -> None:
+        self.quic.handle_timer(now=now_ns / SECOND_NS)
+        self._notice_move()  # a path validation that timed out goes back to the previous address
         self._process_events()
         self.transmit()
+
+    def _notice_move(self) -> None:
+        address = self.current_address
+        if address != self._peer_address:
+            self._peer_address = address
+            self.moved.notify()
 
     def _process_events(self) -> None:
         event = self.quic.next_event()
@@ -415,9 +426,7 @@ class QuicLink(PeerLink):
             self._cancel_timer()
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
 
 
 class QuicEndpoint(asyncio.DatagramProtocol):
