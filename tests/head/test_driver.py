@@ -171,7 +171,7 @@ async def test_a_failover_to_a_spare_that_computes_differently_changes_the_finge
 async def test_the_fingerprint_is_computed_once_per_route_though_the_api_asks_with_every_token(
     routes, monkeypatch
 ):
-    import meshnode.head.driver as driver_module
+    import meshnode.head.route_session as route_session_module
 
     computed: list[object] = []
 
@@ -179,7 +179,7 @@ async def test_the_fingerprint_is_computed_once_per_route_though_the_api_asks_wi
         computed.append(route)
         return system_fingerprint(route, *args)
 
-    monkeypatch.setattr(driver_module, "system_fingerprint", counting)
+    monkeypatch.setattr(route_session_module, "system_fingerprint", counting)
     await routes.add_shard(SPARE, 2, 3, numerics="numpy float32; spare box")
     driver = GenerationDriver(routes, FAST)
     stream = driver.generate(routes.model, PROMPT, GREEDY, 10)

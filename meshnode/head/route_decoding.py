@@ -1,0 +1,181 @@
+"""A generation's tokens from its route's open session: the (re)build of its caches, then one round trip a step.
+
+:meth:`RouteDecoder.replay` prefills the prompt in pipelined chunks and, after a
+failure, replays the session's tokens (:mod:`meshnode.head.transcript`) so that
+decoding continues at the right position with the output an unbroken run would have
+produced. :meth:`RouteDecoder.decode` then runs one step a round trip.
+
+Speculative decoding (:mod:`meshnode.head.speculation`, ``DriverOptions.speculation``):
+for a greedy or seeded sampled request the head drafts tokens by prompt lookup and
+sends them with its last token as one verify step; the tail's choice after every
+position says how many to keep, 1 to k + 1 tokens a round trip, the very tokens plain
+decoding gives. The next step asks every hop to drop the rejected drafts
+(``rollback``). Only accepted tokens enter the transcript, so a replay after a failure
+rebuilds exactly the accepted caches. Penalised and grammar requests decode one token
+at a time, as do routes with a hop that does not announce verify steps
+(``ServedShard.verifies_drafts``: a node predating them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engines.interface import SamplingParams, supports_speculation
+from meshnode.dataplane.session_link import StepOutput
+from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_stats import DriverStats
+from meshnode.head.route_session import RouteSession
+from meshnode.head.speculation import SpeculationConfig, Speculator
+from meshnode.head.stall_watchdog import StallWatchdog
+from meshnode.head.transcript import Transcript
+from meshnode.sansio import SECOND_NS
+from meshnode.wire.errors import ShardProtocolError
+from meshnode.wire.pb import shard
+
+# The generation's story is told under the driver's name, whichever part of it speaks.
+log = logging.getLogger("meshnode.head.driver")
+
+
+class RouteDecoder:
+    def __init__(
+        self,
+        options: DriverOptions,
+        stats: DriverStats,
+        transcript: Transcript,
+        sampling: SamplingParams,
+        max_tokens: int,
+        watchdog: StallWatchdog,
+    ) -> None:
+        self._options = options
+        self._stats = stats
+        self._transcript = transcript
+        self._max_tokens = max_tokens
+        self._watchdog = watchdog
+        # Speculative decoding, for a greedy or seeded sampled request when the options allow it.
+        self._speculator: Speculator | None = None
+        if options.speculation and supports_speculation(sampling):
+            draft_max = options.draft_max
+            self._speculator = Speculator(
+                SpeculationConfig(max_draft=draft_max, initial_draft=min(4, draft_max))
+            )
+        # The route's caches may hold rejected drafts of the last verify round beyond the accepted
+        # tokens: the next step asks every hop to drop them.
+        self._rollback = False
+
+    def stop_speculating(self) -> bool:
+        """Decode token by token from now on; False when it already did (nothing changes)."""
+        if self._speculator is None:
+            return False
+        self._speculator = None
+        return True
+
+    def _deadline(self, queued: int = 0) -> int:
+        allowance = self._options.unit_timeout_s + queued * self._options.queued_unit_allowance_s
+        return time.time_ns() + int(allowance * SECOND_NS)
+
+    async def replay(self, route: RouteSession) -> int | None:
+        """(Re)build the route's caches from the transcript. Before the first token this is the
+        prompt's prefill and returns the first token; later it returns None."""
+        session = route.session
+        assert session is not None
+        transcript, watchdog = self._transcript, self._watchdog
+        # Rebuilt from the transcript: nothing but accepted tokens (a fresh prefill at position 0).
+        self._rollback = False
+        prefill = session.submit_prefill(transcript.prompt, deadline_ns=self._deadline())
+        steps = transcript.replay_steps()
+        decodes = [
+            session.submit_decode(step.token, position=step.position, deadline_ns=self._deadline(index + 1))
+            for index, step in enumerate(steps, start=len(prefill))
+        ]
+        watchdog.waiting()
+        output: StepOutput | None = None
+        for handle in prefill:
+            output = await handle
+            route.mark_admitted()
+            watchdog.waiting()
+        assert output is not None
+        first = _token(output)
+        if transcript.started:
+            self._check_replay(route, first, transcript.generated[0], len(transcript.prompt))
+            for step, handle in zip(steps, decodes, strict=True):
+                self._check_replay(route, _token(await handle), step.expected, step.position + 1)
+                watchdog.waiting()
+            if steps:
+                log.info(
+                    "generation %s: replayed %d tokens on the new route",
+                    route.route_session_id[:8],
+                    len(transcript.prompt) + len(steps),
+                )
+            watchdog.answered()
+            return None
+        watchdog.answered()
+        return first
+
+    def _check_replay(self, route: RouteSession, sampled: int, expected: int, position: int) -> None:
+        if sampled != expected:
+            self._stats.replay_mismatches += 1
+            log.warning(
+                "generation %s: the replay sampled %d at position %d where the original run sampled %d "
+                "(the new route computes differently); keeping the original",
+                route.route_session_id[:8],
+                sampled,
+                position,
+                expected,
+            )
+
+    async def decode(self, route: RouteSession) -> tuple[int, ...]:
+        """One round trip: the next token, or with speculation the tokens a verify round keeps."""
+        session = route.session
+        assert session is not None
+        transcript, stats = self._transcript, self._stats
+        token, position = transcript.next_input()
+        speculator = self._speculator
+        draft: tuple[int, ...] = ()
+        if (
+            speculator is not None
+            and stats.active <= self._options.speculation_max_generations
+            and route.route is not None
+            and all(hop.verifies_drafts for hop in route.route.hops)
+        ):
+            remaining = self._max_tokens - len(transcript.generated)
+            draft = speculator.propose((*transcript.prompt, *transcript.generated), remaining - 1)
+        self._watchdog.waiting()
+        output = await session.decode(
+            token, position=position, deadline_ns=self._deadline(), draft=draft, rollback=self._rollback
+        )
+        self._watchdog.answered()
+        if not draft:
+            tokens: tuple[int, ...] = (_token(output),)
+            if speculator is not None:
+                speculator.decoded_plainly()
+        else:
+            assert speculator is not None
+            choices = output.tokens
+            if len(choices) != len(draft) + 1:
+                raise ShardProtocolError(
+                    "the tail did not answer every position of a verify step",
+                    code=shard.ERROR_CODE_INTERNAL,
+                    retryable=True,
+                )
+            tokens = speculator.verified(draft, choices)
+            stats.speculative_rounds += 1
+            stats.draft_tokens += len(draft)
+            stats.accepted_draft_tokens += len(tokens) - 1
+        # Fewer drafts kept than sent: their positions are still in every hop's cache.
+        self._rollback = len(tokens) - 1 < len(draft)
+        if output.done.answered_directly:
+            stats.direct_tokens += len(tokens)
+        return tokens
+
+
+def _token(output: StepOutput) -> int:
+    token = output.token
+    if token is None:
+        raise ShardProtocolError(
+            "the route ended without sampling a token", code=shard.ERROR_CODE_INTERNAL, retryable=True
+        )
+    return token
+
+
+__all__ = ["RouteDecoder"]
