@@ -172,7 +172,7 @@ async def start_node_head(
     except BaseException:
         await local.aclose()
         raise
-    node.api_url = head.url
+    node.set_api_url(head.url)
     return head
 
 

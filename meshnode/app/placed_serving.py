@@ -147,7 +147,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         return isinstance(serving, _PlacedShard) and holds_sessions(serving.service)
 
     offer_artifacts(node, holdings, args, busy)
-    node.status_sections["placement"] = placement.status
+    node.add_status_section("placement", placement.status)
     running: list[asyncio.Task[None]] = []
 
     def place(_: Node) -> None:

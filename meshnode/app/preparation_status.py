@@ -32,7 +32,7 @@ def file_passes() -> dict[str, Any]:
 
 
 def show_file_passes(node: Node) -> None:
-    node.status_sections[FILES_SECTION] = file_passes
+    node.add_status_section(FILES_SECTION, file_passes)
 
 
 def status_before_start(node: Node) -> StatusReport:
@@ -49,14 +49,14 @@ def status_before_start(node: Node) -> StatusReport:
 async def status_while_preparing(node: Node) -> AsyncIterator[None]:
     """The status socket, answered from here until the block ends (the node is not started yet)."""
     show_file_passes(node)
-    node.status_sections[STARTUP_SECTION] = lambda: {"state": LOADING_THE_SHARD}
+    node.add_status_section(STARTUP_SECTION, lambda: {"state": LOADING_THE_SHARD})
     server = StatusServer(node.data_dir.control_socket, lambda: status_before_start(node))
     await server.start()
     try:
         yield
     finally:
         server.close()
-        node.status_sections.pop(STARTUP_SECTION, None)
+        node.remove_status_section(STARTUP_SECTION)
 
 
 __all__ = [

@@ -1,21 +1,25 @@
 """The node's side of authority: revocations kept and spread, certificates renewed, removal obeyed.
 
 The rules are pure (:mod:`meshnode.membership.revocation`,
-:mod:`meshnode.mesh.credential_gate`); this is their asyncio edge, which the
-:class:`~meshnode.node.runtime.Node` calls in a few places:
+:mod:`meshnode.mesh.credential_gate`); this is their edge, which the
+:class:`~meshnode.node.runtime.Node` calls in a few places. It reads the mesh state,
+the data directory and the node's list of known peers, and tells the node what to
+spread rather than reaching into it:
 
-* after every gossip exchange, :meth:`MembershipKeeper.after_gossip` takes what
-  the state learned: new revocations are saved in the data directory, handed to
-  every relay, and pushed to every peer at once (so the whole mesh knows within
-  one exchange per link, not one heartbeat per hop); a removed peer is sent one
-  last gossip frame, which carries the revocation that names it, and its link is
+* after every gossip exchange (and after a relay or the control socket handed over
+  a revocation), :meth:`MembershipKeeper.after_gossip` takes what the state learned:
+  new revocations are saved in the data directory and returned, and the node hands
+  them to every relay and pushes them to every peer at once (so the whole mesh knows
+  within one exchange per link, not one heartbeat per hop); a removed peer is sent
+  one last gossip frame, which carries the revocation that names it, and its link is
   closed, which ends its sessions;
 * when a verified revocation names this node, or its own certificate expired and
   a peer refused it for that, :attr:`removal` is set and the process exits saying
   why (:func:`meshnode.app.lifecycle.run_node`). A bare refusal code is never
   believed on its own: any member could send one.
 * on each heartbeat an admin renews its own certificate; a plain member's is
-  renewed by the admins it gossips with.
+  renewed by the admins it gossips with. The membership (certificate, relays, the
+  peers to dial after a restart) is saved here too (:meth:`save_membership`).
 * the control socket's ``revoke`` and ``grant-admin`` requests (``meshnode
   remove``, ``invite --revoke``, ``admin grant``) arrive here.
 """
@@ -27,25 +31,22 @@ import base64
 import binascii
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import short_id
+from meshnode.membership.credentials import Endpoint
 from meshnode.membership.invite_ledger import record_used
 from meshnode.membership.revocation import RevocationList, Revoked
-from meshnode.membership.store import DataDir, StoreError
+from meshnode.membership.store import MAX_KNOWN_PEERS, DataDir, StoreError
 from meshnode.mesh.credential_gate import REVOCATION_CODES
+from meshnode.mesh.known_peers import peers_to_remember
 from meshnode.mesh.state import MeshState
-from meshnode.relaylink.manager import RelayLinks
-from meshnode.transport.base import PeerLink
 from meshnode.wire.mesh_refusal import MeshRefusal, in_words
 from meshnode.wire.pb import mesh
 
 log = logging.getLogger(__name__)
 
-# How long the last frame to a removed peer may take before its link is closed anyway.
-_FAREWELL_TIMEOUT_S = 2.0
 # An expired member keeps its identity and fetched model: a new invite joins from the same directory.
 REJOIN_HINT = "ask an admin for a new invite and `meshnode join --invite` with the same --data-dir"
 
@@ -64,55 +65,48 @@ def load_revocations(data_dir: DataDir, mesh_id: str) -> RevocationList:
 
 
 class MembershipKeeper:
-    def __init__(
-        self,
-        state: MeshState,
-        data_dir: DataDir,
-        *,
-        spawn: Callable[[Awaitable[Any]], None],
-        link_to: Callable[[bytes], PeerLink | None],
-        exchange: Callable[[PeerLink], Awaitable[None]],
-        gossip_with_all: Callable[[], None],
-        save_membership: Callable[[], None],
-        relay_links: Callable[[], RelayLinks | None],
-    ) -> None:
+    def __init__(self, state: MeshState, data_dir: DataDir, known_peers: list[Endpoint]) -> None:
         self.state = state
         self.data_dir = data_dir
-        self._spawn = spawn
-        self._link_to = link_to
-        self._exchange = exchange
-        self._gossip_with_all = gossip_with_all
-        self._save_membership = save_membership
-        self._relay_links = relay_links
+        # The node's peers to dial by address besides the peer table's (saved among the known peers).
+        self._known_peers = known_peers
         self.removal = asyncio.Event()
         self.removal_reason = ""
 
     # -- what the node calls -------------------------------------------------------------
 
-    def after_gossip(self) -> None:
+    def after_gossip(self) -> list[Revoked]:
+        """Take what the state learned: the new revocations (saved; the node spreads them), and
+        this node's own removal."""
         new = self.state.take_new_revocations()
         if new:
-            self._apply(new)
+            for revoked in new:
+                log.warning("learned: %s", revoked.describe())
+            try:
+                self.data_dir.save_revocations(self.state.revocations.signed())
+            except OSError as exc:
+                log.warning("could not save revocations: %s", exc)
         if self.state.removed is not None:
             self._removed(in_words(mesh.MESH_ERROR_REVOKED, self.state.removed.describe()))
+        return new
 
     def remote_refused(self, refusal: MeshRefusal) -> None:
-        """A peer refused us. Expiry is believed only when our own clock agrees."""
-        self.after_gossip()
+        """A peer refused us (after :meth:`after_gossip` took what the exchange taught). Expiry is
+        believed only when our own clock agrees."""
         if refusal.code == mesh.MESH_ERROR_CERTIFICATE_EXPIRED and self.state.own_certificate_expired(
             time.time()
         ):
             self._removed(in_words(refusal.code, REJOIN_HINT))
 
     def relayed_revocation(self, revocation: membership.Revocation) -> None:
-        """A relay refused us with this revocation: believed once it verifies, like one in gossip."""
+        """A relay refused us with this revocation: believed once it verifies, like one in gossip
+        (:meth:`after_gossip` takes it next)."""
         self.state.learn_revocations([revocation], now_ns=time.monotonic_ns())
-        self.after_gossip()
 
     def on_heartbeat(self) -> None:
         unix_now = time.time()
         if self.state.renew_own_certificate(unix_now):
-            self._save_membership()
+            self.save_membership()
         # An expired certificate is never renewed (admins refuse it like everyone), so this is final.
         if self.state.own_certificate_expired(unix_now):
             self._removed(
@@ -125,10 +119,33 @@ class MembershipKeeper:
         except OSError as exc:
             log.warning("could not record the invite's use: %s", exc)
 
+    def save_membership(self) -> None:
+        """The membership and the peers worth dialing after a restart, in the data directory."""
+        membership = self.state.membership
+        if membership is None:
+            return
+        membership.known_peers = peers_to_remember(
+            self.state.table,
+            [*membership.known_peers, *self._known_peers],
+            revocations=self.state.revocations,
+            limit=MAX_KNOWN_PEERS,
+        )
+        try:
+            # A member promoted to admin writes the mesh key it was granted as well.
+            if self.data_dir.has_membership() and (
+                membership.mesh_key is None or self.data_dir.has_mesh_key()
+            ):
+                self.data_dir.save_peers(membership)
+            else:
+                self.data_dir.save_membership(membership)
+        except OSError as exc:
+            log.warning("could not save membership state: %s", exc)
+
     # -- control requests ---------------------------------------------------------------
 
     def control(self, request: str) -> dict[str, Any]:
-        """``revoke BASE64`` (a signed Revocation) or ``grant-admin NODE_ID_HEX``."""
+        """``revoke BASE64`` (a signed Revocation) or ``grant-admin NODE_ID_HEX``. A revocation
+        accepted is taken by the next :meth:`after_gossip`, as if gossip had brought it."""
         verb, _, argument = request.partition(" ")
         if verb == "revoke":
             return self._control_revoke(argument.strip())
@@ -144,7 +161,6 @@ class MembershipKeeper:
         learned = self.state.learn_revocations([revocation], now_ns=time.monotonic_ns())
         if learned.refused:
             return {"error": "the revocation does not verify for this mesh"}
-        self.after_gossip()  # applied as if gossip had brought it
         return {"ok": True, "new": len(learned.new)}
 
     def _control_grant_admin(self, text: str) -> dict[str, Any]:
@@ -197,32 +213,6 @@ class MembershipKeeper:
         }
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _apply(self, new: list[Revoked]) -> None:
-        for revoked in new:
-            log.warning("learned: %s", revoked.describe())
-        try:
-            self.data_dir.save_revocations(self.state.revocations.signed())
-        except OSError as exc:
-            log.warning("could not save revocations: %s", exc)
-        relays = self._relay_links()
-        if relays is not None:
-            relays.publish_revocations([revoked.signed for revoked in new])
-        for revoked in new:
-            if revoked.kind == "node" and revoked.target != self.state.node_id:
-                link = self._link_to(revoked.target)
-                if link is not None:
-                    self._spawn(self._farewell(link, revoked))
-        self._gossip_with_all()
-
-    async def _farewell(self, link: PeerLink, revoked: Revoked) -> None:
-        """One last frame to the removed node (it carries the revocation naming it), then close."""
-        try:
-            async with asyncio.timeout(_FAREWELL_TIMEOUT_S):
-                await self._exchange(link)
-        except Exception as exc:  # its refusal, or its silence, changes nothing now
-            log.debug("last frame to removed %s: %s", short_id(revoked.target), exc or type(exc).__name__)
-        link.close(f"removed: {revoked.describe()}")
 
     def _removed(self, reason: str) -> None:
         if self.removal.is_set():

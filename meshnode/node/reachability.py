@@ -12,40 +12,81 @@
   slow (its echo queued behind a transfer on a lossy relayed path), not gone.
 - A probe refused outright (the relay says the peer is not registered there) is retried
   for a probe's time: the nodes of a relay that came back register again one by one.
+
+It reads what it needs from the node's public side (:class:`PeerAccess`: its links and
+relay links) and from its direct paths (:class:`OtherPaths`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection
+import os
+from collections.abc import Collection
+from typing import Protocol
 
 from meshnode.identity import short_id
 from meshnode.mesh.reprobe import heard_during_probe, reprobe_after, retry_refused_in
+from meshnode.mesh.validation import decode
+from meshnode.node.peer_failures import PEER_FAILURES
 from meshnode.relaylink.client import RelayCheck
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.transport.base import PeerLink
+from meshnode.transport.request_reply import request_reply
+from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
+from meshnode.wire.mesh_refusal import MeshRefusal
+from meshnode.wire.pb import mesh
 
 log = logging.getLogger(__name__)
 
-# (peer, relays a new link avoids, timeout) -> (whether it echoed, the link the probe began on).
-ProbeOnLink = Callable[[bytes, Collection[bytes], float], Awaitable[tuple[bool, PeerLink | None]]]
+
+class PeerAccess(Protocol):
+    """The node's links: a link on which gossip completed, the one kept now, and its relays."""
+
+    @property
+    def relay_links(self) -> RelayLinks | None: ...
+
+    async def get_link(self, peer_id: bytes, avoid_relays: Collection[bytes] = ()) -> PeerLink: ...
+
+    def link_to(self, peer_id: bytes) -> PeerLink | None: ...
+
+
+class OtherPaths(Protocol):
+    def reachable_otherwise(self, link: PeerLink) -> bool:
+        """Whether a peer silent on ``link`` may still answer another way (another relay; its
+        relay, for a direct path to a peer behind NAT)."""
+        ...
 
 
 class Reachability:
-    def __init__(
-        self,
-        probe_on_link: ProbeOnLink,
-        current_link: Callable[[bytes], PeerLink | None],
-        relay_links: Callable[[], RelayLinks | None],
-        reachable_otherwise: Callable[[PeerLink], bool] = lambda link: link.relay_id is not None,
-    ) -> None:
-        self._probe_on_link = probe_on_link
-        self._current_link = current_link
-        self._relay_links = relay_links
-        # Whether a peer silent on a link may still answer another way (another relay; its relay,
-        # for a direct path to a peer behind NAT).
-        self._reachable_otherwise = reachable_otherwise
+    def __init__(self, peers: PeerAccess, other_paths: OtherPaths) -> None:
+        self._peers = peers
+        self._other_paths = other_paths
+
+    async def probe_on_link(
+        self, peer_id: bytes, avoid_relays: Collection[bytes], timeout: float
+    ) -> tuple[bool, PeerLink | None]:
+        """Whether the peer echoed a PROBE within ``timeout``, and the link the probe began on.
+
+        That is the link kept when the probe started, else the one it dialed (``None``: none).
+        A new link does not go through ``avoid_relays``.
+        """
+        nonce = os.urandom(16)
+        link = self._peers.link_to(peer_id)
+        try:
+            async with asyncio.timeout(timeout):
+                used = await self._peers.get_link(peer_id, avoid_relays)
+                link = link or used
+                probe = mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
+                data = await request_reply(used, StreamType.PROBE, probe, timeout=None)
+        except PEER_FAILURES:
+            return False, link
+        if data is None:
+            return False, link
+        try:
+            return decode(mesh.Probe, data).nonce == nonce, link
+        except MeshRefusal:
+            return False, link
 
     async def reachable(self, peer_id: bytes, timeout: float) -> bool:
         """Whether the peer answers a probe of ``timeout`` seconds, or its second chances."""
@@ -56,9 +97,9 @@ class Reachability:
             return True
         again = reprobe_after(
             unanswered,
-            self._current_link(peer_id),
+            self._peers.link_to(peer_id),
             began_at,
-            reachable_otherwise=unanswered is not None and self._reachable_otherwise(unanswered),
+            reachable_otherwise=unanswered is not None and self._other_paths.reachable_otherwise(unanswered),
         )
         if again is None:
             wait = retry_refused_in(began_at, began_at, clock(), timeout)
@@ -90,7 +131,7 @@ class Reachability:
     ) -> tuple[bool, PeerLink | None]:
         """A probe, counted as answered when the peer sent on the probed link while it waited."""
         began_at = asyncio.get_running_loop().time()
-        answered, link = await self._probe_on_link(peer_id, avoid_relays, timeout)
+        answered, link = await self.probe_on_link(peer_id, avoid_relays, timeout)
         if not answered and heard_during_probe(link, began_at):
             assert link is not None
             log.info(
@@ -102,7 +143,7 @@ class Reachability:
         return answered, link
 
     async def _relay_registered_again(self, relay_id: bytes | None, timeout: float) -> bool:
-        relay_links = self._relay_links()
+        relay_links = self._peers.relay_links
         if relay_id is None or relay_links is None:
             return False
         return await relay_links.confirm_relay(relay_id, timeout) is RelayCheck.REGISTERED_AGAIN
@@ -130,4 +171,4 @@ class Reachability:
             await asyncio.sleep(wait)
 
 
-__all__ = ["ProbeOnLink", "Reachability"]
+__all__ = ["OtherPaths", "PeerAccess", "Reachability"]

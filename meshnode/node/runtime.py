@@ -10,7 +10,9 @@ incarnation is checked. The link kept per peer and how a peer is dialed are
 report and its socket are :mod:`meshnode.node.status_report` and
 :mod:`meshnode.node.status_server`; revocations, renewals and this node's own
 removal are :mod:`meshnode.node.membership_keeper`'s (``node.removal`` is set,
-with ``node.removal_reason``, once this node is out of the mesh).
+with ``node.removal_reason``, once this node is out of the mesh), which tells the node
+which revocations to spread; whether a peer still answers is
+:mod:`meshnode.node.reachability`'s.
 
 What later layers use:
 
@@ -22,6 +24,8 @@ What later layers use:
   reachable, see :mod:`meshnode.relaylink`).
 * ``node.set_serving(...)`` / ``set_capacity`` / ``set_load`` — what this node
   announces; ``node.peers()`` — the peer table.
+* ``node.set_api_url(url)``, ``node.add_status_section(name, provider)`` /
+  ``remove_status_section(name)`` — what ``meshnode status`` shows besides the mesh.
 * ``await node.shutdown()`` — PeerLeaving to every peer, then close.
 """
 
@@ -30,20 +34,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from meshnode import __version__
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.relay_list import merge_relays
-from meshnode.membership.store import MAX_KNOWN_PEERS, DataDir, MembershipState
+from meshnode.membership.revocation import Revoked
+from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.credential_gate import REVOCATION_CODES
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
-from meshnode.mesh.known_peers import peers_to_remember
 from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable
 from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
@@ -63,8 +68,10 @@ from meshnode.mesh.validation import (
     validate_probe,
     validate_route_request,
 )
+from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.config import DEFAULT_LISTEN, DEFAULT_PORT, JoinError, NodeConfig
 from meshnode.node.membership_keeper import MembershipKeeper, load_revocations
+from meshnode.node.peer_failures import PEER_FAILURES
 from meshnode.node.reachability import Reachability
 from meshnode.node.status_report import StatusReport, node_status
 from meshnode.node.status_server import StatusServer
@@ -75,8 +82,8 @@ from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.local_addresses import default_advertised
-from meshnode.transport.quic import DialError, QuicEndpoint
-from meshnode.transport.request_reply import REQUEST_FAILURES, request_reply
+from meshnode.transport.quic import QuicEndpoint
+from meshnode.transport.request_reply import request_reply
 from meshnode.traversal.direct_paths import DirectPaths
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION, StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, in_words
@@ -85,11 +92,8 @@ from meshnode.wire.pb import mesh
 log = logging.getLogger(__name__)
 
 _LINK_ATTEMPTS = 3
-
-# How any conversation with a peer can fail: reaching it (DialError, PeerUnreachable), the
-# exchange (request_reply's failures, the peer's RemoteRefusal among them), or an answer this
-# node refuses (MeshRefusal). A RemoteRefusal is caught before these where it is told apart.
-PEER_FAILURES: tuple[type[Exception], ...] = (DialError, PeerUnreachable, MeshRefusal, *REQUEST_FAILURES)
+# How long the last frame to a removed peer may take before its link is closed anyway.
+_FAREWELL_TIMEOUT_S = 2.0
 
 
 def _exchanged_ok(done: asyncio.Future[None] | None) -> bool:
@@ -173,28 +177,17 @@ class Node:
         self._probing: set[bytes] = set()
         self._heartbeating: set[bytes] = set()
         self._beats = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background = BackgroundTasks()
         self._status_server: StatusServer | None = None
         # Named sections `meshnode status` shows besides the mesh view (added by what runs on the node).
-        self.status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
+        self._status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._stopped = False
-        # Where this node's OpenAI-compatible API listens (set by the head), for `meshnode generate`.
-        self.api_url: str | None = None
-        self.keeper = MembershipKeeper(
-            self.state,
-            data_dir,
-            spawn=self._spawn,
-            link_to=self._links.get,
-            exchange=self._exchange,
-            gossip_with_all=self._gossip_with_all,
-            save_membership=self._save_membership,
-            relay_links=lambda: self.relay_links,
-        )
+        # Where this node's OpenAI-compatible API listens (told by the head), for `meshnode generate`.
+        self._api_url: str | None = None
+        self.keeper = MembershipKeeper(self.state, data_dir, self._known_peers)
         # Set once this node is out of the mesh (removed, or its certificate expired); see keeper.
         self.removal = self.keeper.removal
-        self._reachability = Reachability(
-            self._probe_on_link, self._links.get, lambda: self.relay_links, self.traversal.reachable_otherwise
-        )
+        self._reachability = Reachability(self, self.traversal)
 
     # -- identity and announcement -------------------------------------------------
 
@@ -241,9 +234,30 @@ class Node:
 
     @property
     def background_tasks(self) -> frozenset[asyncio.Task[Any]]:
-        """What runs on its own until shutdown: the heartbeat loop and the heartbeats, probes and
+        """What runs on its own until shutdown: the heartbeat timer and the heartbeats, probes and
         reconnects it started."""
-        return frozenset(self._tasks)
+        return self._background.running
+
+    # -- what `meshnode status` shows besides the mesh ------------------------------------
+
+    @property
+    def api_url(self) -> str | None:
+        """Where this node's OpenAI-compatible API listens, once a head serves one here."""
+        return self._api_url
+
+    def set_api_url(self, url: str) -> None:
+        self._api_url = url
+
+    @property
+    def status_sections(self) -> Mapping[str, Callable[[], dict[str, Any]]]:
+        return MappingProxyType(self._status_sections)
+
+    def add_status_section(self, name: str, provider: Callable[[], dict[str, Any]]) -> None:
+        """Show ``provider()`` as the status report's section ``name`` (replacing one so named)."""
+        self._status_sections[name] = provider
+
+    def remove_status_section(self, name: str) -> None:
+        self._status_sections.pop(name, None)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -266,14 +280,12 @@ class Node:
             shortcuts=self.traversal,
         )
         self.traversal.start(self.endpoint, self)
-        self._status_server = StatusServer(
-            self.data_dir.control_socket, self.status, control=self.keeper.control
-        )
+        self._status_server = StatusServer(self.data_dir.control_socket, self.status, control=self._control)
         await self._status_server.start()
         self.state.start_heartbeat(time.monotonic_ns())
         # A background task, so that cancelling them (shutdown, a test's crash) stops the heartbeat.
-        self._spawn(run_timer(self.state.get_timer, self._mesh_timer))
-        self.keeper.after_gossip()  # a node whose data directory holds its own removal stops here
+        self._background.spawn(run_timer(self.state.get_timer, self._mesh_timer))
+        self._after_gossip()  # a node whose data directory holds its own removal stops here
         log.info(
             "node %s listening on %s (QUIC %s), advertising %s; mesh %s",
             self.identity.short_id,
@@ -303,7 +315,7 @@ class Node:
         membership = self.state.membership
         if membership is not None and merged.changes:
             membership.relays = merged.relays
-            self._save_membership()
+            self.keeper.save_membership()
         # Always present: a node with no relays of its own still reaches NATed peers through the
         # relays they announce (registered on first use, see PeerDialer.dial_peer).
         self.relay_links = RelayLinks(
@@ -312,7 +324,7 @@ class Node:
             mesh_id=self.mesh_id,
             proof_for=self.state.our_proof,
             revocations=self.state.revocations.signed,
-            on_revocation=self.keeper.relayed_revocation,
+            on_revocation=self._revocation_from_relay,
             node_endpoint=self.endpoint,
             on_observed=self.traversal.observed_changed,
         )
@@ -350,7 +362,7 @@ class Node:
                 reasons.append(f"{endpoint}: {exc or type(exc).__name__}")
                 continue
             if self.state.is_member:
-                self._save_membership()
+                self.keeper.save_membership()
                 log.info("joined mesh %s via %s", self.mesh_id, short_id(endpoint.id))
                 return
         if refused or not reasons:
@@ -362,7 +374,9 @@ class Node:
 
         Gossip names the rest, and the dials to the others go on: one that stopped for good (the
         stored peers keep those) must not hold the node's start for its dial timeout."""
-        dials = [self._spawn(self._bootstrap_one(e)) for e in self._known_peers if e.id != self.node_id]
+        dials = [
+            self._background.spawn(self._bootstrap_one(e)) for e in self._known_peers if e.id != self.node_id
+        ]
         for dial in asyncio.as_completed(dials):
             with contextlib.suppress(Exception):  # logged as the background task it is
                 if await dial:
@@ -380,14 +394,12 @@ class Node:
         if self._stopped:
             return
         self._stopped = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.stop()
         links = self._links.live()
         if links:
             await asyncio.gather(*(self._send_leaving(link) for link in links), return_exceptions=True)
         if self.state.is_member:
-            self._save_membership()
+            self.keeper.save_membership()
         await self.dispatcher.aclose()
         if self._status_server is not None:
             self._status_server.close()
@@ -471,16 +483,15 @@ class Node:
         except Exception as exc:
             done.set_exception(exc)
             done.exception()  # retrieved: callers see `exc` re-raised below
+            self._after_gossip()
             if isinstance(exc, RemoteRefusal):
                 self.keeper.remote_refused(exc)
-            else:
-                self.keeper.after_gossip()
             raise
         done.set_result(None)
-        self.keeper.after_gossip()
+        self._after_gossip()
         if outcome.renewed:
             log.info("membership certificate renewed by %s", short_id(link.peer_id))
-            self._save_membership()
+            self.keeper.save_membership()
         if outcome.joined and not was_member:
             log.info(
                 "admitted to mesh %s by %s; stored membership certificate",
@@ -506,10 +517,10 @@ class Node:
                 short_id(peer_id),
                 in_words(refusal.code, refusal.detail),
             )
-            self.keeper.after_gossip()
+            self._after_gossip()
             await stream.send_frame(self.state.refusal_frame(refusal).SerializeToString())
             return
-        self.keeper.after_gossip()
+        self._after_gossip()
         if outcome.invite_id:
             self.keeper.invite_used(outcome.invite_id, peer_id)
         if outcome.newly_admitted:
@@ -522,6 +533,40 @@ class Node:
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             self._exchanged[link] = done
+
+    def _after_gossip(self) -> None:
+        """Spread what the keeper took from the state (a gossip exchange's, a relay's or the control
+        socket's revocations): to every relay and every peer at once, and one last frame to a
+        removed peer, which carries the revocation that names it, before its link is closed."""
+        learned = self.keeper.after_gossip()
+        if not learned:
+            return
+        if self.relay_links is not None:
+            self.relay_links.publish_revocations([revoked.signed for revoked in learned])
+        for revoked in learned:
+            if revoked.kind == "node" and revoked.target != self.node_id:
+                link = self._links.get(revoked.target)
+                if link is not None:
+                    self._background.spawn(self._farewell(link, revoked))
+        self._gossip_with_all()
+
+    async def _farewell(self, link: PeerLink, revoked: Revoked) -> None:
+        try:
+            async with asyncio.timeout(_FAREWELL_TIMEOUT_S):
+                await self._exchange(link)
+        except Exception as exc:  # its refusal, or its silence, changes nothing now
+            log.debug("last frame to removed %s: %s", short_id(revoked.target), exc or type(exc).__name__)
+        link.close(f"removed: {revoked.describe()}")
+
+    def _revocation_from_relay(self, revocation: membership.Revocation) -> None:
+        self.keeper.relayed_revocation(revocation)
+        self._after_gossip()
+
+    def _control(self, request: str) -> dict[str, Any]:
+        """The control socket's requests (the keeper's); a revocation it accepted spreads at once."""
+        answer = self.keeper.control(request)
+        self._after_gossip()
+        return answer
 
     def _log_merge(self, report: MergeReport, source: bytes) -> None:
         for drop in report.dropped:  # counted in state.record_drops
@@ -555,14 +600,14 @@ class Node:
         if not len(self.state.table) and self.state.is_member:
             for endpoint in self._known_peers:
                 if endpoint.id != self.node_id and endpoint.id not in self._heartbeating:
-                    self._spawn(self._bootstrap_one(endpoint))
+                    self._background.spawn(self._bootstrap_one(endpoint))
         if beats % 10 == 0 and self.state.is_member:
-            self._save_membership()
+            self.keeper.save_membership()
 
     def _gossip_with_all(self) -> None:
         for peer_id in self.state.table.peer_ids():
             if peer_id not in self._heartbeating:
-                self._spawn(self._heartbeat_peer(peer_id))
+                self._background.spawn(self._heartbeat_peer(peer_id))
 
     async def _heartbeat_peer(self, peer_id: bytes) -> None:
         self._heartbeating.add(peer_id)
@@ -594,7 +639,7 @@ class Node:
         if peer_id in self._probing or peer_id not in self.state.table:
             return
         self._probing.add(peer_id)
-        self._spawn(self._confirm_down(peer_id, reporter))
+        self._background.spawn(self._confirm_down(peer_id, reporter))
 
     async def _confirm_down(self, peer_id: bytes, reporter: bytes | None) -> None:
         try:
@@ -620,32 +665,9 @@ class Node:
 
         A new link does not go through ``avoid_relays``.
         """
-        answered, _link = await self._probe_on_link(peer_id, avoid_relays, timeout)
+        wait = self.config.probe_timeout if timeout is None else timeout
+        answered, _link = await self._reachability.probe_on_link(peer_id, avoid_relays, wait)
         return answered
-
-    async def _probe_on_link(
-        self, peer_id: bytes, avoid_relays: Collection[bytes], timeout: float | None
-    ) -> tuple[bool, PeerLink | None]:
-        """Whether the peer echoed a PROBE in time, and the link the probe began on.
-
-        That is the link kept when the probe started, else the one it dialed (``None``: none).
-        """
-        nonce = os.urandom(16)
-        link = self._links.get(peer_id)
-        try:
-            async with asyncio.timeout(self.config.probe_timeout if timeout is None else timeout):
-                used = await self.get_link(peer_id, avoid_relays)
-                link = link or used
-                probe = mesh.Probe(gen=NODE_PROTOCOL_GENERATION, nonce=nonce).SerializeToString()
-                data = await request_reply(used, StreamType.PROBE, probe, timeout=None)
-        except PEER_FAILURES:
-            return False, link
-        if data is None:
-            return False, link
-        try:
-            return decode(mesh.Probe, data).nonce == nonce, link
-        except MeshRefusal:
-            return False, link
 
     async def _serve_probe(self, stream: FramedStream) -> None:
         probe = await receive_message(stream, mesh.Probe, self.config.probe_timeout)
@@ -708,27 +730,6 @@ class Node:
 
     # -- persistence and status ---------------------------------------------------------
 
-    def _save_membership(self) -> None:
-        membership = self.state.membership
-        if membership is None:
-            return
-        membership.known_peers = peers_to_remember(
-            self.state.table,
-            [*membership.known_peers, *self._known_peers],
-            revocations=self.state.revocations,
-            limit=MAX_KNOWN_PEERS,
-        )
-        try:
-            # A member promoted to admin writes the mesh key it was granted as well.
-            if self.data_dir.has_membership() and (
-                membership.mesh_key is None or self.data_dir.has_mesh_key()
-            ):
-                self.data_dir.save_peers(membership)
-            else:
-                self.data_dir.save_membership(membership)
-        except OSError as exc:
-            log.warning("could not save membership state: %s", exc)
-
     def revoked_refusals(self) -> dict[str, int]:
         """Refusals of revoked or expired credentials, by code name (gossip frames and streams)."""
         counts = dict.fromkeys(sorted(mesh.MeshErrorCode.Name(c) for c in REVOCATION_CODES), 0)
@@ -740,17 +741,6 @@ class Node:
     def status(self) -> StatusReport:
         """What ``meshnode status`` shows; its ``to_json()`` is what the status socket serves."""
         return node_status(self)
-
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task failed", exc_info=task.exception())
 
 
 __all__ = [
