@@ -48,7 +48,7 @@ class ArtifactError(Exception):
 class ArtifactRefusal(ArtifactError):
     """A request refused with a code: raised by the server's checks, sent as an ``ArtifactRefusal``."""
 
-    def __init__(self, code: int, detail: str = "") -> None:
+    def __init__(self, code: pb.ArtifactErrorCode, detail: str = "") -> None:
         self.code = code
         self.detail = detail
         super().__init__(f"{pb.ArtifactErrorCode.Name(code)}: {detail}" if detail else self.code_name)
@@ -153,10 +153,6 @@ def _check_root(root: bytes) -> None:
 # ----------------------------------------------------------------------------------- replies
 
 
-def _reply(**kind: object) -> bytes:
-    return pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION, **kind).SerializeToString()  # type: ignore[arg-type]
-
-
 def encode_manifest_reply(manifest: ModelManifest, metadata_nbytes: int, held: frozenset[int]) -> bytes:
     tensors = [
         pb.ArtifactTensor(
@@ -175,19 +171,22 @@ def encode_manifest_reply(manifest: ModelManifest, metadata_nbytes: int, held: f
         tensors=tensors,
         held=sorted(held),
     )
-    return _reply(manifest=reply)
+    return pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION, manifest=reply).SerializeToString()
 
 
 def encode_chunk(offset: int, data: bytes) -> bytes:
-    return _reply(chunk=pb.ArtifactChunk(offset=offset, data=data))
+    chunk = pb.ArtifactChunk(offset=offset, data=data)
+    return pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION, chunk=chunk).SerializeToString()
 
 
 def encode_end(sent: int) -> bytes:
-    return _reply(end=pb.ArtifactEnd(sent=sent))
+    end = pb.ArtifactEnd(sent=sent)
+    return pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION, end=end).SerializeToString()
 
 
 def encode_refusal(refusal: ArtifactRefusal) -> bytes:
-    return _reply(refusal=pb.ArtifactRefusal(code=refusal.code, detail=refusal.detail))  # type: ignore[arg-type]
+    sent = pb.ArtifactRefusal(code=refusal.code, detail=refusal.detail)
+    return pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION, refusal=sent).SerializeToString()
 
 
 def parse_reply(body: bytes) -> pb.ArtifactReply:

@@ -95,7 +95,7 @@ class ClientConfig:
     # Limits this sender can honour; None: meshnode.wire.flow_control.default_flow_control().
     proposed_flow_control: shard.FlowControl | None = None
     # Compressions this sender decodes (NONE is always included).
-    accepted_compression: tuple[int, ...] = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
+    accepted_compression: tuple[shard.Compression, ...] = (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD)
     # Streams a unit may be sent on before a transport failure fails it.
     max_attempts: int = 3
     # Failed units remembered for retry(), newest kept.

@@ -32,7 +32,7 @@ def _open(
     address: SessionAddress,
     shard_range: shard.ShardRange,
     proposed: shard.FlowControl,
-    compressions: Sequence[int],
+    compressions: Sequence[shard.Compression],
     *,
     answer_stream: bool,
 ) -> bytes:
@@ -43,14 +43,14 @@ def _open(
         fingerprint=address.fingerprint,
         shard_range=shard_range,
         proposed_flow_control=proposed,
-        accepted_compression=list(compressions),  # type: ignore[arg-type]
+        accepted_compression=list(compressions),
         answer_stream=answer_stream,
     )
     return shard.SessionRequest(open=open_).SerializeToString()
 
 
 def work_stream_opening(
-    address: SessionAddress, proposed: shard.FlowControl, compressions: Sequence[int]
+    address: SessionAddress, proposed: shard.FlowControl, compressions: Sequence[shard.Compression]
 ) -> list[bytes]:
     """Bodies of a work stream's first two frames: the SessionRoute, then SessionOpen."""
     opening = _open(address, address.shard_range, proposed, compressions, answer_stream=False)
@@ -61,7 +61,7 @@ def answer_stream_opening(
     address: SessionAddress,
     tail_range: shard.ShardRange,
     proposed: shard.FlowControl,
-    compressions: Sequence[int],
+    compressions: Sequence[shard.Compression],
 ) -> list[bytes]:
     """Bodies of the answer stream's first two frames to the route's tail (``tail_range``): an
     empty route, then a SessionOpen that asks for the session's direct answers."""

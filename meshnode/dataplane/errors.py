@@ -15,7 +15,7 @@ ENGINE_FAILURE_DETAIL = "the engine failed while executing this unit"
 MALFORMED_RESULT_DETAIL = "the engine produced a malformed result"
 
 # EngineErrorKind -> (ErrorCode, retryable, fixed detail).
-ENGINE_ERROR_TABLE: dict[EngineErrorKind, tuple[int, bool, str]] = {
+ENGINE_ERROR_TABLE: dict[EngineErrorKind, tuple[shard.ErrorCode, bool, str]] = {
     EngineErrorKind.CACHE_MISS: (
         shard.ERROR_CODE_CACHE_MISS,
         False,
@@ -46,7 +46,7 @@ ENGINE_ERROR_TABLE: dict[EngineErrorKind, tuple[int, bool, str]] = {
 
 
 def refusal(
-    code: int, detail: str, *, retryable: bool = False, actual_past_len: int = 0
+    code: shard.ErrorCode, detail: str, *, retryable: bool = False, actual_past_len: int = 0
 ) -> ShardProtocolError:
     return ShardProtocolError(detail, code=code, retryable=retryable, actual_past_len=actual_past_len)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -191,7 +192,11 @@ _TOKEN_BUNDLES_KEPT = 4096
 
 
 def encode_hidden(hidden: np.ndarray, dtype: int, compression: int) -> shard.NamedTensor:
-    return encode_float_tensor(HIDDEN_STATES, hidden, dtype, compression=compression)
+    # The worker keeps a route's dtype and compression as plain ints (proto3 enums are open: any
+    # int is a value); the encoder takes them typed as the protobuf stubs type the fields.
+    return encode_float_tensor(
+        HIDDEN_STATES, hidden, cast(shard.DType, dtype), compression=cast(shard.Compression, compression)
+    )
 
 
 def encode_tokens(token_ids: np.ndarray | list[int] | tuple[int, ...]) -> shard.NamedTensor:

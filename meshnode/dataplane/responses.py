@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
@@ -91,13 +93,15 @@ def accepted(
     compressions: tuple[int, ...],
     fingerprint: shard.Fingerprint,
 ) -> shard.SessionResponse:
+    # The worker keeps the schema version and its compressions as plain ints (proto3 enums are
+    # open: any int is a value); the protobuf stubs type enum fields as the enum class.
     return shard.SessionResponse(
         accepted=shard.SessionAccepted(
-            schema_version=schema_version,  # type: ignore[arg-type]
+            schema_version=cast(shard.SchemaVersion, schema_version),
             route_session_id=session_id,
             route_epoch=epoch,
             flow_control=flow,
-            accepted_compression=list(compressions),  # type: ignore[arg-type]
+            accepted_compression=cast(list[shard.Compression], list(compressions)),
             fingerprint=fingerprint,
         )
     )

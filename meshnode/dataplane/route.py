@@ -42,8 +42,8 @@ def make_route(
     downstream: tuple[dataplane.RouteHop, ...] | list[dataplane.RouteHop] = (),
     *,
     sampling: SamplingParams = GREEDY,
-    boundary_dtype: int = shard.DTYPE_FLOAT32,
-    compression: int = shard.COMPRESSION_NONE,
+    boundary_dtype: shard.DType = shard.DTYPE_FLOAT32,
+    compression: shard.Compression = shard.COMPRESSION_NONE,
     return_logits: bool = False,
     pipeline_stages: int = 0,
 ) -> dataplane.SessionRoute:
@@ -51,8 +51,8 @@ def make_route(
         gen=NODE_PROTOCOL_GENERATION,
         downstream=list(downstream),
         sampling=sampling_to_pb(sampling),
-        boundary_dtype=boundary_dtype,  # type: ignore[arg-type]
-        compression=compression,  # type: ignore[arg-type]
+        boundary_dtype=boundary_dtype,
+        compression=compression,
         return_logits=return_logits,
         pipeline_stages=pipeline_stages,
     )

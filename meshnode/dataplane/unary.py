@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from google.protobuf.message import DecodeError, Message
@@ -108,7 +109,8 @@ def capability_report(
         max_concurrent_sessions=worker.max_sessions,
         max_context_tokens=caps.max_context_tokens,
         flow_control=worker.local_flow_control,
-        accepted_compression=list(worker.accepted_compression),  # type: ignore[arg-type]
+        # The worker keeps its compressions as plain ints; the protobuf stubs type the field as the enum.
+        accepted_compression=cast(list[shard.Compression], list(worker.accepted_compression)),
         supported_schema_versions=list(SUPPORTED_SCHEMA_VERSIONS),
         validated_at_unix_nanos=validation.validated_at_unix_nanos if validated and validation else 0,
     )
@@ -117,10 +119,15 @@ def capability_report(
 def health_report(worker: ShardWorker, engine_health: EngineHealth) -> shard.HealthReport:
     """Serving state and load from the worker's counts and the engine's own health."""
     load = worker.load()
-    state = worker.serving_state if engine_health.loaded else shard.SERVING_STATE_NOT_SERVING
+    # The worker keeps its serving state as a plain int; the protobuf stubs type the field as the enum.
+    state = (
+        cast(shard.ServingState, worker.serving_state)
+        if engine_health.loaded
+        else shard.SERVING_STATE_NOT_SERVING
+    )
     return shard.HealthReport(
         schema_version=max(SUPPORTED_SCHEMA_VERSIONS),
-        state=state,  # type: ignore[arg-type]
+        state=state,
         active_sessions=load.active_sessions,
         queued_chunks=load.queued_units,
         batch_occupancy=load.running_units,

@@ -65,7 +65,7 @@ def system_fingerprint(route: Route, boundary_dtype: int = shard.DTYPE_FLOAT32) 
     numerics runs. Equal for any split of one configuration over a float32 boundary."""
     material: dict[str, object] = {
         "model": [route.model.model_artifact_digest, route.model.runtime_recipe_digest],
-        "boundary": shard.DType.Name(boundary_dtype),  # type: ignore[arg-type]
+        "boundary": shard.DType.Name(boundary_dtype),
         "numerics": [[run.start_layer, run.end_layer, run.numerics] for run in numerics_runs(route.hops)],
     }
     if boundary_dtype != shard.DTYPE_FLOAT32:

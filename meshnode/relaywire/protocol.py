@@ -11,6 +11,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.gen.meshnode.v1 import mesh_pb2 as mesh
 from meshnode.gen.meshnode.v1 import relay_pb2 as relay
 from meshnode.identity import NODE_ID_BYTES, SIGNATURE_BYTES, NodeIdentity
 from meshnode.membership.credentials import MAX_TOKEN_CHARS
@@ -75,10 +76,10 @@ class RelayRefused(MeshnodeError):
 
     def __init__(
         self,
-        code: int,
+        code: relay.RelayErrorCode,
         detail: str = "",
         *,
-        membership_error: int = 0,
+        membership_error: mesh.MeshErrorCode = mesh.MESH_ERROR_UNSPECIFIED,
         revocation: membership.Revocation | None = None,
     ) -> None:
         self.code = code
@@ -96,9 +97,9 @@ class RelayRefused(MeshnodeError):
 
     def to_pb(self) -> relay.RelayRefusal:
         refusal = relay.RelayRefusal(
-            code=self.code,  # type: ignore[arg-type]
+            code=self.code,
             detail=self.detail,
-            membership_error=self.membership_error,  # type: ignore[arg-type]
+            membership_error=self.membership_error,
         )
         if self.revocation is not None:
             refusal.revocation.CopyFrom(self.revocation)

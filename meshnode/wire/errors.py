@@ -67,14 +67,14 @@ class ShardProtocolError(MeshnodeError):
     ``detail`` must be safe to send to a peer: no paths, no exception text.
     """
 
-    code: int = shard.ERROR_CODE_INTERNAL
+    code: shard.ErrorCode = shard.ERROR_CODE_INTERNAL
     retryable: bool = False
 
     def __init__(
         self,
         detail: str,
         *,
-        code: int | None = None,
+        code: shard.ErrorCode | None = None,
         retryable: bool | None = None,
         actual_past_len: int = 0,
     ) -> None:
@@ -92,7 +92,7 @@ class ShardProtocolError(MeshnodeError):
 
     def to_pb(self) -> shard.ShardError:
         return shard.ShardError(
-            code=self.code,  # type: ignore[arg-type]
+            code=self.code,
             detail=self.detail,
             retryable=self.retryable,
             actual_past_len=self.actual_past_len,

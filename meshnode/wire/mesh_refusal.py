@@ -13,6 +13,8 @@ below all of them, it lets each depend downward only.
 
 from __future__ import annotations
 
+from typing import cast
+
 from meshnode.wire.errors import MeshnodeError
 from meshnode.wire.pb import mesh
 
@@ -22,7 +24,7 @@ MESH_ERROR_BASE = 0x100
 
 
 class MeshRefusal(MeshnodeError):
-    def __init__(self, code: int, detail: str = "") -> None:
+    def __init__(self, code: mesh.MeshErrorCode, detail: str = "") -> None:
         self.code = code
         self.detail = detail or reason_text(code)
         super().__init__(f"{code_name(code)}: {self.detail}")
@@ -32,7 +34,7 @@ class MeshRefusal(MeshnodeError):
         return code_name(self.code)
 
     def to_pb(self) -> mesh.Refusal:
-        return mesh.Refusal(code=self.code, detail=self.detail)  # type: ignore[arg-type]
+        return mesh.Refusal(code=self.code, detail=self.detail)
 
     @classmethod
     def from_pb(cls, refusal: mesh.Refusal) -> MeshRefusal:
@@ -47,7 +49,7 @@ class RemoteRefusal(MeshRefusal):
     """The peer refused us (a ``Refusal`` reply or a mesh reset code)."""
 
 
-_REASONS = {
+_REASONS: dict[int, str] = {
     mesh.MESH_ERROR_MALFORMED: "malformed",
     mesh.MESH_ERROR_BAD_GENERATION: "bad protocol generation",
     mesh.MESH_ERROR_SENDER_MISMATCH: "sender is not the authenticated peer",
@@ -86,7 +88,7 @@ def in_words(code: int, detail: str = "") -> str:
 
 
 def reason_text(code: int) -> str:
-    return _REASONS.get(code, "refused")  # type: ignore[call-overload]
+    return _REASONS.get(code, "refused")
 
 
 def reset_code(code: int) -> int:
@@ -98,7 +100,7 @@ def refusal_from_reset_code(error_code: int) -> RemoteRefusal | None:
     code = error_code - MESH_ERROR_BASE
     if code <= 0 or code not in mesh.MeshErrorCode.values():
         return None
-    return RemoteRefusal(code)
+    return RemoteRefusal(cast(mesh.MeshErrorCode, code))  # one of the enum's values: checked above
 
 
 __all__ = [

@@ -20,7 +20,7 @@ bit patterns; :func:`float32_to_bfloat16_bits` converts with round-to-nearest-ev
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,10 +108,10 @@ def crc32c_checksum(data: Buffer) -> shard.Checksum:
 
 def encode_tensor(
     name: str,
-    dtype: int,
+    dtype: shard.DType,
     array: np.ndarray,
     *,
-    compression: int = shard.COMPRESSION_NONE,
+    compression: shard.Compression = shard.COMPRESSION_NONE,
     max_fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
 ) -> shard.NamedTensor:
     """Encode ``array`` (already in ``dtype``'s wire representation)."""
@@ -132,10 +132,10 @@ def encode_tensor(
     tensor = shard.NamedTensor(
         name=name,
         shape=list(array.shape),
-        dtype=dtype,  # type: ignore[arg-type]
+        dtype=dtype,
         byte_order=shard.BYTE_ORDER_LITTLE_ENDIAN,
         total_bytes=len(raw),
-        compression=compression,  # type: ignore[arg-type]
+        compression=compression,
         checksum=crc32c_checksum(raw),
     )
     count = max(1, -(-len(wire) // max_fragment_bytes))
@@ -157,9 +157,9 @@ def encode_tensor(
 def encode_float_tensor(
     name: str,
     values: np.ndarray,
-    dtype: int,
+    dtype: shard.DType,
     *,
-    compression: int = shard.COMPRESSION_NONE,
+    compression: shard.Compression = shard.COMPRESSION_NONE,
     max_fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
 ) -> shard.NamedTensor:
     """Encode float32 activations at a route's boundary dtype (float32, bfloat16 or float16)."""
@@ -190,9 +190,10 @@ def _as_signed32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _enum_name(enum: object, value: int) -> str:
+def _enum_name(name_of: Callable[[int], str], value: int) -> str:
+    """``name_of(value)`` (a generated enum's ``Name``), or the number for a value it lacks."""
     try:
-        return enum.Name(_as_signed32(value))  # type: ignore[attr-defined]
+        return name_of(_as_signed32(value))
     except ValueError:
         return str(_as_signed32(value))
 
@@ -203,14 +204,14 @@ def _check_header(parts: TensorParts, limits: DecodeLimits) -> np.dtype:
     name = parts.name
     np_dtype = NUMPY_DTYPES.get(parts.dtype)
     if np_dtype is None:
-        raise PayloadCorrupt(f"tensor {name!r}: dtype {_enum_name(shard.DType, parts.dtype)} refused")
+        raise PayloadCorrupt(f"tensor {name!r}: dtype {_enum_name(shard.DType.Name, parts.dtype)} refused")
     if parts.byte_order != shard.BYTE_ORDER_LITTLE_ENDIAN:
         raise PayloadCorrupt(
-            f"tensor {name!r}: byte order {_enum_name(shard.ByteOrder, parts.byte_order)} refused"
+            f"tensor {name!r}: byte order {_enum_name(shard.ByteOrder.Name, parts.byte_order)} refused"
         )
     if parts.compression not in (shard.COMPRESSION_NONE, shard.COMPRESSION_ZSTD):
         raise PayloadCorrupt(
-            f"tensor {name!r}: compression {_enum_name(shard.Compression, parts.compression)} refused"
+            f"tensor {name!r}: compression {_enum_name(shard.Compression.Name, parts.compression)} refused"
         )
     _check_rank(parts, limits)
     elements = 1
@@ -227,7 +228,7 @@ def _check_header(parts: TensorParts, limits: DecodeLimits) -> np.dtype:
             raise PayloadCorrupt(f"tensor {name!r}: CRC32C value must be 4 bytes")
     elif parts.checksum_algorithm != shard.CHECKSUM_ALGORITHM_NONE or limits.require_checksum:
         raise PayloadCorrupt(
-            f"tensor {name!r}: checksum {_enum_name(shard.ChecksumAlgorithm, parts.checksum_algorithm)} refused"
+            f"tensor {name!r}: checksum {_enum_name(shard.ChecksumAlgorithm.Name, parts.checksum_algorithm)} refused"
         )
     return np_dtype
 
