@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 from engines.interface import CancelToken, EngineHealth, SessionKey, ShardEngine
 from meshnode.dataplane import errors
@@ -220,11 +221,13 @@ class ShardServer:
         """What the node gossips about this worker's load."""
         load = self.worker.load()
         health = await self.engine_health()
+        # The worker keeps its serving state as a plain int; the protobuf stubs type the field as the enum.
+        serving_state = cast(shard.ServingState, load.serving_state)
         return mesh.Load(
             active_sessions=load.active_sessions,
             queued_chunks=load.queued_units,
             kv_pressure=health.kv_pressure,
-            serving_state=load.serving_state if health.loaded else shard.SERVING_STATE_NOT_SERVING,  # type: ignore[arg-type]
+            serving_state=serving_state if health.loaded else shard.SERVING_STATE_NOT_SERVING,
         )
 
     async def aclose(self) -> None:
@@ -346,30 +349,30 @@ class ShardServer:
 
     def _apply(self, actions: list[Action]) -> None:
         for action in actions:
-            kind = type(action)
-            if kind is Send:
-                response = action.response  # type: ignore[union-attr]
-                if response.WhichOneof("kind") == "status":
-                    self.errors_sent[response.status.error.code] += 1
-                outbox = self._outboxes.get(action.stream_id)  # type: ignore[union-attr]
-                if outbox is not None:
-                    outbox.send(response)
-            elif kind is RunBatch:
-                self._run_batch(action)  # type: ignore[arg-type]
-            elif kind is FireCancel:
-                action.token.cancel()  # type: ignore[union-attr]
-            elif kind is ReleaseEngine:
-                self.engine_thread.submit(self.engine.release, action.session)  # type: ignore[union-attr]
-            elif kind is CloseStream:
-                outbox = self._outboxes.get(action.stream_id)  # type: ignore[union-attr]
-                if outbox is not None:
-                    outbox.close_after_sending()
-            elif kind is Forward:
-                self._forward(action)  # type: ignore[arg-type]
-            elif kind is CancelDownstream:
-                self._cancel_downstream(action)  # type: ignore[arg-type]
-            elif kind is ReleaseDownstream:
-                self._release_downstream(action.session)  # type: ignore[union-attr]
+            match action:
+                case Send():
+                    response = action.response
+                    if response.WhichOneof("kind") == "status":
+                        self.errors_sent[response.status.error.code] += 1
+                    outbox = self._outboxes.get(action.stream_id)
+                    if outbox is not None:
+                        outbox.send(response)
+                case RunBatch():
+                    self._run_batch(action)
+                case FireCancel():
+                    action.token.cancel()
+                case ReleaseEngine():
+                    self.engine_thread.submit(self.engine.release, action.session)
+                case CloseStream():
+                    outbox = self._outboxes.get(action.stream_id)
+                    if outbox is not None:
+                        outbox.close_after_sending()
+                case Forward():
+                    self._forward(action)
+                case CancelDownstream():
+                    self._cancel_downstream(action)
+                case ReleaseDownstream():
+                    self._release_downstream(action.session)
         self._arm_timer()
 
     def _run_batch(self, action: RunBatch) -> None:

@@ -194,10 +194,13 @@ class PrefillOutput:
 
     @property
     def hidden(self) -> np.ndarray | None:
-        parts = [c.hidden for c in self.chunks]
-        if any(p is None for p in parts):
-            return None
-        return np.concatenate(parts)  # type: ignore[arg-type]
+        parts: list[np.ndarray] = []
+        for chunk in self.chunks:
+            hidden = chunk.hidden
+            if hidden is None:
+                return None
+            parts.append(hidden)
+        return np.concatenate(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,8 +278,8 @@ class ShardSession:
         route: dataplane.SessionRoute | None = None,
         downstream: Sequence[dataplane.RouteHop] = (),
         sampling: SamplingParams = GREEDY,
-        boundary_dtype: int = shard.DTYPE_FLOAT32,
-        compression: int = shard.COMPRESSION_NONE,
+        boundary_dtype: shard.DType = shard.DTYPE_FLOAT32,
+        compression: shard.Compression = shard.COMPRESSION_NONE,
         return_logits: bool = False,
         pipeline_stages: int = 0,
         route_session_id: str | None = None,
@@ -565,25 +568,27 @@ class ShardSession:
 
     def _dispatch(self) -> None:
         for event in self.client.take_events():
-            kind = type(event)
-            if kind is UnitDone:
-                future = self._futures.pop(event.unit_id, None)  # type: ignore[union-attr]
-                if future is not None and not future.done():
-                    future.set_result(StepOutput(event))  # type: ignore[arg-type]
-            elif kind is UnitFailed:
-                future = self._futures.pop(event.unit_id, None)  # type: ignore[union-attr]
-                if future is not None and not future.done():
-                    future.set_exception(event.error)  # type: ignore[union-attr]
-            elif kind is SessionReady:
-                self._failures = 0
-                if not self._ready.done():
-                    self._ready.set_result(None)
-            elif kind is SessionFailed:
-                self.error = event.error  # type: ignore[union-attr]
-                if not self._ready.done():
-                    self._ready.set_exception(event.error)  # type: ignore[union-attr]
-            elif kind is PeerRefusal:
-                log.debug("session %s: the worker refused a signal: %s", self.route_session_id, event.error)  # type: ignore[union-attr]
+            match event:
+                case UnitDone():
+                    future = self._futures.pop(event.unit_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(StepOutput(event))
+                case UnitFailed():
+                    future = self._futures.pop(event.unit_id, None)
+                    if future is not None and not future.done():
+                        future.set_exception(event.error)
+                case SessionReady():
+                    self._failures = 0
+                    if not self._ready.done():
+                        self._ready.set_result(None)
+                case SessionFailed():
+                    self.error = event.error
+                    if not self._ready.done():
+                        self._ready.set_exception(event.error)
+                case PeerRefusal():
+                    log.debug(
+                        "session %s: the worker refused a signal: %s", self.route_session_id, event.error
+                    )
 
     def _abandon(self, error: MeshnodeError) -> None:
         self.client.abandon(error)
