@@ -15,6 +15,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import SupportsIndex, SupportsInt
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -72,6 +73,21 @@ class KeyValue:
     array_type: GGUFValueType | None = None
     array_length: int = 0
 
+    @property
+    def array(self) -> np.ndarray:
+        """A numeric array's values; a ``TypeError`` for a scalar or a string array."""
+        if not isinstance(self.value, np.ndarray):
+            raise TypeError(f"GGUF metadata {self.key!r} is not a numeric array")
+        return self.value
+
+
+def metadata_int(value: object) -> int:
+    """A metadata value as a whole number, read the way ``int()`` reads it: the file decides each
+    value's type (any integer or float width), so a reader asks for the number it needs."""
+    if isinstance(value, SupportsInt | SupportsIndex | str):
+        return int(value)
+    raise TypeError(f"GGUF metadata value {value!r} is not a number")
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -116,10 +132,10 @@ class _Cursor:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def u32(self) -> int:
-        return int(self.unpack("<I"))  # type: ignore[call-overload]
+        return int(struct.unpack("<I", self.take(4))[0])
 
     def u64(self) -> int:
-        return int(self.unpack("<Q"))  # type: ignore[call-overload]
+        return int(struct.unpack("<Q", self.take(8))[0])
 
     def string(self) -> str:
         length = self.u64()
@@ -234,7 +250,9 @@ def _parse(path: Path, buffer: memoryview) -> GGUFFile:
         ggml_type = cursor.u32()
         offset = cursor.u64()
         tensors.append(TensorInfo(name, shape, ggml_type, offset, tensor_nbytes(shape, ggml_type)))
-    alignment = next((int(kv.value) for kv in metadata if kv.key == _ALIGNMENT_KEY), DEFAULT_ALIGNMENT)  # type: ignore[call-overload]
+    alignment = next(
+        (metadata_int(kv.value) for kv in metadata if kv.key == _ALIGNMENT_KEY), DEFAULT_ALIGNMENT
+    )
     if alignment <= 0 or alignment & (alignment - 1):
         raise GGUFFormatError(f"invalid alignment {alignment}")
     header_end = _header_size(metadata, tensors)
@@ -304,7 +322,9 @@ def write_gguf(
 ) -> None:
     """Write a GGUF whose tensor bytes are copied from ``source`` (or zero-filled); ``progress``
     hears each tensor's bytes as they are written."""
-    alignment = next((int(kv.value) for kv in metadata if kv.key == _ALIGNMENT_KEY), DEFAULT_ALIGNMENT)  # type: ignore[call-overload]
+    alignment = next(
+        (metadata_int(kv.value) for kv in metadata if kv.key == _ALIGNMENT_KEY), DEFAULT_ALIGNMENT
+    )
     header = [GGUF_MAGIC, struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(metadata))]
     header += [kv.raw for kv in metadata]
     offset = 0

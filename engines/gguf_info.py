@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+from engines.gguf_file import GGUFFile, GGUFFormatError, metadata_int, read_gguf
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ def _int_key(gguf: GGUFFile, key: str) -> int:
     value = gguf.get(key)
     if value is None:
         raise GGUFFormatError(f"{gguf.path}: {key} is missing")
-    return int(value)  # type: ignore[call-overload]
+    return metadata_int(value)
 
 
 def model_info(gguf: GGUFFile) -> ModelInfo:
@@ -37,7 +37,7 @@ def model_info(gguf: GGUFFile) -> ModelInfo:
         name=name if isinstance(name, str) and name else gguf.path.stem,
         n_layers=_int_key(gguf, f"{arch}.block_count"),
         hidden_size=_int_key(gguf, f"{arch}.embedding_length"),
-        vocab_size=int(vocab),  # type: ignore[call-overload]
+        vocab_size=metadata_int(vocab),
         context_length=_int_key(gguf, f"{arch}.context_length"),
     )
 

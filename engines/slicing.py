@@ -38,7 +38,15 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from engines.cache import atomic_path
 from engines.file_progress import FileProgress
-from engines.gguf_file import GGUFFile, KeyValue, TensorInfo, TensorSource, encode_key_value, write_gguf
+from engines.gguf_file import (
+    GGUFFile,
+    KeyValue,
+    TensorInfo,
+    TensorSource,
+    encode_key_value,
+    metadata_int,
+    write_gguf,
+)
 from engines.interface import EngineError, EngineErrorKind
 
 # Bump whenever the bytes a slice contains would change.
@@ -228,7 +236,7 @@ def _block_count(gguf: GGUFFile) -> int:
     value = gguf.get(f"{gguf.architecture}.block_count")
     if value is None:
         raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"{gguf.path.name} has no block_count")
-    return int(value)  # type: ignore[call-overload]
+    return metadata_int(value)
 
 
 def check_sliceable(gguf: GGUFFile) -> None:
@@ -277,7 +285,7 @@ def hidden_input_scale(gguf: GGUFFile) -> float:
     arch = gguf.architecture
     if arch not in _SCALES_EMBEDDING_INPUT:
         return 1.0
-    n_embd = int(gguf.get(f"{arch}.embedding_length"))  # type: ignore[call-overload]
+    n_embd = metadata_int(gguf.get(f"{arch}.embedding_length"))
     # llama.cpp computes sqrtf(n_embd) in float32; so does this.
     return float(np.sqrt(np.float32(n_embd)))
 
@@ -289,7 +297,7 @@ def _source_swa_flags(gguf: GGUFFile) -> list[bool] | None:
     arch = gguf.architecture
     entry = gguf.entry(f"{arch}.attention.sliding_window_pattern")
     if entry is not None and entry.value_type == GGUFValueType.ARRAY:
-        return [bool(flag) for flag in entry.value]  # type: ignore[union-attr]
+        return [bool(flag) for flag in entry.array]
     return _swa_layers(gguf, arch, _block_count(gguf))
 
 
@@ -302,13 +310,13 @@ def _swa_layers(gguf: GGUFFile, arch: str, n_layers: int) -> list[bool] | None:
     rule = _INDEX_DERIVED_SWA.get(arch)
     if rule is None or (rule.needs_window_key and not gguf.get(f"{arch}.attention.sliding_window")):
         return None
-    pattern = int(entry.value) if entry is not None else rule.pattern  # type: ignore[call-overload]
+    pattern = metadata_int(entry.value) if entry is not None else rule.pattern
     return [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
 
 
 def _slice_metadata(gguf: GGUFFile, plan: SlicePlan, source_digest: str) -> list[KeyValue]:
     arch = gguf.architecture
-    total = int(gguf.get(f"{arch}.block_count"))  # type: ignore[call-overload]
+    total = metadata_int(gguf.get(f"{arch}.block_count"))
     # The source layer each slice layer copies (its per-layer metadata comes along).
     layer_ids = plan.source_layers()
     pattern_key = f"{arch}.attention.sliding_window_pattern"
@@ -332,7 +340,7 @@ def _slice_metadata(gguf: GGUFFile, plan: SlicePlan, source_digest: str) -> list
             and entry.array_type not in (None, GGUFValueType.STRING)
             and entry.array_length == total
         ):
-            values = entry.value[layer_ids]  # type: ignore[index]
+            values = entry.array[layer_ids]
             if entry.key == pattern_key and plan.lead_passthrough:
                 values[0] = True
             entry = encode_key_value(entry.key, entry.value_type, values, entry.array_type)

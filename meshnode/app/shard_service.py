@@ -118,7 +118,7 @@ def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.Se
     the loaded engine's own (artifact and recipe digests).
     """
     # Imported here: the gguf package adds to the start-up of every command, and only --model needs it.
-    from engines.gguf_file import GGUFFormatError, read_gguf
+    from engines.gguf_file import GGUFFormatError, metadata_int, read_gguf
 
     try:
         header = read_gguf(path)
@@ -128,7 +128,7 @@ def describe_served_model(path: Path, layers: tuple[int, int] | None) -> mesh.Se
     blocks = header.get(f"{arch}.block_count")
     if blocks is None:
         raise ValueError(f"{path} has no {arch}.block_count")
-    total = int(blocks)  # type: ignore[call-overload]
+    total = metadata_int(blocks)
     start, end = layers if layers is not None else (0, total)
     if not 0 <= start < end <= total:
         raise ValueError(f"layer range {start}:{end} is not within the model's {total} layers")

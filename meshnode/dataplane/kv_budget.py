@@ -32,6 +32,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import SupportsIndex, SupportsInt
 
 from meshnode.logs import mib
 
@@ -57,15 +58,21 @@ class KvShapeError(ValueError):
 
 
 def _int(value: object) -> int:
-    return int(value)  # type: ignore[call-overload]
+    # As engines.gguf_file.metadata_int, which is not imported here: only a node serving a model
+    # loads the gguf package.
+    if isinstance(value, SupportsInt | SupportsIndex | str):
+        return int(value)
+    raise TypeError(f"GGUF metadata value {value!r} is not a number")
 
 
 def _per_layer(value: object, layers: Sequence[int]) -> list[int]:
     """A per-layer count: one number for every layer, or an array indexed by layer."""
     if isinstance(value, int | float):
         return [_int(value)] * len(layers)
+    if not isinstance(value, Iterable):
+        raise KvShapeError(f"unexpected per-layer value {value!r}")
     try:
-        values = [_int(v) for v in value]  # type: ignore[attr-defined]
+        values = [_int(v) for v in value]
     except TypeError:
         raise KvShapeError(f"unexpected per-layer value {value!r}") from None
     if layers and len(values) <= max(layers):
