@@ -483,7 +483,8 @@ class LlamaRuntime:
             self._logit_flags[count - rows : count] = 1
 
     def _put_hidden(self, start: int, rows: np.ndarray) -> None:
-        target = self._embd[start : start + rows.shape[0]]  # type: ignore[index]
+        assert self._embd is not None, "hidden rows go only to a runtime that takes embeddings"
+        target = self._embd[start : start + rows.shape[0]]
         if self._hidden_divisor is None:
             target[...] = rows
         else:

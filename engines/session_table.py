@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engines.interface import EngineError, EngineErrorKind, SessionKey
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 # How many session ids' newest epochs and cancellations are remembered after their state is gone.
 _DEFAULT_MEMORY = 4096
@@ -131,7 +135,7 @@ class SessionTable:
             self._free_slots.add(session.slot)
         return session
 
-    def _remember(self, memory: OrderedDict, key: object, value: object) -> None:  # type: ignore[type-arg]
+    def _remember(self, memory: OrderedDict[K, V], key: K, value: V) -> None:
         memory[key] = value
         memory.move_to_end(key)
         while len(memory) > self._memory:

@@ -373,5 +373,6 @@ async def start_api_server(
     await site.start()
     server = site._server
     assert server is not None
-    bound = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    # asyncio's and uvloop's servers both list their sockets; their common base does not say so.
+    bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]  # see above
     return runner, bound

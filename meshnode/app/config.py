@@ -94,9 +94,9 @@ def _type_problem(kind: Any, value: str, exc: Exception) -> str:
 
 
 def _convert_one(action: argparse.Action, value: Any, source: str) -> Any:
-    if isinstance(value, str) and action.type is not None:
+    if isinstance(value, str) and callable(action.type):
         try:
-            value = action.type(value)  # type: ignore[operator]
+            value = action.type(value)
         except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
             raise ConfigError(f"{source}: {_type_problem(action.type, value, exc)}") from None
     if action.choices is not None and value not in action.choices:

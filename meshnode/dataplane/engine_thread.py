@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class EngineThread:
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
             else:
-                future.set_result(outcome)  # type: ignore[arg-type]
+                future.set_result(cast(T, outcome))  # what fn returned: on_done hears it as an object
 
         self.submit(fn, *args, on_done=settle)
         return await future

@@ -9,7 +9,7 @@ runs (:class:`FingerprintedStream`), which the API reports as ``system_fingerpri
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Protocol, runtime_checkable
 
 from engines.interface import SamplingParams
@@ -63,6 +63,16 @@ class PromptTokenizer(Protocol):
     def detokenizer(self) -> IncrementalDetokenizer: ...
 
 
+class TokenStream(Protocol):
+    """Generated token ids; ``aclose`` cancels the generation everywhere it runs."""
+
+    def __aiter__(self) -> AsyncIterator[int]: ...
+
+    def __anext__(self) -> Awaitable[int]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
 @runtime_checkable
 class FingerprintedStream(Protocol):
     """A token stream that knows how its tokens are computed (optional for backends)."""
@@ -82,7 +92,7 @@ class GenerationBackend(Protocol):
 
     def generate(
         self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
-    ) -> AsyncIterator[int]:
+    ) -> TokenStream:
         """Generated token ids, at most ``max_tokens``; raises :class:`GenerationFailed`."""
         ...
 

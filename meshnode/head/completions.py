@@ -83,7 +83,7 @@ async def run_completion(
                 finish_reason = "stop"
                 break
     finally:
-        await tokens.aclose()  # type: ignore[attr-defined]
+        await tokens.aclose()
     if not matcher.stopped:
         tail = matcher.feed(detokenizer.flush()) + matcher.flush()
         if matcher.stopped:

@@ -9,12 +9,12 @@ several runtime recipes serve it, the first one with a complete route wins.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engines.interface import SamplingParams
 from engines.sampling import with_prompt_history
-from meshnode.head.backend import GenerationFailed, PromptTokenizer, UnknownModel
+from meshnode.head.backend import GenerationFailed, PromptTokenizer, TokenStream, UnknownModel
 from meshnode.head.candidates import identities_for_artifact
 from meshnode.head.coverage import ModelCoverage, layer_coverage
 from meshnode.head.driver import GenerationDriver
@@ -43,7 +43,7 @@ class RouteBackend:
 
     def generate(
         self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
-    ) -> AsyncIterator[int]:
+    ) -> TokenStream:
         local = self._local(model)
         if self.draining:
             raise GenerationFailed("this node is draining (shutting down); send the request to another node")

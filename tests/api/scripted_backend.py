@@ -1,10 +1,10 @@
 """Scripted stand-ins for a generation backend: the API's tests need no model."""
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 from engines.interface import SamplingParams
-from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, UnknownModel
+from meshnode.head.backend import ContextLengthExceeded, GenerationFailed, TokenStream, UnknownModel
 
 EOS = 0
 
@@ -64,7 +64,7 @@ class ScriptedBackend:
 
     async def generate(
         self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
-    ) -> AsyncIterator[int]:
+    ) -> TokenStream:
         self.calls.append((list(prompt_tokens), sampling, max_tokens))
         if self.fail:
             raise GenerationFailed("no route covers layers [2, 4) of the model")
@@ -89,7 +89,7 @@ class RouteSwitchingTokens:
     """A token stream that knows its computation, which changes after ``switch_after`` tokens
     (as a re-route onto hops that compute differently would)."""
 
-    def __init__(self, tokens: AsyncIterator[int], switch_after: int) -> None:
+    def __init__(self, tokens: TokenStream, switch_after: int) -> None:
         self.tokens = tokens
         self.switch_after = switch_after
         self.count = 0
@@ -103,7 +103,7 @@ class RouteSwitchingTokens:
         return token
 
     async def aclose(self) -> None:
-        await self.tokens.aclose()  # type: ignore[attr-defined]
+        await self.tokens.aclose()
 
     @property
     def system_fingerprint(self) -> str:
@@ -115,7 +115,7 @@ class FingerprintedBackend(ScriptedBackend):
         super().__init__(reply)
         self.switch_after = switch_after
 
-    def generate(  # type: ignore[override]
+    def generate(
         self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
     ) -> RouteSwitchingTokens:
         return RouteSwitchingTokens(
