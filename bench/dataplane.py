@@ -174,7 +174,8 @@ async def child(hidden: int) -> None:
         configuration=raw_configuration(False),
         stream_handler=lambda r, w: asyncio.ensure_future(raw_echo(r, w)),
     )
-    raw_port = raw._transport.get_extra_info("sockname")[1]  # type: ignore[attr-defined]
+    assert raw._transport is not None
+    raw_port = raw._transport.get_extra_info("sockname")[1]
     dispatcher = Dispatcher(is_admitted=lambda _peer: True)
     endpoint = await QuicEndpoint.listen(
         NodeIdentity.from_seed(SERVER_SEED), DispatchingLinkHandler(dispatcher), "127.0.0.1", 0

@@ -70,6 +70,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import statistics
 import sys
@@ -460,6 +461,15 @@ async def client_node(
         await node.shutdown()
 
 
+def served_ranges(layout: Layout) -> list[tuple[int, int]]:
+    """Each node's layer range: a layout timed hop by hop has no node serving the whole model."""
+    ranges = []
+    for layers, _ in layout:
+        assert layers is not None, "a node without a layer range"
+        ranges.append(layers)
+    return ranges
+
+
 async def hop_breakdown(
     mesh: LocalMesh, layout: Layout, prompt: list[int], steps: int
 ) -> tuple[list[HopTiming], float]:
@@ -468,10 +478,10 @@ async def hop_breakdown(
     from meshnode.dataplane.route import make_hop
     from meshnode.dataplane.session_link import ShardSession
 
+    ranges = served_ranges(layout)
     async with client_node(mesh, layout) as (node, names, ids, fingerprint):
         sessions = []
-        for name, (layers, _) in zip(names, layout, strict=True):
-            assert layers is not None
+        for name, layers in zip(names, ranges, strict=True):
             link = await node.get_link(ids[name])
             session_range = shard.ShardRange(
                 start_layer=layers[0], end_layer=layers[1], effective_start_layer=layers[0]
@@ -483,30 +493,29 @@ async def hop_breakdown(
             )
         value: object = prompt
         for session in sessions:
-            output = await session.prefill(value)  # type: ignore[arg-type]
+            output = await session.prefill(value)
             value = output.hidden if output.token is None else output.token
-        exec_ns = [[] for _ in sessions]
-        trips = [[] for _ in sessions]
+        exec_ns: list[list[int]] = [[] for _ in sessions]
+        trips: list[list[float]] = [[] for _ in sessions]
         for step in range(steps):
             position = len(prompt) + step
             for index, session in enumerate(sessions):
                 started = time.perf_counter()
-                output = await session.decode(value, position=position)  # type: ignore[arg-type]
+                output = await session.decode(value, position=position)
                 trips[index].append(time.perf_counter() - started)
                 exec_ns[index].append(output.done.execution_nanos)
                 value = output.hidden if output.token is None else output.token
         for session in sessions:
             await session.aclose()
         # The same steps as one chained session: activations forwarded hop to hop.
-        first = layout[0][0]
-        assert first is not None
+        first = ranges[0]
         chained = await ShardSession.open(
             await node.get_link(ids[names[0]]),
             fingerprint=fingerprint,
             shard_range=shard.ShardRange(start_layer=first[0], end_layer=first[1], effective_start_layer=0),
             downstream=[
-                make_hop(ids[name], layers[0], layers[1], layers[0])  # type: ignore[index]
-                for name, (layers, _) in zip(names[1:], layout[1:], strict=True)
+                make_hop(ids[name], layers[0], layers[1], layers[0])
+                for name, layers in zip(names[1:], ranges[1:], strict=True)
             ],
             sampling=GREEDY,
         )
@@ -514,12 +523,12 @@ async def hop_breakdown(
         chain_trips = []
         for step in range(steps):
             started = time.perf_counter()
-            token = (await chained.decode(token, position=len(prompt) + step)).token  # type: ignore[arg-type]
+            token = (await chained.decode(token, position=len(prompt) + step)).token
             chain_trips.append(time.perf_counter() - started)
         await chained.aclose()
         hops = [
-            HopTiming(name, layers, statistics.median(e) / 1e6, statistics.median(t) * 1000)  # type: ignore[arg-type]
-            for name, (layers, _), e, t in zip(names, layout, exec_ns, trips, strict=True)
+            HopTiming(name, layers, statistics.median(e) / 1e6, statistics.median(t) * 1000)
+            for name, layers, e, t in zip(names, ranges, exec_ns, trips, strict=True)
         ]
         return hops, statistics.median(chain_trips) * 1000
 
@@ -546,18 +555,16 @@ async def answer_paths(
     from meshnode.dataplane.route import make_hop
     from meshnode.dataplane.session_link import DirectAnswers, ShardSession
 
+    ranges = served_ranges(layout)
     async with client_node(mesh, layout) as (node, names, ids, fingerprint):
-        ranges = [layers for layers, _ in layout]
         first, last = ranges[0], ranges[-1]
-        assert first is not None and last is not None
         trips: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(rounds):
             for direct in (False, True):
                 answers = None
                 if direct:
-                    tail_id = ids[names[-1]]
                     answers = DirectAnswers(
-                        links=lambda tail_id=tail_id: node.get_link(tail_id),  # type: ignore[misc]
+                        links=functools.partial(node.get_link, ids[names[-1]]),
                         tail_range=shard.ShardRange(
                             start_layer=last[0], end_layer=last[1], effective_start_layer=last[0]
                         ),
@@ -569,7 +576,7 @@ async def answer_paths(
                         start_layer=first[0], end_layer=first[1], effective_start_layer=0
                     ),
                     downstream=[
-                        make_hop(ids[name], layers[0], layers[1], layers[0])  # type: ignore[index]
+                        make_hop(ids[name], layers[0], layers[1], layers[0])
                         for name, layers in zip(names[1:], ranges[1:], strict=True)
                     ],
                     sampling=GREEDY,
@@ -580,7 +587,7 @@ async def answer_paths(
                 token = (await session.prefill(prompt)).token
                 for step in range(steps):
                     started = time.perf_counter()
-                    output = await session.decode(token, position=len(prompt) + step)  # type: ignore[arg-type]
+                    output = await session.decode(token, position=len(prompt) + step)
                     trips[direct].append(time.perf_counter() - started)
                     assert output.done.answered_directly == direct
                     token = output.token

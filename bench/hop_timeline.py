@@ -110,9 +110,10 @@ def hop_segments(src: NodeTrace, dst: NodeTrace, src_end: int, dst_start: int) -
     frame = last_before(dst.frames, dst_start)
     last_in = last_before(dst.rx, frame) if frame is not None else None
     stamps = [src_end, back, sent, arrived, last_in, frame, dst_start]
-    if any(s is None for s in stamps) or sorted(stamps) != stamps:  # type: ignore[type-var]
+    known = [s for s in stamps if s is not None]
+    if len(known) < len(stamps) or sorted(known) != known:
         return None
-    deltas = [(b - a) / 1e6 for a, b in itertools.pairwise(stamps)]  # type: ignore[operator]
+    deltas = [(b - a) / 1e6 for a, b in itertools.pairwise(known)]
     return dict(zip(SEGMENTS, deltas, strict=True))
 
 

@@ -119,6 +119,13 @@ def status_of(data_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def mesh_id_of(data_dir: Path) -> str:
+    """The mesh id of a node that serves (the caller waited for it), so it answers its status."""
+    status = status_of(data_dir)
+    assert status is not None, f"{data_dir} does not answer its status"
+    return str(status["node"]["mesh_id"])
+
+
 def node_id(data_dir: Path) -> str | None:
     return ((status_of(data_dir) or {}).get("node") or {}).get("id")
 
@@ -494,7 +501,7 @@ def measure_bytes(lab: NatLab, scenario: Scenario, model: Path) -> dict[str, Any
         120,
         "A to serve",
     )
-    scenario.start_relay("pub", SERVICE_ADDRESS, scenario.dir("r"), str(status_of(a)["node"]["mesh_id"]))  # type: ignore[index]
+    scenario.start_relay("pub", SERVICE_ADDRESS, scenario.dir("r"), mesh_id_of(a))
     wait_for(lambda: relay_registered(status_of(a)), 30, "A to register with the relay")
     invite = scenario.invite("ha", a)
     id_b = scenario.start_node(
@@ -631,7 +638,7 @@ def measure_rtt(args: argparse.Namespace, lab: NatLab, scenario: Scenario) -> di
     backoff = ("--punch-backoff", f"{BACKOFF_S:g}")
     c = scenario.dir("c")
     scenario.start_node("c", "pub", public_creator(scenario, relay_arg, *backoff))
-    scenario.start_relay("far", FAR_ADDRESS, relay_dir, str(status_of(c)["node"]["mesh_id"]))  # type: ignore[index]
+    scenario.start_relay("far", FAR_ADDRESS, relay_dir, mesh_id_of(c))
     wait_for(lambda: relay_registered(status_of(c)), 30, "C to register with the relay")
     b = scenario.dir("b")
     id_b = scenario.start_node(

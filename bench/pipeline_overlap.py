@@ -61,7 +61,7 @@ class TimedStage(RecordingEngine):
     stage_costs: tuple[tuple[float, float], ...] = ()
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)
         self.spans: list[tuple[float, float, int]] = []
         self._spans_lock = threading.Lock()
 
@@ -107,7 +107,7 @@ async def trial(mode: str, k: int, tokens: int) -> Trial:
     pipeline, cohorts = parse_mode(mode)
     async with three_hop_routes(TimedStage, max_sessions=max(4, k)) as routes:
         for (fixed_s, row_s), shard in zip(TimedStage.stage_costs, routes.shards.values(), strict=False):
-            shard.engine.fixed_s, shard.engine.row_s = fixed_s, row_s  # type: ignore[attr-defined]
+            shard.engine.fixed_s, shard.engine.row_s = fixed_s, row_s
         options = DriverOptions(
             **{**FAST.__dict__, "speculation": False, "pipeline": pipeline, "pipeline_cohorts": cohorts}
         )
@@ -123,7 +123,7 @@ async def trial(mode: str, k: int, tokens: int) -> Trial:
     for text, prompt in zip(texts, prompts, strict=True):
         if text != reference(prompt, tokens):
             raise SystemExit(f"pipeline {mode}, k={k}: a text differs from the whole model's")
-    stages = [engine.spans for engine in engines]  # type: ignore[attr-defined]
+    stages = [engine.spans for engine in engines]
     return Trial(
         k * tokens / wall,
         all_busy_share(stages, wall),
