@@ -75,7 +75,7 @@ async def routes() -> AsyncIterator[LoopbackRoutes]:
 async def api(routes: LoopbackRoutes) -> AsyncIterator[str]:
     driver = GenerationDriver(routes)
     # /v1/models and generate() by name need no tokenizer; a request's prompt would.
-    local = LocalModel(ALIAS, routes.model.model_artifact_digest, tokenizer=None)  # type: ignore[arg-type]
+    local = LocalModel(ALIAS, routes.model.model_artifact_digest, tokenizer=None)  # type: ignore[arg-type]  # see above
     backend = RouteBackend(driver, [local])
     runner, port = await start_api_server(backend, "127.0.0.1", 0)
     try:
@@ -108,7 +108,7 @@ async def test_coverage_follows_the_mesh_as_replicas_go(api, routes) -> None:
 
 async def test_the_alias_is_what_the_backend_generates_for(routes) -> None:
     driver = GenerationDriver(routes)
-    local = LocalModel(ALIAS, routes.model.model_artifact_digest, tokenizer=None)  # type: ignore[arg-type]
+    local = LocalModel(ALIAS, routes.model.model_artifact_digest, tokenizer=None)  # type: ignore[arg-type]  # see above
     backend = RouteBackend(driver, [local])
     try:
         assert backend.model_names() == [ALIAS]

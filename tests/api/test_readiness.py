@@ -20,7 +20,7 @@ def shard(node: int, start: int, end: int, *, context: int = 0) -> ShardCandidat
 def backend(*candidates: ShardCandidate) -> RouteBackend:
     # The backend reads only the driver's view of the mesh here.
     driver = SimpleNamespace(env=SimpleNamespace(candidates=lambda: list(candidates)))
-    return RouteBackend(driver, [LocalModel("tiny", MODEL.model_artifact_digest, CharTokenizer())])  # type: ignore[arg-type]
+    return RouteBackend(driver, [LocalModel("tiny", MODEL.model_artifact_digest, CharTokenizer())])  # type: ignore[arg-type]  # a stand-in driver
 
 
 def test_not_ready_without_a_complete_route_or_while_draining():

@@ -31,7 +31,7 @@ class ContextBackend(ScriptedBackend):
 
     def tokenizer(self, model: str) -> CharTokenizer:
         tokenizer = super().tokenizer(model)
-        tokenizer.n_vocab = 1000  # type: ignore[attr-defined]
+        tokenizer.n_vocab = 1000
         return tokenizer
 
 
@@ -196,7 +196,7 @@ async def test_a_request_naming_no_model_while_none_is_servable_is_a_503_saying_
 
 async def test_a_request_naming_no_model_where_several_are_served_is_told_which(serve):
     backend = ContextBackend()
-    backend.model_names = lambda: ["tiny", "other"]  # type: ignore[method-assign]
+    backend.model_names = lambda: ["tiny", "other"]
     base = await serve(backend)
     status, answer, _ = await call("POST", f"{base}/v1/completions", json={"prompt": "x"})
     assert status == 400

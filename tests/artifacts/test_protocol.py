@@ -93,7 +93,7 @@ def test_replies_with_a_wrong_gen_or_unknown_code_are_bad():
         parse_reply(pb.ArtifactReply(gen=0, end=pb.ArtifactEnd()).SerializeToString())
     with pytest.raises(BadReply):
         parse_reply(b"\x08")
-    unknown = pb.ArtifactReply(gen=1, refusal=pb.ArtifactRefusal(code=99)).SerializeToString()  # type: ignore[arg-type]
+    unknown = pb.ArtifactReply(gen=1, refusal=pb.ArtifactRefusal(code=99)).SerializeToString()
     with pytest.raises(BadReply):
         parse_reply(unknown)
 

@@ -74,7 +74,7 @@ async def test_a_sigkilled_fetch_resumes_without_refetching_verified_tensors(
         # Only what was not verified crossed the link again (the manifest came from disk).
         assert source.server.uploaded_by_peer[bytes.fromhex(report["node_id"])] == rest
         assert rest <= report["bytes_received"] <= rest + OVERHEAD_BYTES
-        with ArtifactStore(store).reopen(tiny_manifest.root) as partial:  # type: ignore[union-attr]
+        with ArtifactStore(store).reopen(tiny_manifest.root) as partial:
             assert partial.verified == frozenset(wanted)
     finally:
         await holder.shutdown()
@@ -125,7 +125,7 @@ async def test_a_fetch_sigkilled_mid_tensor_resumes_from_its_last_checkpoint(
         assert report["fetched"] == [name]
         # Only the bytes after the last checkpoint crossed the link again.
         assert source.server.uploaded_by_peer[bytes.fromhex(report["node_id"])] == size - kept
-        with ArtifactStore(store).reopen(tiny_manifest.root) as partial:  # type: ignore[union-attr]
+        with ArtifactStore(store).reopen(tiny_manifest.root) as partial:
             assert partial.verified == frozenset([name]) and partial.unfinished_bytes(name) == 0
     finally:
         await holder.shutdown()

@@ -230,7 +230,7 @@ def test_a_restarted_node_reopens_its_partial_model_by_root(
     assert store.reopen(tiny_manifest.root) is None
     with store.open(tiny_manifest, tiny_metadata) as partial:
         write_tensor(partial, tiny_model, "output_norm.weight")
-    with store.reopen(tiny_manifest.root) as reopened:  # type: ignore[union-attr]
+    with store.reopen(tiny_manifest.root) as reopened:
         assert reopened.manifest == tiny_manifest
         assert reopened.verified == frozenset({"output_norm.weight"})
     # A saved manifest that no longer hashes to its directory's name is not trusted.

@@ -246,7 +246,7 @@ async def test_a_local_disk_failure_ends_the_fetch_and_blames_no_source(
                 def write(data: bytes) -> None:
                     raise OSError(errno.ENOSPC, "No space left on device")
 
-                writer.write = write  # type: ignore[method-assign]
+                writer.write = write
                 return writer
 
             monkeypatch.setattr(partial, "writer", full_disk)

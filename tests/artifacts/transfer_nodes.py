@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from helpers.mesh_nodes import start_first_node, start_joiner
 from helpers.polling import eventually
@@ -101,13 +102,11 @@ class Peer:
         return self.node.node_id
 
 
-def serve(
-    node: Node, *artifacts: HeldArtifact, limiter: UploadLimiter | None = None, **options: object
-) -> Peer:
+def serve(node: Node, *artifacts: HeldArtifact, limiter: UploadLimiter | None = None, **options: Any) -> Peer:
     holdings = Holdings()
     for artifact in artifacts:
         holdings.add(artifact)
-    server = ArtifactServer(holdings, limiter or UploadLimiter(bytes_per_s=0), **options)  # type: ignore[arg-type]
+    server = ArtifactServer(holdings, limiter or UploadLimiter(bytes_per_s=0), **options)
     server.register(node)
     return Peer(node, server)
 

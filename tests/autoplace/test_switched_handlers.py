@@ -32,14 +32,14 @@ async def test_each_shard_servers_handlers_serve_until_cleared_then_streams_are_
 
     switched.register(StreamType.SHARD_SESSION, first)
     trampoline = registry.handlers[StreamType.SHARD_SESSION]
-    await trampoline(object())  # type: ignore[operator]
+    await trampoline(object())
     switched.clear()
     with pytest.raises(MeshRefusal) as refused:
-        await trampoline(object())  # type: ignore[operator]
+        await trampoline(object())
     assert refused.value.code == mesh.MESH_ERROR_OVERLOADED
     # The next range's server registers again; the node is not asked twice.
     switched.register(StreamType.SHARD_SESSION, second)
-    await trampoline(object())  # type: ignore[operator]
+    await trampoline(object())
     assert served == ["first", "second"]
 
 

@@ -40,7 +40,7 @@ async def keyed_console() -> AsyncIterator[tuple[str, list[str]]]:
     seen: list[str] = []
 
     @web.middleware
-    async def need_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    async def need_key(request: web.Request, handler):
         if request.path == "/meshnode/mesh":
             seen.append(request.headers.get("Authorization", ""))
             if request.headers.get("Authorization") != f"Bearer {KEY}":
@@ -53,7 +53,7 @@ async def keyed_console() -> AsyncIterator[tuple[str, list[str]]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # started: a listening server
     yield f"http://127.0.0.1:{port}", seen
     await runner.cleanup()
 

@@ -9,8 +9,9 @@ test body runs over either.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from helpers.loopback_mesh import LoopbackMesh, MeshPeer
 from helpers.mesh_nodes import serving_peer
@@ -33,18 +34,18 @@ class ChainUnderTest:
     """What a test needs: where the head shard is, the tail's id, the served fingerprint."""
 
     transport: str
-    links: Callable[[], object]
+    links: Callable[[], Awaitable[PeerLink]]
     head_id: bytes
     tail_id: bytes
     fingerprint: shard.Fingerprint
     # The client's mesh node (QUIC only): what the shards announce is in its peer table.
     node: Node | None = None
 
-    def open(self, **kwargs: object) -> object:
+    def open(self, **kwargs: Any) -> object:
         kwargs.setdefault("fingerprint", self.fingerprint)
         kwargs.setdefault("shard_range", srange(0, SPLIT))
         kwargs.setdefault("downstream", [make_hop(self.tail_id, SPLIT, TINY_N_LAYERS, SPLIT)])
-        return ShardSession.open(self.links, **kwargs)  # type: ignore[arg-type]
+        return ShardSession.open(self.links, **kwargs)
 
 
 # ---------------------------------------------------------------------------- in-process loopback

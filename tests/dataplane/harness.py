@@ -10,6 +10,7 @@ through a client exactly as the asyncio edge will.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from helpers.recording_engine import HIDDEN, LAYERS, RecordingEngine
@@ -68,13 +69,13 @@ def open_request(
     epoch: int = 1,
     *,
     shard_range: shard.ShardRange | None = None,
-    schema: int = shard.SCHEMA_VERSION_1,
+    schema: shard.SchemaVersion = shard.SCHEMA_VERSION_1,
     fingerprint: shard.Fingerprint = FP,
     flow: shard.FlowControl | None = None,
 ) -> shard.SessionRequest:
     return shard.SessionRequest(
         open=shard.SessionOpen(
-            schema_version=schema,  # type: ignore[arg-type]
+            schema_version=schema,
             route_session_id=session_id,
             route_epoch=epoch,
             fingerprint=fingerprint,
@@ -103,23 +104,23 @@ def chunk_request(
     shard_range: shard.ShardRange | None = None,
     # Wall-clock unix nanoseconds, as the envelope carries it (0: none).
     deadline: int = 0,
-    phase: int = shard.PHASE_PREFILL,
+    phase: shard.Phase = shard.PHASE_PREFILL,
     work_id: str | None = None,
     fingerprint: shard.Fingerprint = FP,
-    schema: int = shard.SCHEMA_VERSION_1,
+    schema: shard.SchemaVersion = shard.SCHEMA_VERSION_1,
     tensor: shard.NamedTensor | None = None,
 ) -> shard.SessionRequest:
     fresh = phase == shard.PHASE_PREFILL and first_position == 0
     tensor = tensor or input_tensor(values)
     n = int(tensor.shape[0])
     env = shard.Envelope(
-        schema_version=schema,  # type: ignore[arg-type]
+        schema_version=schema,
         work_id=work_id if work_id is not None else f"w{step}",
         route_session_id=session_id,
         route_epoch=epoch,
         fingerprint=fingerprint,
         shard_range=shard_range or srange(),
-        phase=phase,  # type: ignore[arg-type]
+        phase=phase,
         position=shard.PositionSpan(first_position=first_position, token_count=n),
         idempotency_step=step,
         cache_expectation=shard.CacheExpectation(
@@ -232,11 +233,11 @@ class WorkerHarness:
         route: dataplane.SessionRoute | None = None,
         *,
         origin: StreamOrigin = LOCAL_ORIGIN,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> tuple[int, list[shard.SessionResponse]]:
         stream = self.worker.open_stream(origin)
         actions = self.receive_frame(stream, (route or make_route()).SerializeToString(), self.now)
-        request = open_request(**kwargs)  # type: ignore[arg-type]
+        request = open_request(**kwargs)
         actions += self.receive_frame(stream, request.SerializeToString(), self.now)
         return stream, responses(self.run(actions), stream)
 
@@ -342,7 +343,7 @@ def make_client(
     route: dataplane.SessionRoute | None = None,
     session_id: str = "s1",
     epoch: int = 1,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> SessionClient:
     return SessionClient(
         route_session_id=session_id,
@@ -350,7 +351,7 @@ def make_client(
         fingerprint=FP,
         shard_range=shard_range or srange(),
         route=route or make_route(),
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from helpers.recording_engine import RecordingEngine
+from helpers.step_results import sampled_token, step_logits
 
 from engines.interface import GREEDY, EngineError, EngineErrorKind, SessionKey, StepRequest
 from meshnode.dataplane.actions import CancelDownstream, Forward, ReleaseDownstream, ReleaseEngine
@@ -12,6 +13,7 @@ from meshnode.dataplane.envelope import Deadline, UnitPosition
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import DownstreamResult
+from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_bundle
 
@@ -40,22 +42,22 @@ def reference_logits(prompt: list[int], decode_steps: int) -> list[np.ndarray]:
     result = engine.prefill(
         StepRequest(session=key, first_position=0, token_ids=tuple(prompt), sampling=GREEDY, want_logits=True)
     )
-    logits = [result.logits]
+    logits = [step_logits(result)]
     position = len(prompt)
     for _ in range(decode_steps):
         result = engine.decode(
             StepRequest(
                 session=key,
                 first_position=position,
-                token_ids=(result.token_id,),  # type: ignore[arg-type]
+                token_ids=(sampled_token(result),),
                 expected_past_len=position,
                 sampling=GREEDY,
                 want_logits=True,
             )
         )
-        logits.append(result.logits)
+        logits.append(step_logits(result))
         position += 1
-    return logits  # type: ignore[return-value]
+    return logits
 
 
 def head_link(chain: Chain, chunk_tokens: int = 3) -> Loopback:
@@ -150,9 +152,9 @@ def test_a_next_hop_refusal_travels_back_and_a_retry_re_forwards_without_re_runn
     link.client.submit_decode(expected[0], position=len(prompt))
     link.pump()
     (failed,) = link.client.take_events()
-    assert isinstance(failed, UnitFailed)
-    assert failed.error.code == shard.ERROR_CODE_RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-    assert failed.error.retryable  # type: ignore[attr-defined]
+    assert isinstance(failed, UnitFailed) and isinstance(failed.error, ShardProtocolError)
+    assert failed.error.code == shard.ERROR_CODE_RESOURCE_EXHAUSTED
+    assert failed.error.retryable
     head_calls = len(chain.head.engine.calls)
 
     link.client.retry(failed.unit_id)

@@ -101,7 +101,12 @@ def test_a_retry_after_a_transport_error_sends_the_same_step_and_is_a_duplicate(
 
     sent_bodies: list[bytes] = []
     deliver = link.deliver
-    link.deliver = lambda body: (sent_bodies.append(body), deliver(body))[1]  # type: ignore[method-assign]
+
+    def record_then_deliver(body: bytes) -> None:
+        sent_bodies.append(body)
+        deliver(body)
+
+    link.deliver = record_then_deliver  # type: ignore[method-assign]  # records what the client sends
     link.hold_engine = True
     link.client.submit_decode(expected[0], position=len(prompt))
     link.pump()

@@ -48,7 +48,7 @@ class _Echo(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.transport.sendto(b"echo:" + data, addr)  # type: ignore[attr-defined]
+        self.transport.sendto(b"echo:" + data, addr)  # type: ignore[attr-defined]  # a datagram endpoint's transport
 
 
 class _Collect(asyncio.DatagramProtocol):

@@ -14,6 +14,7 @@ a killed middle hop.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from helpers.loopback_routes import (
@@ -62,12 +63,12 @@ PROMPT = [5, 3, 8, 1, 9, 2, 7]
 
 
 def open_answer_stream(
-    h: WorkerHarness, session_id: str = "s1", epoch: int = 1, **kwargs: object
+    h: WorkerHarness, session_id: str = "s1", epoch: int = 1, **kwargs: Any
 ) -> tuple[int, list[shard.SessionResponse]]:
     """What a head sends to open its answer stream: an empty route, then SessionOpen(answer_stream)."""
     stream = h.worker.open_stream()
     actions = h.receive_frame(stream, make_route().SerializeToString(), h.now)
-    request = open_request(session_id, epoch, **kwargs)  # type: ignore[arg-type]
+    request = open_request(session_id, epoch, **kwargs)
     request.open.answer_stream = True
     actions += h.receive_frame(stream, request.SerializeToString(), h.now)
     return stream, responses(h.run(actions), stream)
@@ -223,7 +224,8 @@ def _direct_config() -> ClientConfig:
 
 
 def _token(event: UnitDone) -> int:
-    return int(decode_bundle(event.bundle)["token_ids"].array[0])  # type: ignore[arg-type]
+    assert event.bundle is not None
+    return int(decode_bundle(event.bundle)["token_ids"].array[0])
 
 
 def test_the_head_is_done_at_the_direct_answer_and_the_later_ack_returns_the_credit():

@@ -78,10 +78,14 @@ async def edge() -> AsyncIterator[Edge]:
 
 
 async def generate(session: ShardSession, prompt: list[int], steps: int) -> list[int]:
-    tokens = [(await session.prefill(prompt)).token]
+    first = (await session.prefill(prompt)).token
+    assert first is not None
+    tokens = [first]
     for position in range(len(prompt), len(prompt) + steps):
-        tokens.append((await session.decode(tokens[-1], position=position)).token)
-    return tokens  # type: ignore[return-value]
+        token = (await session.decode(tokens[-1], position=position)).token
+        assert token is not None
+        tokens.append(token)
+    return tokens
 
 
 async def test_a_chain_through_two_servers_generates_the_whole_models_tokens(edge: Edge) -> None:

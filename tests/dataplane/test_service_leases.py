@@ -37,17 +37,18 @@ class Served:
     # The peers membership admits.
     members: set[bytes]
 
-    def member(self, index: int):  # type: ignore[no-untyped-def]
+    def member(self, index: int):
         peer = self.loopback.add(index)
         self.members.add(peer.node_id)
         return peer
 
     @property
-    def worker(self):  # type: ignore[no-untyped-def]
+    def worker(self):
         return self.service.server.worker
 
     def open(self, links: object) -> object:
-        fingerprint = self.node.serving.fingerprint  # type: ignore[union-attr]
+        assert self.node.serving is not None
+        fingerprint = self.node.serving.fingerprint
         return ShardSession.open(links, fingerprint=fingerprint, shard_range=srange(0, SPEC.total_layers))
 
 

@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from meshnode.dataplane import rpc
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
+from meshnode.transport.base import PeerLink
 from meshnode.wire.cpu_mask import cpus_of_mask
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
@@ -122,17 +123,24 @@ def chunked() -> ClientConfig:
 async def generate(
     session: ShardSession, prompt: list[int], forced: list[int] | None = None
 ) -> tuple[list[int], list[np.ndarray]]:
+    tokens: list[int] = []
+    logits: list[np.ndarray] = []
+
+    def keep(token: int | None, row: np.ndarray | None) -> None:
+        assert token is not None and row is not None
+        tokens.append(token)
+        logits.append(row)
+
     first = await session.prefill(prompt)
     assert len(first.chunks) == 3
-    tokens, logits = [first.token], [first.logits]
+    keep(first.token, first.logits)
     position = len(prompt)
     for step in range(DECODE_STEPS):
         fed = tokens[-1] if forced is None else forced[step]
         output = await session.decode(fed, position=position)
-        tokens.append(output.token)
-        logits.append(output.logits)
+        keep(output.token, output.logits)
         position += 1
-    return tokens, logits  # type: ignore[return-value]
+    return tokens, logits
 
 
 # ---------------------------------------------------------------------------- acceptance
@@ -251,7 +259,7 @@ async def test_an_out_of_band_cancel_interrupts_a_sender_blocked_on_credits(
 
 
 async def test_capability_reports_the_validated_range(chain: ChainUnderTest) -> None:
-    link = await chain.links()  # type: ignore[misc]
+    link = await chain.links()
     report = await rpc.get_capability(link)
     assert report.validated and report.validated_at_unix_nanos > 0
     assert (report.shard_range.start_layer, report.shard_range.end_layer) == (0, SPLIT)
@@ -291,7 +299,8 @@ async def test_the_served_shards_are_announced_with_capacity_and_live_load(
     )
 
     def head_load() -> tuple[int, float]:
-        load = next(e.announcement.load for e in chain.node.peers() if e.peer_id == chain.head_id)  # type: ignore[union-attr]
+        assert chain.node is not None
+        load = next(e.announcement.load for e in chain.node.peers() if e.peer_id == chain.head_id)
         return load.active_sessions, load.kv_pressure
 
     async with chain.open(config=chunked()) as session:
@@ -306,7 +315,7 @@ async def test_the_served_shards_are_announced_with_capacity_and_live_load(
 @pytest.fixture(params=["quic", "loopback"])
 async def doomed(
     request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path
-) -> AsyncIterator[tuple[ChainUnderTest, object]]:
+) -> AsyncIterator[tuple[ChainUnderTest, Callable[[], None]]]:
     """A single worker serving the whole model, and a function that kills it like SIGKILL."""
     if request.param == "quic":
         cluster: QuicCluster = request.getfixturevalue("cluster")
@@ -315,7 +324,7 @@ async def doomed(
         try:
             worker_id, fingerprint = await serving_peer(node, 0, TINY_N_LAYERS)
 
-            async def link() -> object:
+            async def link() -> PeerLink:
                 return await node.get_link(worker_id)
 
             yield ChainUnderTest("quic", link, worker_id, b"", fingerprint), process.kill
@@ -348,18 +357,18 @@ async def doomed(
 
 
 async def test_killing_the_worker_mid_session_is_a_transport_error_by_the_deadline(
-    doomed: tuple[ChainUnderTest, object], prompt: list[int]
+    doomed: tuple[ChainUnderTest, Callable[[], None]], prompt: list[int]
 ) -> None:
     worker, kill = doomed
     options = SessionOptions(max_reconnects=1, reconnect_backoff_s=0.05)
     async with ShardSession.open(
-        worker.links,  # type: ignore[arg-type]
+        worker.links,
         fingerprint=worker.fingerprint,
         shard_range=shard.ShardRange(start_layer=0, end_layer=TINY_N_LAYERS, effective_start_layer=0),
         options=options,
     ) as session:
         first = (await session.prefill(prompt)).token
-        kill()  # type: ignore[operator]
+        kill()
         # Typed, and at the 2 s deadline plus the client's 0.25 s grace (room for a live worker's
         # own DEADLINE_EXCEEDED to arrive first), with slack for a loaded machine — never at the
         # 30 s transport idle timeout.

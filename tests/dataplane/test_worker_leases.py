@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from engines.interface import EngineError, EngineErrorKind, SessionKey
 from meshnode.dataplane.actions import FireCancel, ReleaseEngine, RunBatch
 from meshnode.dataplane.lease import ReleaseReason, StreamOrigin, idle_timeout_ns, peer_session_cap
@@ -33,10 +35,10 @@ def released(actions: list) -> list[str]:
     return sorted(a.session.session_id for a in actions if isinstance(a, ReleaseEngine))
 
 
-def open_prefilled(harness: WorkerHarness, session_id: str, who: StreamOrigin, **chunk: object) -> int:
+def open_prefilled(harness: WorkerHarness, session_id: str, who: StreamOrigin, **chunk: Any) -> int:
     stream, opened = harness.open(session_id=session_id, origin=who)
     assert kinds(opened) == ["accepted"]
-    out = harness.ask(stream, chunk_request(1, [1, 2, 3], session_id=session_id, **chunk))  # type: ignore[arg-type]
+    out = harness.ask(stream, chunk_request(1, [1, 2, 3], session_id=session_id, **chunk))
     assert "ack" in kinds(out)
     return stream
 

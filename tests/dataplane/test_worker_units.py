@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from helpers.recording_engine import RecordingEngine
@@ -32,8 +34,8 @@ from .harness import (
 )
 
 
-def prefilled(tokens: tuple[int, ...] = (1, 2, 3), **config: object) -> tuple[WorkerHarness, int]:
-    harness = WorkerHarness(config=WorkerConfig(**config) if config else None)  # type: ignore[arg-type]
+def prefilled(tokens: tuple[int, ...] = (1, 2, 3), **config: Any) -> tuple[WorkerHarness, int]:
+    harness = WorkerHarness(config=WorkerConfig(**config) if config else None)
     stream, _ = harness.open()
     out = harness.ask(stream, chunk_request(1, list(tokens)))
     assert kinds(out)[:2] == ["chunk", "ack"]
@@ -246,7 +248,8 @@ def test_a_newer_epoch_abandons_the_old_epochs_queued_and_running_units() -> Non
     assert any(
         isinstance(a, FireCancel) and a.token is running.steps[0].request.cancel_token for a in harness.log
     )
-    assert running.steps[0].request.cancel_token.cancelled  # type: ignore[union-attr]
+    token = running.steps[0].request.cancel_token
+    assert token is not None and token.cancelled
     assert responses(harness.run([running]), old_stream) == []
     # Old stream's DecodeSteps (epoch 1) are stale from now on.
     status = only_status(harness.ask(old_stream, decode_request(4, 4, 5)))

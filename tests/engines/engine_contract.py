@@ -103,7 +103,7 @@ class EngineContract:
         for engine in self._opened:
             engine.close()
 
-    def engine(self, layer_start: int = 0, layer_end: int | None = None, **overrides: object) -> ShardEngine:
+    def engine(self, layer_start: int = 0, layer_end: int | None = None, **overrides: Any) -> ShardEngine:
         engine = self.new_engine(self.clock)
         self._opened.append(engine)
         request = LoadRequest(
@@ -116,7 +116,7 @@ class EngineContract:
             n_threads=2,
             session_ttl_s=self.ttl_s,
         )
-        engine.load(dataclasses.replace(request, **overrides))  # type: ignore[arg-type]
+        engine.load(dataclasses.replace(request, **overrides))
         return engine
 
     def whole(self, **overrides: object) -> ShardEngine:

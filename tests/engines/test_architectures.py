@@ -163,7 +163,7 @@ def _tensor_values(path: Path) -> dict[str, np.ndarray]:
 def _swa_flags(path: Path) -> list[bool]:
     entry = read_gguf(path).entry(f"{read_gguf(path).architecture}.attention.sliding_window_pattern")
     assert entry is not None and entry.array_type == GGUFValueType.BOOL
-    return [bool(flag) for flag in entry.value]  # type: ignore[union-attr]
+    return [bool(flag) for flag in entry.array]
 
 
 def test_gemma2_alternates_windows_without_a_window_key(tmp_path: Path) -> None:

@@ -122,11 +122,11 @@ class _Skewed(LlamaShardEngine):
 
     batched_passes = 0
 
-    def _build_runtime(self, start_layer: int):  # type: ignore[no-untyped-def]
+    def _build_runtime(self, start_layer: int):
         runtime = super()._build_runtime(start_layer)
         run_batch = runtime.run_batch
 
-        def skewed(sequences):  # type: ignore[no-untyped-def]
+        def skewed(sequences):
             results = run_batch(sequences)
             if len(sequences) > 1:
                 self.batched_passes += 1

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,8 +34,8 @@ class TestFakeEngineContract(EngineContract):
         return "fake"
 
 
-def loaded(layer_start: int = 0, layer_end: int | None = None, **kwargs: object) -> FakeEngine:
-    engine = FakeEngine(SPEC, **kwargs)  # type: ignore[arg-type]
+def loaded(layer_start: int = 0, layer_end: int | None = None, **kwargs: Any) -> FakeEngine:
+    engine = FakeEngine(SPEC, **kwargs)
     engine.load(LoadRequest("fake", layer_start, layer_end, n_ctx=256, n_seq_max=2))
     return engine
 

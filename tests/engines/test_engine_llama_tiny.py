@@ -4,6 +4,7 @@ parity at every split point, and refusal of what it cannot run."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -117,7 +118,7 @@ def _assert_parity(
 
 
 @pytest.mark.parametrize("split", range(1, TINY_N_LAYERS))
-def test_every_split_point_is_bit_exact(tiny_model: Path, reference, split: int) -> None:  # type: ignore[no-untyped-def]
+def test_every_split_point_is_bit_exact(tiny_model: Path, reference, split: int) -> None:
     prompt, expected_logits, expected_tokens = reference
     engines = [_load(tiny_model, 0, split), _load(tiny_model, split)]
     got = _greedy_run(engines, prompt)
@@ -129,7 +130,7 @@ def test_every_split_point_is_bit_exact(tiny_model: Path, reference, split: int)
         engine.close()
 
 
-def test_three_way_split_is_bit_exact(tiny_model: Path, reference) -> None:  # type: ignore[no-untyped-def]
+def test_three_way_split_is_bit_exact(tiny_model: Path, reference) -> None:
     prompt, expected_logits, expected_tokens = reference
     engines = [_load(tiny_model, 0, 2), _load(tiny_model, 2, 5), _load(tiny_model, 5)]
     got = _greedy_run(engines, prompt)
@@ -141,7 +142,7 @@ def test_three_way_split_is_bit_exact(tiny_model: Path, reference) -> None:  # t
         engine.close()
 
 
-def test_a_middle_slice_puts_its_empty_input_table_with_the_offloaded_layers(  # type: ignore[no-untyped-def]
+def test_a_middle_slice_puts_its_empty_input_table_with_the_offloaded_layers(
     tiny_model: Path, reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A middle slice's ``token_embd`` has no bytes; fully offloaded, it was the CPU's only
@@ -234,9 +235,11 @@ def test_slices_are_cached_on_disk_and_reused(tmp_path: Path, tiny_model: Path) 
 
 def test_abort_in_a_later_chunk_rolls_back_the_earlier_chunks(tiny_model: Path) -> None:
     """llama.cpp only removes the aborted ubatch; chunks committed before it must go too."""
-    settings = dict(n_ctx=512, n_seq_max=1, n_batch=32, n_threads=2, n_gpu_layers=0, capture_layer=None)
-    runtime = LlamaRuntime(tiny_model, takes_embeddings=False, **settings)  # type: ignore[arg-type]
-    reference = LlamaRuntime(tiny_model, takes_embeddings=False, **settings)  # type: ignore[arg-type]
+    settings: dict[str, Any] = dict(
+        n_ctx=512, n_seq_max=1, n_batch=32, n_threads=2, n_gpu_layers=0, capture_layer=None
+    )
+    runtime = LlamaRuntime(tiny_model, takes_embeddings=False, **settings)
+    reference = LlamaRuntime(tiny_model, takes_embeddings=False, **settings)
     prefix = np.array(prompt_tokens(10, 500, seed=1), dtype=np.int32)
     rest = np.array(prompt_tokens(90, 500, seed=2), dtype=np.int32)
     runtime.run(0, 0, prefix, want_logits=False)

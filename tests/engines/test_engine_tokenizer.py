@@ -12,7 +12,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path):  # type: ignore[no-untyped-def]
+def tokenizer(tiny_model: Path):
     with Tokenizer.open(tiny_model) as opened:
         yield opened
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,7 +65,7 @@ BUDGET_FACTOR = 1.2
 NODE_CTX = 4096
 
 
-def _measure(model: Path, start: int, end: int, cache_dir: Path, n_ctx: int = NODE_CTX) -> dict[str, object]:
+def _measure(model: Path, start: int, end: int, cache_dir: Path, n_ctx: int = NODE_CTX) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(model), str(start), str(end), str(cache_dir), str(n_ctx)],
         capture_output=True,
@@ -73,24 +74,24 @@ def _measure(model: Path, start: int, end: int, cache_dir: Path, n_ctx: int = NO
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return report
 
 
-def _assert_middle_shard_fits(model: Path, start: int, end: int, cache_dir: Path) -> dict[str, object]:
+def _assert_middle_shard_fits(model: Path, start: int, end: int, cache_dir: Path) -> dict[str, Any]:
     report = _measure(model, start, end, cache_dir)
     budget = report["budget"]
     assert isinstance(budget, dict)
-    shard, total = int(report["shard_bytes"]), int(report["budget_bytes"])  # type: ignore[call-overload]
+    shard, total = int(report["shard_bytes"]), int(report["budget_bytes"])
     print(
-        f"\n{model.name} [{start}, {end}): resident {int(report['rss_bytes']) / MIB:.1f} MiB"  # type: ignore[call-overload]
-        f" ({int(report['rss_file_bytes']) / MIB:.1f} file-backed), shard {shard / MIB:.1f} MiB"  # type: ignore[call-overload]
+        f"\n{model.name} [{start}, {end}): resident {int(report['rss_bytes']) / MIB:.1f} MiB"
+        f" ({int(report['rss_file_bytes']) / MIB:.1f} file-backed), shard {shard / MIB:.1f} MiB"
         f" against a budget of {total / MIB:.1f} MiB {budget}"
     )
     # Every part of the budget was reported: a missed log line would make the bound meaningless.
     assert budget["weights_bytes"] > 0 and budget["kv_bytes"] > 0 and budget["compute_bytes"] > 0
     # The engine's health reports the process's resident memory (not its weights' size).
-    health, rss = int(report["health_resident_bytes"]), int(report["rss_bytes"])  # type: ignore[call-overload]
+    health, rss = int(report["health_resident_bytes"]), int(report["rss_bytes"])
     assert abs(health - rss) <= 0.05 * rss
     assert shard <= BUDGET_FACTOR * total
 
@@ -106,7 +107,7 @@ def _assert_middle_shard_fits(model: Path, start: int, end: int, cache_dir: Path
 def test_a_gemma_middle_shard_holds_no_vocabulary_table(gemma_model: Path, tmp_path: Path) -> None:
     report = _assert_middle_shard_fits(gemma_model, 6, 12, tmp_path)
     # The 170 MiB token_embd alone used to be resident in every shard; the slice is its layers.
-    assert int(report["rss_file_bytes"]) < 100 * MIB  # type: ignore[call-overload]
+    assert int(report["rss_file_bytes"]) < 100 * MIB
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def test_a_gemma_verify_step_past_position_256_is_plain_decoding(
         with caplog.at_level(logging.INFO, logger="engines.llama_engine"):
             result = verify(engine, prompt, tokens[:12], tail=True)
         assert result.token_ids == tuple(tokens[1:13])
-        assert np.array_equal(result.logits, logits[-1])  # type: ignore[arg-type]
+        assert np.array_equal(result.logits, logits[-1])
         assert "a 7-row verify pass computes exactly what one-token decodes do" in caplog.text
         assert "a 5-row verify pass computes exactly what one-token decodes do" in caplog.text
         assert engine._verify_rows == ROW_INVARIANT_MAX_ROWS
@@ -124,7 +124,7 @@ def test_a_pass_that_rounds_otherwise_is_caught_and_verify_falls_back_to_one_row
         engine._verify_rows = 12  # what an engine trusting the wrong limit would do
         with caplog.at_level(logging.WARNING, logger="engines.llama_engine"):
             result = verify(engine, prompt, drafts, tail=False)
-        assert np.array_equal(result.hidden, np.concatenate(plain))  # type: ignore[arg-type]
+        assert result.hidden is not None and np.array_equal(result.hidden, np.concatenate(plain))
         assert "12-row pass does not round as its one-token decodes" in caplog.text
         assert engine._verify_rows == 1
     finally:
@@ -145,7 +145,7 @@ def test_a_gemma_verify_step_with_repacked_weights_is_plain_decoding(
         with caplog.at_level(logging.INFO, logger="engines.llama_engine"):
             result = verify(engine, prompt, tokens[:12], tail=True)
         assert result.token_ids == tuple(tokens[1:13])
-        assert np.array_equal(result.logits, logits[-1])  # type: ignore[arg-type]
+        assert np.array_equal(result.logits, logits[-1])
         assert "a 3-row verify pass computes exactly what one-token decodes do" in caplog.text
         assert engine._verify_rows == REPACKED_MAX_ROWS
     finally:

@@ -19,9 +19,11 @@ rolled-back session computes next is exactly what plain decoding computes. No to
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from helpers.step_results import sampled_token, step_logits
 from helpers.tiny_llama import SPLIT, load_engine, run_unsplit
 
 from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest, StepResult
@@ -50,17 +52,15 @@ def step(
 ) -> tuple[np.ndarray, StepResult]:
     """One unit through both hops: the head's hidden output and the tail's result."""
     head, tail = hops
-    common = {"first_position": position, "draft_tokens": drafts, "rollback": rollback}
+    common: dict[str, Any] = {"first_position": position, "draft_tokens": drafts, "rollback": rollback}
     if position:
         common["expected_past_len"] = position
     single = position > 0 and len(tokens) == 1
     run_head = head.decode if single else head.prefill
     run_tail = tail.decode if single else tail.prefill
-    hidden = run_head(StepRequest(session=key, token_ids=tokens, **common)).hidden  # type: ignore[arg-type]
+    hidden = run_head(StepRequest(session=key, token_ids=tokens, **common)).hidden
     assert hidden is not None
-    result = run_tail(
-        StepRequest(session=key, hidden=hidden, sampling=GREEDY, want_logits=True, **common)  # type: ignore[arg-type]
-    )
+    result = run_tail(StepRequest(session=key, hidden=hidden, sampling=GREEDY, want_logits=True, **common))
     return hidden.copy(), result
 
 
@@ -72,10 +72,10 @@ def test_rejected_drafts_leave_every_hops_cache_as_if_never_sent(
     # Z: plain greedy decoding, one token a step; ``greedy[i]`` is the token at P + i.
     z = SessionKey(f"z{accepted}", 1)
     _, result = step(hops, z, 0, PROMPT)
-    greedy = [int(result.token_id)]  # type: ignore[arg-type]
+    greedy = [sampled_token(result)]
     for position in range(P, P + accepted + 1):
         _, result = step(hops, z, position, (greedy[-1],))
-        greedy.append(int(result.token_id))  # type: ignore[arg-type]
+        greedy.append(sampled_token(result))
     # The round's accepted drafts, then the model's choice after them, fed at P + accepted + 1.
     kept, bonus = greedy[1 : accepted + 1], greedy[accepted + 1]
     after = P + accepted + 1
@@ -103,10 +103,10 @@ def test_rejected_drafts_leave_every_hops_cache_as_if_never_sent(
     assert x_next.past_len == y_next.past_len == z_next.past_len == after + 1
     # Whatever was rejected, the next step is the same bit for bit, on the head hop and on the tail.
     assert np.array_equal(x_hidden, y_hidden)
-    assert np.array_equal(x_next.logits, y_next.logits)  # type: ignore[arg-type]
+    assert np.array_equal(step_logits(x_next), step_logits(y_next))
     # And against the session that never saw a draft, bit for bit too.
     assert np.array_equal(x_hidden, z_hidden)
-    assert np.array_equal(x_next.logits, z_next.logits)  # type: ignore[arg-type]
+    assert np.array_equal(step_logits(x_next), step_logits(z_next))
     assert x_next.token_id == z_next.token_id
 
 
@@ -115,10 +115,10 @@ def test_a_verify_steps_choices_are_plain_greedy_decoding_one_token_at_a_time(
 ) -> None:
     key = SessionKey("plain", 1)
     _, result = step(hops, key, 0, PROMPT)
-    tokens = [int(result.token_id)]  # type: ignore[arg-type]
+    tokens = [sampled_token(result)]
     for position in range(P, P + 5):
         _, result = step(hops, key, position, (tokens[-1],))
-        tokens.append(int(result.token_id))  # type: ignore[arg-type]
+        tokens.append(sampled_token(result))
     key = SessionKey("verify", 1)
     step(hops, key, 0, PROMPT)
     _, verify = step(hops, key, P, tuple(tokens[:5]), drafts=4)
@@ -147,6 +147,6 @@ def test_a_gemma_verify_step_computes_what_plain_decoding_does(gemma_model: Path
             )
         )
         assert verify.token_ids == tuple(tokens[1:13])
-        assert np.array_equal(verify.logits, logits[-1])  # type: ignore[arg-type]
+        assert np.array_equal(step_logits(verify), logits[-1])
     finally:
         engine.close()

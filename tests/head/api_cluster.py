@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 from helpers.node_processes import QuicCluster, api_node_args
+from helpers.step_results import sampled_token
 from helpers.tiny_llama import load_engine
 
 from engines.interface import GREEDY, SessionKey, StepRequest
@@ -40,13 +41,13 @@ def unsplit_chat_answers(model: Path) -> dict[int, str]:
     prompt = tokenizer.encode_chat(MESSAGES)
     key = SessionKey("reference", 1)
     result = engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY))
-    tokens = [int(result.token_id)]  # type: ignore[arg-type]
+    tokens = [sampled_token(result)]
     while len(tokens) < 300 and not tokenizer.is_end_of_generation(tokens[-1]):
         position = len(prompt) + len(tokens) - 1
         result = engine.decode(
             StepRequest(key, position, token_ids=(tokens[-1],), expected_past_len=position, sampling=GREEDY)
         )
-        tokens.append(int(result.token_id))  # type: ignore[arg-type]
+        tokens.append(sampled_token(result))
     engine.close()
 
     def text(count: int) -> str:

@@ -53,8 +53,8 @@ def arm(step: int, claim: Path) -> None:
         finally:
             batching.active = False
 
-    LlamaShardEngine.decode = counted_decode  # type: ignore[method-assign]
-    LlamaShardEngine.step_batch = counted_step_batch  # type: ignore[method-assign]
+    LlamaShardEngine.decode = counted_decode  # type: ignore[method-assign, assignment]  # injected in place
+    LlamaShardEngine.step_batch = counted_step_batch  # type: ignore[method-assign, assignment]  # injected in place
 
 
 def _first_to_claim(claim: Path) -> bool:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.step_results import sampled_token
 
 from engines.default_model import default_model_path
 from engines.engine_guard import choose_weight_repack
@@ -35,11 +36,16 @@ def whole_model_continuation(model: Path) -> str:
     # What `--weight-repack auto`, the demo's default, chooses on this machine.
     repack = choose_weight_repack(WeightRepack.AUTO, ProbeTarget(model)).weight_repack
     engine.load(LoadRequest(str(model), 0, None, n_ctx=256, n_seq_max=1, weight_repack=repack))
-    sampling = SamplingParams(**DEFAULT_SAMPLING)  # type: ignore[arg-type]
+    sampling = SamplingParams(
+        temperature=DEFAULT_SAMPLING["temperature"],
+        top_p=DEFAULT_SAMPLING["top_p"],
+        top_k=int(DEFAULT_SAMPLING["top_k"]),
+        seed=int(DEFAULT_SAMPLING["seed"]),
+    )
     prompt = tokenizer.encode_prompt(DEFAULT_PROMPT)
     key = SessionKey("reference", 1)
     first = StepRequest(key, 0, token_ids=tuple(prompt), sampling=sampling, sample_index=len(prompt))
-    tokens = [engine.prefill(first).token_id]
+    tokens = [sampled_token(engine.prefill(first))]
     while len(tokens) < TOKENS:
         position = len(prompt) + len(tokens) - 1
         step = StepRequest(
@@ -50,10 +56,10 @@ def whole_model_continuation(model: Path) -> str:
             sampling=sampling,
             sample_index=position + 1,
         )
-        tokens.append(engine.decode(step).token_id)
+        tokens.append(sampled_token(engine.decode(step)))
     engine.close()
     stream = tokenizer.detokenizer()
-    return "".join(stream.feed(int(t)) for t in tokens) + stream.flush()  # type: ignore[arg-type]
+    return "".join(stream.feed(t) for t in tokens) + stream.flush()
 
 
 def test_the_demo_streams_the_whole_models_text_and_stops_everything(tmp_path: Path) -> None:

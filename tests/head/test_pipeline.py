@@ -208,7 +208,7 @@ async def generate_three_at_once(
         for index, shard in routes.shards.items():
             # A sleep per step: a machine of its own.
             shard.engine.step_delay_s = tail_delay_s if index == TAIL else STEP_S
-            shard.engine.step_batch = clock.wrap(index, shard.engine.step_batch)  # type: ignore[method-assign]
+            shard.engine.step_batch = clock.wrap(index, shard.engine.step_batch)  # type: ignore[method-assign]  # timed in place
         options = DriverOptions(
             **{**FAST.__dict__, "speculation": False, "pipeline": pipeline, "pipeline_cohorts": cohorts}
         )

@@ -87,7 +87,13 @@ def test_a_replay_repeats_the_original_units_at_their_positions():
 
 
 def announcement(
-    node: int, start: int, end: int, *, recipe: str = "r1", state: int = 0, numerics: str = ""
+    node: int,
+    start: int,
+    end: int,
+    *,
+    recipe: str = "r1",
+    state: shard.ServingState = shard.SERVING_STATE_UNSPECIFIED,
+    numerics: str = "",
 ) -> mesh.PeerAnnouncement:
     a = mesh.PeerAnnouncement(endpoint_id=bytes([node]) * 32)
     a.serving.model_name = "m"
@@ -99,7 +105,7 @@ def announcement(
     a.serving.total_layers = 6
     a.capacity.max_concurrent_sessions = 4
     a.load.active_sessions = 1
-    a.load.serving_state = state  # type: ignore[assignment]
+    a.load.serving_state = state
     return a
 
 

@@ -14,4 +14,5 @@ directory uses stays there, in a module not named ``test_*`` (``tests/mesh/mesh_
   announces) that the data-plane and head tests run on.
 - ``recording_engine``: the fake engine on a small model, recording every step.
 - ``rss``: a process's resident memory, sampled while a test attacks it.
+- ``step_results``: an engine step's sampled token and logits, asserted present.
 """

@@ -39,7 +39,8 @@ class MeshPeer:
 
     # LinkHandler
     def link_established(self, link: PeerLink) -> None:
-        self.links[link.peer_id] = link  # type: ignore[assignment]
+        assert isinstance(link, LoopbackLink)  # the loopback mesh makes no other kind
+        self.links[link.peer_id] = link
 
     def stream_accepted(self, link: PeerLink, stream: MeshStream) -> None:
         self.streams_accepted += 1
@@ -103,9 +104,9 @@ class AnnouncingPeer:
         self.loads: list[mesh_pb.Load] = []
         self.registered: list[StreamType] = []
 
-    def register_handler(self, stream_type: StreamType, handler: object) -> None:
+    def register_handler(self, stream_type: StreamType, handler: StreamHandler) -> None:
         self.registered.append(stream_type)
-        self.peer.register_handler(stream_type, handler)  # type: ignore[arg-type]
+        self.peer.register_handler(stream_type, handler)
 
     async def get_link(self, peer_id: bytes) -> PeerLink:
         return await self.peer.get_link(peer_id)

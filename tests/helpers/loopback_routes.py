@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engines.interface import GREEDY, SamplingParams, SessionKey, StepRequest
 from engines.sampling import sample_token
@@ -57,11 +58,11 @@ class LoopbackRoutes:
         start: int,
         end: int,
         engine_class: type[RecordingEngine] = RecordingEngine,
-        **engine_options: object,
+        **engine_options: Any,
     ) -> Shard:
         """A server for ``[start, end)`` on peer ``index`` (``DRIVER_INDEX``: this node, served locally)."""
         peer = self.me if index == DRIVER_INDEX else self.mesh.add(index)
-        engine = engine_class(start, end, **engine_options)  # type: ignore[arg-type]
+        engine = engine_class(start, end, **engine_options)
         server = ShardServer(engine, links=peer.get_link)
         assert (await server.start()).validated
         if index == DRIVER_INDEX:

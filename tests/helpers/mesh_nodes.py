@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from helpers.polling import eventually
 from meshnode.identity import NodeIdentity
@@ -21,9 +22,9 @@ from meshnode.wire.pb import shard
 from relay.server import RelayServer
 
 
-def fast_config(**overrides: object) -> NodeConfig:
+def fast_config(**overrides: Any) -> NodeConfig:
     """A node on loopback that notices a silent peer within seconds."""
-    settings: dict[str, object] = {
+    settings: dict[str, Any] = {
         "listen": "127.0.0.1:0",
         "heartbeat_interval": 0.2,
         # Short, but not so short that a loaded 2-core CI machine sees false failures.
@@ -34,7 +35,7 @@ def fast_config(**overrides: object) -> NodeConfig:
         "tombstone_ttl": 30.0,
     }
     settings.update(overrides)
-    return NodeConfig(**settings)  # type: ignore[arg-type]
+    return NodeConfig(**settings)
 
 
 def cluster_client_config() -> NodeConfig:
@@ -49,9 +50,9 @@ def cluster_client_config() -> NodeConfig:
     )
 
 
-def relay_only_config(relay: Endpoint | None = None, **overrides: object) -> NodeConfig:
+def relay_only_config(relay: Endpoint | None = None, **overrides: Any) -> NodeConfig:
     """A node that cannot be dialed and dials no one (NAT, in one process): only through ``relay``."""
-    settings: dict[str, object] = {
+    settings: dict[str, Any] = {
         "listen": "127.0.0.1:0",
         "heartbeat_interval": 0.3,
         "gossip_timeout": 2.0,
@@ -63,7 +64,7 @@ def relay_only_config(relay: Endpoint | None = None, **overrides: object) -> Nod
         "relays": [relay] if relay is not None else [],
     }
     settings.update(overrides)
-    return NodeConfig(**settings)  # type: ignore[arg-type]
+    return NodeConfig(**settings)
 
 
 def new_membership(mesh_key: MeshKey, identity: NodeIdentity) -> MembershipState:

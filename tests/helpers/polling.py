@@ -38,7 +38,7 @@ async def eventually(
                 if inspect.isawaitable(value):
                     value = await value
                 if value:
-                    return value  # type: ignore[return-value]
+                    return value
                 await asyncio.sleep(interval)
     except TimeoutError:
         if not scope.expired():

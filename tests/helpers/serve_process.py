@@ -14,6 +14,7 @@ from pathlib import Path
 from engines.interface import GREEDY, LoadRequest, SessionKey, StepRequest
 from engines.llama_engine import LlamaShardEngine
 from engines.tokenizer import Tokenizer
+from helpers.step_results import sampled_token
 
 _API_LINE = re.compile(r"at (http://127\.0\.0\.1:\d+)/v1")
 
@@ -56,16 +57,16 @@ def whole_model_greedy_text(model: Path, prompt_text: str, tokens: int) -> str:
     engine.load(LoadRequest(str(model), 0, None, n_ctx=512, n_seq_max=1, n_threads=1))
     prompt = tokenizer.encode_prompt(prompt_text)
     key = SessionKey("reference", 1)
-    generated = [engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY)).token_id]
+    generated = [sampled_token(engine.prefill(StepRequest(key, 0, token_ids=tuple(prompt), sampling=GREEDY)))]
     while len(generated) < tokens:
         position = len(prompt) + len(generated) - 1
         step = StepRequest(
             key, position, token_ids=(generated[-1],), expected_past_len=position, sampling=GREEDY
         )
-        generated.append(engine.decode(step).token_id)
+        generated.append(sampled_token(engine.decode(step)))
     engine.close()
     stream = tokenizer.detokenizer()
-    text = "".join(stream.feed(int(t)) for t in generated) + stream.flush()  # type: ignore[arg-type]
+    text = "".join(stream.feed(t) for t in generated) + stream.flush()
     tokenizer.close()
     return text
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from engines.interface import GREEDY, LoadRequest, SessionKey, ShardEngine, StepRequest
 from engines.llama_engine import LlamaShardEngine
+from helpers.step_results import sampled_token, step_logits
 
 SPLIT = 3
 CTX = 512
@@ -45,7 +46,7 @@ def run_unsplit(
             )
         )
         position += len(chunk)
-    tokens, logits = [int(result.token_id)], [result.logits]  # type: ignore[arg-type]
+    tokens, logits = [sampled_token(result)], [step_logits(result)]
     for _ in range(decode_steps):
         result = engine.decode(
             StepRequest(
@@ -57,11 +58,11 @@ def run_unsplit(
                 want_logits=True,
             )
         )
-        tokens.append(int(result.token_id))  # type: ignore[arg-type]
-        logits.append(result.logits)
+        tokens.append(sampled_token(result))
+        logits.append(step_logits(result))
         position += 1
     engine.release(key)
-    return tokens, logits  # type: ignore[return-value]
+    return tokens, logits
 
 
 __all__ = ["CTX", "SPLIT", "THREADS", "load_engine", "run_unsplit"]

@@ -85,6 +85,6 @@ async def test_an_empty_write_on_a_dead_stream_raises_and_a_reset_after_the_last
         FakeStream.send(stream, piece)
         stream.error = StreamReset(2)
 
-    stream.send = send_then_reset  # type: ignore[method-assign]
+    stream.send = send_then_reset  # type: ignore[method-assign]  # this one stream resets as the bytes land
     await stream.write(b"x")
     assert stream.pieces == [b"x"]

@@ -3,6 +3,8 @@ certificates expire unless an admin renews them (issue 24)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from helpers.mesh_nodes import fast_config, first_member
 
@@ -43,7 +45,7 @@ def code_of(call) -> int:
     return caught.value.code
 
 
-def admin_state(mesh_key: MeshKey, identity: NodeIdentity, **kwargs: object) -> MeshState:
+def admin_state(mesh_key: MeshKey, identity: NodeIdentity, **kwargs: Any) -> MeshState:
     certificate = issue_certificate(
         mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=NOW, admin=True
     )
@@ -52,7 +54,7 @@ def admin_state(mesh_key: MeshKey, identity: NodeIdentity, **kwargs: object) -> 
         mesh_id=mesh_key.mesh_id,
         local=mesh.PeerAnnouncement(incarnation=1, addresses=["127.0.0.1:1"]),
         membership=MembershipState(mesh_key=mesh_key, certificate=certificate),
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 from mesh_helpers import FakeLink
@@ -195,8 +196,8 @@ class Lan:
 class SlowRelays(Relays):
     """Relays whose handshake takes a while."""
 
-    async def open_link(self, peer_id: bytes, **kwargs: object) -> PeerLink:  # type: ignore[override]
-        self.opened.append((peer_id, list(kwargs.get("via", ()))))  # type: ignore[call-overload]
+    async def open_link(self, peer_id: bytes, **kwargs: Any) -> PeerLink:
+        self.opened.append((peer_id, list(kwargs.get("via", ()))))
         await asyncio.sleep(0.2)
         assert self.link is not None
         return self.link

@@ -184,7 +184,7 @@ def start_two_shard_chain(
             stdin=chain.invite(),
         )
         wait_until(lambda: (mesh.status("b") or {}).get("node", {}).get("serving"), 90, "B to serve")
-        chain.id_b = mesh.status("b")["node"]["id"]  # type: ignore[index]
+        chain.id_b = mesh.status("b")["node"]["id"]
         wait_until(
             lambda: chain.id_b in peers_of(mesh.status("a")) and chain.id_a in peers_of(mesh.status("b")),
             60,

@@ -152,7 +152,7 @@ def test_a_natted_joiner_with_only_an_invite_places_fetches_and_answers_over_los
         assert start <= 3 and end == TINY_N_LAYERS  # it covers the layers nobody served
         transfer = placed()["transfer"]
         assert transfer["done_bytes"] == transfer["total_bytes"] > 0
-        id_a, id_b = (mesh.status(name)["node"]["id"] for name in ("a", "b"))  # type: ignore[index]
+        id_a, id_b = (mesh.status(name)["node"]["id"] for name in ("a", "b"))
 
         def a_knows_b_serves() -> bool:
             served = (peers_of(mesh.status("a")).get(id_b) or {}).get("serving") or {}

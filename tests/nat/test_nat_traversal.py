@@ -111,7 +111,7 @@ def test_homes_behind_home_routers_punch_fall_back_to_the_relay_and_move_back_li
 
         fell_back = generate_while(mesh, "c1", chain.invite(), prompt, cut)
         assert_whole_models_text(fell_back, tokens, logits)
-        lost = sum((mesh.status(n)["sections"]["traversal"]["direct_paths_lost"]) for n in ("a", "b"))  # type: ignore[index]
+        lost = sum((mesh.status(n)["sections"]["traversal"]["direct_paths_lost"]) for n in ("a", "b"))
         assert lost >= 1
 
         # 3. The path works again during a generation: the hop moves to it live, no unit fails, and
@@ -206,7 +206,7 @@ def test_two_homes_on_one_lan_dial_each_others_private_address(netns_available: 
             assert peer(mesh, "a", ids["b"])["link"] == f"quic {HOME_A2}:{NODE_PORT}"
             assert peer(mesh, "b", ids["a"])["link"] == f"quic {HOME_A}:{NODE_PORT}"
             # Both are seen behind one public address: the router's.
-            observed = {mesh.status(n)["node"]["observed_addresses"][0].split(":")[0] for n in "ab"}  # type: ignore[index]
+            observed = {mesh.status(n)["node"]["observed_addresses"][0].split(":")[0] for n in "ab"}
             assert observed == {"198.18.0.1"}
         except BaseException:
             print(mesh.dump())

@@ -69,8 +69,9 @@ async def test_a_server_leaves_the_socket_to_a_node_that_answers_there(tmp_path:
 async def test_a_leftover_socket_is_taken_over(tmp_path: Path):
     leftover = StatusServer(DataDir(tmp_path).control_socket, NodeReport)
     await leftover.start()
-    leftover._server.close()  # type: ignore[union-attr]  # a process gone: the file stays, nobody answers
-    await leftover._server.wait_closed()  # type: ignore[union-attr]
+    assert leftover._server is not None
+    leftover._server.close()  # a process gone: the file stays, nobody answers
+    await leftover._server.wait_closed()
     assert DataDir(tmp_path).control_socket.exists()
     server = await answer_status(tmp_path, "http://127.0.0.1:1", announcement())
     assert server is not None

@@ -27,7 +27,13 @@ from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import QuicSettings
-from meshnode.wire.errors import BufferLimitExceeded, FrameStalled, FrameTooLarge, TruncatedFrame
+from meshnode.wire.errors import (
+    BufferLimitExceeded,
+    FrameStalled,
+    FrameTooLarge,
+    FramingError,
+    TruncatedFrame,
+)
 from meshnode.wire.framing import MAX_FRAME_BYTES
 from relay.core import RelayCore, RelayPolicy, source_group
 from relay.server import RelayServer
@@ -136,8 +142,8 @@ def test_before_registration_only_a_registration_sized_frame_is_accepted() -> No
         (TruncatedFrame(3, 10), p.MALFORMED),
     ],
 )
-def test_each_framing_failure_has_its_relay_code(error: Exception, code: int) -> None:
-    assert p.refusal_for_framing_error(error, registered=False).code == code  # type: ignore[arg-type]
+def test_each_framing_failure_has_its_relay_code(error: FramingError, code: int) -> None:
+    assert p.refusal_for_framing_error(error, registered=False).code == code
 
 
 def test_unregistered_caps_must_be_consistent() -> None:

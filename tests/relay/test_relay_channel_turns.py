@@ -249,13 +249,13 @@ class RecordingHandler(EchoHandler):
 
     def link_established(self, link: PeerLink) -> None:
         super().link_established(link)
-        received = link.record_received  # type: ignore[attr-defined]
+        received = link.record_received  # type: ignore[attr-defined]  # a relayed link's, wrapped below
 
         def recording(channel: int, record: bytes) -> None:
             self.arrivals.append((channel, len(record)))
             received(channel, record)
 
-        link.record_received = recording  # type: ignore[attr-defined]
+        link.record_received = recording  # type: ignore[attr-defined]  # recorded in place
 
 
 @pytest.mark.timeout(60)

@@ -45,7 +45,7 @@ async def test_a_check_that_misjudges_a_live_relay_moves_the_registration_withou
         def stalled(data: bytes, addr: tuple[str, int]) -> None:
             pass  # nothing reaches A on its old connection any more: the ping goes unanswered
 
-        old.link.datagram_received = stalled  # type: ignore[method-assign]
+        old.link.datagram_received = stalled
         check = asyncio.create_task(client.confirm_alive(CHECK_TIMEOUT_S))
         # Two checks at once (two peers' probes) share one: one replacement, not two.
         second = asyncio.create_task(client.confirm_alive(CHECK_TIMEOUT_S))

@@ -28,6 +28,8 @@ def test_backoff_grows_exponentially_with_jitter_and_is_capped() -> None:
 
 @dataclass
 class FakeClient:
+    """Stands in for a RelayClient: only what RelayLinks reads of one (hence the type ignores)."""
+
     relay_id: bytes = b"\x09" * 32
     sent: list[tuple[bytes, int, bytes]] = field(default_factory=list)
 
@@ -50,7 +52,7 @@ async def test_per_peer_state_is_bounded_and_idle_peers_are_evicted() -> None:
     senders = [NodeIdentity.generate() for _ in range(3)]
     for sender in senders:
         init = PeerSealer(sender, me.node_id).start()
-        links.client_callbacks.deliver(client, sender.node_id, CONTROL_CHANNEL, init)  # type: ignore[arg-type]
+        links.client_callbacks.deliver(client, sender.node_id, CONTROL_CHANNEL, init)  # type: ignore[arg-type]  # a fake client
     # Every handshake was answered, but only two peers' state is kept: the oldest idle one went.
     assert [destination for destination, _, _ in client.sent] == [s.node_id for s in senders]
     assert links.sealed_peers() == {senders[1].node_id, senders[2].node_id}
@@ -60,8 +62,8 @@ async def test_garbage_from_a_member_is_dropped_and_counted() -> None:
     me, other = NodeIdentity.generate(), NodeIdentity.generate()
     links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None)
     client = FakeClient()
-    links.client_callbacks.deliver(client, other.node_id, 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]
-    links.client_callbacks.deliver(client, other.node_id, 4, b"")  # type: ignore[arg-type]
+    links.client_callbacks.deliver(client, other.node_id, 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]  # a fake client
+    links.client_callbacks.deliver(client, other.node_id, 4, b"")  # type: ignore[arg-type]  # a fake client
     assert links.frames_dropped == 2
 
 
@@ -80,7 +82,7 @@ async def test_a_dial_the_relay_refused_does_not_make_us_ignore_the_peers_own_ha
     client = RegisteredClient()
     # A fake registered relay client, put where add_relays would put a real one (which dials): the
     # manager has no public way to take a client it did not make.
-    links._clients[client.relay_id] = client  # type: ignore[assignment]
+    links._clients[client.relay_id] = client  # type: ignore[assignment]  # a fake client
 
     dial = asyncio.create_task(links.open_link(other.node_id, timeout=5.0))
     while not client.sent:
@@ -91,13 +93,13 @@ async def test_a_dial_the_relay_refused_does_not_make_us_ignore_the_peers_own_ha
         channel=CONTROL_CHANNEL,
         refusal=relay.RelayRefusal(code=relay.RELAY_ERROR_DESTINATION_UNKNOWN, detail="not registered here"),
     )
-    links.client_callbacks.send_refused(client, refusal)  # type: ignore[arg-type]
+    links.client_callbacks.send_refused(client, refusal)  # type: ignore[arg-type]  # a fake client
     with pytest.raises(RelayDialError, match="refused"):
         await dial
 
     client.sent.clear()
     their_init = PeerSealer(other, me.node_id).start()
-    links.client_callbacks.deliver(client, other.node_id, CONTROL_CHANNEL, their_init)  # type: ignore[arg-type]
+    links.client_callbacks.deliver(client, other.node_id, CONTROL_CHANNEL, their_init)  # type: ignore[arg-type]  # a fake client
     assert [(destination, payload[0]) for destination, _, payload in client.sent] == [
         (other.node_id, KIND_RESPONSE)
     ]
@@ -116,7 +118,7 @@ async def test_a_dial_avoiding_a_relay_goes_through_another_and_that_relay_comes
     links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None)
     silent, other = RegisteredClient(relay_id=b"\x01" * 32), RegisteredClient(relay_id=b"\x02" * 32)
     for client in (silent, other):
-        links._clients[client.relay_id] = client  # type: ignore[assignment]
+        links._clients[client.relay_id] = client  # type: ignore[assignment]  # a fake client
     both = [silent.relay_id, other.relay_id]
     peers = [NodeIdentity.generate().node_id for _ in range(3)]
 
@@ -132,7 +134,7 @@ async def test_a_dial_avoiding_a_relay_goes_through_another_and_that_relay_comes
     assert inits_sent(other) == [peers[0], peers[1]] and inits_sent(silent) == [peers[0]]
 
     # Any payload through the silent relay shows it alive: it is the first choice again.
-    links.client_callbacks.deliver(silent, peers[1], 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]
+    links.client_callbacks.deliver(silent, peers[1], 4, b"\x04" + b"\0" * 40)  # type: ignore[arg-type]  # a fake client
     dials.append(asyncio.create_task(links.open_link(peers[2], via=both, timeout=5.0)))
     await asyncio.sleep(0)
     assert inits_sent(silent) == [peers[0], peers[2]]
@@ -154,7 +156,7 @@ async def test_a_dial_avoiding_the_only_relay_goes_through_it_at_once() -> None:
         settings=RelayLinkSettings(registration_wait=60),
     )
     only = RegisteredClient()
-    links._clients[only.relay_id] = only  # type: ignore[assignment]
+    links._clients[only.relay_id] = only  # type: ignore[assignment]  # a fake client
     peer = NodeIdentity.generate().node_id
     dial = asyncio.create_task(links.open_link(peer, via=[only.relay_id], avoid=[only.relay_id], timeout=5.0))
     # Not after registration_wait: no other relay is coming up.

@@ -71,7 +71,7 @@ class RemappingNat(asyncio.DatagramProtocol):
             old.close()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inside = transport  # type: ignore[assignment]
+        self.inside = transport  # type: ignore[assignment]  # a datagram endpoint's (uvloop's is no DatagramTransport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         self.inside_peer = addr
@@ -117,7 +117,8 @@ async def test_the_relay_tells_a_node_where_it_sees_its_socket_and_again_after_a
         assert server.member_addresses()[member.node_id] == first
 
         await nat.remap()
-        client.session.link.ping()  # type: ignore[union-attr]  # traffic, so the relay sees the new port
+        assert client.session is not None
+        client.session.link.ping()  # traffic, so the relay sees the new port
         second = f"127.0.0.1:{nat.outside_port}"
         await eventually(lambda: len(changes) == 2, 10)
         assert changes[1] == {relay.id: second} and second != first

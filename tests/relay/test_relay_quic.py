@@ -326,7 +326,8 @@ async def echo_through_a_tampering_relay() -> AsyncIterator[tuple[TamperingCore,
     that relay's core, and B's relay links (which count the payloads they drop)."""
     async with relay_env() as env:
         env.server.core.__class__ = TamperingCore  # fault injection: the running relay's core tampers
-        core: TamperingCore = env.server.core  # type: ignore[assignment]
+        core = env.server.core
+        assert isinstance(core, TamperingCore)
         a, b = env.member(), env.member()
         la, lb = await relay_links(env, a), await relay_links(env, b)
         try:

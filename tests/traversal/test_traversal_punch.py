@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.mesh_nodes import (
@@ -40,14 +41,14 @@ pytestmark = pytest.mark.timeout(60)
 NOWHERE = "127.0.0.1:9"
 
 
-def natted(relay: Endpoint, *, punching: bool = True, **traversal: object) -> NodeConfig:
+def natted(relay: Endpoint, *, punching: bool = True, **traversal: Any) -> NodeConfig:
     """A node its peers cannot dial at the address it announces (as behind NAT), that may dial."""
     return relay_only_config(
         relay,
         relay_only=False,
         advertise=[NOWHERE],
         connect_timeout=1.0,
-        traversal=TraversalSettings(hole_punching=punching, **traversal),  # type: ignore[arg-type]
+        traversal=TraversalSettings(hole_punching=punching, **traversal),
     )
 
 
@@ -63,18 +64,21 @@ async def pair_factory(tmp_path: Path) -> AsyncIterator:
     made: list[Node] = []
     servers: list[RelayServer] = []
 
-    async def make(config_a: object = None, config_b: object = None) -> Pair:
+    async def make(
+        config_a: Callable[[Endpoint], NodeConfig] | None = None,
+        config_b: Callable[[Endpoint], NodeConfig] | None = None,
+    ) -> Pair:
         mesh_key = MeshKey.generate()
         server, relay = await start_relay_server(mesh_key)
         servers.append(server)
-        a = first_member(tmp_path / "a", config_a(relay) if config_a else natted(relay), mesh_key)  # type: ignore[operator]
+        a = first_member(tmp_path / "a", config_a(relay) if config_a else natted(relay), mesh_key)
         made.append(a)
         await a.start()
         await eventually(lambda: a.relay_links is not None and a.relay_links.registered_relays(), 20)
         b = await start_invited_node(
             tmp_path / "b",
             config_b(relay) if config_b else natted(relay),
-            invite_from(a, relays=[relay]),  # type: ignore[operator]
+            invite_from(a, relays=[relay]),
         )
         made.append(b)
         await eventually(lambda: a.node_id in b.state.table and b.node_id in a.state.table, 20)
@@ -144,7 +148,7 @@ async def test_two_nodes_that_meet_through_the_relay_punch_a_direct_path_and_lea
 
     # What a person and a scraper see.
     shown = format_status(pair.a.status().to_json())
-    assert f"quic 127.0.0.1:{pair.b.endpoint.local_address[1]} (punched, " in shown  # type: ignore[union-attr]
+    assert f"quic 127.0.0.1:{pair.b.endpoint.local_address[1]} (punched, " in shown
     assert "(NAT mapping: unknown); hole punching on: " in shown
     samples = samples_by_name(await collect(MetricSources(node=pair.a), now=0.0))
     punches = {(s["role"], s["outcome"]): v for s, v in samples["meshnode_hole_punch_attempts_total"]}
