@@ -159,11 +159,6 @@ class FakeEngine(SessionedEngine):
         with self._faults_lock:
             self._rules.append(_RuleState(rule))
 
-    def clear_faults(self) -> None:
-        with self._faults_lock:
-            self._rules.clear()
-        self.step_delay_s = 0.0
-
     def _firing(self, session_id: str) -> dict[FaultKind, FaultRule]:
         with self._faults_lock:
             return {state.rule.kind: state.rule for state in self._rules if state.fires(session_id)}

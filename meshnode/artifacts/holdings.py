@@ -96,14 +96,8 @@ class Holdings:
         self._by_root[root] = artifact
         return root
 
-    def remove(self, root: bytes) -> None:
-        self._by_root.pop(root, None)
-
     def get(self, root: bytes) -> HeldArtifact | None:
         return self._by_root.get(root)
-
-    def roots(self) -> frozenset[bytes]:
-        return frozenset(self._by_root)
 
 
 __all__ = ["FullModel", "HeldArtifact", "Holdings", "PartialHolding"]

@@ -207,10 +207,6 @@ class RevocationList:
                 raise MeshRefusal(INVITE_REVOKED, revoked.describe())
 
 
-def revocation_set(revocations: Iterable[membership.Revocation]) -> membership.RevocationSet:
-    return membership.RevocationSet(revocations=list(revocations))
-
-
 __all__ = [
     "INVITE_REVOKED",
     "MAX_NEW_PER_BATCH",
@@ -220,7 +216,6 @@ __all__ = [
     "Learned",
     "RevocationList",
     "Revoked",
-    "revocation_set",
     "revoke_invite",
     "revoke_node",
     "verify_revocation",

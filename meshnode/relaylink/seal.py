@@ -139,10 +139,6 @@ class SealedSession:
         self._send_ad = SEAL_TAG + local_id + peer_id
         self._receive_ad = SEAL_TAG + peer_id + local_id
 
-    @property
-    def frames_sealed(self) -> int:
-        return self._send_counter
-
     def seal(self, channel: int, plaintext: bytes) -> bytes:
         counter = self._send_counter
         if counter >= _MAX_COUNTER:
@@ -278,10 +274,6 @@ class PeerSealer:
         self._response: _Response | None = None
         self._hinted: bytes | None = None
         self._events: list[SealEvent] = []
-
-    @property
-    def handshaking(self) -> bool:
-        return self._initiation is not None
 
     def start(self) -> bytes:
         """A fresh INIT; replaces any initiation in progress."""
