@@ -300,7 +300,9 @@ class Decoder:
         times = []
         for _ in range(count):
             start = time.perf_counter()
-            await self.session.decode(self.state, position=self.position, deadline_ns=time.time_ns() + 10**10)
+            await self.session.decode(
+                self.state, position=self.position, deadline_unix_ns=time.time_ns() + 10**10
+            )
             times.append(time.perf_counter() - start)
             self.position += 1
         return statistics.median(times)

@@ -12,14 +12,14 @@ runs unchanged over QUIC, a relay channel or the in-process loopback::
         downstream=[make_hop(tail_id, 3, 6, 3)],  # meshnode.dataplane.route
         sampling=GREEDY,
     ) as session:                               # leaving releases the session on every hop
-        first = await session.prefill(prompt_tokens, deadline_ns=time.time_ns() + 10**10)
+        first = await session.prefill(prompt_tokens, deadline_unix_ns=time.time_ns() + 10**10)
         token = first.token
         for position in range(len(prompt_tokens), limit):
             token = (await session.decode(token, position=position)).token
 
 ``return_logits=True`` adds the tail's last-position logits (``output.logits``);
 ``boundary_dtype=DTYPE_BFLOAT16`` halves the activation bytes between hops.
-Deadlines (``deadline_ns``) are wall-clock unix nanoseconds, as envelopes carry
+Deadlines (``deadline_unix_ns``) are wall-clock unix nanoseconds, as envelopes carry
 them (0: none); the session times them on the monotonic clock from when they are
 given, so a wall-clock step afterwards does not fail them early or late.
 
@@ -371,12 +371,12 @@ class ShardSession:
         inputs: np.ndarray | Sequence[int],
         *,
         first_position: int = 0,
-        deadline_ns: int = 0,
+        deadline_unix_ns: int = 0,
     ) -> list[UnitHandle]:
         """Chunk a prefill within the negotiated limits (needs the session accepted)."""
         self._raise_if_over()
         ids = self.client.submit_prefill(
-            inputs, first_position=first_position, deadline=_deadline(deadline_ns)
+            inputs, first_position=first_position, deadline=_deadline(deadline_unix_ns)
         )
         return self._submitted(ids)
 
@@ -385,13 +385,13 @@ class ShardSession:
         value: int | np.ndarray,
         *,
         position: int,
-        deadline_ns: int = 0,
+        deadline_unix_ns: int = 0,
         draft: Sequence[int] = (),
         rollback: bool = False,
     ) -> UnitHandle:
         self._raise_if_over()
         unit_id = self.client.submit_decode(
-            value, position=position, deadline=_deadline(deadline_ns), draft=draft, rollback=rollback
+            value, position=position, deadline=_deadline(deadline_unix_ns), draft=draft, rollback=rollback
         )
         return self._submitted([unit_id])[0]
 
@@ -408,13 +408,15 @@ class ShardSession:
         return self._submitted([unit_id])[0]
 
     async def prefill(
-        self, inputs: np.ndarray | Sequence[int], *, first_position: int = 0, deadline_ns: int = 0
+        self, inputs: np.ndarray | Sequence[int], *, first_position: int = 0, deadline_unix_ns: int = 0
     ) -> PrefillOutput:
         """Run a prefill (tokens for a head hop, float32 ``[n, hidden]`` otherwise); raises the first
         chunk's error."""
         await self.wait_ready()
         self._raise_if_over()
-        handles = self.submit_prefill(inputs, first_position=first_position, deadline_ns=deadline_ns)
+        handles = self.submit_prefill(
+            inputs, first_position=first_position, deadline_unix_ns=deadline_unix_ns
+        )
         return PrefillOutput([await handle for handle in handles])
 
     async def decode(
@@ -422,7 +424,7 @@ class ShardSession:
         value: int | np.ndarray,
         *,
         position: int,
-        deadline_ns: int = 0,
+        deadline_unix_ns: int = 0,
         draft: Sequence[int] = (),
         rollback: bool = False,
     ) -> StepOutput:
@@ -432,7 +434,7 @@ class ShardSession:
         hop (see :meth:`SessionClient.submit_decode`)."""
         self._raise_if_over()
         unit_id = self.client.submit_decode(
-            value, position=position, deadline=_deadline(deadline_ns), draft=draft, rollback=rollback
+            value, position=position, deadline=_deadline(deadline_unix_ns), draft=draft, rollback=rollback
         )
         (handle,) = self._submitted([unit_id], kick=False)
         # The hot path: write from this task rather than waking a writer task.
@@ -823,9 +825,9 @@ class _Opening:
             await self._session.aclose()
 
 
-def _deadline(deadline_ns: int) -> Deadline | None:
+def _deadline(deadline_unix_ns: int) -> Deadline | None:
     """A caller's deadline (unix ns, 0: none) on both clocks, read now."""
-    return Deadline.from_unix(deadline_ns, now_ns=time.monotonic_ns(), unix_now_ns=time.time_ns())
+    return Deadline.from_unix(deadline_unix_ns, now_ns=time.monotonic_ns(), unix_now_ns=time.time_ns())
 
 
 def _reset_quietly(framed: FramedStream | None) -> None:

@@ -70,7 +70,7 @@ class RouteDecoder:
         self._speculator = None
         return True
 
-    def _deadline(self, queued: int = 0) -> int:
+    def _deadline_unix_ns(self, queued: int = 0) -> int:
         allowance = self._options.unit_timeout_s + queued * self._options.queued_unit_allowance_s
         return time.time_ns() + int(allowance * SECOND_NS)
 
@@ -82,10 +82,12 @@ class RouteDecoder:
         transcript, watchdog = self._transcript, self._watchdog
         # Rebuilt from the transcript: nothing but accepted tokens (a fresh prefill at position 0).
         self._rollback = False
-        prefill = session.submit_prefill(transcript.prompt, deadline_ns=self._deadline())
+        prefill = session.submit_prefill(transcript.prompt, deadline_unix_ns=self._deadline_unix_ns())
         steps = transcript.replay_steps()
         decodes = [
-            session.submit_decode(step.token, position=step.position, deadline_ns=self._deadline(index + 1))
+            session.submit_decode(
+                step.token, position=step.position, deadline_unix_ns=self._deadline_unix_ns(index + 1)
+            )
             for index, step in enumerate(steps, start=len(prefill))
         ]
         watchdog.waiting()
@@ -142,7 +144,11 @@ class RouteDecoder:
             draft = speculator.propose((*transcript.prompt, *transcript.generated), remaining - 1)
         self._watchdog.waiting()
         output = await session.decode(
-            token, position=position, deadline_ns=self._deadline(), draft=draft, rollback=self._rollback
+            token,
+            position=position,
+            deadline_unix_ns=self._deadline_unix_ns(),
+            draft=draft,
+            rollback=self._rollback,
         )
         self._watchdog.answered()
         if not draft:

@@ -52,14 +52,14 @@ async def run(data_dir: Path, token: str, count: int) -> None:
     ]
     tokens = []
     for session in sessions:
-        output = await session.prefill(PROMPT, deadline_ns=time.time_ns() + UNIT_TIMEOUT_NS)
+        output = await session.prefill(PROMPT, deadline_unix_ns=time.time_ns() + UNIT_TIMEOUT_NS)
         tokens.append(output.token)
     position = len(PROMPT)
     for step in range(1, 400):
         deadline = time.time_ns() + UNIT_TIMEOUT_NS
         outputs = await asyncio.gather(
             *(
-                s.decode(t, position=position, deadline_ns=deadline)
+                s.decode(t, position=position, deadline_unix_ns=deadline)
                 for s, t in zip(sessions, tokens, strict=True)
             )
         )

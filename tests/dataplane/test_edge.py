@@ -168,7 +168,7 @@ async def test_an_out_of_band_cancel_interrupts_a_sender_blocked_on_credit(edge:
 async def test_a_deadline_already_past_is_refused_by_the_worker(edge: Edge) -> None:
     async with edge.open() as session:
         with pytest.raises(ShardProtocolError) as failure:
-            await session.prefill(PROMPT, deadline_ns=time.time_ns() - 1)
+            await session.prefill(PROMPT, deadline_unix_ns=time.time_ns() - 1)
         assert failure.value.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
         assert not failure.value.retryable
         assert failure.value.detail == "deadline passed before the unit finished"  # the worker's words
@@ -180,7 +180,7 @@ async def test_a_killed_worker_surfaces_a_transport_error_by_the_deadline(edge: 
         first = (await session.prefill(PROMPT)).token
         edge.head.kill()
         with pytest.raises(SessionTransportError):
-            await session.decode(first, position=len(PROMPT), deadline_ns=time.time_ns() + SECOND)
+            await session.decode(first, position=len(PROMPT), deadline_unix_ns=time.time_ns() + SECOND)
         assert session.closed
 
 
@@ -192,7 +192,7 @@ async def test_a_silent_worker_fails_the_unit_shortly_after_its_deadline(edge: E
         edge.head_engine.step_delay_s = 5.0  # wedged: never answers in time
         deadline = time.time_ns() + SECOND // 5
         with pytest.raises(ShardProtocolError) as failure:
-            await session.decode(first, position=len(PROMPT), deadline_ns=deadline)
+            await session.decode(first, position=len(PROMPT), deadline_unix_ns=deadline)
         # The worker cut the running step at the deadline and said so before the client gave up.
         assert failure.value.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
         await eventually(lambda: edge.head_engine.metrics()[METRIC_STEPS_CANCELLED] == 1)
@@ -299,7 +299,7 @@ async def test_a_stopping_server_ends_its_sessions_with_a_transport_error(edge: 
         first = (await session.prefill(PROMPT)).token
         await edge.head_server.aclose()
         with pytest.raises(SessionTransportError):
-            await session.decode(first, position=len(PROMPT), deadline_ns=time.time_ns() + SECOND)
+            await session.decode(first, position=len(PROMPT), deadline_unix_ns=time.time_ns() + SECOND)
 
 
 async def test_hidden_state_sessions_return_hidden_states(edge: Edge) -> None:

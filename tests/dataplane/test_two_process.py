@@ -221,7 +221,7 @@ async def test_a_duplicated_decode_step_is_a_duplicate_and_the_output_stays_iden
 async def test_a_deadline_already_past_is_refused(chain: ChainUnderTest, prompt: list[int]) -> None:
     async with chain.open(config=chunked()) as session:
         with pytest.raises(ShardProtocolError) as failure:
-            await session.prefill(prompt, deadline_ns=time.time_ns() - SECOND)
+            await session.prefill(prompt, deadline_unix_ns=time.time_ns() - SECOND)
         assert failure.value.code == shard.ERROR_CODE_DEADLINE_EXCEEDED
         assert not failure.value.retryable
         assert failure.value.detail == "deadline passed before the unit finished"  # refused by the worker
@@ -374,4 +374,6 @@ async def test_killing_the_worker_mid_session_is_a_transport_error_by_the_deadli
         # 30 s transport idle timeout.
         with pytest.raises(SessionTransportError):
             async with asyncio.timeout(4):
-                await session.decode(first, position=len(prompt), deadline_ns=time.time_ns() + 2 * SECOND)
+                await session.decode(
+                    first, position=len(prompt), deadline_unix_ns=time.time_ns() + 2 * SECOND
+                )
