@@ -1,4 +1,4 @@
-"""Length-prefixed frames over any :class:`~meshnode.transport.base.MeshStream`.
+"""Length-prefixed frames over any :class:`~meshnode.transport.stream.MeshStream`.
 
 The byte-level rules (type byte, ``[4-byte LE length][body]``, the 8 MiB cap
 enforced before allocating and before writing) live in
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
 
 from meshnode.transport.read_limits import ReadLimits, ResetReason, count_reset, reason_for_scope
+from meshnode.transport.stream import MeshStream
 from meshnode.wire.errors import BufferLimitExceeded, FrameStalled
 from meshnode.wire.framing import MAX_FRAME_BYTES, FrameDecoder, StreamType, frame_header
-
-if TYPE_CHECKING:
-    from meshnode.transport.base import MeshStream
 
 _NO_LIMITS = ReadLimits()
 
