@@ -10,25 +10,16 @@ loads (:func:`meshnode.app.shard_service.describe_served_model`).
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from meshnode.app.api_options import api_access, head_options
 from meshnode.app.cli_error import CliError
-from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.app.listen_check import check_listen_addresses
+from meshnode.app.node_head import start_head
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
-from meshnode.app.speculation_options import driver_options
 from meshnode.node import Node
-
-if TYPE_CHECKING:
-    from meshnode.app.shard_service import ShardService
-
-log = logging.getLogger(__name__)
 
 
 def check_serving_options(args: argparse.Namespace) -> None:
@@ -121,21 +112,4 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         await service.aclose()
 
 
-async def start_head(
-    node: Node, service: ShardService, args: argparse.Namespace, model_path: Path
-) -> HeadService | None:
-    """The API on a node serving a shard (``--api-listen``); a busy default port only warns."""
-    if args.api_listen is False:
-        return None
-    try:
-        return await start_node_head(
-            node, service, model_path, head_options(args.api_listen, api_access(args), driver_options(args))
-        )
-    except HeadError as exc:
-        if args.api_listen is not None:
-            raise CliError(str(exc)) from None
-        log.warning("%s; running without the API", exc)
-        return None
-
-
-__all__ = ["check_serving_options", "serve_node", "start_head"]
+__all__ = ["check_serving_options", "serve_node"]

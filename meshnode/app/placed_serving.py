@@ -19,6 +19,7 @@ from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadService
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
+from meshnode.app.node_head import start_head
 from meshnode.app.placement_options import placement_settings, upload_limiter
 from meshnode.app.session_options import max_sessions
 from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
@@ -98,8 +99,6 @@ class _PlacedShard:
 
 async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path) -> int:
     """Run ``node`` until a signal, serving the range the mesh needs most once it has fetched it."""
-    from meshnode.app.node_serving import start_head  # node_serving sends nodes without --model here
-
     holdings = Holdings()
     handlers = SwitchedHandlers(node.register_handler)
     switched = SwitchedNode(node, handlers)
