@@ -12,22 +12,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from engines.resident_memory import shard_memory
 from meshnode.identity import short_id
+from meshnode.mesh.dispatcher import Dispatcher
 from meshnode.mesh.peer_table import PeerEntry
 from meshnode.mesh.serving_states import serving_state_name
 from meshnode.mesh.state import MeshState
+from meshnode.node.membership_keeper import MembershipKeeper
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.traversal.direct_paths import DirectPaths
 from meshnode.traversal.nat_mapping import mapping_name
 from meshnode.wire.pb import mesh
-
-if TYPE_CHECKING:
-    from meshnode.node.runtime import Node
 
 
 @dataclass(frozen=True)
@@ -317,7 +316,34 @@ def status_report(
     )
 
 
-def node_status(node: Node) -> StatusReport:
+class RunningNode(Protocol):
+    """What :func:`node_status` reads of a running node (:class:`meshnode.node.runtime.Node`,
+    which imports this module for its ``status``: named by its parts here, so neither module
+    imports the other both ways)."""
+
+    @property
+    def state(self) -> MeshState: ...
+    @property
+    def relay_links(self) -> RelayLinks | None: ...
+    @property
+    def dispatcher(self) -> Dispatcher: ...
+    @property
+    def gossip_refusals(self) -> Mapping[str, int]: ...
+    @property
+    def started_at_ns(self) -> int: ...
+    @property
+    def api_url(self) -> str | None: ...
+    @property
+    def keeper(self) -> MembershipKeeper: ...
+    @property
+    def traversal(self) -> DirectPaths: ...
+    @property
+    def status_sections(self) -> Mapping[str, Callable[[], dict[str, Any]]]: ...
+
+    def link_to(self, peer_id: bytes) -> PeerLink | None: ...
+
+
+def node_status(node: RunningNode) -> StatusReport:
     """A running node's report now (``Node.status``), the sections its parts add included."""
     report = status_report(
         node.state,
@@ -343,6 +369,7 @@ __all__ = [
     "PeerStatus",
     "Refusals",
     "RelayStatus",
+    "RunningNode",
     "ServingStatus",
     "StatusReport",
     "node_status",
