@@ -9,12 +9,14 @@ check), and only otherwise are all candidates masked and the draw repeated: mask
 An engine whose loaded range holds the whole vocabulary (a tail keeps it) hands its own
 (``LlamaShardEngine.grammar_vocabulary``); otherwise the vocabulary is loaded ``vocab_only``
 from the model file, once per file. Everything here runs on the engine's thread.
+
+The engine builds one for a session's grammar (``SessionedEngine.grammar_state``) and hands it
+to the sampler; the grammar's text comes with the request (:mod:`engines.json_grammar`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from pathlib import Path
 
@@ -99,17 +101,3 @@ class GrammarConstraint:
 
     def __del__(self) -> None:
         self.close()
-
-
-def json_grammar(schema: dict | None = None) -> str:
-    """GBNF for JSON mode: any JSON object (``schema`` None), or text valid against a JSON schema
-    (llama-cpp-python's converter). Raises ValueError for a schema it cannot express."""
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
-    if schema is None:
-        return JSON_GBNF
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except (AssertionError, KeyError, TypeError, ValueError, RecursionError) as exc:
-        # The converter asserts on what it does not know ("Unrecognized schema: ...").
-        raise ValueError(str(exc) or type(exc).__name__) from None

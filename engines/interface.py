@@ -33,10 +33,10 @@ thread. ``cancel`` and ``CancelToken.cancel`` may be called from any thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -44,9 +44,6 @@ from engines.request_limits import (
     DEFAULT_PENALTY_LAST_N,
     MAX_DRAFT_TOKENS,
 )
-
-if TYPE_CHECKING:
-    from engines.sampling import SamplingHistory
 
 
 class EngineErrorKind(Enum):
@@ -99,6 +96,42 @@ class SessionKey:
     epoch: int
 
 
+class GrammarState(Protocol):
+    """A grammar where a session's sampled text stands: the tokens it allows next
+    (engines.grammar.GrammarConstraint, llama.cpp's grammar sampler)."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` with every token the grammar refuses next at -inf."""
+        ...
+
+    def accept(self, token: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+# An engine's grammar state for GBNF text, at its start; None where the engine cannot apply one
+# (it has no vocabulary). The engine passes it to the sampler, which asks only for a grammar.
+GrammarSource = Callable[[str], GrammarState | None]
+
+
+class TokenHistory(Protocol):
+    """What a tail session's sampler looks back on and extends, by position (the tokens before
+    it, the grammar's state): engines.sampling.SamplingHistory, carried in the session's
+    :class:`SamplingParams`."""
+
+    def params_at(self, position: int) -> SamplingParams:
+        """The parameters for sampling the token at ``position``, with the tokens before it."""
+        ...
+
+    def grammar_at(self, position: int, grammars: GrammarSource | None) -> GrammarState:
+        """The grammar as it stands before the token at ``position``."""
+        ...
+
+    def record(self, position: int, token: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Tail-side sampling. ``temperature == 0`` is greedy (argmax).
@@ -136,7 +169,7 @@ class SamplingParams:
     # draws. It lives with the session's route plan (one per session and epoch), so neither
     # the data plane nor the engine keeps a token list of their own. Not part of what the
     # parameters mean.
-    history: SamplingHistory | None = field(default=None, compare=False, repr=False)
+    history: TokenHistory | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
@@ -449,6 +482,8 @@ __all__ = [
     "EngineFingerprint",
     "EngineHealth",
     "EngineMetrics",
+    "GrammarSource",
+    "GrammarState",
     "LoadRequest",
     "SamplingParams",
     "SessionKey",
@@ -456,6 +491,7 @@ __all__ = [
     "StepOutcome",
     "StepRequest",
     "StepResult",
+    "TokenHistory",
     "rollback_refusal",
     "supports_speculation",
 ]

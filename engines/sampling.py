@@ -17,20 +17,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engines.interface import EngineError, EngineErrorKind, SamplingParams
+from engines.interface import EngineError, EngineErrorKind, GrammarSource, GrammarState, SamplingParams
 from engines.request_limits import MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N
-
-if TYPE_CHECKING:
-    from engines.grammar import GrammarConstraint
-
-# Gives the engine's vocabulary for a grammar (a llama_vocab pointer), or None when it has none.
-VocabularySource = Callable[[], object | None]
 
 
 def _invalid(message: str) -> EngineError:
@@ -92,13 +85,14 @@ def sample_token(
     logits: np.ndarray,
     params: SamplingParams,
     sample_index: int = 0,
-    vocabulary: VocabularySource | None = None,
+    grammars: GrammarSource | None = None,
 ) -> int:
     """The token for one position's logits (a 1-D float array, possibly a view into C memory).
 
     ``sample_index`` is the position of the sampled token; with a history the penalties look
     at the tokens before it, a grammar stands where those tokens left it, and the drawn token
-    is recorded there. ``vocabulary`` gives the model's vocabulary for a grammar (the engine's)."""
+    is recorded there. ``grammars`` builds the engine's state for a grammar (over its model's
+    vocabulary), the first time a session samples to one."""
     history = params.history
     if history is None:
         if params.grammar:
@@ -108,7 +102,7 @@ def sample_token(
     adjusted = _adjusted(logits, step)
     token = _draw(adjusted, step, sample_index)
     if step.grammar:
-        grammar = history.grammar_at(sample_index, vocabulary)
+        grammar = history.grammar_at(sample_index, grammars)
         if not grammar.allows(token):
             # As llama.cpp's common sampler: mask everything only when the free choice is refused.
             token = _draw(grammar.masked(adjusted), step, sample_index)
@@ -182,7 +176,7 @@ class SamplingHistory:
     def __init__(self, base: SamplingParams) -> None:
         self.base = replace(base, history=None)
         self._sampled: dict[int, int] = {}
-        self._grammar: GrammarConstraint | None = None
+        self._grammar: GrammarState | None = None
         # The grammar has accepted the tokens at [base.recent_tokens_end, _grammar_at).
         self._grammar_at = base.recent_tokens_end
 
@@ -200,15 +194,13 @@ class SamplingHistory:
                 window.append(token)
         return replace(base, recent_tokens=tuple(window), recent_tokens_end=position)
 
-    def grammar_at(self, position: int, vocabulary: VocabularySource | None) -> GrammarConstraint:
+    def grammar_at(self, position: int, grammars: GrammarSource | None) -> GrammarState:
         """The grammar as it stands before the token at ``position``."""
         if self._grammar is None:
-            from engines.grammar import GrammarConstraint  # llama.cpp, only when a grammar is used
-
-            vocab = vocabulary() if vocabulary is not None else None
-            if vocab is None:
+            grammar = grammars(self.base.grammar) if grammars is not None else None
+            if grammar is None:
                 raise EngineError(EngineErrorKind.INVALID_REQUEST, "this engine cannot sample to a grammar")
-            self._grammar = GrammarConstraint(vocab, self.base.grammar)
+            self._grammar = grammar
         if position < self._grammar_at:
             self._grammar.reset()
             self._grammar_at = self.base.recent_tokens_end

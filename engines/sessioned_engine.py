@@ -60,6 +60,7 @@ from engines.interface import (
     EngineErrorKind,
     EngineHealth,
     EngineMetrics,
+    GrammarState,
     LoadRequest,
     SessionKey,
     ShardEngine,
@@ -627,6 +628,17 @@ class SessionedEngine(ShardEngine):
         None: this engine cannot apply one, and a step asking for a grammar is refused."""
         return None
 
+    def grammar_state(self, grammar: str) -> GrammarState | None:
+        """GBNF ``grammar`` at its start over :meth:`grammar_vocabulary`, for the sampler of a
+        session that asks for one (llama.cpp's grammar sampler); None: this engine has no
+        vocabulary to apply it over."""
+        vocabulary = self.grammar_vocabulary()
+        if vocabulary is None:
+            return None
+        from engines.grammar import GrammarConstraint  # llama.cpp, only when a grammar is used
+
+        return GrammarConstraint(vocabulary, grammar)
+
     def _result(
         self, request: StepRequest, session: Session, output: ForwardOutput, fresh: bool, elapsed: int
     ) -> StepResult:
@@ -641,7 +653,7 @@ class SessionedEngine(ShardEngine):
                     # samples with, so a seeded draw is the one plain decoding makes.
                     first = request.first_position
                     token_ids = tuple(
-                        sample_token(row, request.sampling, first + i + 1, self.grammar_vocabulary)
+                        sample_token(row, request.sampling, first + i + 1, self.grammar_state)
                         for i, row in enumerate(rows)
                     )
                     token_id = token_ids[-1]
@@ -649,9 +661,7 @@ class SessionedEngine(ShardEngine):
             else:
                 last = rows
                 if request.sampling is not None:
-                    token_id = sample_token(
-                        last, request.sampling, request.sample_index, self.grammar_vocabulary
-                    )
+                    token_id = sample_token(last, request.sampling, request.sample_index, self.grammar_state)
             if request.want_logits:
                 logits = np.array(last, dtype=np.float32, copy=True)
         return StepResult(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.interface import SamplingParams
+from engines.json_grammar import json_grammar
 from engines.request_limits import DEFAULT_PENALTY_LAST_N, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N
 from meshnode.api.errors import ApiError
 from meshnode.dataplane.route import MAX_LOGIT_BIASES
@@ -329,8 +330,6 @@ def _grammar(body: dict[str, Any]) -> str:
     kind = response_format["type"]
     if kind == "text":
         return ""
-    from engines.grammar import json_grammar  # llama.cpp's grammar tools, only for JSON mode
-
     if kind == "json_object":
         return json_grammar()
     if kind != "json_schema":

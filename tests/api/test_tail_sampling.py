@@ -187,10 +187,17 @@ def tiny_vocabulary():
     tokenizer.close()
 
 
+def grammars_over(vocabulary):
+    """The grammar source an engine holding ``vocabulary`` hands its sampler."""
+    from engines.grammar import GrammarConstraint
+
+    return lambda grammar: GrammarConstraint(vocabulary, grammar)
+
+
 def generate_to_grammar(tokenizer, vocabulary, params, logits, *, start=5, steps=12) -> list[int]:
     tokens = []
     for position in range(start, start + steps):
-        token = sample_token(logits, params, position, lambda: vocabulary)
+        token = sample_token(logits, params, position, grammars_over(vocabulary))
         tokens.append(token)
         if tokenizer.is_end_of_generation(token):
             break
@@ -198,7 +205,7 @@ def generate_to_grammar(tokenizer, vocabulary, params, logits, *, start=5, steps
 
 
 def test_json_mode_follows_the_grammar_where_the_free_choice_would_not(tiny_vocabulary):
-    from engines.grammar import json_grammar
+    from engines.json_grammar import json_grammar
 
     tokenizer, vocabulary = tiny_vocabulary
     eos = next(t for t in range(tokenizer.n_vocab) if tokenizer.is_end_of_generation(t))
@@ -215,7 +222,7 @@ def test_json_mode_follows_the_grammar_where_the_free_choice_would_not(tiny_voca
 def test_a_json_schema_grammar_gives_json_of_that_shape(tiny_vocabulary):
     import json
 
-    from engines.grammar import json_grammar
+    from engines.json_grammar import json_grammar
 
     tokenizer, vocabulary = tiny_vocabulary
     logits = np.random.default_rng(3).normal(size=tokenizer.n_vocab).astype(np.float32)
@@ -229,23 +236,24 @@ def test_a_json_schema_grammar_gives_json_of_that_shape(tiny_vocabulary):
 
 
 def test_the_grammar_state_is_rebuilt_for_a_retried_or_replayed_position(tiny_vocabulary):
-    from engines.grammar import json_grammar
+    from engines.json_grammar import json_grammar
 
     tokenizer, vocabulary = tiny_vocabulary
     logits = np.random.default_rng(5).normal(size=tokenizer.n_vocab).astype(np.float32)
     params = with_history(
         with_prompt_history(SamplingParams(temperature=1.0, seed=4, grammar=json_grammar()), [7, 7, 7])
     )
-    first = [sample_token(logits, params, position, lambda: vocabulary) for position in range(3, 9)]
+    grammars = grammars_over(vocabulary)
+    first = [sample_token(logits, params, position, grammars) for position in range(3, 9)]
     # A replay asks again from the first generated position; a retry repeats one step.
-    assert [sample_token(logits, params, position, lambda: vocabulary) for position in range(3, 9)] == first
-    assert sample_token(logits, params, 6, lambda: vocabulary) == first[3]
+    assert [sample_token(logits, params, position, grammars) for position in range(3, 9)] == first
+    assert sample_token(logits, params, 6, grammars) == first[3]
 
 
 def test_an_engine_without_a_vocabulary_refuses_a_grammar():
-    from engines.grammar import json_grammar
     from engines.interface import EngineError
+    from engines.json_grammar import json_grammar
 
     params = with_history(with_prompt_history(SamplingParams(grammar=json_grammar()), [1]))
     with pytest.raises(EngineError, match="cannot sample to a grammar"):
-        sample_token(LOGITS, params, 1, lambda: None)
+        sample_token(LOGITS, params, 1, lambda grammar: None)

@@ -61,7 +61,8 @@ _CHILD = textwrap.dedent(
     report["grammar_from_own"] = sample()
 
     import numpy as np
-    from engines.grammar import GrammarConstraint, grammar_vocab, json_grammar
+    from engines.grammar import GrammarConstraint, grammar_vocab
+    from engines.json_grammar import json_grammar
 
     grammar = GrammarConstraint(grammar_vocab(model_path), json_grammar())
     logits = np.random.default_rng(0).standard_normal(tokenizer.n_vocab).astype(np.float32)
