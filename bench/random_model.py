@@ -31,7 +31,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import quantize
 
-from engines.cache import atomic_path, cache_root
+from engines.atomic_files import atomic_path
+from engines.cache import cache_root
 
 RANDOM_MODEL_VERSION = 1
 _SEED = 20261201

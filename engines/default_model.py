@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from engines.cache import atomic_path, cache_root
+from engines.atomic_files import atomic_path
+from engines.cache import cache_root
 from engines.file_digest import cached_sha256, remember_sha256
 
 _BLOCK = 1 << 20

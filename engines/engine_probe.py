@@ -33,7 +33,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engines.cache import cache_root, write_bytes_atomically
+from engines.atomic_files import write_bytes_atomically
+from engines.cache import cache_root
 from engines.cxx_runtime import llama_library_dir
 
 PROBE_DIR = "engine-probes"

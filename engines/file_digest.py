@@ -8,7 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.cache import cache_root, write_bytes_atomically
+from engines.atomic_files import write_bytes_atomically
+from engines.cache import cache_root
 
 _BLOCK = 1 << 20
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.cache import write_bytes_atomically
+from engines.atomic_files import write_bytes_atomically
 from engines.file_digest import file_identity, record_path
 from engines.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 

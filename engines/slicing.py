@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from engines.cache import atomic_path
+from engines.atomic_files import atomic_path
 from engines.file_progress import FileProgress
 from engines.gguf_file import (
     GGUFFile,

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 
-from engines.cache import atomic_path, cache_root
+from engines.atomic_files import atomic_path
+from engines.cache import cache_root
 from engines.tiny_model import add_tiny_tokenizer, tiny_vocabulary
 
 TINY_ARCH_VERSION = 1

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, LlamaFileType, TokenType
 
-from engines.cache import atomic_path, cache_root
+from engines.atomic_files import atomic_path
+from engines.cache import cache_root
 
 TINY_MODEL_VERSION = 1
 TINY_N_LAYERS = 6

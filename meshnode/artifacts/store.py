@@ -31,7 +31,7 @@ import os
 import threading
 from pathlib import Path
 
-from engines.cache import write_bytes_atomically
+from engines.atomic_files import write_bytes_atomically
 from engines.model_manifest import ModelManifest, TensorDigest
 from meshnode.artifacts.gguf_layout import GGUFLayout, canonical_layout
 
