@@ -12,17 +12,16 @@ reserving the announced size would make every page resident at once), and the
 bytes it holds can be charged to a :class:`~meshnode.wire.buffer_budget.BufferBudget`.
 
 The decoder takes byte chunks split anywhere (QUIC delivers whatever it has)
-and yields whole frames; the async helpers at the bottom read from any object
-with ``readexactly`` so the cap holds on the blocking path too.
+and yields whole frames. Nothing here does I/O: the asyncio readers of the same
+frames are :mod:`meshnode.transport.framed` (over a mesh stream) and
+:mod:`meshnode.transport.frame_reader` (over anything with ``readexactly``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import weakref
 from enum import IntEnum
-from typing import Protocol
 
 from meshnode.wire.buffer_budget import BufferBudget, BufferHold
 from meshnode.wire.errors import FrameTooLarge, FramingError, TruncatedFrame, UnknownStreamType
@@ -217,47 +216,11 @@ class FrameDecoder:
         return frames
 
 
-class ExactReader(Protocol):
-    async def readexactly(self, n: int) -> bytes: ...
-
-
-async def read_stream_type(reader: ExactReader) -> StreamType:
-    try:
-        first = await reader.readexactly(1)
-    except asyncio.IncompleteReadError:
-        raise TruncatedFrame(0, 1) from None
-    return parse_stream_type(first[0])
-
-
-async def read_frame(reader: ExactReader, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
-    """Read one frame; ``None`` on a clean end of stream at a frame boundary.
-
-    Reads the 4 length bytes, refuses an oversized length, and only then asks the
-    reader for the body, so an oversized prefix costs 4 bytes, not the body.
-    """
-    try:
-        header = await reader.readexactly(LENGTH_PREFIX_BYTES)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise TruncatedFrame(len(exc.partial), LENGTH_PREFIX_BYTES) from None
-    (length,) = _LENGTH.unpack(header)
-    if length > max_frame_bytes:
-        raise FrameTooLarge(length, max_frame_bytes)
-    if length == 0:
-        return b""
-    try:
-        return await reader.readexactly(length)
-    except asyncio.IncompleteReadError as exc:
-        raise TruncatedFrame(len(exc.partial), length) from None
-
-
 __all__ = [
     "ALPN",
     "LENGTH_PREFIX_BYTES",
     "MAX_FRAME_BYTES",
     "NODE_PROTOCOL_GENERATION",
-    "ExactReader",
     "FrameDecoder",
     "FramingError",
     "StreamType",
@@ -265,6 +228,4 @@ __all__ = [
     "encode_stream_open",
     "frame_header",
     "parse_stream_type",
-    "read_frame",
-    "read_stream_type",
 ]

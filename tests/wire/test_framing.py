@@ -1,4 +1,3 @@
-import asyncio
 import struct
 
 import pytest
@@ -14,26 +13,7 @@ from meshnode.wire.framing import (
     encode_frame,
     encode_stream_open,
     frame_header,
-    read_frame,
-    read_stream_type,
 )
-
-
-class RecordingReader:
-    """A reader that records every read size, to prove what was read/allocated."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.position = 0
-        self.requests: list[int] = []
-
-    async def readexactly(self, n: int) -> bytes:
-        self.requests.append(n)
-        chunk = self.data[self.position : self.position + n]
-        self.position += len(chunk)
-        if len(chunk) < n:
-            raise asyncio.IncompleteReadError(chunk, n)
-        return chunk
 
 
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -80,29 +60,6 @@ def test_oversized_prefix_is_refused_after_the_five_header_bytes():
         decoder.feed(oversized + b"x" * 100_000)
     assert info.value.length == MAX_FRAME_BYTES + 1
     assert decoder.buffered_bytes == 0
-
-
-async def test_oversized_prefix_on_a_reader_reads_only_the_header():
-    reader = RecordingReader(bytes([StreamType.ROUTE_REQUEST]) + struct.pack("<I", 0xFFFFFFFF) + b"x" * 64)
-    assert await read_stream_type(reader) is StreamType.ROUTE_REQUEST
-    with pytest.raises(FrameTooLarge):
-        await read_frame(reader)
-    assert reader.requests == [1, 4]
-    assert reader.position == 5
-
-
-async def test_reader_round_trip_and_clean_end():
-    reader = RecordingReader(encode_frame(b"hello") + encode_frame(b""))
-    assert await read_frame(reader) == b"hello"
-    assert await read_frame(reader) == b""
-    assert await read_frame(reader) is None
-
-
-async def test_reader_truncated_body_is_typed():
-    reader = RecordingReader(encode_frame(b"hello")[:-2])
-    with pytest.raises(TruncatedFrame) as info:
-        await read_frame(reader)
-    assert (info.value.buffered, info.value.expected) == (3, 5)
 
 
 def test_encoder_refuses_before_producing_any_byte():
