@@ -53,7 +53,6 @@ from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable
 from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
 from meshnode.mesh.ratelog import RateLimitedLog
-from meshnode.mesh.receive import receive_message
 from meshnode.mesh.rules import (
     PeerDownAction,
     PeerLeavingAction,
@@ -503,7 +502,7 @@ class Node:
         self._log_merge(outcome.merged, link.peer_id)
 
     async def _serve_gossip(self, stream: FramedStream) -> None:
-        frame = await receive_message(stream, mesh.GossipFrame, self.config.gossip_timeout)
+        frame = await read_message(stream, mesh.GossipFrame, self.config.gossip_timeout)
         peer_id = stream.peer_id
         try:
             outcome = self.state.receive_gossip(
@@ -578,7 +577,7 @@ class Node:
             log.warning("peer table full: ignored %d announcements", len(report.ignored_full))
 
     async def _serve_route_request(self, stream: FramedStream) -> None:
-        request = await receive_message(stream, mesh.RouteTableRequest, self.config.gossip_timeout)
+        request = await read_message(stream, mesh.RouteTableRequest, self.config.gossip_timeout)
         validate_route_request(request, stream.peer_id)
         await stream.send_frame(self.state.route_table().SerializeToString())
 
@@ -670,7 +669,7 @@ class Node:
         return answered
 
     async def _serve_probe(self, stream: FramedStream) -> None:
-        probe = await receive_message(stream, mesh.Probe, self.config.probe_timeout)
+        probe = await read_message(stream, mesh.Probe, self.config.probe_timeout)
         validate_probe(probe)
         await stream.send_frame(probe.SerializeToString())
 
@@ -684,7 +683,7 @@ class Node:
         await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
 
     async def _serve_peer_down(self, stream: FramedStream) -> None:
-        report = await receive_message(stream, mesh.PeerDown, self.config.gossip_timeout)
+        report = await read_message(stream, mesh.PeerDown, self.config.gossip_timeout)
         validate_peer_down(report)
         reported = bytes(report.peer_id)
         action = resolve_peer_down(
@@ -700,7 +699,7 @@ class Node:
             self._suspect(reported, reporter=stream.peer_id)
 
     async def _serve_peer_leaving(self, stream: FramedStream) -> None:
-        notice = await receive_message(stream, mesh.PeerLeaving, self.config.gossip_timeout)
+        notice = await read_message(stream, mesh.PeerLeaving, self.config.gossip_timeout)
         validate_peer_leaving(notice)
         action = resolve_peer_leaving(leaving_id=bytes(notice.peer_id), authenticated_peer_id=stream.peer_id)
         if action is PeerLeavingAction.REJECT_FORGED:

@@ -1,9 +1,9 @@
-"""receive_message: a mesh handler's one request frame, decoded, or a MALFORMED refusal."""
+"""read_message: a mesh handler's one request frame, decoded, or a MALFORMED refusal."""
 
 import pytest
 from mesh_helpers import Recorder
 
-from meshnode.mesh.receive import receive_message
+from meshnode.mesh.message_reader import read_message
 from meshnode.transport.framed import FramedStream
 from meshnode.transport.loopback import loopback_link_pair
 from meshnode.wire.framing import StreamType
@@ -30,7 +30,7 @@ async def served_stream(*frames: bytes, finish: bool = True) -> FramedStream:
 async def test_the_frame_is_decoded_as_the_message():
     probe = mesh.Probe(gen=1, nonce=b"n")
     stream = await served_stream(probe.SerializeToString())
-    assert await receive_message(stream, mesh.Probe, 1.0) == probe
+    assert await read_message(stream, mesh.Probe, 1.0) == probe
 
 
 @pytest.mark.parametrize(
@@ -40,11 +40,11 @@ async def test_the_frame_is_decoded_as_the_message():
 async def test_no_frame_or_a_frame_that_does_not_decode_is_malformed(frames, detail):
     stream = await served_stream(*frames)
     with pytest.raises(MeshRefusal) as refused:
-        await receive_message(stream, mesh.Probe, 1.0)
+        await read_message(stream, mesh.Probe, 1.0)
     assert refused.value.code == mesh.MESH_ERROR_MALFORMED and refused.value.detail == detail
 
 
 async def test_a_peer_that_sends_nothing_times_out():
     stream = await served_stream(finish=False)
     with pytest.raises(TimeoutError):
-        await receive_message(stream, mesh.Probe, 0.05)
+        await read_message(stream, mesh.Probe, 0.05)

@@ -1,4 +1,4 @@
-"""The one request frame a mesh stream handler serves, read and decoded in one place."""
+"""A mesh stream handler's one request frame, awaited on the stream and decoded in one place."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from meshnode.wire.pb import mesh
 M = TypeVar("M", bound=Message)
 
 
-async def receive_message(stream: FramedStream, message_type: type[M], timeout: float | None) -> M:
+async def read_message(stream: FramedStream, message_type: type[M], timeout: float | None) -> M:
     """The stream's next frame as ``message_type``; waits at most ``timeout``.
 
     A stream that ends before the frame, or a frame that does not decode, is a
@@ -27,4 +27,4 @@ async def receive_message(stream: FramedStream, message_type: type[M], timeout: 
     return decode(message_type, data)
 
 
-__all__ = ["receive_message"]
+__all__ = ["read_message"]
