@@ -18,14 +18,29 @@ back (:func:`retry_refused_in`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from meshnode.transport.base import PeerLink
+
+class ProbedLink(Protocol):
+    """What the decision reads of a link (a :class:`meshnode.transport.base.PeerLink`)."""
+
+    @property
+    def relay_id(self) -> bytes | None: ...
+    @property
+    def established_at(self) -> float: ...
+    @property
+    def last_heard_at(self) -> float: ...
+    @property
+    def is_closed(self) -> bool: ...
+
+
+Link = TypeVar("Link", bound=ProbedLink)
 
 
 @dataclass(frozen=True)
-class Reprobe:
+class Reprobe(Generic[Link]):
     # The link to close before it: new work must not go to it either.
-    give_up: PeerLink | None
+    give_up: Link | None
 
     @property
     def avoid_relays(self) -> tuple[bytes, ...]:
@@ -35,12 +50,12 @@ class Reprobe:
 
 
 def reprobe_after(
-    unanswered: PeerLink | None,
-    current: PeerLink | None,
+    unanswered: Link | None,
+    current: ProbedLink | None,
     probe_began_at: float,
     *,
     reachable_otherwise: bool = False,
-) -> Reprobe | None:
+) -> Reprobe[Link] | None:
     """The second probe after one that began at ``probe_began_at`` on ``unanswered``; ``None``: none.
 
     ``current`` is the link kept for the peer now (``None``: none), ``unanswered``
@@ -55,7 +70,7 @@ def reprobe_after(
     return Reprobe(give_up=unanswered)
 
 
-def heard_during_probe(link: PeerLink | None, probe_began_at: float) -> bool:
+def heard_during_probe(link: ProbedLink | None, probe_began_at: float) -> bool:
     """Whether the peer sent on ``link``, still open, after a probe on it began at ``probe_began_at``.
 
     Such a peer is slow to answer, not gone: a relayed link carrying a bulk transfer over a
@@ -87,6 +102,7 @@ def retry_refused_in(
 __all__ = [
     "REFUSED_RETRY_INTERVAL_S",
     "REFUSED_WITHIN_SHARE",
+    "ProbedLink",
     "Reprobe",
     "heard_during_probe",
     "reprobe_after",
