@@ -1,18 +1,32 @@
-"""The layering contract in pyproject.toml ([tool.importlinter]) holds, checked by import-linter.
+"""The import contracts in pyproject.toml ([tool.importlinter]) hold, checked by import-linter.
 
-wire -> transport -> membership -> mesh -> dataplane/relaywire -> relaylink -> node -> head ->
-api -> app, with no cycles; the relay server depends only on meshnode's lower layers; engines
-know nothing of the mesh. A reversed copy of the layers must break, so the check can fail.
+One stack, each layer importing only those below it: the app; the engine backends (llama.cpp,
+the fake, the tokenizer), which only the app composes; api; head and placement; llama.cpp's view
+of the devices, which placement sizes a range to; node; traversal; relaylink; dataplane,
+relaywire, artifacts; mesh; membership; transport; wire and the core modules; and at the foot
+the contract between the mesh and an engine (engines.interface and its kin) with the model files
+every layer may read. Every engines module has its place there. Beside it: the relay server
+depends only on meshnode's lower layers, the engines know nothing of the mesh, nothing below
+the app imports the relay server, and the sans-IO modules import no asyncio, socket or
+selectors (through any chain of imports; the graph holds the standard library for that).
+
+Each kind of contract is shown able to fail: the stack reversed, the engines' layers reversed,
+and the sans-IO contract given a module that reads frames with asyncio.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
+
+import grimp
 
 REPO = Path(__file__).resolve().parents[2]
+SETTINGS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
 
 
 def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
@@ -25,21 +39,98 @@ def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
-def test_the_layering_contract_is_kept():
+def contract(name: str) -> dict[str, Any]:
+    (found,) = [each for each in SETTINGS["contracts"] if each["name"] == name]
+    return found
+
+
+def layers_contract() -> dict[str, Any]:
+    (found,) = [each for each in SETTINGS["contracts"] if each["type"] == "layers"]
+    return found
+
+
+def layer_modules(layer: str) -> list[str]:
+    """The modules of one layer as written (``a | b`` or ``a : b``, over several lines or one)."""
+    return [name.strip() for name in re.split(r"[|:]", layer)]
+
+
+def ini_config(path: Path, fields: dict[str, str | list[str]]) -> Path:
+    """A one-contract import-linter configuration over this tree's root packages, as an INI file."""
+
+    def lines(value: str | list[str]) -> str:
+        if isinstance(value, str):
+            return f" {value}\n"
+        # One item a line; a layer written over several lines in pyproject.toml becomes one.
+        return "\n" + "".join(f"    {' '.join(item.split())}\n" for item in value)
+
+    text = "[importlinter]\nroot_packages =" + lines(SETTINGS["root_packages"])
+    text += f"include_external_packages = {SETTINGS.get('include_external_packages', False)}\n\n"
+    text += "[importlinter:contract:copy]\n" + "".join(
+        f"{key} ={lines(value)}" for key, value in fields.items()
+    )
+    path.write_text(text)
+    return path
+
+
+def test_the_contracts_are_kept():
     done = lint_imports(REPO / "pyproject.toml")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "0 broken" in done.stdout
+    assert f"{len(SETTINGS['contracts'])} kept, 0 broken" in done.stdout
+
+
+def test_every_engines_module_has_a_place_in_the_stack():
+    placed = {name for layer in layers_contract()["layers"] for name in layer_modules(layer)}
+    graph = grimp.build_graph("engines", cache_dir=None)
+    assert graph.modules - {"engines"} == {name for name in placed if name.startswith("engines.")}
 
 
 def test_a_contract_the_tree_breaks_is_reported(tmp_path: Path):
-    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
-    layers = settings["contracts"][0]["layers"]
-    reversed_config = tmp_path / "reversed.ini"
-    reversed_config.write_text(
-        "[importlinter]\nroot_packages =\n    meshnode\n\n"
-        "[importlinter:contract:reversed]\nname = reversed\ntype = layers\nlayers =\n"
-        + "".join(f"    {layer}\n" for layer in reversed(layers))
+    reversed_layers = list(reversed(layers_contract()["layers"]))
+    done = lint_imports(
+        ini_config(
+            tmp_path / "reversed.ini", {"name": "reversed", "type": "layers", "layers": reversed_layers}
+        )
     )
-    done = lint_imports(reversed_config)
     assert done.returncode != 0
     assert "BROKEN" in done.stdout
+
+
+def test_the_engines_layers_reversed_are_reported(tmp_path: Path):
+    engine_layers = [layer for layer in layers_contract()["layers"] if layer.lstrip().startswith("engines.")]
+    assert len(engine_layers) == 3
+    config = ini_config(
+        tmp_path / "engines.ini",
+        {"name": "engines reversed", "type": "layers", "layers": engine_layers[::-1]},
+    )
+    done = lint_imports(config)
+    assert done.returncode != 0
+    # The backends use the contract at the foot: the reversed order forbids exactly that.
+    assert re.search(r"engines\.\w+ is not allowed to import engines\.interface", done.stdout), done.stdout
+
+
+def test_the_sans_io_contract_is_reported_for_a_module_that_awaits(tmp_path: Path):
+    sans_io = contract("the sans-IO modules import no asyncio, socket or selectors")
+    config = ini_config(
+        tmp_path / "sans_io.ini",
+        {
+            "name": "sans-IO with an asyncio edge",
+            "type": "forbidden",
+            "source_modules": [*sans_io["source_modules"], "meshnode.transport.frame_reader"],
+            "forbidden_modules": sans_io["forbidden_modules"],
+        },
+    )
+    done = lint_imports(config)
+    assert done.returncode != 0
+    assert "meshnode.transport.frame_reader is not allowed to import asyncio" in done.stdout
+
+
+def test_the_standard_library_is_in_the_graph_as_external_modules():
+    """What the sans-IO contract relies on: with include_external_packages, asyncio and socket are
+    modules of the graph (one each, squashed) that a chain of imports can reach."""
+    assert SETTINGS["include_external_packages"] is True
+    graph = grimp.build_graph("meshnode", include_external_packages=True, cache_dir=None)
+    for name in ("asyncio", "socket"):
+        assert name in graph.modules
+        assert graph.is_module_squashed(name)
+    assert "asyncio" in graph.find_modules_directly_imported_by("meshnode.transport.frame_reader")
+    assert graph.find_shortest_chain("meshnode.mesh.message_reader", "asyncio") is not None
