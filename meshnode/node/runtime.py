@@ -49,6 +49,7 @@ from meshnode.membership.revocation import Revoked
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.mesh.credential_gate import REVOCATION_CODES
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
+from meshnode.mesh.message_reader import read_message
 from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable
 from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.peer_table import MergeReport, PeerEntry
