@@ -54,9 +54,9 @@ from engines.interface import (
     StepResult,
 )
 from meshnode.dataplane import responses
+from meshnode.dataplane.edges.server import ShardServer
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.payload import encode_hidden, encode_token_result
-from meshnode.dataplane.server import ShardServer
-from meshnode.dataplane.session_link import ShardSession
 from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import CallerLinkHandler, Dispatcher, DispatchingLinkHandler
 from meshnode.transport.base import PeerLink

@@ -475,8 +475,8 @@ async def hop_breakdown(
 ) -> tuple[list[HopTiming], float]:
     """Drive each hop of ``mesh`` separately from a client node of the mesh (see the module doc)."""
     from engines.interface import GREEDY
+    from meshnode.dataplane.edges.shard_session import ShardSession
     from meshnode.dataplane.route import make_hop
-    from meshnode.dataplane.session_link import ShardSession
 
     ranges = served_ranges(layout)
     async with client_node(mesh, layout) as (node, names, ids, fingerprint):
@@ -552,8 +552,8 @@ async def answer_paths(
     tokens, with the tail's token relayed back (the way before issue 20) and with the tail answering
     directly on an answer stream, alternating ``rounds`` times."""
     from engines.interface import GREEDY
+    from meshnode.dataplane.edges.shard_session import DirectAnswers, ShardSession
     from meshnode.dataplane.route import make_hop
-    from meshnode.dataplane.session_link import DirectAnswers, ShardSession
 
     ranges = served_ranges(layout)
     async with client_node(mesh, layout) as (node, names, ids, fingerprint):

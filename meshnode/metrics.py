@@ -81,7 +81,7 @@ class MetricSources:
     """The live objects a node's ``/metrics`` reads; any may be absent."""
 
     node: Any = None  # meshnode.node.Node
-    server: Any = None  # meshnode.dataplane.server.ShardServer
+    server: Any = None  # meshnode.dataplane.edges.server.ShardServer
     driver: Any = None  # meshnode.head.driver.GenerationDriver
 
 

@@ -18,8 +18,8 @@ _DIR = os.environ.get("MESHNODE_TRACE_DIR")
 
 
 def _install(directory: str) -> None:
-    from meshnode.dataplane import server as shard_server
     from meshnode.dataplane.actions import RunBatch
+    from meshnode.dataplane.edges import server as shard_server
     from meshnode.dataplane.worker import ShardWorker
     from meshnode.transport.quic import QuicEndpoint
 

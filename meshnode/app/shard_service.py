@@ -23,8 +23,8 @@ from typing import Protocol
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
 from meshnode.cancellation import cancel_and_wait
+from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.lease import LeaseSettings
-from meshnode.dataplane.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink

@@ -69,7 +69,7 @@ def mesh_source(*, node: Any, driver: Any, server: Any, served: mesh.ServedShard
 
     ``node``: the :class:`meshnode.node.Node` (``None`` for a standalone ``meshnode serve``);
     ``driver``: the head's :class:`~meshnode.head.driver.GenerationDriver`; ``server``: this
-    node's :class:`~meshnode.dataplane.server.ShardServer` (either may be ``None``)."""
+    node's :class:`~meshnode.dataplane.edges.server.ShardServer` (either may be ``None``)."""
 
     def read() -> dict[str, Any]:
         status = node.status().to_json() if node is not None else standalone_status(served)

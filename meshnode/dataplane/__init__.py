@@ -1,21 +1,30 @@
-"""The shard data plane: sans-IO session machines, and their asyncio edges over any PeerLink.
+"""The shard data plane: sans-IO session machines here, their asyncio edges in :mod:`.edges`.
 
-Sans-IO (pure, time is a parameter; the :mod:`meshnode.sansio` convention):
+The layout tells the runtime: every module directly in this package is a machine (pure, time
+and bytes passed in, the :mod:`meshnode.sansio` convention) and may not import asyncio, socket
+or selectors, through any chain of imports (the import contract in pyproject.toml, checked by
+tests/ops/test_import_contracts.py); :mod:`.edges` drives them over any PeerLink.
 
-- :mod:`.worker` — :class:`ShardWorker`, the node-wide worker state machine;
-- :mod:`.client` — :class:`SessionClient`, one route session toward one peer hop;
-- :mod:`.unary` — GetCapability, Health, Release and Cancel handlers;
-- :mod:`.actions` — what the worker asks its edge to do;
-- :mod:`.route` — the ``SessionRoute`` first frame;
-- :mod:`.steps` — idempotency bookkeeping; :mod:`.payload` — tensors per hop role;
-- :mod:`.errors` — every refusal, and the engine-error mapping table.
+The worker (what a node serving a shard runs), composed in :mod:`.worker`:
 
-Asyncio edges (depend only on ``meshnode.transport.base``, so QUIC, relay channels
-and the loopback are served alike):
+- :mod:`.worker` — :class:`ShardWorker`: reads frames, composes the parts below;
+- :mod:`.stream_rules` — which request is legal in which phase (a table), what an open or a
+  unit must match; :mod:`.request_reader` — a stream's frames, read;
+- :mod:`.stream_table` — streams, replies, credit, direct answers;
+- :mod:`.session_table` — sessions, epochs, leases (:mod:`.lease` for the rules);
+- :mod:`.admission` — what is admitted (pure limits);
+- :mod:`.session_keeper` — which session a unit belongs to, and ending one;
+- :mod:`.batch_former` — queues, the fair round robin (:mod:`.batching`), the hold, the
+  running batch; :mod:`.unit_runner` — batches, results, forwarding, replay, giving units up;
+  :mod:`.unit_steps` — a unit as an engine step, a result as an answer;
+- :mod:`.actions` — what the worker asks its edge to do; :mod:`.unary` — GetCapability,
+  Health, Release and Cancel.
 
-- :mod:`.server` — :class:`ShardServer`, serving a worker on session and unary streams;
-- :mod:`.session_link` — :class:`ShardSession`, the caller's async API (what a head uses);
-- :mod:`.rpc` — the unary calls from the caller's side;
-- :mod:`.service` — a node serving ``--model``/``--layers``: load, validate, announce;
-- :mod:`.engine_thread`, :mod:`.wake_timer` — the engine's FIFO thread, the machines' timer.
+The sender (what a head or a forwarding worker uses): :mod:`.client` (:class:`SessionClient`),
+with :mod:`.client_book` (where each unit stands), :mod:`.client_requests` (what it writes),
+:mod:`.client_units`, :mod:`.client_events`, :mod:`.step_outputs`.
+
+Shared: :mod:`.route` (the ``SessionRoute`` first frame), :mod:`.envelope`, :mod:`.steps`
+(idempotency), :mod:`.payload` (tensors per hop role), :mod:`.errors` (every refusal, and the
+engine-error mapping table).
 """

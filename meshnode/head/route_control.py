@@ -15,9 +15,9 @@ import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
-from meshnode.dataplane import rpc
+from meshnode.dataplane.edges import rpc
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
-from meshnode.dataplane.session_link import ShardSession
 from meshnode.head.driver_options import DriverOptions
 from meshnode.head.planner import Hop
 from meshnode.head.recovery import ROUTE_FAILURES

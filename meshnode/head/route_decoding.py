@@ -22,7 +22,7 @@ import logging
 import time
 
 from engines.interface import SamplingParams, supports_speculation
-from meshnode.dataplane.session_link import StepOutput
+from meshnode.dataplane.edges.shard_session import StepOutput
 from meshnode.head.driver_options import DriverOptions
 from meshnode.head.driver_stats import DriverStats
 from meshnode.head.route_session import RouteSession

@@ -1,6 +1,6 @@
 """One generation's session on its current route, epoch by epoch: opening it, holding it, dropping it.
 
-Each epoch opens one :class:`~meshnode.dataplane.session_link.ShardSession` to the
+Each epoch opens one :class:`~meshnode.dataplane.edges.shard_session.ShardSession` to the
 first hop with the other hops as its downstream (activations flow shard to shard;
 only the tail's sampled token comes back). On a route of more than one hop the
 token comes back directly: the session opens an answer stream to the tail (over the
@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 
 from engines.interface import SamplingParams
-from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.session_link import (
+from meshnode.dataplane.edges.shard_session import (
     DirectAnswers,
     SessionOptions,
     ShardSession,
     default_client_config,
 )
+from meshnode.dataplane.route import make_hop
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.driver_options import DriverOptions
 from meshnode.head.driver_stats import DriverStats

@@ -19,9 +19,9 @@ from helpers.tiny_llama import SPLIT
 
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS
+from meshnode.dataplane.edges.server import ShardServer
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.server import ShardServer
-from meshnode.dataplane.session_link import ShardSession
 from meshnode.node import Node
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import shard

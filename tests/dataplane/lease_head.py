@@ -21,8 +21,8 @@ from helpers.mesh_nodes import cluster_client_config, serving_peer, start_invite
 from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.session_link import ShardSession
 from meshnode.membership.credentials import decode_invite_token
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import shard

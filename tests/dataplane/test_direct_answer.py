@@ -359,8 +359,8 @@ async def test_the_direct_answer_survives_a_killed_middle_hop_with_identical_tok
 
 
 async def test_a_refused_answer_stream_leaves_the_tokens_coming_along_the_route(routes):
+    from meshnode.dataplane.edges.shard_session import DirectAnswers, ShardSession
     from meshnode.dataplane.route import make_hop as hop
-    from meshnode.dataplane.session_link import DirectAnswers, ShardSession
 
     middle, tail = routes.shards[MIDDLE], routes.shards[TAIL]
     fingerprint = routes.shards[DRIVER_INDEX].server.worker.fingerprint

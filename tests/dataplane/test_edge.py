@@ -19,12 +19,12 @@ from helpers.polling import eventually
 from helpers.recording_engine import LAYERS, RecordingEngine
 
 from engines.interface import METRIC_STEPS_CANCELLED
-from meshnode.dataplane import rpc
 from meshnode.dataplane.client import ClientConfig
+from meshnode.dataplane.edges import rpc
+from meshnode.dataplane.edges.server import ShardServer
+from meshnode.dataplane.edges.shard_session import SessionOptions, ShardSession, default_client_config
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.server import ShardServer
-from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import reset_code

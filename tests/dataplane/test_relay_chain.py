@@ -13,8 +13,8 @@ import pytest
 from helpers.polling import eventually
 from helpers.recording_engine import LAYERS
 
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.session_link import ShardSession
 
 from .fake_shards import SPLIT, relayed_chain
 from .harness import reference, srange

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from meshnode.dataplane import rpc
+from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.transport.base import MeshStream, PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream

@@ -16,7 +16,7 @@ from helpers.recording_engine import SPEC
 from engines.fake import FakeEngine, FaultKind, FaultRule
 from engines.tiny_model import ensure_tiny_model
 from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
-from meshnode.dataplane.session_link import ShardSession
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.membership.credentials import MeshKey
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh, shard

@@ -18,8 +18,8 @@ from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine
 from meshnode.app.shard_service import ShardService, ShardServiceOptions
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.lease import LeaseSettings, ReleaseReason
-from meshnode.dataplane.session_link import ShardSession
 from meshnode.head.local_link import LocalShardLink
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard

@@ -26,10 +26,10 @@ from helpers.tiny_llama import CTX, SPLIT, THREADS, load_engine, run_unsplit
 
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
-from meshnode.dataplane import rpc
 from meshnode.dataplane.client import ClientConfig
+from meshnode.dataplane.edges import rpc
+from meshnode.dataplane.edges.shard_session import SessionOptions, ShardSession, default_client_config
 from meshnode.dataplane.errors import SessionTransportError
-from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
 from meshnode.transport.base import PeerLink
 from meshnode.wire.cpu_mask import cpus_of_mask
 from meshnode.wire.errors import ShardProtocolError
@@ -335,7 +335,7 @@ async def doomed(
         engine = load_engine(tiny_model, 0, TINY_N_LAYERS)
         loopback = LoopbackMesh()
         client, worker = loopback.add(1), loopback.add(2)
-        from meshnode.dataplane.server import ShardServer
+        from meshnode.dataplane.edges.server import ShardServer
 
         server = ShardServer(engine, links=worker.get_link, owns_engine=True)
         await server.start()

@@ -294,7 +294,7 @@ async def test_a_middle_hop_that_cannot_reach_the_tail_yet_is_waited_for(routes,
     assert driver.stats.reroutes >= 1
     assert "every hop answers: re-routing in 0.2 s" in caplog.text
     # The middle hop's log says why; the head only heard the code passed back.
-    [why, *_] = [r.getMessage() for r in caplog.records if r.name == "meshnode.dataplane.server"]
+    [why, *_] = [r.getMessage() for r in caplog.records if r.name == "meshnode.dataplane.edges.server"]
     assert why.startswith("could not pass a step to the next hop: ") and why.endswith(
         "no address for the tail yet"
     )

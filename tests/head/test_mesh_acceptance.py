@@ -23,7 +23,7 @@ import pytest
 from helpers.node_processes import QuicCluster
 
 from engines.tiny_model import ensure_tiny_model
-from meshnode.dataplane import rpc
+from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.identity import short_id
 from meshnode.node import Node

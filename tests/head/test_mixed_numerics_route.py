@@ -27,7 +27,7 @@ from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from engines.tokenizer import Tokenizer
 from meshnode.app.head_service import HeadOptions, HeadService
 from meshnode.app.shard_service import served_shard
-from meshnode.dataplane.server import ShardServer
+from meshnode.dataplane.edges.server import ShardServer
 from meshnode.head.driver import DriverOptions
 from meshnode.head.environment import NodeRoutes
 from meshnode.head.numerics import system_fingerprint

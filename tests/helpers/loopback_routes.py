@@ -18,7 +18,7 @@ from engines.sampling import sample_token
 from helpers.loopback_mesh import LoopbackMesh, MeshPeer
 from helpers.recording_engine import RecordingEngine
 from meshnode.app.shard_service import served_shard
-from meshnode.dataplane.server import ShardServer
+from meshnode.dataplane.edges.server import ShardServer
 from meshnode.head.candidates import shard_candidates
 from meshnode.head.driver import DriverOptions
 from meshnode.head.local_link import LocalShardLink

@@ -43,8 +43,8 @@ from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.client import ClientConfig
+from meshnode.dataplane.edges.shard_session import SessionOptions, ShardSession, default_client_config
 from meshnode.dataplane.route import make_hop
-from meshnode.dataplane.session_link import SessionOptions, ShardSession, default_client_config
 from meshnode.membership.credentials import decode_invite_token
 from meshnode.node import NodeConfig
 from meshnode.traversal.settings import TraversalSettings

@@ -33,7 +33,7 @@ def data_plane_missing() -> str | None:
     """What this test needs from the data plane (issue 5) that is not there yet, if anything."""
     try:
         from meshnode.app.shard_service import ShardService  # noqa: F401
-        from meshnode.dataplane.session_link import ShardSession  # noqa: F401
+        from meshnode.dataplane.edges.shard_session import ShardSession  # noqa: F401
     except ImportError as exc:
         return f"data plane API missing: {exc}"
     from meshnode.app.cli import build_parser

@@ -25,8 +25,8 @@ from helpers.tiny_llama import load_engine
 from engines.interface import GREEDY, SessionKey, StepRequest
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from engines.tokenizer import Tokenizer
-from meshnode.dataplane import rpc
-from meshnode.dataplane.session_link import ShardSession
+from meshnode.dataplane.edges import rpc
+from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 

@@ -8,7 +8,9 @@ the contract between the mesh and an engine (engines.interface and its kin) with
 every layer may read. Every engines module has its place there. Beside it: the relay server
 depends only on meshnode's lower layers, the engines know nothing of the mesh, nothing below
 the app imports the relay server, and the sans-IO modules import no asyncio, socket or
-selectors (through any chain of imports; the graph holds the standard library for that).
+selectors (through any chain of imports; the graph holds the standard library for that). The
+data plane's layout tells which is which: its asyncio edges live in meshnode.dataplane.edges,
+and every other module of it is on the sans-IO list.
 
 Each kind of contract is shown able to fail: the stack reversed, the engines' layers reversed,
 and the sans-IO contract given a module that reads frames with asyncio.
@@ -82,6 +84,18 @@ def test_every_engines_module_has_a_place_in_the_stack():
     placed = {name for layer in layers_contract()["layers"] for name in layer_modules(layer)}
     graph = grimp.build_graph("engines", cache_dir=None)
     assert graph.modules - {"engines"} == {name for name in placed if name.startswith("engines.")}
+
+
+def test_every_data_plane_module_is_a_machine_under_the_sans_io_contract_or_an_edge():
+    """The data plane's layout tells the runtime: its asyncio edges live in meshnode.dataplane.edges,
+    and every other module of it is a machine the sans-IO contract covers."""
+    sans_io = set(contract("the sans-IO modules import no asyncio, socket or selectors")["source_modules"])
+    graph = grimp.build_graph("meshnode", cache_dir=None)
+    machines = {m for m in graph.find_descendants("meshnode.dataplane") if m.count(".") == 2}
+    machines.discard("meshnode.dataplane.edges")
+    assert machines == {m for m in sans_io if m.startswith("meshnode.dataplane.")}
+    edges = graph.find_descendants("meshnode.dataplane.edges")
+    assert "meshnode.dataplane.edges.shard_session" in edges and not edges & sans_io
 
 
 def test_a_contract_the_tree_breaks_is_reported(tmp_path: Path):

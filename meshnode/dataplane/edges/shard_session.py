@@ -53,14 +53,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from engines.interface import GREEDY, SamplingParams
-from meshnode.dataplane import rpc
 from meshnode.dataplane.actions import ForwardWork
 from meshnode.dataplane.client import (
     ClientConfig,
@@ -72,41 +71,28 @@ from meshnode.dataplane.client import (
     UnitDone,
     UnitFailed,
 )
+from meshnode.dataplane.edges import rpc
+from meshnode.dataplane.edges.answer_stream import AnswerStream, DirectAnswers
+from meshnode.dataplane.edges.stream_io import LinkFactory, LinkSource, reset_quietly, write_frames
+from meshnode.dataplane.edges.wake_timer import WakeTimer
 from meshnode.dataplane.envelope import Deadline
 from meshnode.dataplane.errors import SessionTransportError
-from meshnode.dataplane.payload import HIDDEN_STATES, LOGITS, TOKEN_IDS
 from meshnode.dataplane.route import make_route
-from meshnode.dataplane.wake_timer import WakeTimer
+from meshnode.dataplane.step_outputs import PrefillOutput, StepOutput
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.sansio import SECOND_NS
-from meshnode.transport.base import RESET_CANCELLED, PeerLink
+from meshnode.transport.base import PeerLink
 from meshnode.transport.framed import READ_CHUNK, FramedStream
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
-from meshnode.wire.framing import FrameDecoder, StreamType, encode_frame
+from meshnode.wire.framing import FrameDecoder, StreamType
 from meshnode.wire.pb import shard
-from meshnode.wire.tensor_codec import WireTensor
 
 log = logging.getLogger(__name__)
-
-LinkFactory = Callable[[], Awaitable[PeerLink]]
-LinkSource = PeerLink | LinkFactory
-
-# Frames below this are joined into one write (one QUIC frame); larger ones are written as they are.
-_JOIN_BELOW_BYTES = 64 * 1024
 
 
 def default_client_config() -> ClientConfig:
     # The grace lets the worker's own DEADLINE_EXCEEDED win over a local "no answer".
     return ClientConfig(answer_grace_ns=SECOND_NS // 4)
-
-
-@dataclass(frozen=True)
-class DirectAnswers:
-    """Where a head's session gets its tail's tokens directly: a link to the tail, and the tail's
-    range (its answer stream is opened as for the tail's own session)."""
-
-    links: LinkSource
-    tail_range: shard.ShardRange
 
 
 @dataclass(frozen=True)
@@ -116,91 +102,6 @@ class SessionOptions:
     max_reconnects: int = 3
     reconnect_backoff_s: float = 0.05
     unary_timeout_s: float = rpc.DEFAULT_UNARY_TIMEOUT_S
-
-
-# ---------------------------------------------------------------------------- results
-
-
-class StepOutput:
-    """What the worker (through its route) returned for one unit."""
-
-    __slots__ = ("_tensors", "done")
-
-    def __init__(self, done: UnitDone) -> None:
-        self.done = done
-        self._tensors: dict[str, WireTensor] | None = None
-
-    @property
-    def step(self) -> int:
-        return self.done.step
-
-    @property
-    def work_id(self) -> str:
-        return self.done.work_id
-
-    @property
-    def duplicate(self) -> bool:
-        """The worker had already applied this step and answered from its replay record."""
-        return self.done.duplicate
-
-    @property
-    def cache_result(self) -> shard.CacheResult:
-        return self.done.cache_result
-
-    @property
-    def tensors(self) -> dict[str, WireTensor]:
-        """The result tensors, decoded and checksum-verified on first access."""
-        if self._tensors is None:
-            self._tensors = self.done.tensors()
-        return self._tensors
-
-    @property
-    def token(self) -> int | None:
-        """The tail's sampled token (None for a non-final prefill chunk or a hidden-state hop); for a
-        verify step, its choice after the last position."""
-        tensor = self.tensors.get(TOKEN_IDS)
-        return None if tensor is None else int(tensor.array[-1])
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        """Every token the tail returned: one, or for a verify step its choice after each position."""
-        tensor = self.tensors.get(TOKEN_IDS)
-        return () if tensor is None else tuple(int(t) for t in tensor.array.tolist())
-
-    @property
-    def logits(self) -> np.ndarray | None:
-        """The tail's last-position logits, when the route asked for them."""
-        tensor = self.tensors.get(LOGITS)
-        return None if tensor is None else tensor.as_float32()
-
-    @property
-    def hidden(self) -> np.ndarray | None:
-        """A non-tail route end's hidden states, float32 ``[n, hidden]``."""
-        tensor = self.tensors.get(HIDDEN_STATES)
-        return None if tensor is None else tensor.as_float32()
-
-
-@dataclass(frozen=True)
-class PrefillOutput:
-    chunks: list[StepOutput]
-
-    @property
-    def token(self) -> int | None:
-        return self.chunks[-1].token
-
-    @property
-    def logits(self) -> np.ndarray | None:
-        return self.chunks[-1].logits
-
-    @property
-    def hidden(self) -> np.ndarray | None:
-        parts: list[np.ndarray] = []
-        for chunk in self.chunks:
-            hidden = chunk.hidden
-            if hidden is None:
-                return None
-            parts.append(hidden)
-        return np.concatenate(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,19 +153,21 @@ class ShardSession:
         self._closed = False
         self.error: MeshnodeError | None = None
         self._task = self._loop.create_task(self._run())
-        # The answer stream to the tail: accepted (True), lost or refused (False), or opening.
-        self._answers_ready: asyncio.Future[bool] = self._loop.create_future()
-        self._answer_stream: FramedStream | None = None
-        # Answer streams whose link was superseded, read to their end behind the move.
-        self._moving_answers: set[asyncio.Task[str]] = set()
         # Set while no Ack of a unit answered directly is owed (see aclose).
         self._acks_settled = asyncio.Event()
         self._acks_settled.set()
-        self._answer_task: asyncio.Task[None] | None = None
-        if answers is not None:
-            self._answer_task = self._loop.create_task(self._serve_answers(answers))
-        else:
-            self._answers_ready.set_result(False)
+        # The answer stream to the tail, when the head asked for one.
+        self._answers = (
+            None
+            if answers is None
+            else AnswerStream(
+                client,
+                answers,
+                self.settle,
+                max_reconnects=self.options.max_reconnects,
+                reconnect_backoff_s=self.options.reconnect_backoff_s,
+            )
+        )
 
     # ------------------------------------------------------------------ construction
 
@@ -362,7 +265,7 @@ class ShardSession:
     async def answers_ready(self) -> bool:
         """Whether the tail accepted this session's answer stream (False: none asked for, lost or
         refused; the tokens then come back along the route)."""
-        return await asyncio.shield(self._answers_ready)
+        return False if self._answers is None else await asyncio.shield(self._answers.ready)
 
     # ------------------------------------------------------------------ work
 
@@ -447,10 +350,10 @@ class ShardSession:
         many units the worker abandoned; in band it returns None."""
         if not out_of_band:
             self._signals.append(self.client.cancel_signal(work_id, reason))
-            self._after()
+            self.settle()
             return None
         request = self.client.cancel_request(work_id, reason)
-        self._after()
+        self.settle()
         return await rpc.send_cancel(
             await self._current_link(), request, timeout=self.options.unary_timeout_s
         )
@@ -459,7 +362,7 @@ class ShardSession:
         """Ask the worker (and the route behind it) to drop this session's state."""
         if not out_of_band:
             self._signals.append(self.client.release_signal())
-            self._after()
+            self.settle()
             return None
         request = self.client.release_request()
         return await rpc.send_release(
@@ -496,8 +399,9 @@ class ShardSession:
         flusher = self._flush_task
         if flusher is not None:
             flusher.cancel()
+        answer_task = None if self._answers is None else self._answers.task
         self._stop_answers()
-        tasks = [t for t in (self._task, flusher, self._answer_task) if t is not None]
+        tasks = [t for t in (self._task, flusher, answer_task) if t is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         if framed is not None:
             # The stream may already be gone: nothing to finish then.
@@ -516,17 +420,12 @@ class ShardSession:
             self._flush_task.cancel()
         self._stop_answers()
         framed, self._framed = self._framed, None
-        _reset_quietly(framed)
+        reset_quietly(framed)
         self._abandon(SessionTransportError("the session was aborted"))
 
     def _stop_answers(self) -> None:
-        for task in (self._answer_task, *self._moving_answers):
-            if task is not None:
-                task.cancel()
-        stream, self._answer_stream = self._answer_stream, None
-        _reset_quietly(stream)
-        if not self._answers_ready.done():
-            self._answers_ready.set_result(False)
+        if self._answers is not None:
+            self._answers.stop()
 
     # ------------------------------------------------------------------ internals: units
 
@@ -545,14 +444,14 @@ class ShardSession:
             self._futures[unit_id] = future
             handles.append(UnitHandle(unit_id, future))
         if kick:
-            self._after()
+            self.settle()
         else:
             self._dispatch()
         if self._framed is None:
             self._demand.set()
         return handles
 
-    def _after(self) -> None:
+    def settle(self) -> None:
         """After anything touched the client: settle futures, send what credit allows, re-arm time."""
         self._dispatch()
         if self.client.acks_owed:
@@ -605,7 +504,7 @@ class ShardSession:
 
     def _on_timer(self) -> None:
         self.client.handle_timer(time.monotonic_ns())
-        self._after()
+        self.settle()
 
     # ------------------------------------------------------------------ internals: the stream
 
@@ -633,13 +532,13 @@ class ShardSession:
                 self._dispatch()  # an oversize unit fails as it is taken
                 if not bodies:
                     return
-                await _write_frames(framed, bodies)
+                await write_frames(framed, bodies)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             # The reader notices the reset and re-opens; the units already taken go out again.
             log.debug("session %s: write failed: %s", self.route_session_id, exc)
-            _reset_quietly(framed)
+            reset_quietly(framed)
         finally:
             self._writing = False
             self._timer.arm(self.client.get_timer())
@@ -673,9 +572,9 @@ class ShardSession:
             link = await self._current_link()
             framed = await link.open_stream(StreamType.SHARD_SESSION)
             route_body, open_body = self.client.start_stream()
-            await _write_frames(framed, [route_body, open_body])
+            await write_frames(framed, [route_body, open_body])
             self._framed = framed
-            self._after()
+            self.settle()
             # Read the stream directly so that every frame of one read is handled before one _after().
             # The downstream hop is a member, not trusted: its replies charge the link's budget.
             stream = framed.stream
@@ -684,7 +583,7 @@ class ShardSession:
             while data := await stream.read(READ_CHUNK):
                 for body in decoder.feed(data):
                     self.client.receive_frame(body)
-                self._after()
+                self.settle()
             decoder.end_of_stream()
             return "the worker ended the stream"
         except asyncio.CancelledError:
@@ -693,107 +592,14 @@ class ShardSession:
             return "the session is over"
         except ShardProtocolError as exc:
             # The peer broke the protocol on this stream: drop it, the units go out again.
-            _reset_quietly(framed)
+            reset_quietly(framed)
             return str(exc)
         except Exception as exc:
-            _reset_quietly(framed)
+            reset_quietly(framed)
             return str(rpc.transport_error("session stream", exc))
         finally:
             if self._framed is framed:
                 self._framed = None
-
-    async def _serve_answers(self, answers: DirectAnswers) -> None:
-        """Open the answer stream to the tail and hand its direct answers to the client until it
-        ends. A stream that fails before the tail accepted it is tried again (up to
-        ``max_reconnects`` times, backing off: the tail may not yet admit this node); one that
-        was accepted and then lost is not re-opened: the tail answers along the route again.
-        One whose link is superseded (a direct link replaced the relayed one, which closes
-        shortly) moves: a new answer stream opens on the link kept now while the old one is read
-        to its end, and the tail answers on the newest, so no answer is lost in the move."""
-        reason = "the tail ended the answer stream"
-        attempt = 0
-        while attempt <= self.options.max_reconnects:
-            if attempt:
-                await asyncio.sleep(self.options.reconnect_backoff_s * attempt)
-            reason, moved = await self._one_answer_stream(answers)
-            if self._closed:
-                break
-            if moved:
-                attempt = 0
-                continue
-            if self._answers_ready.done():
-                break
-            attempt += 1
-        if not self._answers_ready.done():
-            self._answers_ready.set_result(False)
-        if not self._closed:
-            log.debug("session %s: no direct answers any more: %s", self.route_session_id, reason)
-            self.client.answers_lost()
-            self._after()
-
-    async def _one_answer_stream(self, answers: DirectAnswers) -> tuple[str, bool]:
-        """Serve one answer stream until it ends, or until its link is superseded (then it is read
-        to its end in the background); returns why it ended, and whether it moved."""
-        framed: FramedStream | None = None
-        try:
-            source = answers.links
-            link = source if isinstance(source, PeerLink) else await source()
-            framed = await link.open_stream(StreamType.SHARD_SESSION)
-            self._answer_stream = framed
-            await _write_frames(framed, self.client.answer_stream_start(answers.tail_range))
-            reader = self._loop.create_task(self._read_answers(framed))
-            superseded = self._loop.create_task(link.wait_superseded())
-            try:
-                await asyncio.wait((reader, superseded), return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                reader.cancel()
-                raise
-            finally:
-                superseded.cancel()
-            if not reader.done():
-                self._moving_answers.add(reader)
-                reader.add_done_callback(self._moved_answers_read)
-                return f"{link.description} was superseded", True
-            return await reader, False
-        except asyncio.CancelledError:
-            raise
-        except ShardProtocolError as exc:
-            # The tail refused (or broke the protocol): asking again would get the same answer.
-            _reset_quietly(framed)
-            if not self._answers_ready.done():
-                self._answers_ready.set_result(False)
-            return str(exc), False
-        except Exception as exc:
-            _reset_quietly(framed)
-            return str(exc) or type(exc).__name__, False
-        finally:
-            if self._answer_stream is framed:
-                self._answer_stream = None
-
-    async def _read_answers(self, framed: FramedStream) -> str:
-        stream = framed.stream
-        limits = getattr(stream, "read_limits", None)
-        # The tail is a member, not trusted: its answers charge the link's budget too.
-        decoder = FrameDecoder(expect_stream_type=False, budget=limits.budget if limits else None)
-        try:
-            while data := await stream.read(READ_CHUNK):
-                for body in decoder.feed(data):
-                    self.client.receive_answer_frame(body)
-                    if not self._answers_ready.done():
-                        self._answers_ready.set_result(True)
-                self._after()
-            decoder.end_of_stream()
-        except BaseException:
-            _reset_quietly(framed)
-            raise
-        return "the tail ended the answer stream"
-
-    def _moved_answers_read(self, reader: asyncio.Task[str]) -> None:
-        """An answer stream that moved to a new link ended: what it carried was read; how it
-        ended no longer matters (its link closes behind the move)."""
-        self._moving_answers.discard(reader)
-        if not reader.cancelled():
-            reader.exception()
 
 
 class _Opening:
@@ -828,23 +634,6 @@ class _Opening:
 def _deadline(deadline_unix_ns: int) -> Deadline | None:
     """A caller's deadline (unix ns, 0: none) on both clocks, read now."""
     return Deadline.from_unix(deadline_unix_ns, now_ns=time.monotonic_ns(), unix_now_ns=time.time_ns())
-
-
-def _reset_quietly(framed: FramedStream | None) -> None:
-    if framed is None:
-        return
-    # Already reset, or the link is gone: nothing left to abort.
-    with contextlib.suppress(Exception):
-        framed.reset(RESET_CANCELLED)
-
-
-async def _write_frames(framed: FramedStream, bodies: list[bytes]) -> None:
-    stream = framed.stream
-    if sum(len(b) for b in bodies) < _JOIN_BELOW_BYTES:
-        await stream.write(b"".join([encode_frame(b) for b in bodies]))
-        return
-    for body in bodies:
-        await framed.send_frame(body)
 
 
 __all__ = [

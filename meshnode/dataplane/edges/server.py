@@ -14,7 +14,7 @@ It only carries out the worker's actions:
   writer task per stream (several frames coalesce into one write);
 - ``RunBatch``/``ReleaseEngine`` run on the engine's single FIFO thread, and the
   batch's outcomes come back to the worker on the loop; ``FireCancel`` fires at once;
-- ``Forward`` goes through one :class:`~meshnode.dataplane.session_link.ShardSession`
+- ``Forward`` goes through one :class:`~meshnode.dataplane.edges.shard_session.ShardSession`
   per route session toward the next hop (a link from ``links(node_id)``), and
   its outcome is reported exactly once; ``CancelDownstream``/``ReleaseDownstream``
   pass on out of band;
@@ -56,10 +56,16 @@ from meshnode.dataplane.actions import (
     Send,
 )
 from meshnode.dataplane.client import ClientConfig
-from meshnode.dataplane.engine_thread import EngineThread
+from meshnode.dataplane.edges.engine_thread import EngineThread
+from meshnode.dataplane.edges.shard_session import (
+    SessionOptions,
+    ShardSession,
+    StepOutput,
+    default_client_config,
+)
+from meshnode.dataplane.edges.wake_timer import WakeTimer
 from meshnode.dataplane.failure_log import log_engine_failures
 from meshnode.dataplane.lease import StreamOrigin
-from meshnode.dataplane.session_link import SessionOptions, ShardSession, StepOutput, default_client_config
 from meshnode.dataplane.unary import (
     Validation,
     capability_report,
@@ -69,7 +75,6 @@ from meshnode.dataplane.unary import (
     parse_unary_request,
     validate_engine,
 )
-from meshnode.dataplane.wake_timer import WakeTimer
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig, WorkerLoad
 from meshnode.mesh.dispatcher import StreamHandler
 from meshnode.transport.base import RESET_CANCELLED, LinkClosed, PeerLink, StreamError
