@@ -98,8 +98,11 @@ async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
 class ServingNode(Protocol):
     """What the service needs from :class:`meshnode.node.Node`."""
 
-    register_handler: Register
-    node_id: bytes
+    @property
+    def register_handler(self) -> Register: ...
+
+    @property
+    def node_id(self) -> bytes: ...
 
     async def get_link(self, peer_id: bytes) -> PeerLink: ...
 

@@ -64,7 +64,8 @@ _RETRY_MAX_S = 30.0
 class PlacingNode(Protocol):
     """What placement needs from :class:`meshnode.node.Node`."""
 
-    node_id: bytes
+    @property
+    def node_id(self) -> bytes: ...
 
     def peers(self) -> Iterable[Any]: ...  # PeerEntry: .peer_id, .announcement
 

@@ -1,8 +1,8 @@
 """The node: one process's identity, QUIC endpoint, dispatcher and membership, on asyncio.
 
-:mod:`~meshnode.node.runtime` is the :class:`Node` itself (gossip, liveness, the
-mesh's own stream handlers, persistence); what it is made of lives beside it or
-in the layers below. Its names are loaded here on first use: the command line reads
+:mod:`~meshnode.node.runtime` is the :class:`Node` itself, which composes its parts:
+the links (:mod:`~meshnode.node.peer_connections`), gossip, the heartbeat, liveness,
+the membership's keeper and the status; each lives beside it, or in the layers below. Its names are loaded here on first use: the command line reads
 :mod:`~meshnode.node.config` without loading the node (and QUIC with it).
 """
 

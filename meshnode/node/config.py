@@ -47,7 +47,7 @@ class NodeConfig:
     forget_relays: list[bytes] = field(default_factory=list)
     # Never dial peers directly; always go through a relay (tests, strict NAT).
     relay_only: bool = False
-    role: int = mesh.NODE_ROLE_WORKER
+    role: mesh.NodeRole = mesh.NODE_ROLE_WORKER
     http_port: int = 0
     # Lifetime of the member certificates this node issues and renews, as an admin.
     certificate_ttl: float = DEFAULT_CERTIFICATE_TTL_S

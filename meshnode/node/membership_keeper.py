@@ -1,18 +1,17 @@
 """The node's side of authority: revocations kept and spread, certificates renewed, removal obeyed.
 
 The rules are pure (:mod:`meshnode.membership.revocation`,
-:mod:`meshnode.mesh.credential_gate`); this is their edge, which the
-:class:`~meshnode.node.runtime.Node` calls in a few places. It reads the mesh state,
-the data directory and the node's list of known peers, and tells the node what to
-spread rather than reaching into it:
+:mod:`meshnode.mesh.credential_gate`); this is their edge, which the node's parts
+call in a few places. It reads the mesh state, the data directory and the node's list
+of known peers, and tells its caller what to spread rather than reaching into it:
 
 * after every gossip exchange (and after a relay or the control socket handed over
   a revocation), :meth:`MembershipKeeper.after_gossip` takes what the state learned:
-  new revocations are saved in the data directory and returned, and the node hands
-  them to every relay and pushes them to every peer at once (so the whole mesh knows
-  within one exchange per link, not one heartbeat per hop); a removed peer is sent
-  one last gossip frame, which carries the revocation that names it, and its link is
-  closed, which ends its sessions;
+  new revocations are saved in the data directory and returned, and
+  :class:`~meshnode.node.gossip.Gossip` hands them to every relay and pushes them to
+  every peer at once (so the whole mesh knows within one exchange per link, not one
+  heartbeat per hop); a removed peer is sent one last gossip frame, which carries the
+  revocation that names it, and its link is closed, which ends its sessions;
 * when a verified revocation names this node, or its own certificate expired and
   a peer refused it for that, :attr:`removal` is set and the process exits saying
   why (:func:`meshnode.app.lifecycle.run_node`). A bare refusal code is never
@@ -73,10 +72,10 @@ class MembershipKeeper:
         self.removal = asyncio.Event()
         self.removal_reason = ""
 
-    # -- what the node calls -------------------------------------------------------------
+    # -- what the node and its parts call ---------------------------------------------------
 
     def after_gossip(self) -> list[Revoked]:
-        """Take what the state learned: the new revocations (saved; the node spreads them), and
+        """Take what the state learned: the new revocations (saved; the caller spreads them), and
         this node's own removal."""
         new = self.state.take_new_revocations()
         if new:
@@ -118,6 +117,15 @@ class MembershipKeeper:
             record_used(self.data_dir.path, invite_id, node_id)
         except OSError as exc:
             log.warning("could not record the invite's use: %s", exc)
+
+    def relays_changed(self, relays: list[Endpoint]) -> None:
+        """The node's relays are now ``relays`` (the command line added or dropped some): kept
+        in the membership, which is saved (an invite holder has none yet)."""
+        membership = self.state.membership
+        if membership is None:
+            return
+        membership.relays = relays
+        self.save_membership()
 
     def save_membership(self) -> None:
         """The membership and the peers worth dialing after a restart, in the data directory."""

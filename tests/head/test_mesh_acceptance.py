@@ -27,7 +27,7 @@ from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.identity import short_id
 from meshnode.node import Node
-from meshnode.node.runtime import PEER_FAILURES
+from meshnode.node.peer_failures import PEER_FAILURES
 from meshnode.wire.pb import shard
 
 from .api_cluster import (

@@ -168,7 +168,7 @@ async def test_a_restarted_member_starts_once_one_stored_peer_answers_not_after_
             await again.start()
             assert await again.reconnect() == 1
             assert first.node_id in again.state.table
-            assert gone.id in again._heartbeating  # still being dialed, behind the start
+            assert gone.id in again.gossip.in_round  # still being dialed, behind the start
         finally:
             await again.shutdown()
             await first.shutdown()

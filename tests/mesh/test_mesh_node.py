@@ -83,7 +83,7 @@ async def test_a_heartbeats_gossip_on_a_link_already_exchanged_does_not_hold_up_
     try:
         link = await joiner.get_link(first.node_id)
         # A heartbeat's exchange is under way on the link...
-        heartbeat = asyncio.ensure_future(joiner._exchange(link))
+        heartbeat = asyncio.ensure_future(joiner.gossip.exchange(link))
         await asyncio.sleep(0)
         # ...and a caller wanting the link gets it now, not after an exchange of its own.
         assert await joiner.get_link(first.node_id) is link
@@ -175,7 +175,7 @@ async def test_a_gossip_exchange_cut_off_by_a_timeout_leaves_the_link_usable(tmp
     try:
         first.add_known_peer(Endpoint(other.node_id, other.addresses[0]))
         link = await first.get_link(other.node_id)
-        cut_off = asyncio.ensure_future(first._exchange(link))  # as a heartbeat starts one
+        cut_off = asyncio.ensure_future(first.gossip.exchange(link))  # as a heartbeat starts one
         await asyncio.sleep(0)
         cut_off.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -1,0 +1,59 @@
+"""The node's heartbeat: the mesh state's timer, run on the asyncio loop.
+
+When each beat is due and which peer went stale are :class:`~meshnode.mesh.state.MeshState`'s
+decisions (pure, on its timer); :class:`Heartbeat` acts on them: at each beat the keeper
+renews this node's certificate when it is due, the node gossips with every peer (with the
+known peers while the table lists none), and every tenth beat the membership is saved; a
+stale peer is suspected (:class:`~meshnode.node.liveness.Liveness`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshnode.mesh.state import HeartbeatDue, MeshState, PeerStale
+from meshnode.node.background_tasks import BackgroundTasks
+from meshnode.node.gossip import Gossip
+from meshnode.node.liveness import Liveness
+from meshnode.node.membership_keeper import MembershipKeeper
+from meshnode.timer_edge import run_timer
+
+# The membership (its known peers) is saved every this many beats.
+_SAVE_EVERY_BEATS = 10
+
+
+class Heartbeat:
+    def __init__(
+        self, state: MeshState, keeper: MembershipKeeper, gossip: Gossip, liveness: Liveness
+    ) -> None:
+        self._state = state
+        self._keeper = keeper
+        self._gossip = gossip
+        self._liveness = liveness
+        self._beats = 0
+
+    def start(self, background: BackgroundTasks) -> None:
+        """Run the timer as one of ``background``'s tasks, so that stopping them (shutdown, a
+        test's crash) stops the heartbeat."""
+        self._state.start_heartbeat(time.monotonic_ns())
+        background.spawn(run_timer(self._state.get_timer, self._on_timer))
+
+    def _on_timer(self, now_ns: int) -> None:
+        self._state.handle_timer(now_ns)
+        for event in self._state.take_events():
+            if isinstance(event, HeartbeatDue):
+                self._beats += 1
+                self._beat()
+            elif isinstance(event, PeerStale):
+                self._liveness.suspect(event.peer_id, reporter=None)
+
+    def _beat(self) -> None:
+        self._keeper.on_heartbeat()
+        self._gossip.with_all()
+        if not len(self._state.table) and self._state.is_member:
+            self._gossip.with_known_peers()
+        if self._beats % _SAVE_EVERY_BEATS == 0 and self._state.is_member:
+            self._keeper.save_membership()
+
+
+__all__ = ["Heartbeat"]
