@@ -35,10 +35,10 @@ from meshnode.app import (
     split_command,
     up_command,
 )
-from meshnode.app.cli_error import CliError, os_error_line
-from meshnode.app.common_options import common_options
-from meshnode.app.config import ConfigError, parse_args_with_config
-from meshnode.app.event_loop import run_async
+from meshnode.commandline.cli_error import CliError, os_error_line
+from meshnode.commandline.common_options import common_options
+from meshnode.commandline.config import ConfigError, parse_args_with_config
+from meshnode.commandline.event_loop import run_async
 from meshnode.logs import configure_logging
 
 # Modules that add subcommands, in the order ``--help`` lists them; see the module docstring.

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from engines.openmp_wait import available_cpus, openmp_wait_env
 from meshnode.app.api_commands import describe_summary, print_stream
-from meshnode.app.cli_error import CliError
+from meshnode.commandline.cli_error import CliError
 
 if TYPE_CHECKING:
     from meshnode.app.local_mesh import LocalMesh

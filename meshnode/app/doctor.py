@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from engines.weight_repack import WeightRepack
-from meshnode.app.cli_args import add_weight_repack_option, host_port, parse_layers, relay_endpoint
-from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.listen_check import bind_problem
 from meshnode.app.status import NotANodeError, query_node_status
+from meshnode.app.weight_repack_option import add_weight_repack_option
+from meshnode.commandline.argument_types import host_port, parse_layers, relay_endpoint
+from meshnode.commandline.data_dirs import node_data_dir
 from meshnode.identity import NODE_KEY_FILE, IdentityError, NodeIdentity, load_identity
 from meshnode.membership.store import MEMBERSHIP_FILE, MESH_KEY_FILE, DataDir, StoreError
 from meshnode.transport.addresses import AddressError, parse_host_port

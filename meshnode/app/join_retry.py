@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from meshnode.app.cli_args import non_negative
+from meshnode.commandline.argument_types import non_negative
 from meshnode.node import JoinError
 
 if TYPE_CHECKING:

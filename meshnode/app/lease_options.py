@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshnode.app.cli_args import non_negative, positive, share
+from meshnode.commandline.argument_types import non_negative, positive, share
 from meshnode.dataplane.lease import LeaseSettings
 from meshnode.transport.quic_settings import QuicSettings
 

@@ -12,8 +12,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from meshnode.app.cli_error import CliError
 from meshnode.app.join_retry import DEFAULT_JOIN_TIMEOUT_S, JoinStopped, join_until
+from meshnode.commandline.cli_error import CliError
 from meshnode.node import JoinError
 
 if TYPE_CHECKING:

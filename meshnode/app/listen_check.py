@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from meshnode.app.cli_error import CliError
+from meshnode.commandline.cli_error import CliError
 from meshnode.transport.addresses import parse_host_port
 from meshnode.transport.bind_errors import ListenError, listen_error
 

@@ -14,9 +14,9 @@ import base64
 import time
 from typing import Any
 
-from meshnode.app.cli_error import CliError
-from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.status import ask_node, query_node_status
+from meshnode.commandline.cli_error import CliError
+from meshnode.commandline.data_dirs import node_data_dir
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import IdentityError, load_identity, short_id
 from meshnode.membership.credentials import MeshKey

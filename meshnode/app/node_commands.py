@@ -17,8 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.app.api_options import add_api_listen_option, add_model_name_option
-from meshnode.app.cli_args import (
-    add_weight_repack_option,
+from meshnode.app.join_retry import add_join_options
+from meshnode.app.lease_options import add_lease_options, link_settings
+from meshnode.app.listen_check import check_listen_addresses
+from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
+from meshnode.app.placement_options import add_placement_options
+from meshnode.app.session_options import add_session_options
+from meshnode.app.status import format_status, query_node_status, query_status
+from meshnode.app.stored_membership import load_stored_membership, membership_for_join
+from meshnode.app.traversal_options import add_traversal_options, traversal_settings
+from meshnode.app.weight_repack_option import add_weight_repack_option
+from meshnode.commandline.argument_types import (
     host_port,
     non_negative_int,
     parse_invite_ttl,
@@ -28,18 +37,9 @@ from meshnode.app.cli_args import (
     relay_endpoint,
     relay_id,
 )
-from meshnode.app.cli_error import CliError
-from meshnode.app.data_dirs import locked_node_data_dir, node_data_dir
-from meshnode.app.join_retry import add_join_options
-from meshnode.app.lease_options import add_lease_options, link_settings
-from meshnode.app.listen_check import check_listen_addresses
-from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
-from meshnode.app.placement_options import add_placement_options
-from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
-from meshnode.app.session_options import add_session_options
-from meshnode.app.status import format_status, query_node_status, query_status
-from meshnode.app.stored_membership import load_stored_membership, membership_for_join
-from meshnode.app.traversal_options import add_traversal_options, traversal_settings
+from meshnode.commandline.cli_error import CliError
+from meshnode.commandline.data_dirs import locked_node_data_dir, node_data_dir
+from meshnode.commandline.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.identity import IdentityError, NodeIdentity, load_identity, load_or_create_identity, short_id
 from meshnode.membership.credentials import (
     DEFAULT_CERTIFICATE_TTL_S,

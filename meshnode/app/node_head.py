@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshnode.app.api_options import api_access, head_options
-from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadError, HeadService, start_node_head
 from meshnode.app.speculation_options import driver_options
+from meshnode.commandline.cli_error import CliError
 from meshnode.node import Node
 
 if TYPE_CHECKING:

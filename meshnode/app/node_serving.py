@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshnode.app.cli_error import CliError
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.node_head import start_head
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
+from meshnode.commandline.cli_error import CliError
 from meshnode.node import Node
 
 

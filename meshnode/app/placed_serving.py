@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from meshnode.app.cli_error import CliError
 from meshnode.app.head_service import HeadService
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
@@ -29,6 +28,7 @@ from meshnode.artifacts.store import StoreInUse
 from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeRequest
 from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
 from meshnode.cancellation import cancel_and_wait
+from meshnode.commandline.cli_error import CliError
 from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 

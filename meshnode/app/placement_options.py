@@ -14,10 +14,10 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from meshnode.app.cli_args import positive
 from meshnode.app.session_options import parse_size
 from meshnode.artifacts.upload_limit import DEFAULT_UPLOAD_BYTES_PER_S, UploadLimiter
 from meshnode.autoplace.settings import AutoPlaceSettings
+from meshnode.commandline.argument_types import positive
 
 AUTO, OFF = "auto", "off"
 # Gossip rounds a claim stands before the node loads it; two rounds let a claim made at the

@@ -19,11 +19,11 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from meshnode.app.cli_args import host_port, mesh_id, positive_int
-from meshnode.app.common_options import common_options
-from meshnode.app.data_dirs import RELAY_DATA_DIR_ENV, relay_data_dir
-from meshnode.app.event_loop import run_async
-from meshnode.app.read_limit_options import add_read_limit_options, apply_read_limit_options
+from meshnode.commandline.argument_types import host_port, mesh_id, positive_int
+from meshnode.commandline.common_options import common_options
+from meshnode.commandline.data_dirs import RELAY_DATA_DIR_ENV, relay_data_dir
+from meshnode.commandline.event_loop import run_async
+from meshnode.commandline.read_limit_options import add_read_limit_options, apply_read_limit_options
 from meshnode.identity import IdentityError
 from meshnode.logs import configure_logging
 from meshnode.membership.store import StoreError

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshnode.app.cli_error import CliError
 from meshnode.autoplace.stage_balance import balanced_ranges, even_ranges, step_costs
+from meshnode.commandline.cli_error import CliError
 
 
 def _mb(size: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from meshnode.app.cli_error import CliError
+from meshnode.commandline.cli_error import CliError
 from meshnode.identity import IdentityError, load_identity
 from meshnode.membership.credentials import Invite
 from meshnode.membership.store import DataDir, MembershipState, StoreError

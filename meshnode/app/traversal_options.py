@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from meshnode.app.cli_args import positive
+from meshnode.commandline.argument_types import positive
 from meshnode.traversal.pair_backoff import PunchSchedule
 from meshnode.traversal.settings import TraversalSettings
 

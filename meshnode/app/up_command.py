@@ -18,8 +18,8 @@ import os
 from typing import Any
 
 from meshnode.app import node_commands
-from meshnode.app.data_dirs import node_data_dir
 from meshnode.app.stored_membership import stored_membership_expired
+from meshnode.commandline.data_dirs import node_data_dir
 from meshnode.membership.store import DataDir
 
 log = logging.getLogger(__name__)

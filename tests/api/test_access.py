@@ -10,7 +10,7 @@ from meshnode.api.auth import ApiAccess
 from meshnode.api.openai_api import start_api_server
 from meshnode.app.api_options import api_access
 from meshnode.app.cli import build_parser
-from meshnode.app.config import ConfigError, parse_args_with_config
+from meshnode.commandline.config import ConfigError, parse_args_with_config
 
 KEY = "sk-mesh-test-0123456789"
 ORIGIN = "https://console.example"

@@ -6,8 +6,8 @@ import pytest
 
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.app.cli import build_parser
-from meshnode.app.config import ConfigError, parse_args_with_config
 from meshnode.app.session_options import max_sessions, parse_max_sessions, parse_size
+from meshnode.commandline.config import ConfigError, parse_args_with_config
 from meshnode.dataplane.kv_budget import (
     AUTO_BUDGET_CAP,
     AUTO_SESSIONS_CAP,

@@ -19,8 +19,8 @@ from helpers.polling import eventually
 from mesh_helpers import Recorder, reset_code_of
 
 from meshnode.app.cli import build_parser
-from meshnode.app.config import parse_args_with_config
 from meshnode.app.node_commands import node_config
+from meshnode.commandline.config import parse_args_with_config
 from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import Dispatcher, DispatchingLinkHandler
 from meshnode.metrics import MetricSources, collect, samples_by_name

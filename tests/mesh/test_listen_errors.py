@@ -13,9 +13,9 @@ import pytest
 from helpers.mesh_nodes import fast_config, first_member
 
 from meshnode.app.cli import build_parser
-from meshnode.app.cli_error import CliError
 from meshnode.app.lifecycle import run_node
 from meshnode.app.listen_check import bind_problem, required_api_address
+from meshnode.commandline.cli_error import CliError
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
 

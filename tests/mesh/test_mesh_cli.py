@@ -165,7 +165,7 @@ def test_create_with_a_bad_model_creates_no_mesh_so_the_corrected_command_can(tm
 def test_duration_and_layer_arguments():
     import argparse
 
-    from meshnode.app.cli_args import parse_duration, parse_layers
+    from meshnode.commandline.argument_types import parse_duration, parse_layers
 
     assert parse_duration("90") == 90 and parse_duration("30m") == 1800 and parse_duration("24h") == 86400
     assert parse_duration("1.5d") == 1.5 * 86400
@@ -181,7 +181,13 @@ def test_duration_and_layer_arguments():
 def test_number_arguments_refuse_values_outside_their_range_and_keep_their_edges():
     import argparse
 
-    from meshnode.app.cli_args import non_negative, non_negative_int, positive, positive_int, share
+    from meshnode.commandline.argument_types import (
+        non_negative,
+        non_negative_int,
+        positive,
+        positive_int,
+        share,
+    )
 
     accepted = [
         (positive, "0.5", 0.5),
@@ -288,7 +294,7 @@ def test_a_full_disk_is_named_with_the_file_and_what_to_do(tmp_path, monkeypatch
     import errno
     import os
 
-    from meshnode.app.cli_error import os_error_line
+    from meshnode.commandline.cli_error import os_error_line
     from meshnode.identity import write_private_file
 
     def full(fd: int) -> None:  # where a delayed allocation meets a full disk

@@ -9,8 +9,8 @@ import time
 import pytest
 from helpers.mesh_nodes import fast_config, invite_from, invite_to, start_first_node
 
-from meshnode.app.cli_error import CliError
 from meshnode.app.stored_membership import membership_for_join
+from meshnode.commandline.cli_error import CliError
 from meshnode.identity import NodeIdentity, load_or_create_identity
 from meshnode.membership.credentials import MeshKey, issue_certificate
 from meshnode.membership.store import DataDir, MembershipState

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from meshnode.app.cli import build_parser, main
-from meshnode.app.config import ConfigError, parse_args_with_config
+from meshnode.commandline.config import ConfigError, parse_args_with_config
 
 RELAY = "ab" * 32 + "@198.18.0.1:7448"
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from meshnode.app.cli import build_parser
-from meshnode.app.config import ConfigError, parse_args_with_config
+from meshnode.commandline.config import ConfigError, parse_args_with_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -13,7 +13,7 @@ import yaml
 from helpers.polling import wait_until
 
 from meshnode.app.cli import build_parser
-from meshnode.app.config import parse_args_with_config
+from meshnode.commandline.config import parse_args_with_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -18,8 +18,8 @@ import pytest
 from relay_helpers import Member, new_member, register_frame
 
 from meshnode.app.cli import build_parser
-from meshnode.app.config import parse_args_with_config
-from meshnode.app.read_limit_options import parse_bytes
+from meshnode.commandline.config import parse_args_with_config
+from meshnode.commandline.read_limit_options import parse_bytes
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.relaylink.client import RelayDialer

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import re
 
-from meshnode.app.cli_args import positive
+from meshnode.commandline.argument_types import positive
 from meshnode.transport.quic_settings import QuicSettings
 from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,

@@ -12,7 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-from meshnode.app.cli_error import CliError
+from meshnode.commandline.cli_error import CliError
 from meshnode.identity import default_data_dir
 from meshnode.membership.store import DataDir, StoreError
 

@@ -1,8 +1,9 @@
 """Argument types shared by the command-line parsers (``meshnode`` and ``python -m relay``).
 
 Each turns one string into a value or raises ``argparse.ArgumentTypeError`` with
-a message that says what was expected; the config layer reuses them for values
-from files and the environment.
+a message that says what was expected; :mod:`meshnode.commandline.config` reuses
+them for values from files and the environment. The engine's ``--weight-repack``
+is the app's (meshnode.app.weight_repack_option): only the app composes an engine.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 from typing import TypeVar
 
-from engines.weight_repack import WeightRepack
 from meshnode.membership.credentials import MAX_INVITE_TTL_S, MESH_ID_CHARS, Endpoint, is_mesh_id
 from meshnode.transport.addresses import AddressError, parse_host_port
 
@@ -131,25 +131,3 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     value = _number(text, int)
     return _checked(value, value >= 0, "must not be negative")
-
-
-def weight_repack(text: str) -> WeightRepack:
-    try:
-        return WeightRepack.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def add_weight_repack_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--weight-repack auto|on|off``: the same option on every command that loads a model."""
-    parser.add_argument(
-        "--weight-repack",
-        type=weight_repack,
-        default=WeightRepack.AUTO,
-        metavar="{auto,on,off}",
-        help="let llama.cpp repack weights at load for this CPU's matrix units (AMX, AVX-512...): "
-        "'on' after a probe decode in a child process survives it, 'off' never, "
-        "'auto' (default) where the probe survives, the CPU is not one this llama.cpp is known to crash on "
-        "and, computing on the CPU, the repacked weights would be at least half of the shard's (else "
-        "batched sessions lose more than repacking gains)",
-    )

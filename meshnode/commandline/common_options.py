@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshnode.app.config import add_config_option
+from meshnode.commandline.config import add_config_option
 from meshnode.identity import DATA_DIR_ENV
 
 NODE_DATA_DIR_HELP = f"node state directory (default ${DATA_DIR_ENV} or ~/.local/share/meshnode)"
