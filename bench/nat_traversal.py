@@ -84,7 +84,7 @@ from netns import (
     unavailable_reason,
 )
 
-from meshnode.app.status import query_status
+from meshnode.statussocket.client import query_status
 
 DIRECT = ("punched", "lan")
 PARTS = ("success", "bytes", "rtt")

@@ -30,11 +30,11 @@ from meshnode.app.head_options import DEFAULT_API_LISTEN
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.session_options import add_session_options, max_sessions
 from meshnode.app.speculation_options import add_speculation_options, driver_options
-from meshnode.app.status import query_status
 from meshnode.app.weight_repack_option import add_weight_repack_option
 from meshnode.commandline.argument_types import positive_int
 from meshnode.commandline.cli_error import CliError
 from meshnode.commandline.data_dirs import node_data_dir
+from meshnode.statussocket.client import query_status
 
 if TYPE_CHECKING:
     from meshnode.head.api_client import StreamSummary

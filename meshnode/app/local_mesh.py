@@ -34,7 +34,7 @@ from typing import Any
 
 from engines.openmp_wait import SHORT_SPIN_ENV
 from meshnode.app.child_exit import exit_message, read_log_tail
-from meshnode.app.status import query_status
+from meshnode.statussocket.client import query_status
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0

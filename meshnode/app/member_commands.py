@@ -14,7 +14,7 @@ import base64
 import time
 from typing import Any
 
-from meshnode.app.status import ask_node, query_node_status
+from meshnode.app.status import query_node_status
 from meshnode.commandline.cli_error import CliError
 from meshnode.commandline.data_dirs import node_data_dir
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
@@ -23,6 +23,7 @@ from meshnode.membership.credentials import MeshKey
 from meshnode.membership.invite_ledger import invite_state, load_ledger
 from meshnode.membership.revocation import MAX_REASON_CHARS, RevocationList, revoke_invite, revoke_node
 from meshnode.membership.store import DataDir, MembershipState, StoreError
+from meshnode.statussocket.client import ask_node
 from meshnode.wire.mesh_refusal import MeshRefusal
 
 NOT_ADMIN = (

@@ -23,7 +23,7 @@ from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
 from meshnode.app.placement_options import add_placement_options
 from meshnode.app.session_options import add_session_options
-from meshnode.app.status import format_status, query_node_status, query_status
+from meshnode.app.status import format_status, query_node_status
 from meshnode.app.stored_membership import load_stored_membership, membership_for_join
 from meshnode.app.traversal_options import add_traversal_options, traversal_settings
 from meshnode.app.weight_repack_option import add_weight_repack_option
@@ -55,6 +55,7 @@ from meshnode.membership.credentials import (
 from meshnode.membership.invite_ledger import record_issued
 from meshnode.membership.store import DataDir, MembershipState
 from meshnode.node.config import DEFAULT_LISTEN, NodeConfig
+from meshnode.statussocket.client import query_status
 from meshnode.wire.mesh_refusal import MeshRefusal
 
 INVITE_ENV = "MESHNODE_INVITE"

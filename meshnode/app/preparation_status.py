@@ -19,7 +19,7 @@ from typing import Any
 from engines.file_progress import passes_in_progress
 from meshnode.node import Node
 from meshnode.node.status_report import StatusReport
-from meshnode.node.status_server import StatusServer
+from meshnode.statussocket.server import StatusServer
 
 FILES_SECTION = "files"
 # While the socket answers from here: what the node is doing before it starts.

@@ -32,7 +32,7 @@ from meshnode.transport.bind_errors import ListenError
 from relay.core import RelayPolicy
 
 if TYPE_CHECKING:
-    from meshnode.node.status_server import StatusServer
+    from meshnode.statussocket.server import StatusServer
 
 DEFAULT_LISTEN = "0.0.0.0:7448"
 log = logging.getLogger(__name__)

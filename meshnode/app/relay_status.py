@@ -1,6 +1,6 @@
 """``meshnode status`` for a running relay: who is registered, what it forwarded and refused.
 
-The relay's data directory's status socket answers it (meshnode.app.status_socket),
+The relay's data directory's status socket answers it (meshnode.statussocket.standalone),
 so an operator asks a relay as they ask a node: ``meshnode status --data-dir
 RELAY_DIR``. The figures are the ones ``--metrics-listen`` serves to Prometheus,
 read from the relay at the time of asking.
@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from meshnode.app.status_socket import answer_status
 from meshnode.identity import short_id
-from meshnode.node.status_server import StatusServer
+from meshnode.statussocket.server import StatusServer
+from meshnode.statussocket.standalone import answer_status
 from meshnode.transport.addresses import format_host_port
 from relay.server import RelayServer
 

@@ -3,7 +3,7 @@
 A server of one has no mesh, but a person who started it asks it the same
 questions as a node: what it serves, how busy it is, its memory, and where its
 API is. Its data directory's status socket answers them, as a node's does
-(meshnode.app.status_socket: unless a node already answers there).
+(meshnode.statussocket.standalone: unless a node already answers there).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from engines.resident_memory import shard_memory
-from meshnode.app.status_socket import answer_status
 from meshnode.node.status_report import CapacityStatus, LoadStatus, ServingStatus
-from meshnode.node.status_server import StatusServer
+from meshnode.statussocket.server import StatusServer
+from meshnode.statussocket.standalone import answer_status
 from meshnode.wire.pb import mesh
 
 
@@ -60,7 +60,7 @@ def standalone_status(api_url: str, announcement: mesh.PeerAnnouncement, started
 async def answer_standalone_status(
     data_dir: Path, api_url: str, announcement: mesh.PeerAnnouncement
 ) -> StatusServer | None:
-    """Answer ``meshnode status`` on ``data_dir`` for this server (meshnode.app.status_socket)."""
+    """Answer ``meshnode status`` on ``data_dir`` for this server (meshnode.statussocket.standalone)."""
     started = time.monotonic()
     return await answer_status(data_dir, lambda: standalone_status(api_url, announcement, started), "server")
 

@@ -1,29 +1,21 @@
 """A running node's status: asked through its data directory's status socket, and shown as text.
 
-The node serves the socket (:class:`meshnode.node.status_server.StatusServer`): a
+The node serves the socket (:class:`meshnode.statussocket.server.StatusServer`): a
 client sends the line ``status`` and reads one JSON object
 (:meth:`meshnode.node.status_report.StatusReport.to_json`) until the node closes
-the connection.
+the connection (:mod:`meshnode.statussocket.client`).
 ``meshnode status``, ``invite``, ``generate`` and ``doctor`` ask it this way.
 """
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from meshnode.identity import short_id
 from meshnode.logs import mib
-from meshnode.membership.socket_path import reachable_socket_path
-from meshnode.membership.store import DataDir
-
-
-def query_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
-    """Ask the node running on ``data_dir`` for its status; ``OSError`` when none answers."""
-    return ask_node(data_dir, "status", timeout)
+from meshnode.statussocket.client import query_status
 
 
 class NotANodeError(OSError):
@@ -37,21 +29,6 @@ def query_node_status(data_dir: Path, timeout: float = 3.0) -> dict[str, Any]:
     if "node" not in status:
         raise NotANodeError(f"a standalone server (meshnode serve), not a mesh node, answers on {data_dir}")
     return status
-
-
-def ask_node(data_dir: Path, request: str, timeout: float = 3.0) -> dict[str, Any]:
-    """Send one request line to the node running on ``data_dir``; its JSON answer, ``OSError`` when
-    none answers."""
-    path = DataDir(data_dir).control_socket
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.settimeout(timeout)
-        with reachable_socket_path(path) as reachable:
-            client.connect(reachable)
-        client.sendall(request.encode("ascii") + b"\n")
-        chunks = []
-        while chunk := client.recv(65536):
-            chunks.append(chunk)
-    return dict(json.loads(b"".join(chunks)))
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -274,4 +251,4 @@ def _serving_text(serving: dict[str, Any] | None) -> str:
     return text if state == "serving" else f"{text}, {state}"
 
 
-__all__ = ["ask_node", "format_status", "query_status"]
+__all__ = ["NotANodeError", "format_status", "query_node_status"]

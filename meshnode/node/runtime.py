@@ -15,7 +15,7 @@ its own state and given the objects it reads:
 * :mod:`meshnode.node.membership_keeper` — revocations, renewals, this node's own removal
   (``node.removal`` is set, with ``node.removal_reason``, once this node is out of the
   mesh), and the membership on disk;
-* :mod:`meshnode.node.status_report` and :mod:`meshnode.node.status_server` — the status
+* :mod:`meshnode.node.status_report` and :mod:`meshnode.statussocket.server` — the status
   report and its socket; :mod:`meshnode.node.status_sections` — what it shows besides the
   mesh.
 
@@ -68,9 +68,9 @@ from meshnode.node.peer_connections import PeerConnections
 from meshnode.node.reachability import Reachability
 from meshnode.node.status_report import StatusReport, node_status
 from meshnode.node.status_sections import SectionProvider, StatusSections
-from meshnode.node.status_server import StatusServer
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
+from meshnode.statussocket.server import StatusServer
 from meshnode.transport.addresses import format_host_port, parse_host_port
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.local_addresses import default_advertised

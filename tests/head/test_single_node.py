@@ -145,7 +145,7 @@ def test_serve_stops_cleanly_on_sigterm(serving, serve_log):
 
 def test_a_mesh_node_serving_every_layer_answers_alone(tmp_path, tiny_model):
     """``meshnode create --model PATH`` without --layers: a one-hop route to itself, same driver."""
-    from meshnode.app.status import query_status
+    from meshnode.statussocket.client import query_status
 
     data_dir = tmp_path / "solo"
     log = tmp_path / "solo.log"

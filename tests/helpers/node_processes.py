@@ -19,11 +19,11 @@ from pathlib import Path
 from helpers.mesh_nodes import cluster_client_config, invite_to, new_membership, start_invited_node
 from helpers.tiny_llama import CTX, THREADS
 from meshnode.app.child_exit import exit_message
-from meshnode.app.status import query_status
 from meshnode.identity import NodeIdentity, load_identity, write_private_file
 from meshnode.membership.credentials import Invite, MeshKey, decode_invite_token, encode_invite_token
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
+from meshnode.statussocket.client import query_status
 
 START_TIMEOUT_S = 60.0
 NODE_TIMING = ["--heartbeat-interval", "0.3", "--gossip-timeout", "2", "--probe-timeout", "2"]

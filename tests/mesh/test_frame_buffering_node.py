@@ -26,8 +26,8 @@ from helpers.polling import eventually
 from helpers.rss import MiB, PeakRss
 from mesh_helpers import reset_code_of
 
-from meshnode.app.status import query_status
 from meshnode.node import Node
+from meshnode.statussocket.client import query_status
 from meshnode.transport.base import MeshStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType
 from meshnode.wire.pb import mesh

@@ -19,8 +19,8 @@ from helpers.node_processes import NodeProcess
 from helpers.polling import eventually
 from mesh_helpers import RawPeer
 
-from meshnode.app.status import query_status
 from meshnode.node import Node
+from meshnode.statussocket.client import query_status
 from meshnode.transport.base import StreamError, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import MAX_FRAME_BYTES, StreamType

@@ -9,14 +9,14 @@ import stat
 
 from mesh_helpers import FakeLink
 
-from meshnode.app.status import ask_node
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey, issue_certificate
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.state import MeshState
 from meshnode.node.status_report import StatusReport, status_report
-from meshnode.node.status_server import StatusServer
 from meshnode.sansio import SECOND_NS
+from meshnode.statussocket.client import ask_node
+from meshnode.statussocket.server import StatusServer
 from meshnode.wire.pb import mesh, shard
 
 NOW = 1_800_000_000.0
@@ -199,7 +199,7 @@ async def test_a_data_directory_deeper_than_af_unix_allows_still_answers_status(
 async def test_a_socket_that_cannot_be_made_is_a_warning(tmp_path, caplog):
     path = tmp_path / "data" / ("s" * 120)  # a name longer than AF_UNIX allows, however reached
     server = StatusServer(path, lambda: a_report_with_one_peer()[0])
-    with caplog.at_level(logging.WARNING, logger="meshnode.node"):
+    with caplog.at_level(logging.WARNING, logger="meshnode.statussocket"):
         await server.start()
     assert "no status socket at" in caplog.text
     server.close()  # nothing to close, and no error

@@ -11,8 +11,9 @@ from helpers.mesh_nodes import fast_config, first_member
 
 from engines.file_progress import FileProgress
 from meshnode.app.preparation_status import LOADING_THE_SHARD, status_while_preparing
-from meshnode.app.status import format_status, query_status
+from meshnode.app.status import format_status
 from meshnode.membership.credentials import MeshKey
+from meshnode.statussocket.client import query_status
 from meshnode.wire.pb import mesh
 
 MIB = 1 << 20

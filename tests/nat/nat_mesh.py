@@ -9,7 +9,7 @@ from pathlib import Path
 from helpers.polling import wait_until
 from netns import SERVICE_ADDRESS, NatLab
 
-from meshnode.app.status import query_status
+from meshnode.statussocket.client import query_status
 
 NODE_PORT = 7447
 RELAY_PORT = 7448

@@ -3,9 +3,9 @@
 One stack, each layer importing only those below it: the app; the engine backends (llama.cpp,
 the fake, the tokenizer), which only the app composes; api; head and placement; llama.cpp's view
 of the devices, which placement sizes a range to; node; traversal; relaylink; dataplane,
-relaywire, artifacts; mesh; membership; transport; wire and the core modules; and at the foot
-the contract between the mesh and an engine (engines.interface and its kin) with the model files
-every layer may read. Every engines module has its place there. Beside it: the relay server
+relaywire, artifacts; mesh; the command-line plumbing and the status socket both programs share;
+membership; transport; wire and the core modules; and at the foot the contract between the mesh
+and an engine (engines.interface and its kin) with the model files every layer may read. Every engines module has its place there. Beside it: the relay server
 depends only on meshnode's lower layers, the engines know nothing of the mesh, nothing below
 the app imports the relay server, and the sans-IO modules import no asyncio, socket or
 selectors (through any chain of imports; the graph holds the standard library for that). The

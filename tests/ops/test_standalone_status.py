@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from meshnode.app.standalone_status import answer_standalone_status as answer_status
-from meshnode.app.status import NotANodeError, query_node_status, query_status
+from meshnode.app.status import NotANodeError, query_node_status
 from meshnode.membership.store import DataDir
-from meshnode.node.status_server import StatusServer
+from meshnode.statussocket.client import query_status
+from meshnode.statussocket.server import StatusServer
 from meshnode.wire.pb import mesh
 
 
@@ -58,7 +59,7 @@ async def test_a_server_leaves_the_socket_to_a_node_that_answers_there(tmp_path:
     node = StatusServer(DataDir(tmp_path).control_socket, NodeReport)
     await node.start()
     try:
-        caplog.set_level("INFO", "meshnode.app")
+        caplog.set_level("INFO", "meshnode.statussocket")
         assert await answer_status(tmp_path, "http://127.0.0.1:1", announcement()) is None
         assert "answers for the process already running there, not this server" in caplog.text
         assert "node" in await ask(tmp_path, node_only=True)

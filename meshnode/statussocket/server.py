@@ -4,8 +4,10 @@ Other one-line requests (``revoke ...``, ``grant-admin ...``: the membership
 commands) go to ``control``, which answers a JSON object too.
 
 It is the data directory's control socket (mode 0600 in a private directory, so
-only the node's user can ask); :mod:`meshnode.app.status` is its client. One
-request per connection, answered with one JSON line, then the node closes it.
+only the node's user can ask); :mod:`meshnode.statussocket.client` is its client. One
+request per connection, answered with one JSON line, then the node closes it. A node
+serves it (meshnode.node.runtime), and so do processes that are no node
+(:mod:`meshnode.statussocket.standalone`: ``meshnode serve``, the relay).
 """
 
 from __future__ import annotations

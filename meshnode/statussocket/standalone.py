@@ -4,7 +4,7 @@ A node owns its directory's socket (it holds the directory's lock). Another kind
 of process answers ``meshnode status`` there only where nobody answers yet: it
 leaves the socket to a node running on the same directory, and a node started
 there later takes the socket over (the process does not unlink it on closing:
-meshnode.node.status_server).
+meshnode.statussocket.server).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from meshnode.app.status import query_status
 from meshnode.membership.store import DataDir
-from meshnode.node.status_server import JsonReport, StatusServer
+from meshnode.statussocket.client import query_status
+from meshnode.statussocket.server import JsonReport, StatusServer
 
 log = logging.getLogger(__name__)
 
