@@ -1,7 +1,7 @@
-"""``python -m relay``: an entry point into the application layer, like ``meshnode.__main__``."""
+"""``python -m relay``: the relay program (relay.command), without the rest of the ``meshnode`` command line."""
 
 import sys
 
-from meshnode.app.relay_command import main
+from relay.command import main
 
 sys.exit(main())

@@ -1,6 +1,8 @@
 """The ``meshnode`` command line.
 
-Subcommands come from modules. Each module in :data:`COMMAND_MODULES` exposes
+Subcommands come from modules: the app's, and for ``meshnode relay`` the relay
+program's own (:mod:`relay.command`, which ``python -m relay`` runs too). Each module
+in :data:`COMMAND_MODULES` exposes
 ``register(subparsers, common)``: it adds its parsers (passing ``parents=[common]``
 gives them ``--data-dir`` and ``--log-level``; the relay's own ``common_options``
 describes its different state directory) and sets ``handler`` with
@@ -31,7 +33,6 @@ from meshnode.app import (
     doctor,
     member_commands,
     node_commands,
-    relay_command,
     split_command,
     up_command,
 )
@@ -40,6 +41,7 @@ from meshnode.commandline.common_options import common_options
 from meshnode.commandline.config import ConfigError, parse_args_with_config
 from meshnode.commandline.event_loop import run_async
 from meshnode.logs import configure_logging
+from relay import command as relay_command
 
 # Modules that add subcommands, in the order ``--help`` lists them; see the module docstring.
 COMMAND_MODULES: tuple[ModuleType, ...] = (

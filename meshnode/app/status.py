@@ -117,7 +117,7 @@ def _memory_lines(status: dict[str, Any]) -> list[str]:
 
 
 def _relay_process_text(relay: dict[str, Any]) -> str:
-    """A `meshnode relay` process (meshnode.app.relay_status)."""
+    """A `meshnode relay` process (relay.status)."""
     members = relay["members"]
     lines = [
         f"relay {relay['short_id']}  listening on {relay['address']}  up {relay['uptime_s']:.0f} s",

@@ -11,13 +11,13 @@ import pytest
 from helpers.polling import eventually
 from relay_helpers import new_member
 
-from meshnode.app.relay_status import relay_status
 from meshnode.app.status import format_status
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.membership.store import CONTROL_SOCKET
 from meshnode.relaylink.client import RelayDialer
 from relay.server import RelayServer
+from relay.status import relay_status
 
 pytestmark = pytest.mark.timeout(60)
 

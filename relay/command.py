@@ -8,6 +8,13 @@ The relay's identity key lives in its data directory (created on first use,
 mode 0600); its id is what invites pin. On start the relay prints
 ``relay id: <hex>`` and ``relay listening on HOST:PORT`` to stdout, and with
 ``--metrics-listen`` then ``relay metrics on http://HOST:PORT/metrics``.
+
+The relay program's composition: its options, the server (relay.server), the status socket
+that answers ``meshnode status`` for it (relay.status) and its metrics endpoint
+(relay.metrics). ``python -m relay`` runs :func:`main`; the ``meshnode`` command line lists
+this module among its subcommands (:func:`register`). What it shares with that command line
+(argument types, the common options, data directories) comes from meshnode.commandline, below
+the node, so that the relay never imports the app.
 """
 
 from __future__ import annotations
@@ -101,9 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def run_relay(args: argparse.Namespace) -> int:
     # QUIC, and aiohttp for the metrics, load here: not for every command the CLI reads.
-    from meshnode.app.relay_status import answer_relay_status
     from relay.metrics import METRICS_PATH, RelayMetricsServer
     from relay.server import RelayServer, load_relay_identity
+    from relay.status import answer_relay_status
 
     try:
         identity, created = load_relay_identity(relay_data_dir(args))
