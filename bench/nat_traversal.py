@@ -748,14 +748,14 @@ async def probe_client(args: argparse.Namespace) -> int:
 
     from meshnode.membership.credentials import decode_invite_token
     from meshnode.node import NodeConfig
+    from meshnode.traversal.config import TraversalConfig
     from meshnode.traversal.pair_backoff import PunchSchedule
-    from meshnode.traversal.settings import TraversalSettings
 
     config = NodeConfig(
         listen=f"0.0.0.0:{PROBE_PORT}",
         heartbeat_interval=0.5,
         directly_reachable=False,
-        traversal=TraversalSettings(schedule=PunchSchedule(first_backoff_s=args.punch_backoff)),
+        traversal=TraversalConfig(schedule=PunchSchedule(first_backoff_s=args.punch_backoff)),
     )
     node = await start_invited_node(
         Path(args.data_dir), config, decode_invite_token(Path(args.invite_file).read_text())

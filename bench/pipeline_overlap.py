@@ -46,7 +46,7 @@ from helpers.recording_engine import RecordingEngine
 
 from engines.interface import GREEDY, EngineError
 from engines.sessioned_engine import BatchEntry, ForwardOutput
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverConfig, GenerationDriver
 
 DEFAULT_MODES = "off,on"
 
@@ -108,7 +108,7 @@ async def trial(mode: str, k: int, tokens: int) -> Trial:
     async with three_hop_routes(TimedStage, max_sessions=max(4, k)) as routes:
         for (fixed_s, row_s), shard in zip(TimedStage.stage_costs, routes.shards.values(), strict=False):
             shard.engine.fixed_s, shard.engine.row_s = fixed_s, row_s
-        options = DriverOptions(
+        options = DriverConfig(
             **{**FAST.__dict__, "speculation": False, "pipeline": pipeline, "pipeline_cohorts": cohorts}
         )
         driver = GenerationDriver(routes, options)

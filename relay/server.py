@@ -43,7 +43,7 @@ from meshnode.sansio import SECOND_NS
 from meshnode.timer_edge import TimerEdge
 from meshnode.transport.base import MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import QuicEndpoint, QuicLink, QuicSettings
+from meshnode.transport.quic import QuicConfig, QuicEndpoint, QuicLink
 from meshnode.transport.udp_address import describe_sockaddr
 from meshnode.wire.errors import FramingError
 from relay.core import RelayCore, RelayPolicy
@@ -83,7 +83,7 @@ class RelayServer:
         meshes: set[str],
         policy: RelayPolicy | None = None,
         *,
-        quic: QuicSettings | None = None,
+        quic: QuicConfig | None = None,
         flush_timeout: float = _FLUSH_TIMEOUT_S,
         data_dir: Path | None = None,
     ) -> None:
@@ -93,8 +93,8 @@ class RelayServer:
         self._store = DataDir(data_dir) if data_dir is not None else None
         stored = self._store.load_revocations() if self._store is not None else []
         self.core = RelayCore(identity.node_id, meshes, self.policy, revocations=stored)
-        base = quic or QuicSettings()
-        self.quic_settings = dataclasses.replace(
+        base = quic or QuicConfig()
+        self.quic_config = dataclasses.replace(
             base,
             alpn=p.RELAY_ALPN,
             keepalive_interval=min(base.keepalive_interval, self.policy.keepalive_s),
@@ -126,7 +126,7 @@ class RelayServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._timer = TimerEdge(self.core.get_timer, self._on_timer)
-        self.endpoint = await QuicEndpoint.listen(self.identity, self, host, port, self.quic_settings)
+        self.endpoint = await QuicEndpoint.listen(self.identity, self, host, port, self.quic_config)
         bound_host, bound_port = self.endpoint.local_address
         log.info(
             "relay %s listening on %s:%d (QUIC %s), meshes %s",

@@ -23,13 +23,13 @@ from meshnode.app.api_options import (
     add_api_key_option,
     add_model_name_option,
     api_access,
-    head_options,
+    head_config,
     parse_api_listen,
 )
-from meshnode.app.head_options import DEFAULT_API_LISTEN
+from meshnode.app.head_config import DEFAULT_API_LISTEN
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.session_options import add_session_options, max_sessions
-from meshnode.app.speculation_options import add_speculation_options, driver_options
+from meshnode.app.speculation_options import add_speculation_options, driver_config
 from meshnode.app.weight_repack_option import add_weight_repack_option
 from meshnode.commandline.argument_types import positive_int
 from meshnode.commandline.cli_error import CliError
@@ -126,7 +126,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     # Loaded only by `serve`: it brings the shard worker and server with it.
     from meshnode.app.head_service import HeadError, start_standalone
     from meshnode.app.lifecycle import run_drain
-    from meshnode.app.shard_service import ShardServiceError, ShardServiceOptions, describe_served_model
+    from meshnode.app.shard_service import ShardServiceConfig, ShardServiceError, describe_served_model
     from meshnode.app.standalone_status import answer_standalone_status
 
     if args.api_listen is False:
@@ -137,7 +137,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         describe_served_model(args.model, None)  # a file that is no GGUF: refused here, in one line
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
-    shard_options = ShardServiceOptions(
+    shard_options = ShardServiceConfig(
         model=args.model,
         model_name=args.model_name,
         threads=args.threads,
@@ -152,7 +152,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         try:
-            head = head_options(args.api_listen, api_access(args), driver_options(args))
+            head = head_config(args.api_listen, api_access(args), driver_config(args))
             running = await start_standalone(shard_options, head)
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None

@@ -11,10 +11,10 @@ import argparse
 from typing import Any
 
 from meshnode.api.access import ANY_ORIGIN, ApiAccess
-from meshnode.app.head_options import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadOptions
+from meshnode.app.head_config import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadConfig
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.speculation_options import add_speculation_options
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.mesh.validation import MAX_TEXT
 from meshnode.transport.addresses import AddressError, parse_host_port
 
@@ -116,14 +116,14 @@ def api_access(args: argparse.Namespace) -> ApiAccess:
     return ApiAccess(api_key=args.api_key, cors_origins=tuple(args.cors_origin or ()))
 
 
-def head_options(
-    api_listen: ApiListen, access: ApiAccess | None = None, driver: DriverOptions | None = None
-) -> HeadOptions:
+def head_config(
+    api_listen: ApiListen, access: ApiAccess | None = None, driver: DriverConfig | None = None
+) -> HeadConfig:
     """Where the API goes: the given address, or the loopback default (None); not for ``off``.
-    ``driver``: how its generations run (meshnode.app.speculation_options.driver_options)."""
+    ``driver``: how its generations run (meshnode.app.speculation_options.driver_config)."""
     host, port = api_listen if isinstance(api_listen, tuple) else (DEFAULT_API_HOST, DEFAULT_API_PORT)
-    return HeadOptions(
-        api_host=host, api_port=port, access=access or ApiAccess(), driver=driver or DriverOptions()
+    return HeadConfig(
+        api_host=host, api_port=port, access=access or ApiAccess(), driver=driver or DriverConfig()
     )
 
 
@@ -135,7 +135,7 @@ __all__ = [
     "add_api_listen_option",
     "add_model_name_option",
     "api_access",
-    "head_options",
+    "head_config",
     "parse_api_key",
     "parse_api_listen",
     "parse_cors_origin",

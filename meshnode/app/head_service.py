@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from meshnode.api.openai_api import start_api_server
-from meshnode.app.head_options import DEFAULT_API_LISTEN, HeadOptions
+from meshnode.app.head_config import DEFAULT_API_LISTEN, HeadConfig
 from meshnode.console.server import add_console_routes, mesh_source
 from meshnode.head.driver import GenerationDriver, RouteEnvironment
 from meshnode.head.environment import NodeRoutes, StandaloneShardHost
@@ -37,7 +37,7 @@ from meshnode.wire.pb import mesh
 
 if TYPE_CHECKING:
     from engines.tokenizer import Tokenizer
-    from meshnode.app.shard_service import ShardService, ShardServiceOptions
+    from meshnode.app.shard_service import ShardService, ShardServiceConfig
     from meshnode.node import Node
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class HeadService:
         *,
         model_path: Path,
         served: mesh.ServedShard,
-        options: HeadOptions,
+        options: HeadConfig,
         local: LocalShardLink | StandaloneShardHost | None = None,
         metrics: MetricSources | None = None,
         vocabulary_model: object | None = None,
@@ -153,7 +153,7 @@ class HeadService:
 
 
 async def start_node_head(
-    node: Node, service: ShardService, model_path: Path, options: HeadOptions
+    node: Node, service: ShardService, model_path: Path, options: HeadConfig
 ) -> HeadService:
     """The head of a mesh node that serves a shard of ``model_path``."""
     local = LocalShardLink(node.node_id)
@@ -198,7 +198,7 @@ class StandaloneHead:
         await self.host.aclose()
 
 
-async def start_standalone(shard_options: ShardServiceOptions, options: HeadOptions) -> StandaloneHead:
+async def start_standalone(shard_options: ShardServiceConfig, options: HeadConfig) -> StandaloneHead:
     """Load every layer of ``shard_options.model`` and answer the API with it. Raises
     :class:`HeadError` (or the shard service's own error when the model cannot be served)."""
     from meshnode.app.shard_service import ShardService
@@ -223,8 +223,8 @@ async def start_standalone(shard_options: ShardServiceOptions, options: HeadOpti
 
 __all__ = [
     "DEFAULT_API_LISTEN",
+    "HeadConfig",
     "HeadError",
-    "HeadOptions",
     "HeadService",
     "StandaloneHead",
     "api_url",

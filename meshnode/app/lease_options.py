@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 
 from meshnode.commandline.argument_types import non_negative, positive, share
-from meshnode.dataplane.lease import LeaseSettings
-from meshnode.transport.quic_settings import QuicSettings
+from meshnode.dataplane.lease import LeaseConfig
+from meshnode.transport.quic_config import QuicConfig
 
 DEFAULT_LINK_TIMEOUT_S = 10.0
-_DEFAULTS = LeaseSettings()
+_DEFAULTS = LeaseConfig()
 # Keepalives must stay under the 30 s after which Linux forgets an unanswered UDP NAT mapping.
 _MAX_KEEPALIVE_S = 10.0
 
@@ -62,23 +62,23 @@ def add_lease_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def lease_settings(args: argparse.Namespace, *, serves_api: bool) -> LeaseSettings:
+def lease_settings(args: argparse.Namespace, *, serves_api: bool) -> LeaseConfig:
     """The lease rules; the share is kept back only for a node's own API users, so a node
     without an API lets one upstream hop use every session (a chain's capacity)."""
     chosen = args.peer_session_share
     if chosen is None:
         chosen = _DEFAULTS.peer_share if serves_api else 1.0
-    return LeaseSettings(
+    return LeaseConfig(
         idle_timeout_s=float(args.session_idle_timeout),
         peer_share=float(chosen),
         owner_grace_s=float(args.session_grace),
     )
 
 
-def link_settings(args: argparse.Namespace) -> QuicSettings:
+def link_settings(args: argparse.Namespace) -> QuicConfig:
     """The node's QUIC settings: idle timeout ``--link-timeout``, keepalives well inside it."""
     timeout = float(args.link_timeout)
-    return QuicSettings(idle_timeout=timeout, keepalive_interval=min(timeout / 3, _MAX_KEEPALIVE_S))
+    return QuicConfig(idle_timeout=timeout, keepalive_interval=min(timeout / 3, _MAX_KEEPALIVE_S))
 
 
 __all__ = [

@@ -8,9 +8,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshnode.app.api_options import api_access, head_options
+from meshnode.app.api_options import api_access, head_config
 from meshnode.app.head_service import HeadError, HeadService, start_node_head
-from meshnode.app.speculation_options import driver_options
+from meshnode.app.speculation_options import driver_config
 from meshnode.commandline.cli_error import CliError
 from meshnode.node import Node
 
@@ -28,7 +28,7 @@ async def start_head(
         return None
     try:
         return await start_node_head(
-            node, service, model_path, head_options(args.api_listen, api_access(args), driver_options(args))
+            node, service, model_path, head_config(args.api_listen, api_access(args), driver_config(args))
         )
     except HeadError as exc:
         if args.api_listen is not None:

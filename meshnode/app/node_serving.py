@@ -66,9 +66,9 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         show_file_passes(node)  # the slice of the range it takes is written after it joins
         return await serve_placed_node(node, args, node.data_dir.path)
     # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
-    from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
+    from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 
-    options = ShardServiceOptions(
+    options = ShardServiceConfig(
         model=args.model,
         model_name=args.model_name,
         layers=args.layers,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.pipeline import MAX_PIPELINE_COHORTS, PIPELINE_MODES
 
 
@@ -26,7 +26,7 @@ def add_pipeline_options(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--pipeline",
         choices=PIPELINE_MODES,
-        default=DriverOptions().pipeline,
+        default=DriverConfig().pipeline,
         help="keep a route's stages busy with different generations at once by running sessions "
         "in cohorts: where every hop computes on cores of its own, a machine of its own or a share "
         "of one with a CPU for every thread (auto, the default), always (on), or never: every "
@@ -35,10 +35,10 @@ def add_pipeline_options(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--pipeline-cohorts",
         type=parse_pipeline_cohorts,
-        default=DriverOptions().pipeline_cohorts,
+        default=DriverConfig().pipeline_cohorts,
         metavar="N",
         help="how many cohorts a pipelined route's sessions are split into: 2 or more, at most one "
-        f"per stage, or 0 for one per stage (default {DriverOptions().pipeline_cohorts}: larger "
+        f"per stage, or 0 for one per stage (default {DriverConfig().pipeline_cohorts}: larger "
         "batches where one stage, such as a tail over a large vocabulary, costs most)",
     )
 

@@ -21,7 +21,7 @@ from meshnode.app.lifecycle import run_node
 from meshnode.app.node_head import start_head
 from meshnode.app.placement_options import placement_settings, upload_limiter
 from meshnode.app.session_options import max_sessions
-from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
+from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import StoreInUse
@@ -104,7 +104,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     switched = SwitchedNode(node, handlers)
 
     async def start_serving(request: ServeRequest) -> _PlacedShard:
-        options = ShardServiceOptions(
+        options = ShardServiceConfig(
             model=request.model_path,
             layers=request.layers,
             n_gpu_layers=args.n_gpu_layers,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from meshnode.app.session_options import parse_size
 from meshnode.artifacts.upload_limit import DEFAULT_UPLOAD_BYTES_PER_S, UploadLimiter
-from meshnode.autoplace.settings import AutoPlaceSettings
+from meshnode.autoplace.config import AutoPlaceConfig
 from meshnode.commandline.argument_types import positive
 
 AUTO, OFF = "auto", "off"
@@ -84,9 +84,9 @@ def upload_limiter(args: argparse.Namespace, is_busy: Callable[[], bool]) -> Upl
     return UploadLimiter(float(args.upload_limit), is_busy=is_busy)
 
 
-def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceSettings:
+def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceConfig:
     interval = float(args.heartbeat_interval)
-    return AutoPlaceSettings(
+    return AutoPlaceConfig(
         store_dir=args.model_store or data_dir / "models",
         memory_budget=args.memory_budget,
         offload=args.n_gpu_layers > 0,

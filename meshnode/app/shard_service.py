@@ -24,7 +24,7 @@ from engines.interface import EngineCapabilities, EngineError, LoadRequest, Shar
 from engines.weight_repack import WeightRepack
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
-from meshnode.dataplane.lease import LeaseSettings
+from meshnode.dataplane.lease import LeaseConfig
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
@@ -39,7 +39,7 @@ class ShardServiceError(Exception):
 
 
 @dataclass(frozen=True)
-class ShardServiceOptions:
+class ShardServiceConfig:
     model: Path
     # None: every layer.
     layers: tuple[int, int] | None = None
@@ -52,7 +52,7 @@ class ShardServiceOptions:
     ctx: int = 4096
     max_sessions: int = 4
     cache_dir: Path | None = None
-    leases: LeaseSettings = field(default_factory=LeaseSettings)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
     # The name announced (default: the file's stem) and the fingerprint when it is already known
     # verified: a model fetched tensor by tensor (meshnode.autoplace) is a file with holes that
     # must not be hashed (engines.interface.LoadRequest.model_fingerprint).
@@ -72,7 +72,7 @@ async def _prepared(request: LoadRequest, name: str) -> LoadRequest:
     return replace(request, model_fingerprint=fingerprint)
 
 
-async def _proven_weight_repack(options: ShardServiceOptions) -> bool:
+async def _proven_weight_repack(options: ShardServiceConfig) -> bool:
     """The repack setting a child process has survived a decode with (engines.engine_guard)."""
     from engines.engine_guard import EngineProbeRefusal, choose_weight_repack
     from engines.engine_probe import ProbeTarget
@@ -175,7 +175,7 @@ def served_shard(caps: EngineCapabilities, model_name: str, cpus: Iterable[int] 
     )
 
 
-def _worker_config(options: ShardServiceOptions) -> WorkerConfig:
+def _worker_config(options: ShardServiceConfig) -> WorkerConfig:
     leases = options.leases
     return WorkerConfig(
         max_sessions=options.max_sessions,
@@ -198,7 +198,7 @@ class ShardService:
     async def start(
         cls,
         node: ServingNode,
-        options: ShardServiceOptions,
+        options: ShardServiceConfig,
         *,
         refresh_interval_s: float = 5.0,
         engine_factory: Callable[[], ShardEngine] | None = None,
@@ -307,8 +307,8 @@ class ShardService:
 __all__ = [
     "ServingNode",
     "ShardService",
+    "ShardServiceConfig",
     "ShardServiceError",
-    "ShardServiceOptions",
     "describe_served_model",
     "served_shard",
 ]

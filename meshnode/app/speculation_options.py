@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.request_limits import MAX_DRAFT_TOKENS
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 
 SPECULATION_CHOICES = ("auto", "off")
 
@@ -41,17 +41,17 @@ def add_speculation_options(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--draft-max",
         type=parse_draft_max,
-        default=DriverOptions().draft_max,
+        default=DriverConfig().draft_max,
         metavar="K",
         help=f"draft tokens verified per round trip at most (1 to {MAX_DRAFT_TOKENS}, default "
-        f"{DriverOptions().draft_max})",
+        f"{DriverConfig().draft_max})",
     )
 
 
-def driver_options(args: argparse.Namespace, base: DriverOptions | None = None) -> DriverOptions:
+def driver_config(args: argparse.Namespace, base: DriverConfig | None = None) -> DriverConfig:
     """``base`` (the defaults) with the speculation (and the ``--pipeline``,
     meshnode.app.pipeline_options) the command line asked for."""
-    base = base or DriverOptions()
+    base = base or DriverConfig()
     speculation = getattr(args, "speculation", "auto") != "off"
     return replace(
         base,
@@ -62,4 +62,4 @@ def driver_options(args: argparse.Namespace, base: DriverOptions | None = None) 
     )
 
 
-__all__ = ["SPECULATION_CHOICES", "add_speculation_options", "driver_options", "parse_draft_max"]
+__all__ = ["SPECULATION_CHOICES", "add_speculation_options", "driver_config", "parse_draft_max"]

@@ -12,10 +12,10 @@ import argparse
 import dataclasses
 
 from meshnode.commandline.argument_types import positive
+from meshnode.traversal.config import TraversalConfig
 from meshnode.traversal.pair_backoff import PunchSchedule
-from meshnode.traversal.settings import TraversalSettings
 
-_DEFAULTS = TraversalSettings()
+_DEFAULTS = TraversalConfig()
 
 
 def add_traversal_options(group: argparse._ArgumentGroup) -> None:
@@ -35,7 +35,7 @@ def add_traversal_options(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def traversal_settings(args: argparse.Namespace) -> TraversalSettings:
+def traversal_settings(args: argparse.Namespace) -> TraversalConfig:
     schedule: PunchSchedule = dataclasses.replace(_DEFAULTS.schedule, first_backoff_s=args.punch_backoff)
     return dataclasses.replace(_DEFAULTS, hole_punching=args.hole_punching == "on", schedule=schedule)
 

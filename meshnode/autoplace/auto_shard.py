@@ -36,6 +36,7 @@ from meshnode.artifacts.fetcher import Quarantine, TransferError, fetch_manifest
 from meshnode.artifacts.holdings import Holdings, PartialHolding
 from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
 from meshnode.artifacts.store import ArtifactStore, PartialModel, StoreError
+from meshnode.autoplace.config import AutoPlaceConfig
 from meshnode.autoplace.layer_costs import LayerCosts, layer_costs
 from meshnode.autoplace.memory_budget import read_machine_budget
 from meshnode.autoplace.mesh_models import (
@@ -45,7 +46,6 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
-from meshnode.autoplace.settings import AutoPlaceSettings
 from meshnode.cancellation import cancel_and_wait
 from meshnode.identity import short_id
 from meshnode.logs import mib
@@ -99,7 +99,7 @@ class AutoShard:
     def __init__(
         self,
         node: PlacingNode,
-        settings: AutoPlaceSettings,
+        settings: AutoPlaceConfig,
         start_serving: StartServing,
         holdings: Holdings,
         *,
@@ -360,4 +360,4 @@ def describe_sources(sources: Iterable[bytes]) -> str:
     return ", ".join(short_id(source) for source in sources)
 
 
-__all__ = ["AutoPlaceSettings", "AutoShard", "PlacementError", "ServeRequest", "Serving", "StartServing"]
+__all__ = ["AutoPlaceConfig", "AutoShard", "PlacementError", "ServeRequest", "Serving", "StartServing"]

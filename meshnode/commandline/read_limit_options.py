@@ -14,7 +14,7 @@ import dataclasses
 import re
 
 from meshnode.commandline.argument_types import positive
-from meshnode.transport.quic_settings import QuicSettings
+from meshnode.transport.quic_config import QuicConfig
 from meshnode.transport.read_limits import (
     DEFAULT_CONNECTION_BUFFER_BYTES,
     DEFAULT_PROCESS_BUFFER_BYTES,
@@ -68,11 +68,11 @@ def add_read_limit_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply_read_limit_options(args: argparse.Namespace, quic: QuicSettings | None = None) -> QuicSettings:
+def apply_read_limit_options(args: argparse.Namespace, quic: QuicConfig | None = None) -> QuicConfig:
     """Configure the process (its cap, relayed links' limits); ``quic`` (or the defaults) with them too."""
     configure_process(args.frame_buffer_total, args.frame_buffer_per_connection, args.frame_stall_timeout)
     return dataclasses.replace(
-        quic or QuicSettings(),
+        quic or QuicConfig(),
         frame_buffer_per_connection=args.frame_buffer_per_connection,
         frame_stall_timeout=args.frame_stall_timeout,
     )

@@ -50,7 +50,7 @@ LOCAL_ORIGIN = StreamOrigin()
 
 
 @dataclass(frozen=True)
-class LeaseSettings:
+class LeaseConfig:
     """A serving node's lease rules, in seconds (its command-line options, :mod:`meshnode.app.lease_options`)."""
 
     # A session no frame arrived for in this long ends; a unit's deadline shortens it.
@@ -83,7 +83,7 @@ def peer_session_cap(share: float, max_sessions: int) -> int:
 
 __all__ = [
     "LOCAL_ORIGIN",
-    "LeaseSettings",
+    "LeaseConfig",
     "ReleaseReason",
     "StreamOrigin",
     "idle_timeout_ns",

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from engines.interface import SamplingParams
 from meshnode.head.backend import GenerationFailed, MeshBusy
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
 from meshnode.head.planner import ModelIdentity, NoRouteError, Route, plan_route_with_room
 from meshnode.head.recovery import ROUTE_FAILURES
@@ -73,9 +73,9 @@ class TokenObserver(Protocol):
 
 
 class GenerationDriver:
-    def __init__(self, env: RouteEnvironment, options: DriverOptions | None = None) -> None:
+    def __init__(self, env: RouteEnvironment, options: DriverConfig | None = None) -> None:
         self.env = env
-        self.options = options or DriverOptions()
+        self.options = options or DriverConfig()
         self.stats = DriverStats()
         self._background: set[asyncio.Task[Any]] = set()
         self.token_observers: list[TokenObserver] = []
@@ -304,7 +304,7 @@ class GenerationStream:
 
 __all__ = [
     "CancelReport",
-    "DriverOptions",
+    "DriverConfig",
     "DriverStats",
     "GenerationDriver",
     "GenerationStream",

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from meshnode.head.backend import GenerationFailed, MeshBusy
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.planner import ModelIdentity, NoRouteError, Route
 from meshnode.head.transcript import Transcript
 from meshnode.sansio import SECOND_NS
@@ -32,7 +32,7 @@ class RoutePlanner(Protocol):
 
 class RouteChoice:
     def __init__(
-        self, planner: RoutePlanner, options: DriverOptions, model: ModelIdentity, transcript: Transcript
+        self, planner: RoutePlanner, options: DriverConfig, model: ModelIdentity, transcript: Transcript
     ) -> None:
         self._planner = planner
         self._options = options

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.dataplane.envelope import HIGHEST_SCHEMA_VERSION
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.planner import Hop
 from meshnode.head.recovery import ROUTE_FAILURES
 from meshnode.head.route_environment import RouteEnvironment
@@ -45,7 +45,7 @@ class CancelReport:
 class RouteControl:
     """One generation's control calls (its route session id) to the hops of any of its epochs."""
 
-    def __init__(self, env: RouteEnvironment, options: DriverOptions, route_session_id: str) -> None:
+    def __init__(self, env: RouteEnvironment, options: DriverConfig, route_session_id: str) -> None:
         self._env = env
         self._options = options
         self._route_session_id = route_session_id

@@ -5,7 +5,7 @@ failure, replays the session's tokens (:mod:`meshnode.head.transcript`) so that
 decoding continues at the right position with the output an unbroken run would have
 produced. :meth:`RouteDecoder.decode` then runs one step a round trip.
 
-Speculative decoding (:mod:`meshnode.head.speculation`, ``DriverOptions.speculation``):
+Speculative decoding (:mod:`meshnode.head.speculation`, ``DriverConfig.speculation``):
 for a greedy or seeded sampled request the head drafts tokens by prompt lookup and
 sends them with its last token as one verify step; the tail's choice after every
 position says how many to keep, 1 to k + 1 tokens a round trip, the very tokens plain
@@ -23,7 +23,7 @@ import time
 
 from engines.interface import SamplingParams, supports_speculation
 from meshnode.dataplane.edges.shard_session import StepOutput
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
 from meshnode.head.route_session import RouteSession
 from meshnode.head.speculation import SpeculationConfig, Speculator
@@ -40,7 +40,7 @@ log = logging.getLogger("meshnode.head.driver")
 class RouteDecoder:
     def __init__(
         self,
-        options: DriverOptions,
+        options: DriverConfig,
         stats: DriverStats,
         transcript: Transcript,
         sampling: SamplingParams,

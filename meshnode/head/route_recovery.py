@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
 from meshnode.head.recovery import Recovery, RecoveryPolicy, describe
 from meshnode.head.route_choice import RouteChoice
@@ -46,7 +46,7 @@ class RouteRecovery:
         self,
         services: RecoveryServices,
         env: RouteEnvironment,
-        options: DriverOptions,
+        options: DriverConfig,
         stats: DriverStats,
         route: RouteSession,
         choice: RouteChoice,

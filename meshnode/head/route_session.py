@@ -5,7 +5,7 @@ first hop with the other hops as its downstream (activations flow shard to shard
 only the tail's sampled token comes back). On a route of more than one hop the
 token comes back directly: the session opens an answer stream to the tail (over the
 head's own link to it), so a token costs one message back instead of one per stage
-(``DriverOptions.direct_answer``). The sessions an epoch holds are counted in the
+(``DriverConfig.direct_answer``). The sessions an epoch holds are counted in the
 driver's :class:`~meshnode.head.session_load.SessionLedger` from its opening to its
 drop, so this head's next routes spread before gossip reports them.
 
@@ -20,13 +20,13 @@ import logging
 from engines.interface import SamplingParams
 from meshnode.dataplane.edges.shard_session import (
     DirectAnswers,
-    SessionOptions,
+    SessionConfig,
     ShardSession,
     default_client_config,
 )
 from meshnode.dataplane.route import make_hop
 from meshnode.head.candidates import session_fingerprint
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
 from meshnode.head.numerics import describe_numerics, mixes_numerics, system_fingerprint
 from meshnode.head.pipeline import pipeline_stages
@@ -45,7 +45,7 @@ class RouteSession:
     def __init__(
         self,
         env: RouteEnvironment,
-        options: DriverOptions,
+        options: DriverConfig,
         stats: DriverStats,
         ledger: SessionLedger,
         model: ModelIdentity,
@@ -147,7 +147,7 @@ class RouteSession:
             route_session_id=self.route_session_id,
             route_epoch=self.epoch,
             config=default_client_config(),
-            options=SessionOptions(open_timeout_s=options.open_timeout_s),
+            options=SessionConfig(open_timeout_s=options.open_timeout_s),
             answers=answers,
         )
         self.session = session

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 from meshnode.head.planner import Route
 from meshnode.head.recovery import ROUTE_FAILURES
 from meshnode.head.route_environment import RouteEnvironment
@@ -25,7 +25,7 @@ from meshnode.sansio import SECOND_NS
 log = logging.getLogger("meshnode.head.driver")
 
 
-async def find_dead_hops(env: RouteEnvironment, options: DriverOptions, route: Route) -> set[bytes]:
+async def find_dead_hops(env: RouteEnvironment, options: DriverConfig, route: Route) -> set[bytes]:
     """The route's hops that do not answer a liveness probe."""
 
     async def alive(node_id: bytes) -> bool:
@@ -43,7 +43,7 @@ async def find_dead_hops(env: RouteEnvironment, options: DriverOptions, route: R
 class StallWatchdog:
     """Times the unit a generation awaits and probes its route's hops when it stays unanswered."""
 
-    def __init__(self, env: RouteEnvironment, options: DriverOptions, route: RouteSession) -> None:
+    def __init__(self, env: RouteEnvironment, options: DriverConfig, route: RouteSession) -> None:
         self._env = env
         self._options = options
         self._route = route

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshnode.membership.credentials import DEFAULT_CERTIFICATE_TTL_S, Endpoint
-from meshnode.transport.quic_settings import QuicSettings
-from meshnode.traversal.settings import TraversalSettings
+from meshnode.transport.quic_config import QuicConfig
+from meshnode.traversal.config import TraversalConfig
 from meshnode.wire.pb import mesh
 
 DEFAULT_PORT = 7447
@@ -51,9 +51,9 @@ class NodeConfig:
     http_port: int = 0
     # Lifetime of the member certificates this node issues and renews, as an admin.
     certificate_ttl: float = DEFAULT_CERTIFICATE_TTL_S
-    quic: QuicSettings = field(default_factory=QuicSettings)
+    quic: QuicConfig = field(default_factory=QuicConfig)
     # Hole punching, the LAN shortcut and the watch over direct paths to peers behind NAT.
-    traversal: TraversalSettings = field(default_factory=TraversalSettings)
+    traversal: TraversalConfig = field(default_factory=TraversalConfig)
 
     @property
     def effective_peer_timeout(self) -> float:

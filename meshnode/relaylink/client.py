@@ -35,7 +35,7 @@ from meshnode.relaywire.ratelimit import TokenBucket
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import LinkClosed, MeshStream, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import DialError, PeerKeyMismatch, QuicEndpoint, QuicLink, QuicSettings
+from meshnode.transport.quic import DialError, PeerKeyMismatch, QuicConfig, QuicEndpoint, QuicLink
 from meshnode.wire.errors import FramingError
 from meshnode.wire.pb import mesh
 
@@ -57,15 +57,15 @@ class RegistrationNotNeeded(Exception):
 
 
 @dataclass(frozen=True)
-class RelayClientSettings:
+class RelayClientConfig:
     connect_timeout: float = 5.0
     register_timeout: float = 5.0
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
     # A relay that vanishes without closing (crash, network cut) is noticed within idle_timeout;
     # both sides ping well before it.
-    quic: QuicSettings = field(
-        default_factory=lambda: QuicSettings(
+    quic: QuicConfig = field(
+        default_factory=lambda: QuicConfig(
             alpn=p.RELAY_ALPN, idle_timeout=15.0, keepalive_interval=5.0, max_stream_unsent=p.MAX_UNSENT_BYTES
         )
     )
@@ -184,7 +184,7 @@ class RelayDialer:
         identity: NodeIdentity,
         endpoint: QuicEndpoint,
         waiter: RelayStreamWaiter,
-        settings: QuicSettings,
+        settings: QuicConfig,
         *,
         owns_endpoint: bool,
     ) -> None:
@@ -196,18 +196,18 @@ class RelayDialer:
 
     @classmethod
     async def open(
-        cls, identity: NodeIdentity, quic: QuicSettings | None = None, host: str = "0.0.0.0"
+        cls, identity: NodeIdentity, quic: QuicConfig | None = None, host: str = "0.0.0.0"
     ) -> RelayDialer:
         waiter = RelayStreamWaiter()
-        settings = dataclasses.replace(quic or QuicSettings(), alpn=p.RELAY_ALPN)
+        settings = dataclasses.replace(quic or QuicConfig(), alpn=p.RELAY_ALPN)
         endpoint = await QuicEndpoint.listen(identity, waiter, host, 0, settings)
         return cls(identity, endpoint, waiter, settings, owns_endpoint=True)
 
     @classmethod
-    def shared(cls, endpoint: QuicEndpoint, quic: QuicSettings | None = None) -> RelayDialer:
+    def shared(cls, endpoint: QuicEndpoint, quic: QuicConfig | None = None) -> RelayDialer:
         """Relay connections from the node's mesh socket: the relay then observes the address
         and port that peers behind other NATs can punch to."""
-        settings = dataclasses.replace(quic or QuicSettings(), alpn=p.RELAY_ALPN)
+        settings = dataclasses.replace(quic or QuicConfig(), alpn=p.RELAY_ALPN)
         return cls(endpoint.identity, endpoint, RelayStreamWaiter(), settings, owns_endpoint=False)
 
     async def register(
@@ -249,7 +249,7 @@ async def connect_and_register(
     connect_timeout: float = 5.0,
     register_timeout: float = 5.0,
     still_needed: Callable[[], bool] = lambda: True,
-    settings: QuicSettings | None = None,
+    settings: QuicConfig | None = None,
 ) -> RelaySession:
     """Dial, authenticate the relay by its pinned id, register. Raises ``RelayRefused``/``DialError``.
 
@@ -373,7 +373,7 @@ class RelayClient:
         mesh_id: str,
         proof_for: Callable[[bytes], membership.MembershipProof | None],
         callbacks: RelayCallbacks,
-        settings: RelayClientSettings | None = None,
+        settings: RelayClientConfig | None = None,
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.identity = identity
@@ -381,8 +381,8 @@ class RelayClient:
         self.endpoint_info = relay_endpoint
         self._addresses = [relay_endpoint.address]
         self.mesh_id = mesh_id
-        self.settings = settings or RelayClientSettings()
-        self.quic_settings = dataclasses.replace(self.settings.quic, alpn=p.RELAY_ALPN)
+        self.settings = settings or RelayClientConfig()
+        self.quic_config = dataclasses.replace(self.settings.quic, alpn=p.RELAY_ALPN)
         self._proof_for = proof_for
         self._callbacks = callbacks
         self._backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max, rng)
@@ -447,9 +447,9 @@ class RelayClient:
         """Start registering: from ``node_endpoint``, the node's own socket, where given and able to
         reach the relay's address (else from a socket of its own, bound to ``local_host``)."""
         if node_endpoint is not None and node_endpoint.can_dial(self.endpoint_info.address):
-            self._dialer = RelayDialer.shared(node_endpoint, self.quic_settings)
+            self._dialer = RelayDialer.shared(node_endpoint, self.quic_config)
         else:
-            self._dialer = await RelayDialer.open(self.identity, self.quic_settings, local_host)
+            self._dialer = await RelayDialer.open(self.identity, self.quic_config, local_host)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def wait_registered(self, timeout: float | None = None) -> None:
@@ -724,7 +724,7 @@ __all__ = [
     "RelayCallbacks",
     "RelayCheck",
     "RelayClient",
-    "RelayClientSettings",
+    "RelayClientConfig",
     "RelayDialer",
     "RelaySession",
     "RelayStreamWaiter",

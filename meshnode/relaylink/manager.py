@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.credentials import Endpoint
-from meshnode.relaylink.client import RelayCallbacks, RelayCheck, RelayClient, RelayClientSettings
+from meshnode.relaylink.client import RelayCallbacks, RelayCheck, RelayClient, RelayClientConfig
 from meshnode.relaylink.link import RelayedPeerLink
 from meshnode.relaylink.mux import MuxConfig
 from meshnode.relaylink.seal import (
@@ -54,7 +54,7 @@ class RelayDialError(ConnectionError):
 
 
 @dataclass(frozen=True)
-class RelayLinkSettings:
+class RelayLinkConfig:
     handshake_timeout: float = 5.0
     # How long open_link waits for a registration when none is up yet.
     registration_wait: float = 5.0
@@ -62,7 +62,7 @@ class RelayLinkSettings:
     # Relays learned from peers' announcements registered with at once, besides our own.
     max_peer_relays: int = 8
     mux: MuxConfig = field(default_factory=MuxConfig)
-    client: RelayClientSettings = field(default_factory=RelayClientSettings)
+    client: RelayClientConfig = field(default_factory=RelayClientConfig)
 
 
 @dataclass
@@ -99,7 +99,7 @@ class RelayLinks:
         *,
         mesh_id: str,
         proof_for: Callable[[bytes], membership.MembershipProof | None],
-        settings: RelayLinkSettings | None = None,
+        settings: RelayLinkConfig | None = None,
         local_host: str = "0.0.0.0",
         revocations: Callable[[], list[membership.Revocation]] = list,
         on_revocation: Callable[[membership.Revocation], None] | None = None,
@@ -109,7 +109,7 @@ class RelayLinks:
         self.identity = identity
         self.handler = handler
         self.mesh_id = mesh_id
-        self.settings = settings or RelayLinkSettings()
+        self.settings = settings or RelayLinkConfig()
         self.stats = RelayLinkStats()
         self._proof_for = proof_for
         self._revocations = revocations
@@ -479,4 +479,4 @@ class RelayLinks:
         self._sealers.pop(key, None)
 
 
-__all__ = ["RelayDialError", "RelayLinkSettings", "RelayLinkStats", "RelayLinks"]
+__all__ = ["RelayDialError", "RelayLinkConfig", "RelayLinkStats", "RelayLinks"]

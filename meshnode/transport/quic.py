@@ -38,8 +38,8 @@ from meshnode.transport.base import LinkClosed, LinkHandler, MeshStream, PeerLin
 from meshnode.transport.bind_errors import listen_error
 from meshnode.transport.buffers import Progress, ReceiveBuffer
 from meshnode.transport.credited_stream import CreditedStream
+from meshnode.transport.quic_config import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfig
 from meshnode.transport.quic_connection import MeshQuicConnection, quic_configuration, self_signed_certificate
-from meshnode.transport.quic_settings import SMALLEST_MAX_DATAGRAM_SIZE, QuicSettings
 from meshnode.transport.read_limits import ReadLimits, process_budget
 from meshnode.transport.udp_address import FamilyMismatch, SockAddr, describe_sockaddr, sockaddr_for
 from meshnode.wire.buffer_budget import BufferBudget
@@ -176,7 +176,7 @@ class QuicLink(PeerLink):
         initiated_locally: bool,
         expected_peer_id: bytes | None,
         remote_address: SockAddr,
-        settings: QuicSettings | None = None,
+        settings: QuicConfig | None = None,
         handler: LinkHandler | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -432,7 +432,7 @@ class QuicLink(PeerLink):
 class QuicEndpoint(asyncio.DatagramProtocol):
     """One UDP socket: accepts connections and dials peers."""
 
-    def __init__(self, identity: NodeIdentity, handler: LinkHandler, settings: QuicSettings) -> None:
+    def __init__(self, identity: NodeIdentity, handler: LinkHandler, settings: QuicConfig) -> None:
         self.identity = identity
         self.handler = handler
         self.settings = settings
@@ -442,7 +442,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         self._certificate = self_signed_certificate(identity)
         self._server_config = self._configuration(settings, is_client=False)
         # Client configurations by the settings dialed with (the node's own, a relay's).
-        self._client_configs: dict[QuicSettings, QuicConfiguration] = {}
+        self._client_configs: dict[QuicConfig, QuicConfiguration] = {}
         # UDP payload bytes of links gone, by ALPN (see traffic()).
         self._traffic_gone: dict[str, list[int]] = {}
         self._by_cid: dict[bytes, QuicLink] = {}
@@ -460,9 +460,9 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         handler: LinkHandler,
         host: str = "127.0.0.1",
         port: int = 0,
-        settings: QuicSettings | None = None,
+        settings: QuicConfig | None = None,
     ) -> QuicEndpoint:
-        endpoint = cls(identity, handler, settings or QuicSettings())
+        endpoint = cls(identity, handler, settings or QuicConfig())
         loop = asyncio.get_running_loop()
         try:
             await loop.create_datagram_endpoint(lambda: endpoint, local_addr=(host, port))
@@ -481,7 +481,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
     def links(self) -> set[QuicLink]:
         return set(self._links)
 
-    def _configuration(self, settings: QuicSettings, *, is_client: bool) -> QuicConfiguration:
+    def _configuration(self, settings: QuicConfig, *, is_client: bool) -> QuicConfiguration:
         return quic_configuration(
             self.identity,
             self._certificate,
@@ -514,7 +514,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
         expected_peer_id: bytes,
         timeout: float | None = None,
         *,
-        settings: QuicSettings | None = None,
+        settings: QuicConfig | None = None,
         handler: LinkHandler | None = None,
     ) -> QuicLink:
         """Connect to ``host:port`` and authenticate it as ``expected_peer_id``.
@@ -706,7 +706,7 @@ class QuicEndpoint(asyncio.DatagramProtocol):
                 elif now - link.last_received_at >= link.settings.keepalive_interval:
                     link.ping()
 
-    def _link_settings(self) -> set[QuicSettings]:
+    def _link_settings(self) -> set[QuicConfig]:
         return {self.settings, *(link.settings for link in self._links)}
 
 
@@ -714,8 +714,8 @@ __all__ = [
     "DialError",
     "PeerKeyMismatch",
     "PeerStreamIds",
+    "QuicConfig",
     "QuicEndpoint",
     "QuicLink",
     "QuicMeshStream",
-    "QuicSettings",
 ]

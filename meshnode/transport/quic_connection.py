@@ -127,7 +127,7 @@ class MeshQuicConnection(QuicConnection):
             # packet. A request answered later than that costs a separate ACK
             # datagram each way; waiting a little longer lets the ACK ride on the
             # answer. It stays below the 10 ms a meshnode peer counts for it in its
-            # probe timeout (QuicSettings.peer_max_ack_delay; aioquic advertises 25).
+            # probe timeout (QuicConfig.peer_max_ack_delay; aioquic advertises 25).
             self._ack_delay = ack_delay
         self._stream_window = stream_window
         self._connection_window = connection_window
@@ -138,7 +138,7 @@ class MeshQuicConnection(QuicConnection):
     def _parse_transport_parameters(self, data: bytes, from_session_ticket: bool = False) -> None:
         super()._parse_transport_parameters(data, from_session_ticket)
         if self._peer_max_ack_delay is not None:
-            # aioquic advertises 25 ms whatever its ACK timer does (QuicSettings.peer_max_ack_delay).
+            # aioquic advertises 25 ms whatever its ACK timer does (QuicConfig.peer_max_ack_delay).
             self._loss.max_ack_delay = min(self._loss.max_ack_delay, self._peer_max_ack_delay)
 
     # -- mutual authentication ------------------------------------------------

@@ -59,7 +59,7 @@ def configure_process(
 
     ``total_bytes`` caps all connections together; the other two are what
     :meth:`ReadLimits.for_connection` gives a link whose transport has no
-    settings of its own (QUIC links take theirs from ``QuicSettings``).
+    settings of its own (QUIC links take theirs from ``QuicConfig``).
     """
     global _connection_defaults
     if total_bytes <= 0 or connection_bytes <= 0:

@@ -43,10 +43,10 @@ from meshnode.traversal.candidates import (
     vouched_candidates,
     worth_dialing,
 )
+from meshnode.traversal.config import TraversalConfig
 from meshnode.traversal.nat_mapping import classify_mapping, mapping_name, punchable
 from meshnode.traversal.pair_backoff import PunchBook
 from meshnode.traversal.puncher import Decline, Puncher, PunchOutcome, PunchReport
-from meshnode.traversal.settings import TraversalSettings
 from meshnode.wire.pb import mesh
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,13 @@ class DirectPaths:
         state: MeshState,
         links: PeerLinks,
         relay_links: Callable[[], RelayLinks | None],
-        settings: TraversalSettings | None = None,
+        settings: TraversalConfig | None = None,
         *,
         relay_only: bool = False,
     ) -> None:
         """``state``: the node's membership (its announcement, the peers' records, who is
         admitted); ``links``: the link kept per peer; ``relay_links()``: its relay side."""
-        self.settings = settings or TraversalSettings()
+        self.settings = settings or TraversalConfig()
         # --relay-only dials nothing directly: no punch, no shortcut.
         self.enabled = self.settings.hole_punching and not relay_only
         self._relay_only = relay_only

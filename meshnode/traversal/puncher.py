@@ -29,7 +29,7 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.quic import DialError, QuicEndpoint, QuicLink
 from meshnode.transport.udp_address import describe_sockaddr
 from meshnode.traversal import punch_messages
-from meshnode.traversal.settings import PunchTiming
+from meshnode.traversal.config import PunchTiming
 from meshnode.wire.errors import FramingError
 from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal

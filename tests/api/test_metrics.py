@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.interface import GREEDY
 from engines.tiny_model import ensure_tiny_model
-from meshnode.app.head_service import HeadOptions, HeadService
+from meshnode.app.head_service import HeadConfig, HeadService
 from meshnode.head.driver import GenerationDriver
 from meshnode.metrics import (
     CONTENT_TYPE,
@@ -96,7 +96,7 @@ async def test_the_heads_metrics_endpoint_serves_the_text_format_with_the_driver
         routes,
         model_path=ensure_tiny_model(),
         served=served,
-        options=HeadOptions(api_host="127.0.0.1", api_port=0),
+        options=HeadConfig(api_host="127.0.0.1", api_port=0),
         metrics=MetricSources(server=routes.shards[DRIVER_INDEX].server),
     )
     try:

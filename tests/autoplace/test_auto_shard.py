@@ -25,7 +25,7 @@ from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.upload_limit import UploadLimiter
-from meshnode.autoplace.auto_shard import AutoPlaceSettings, AutoShard, ServeRequest
+from meshnode.autoplace.auto_shard import AutoPlaceConfig, AutoShard, ServeRequest
 from meshnode.node import Node
 from meshnode.wire.pb import mesh, shard
 
@@ -77,7 +77,7 @@ def budget_for(model: Path) -> int:
 async def placing(tmp_path: Path, node: Node, model: Path) -> AsyncIterator[AutoShard]:
     holdings = Holdings()
     ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(node)
-    settings = AutoPlaceSettings(
+    settings = AutoPlaceConfig(
         store_dir=tmp_path / f"store-{node.node_id.hex()[:8]}",
         memory_budget=budget_for(model),
         poll_s=0.1,

@@ -12,7 +12,7 @@ from helpers.mesh_nodes import first_member, invite_from, relay_only_config, sta
 from helpers.recording_engine import LAYERS, SPEC
 
 from engines.fake import FakeEngine
-from meshnode.app.shard_service import ShardService, ShardServiceOptions
+from meshnode.app.shard_service import ShardService, ShardServiceConfig
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.store import DataDir
@@ -23,7 +23,7 @@ SPLIT = 2
 
 
 async def serve_fake_shard(node: Node, layers: tuple[int, int]) -> ShardService:
-    options = ShardServiceOptions(model=Path("fake.gguf"), layers=layers, ctx=64)
+    options = ShardServiceConfig(model=Path("fake.gguf"), layers=layers, ctx=64)
     return await ShardService.start(
         node, options, refresh_interval_s=0.3, engine_factory=lambda: FakeEngine(SPEC)
     )

@@ -28,7 +28,7 @@ from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import shard
 
 PROMPT = [1, 5, 9, 13]
-# What meshnode.head.driver gives a unit (DriverOptions.unit_timeout_s).
+# What meshnode.head.driver gives a unit (DriverConfig.unit_timeout_s).
 UNIT_TIMEOUT_NS = 60 * 1_000_000_000
 PAUSE_S = 0.05
 

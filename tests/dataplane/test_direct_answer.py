@@ -37,7 +37,7 @@ from meshnode.dataplane.client import ClientConfig, SessionClient, UnitDone, Uni
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import DownstreamResult
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverConfig, GenerationDriver
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import decode_bundle
 
@@ -319,7 +319,7 @@ async def test_the_driver_gets_every_decoded_token_straight_from_the_tail(routes
 
 
 async def test_with_the_direct_answer_off_the_tokens_are_the_same_and_come_along_the_route(routes):
-    driver = GenerationDriver(routes, DriverOptions(**{**FAST.__dict__, "direct_answer": False}))
+    driver = GenerationDriver(routes, DriverConfig(**{**FAST.__dict__, "direct_answer": False}))
     tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, 12))
     assert tokens == whole_model(PROMPT, 12)
     assert direct_answers(routes, TAIL) == 0

@@ -21,7 +21,7 @@ from helpers.tiny_llama import load_engine, run_unsplit
 
 from engines.interface import GREEDY
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverConfig, GenerationDriver
 from meshnode.head.environment import NodeRoutes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -67,7 +67,7 @@ async def test_the_direct_answer_survives_a_killed_middle_node_with_the_unsplit_
         await eventually(lambda: len(routes.candidates()) == len(SPLITS), 30)
         (model,) = {candidate.model for candidate in routes.candidates()}
         driver = GenerationDriver(
-            routes, DriverOptions(stall_probe_s=0.5, probe_timeout_s=1.0, control_timeout_s=2.0)
+            routes, DriverConfig(stall_probe_s=0.5, probe_timeout_s=1.0, control_timeout_s=2.0)
         )
         stream = driver.generate(model, prompt, GREEDY, TOKENS)
         tokens: list[int] = []

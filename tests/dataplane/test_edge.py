@@ -22,7 +22,7 @@ from engines.interface import METRIC_STEPS_CANCELLED
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.edges.server import ShardServer
-from meshnode.dataplane.edges.shard_session import SessionOptions, ShardSession, default_client_config
+from meshnode.dataplane.edges.shard_session import SessionConfig, ShardSession, default_client_config
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_hop
 from meshnode.wire.errors import ShardProtocolError
@@ -176,7 +176,7 @@ async def test_a_deadline_already_past_is_refused_by_the_worker(edge: Edge) -> N
 
 
 async def test_a_killed_worker_surfaces_a_transport_error_by_the_deadline(edge: Edge) -> None:
-    async with edge.open(options=SessionOptions(max_reconnects=1, reconnect_backoff_s=0.01)) as session:
+    async with edge.open(options=SessionConfig(max_reconnects=1, reconnect_backoff_s=0.01)) as session:
         first = (await session.prefill(PROMPT)).token
         edge.head.kill()
         with pytest.raises(SessionTransportError):
@@ -200,7 +200,7 @@ async def test_a_silent_worker_fails_the_unit_shortly_after_its_deadline(edge: E
 
 async def test_an_unreachable_next_hop_is_internal_and_retryable(edge: Edge) -> None:
     edge.tail.kill()
-    options = SessionOptions(max_reconnects=0, reconnect_backoff_s=0.01)
+    options = SessionConfig(max_reconnects=0, reconnect_backoff_s=0.01)
     edge.head_server.config = replace(edge.head_server.config, downstream_options=options)
     async with edge.open() as session:
         with pytest.raises(ShardProtocolError) as failure:
@@ -294,7 +294,7 @@ async def test_a_truncated_unary_request_is_refused_with_a_mesh_code(edge: Edge)
 
 
 async def test_a_stopping_server_ends_its_sessions_with_a_transport_error(edge: Edge) -> None:
-    options = SessionOptions(max_reconnects=1, reconnect_backoff_s=0.01)
+    options = SessionConfig(max_reconnects=1, reconnect_backoff_s=0.01)
     async with edge.open(options=options, config=default_client_config()) as session:
         first = (await session.prefill(PROMPT)).token
         await edge.head_server.aclose()

@@ -15,7 +15,7 @@ from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine, FaultKind, FaultRule
 from engines.tiny_model import ensure_tiny_model
-from meshnode.app.shard_service import ShardService, ShardServiceError, ShardServiceOptions
+from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.membership.credentials import MeshKey
 from meshnode.wire.framing import StreamType
@@ -26,8 +26,8 @@ from .harness import srange
 pytestmark = pytest.mark.timeout(60)
 
 
-def fake_options(layers: tuple[int, int] = (0, SPEC.total_layers)) -> ShardServiceOptions:
-    return ShardServiceOptions(model=Path("fake-model.gguf"), layers=layers, ctx=64, max_sessions=3)
+def fake_options(layers: tuple[int, int] = (0, SPEC.total_layers)) -> ShardServiceConfig:
+    return ShardServiceConfig(model=Path("fake-model.gguf"), layers=layers, ctx=64, max_sessions=3)
 
 
 async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:

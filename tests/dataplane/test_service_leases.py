@@ -17,9 +17,9 @@ from helpers.polling import eventually
 from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine
-from meshnode.app.shard_service import ShardService, ShardServiceOptions
+from meshnode.app.shard_service import ShardService, ShardServiceConfig
 from meshnode.dataplane.edges.shard_session import ShardSession
-from meshnode.dataplane.lease import LeaseSettings, ReleaseReason
+from meshnode.dataplane.lease import LeaseConfig, ReleaseReason
 from meshnode.head.local_link import LocalShardLink
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
@@ -57,8 +57,8 @@ async def served() -> AsyncIterator[Served]:
     loopback = LoopbackMesh()
     node = AnnouncingPeer(loopback, 1)
     members: set[bytes] = set()
-    leases = LeaseSettings(peer_share=0.5, owner_grace_s=0.2)
-    options = ShardServiceOptions(model=Path("fake-model.gguf"), ctx=64, max_sessions=4, leases=leases)
+    leases = LeaseConfig(peer_share=0.5, owner_grace_s=0.2)
+    options = ShardServiceConfig(model=Path("fake-model.gguf"), ctx=64, max_sessions=4, leases=leases)
     service = await ShardService.start(
         node,
         options,

@@ -34,7 +34,7 @@ from helpers.polling import eventually
 from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
-from meshnode.dataplane.lease import LeaseSettings
+from meshnode.dataplane.lease import LeaseConfig
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
@@ -158,7 +158,7 @@ async def test_a_member_that_abandons_sessions_gets_its_share_and_the_api_keeps_
     held = []
     try:
         chain = await quic_chain(member)
-        share = math.ceil(LeaseSettings().peer_share * MAX_SESSIONS)  # the command line's default
+        share = math.ceil(LeaseConfig().peer_share * MAX_SESSIONS)  # the command line's default
         held = [await chain.open() for _ in range(share)]
         with pytest.raises(ShardProtocolError) as refused:
             await chain.open()

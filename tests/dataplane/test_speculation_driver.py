@@ -13,13 +13,13 @@ from helpers.loopback_routes import FAST, MIDDLE, SPARE, TAIL, LoopbackRoutes, c
 from helpers.loopback_routes import reference as whole_model
 
 from engines.interface import GREEDY, SamplingParams
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverConfig, GenerationDriver
 
 pytestmark = pytest.mark.timeout(30)
 
 PROMPT = [5, 3, 8, 1, 9, 2, 7]
-SPECULATING = DriverOptions(**{**FAST.__dict__, "speculation": True})
-PLAIN = DriverOptions(**{**FAST.__dict__, "speculation": False})
+SPECULATING = DriverConfig(**{**FAST.__dict__, "speculation": True})
+PLAIN = DriverConfig(**{**FAST.__dict__, "speculation": False})
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from helpers.tiny_llama import load_engine, run_unsplit
 
 from engines.interface import GREEDY, SamplingParams
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverConfig, GenerationDriver
 from meshnode.head.environment import NodeRoutes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -75,7 +75,7 @@ async def test_greedy_text_with_speculation_is_the_text_without_it_across_proces
         for name, (prompt, expected) in prompts.items():
             texts = {}
             for speculation in (False, True):
-                driver = GenerationDriver(routes, DriverOptions(**OPTIONS, speculation=speculation))
+                driver = GenerationDriver(routes, DriverConfig(**OPTIONS, speculation=speculation))
                 texts[speculation] = [t async for t in driver.generate(model, prompt, GREEDY, TOKENS)]
                 await driver.aclose()
                 assert driver.stats.reroutes == driver.stats.rebuilds == 0
@@ -94,7 +94,7 @@ async def test_greedy_text_with_speculation_is_the_text_without_it_across_proces
         prompt = prompts["repetitive"][0]
         sampled = {}
         for speculation in (False, True):
-            driver = GenerationDriver(routes, DriverOptions(**OPTIONS, speculation=speculation))
+            driver = GenerationDriver(routes, DriverConfig(**OPTIONS, speculation=speculation))
             sampled[speculation] = [t async for t in driver.generate(model, prompt, sampling, TOKENS)]
             await driver.aclose()
             assert (driver.stats.speculative_rounds > 0) is speculation

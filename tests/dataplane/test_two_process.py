@@ -28,7 +28,7 @@ from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.edges import rpc
-from meshnode.dataplane.edges.shard_session import SessionOptions, ShardSession, default_client_config
+from meshnode.dataplane.edges.shard_session import SessionConfig, ShardSession, default_client_config
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.transport.base import PeerLink
 from meshnode.wire.cpu_mask import cpus_of_mask
@@ -360,7 +360,7 @@ async def test_killing_the_worker_mid_session_is_a_transport_error_by_the_deadli
     doomed: tuple[ChainUnderTest, Callable[[], None]], prompt: list[int]
 ) -> None:
     worker, kill = doomed
-    options = SessionOptions(max_reconnects=1, reconnect_backoff_s=0.05)
+    options = SessionConfig(max_reconnects=1, reconnect_backoff_s=0.05)
     async with ShardSession.open(
         worker.links,
         fingerprint=worker.fingerprint,

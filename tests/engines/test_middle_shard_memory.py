@@ -61,7 +61,7 @@ _CHILD = textwrap.dedent(
 )
 
 BUDGET_FACTOR = 1.2
-# What a node serves by default (meshnode.app.shard_service.ShardServiceOptions.ctx).
+# What a node serves by default (meshnode.app.shard_service.ShardServiceConfig.ctx).
 NODE_CTX = 4096
 
 

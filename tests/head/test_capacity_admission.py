@@ -20,13 +20,13 @@ from helpers.polling import eventually
 from engines.interface import GREEDY
 from meshnode.api.openai_api import start_api_server
 from meshnode.head.backend import MeshBusy
-from meshnode.head.driver import DriverOptions, GenerationDriver, GenerationStream
+from meshnode.head.driver import DriverConfig, GenerationDriver, GenerationStream
 from meshnode.head.route_backend import LocalModel, RouteBackend
 
 pytestmark = pytest.mark.timeout(30)
 
 REPLICA, SPARE = 2, 4
-FAST = DriverOptions(stall_probe_s=5.0, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
+FAST = DriverConfig(stall_probe_s=5.0, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
 PROMPT = [5, 3, 8, 1]
 BUSY_ERROR = {
     "message": "every route's shards are at capacity (2 refused a new session); retry shortly",
@@ -90,7 +90,7 @@ async def api(routes: LoopbackRoutes) -> AsyncIterator[Api]:
 _cleanups: list = []
 
 
-async def _api(routes: LoopbackRoutes, options: DriverOptions) -> Api:
+async def _api(routes: LoopbackRoutes, options: DriverConfig) -> Api:
     driver = GenerationDriver(routes, options)
     backend = RouteBackend(driver, [LocalModel("fake", routes.model.model_artifact_digest, SmallTokenizer())])
     runner, port = await start_api_server(backend)
@@ -176,7 +176,7 @@ async def test_a_first_hop_at_capacity_with_no_replica_is_a_429(routes):
 
 
 async def test_the_heads_own_limit_of_concurrent_generations_is_a_429(routes):
-    api = await _api(routes, DriverOptions(max_generations=1, busy_retry_after_s=3))
+    api = await _api(routes, DriverConfig(max_generations=1, busy_retry_after_s=3))
     held = await started(api.driver, 1)
     status, headers, body = await api.complete()
     assert (status, headers["Retry-After"]) == (429, "3")

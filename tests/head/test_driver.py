@@ -28,12 +28,12 @@ from helpers.polling import eventually
 from engines.fake import FaultKind, FaultRule
 from engines.interface import GREEDY, METRIC_STEPS_CANCELLED, SamplingParams
 from meshnode.head.backend import ContextLengthExceeded, GenerationFailed
-from meshnode.head.driver import DriverOptions, GenerationDriver
+from meshnode.head.driver import DriverConfig, GenerationDriver
 from meshnode.head.numerics import system_fingerprint
 from meshnode.head.recovery import RecoveryBudget
 
 # Tests that count the engine steps of plain decoding: one token a step, no verify rounds.
-PLAIN = DriverOptions(**{**FAST.__dict__, "speculation": False})
+PLAIN = DriverConfig(**{**FAST.__dict__, "speculation": False})
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -265,7 +265,7 @@ async def test_a_dead_hop_without_a_spare_gives_up_with_the_gap(routes):
 
 async def test_a_hop_that_keeps_failing_exhausts_the_reroute_budget(routes):
     routes.shards[TAIL].engine.inject(FaultRule(FaultKind.CRASH, after_steps=1))
-    options = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, budget=RecoveryBudget(reroutes=2))
+    options = DriverConfig(stall_probe_s=0.2, probe_timeout_s=0.5, budget=RecoveryBudget(reroutes=2))
     driver = GenerationDriver(routes, options)
     with pytest.raises(GenerationFailed, match="the route failed 3 times; last failure: internal"):
         await collect(driver.generate(routes.model, PROMPT, GREEDY, 10))

@@ -25,10 +25,10 @@ from engines.interface import GREEDY, LoadRequest
 from engines.llama_engine import LlamaShardEngine, runtime_numerics
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from engines.tokenizer import Tokenizer
-from meshnode.app.head_service import HeadOptions, HeadService
+from meshnode.app.head_service import HeadConfig, HeadService
 from meshnode.app.shard_service import served_shard
 from meshnode.dataplane.edges.server import ShardServer
-from meshnode.head.driver import DriverOptions
+from meshnode.head.driver import DriverConfig
 from meshnode.head.environment import NodeRoutes
 from meshnode.head.numerics import system_fingerprint
 from meshnode.head.planner import Hop, Route
@@ -78,7 +78,7 @@ async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
         servers.append(await serve_shard(shards["b"], model, 0, SPLIT, weight_repack=True))
         servers.append(await serve_shard(shards["c"], model, SPLIT, TINY_N_LAYERS, weight_repack=False))
         served = shards["b"].state.local.serving
-        options = HeadOptions(api_host="127.0.0.1", api_port=0, driver=DriverOptions(open_timeout_s=10.0))
+        options = HeadConfig(api_host="127.0.0.1", api_port=0, driver=DriverConfig(open_timeout_s=10.0))
         service = await HeadService.start(NodeRoutes(head), model_path=model, served=served, options=options)
         await eventually(service.backend.model_names, 30)  # gossip has brought both shards to A
         yield Pool(head, shards, servers, service)

@@ -19,7 +19,7 @@ from helpers.polling import eventually
 from engines.interface import GREEDY, BatchStep
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.head.candidates import announced_hosts, shard_candidate
-from meshnode.head.driver import DriverOptions, DriverStats, GenerationDriver
+from meshnode.head.driver import DriverConfig, DriverStats, GenerationDriver
 from meshnode.head.pipeline import pipeline_stages
 from meshnode.head.planner import Hop, plan_route
 from meshnode.wire.cpu_mask import MAX_CPU_MASK_BYTES, cpu_mask, cpus_of_mask
@@ -66,7 +66,7 @@ def test_fewer_cohorts_than_stages_where_the_head_asks_for_them() -> None:
     shared = [hop(0, 2, "127.0.0.1"), hop(2, 4, "127.0.0.1")]
     assert pipeline_stages("auto", shared, cohorts=2) == 0
     with pytest.raises(ValueError, match="pipeline_cohorts"):
-        DriverOptions(pipeline="on", pipeline_cohorts=1)
+        DriverConfig(pipeline="on", pipeline_cohorts=1)
     parser = argparse.ArgumentParser()
     add_pipeline_options(parser)
     assert parser.parse_args(["--pipeline-cohorts", "2"]).pipeline_cohorts == 2
@@ -80,7 +80,7 @@ def test_a_route_of_one_hop_has_no_pipeline() -> None:
     with pytest.raises(ValueError, match="pipeline mode"):
         pipeline_stages("sometimes", [])
     with pytest.raises(ValueError, match="pipeline"):
-        DriverOptions(pipeline="sometimes")
+        DriverConfig(pipeline="sometimes")
 
 
 def placed(start: int, end: int, host: str, threads: int, cpus: range | set[int]) -> Hop:
@@ -209,7 +209,7 @@ async def generate_three_at_once(
             # A sleep per step: a machine of its own.
             shard.engine.step_delay_s = tail_delay_s if index == TAIL else STEP_S
             shard.engine.step_batch = clock.wrap(index, shard.engine.step_batch)  # type: ignore[method-assign]  # timed in place
-        options = DriverOptions(
+        options = DriverConfig(
             **{**FAST.__dict__, "speculation": False, "pipeline": pipeline, "pipeline_cohorts": cohorts}
         )
         driver = GenerationDriver(routes, options)
@@ -255,7 +255,7 @@ async def test_a_middle_hop_killed_under_two_cohorts_fails_every_generation_over
         for shard in routes.shards.values():
             shard.engine.step_delay_s = STEP_S / 4
         middle = routes.shards[MIDDLE]
-        options = DriverOptions(
+        options = DriverConfig(
             **{**FAST.__dict__, "speculation": False, "pipeline": "on", "pipeline_cohorts": 2}
         )
         driver = GenerationDriver(routes, options)
@@ -283,7 +283,7 @@ async def test_a_generation_given_up_under_two_cohorts_leaves_the_others_their_t
     async with three_hop_routes() as routes:
         for shard in routes.shards.values():
             shard.engine.step_delay_s = STEP_S / 4
-        options = DriverOptions(
+        options = DriverConfig(
             **{**FAST.__dict__, "speculation": False, "pipeline": "on", "pipeline_cohorts": 2}
         )
         driver = GenerationDriver(routes, options)
@@ -321,7 +321,7 @@ async def test_without_the_pipeline_the_sessions_share_batches_and_the_text_is_t
 def test_a_head_pipelines_machines_of_their_own_in_two_cohorts_unless_told_otherwise() -> None:
     """Real stages batch: cohorts of one per stage measured slower than the convoy, two cohorts
     faster in stages timed as those nodes measured (bench/RESULTS.md)."""
-    assert (DriverOptions().pipeline, DriverOptions().pipeline_cohorts) == ("auto", 2)
+    assert (DriverConfig().pipeline, DriverConfig().pipeline_cohorts) == ("auto", 2)
     parser = argparse.ArgumentParser()
     add_pipeline_options(parser)
     defaults = parser.parse_args([])

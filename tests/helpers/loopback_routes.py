@@ -20,7 +20,7 @@ from helpers.recording_engine import RecordingEngine
 from meshnode.app.shard_service import served_shard
 from meshnode.dataplane.edges.server import ShardServer
 from meshnode.head.candidates import shard_candidates
-from meshnode.head.driver import DriverOptions
+from meshnode.head.driver import DriverConfig
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ModelIdentity, ShardCandidate
 from meshnode.transport.base import PeerLink
@@ -140,7 +140,7 @@ def reference(prompt: list[int], count: int, sampling: SamplingParams = GREEDY) 
 
 # The shards of the three-hop route driver tests use: the driver's own [0, 2), then these.
 MIDDLE, SPARE, TAIL = 2, 4, 3
-FAST = DriverOptions(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
+FAST = DriverConfig(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.0, open_timeout_s=2.0)
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,7 @@ from meshnode.mesh.signed_record import decode_record, sign_record
 from meshnode.node import Node
 from meshnode.transport.base import MeshStream, PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import QuicEndpoint, QuicSettings
+from meshnode.transport.quic import QuicConfig, QuicEndpoint
 from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import refusal_from_reset_code
 from meshnode.wire.pb import mesh
@@ -85,7 +85,7 @@ class FakeLink(PeerLink):
 class RawPeer:
     """A bare QUIC endpoint with its own identity, for sending arbitrary frames to a node."""
 
-    def __init__(self, identity: NodeIdentity | None = None, settings: QuicSettings | None = None) -> None:
+    def __init__(self, identity: NodeIdentity | None = None, settings: QuicConfig | None = None) -> None:
         self.identity = identity or NodeIdentity.generate()
         self.recorder = Recorder()
         self.settings = settings

@@ -27,7 +27,7 @@ from meshnode.metrics import MetricSources, collect, samples_by_name
 from meshnode.transport import read_limits
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import QuicEndpoint, QuicSettings
+from meshnode.transport.quic import QuicConfig, QuicEndpoint
 from meshnode.transport.read_limits import ReadLimits, process_budget, reset_counts
 from meshnode.wire.buffer_budget import BufferBudget, BufferScope
 from meshnode.wire.framing import StreamType
@@ -50,7 +50,7 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(settings: QuicSettings, process_budget: BufferBudget | None = None) -> AsyncIterator[Served]:
+async def served(settings: QuicConfig, process_budget: BufferBudget | None = None) -> AsyncIterator[Served]:
     frames: list[bytes] = []
 
     async def read_frames(stream: FramedStream) -> None:
@@ -94,7 +94,7 @@ def server_links_hold(server: Served) -> int:
 
 async def test_the_stream_that_passes_its_connections_cap_is_reset_and_the_others_complete() -> None:
     before = reset_counts()
-    async with served(QuicSettings(frame_buffer_per_connection=256 * KiB)) as server, peer(server) as link:
+    async with served(QuicConfig(frame_buffer_per_connection=256 * KiB)) as server, peer(server) as link:
         # Any two fit under the cap, all three do not: exactly one stream passes it; and
         # with it gone, the other two can each complete (120 + 100 KiB at most).
         streams = [await partial_frame(link, 120 * KiB, 100 * KiB) for _ in range(3)]
@@ -121,7 +121,7 @@ async def test_the_stream_that_passes_the_process_cap_is_reset() -> None:
     before = reset_counts()
     process = BufferBudget(150 * KiB, scope=BufferScope.PROCESS)
     async with (
-        served(QuicSettings(), process_budget=process) as server,
+        served(QuicConfig(), process_budget=process) as server,
         peer(server) as first,
         peer(server) as second,
     ):
@@ -141,7 +141,7 @@ async def test_the_stream_that_passes_the_process_cap_is_reset() -> None:
 async def test_a_stream_stalled_mid_frame_is_reset_and_one_idle_between_frames_is_not() -> None:
     before = reset_counts()
     stall = 0.2
-    async with served(QuicSettings(frame_stall_timeout=stall)) as server, peer(server) as link:
+    async with served(QuicConfig(frame_stall_timeout=stall)) as server, peer(server) as link:
         idle = await link.open_stream(StreamType.GOSSIP)
         await idle.send_frame(b"first")
         stalled = await partial_frame(link, 100, 10)

@@ -17,13 +17,13 @@ from mesh_helpers import Recorder
 
 from meshnode.identity import NodeIdentity
 from meshnode.transport.base import StreamReset
-from meshnode.transport.quic import DialError, QuicEndpoint, QuicSettings
+from meshnode.transport.quic import DialError, QuicConfig, QuicEndpoint
 from meshnode.wire.framing import ALPN
 
 pytestmark = pytest.mark.timeout(60)
 
 WINDOW = 256 * 1024
-SMALL = QuicSettings(
+SMALL = QuicConfig(
     stream_window=WINDOW,
     connection_window=2 * WINDOW,
     max_stream_backlog=WINDOW,
@@ -32,7 +32,7 @@ SMALL = QuicSettings(
 
 
 class Endpoints:
-    def __init__(self, settings: QuicSettings | None = None) -> None:
+    def __init__(self, settings: QuicConfig | None = None) -> None:
         self.settings = settings
         self.a_id, self.b_id = NodeIdentity.generate(), NodeIdentity.generate()
         self.a_rec, self.b_rec = Recorder(), Recorder()
@@ -71,8 +71,8 @@ async def test_each_side_times_its_probes_by_how_soon_a_meshnode_peer_acknowledg
     """aioquic tells its peer it may wait 25 ms to acknowledge, and the peer's probe timeout (how
     long a lost packet with nothing sent after it waits to be resent) includes that; a meshnode
     peer acknowledges within its ack_delay (5 ms), so both sides count 10 ms, or as told."""
-    assert QuicSettings().ack_delay < QuicSettings().peer_max_ack_delay
-    for settings, expected in ((QuicSettings(), 0.010), (QuicSettings(peer_max_ack_delay=None), 0.025)):
+    assert QuicConfig().ack_delay < QuicConfig().peer_max_ack_delay
+    for settings, expected in ((QuicConfig(), 0.010), (QuicConfig(peer_max_ack_delay=None), 0.025)):
         async with Endpoints(settings) as ep:
             link, accepted = await ep.link()
             for side in (link, accepted):
@@ -192,7 +192,7 @@ async def test_reset_codes_reach_the_peer():
 
 
 async def test_keepalive_pings_hold_an_idle_link_open():
-    settings = QuicSettings(idle_timeout=1.0, keepalive_interval=0.2)
+    settings = QuicConfig(idle_timeout=1.0, keepalive_interval=0.2)
     async with Endpoints(settings) as ep:
         link, accepted = await ep.link()
         await asyncio.sleep(2.5)  # well past the idle timeout, with no application traffic

@@ -43,11 +43,11 @@ from helpers.tiny_llama import SPLIT
 
 from engines.tiny_model import TINY_N_LAYERS
 from meshnode.dataplane.client import ClientConfig
-from meshnode.dataplane.edges.shard_session import SessionOptions, ShardSession, default_client_config
+from meshnode.dataplane.edges.shard_session import SessionConfig, ShardSession, default_client_config
 from meshnode.dataplane.route import make_hop
 from meshnode.membership.credentials import decode_invite_token
 from meshnode.node import NodeConfig
-from meshnode.traversal.settings import TraversalSettings
+from meshnode.traversal.config import TraversalConfig
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
@@ -78,7 +78,7 @@ async def main(args: argparse.Namespace) -> int:
         probe_timeout=3.0,
         connect_timeout=3.0,
         stream_type_timeout=3.0,
-        traversal=TraversalSettings(hole_punching=args.hole_punching == "on"),
+        traversal=TraversalConfig(hole_punching=args.hole_punching == "on"),
     )
     invite = decode_invite_token(Path(args.invite_file).read_text())
     node = await start_invited_node(Path(args.data_dir), config, invite)
@@ -108,7 +108,7 @@ async def main(args: argparse.Namespace) -> int:
                     downstream=[make_hop(tail_id, SPLIT, TINY_N_LAYERS, SPLIT)],
                     return_logits=True,
                     config=client_config,
-                    options=SessionOptions(max_reconnects=40, reconnect_backoff_s=0.1),
+                    options=SessionConfig(max_reconnects=40, reconnect_backoff_s=0.1),
                 ) as session:
                     first = await session.prefill(prompt)
                     tokens, logits, duplicates = [first.token], [first.logits], []

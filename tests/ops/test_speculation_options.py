@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from meshnode.app.speculation_options import add_speculation_options, driver_options
-from meshnode.head.driver import DriverOptions
+from meshnode.app.speculation_options import add_speculation_options, driver_config
+from meshnode.head.driver import DriverConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -17,10 +17,10 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_speculation_is_on_by_default_and_off_when_asked():
-    assert driver_options(parse()).speculation is True
-    off = driver_options(parse("--speculation", "off", "--draft-max", "3"))
+    assert driver_config(parse()).speculation is True
+    off = driver_config(parse("--speculation", "off", "--draft-max", "3"))
     assert (off.speculation, off.draft_max) == (False, 3)
-    assert driver_options(parse("--draft-max", "12")).draft_max == 12
+    assert driver_config(parse("--draft-max", "12")).draft_max == 12
 
 
 @pytest.mark.parametrize("value", ["0", "16", "many"])
@@ -30,5 +30,5 @@ def test_draft_max_out_of_range_is_refused(value):
 
 
 def test_the_other_driver_options_are_kept():
-    base = DriverOptions(unit_timeout_s=5.0)
-    assert driver_options(parse("--speculation", "off"), base).unit_timeout_s == 5.0
+    base = DriverConfig(unit_timeout_s=5.0)
+    assert driver_config(parse("--speculation", "off"), base).unit_timeout_s == 5.0

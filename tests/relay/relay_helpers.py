@@ -18,7 +18,7 @@ from meshnode.membership.credentials import (
     issue_certificate,
     make_invite_proof,
 )
-from meshnode.relaylink.manager import RelayLinks, RelayLinkSettings
+from meshnode.relaylink.manager import RelayLinkConfig, RelayLinks
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.base import MeshStream, PeerLink
@@ -127,7 +127,7 @@ async def registered_links(
         handler,
         mesh_id=member.mesh_id,
         proof_for=lambda _relay_id: member.proof,
-        settings=RelayLinkSettings(handshake_timeout=handshake_timeout),
+        settings=RelayLinkConfig(handshake_timeout=handshake_timeout),
         local_host="127.0.0.1",
     )
     await links.add_relays([relay])

@@ -26,7 +26,7 @@ from meshnode.relaylink.client import RelayDialer
 from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import relay
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import QuicSettings
+from meshnode.transport.quic import QuicConfig
 from meshnode.wire.errors import (
     BufferLimitExceeded,
     FrameStalled,
@@ -173,7 +173,7 @@ def test_the_relay_command_takes_the_caps_from_its_options_and_environment() -> 
 
 
 @contextlib.asynccontextmanager
-async def relay_server(policy: RelayPolicy, quic: QuicSettings | None = None) -> AsyncIterator[RelayServer]:
+async def relay_server(policy: RelayPolicy, quic: QuicConfig | None = None) -> AsyncIterator[RelayServer]:
     server = RelayServer(NodeIdentity.generate(), {"test-mesh"}, policy, quic=quic, flush_timeout=0.3)
     await server.start("127.0.0.1", 0)
     try:
@@ -235,7 +235,7 @@ async def test_over_quic_a_registered_client_stalled_mid_frame_is_refused_and_cl
     server = RelayServer(
         NodeIdentity.generate(),
         {mesh_key.mesh_id},
-        quic=QuicSettings(frame_stall_timeout=0.2),
+        quic=QuicConfig(frame_stall_timeout=0.2),
         flush_timeout=0.3,
     )
     await server.start("127.0.0.1", 0)

@@ -11,8 +11,8 @@ from relay_helpers import EchoHandler, new_member
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey
-from meshnode.relaylink.client import MAX_RELAY_ADDRESSES, Backoff, RelayCheck, RelayClientSettings
-from meshnode.relaylink.manager import RelayDialError, RelayLinks, RelayLinkSettings
+from meshnode.relaylink.client import MAX_RELAY_ADDRESSES, Backoff, RelayCheck, RelayClientConfig
+from meshnode.relaylink.manager import RelayDialError, RelayLinkConfig, RelayLinks
 from meshnode.relaylink.seal import CONTROL_CHANNEL, KIND_INIT, KIND_RESPONSE, PeerSealer
 from meshnode.relaywire.protocol import relay
 
@@ -46,7 +46,7 @@ class NullHandler:
 async def test_per_peer_state_is_bounded_and_idle_peers_are_evicted() -> None:
     me = NodeIdentity.generate()
     links = RelayLinks(
-        me, NullHandler(), mesh_id="m", proof_for=lambda _r: None, settings=RelayLinkSettings(max_peers=2)
+        me, NullHandler(), mesh_id="m", proof_for=lambda _r: None, settings=RelayLinkConfig(max_peers=2)
     )
     client = FakeClient()
     senders = [NodeIdentity.generate() for _ in range(3)]
@@ -153,7 +153,7 @@ async def test_a_dial_avoiding_the_only_relay_goes_through_it_at_once() -> None:
         NullHandler(),
         mesh_id="m",
         proof_for=lambda _r: None,
-        settings=RelayLinkSettings(registration_wait=60),
+        settings=RelayLinkConfig(registration_wait=60),
     )
     only = RegisteredClient()
     links._clients[only.relay_id] = only  # type: ignore[assignment]  # a fake client
@@ -172,7 +172,7 @@ async def test_relays_announced_by_peers_are_bounded_and_an_idle_one_makes_room(
     # An admitted member may announce ever new relays; each one this node registered with
     # cost a UDP socket and a registration loop, for good.
     me = NodeIdentity.generate()
-    settings = RelayLinkSettings(max_peer_relays=2)
+    settings = RelayLinkConfig(max_peer_relays=2)
     links = RelayLinks(me, NullHandler(), mesh_id="m", proof_for=lambda _r: None, settings=settings)
     own = Endpoint(bytes([1]) * 32, "127.0.0.1:9")
     announced = [Endpoint(bytes([n]) * 32, "127.0.0.1:9") for n in (2, 3, 4, 5)]
@@ -200,7 +200,7 @@ async def test_a_relay_that_moved_is_reached_at_the_address_peers_announce_for_i
     mesh_key = MeshKey.generate()
     server, relay = await start_relay_server(mesh_key)
     member = new_member(mesh_key)
-    settings = RelayLinkSettings(client=RelayClientSettings(connect_timeout=0.3, backoff_initial=0.05))
+    settings = RelayLinkConfig(client=RelayClientConfig(connect_timeout=0.3, backoff_initial=0.05))
     links = RelayLinks(
         member.identity,
         EchoHandler(),

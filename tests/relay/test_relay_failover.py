@@ -23,14 +23,14 @@ from helpers.relay_process import start_relay_process
 
 from meshnode.membership.credentials import Endpoint, MeshKey
 from meshnode.node import Node
-from meshnode.relaylink.client import RelayClientSettings
+from meshnode.relaylink.client import RelayClientConfig
 
 pytestmark = pytest.mark.timeout(90)
 
 # Longer than the nodes take to drop an unanswering peer (heartbeat 0.3 s, gossip and
 # probe timeouts 2 s each) and shorter than a relay connection's idle timeout (15 s).
 WATCH_S = 9.0
-RELAY_IDLE_TIMEOUT_S = RelayClientSettings().quic.idle_timeout
+RELAY_IDLE_TIMEOUT_S = RelayClientConfig().quic.idle_timeout
 
 
 def announced_relays(viewer: Node, peer: Node) -> set[bytes]:

@@ -21,7 +21,7 @@ from meshnode.relaywire import protocol as p
 from meshnode.relaywire.protocol import RelayRefused, relay
 from meshnode.transport.base import LinkClosed
 from meshnode.transport.framed import FramedStream
-from meshnode.transport.quic import DialError, QuicSettings
+from meshnode.transport.quic import DialError, QuicConfig
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh
 from relay.core import RelayCore, RelayPolicy
@@ -43,7 +43,7 @@ class RelayEnv:
     def member(self) -> Member:
         return new_member(self.mesh_key)
 
-    async def session(self, member: Member, quic: QuicSettings | None = None, **kwargs) -> RelaySession:
+    async def session(self, member: Member, quic: QuicConfig | None = None, **kwargs) -> RelaySession:
         dialer = await RelayDialer.open(member.identity, quic, host="127.0.0.1")
         self.dialers.append(dialer)
         return await dialer.register(self.endpoint, mesh_id=member.mesh_id, proof=member.proof, **kwargs)
@@ -51,7 +51,7 @@ class RelayEnv:
 
 @contextlib.asynccontextmanager
 async def relay_env(
-    policy: RelayPolicy | None = None, quic: QuicSettings | None = None
+    policy: RelayPolicy | None = None, quic: QuicConfig | None = None
 ) -> AsyncIterator[RelayEnv]:
     mesh_key = MeshKey.generate()
     server = RelayServer(NodeIdentity.generate(), {mesh_key.mesh_id}, policy, quic=quic, flush_timeout=0.3)
@@ -143,10 +143,10 @@ async def test_client_refuses_a_relay_that_is_not_the_pinned_one() -> None:
 
 async def test_flood_from_one_sender_does_not_starve_another_over_quic() -> None:
     # Small windows so only a few frames sit in QUIC buffers; the rest wait in the relay's fair queue.
-    relay_quic = QuicSettings(max_stream_backlog=128 * 1024, max_connection_backlog=256 * 1024)
+    relay_quic = QuicConfig(max_stream_backlog=128 * 1024, max_connection_backlog=256 * 1024)
     async with relay_env(quic=relay_quic) as env:
         flooder, quiet, b = env.member(), env.member(), env.member()
-        receiver_quic = QuicSettings(stream_window=128 * 1024, connection_window=256 * 1024)
+        receiver_quic = QuicConfig(stream_window=128 * 1024, connection_window=256 * 1024)
         sf, sq = await env.session(flooder), await env.session(quiet)
         sb = await env.session(b, quic=receiver_quic)
         flood = 60
@@ -174,11 +174,11 @@ async def test_overflowing_a_destination_queue_is_refused_to_the_sender() -> Non
         destination_queue_bytes=256 * 1024,
         total_queue_bytes=256 * 1024,
     )
-    relay_quic = QuicSettings(max_stream_backlog=64 * 1024, max_connection_backlog=64 * 1024)
+    relay_quic = QuicConfig(max_stream_backlog=64 * 1024, max_connection_backlog=64 * 1024)
     async with relay_env(policy, quic=relay_quic) as env:
         a, b = env.member(), env.member()
         sa = await env.session(a)
-        await env.session(b, quic=QuicSettings(stream_window=64 * 1024, connection_window=64 * 1024))
+        await env.session(b, quic=QuicConfig(stream_window=64 * 1024, connection_window=64 * 1024))
         for i in range(20):  # b never reads
             await sa.send(b.node_id, 2, b"x" * (60 * 1024), send_id=i)
         message = await next_kind(sa, "send_refused")
@@ -220,11 +220,11 @@ async def test_second_registration_replaces_the_first() -> None:
 
 
 async def test_a_replaced_client_that_stopped_reading_is_still_closed() -> None:
-    relay_quic = QuicSettings(max_stream_backlog=64 * 1024, max_connection_backlog=64 * 1024)
+    relay_quic = QuicConfig(max_stream_backlog=64 * 1024, max_connection_backlog=64 * 1024)
     async with relay_env(quic=relay_quic) as env:
         a, b = env.member(), env.member()
         sa = await env.session(a)
-        stuck = await env.session(b, quic=QuicSettings(stream_window=64 * 1024, connection_window=64 * 1024))
+        stuck = await env.session(b, quic=QuicConfig(stream_window=64 * 1024, connection_window=64 * 1024))
         for _ in range(10):  # more than its windows: the relay's writer to it blocks
             await sa.send(b.node_id, 2, b"x" * 60 * 1024)
         await asyncio.sleep(0.2)
@@ -246,10 +246,10 @@ async def test_senders_are_told_when_the_destination_goes_away() -> None:
 
 async def test_keepalive_keeps_an_idle_client_registered() -> None:
     # The client never pings and times out idle connections after 1.5 s; only the relay's pings keep it.
-    relay_quic = QuicSettings(idle_timeout=1.5)
+    relay_quic = QuicConfig(idle_timeout=1.5)
     async with relay_env(RelayPolicy(keepalive_s=0.3), quic=relay_quic) as env:
         a, b = env.member(), env.member()
-        quiet_client = QuicSettings(idle_timeout=1.5, keepalive_interval=1000.0)
+        quiet_client = QuicConfig(idle_timeout=1.5, keepalive_interval=1000.0)
         sa, sb = await env.session(a, quic=quiet_client), await env.session(b)
         await asyncio.sleep(3.0)
         assert not sa.is_closed

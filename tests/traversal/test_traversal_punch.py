@@ -29,7 +29,7 @@ from meshnode.node import Node, NodeConfig
 from meshnode.transport.base import StreamReset
 from meshnode.transport.quic import QuicEndpoint
 from meshnode.traversal import punch_messages
-from meshnode.traversal.settings import TraversalSettings
+from meshnode.traversal.config import TraversalConfig
 from meshnode.wire.framing import StreamType
 from meshnode.wire.mesh_refusal import reset_code
 from meshnode.wire.pb import mesh
@@ -48,7 +48,7 @@ def natted(relay: Endpoint, *, punching: bool = True, **traversal: Any) -> NodeC
         relay_only=False,
         advertise=[NOWHERE],
         connect_timeout=1.0,
-        traversal=TraversalSettings(hole_punching=punching, **traversal),
+        traversal=TraversalConfig(hole_punching=punching, **traversal),
     )
 
 

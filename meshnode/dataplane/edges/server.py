@@ -58,7 +58,7 @@ from meshnode.dataplane.actions import (
 from meshnode.dataplane.client import ClientConfig
 from meshnode.dataplane.edges.engine_thread import EngineThread
 from meshnode.dataplane.edges.shard_session import (
-    SessionOptions,
+    SessionConfig,
     ShardSession,
     StepOutput,
     default_client_config,
@@ -106,7 +106,7 @@ class ServerConfig:
     close_grace_s: float = 2.0
     # Sessions toward next hops.
     downstream: ClientConfig = field(default_factory=default_client_config)
-    downstream_options: SessionOptions = field(default_factory=SessionOptions)
+    downstream_options: SessionConfig = field(default_factory=SessionConfig)
 
 
 class _Outbox:

@@ -96,7 +96,7 @@ def default_client_config() -> ClientConfig:
 
 
 @dataclass(frozen=True)
-class SessionOptions:
+class SessionConfig:
     open_timeout_s: float = 10.0
     # Consecutive streams that may fail (open or die before SessionAccepted) before giving up.
     max_reconnects: int = 3
@@ -132,11 +132,11 @@ class ShardSession:
         self,
         links: LinkSource,
         client: SessionClient,
-        options: SessionOptions | None = None,
+        options: SessionConfig | None = None,
         answers: DirectAnswers | None = None,
     ) -> None:
         self.client = client
-        self.options = options or SessionOptions()
+        self.options = options or SessionConfig()
         self._links = links
         self._loop = asyncio.get_running_loop()
         self._futures: dict[int, asyncio.Future[StepOutput]] = {}
@@ -189,7 +189,7 @@ class ShardSession:
         route_epoch: int = 1,
         first_step: int = 1,
         config: ClientConfig | None = None,
-        options: SessionOptions | None = None,
+        options: SessionConfig | None = None,
         answers: DirectAnswers | None = None,
     ) -> ShardSession:
         """A session that connects in the background. ``route`` (the SessionRoute first frame) is
@@ -641,7 +641,7 @@ __all__ = [
     "LinkFactory",
     "LinkSource",
     "PrefillOutput",
-    "SessionOptions",
+    "SessionConfig",
     "ShardSession",
     "StepOutput",
     "UnitHandle",

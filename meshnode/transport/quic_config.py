@@ -1,4 +1,4 @@
-"""How a QUIC endpoint behaves (:class:`QuicSettings`), apart from the QUIC machinery itself so
+"""How a QUIC endpoint behaves (:class:`QuicConfig`), apart from the QUIC machinery itself so
 that the command line reads its defaults without loading aioquic."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ SMALLEST_MAX_DATAGRAM_SIZE = 1200
 
 
 @dataclass(frozen=True)
-class QuicSettings:
+class QuicConfig:
     # Receive credit: at most this many unread bytes per stream / per connection.
     stream_window: int = 1024 * 1024
     connection_window: int = 4 * 1024 * 1024
@@ -48,4 +48,4 @@ class QuicSettings:
     frame_stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
 
 
-__all__ = ["SMALLEST_MAX_DATAGRAM_SIZE", "QuicSettings"]
+__all__ = ["SMALLEST_MAX_DATAGRAM_SIZE", "QuicConfig"]

@@ -1,4 +1,4 @@
-"""How a node places itself (:class:`AutoPlaceSettings`), apart from the placement loop so that
+"""How a node places itself (:class:`AutoPlaceConfig`), apart from the placement loop so that
 the command line reads it without loading it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
-class AutoPlaceSettings:
+class AutoPlaceConfig:
     store_dir: Path
     # Bytes of weights at most (--memory-budget); None: half the memory available.
     memory_budget: int | None = None
@@ -25,4 +25,4 @@ class AutoPlaceSettings:
     move_drain_s: float = 10.0
 
 
-__all__ = ["AutoPlaceSettings"]
+__all__ = ["AutoPlaceConfig"]

@@ -22,7 +22,7 @@ class PunchTiming:
 
 
 @dataclass(frozen=True)
-class TraversalSettings:
+class TraversalConfig:
     hole_punching: bool = True
     schedule: PunchSchedule = field(default_factory=PunchSchedule)
     timing: PunchTiming = field(default_factory=PunchTiming)
@@ -33,4 +33,4 @@ class TraversalSettings:
     silent_after_s: float = 5.0
 
 
-__all__ = ["PunchTiming", "TraversalSettings"]
+__all__ = ["PunchTiming", "TraversalConfig"]

@@ -1,4 +1,4 @@
-"""Where the head's API listens and how it drives generations (:class:`HeadOptions`), apart
+"""Where the head's API listens and how it drives generations (:class:`HeadConfig`), apart
 from the head service so that the command line reads them without loading it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshnode.api.access import ApiAccess
-from meshnode.head.driver_options import DriverOptions
+from meshnode.head.driver_config import DriverConfig
 
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 8080
@@ -14,12 +14,12 @@ DEFAULT_API_LISTEN = f"{DEFAULT_API_HOST}:{DEFAULT_API_PORT}"
 
 
 @dataclass(frozen=True)
-class HeadOptions:
+class HeadConfig:
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
-    driver: DriverOptions = field(default_factory=DriverOptions)
+    driver: DriverConfig = field(default_factory=DriverConfig)
     # Who may call the API (--api-key, --cors-origin).
     access: ApiAccess = field(default_factory=ApiAccess)
 
 
-__all__ = ["DEFAULT_API_HOST", "DEFAULT_API_LISTEN", "DEFAULT_API_PORT", "HeadOptions"]
+__all__ = ["DEFAULT_API_HOST", "DEFAULT_API_LISTEN", "DEFAULT_API_PORT", "HeadConfig"]

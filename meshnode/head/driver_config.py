@@ -1,4 +1,4 @@
-"""How the head drives generations (:class:`DriverOptions`), apart from the driver so that the
+"""How the head drives generations (:class:`DriverConfig`), apart from the driver so that the
 command line reads its defaults without loading the head."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from meshnode.wire.pb import shard
 
 
 @dataclass(frozen=True)
-class DriverOptions:
+class DriverConfig:
     boundary_dtype: int = shard.DTYPE_FLOAT32
     # Envelope deadline of one unit; units queued behind others get `queued_unit_allowance_s` more each.
     unit_timeout_s: float = 60.0
@@ -66,4 +66,4 @@ class DriverOptions:
             raise ValueError(f"pipeline_cohorts must be 0 or between 2 and {MAX_PIPELINE_COHORTS}")
 
 
-__all__ = ["DriverOptions"]
+__all__ = ["DriverConfig"]
