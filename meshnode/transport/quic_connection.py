@@ -1,7 +1,7 @@
 """aioquic configuration and the two behaviours meshnode needs that aioquic lacks.
 
 Everything here that reaches into aioquic's private state is in this module, and
-``tests/mesh/test_mesh_quic.py`` pins each behaviour, so an aioquic upgrade
+``tests/transport/test_mesh_quic.py`` pins each behaviour, so an aioquic upgrade
 that moves them fails loudly instead of silently weakening the node:
 
 1. **Mutual authentication.** aioquic only asks for a client certificate when its

@@ -3,8 +3,10 @@
 pyproject.toml puts ``tests/`` on ``sys.path``, so ``from helpers.polling import eventually``
 works the same in a test package (``tests/dataplane``) and in a plain directory
 (``tests/mesh``); a script a test runs as a process adds ``tests/`` itself. What only one
-directory uses stays there, in a module not named ``test_*`` (``tests/mesh/mesh_helpers.py``).
+directory uses stays there, in a module not named ``test_*`` (``tests/dataplane/harness.py``).
 
+- ``mesh_helpers``: link recorders, fake links, raw QUIC peers, signed gossip entries for the
+  transport, membership, mesh and node tests.
 - ``polling``: ``eventually`` (in a coroutine) and ``wait_until`` (in plain code).
 - ``mesh_nodes``: in-process mesh nodes (and a relay): configs, memberships, invites, starting and
   joining, finding the peer that serves a layer range.

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
-from mesh_helpers import FakeLink
+from helpers.mesh_helpers import FakeLink
 
 from meshnode.membership.credentials import Endpoint
 from meshnode.mesh.peer_dialer import PeerDialer, PeerUnreachable, dial_plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mesh_helpers import FakeLink
+from helpers.mesh_helpers import FakeLink
 
 from meshnode.mesh.peer_links import PeerLinks, link_candidate
 from meshnode.transport.base import PeerLink

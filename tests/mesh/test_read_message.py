@@ -1,7 +1,7 @@
 """read_message: a mesh handler's one request frame, decoded, or a MALFORMED refusal."""
 
 import pytest
-from mesh_helpers import Recorder
+from helpers.mesh_helpers import Recorder
 
 from meshnode.mesh.message_reader import read_message
 from meshnode.transport.framed import FramedStream

@@ -9,9 +9,9 @@ import asyncio
 import socket
 
 import pytest
+from helpers.mesh_helpers import Recorder
 from helpers.mesh_nodes import fast_config, first_member, invite_from, relay_only_config
 from helpers.polling import eventually
-from mesh_helpers import Recorder
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, MeshKey

@@ -20,11 +20,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.mesh_helpers import reset_code_of
 from helpers.mesh_nodes import fast_config, start_invited_node
 from helpers.node_processes import NodeProcess
 from helpers.polling import eventually
 from helpers.rss import MiB, PeakRss
-from mesh_helpers import reset_code_of
 
 from meshnode.node import Node
 from meshnode.statussocket.client import query_status

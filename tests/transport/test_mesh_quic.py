@@ -12,8 +12,8 @@ import ssl
 import pytest
 from aioquic.asyncio import connect
 from aioquic.quic.configuration import QuicConfiguration
+from helpers.mesh_helpers import Recorder
 from helpers.polling import eventually
-from mesh_helpers import Recorder
 
 from meshnode.identity import NodeIdentity
 from meshnode.transport.base import StreamReset

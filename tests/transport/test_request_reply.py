@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from mesh_helpers import Recorder
+from helpers.mesh_helpers import Recorder
 
 from meshnode.transport.base import LinkClosed, StreamReset
 from meshnode.transport.framed import FramedStream

@@ -7,7 +7,7 @@ import json
 import logging
 import stat
 
-from mesh_helpers import FakeLink
+from helpers.mesh_helpers import FakeLink
 
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey, issue_certificate

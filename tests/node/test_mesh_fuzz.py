@@ -14,10 +14,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.mesh_helpers import RawPeer
 from helpers.mesh_nodes import fast_config, start_invited_node
 from helpers.node_processes import NodeProcess
 from helpers.polling import eventually
-from mesh_helpers import RawPeer
 
 from meshnode.node import Node
 from meshnode.statussocket.client import query_status

@@ -4,7 +4,7 @@ import asyncio
 import hashlib
 
 import pytest
-from mesh_helpers import Recorder, reset_code_of
+from helpers.mesh_helpers import Recorder, reset_code_of
 
 from meshnode.mesh.dispatcher import Dispatcher
 from meshnode.transport.base import LinkClosed, StreamReset

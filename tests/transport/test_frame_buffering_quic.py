@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+from helpers.mesh_helpers import Recorder, reset_code_of
 from helpers.polling import eventually
-from mesh_helpers import Recorder, reset_code_of
 
 from meshnode.app.cli import build_parser
 from meshnode.app.node_commands import node_config

@@ -5,7 +5,7 @@ timeout, its links (and so its sessions) are gone, the relay refuses its registr
 naming the reason; a copy of its data directory from before the removal cannot rejoin. An invite
 the admin withdrew is refused with its reason; a certificate that expired unrenewed is refused while
 renewed members stay; a plain member cannot invite (it holds no mesh key: the trust model gives it
-no signing power, see tests/mesh/test_member_revocation.py for the forged credentials) until an
+no signing power, see tests/membership/test_member_revocation.py for the forged credentials) until an
 admin promotes it with `meshnode admin grant`.
 """
 

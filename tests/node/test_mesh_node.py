@@ -8,9 +8,9 @@ import asyncio
 import time
 
 import pytest
+from helpers.mesh_helpers import RawPeer, entry_ids, exchange, reset_code_of
 from helpers.mesh_nodes import fast_config, start_first_node, start_joiner
 from helpers.polling import eventually
-from mesh_helpers import RawPeer, entry_ids, exchange, reset_code_of
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity
