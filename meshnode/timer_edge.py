@@ -17,7 +17,11 @@ cost a comparison instead of a cancel and a new loop timer.
 
 ``on_due`` gets the later of the armed time and the clock: a loop may run a timer a
 little before its time (its clock's resolution, a millisecond on uvloop), and a machine
-told a time before its own timer would only ask to be woken again at once.
+told a time before its own timer would only ask to be woken again at once. The clock is
+``time.monotonic_ns`` unless the machine already keeps another one: QUIC's runs on the
+event loop's (``loop.time()``, which uvloop reads from a coarser monotonic clock, a few
+milliseconds behind), and its timer must hand it times of that same clock, or its RTT samples
+would mix two clocks.
 """
 
 from __future__ import annotations
@@ -30,9 +34,15 @@ from meshnode.sansio import SECOND_NS
 
 
 class TimerEdge:
-    def __init__(self, get_timer: Callable[[], int | None], on_due: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        get_timer: Callable[[], int | None],
+        on_due: Callable[[int], None],
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
         self._get_timer = get_timer
         self._on_due = on_due
+        self._clock = clock
         self._loop = asyncio.get_running_loop()
         self._handle: asyncio.TimerHandle | None = None
         self._at: int | None = None
@@ -49,7 +59,7 @@ class TimerEdge:
         if self._handle is not None:
             self._handle.cancel()
         self._at = when_ns
-        self._handle = self._loop.call_later(max(0, when_ns - time.monotonic_ns()) / SECOND_NS, self._fire)
+        self._handle = self._loop.call_later(max(0, when_ns - self._clock()) / SECOND_NS, self._fire)
 
     def cancel(self) -> None:
         """Disarm what is armed; a later :meth:`rearm` or :meth:`arm` arms again."""
@@ -71,7 +81,7 @@ class TimerEdge:
         self._handle = None
         self._at = None
         assert at is not None
-        self._on_due(max(at, time.monotonic_ns()))
+        self._on_due(max(at, self._clock()))
         self.rearm()
 
 

@@ -205,7 +205,7 @@ class QuicLink(PeerLink):
         self._terminated = False
         self._streams: dict[int, QuicMeshStream] = {}
         self.peer_streams = PeerStreamIds(first=1 if initiated_locally else 0)
-        self._timer = TimerEdge(self._quic_timer_ns, self._handle_timer)
+        self._timer = TimerEdge(self._quic_timer_ns, self._handle_timer, clock=self._loop_clock_ns)
         self._transmit_handle: asyncio.Handle | None = None
         # UDP payload bytes each way (status and metrics: direct against relayed traffic).
         self.bytes_sent = 0
@@ -298,9 +298,13 @@ class QuicLink(PeerLink):
         self.quic.send_ping(0)
         self.transmit()
 
+    def _loop_clock_ns(self) -> int:
+        return round(self.endpoint.loop.time() * SECOND_NS)
+
     def _quic_timer_ns(self) -> int | None:
-        # aioquic's times are the loop's clock in float seconds: the monotonic clock (asyncio's and
-        # uvloop's both). Rounded up, so that the time handed back is never before aioquic's own.
+        # aioquic's times are the loop's clock in float seconds (every datagram is stamped with
+        # loop.time()), so its timer runs on that clock too. Rounded up, so that the time handed
+        # back is never before aioquic's own.
         timer_at = self.quic.get_timer()
         return None if timer_at is None else math.ceil(timer_at * SECOND_NS)
 

@@ -76,3 +76,20 @@ async def test_run_timer_drives_the_machine_until_its_task_is_cancelled() -> Non
     task.cancel()
     await asyncio.sleep(0.08)
     assert len(machine.handled) == 1 and task.cancelled()
+
+
+async def test_an_edge_on_a_machines_own_clock_times_and_tells_times_of_that_clock() -> None:
+    """QUIC stamps its datagrams with the loop's clock: its timer must be told times of that clock,
+    never the monotonic clock's, which uvloop's loop clock trails by milliseconds."""
+    offset = 10 * SECOND_NS  # a clock far behind the monotonic one
+
+    def clock() -> int:
+        return time.monotonic_ns() - offset
+
+    calls: list[int] = []
+    edge = TimerEdge(lambda: None, calls.append, clock=clock)
+    due = clock() + 10 * MS
+    edge.arm(due)
+    await asyncio.sleep(0.1)
+    assert len(calls) == 1 and due <= calls[0] < due + SECOND_NS
+    edge.close()
