@@ -25,8 +25,7 @@ from meshnode.head.route_environment import RouteEnvironment
 from meshnode.identity import short_id
 from meshnode.wire.pb import shard
 
-# The generation's story is told under the driver's name, whichever part of it speaks.
-log = logging.getLogger("meshnode.head.driver")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,7 @@ from meshnode.sansio import SECOND_NS
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-# The generation's story is told under the driver's name, whichever part of it speaks.
-log = logging.getLogger("meshnode.head.driver")
+log = logging.getLogger(__name__)
 
 
 class RouteDecoder:

@@ -25,8 +25,7 @@ from meshnode.head.route_session import RouteSession
 from meshnode.head.stall_watchdog import StallWatchdog, find_dead_hops
 from meshnode.identity import short_id
 
-# The generation's story is told under the driver's name, whichever part of it speaks.
-log = logging.getLogger("meshnode.head.driver")
+log = logging.getLogger(__name__)
 
 
 class RecoveryServices(Protocol):

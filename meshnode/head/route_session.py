@@ -37,8 +37,7 @@ from meshnode.identity import short_id
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
-# The generation's story is told under the driver's name, whichever part of it speaks.
-log = logging.getLogger("meshnode.head.driver")
+log = logging.getLogger(__name__)
 
 
 class RouteSession:

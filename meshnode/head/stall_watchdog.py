@@ -21,8 +21,7 @@ from meshnode.head.route_session import RouteSession
 from meshnode.identity import short_id
 from meshnode.sansio import SECOND_NS
 
-# The generation's story is told under the driver's name, whichever part of it speaks.
-log = logging.getLogger("meshnode.head.driver")
+log = logging.getLogger(__name__)
 
 
 async def find_dead_hops(env: RouteEnvironment, options: DriverConfig, route: Route) -> set[bytes]:

@@ -136,7 +136,7 @@ async def test_hops_that_compute_differently_serve_one_route_and_the_mix_is_repo
         driver = GenerationDriver(routes, FAST)
         stream = driver.generate(routes.model, PROMPT, GREEDY, 6)
         assert stream.system_fingerprint is None  # no route is planned before the first token is asked for
-        with caplog.at_level(logging.INFO, logger="meshnode.head.driver"):
+        with caplog.at_level(logging.INFO, logger="meshnode.head"):
             assert await collect(stream) == reference(PROMPT, 6)
         assert stream.route is not None
         assert [hop.numerics for hop in stream.route.hops] == ["numpy float32; box a", "numpy float32; box b"]
@@ -159,7 +159,7 @@ async def test_a_failover_to_a_spare_that_computes_differently_changes_the_finge
             before.append(stream.system_fingerprint)
             routes.shards[MIDDLE].peer.kill()
 
-    with caplog.at_level(logging.INFO, logger="meshnode.head.driver"):
+    with caplog.at_level(logging.INFO, logger="meshnode.head"):
         assert await collect(stream, on_token=kill_after_four) == reference(PROMPT, 10)
     assert driver.stats.reroutes == 1
     assert caplog.text.count("mixes numerics") == 1  # the new route, not the first one
