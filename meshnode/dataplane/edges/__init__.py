@@ -7,7 +7,8 @@ served alike:
   on session and unary streams, and the engine through :mod:`.engine_thread` (its FIFO thread);
 - :mod:`.shard_session` — :class:`ShardSession`, the caller's async API over a
   :class:`~meshnode.dataplane.client.SessionClient` (what a head uses), with
-  :mod:`.answer_stream` (the tail's direct answers) and :mod:`.stream_io`;
+  :mod:`.answer_stream` (the tail's direct answers), :mod:`.unit_futures` (the caller's futures)
+  and :mod:`.stream_io`;
 - :mod:`.rpc` — the unary calls from the caller's side;
 - :mod:`.wake_timer` — the machines' timer, on :mod:`meshnode.timer_edge`.
 """

@@ -68,12 +68,17 @@ from meshnode.dataplane.client import (
     SessionFailed,
     SessionNotReady,
     SessionReady,
-    UnitDone,
-    UnitFailed,
 )
 from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.edges.answer_stream import AnswerStream, DirectAnswers
-from meshnode.dataplane.edges.stream_io import LinkFactory, LinkSource, reset_quietly, write_frames
+from meshnode.dataplane.edges.stream_io import (
+    LinkFactory,
+    LinkSource,
+    SessionLinks,
+    reset_quietly,
+    write_frames,
+)
+from meshnode.dataplane.edges.unit_futures import SessionFutures, UnitHandle
 from meshnode.dataplane.edges.wake_timer import WakeTimer
 from meshnode.dataplane.envelope import Deadline
 from meshnode.dataplane.errors import SessionTransportError
@@ -104,23 +109,6 @@ class SessionConfig:
     unary_timeout_s: float = rpc.DEFAULT_UNARY_TIMEOUT_S
 
 
-@dataclass(frozen=True, slots=True)
-class UnitHandle:
-    """One submitted unit; ``await handle`` gives its :class:`StepOutput` or raises its error."""
-
-    unit_id: int
-    future: asyncio.Future[StepOutput]
-
-    def __await__(self) -> Any:
-        return self.future.__await__()
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    # Mark a failure as seen: a caller that abandoned a handle must not get a loop warning.
-    if not future.cancelled():
-        future.exception()
-
-
 # ---------------------------------------------------------------------------- the session
 
 
@@ -137,12 +125,9 @@ class ShardSession:
     ) -> None:
         self.client = client
         self.options = options or SessionConfig()
-        self._links = links
+        self._links = SessionLinks(links)
         self._loop = asyncio.get_running_loop()
-        self._futures: dict[int, asyncio.Future[StepOutput]] = {}
-        self._ready: asyncio.Future[None] = self._loop.create_future()
-        self._ready.add_done_callback(_retrieve)
-        self._link: PeerLink | None = links if isinstance(links, PeerLink) else None
+        self._futures = SessionFutures(self._loop)
         self._framed: FramedStream | None = None
         self._signals: list[bytes] = []
         self._writing = False
@@ -229,7 +214,7 @@ class ShardSession:
     async def wait_ready(self) -> None:
         try:
             async with asyncio.timeout(self.options.open_timeout_s):
-                await asyncio.shield(self._ready)
+                await asyncio.shield(self._futures.ready)
         except TimeoutError:
             self._abandon(SessionTransportError("the session was not accepted in time"))
             raise SessionTransportError("the session was not accepted in time") from None
@@ -260,7 +245,7 @@ class ShardSession:
 
     @property
     def link(self) -> PeerLink | None:
-        return self._link
+        return self._links.link
 
     async def answers_ready(self) -> bool:
         """Whether the tail accepted this session's answer stream (False: none asked for, lost or
@@ -355,7 +340,7 @@ class ShardSession:
         request = self.client.cancel_request(work_id, reason)
         self.settle()
         return await rpc.send_cancel(
-            await self._current_link(), request, timeout=self.options.unary_timeout_s
+            await self._links.current(), request, timeout=self.options.unary_timeout_s
         )
 
     async def release(self, *, out_of_band: bool = False) -> bool | None:
@@ -366,7 +351,7 @@ class ShardSession:
             return None
         request = self.client.release_request()
         return await rpc.send_release(
-            await self._current_link(), request, timeout=self.options.unary_timeout_s
+            await self._links.current(), request, timeout=self.options.unary_timeout_s
         )
 
     async def aclose(self, *, release: bool = True, timeout: float = 2.0) -> None:
@@ -389,7 +374,7 @@ class ShardSession:
                             await asyncio.shield(self._flush_task)
                         await self._flush()
                     else:  # not connected right now: the worker still holds the session's state
-                        await rpc.send_release(await self._current_link(), self.client.release_request())
+                        await rpc.send_release(await self._links.current(), self.client.release_request())
             except (TimeoutError, MeshnodeError, OSError):
                 pass  # best effort: the worker's idle TTL drops what this could not
         self._closed = True
@@ -437,12 +422,7 @@ class ShardSession:
             raise SessionTransportError("the session was closed")
 
     def _submitted(self, unit_ids: Iterable[int], *, kick: bool = True) -> list[UnitHandle]:
-        handles = []
-        for unit_id in unit_ids:
-            future: asyncio.Future[StepOutput] = self._loop.create_future()
-            future.add_done_callback(_retrieve)
-            self._futures[unit_id] = future
-            handles.append(UnitHandle(unit_id, future))
+        handles = self._futures.handles(unit_ids)
         if kick:
             self.settle()
         else:
@@ -469,23 +449,12 @@ class ShardSession:
 
     def _dispatch(self) -> None:
         for event in self.client.take_events():
+            self._futures.settle(event)
             match event:
-                case UnitDone():
-                    future = self._futures.pop(event.unit_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(StepOutput(event))
-                case UnitFailed():
-                    future = self._futures.pop(event.unit_id, None)
-                    if future is not None and not future.done():
-                        future.set_exception(event.error)
                 case SessionReady():
                     self._failures = 0
-                    if not self._ready.done():
-                        self._ready.set_result(None)
                 case SessionFailed():
                     self.error = event.error
-                    if not self._ready.done():
-                        self._ready.set_exception(event.error)
                 case PeerRefusal():
                     log.debug(
                         "session %s: the worker refused a signal: %s", self.route_session_id, event.error
@@ -495,10 +464,7 @@ class ShardSession:
         self.client.abandon(error)
         self._dispatch()
         self._timer.cancel()
-        for future in self._futures.values():
-            if not future.done():
-                future.set_exception(error)
-        self._futures.clear()
+        self._futures.fail_all(error)
 
     # ------------------------------------------------------------------ internals: time
 
@@ -507,17 +473,6 @@ class ShardSession:
         self.settle()
 
     # ------------------------------------------------------------------ internals: the stream
-
-    async def _current_link(self) -> PeerLink:
-        if self._link is not None and not self._link.is_closed:
-            return self._link
-        if isinstance(self._links, PeerLink):
-            raise SessionTransportError(f"the link is closed ({self._links.description})")
-        try:
-            self._link = await self._links()
-        except (MeshnodeError, ConnectionError, OSError, TimeoutError) as exc:
-            raise SessionTransportError(f"no link to the worker: {exc or type(exc).__name__}") from None
-        return self._link
 
     async def _flush(self) -> None:
         """Write pending signals and whatever units the credit allows; one writer at a time."""
@@ -569,7 +524,7 @@ class ShardSession:
         """Open a stream, serve it until it ends; returns why it ended."""
         framed: FramedStream | None = None
         try:
-            link = await self._current_link()
+            link = await self._links.current()
             framed = await link.open_stream(StreamType.SHARD_SESSION)
             route_body, open_body = self.client.start_stream()
             await write_frames(framed, [route_body, open_body])
