@@ -18,9 +18,10 @@ other requests are answered without CORS headers, so the browser withholds them.
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from meshnode.api.access import ANY_ORIGIN, ApiAccess
-from meshnode.api.errors import INVALID_REQUEST, Handler, Middleware, error_response
+from meshnode.api.errors import INVALID_REQUEST, Handler, error_response
 
 # Paths that need the key when one is set.
 PROTECTED_PREFIXES = ("/v1/", "/meshnode/")

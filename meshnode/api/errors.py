@@ -23,7 +23,6 @@ SERVER_ERROR = "server_error"
 SERVICE_UNAVAILABLE = "service_unavailable"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 ErrorBody = dict[str, dict[str, str | None]]
 
 
