@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from _ctypes import CFuncPtr
 
 import llama_cpp
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from engines.llama_lib import ggml_backend_tensor_get, ggml_get_name, ggml_nbytes
 
 try:
-    from engines import _hidden_capture
+    from engines import _hidden_capture  # type: ignore[attr-defined]  # a C extension setup.py builds, no stub
 except ImportError:  # not built: no compiler at install time
     _hidden_capture = None
 
@@ -49,7 +50,7 @@ class _CaptureState(ctypes.Structure):
 
 def mirror_layout() -> dict[str, int]:
     """Size and field offsets of the ctypes mirror, in the form the extension reports."""
-    layout = {name: getattr(_CaptureState, name).offset for name, _ in _CaptureState._fields_}
+    layout = {field[0]: getattr(_CaptureState, field[0]).offset for field in _CaptureState._fields_}
     layout["size"] = ctypes.sizeof(_CaptureState)
     return layout
 
@@ -71,7 +72,7 @@ def native_in_use() -> bool:
     return _NATIVE
 
 
-def _function_address(function: ctypes._CFuncPtr) -> int:
+def _function_address(function: CFuncPtr) -> int:
     address = ctypes.cast(function, ctypes.c_void_p).value
     assert address is not None
     return address

@@ -423,8 +423,8 @@ class LlamaShardEngine(SessionedEngine):
                     copy = len(passes) > 1 or checking
                     outputs[index] = ForwardOutput(logits=result.copy() if copy else result)
             if checking:
-                alone = self._check_sessions(chunk, band, [outputs[index] for index in indices])
-                for index, output in zip(indices, alone, strict=True):
+                checked = self._check_sessions(chunk, band, [outputs[index] for index in indices])
+                for index, output in zip(indices, checked, strict=True):
                     outputs[index] = output
         return outputs
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -274,15 +275,18 @@ class LlamaRuntime:
         int_ptr = ctypes.POINTER(ctypes.c_int32)
         base = self._seq_ids.ctypes.data
         self._seq_id_ptrs = (int_ptr * n)(*(ctypes.cast(base + 4 * i, int_ptr) for i in range(n)))
+        # llama_batch's fields are C pointers that llama-cpp-python's stubs declare as arrays: the
+        # batch is filled as a C struct, through an untyped view of it.
         batch = llama_cpp.llama_batch()
+        fields: Any = batch
         if self._embd is not None:
-            batch.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            fields.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         else:
-            batch.token = self._tokens.ctypes.data_as(int_ptr)
-        batch.pos = self._pos.ctypes.data_as(int_ptr)
-        batch.n_seq_id = self._n_seq_id.ctypes.data_as(int_ptr)
-        batch.seq_id = ctypes.cast(self._seq_id_ptrs, ctypes.POINTER(int_ptr))
-        batch.logits = self._logit_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+            fields.token = self._tokens.ctypes.data_as(int_ptr)
+        fields.pos = self._pos.ctypes.data_as(int_ptr)
+        fields.n_seq_id = self._n_seq_id.ctypes.data_as(int_ptr)
+        fields.seq_id = ctypes.cast(self._seq_id_ptrs, ctypes.POINTER(int_ptr))
+        fields.logits = self._logit_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = batch
 
     # --- callbacks (called by llama.cpp on the decoding thread) ---

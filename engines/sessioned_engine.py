@@ -39,6 +39,7 @@ from abc import abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -72,6 +73,10 @@ from engines.interface import (
 )
 from engines.sampling import sample_token, validate_sampling
 from engines.session_table import Session, SessionTable
+
+if TYPE_CHECKING:
+    import llama_cpp
+
 
 _log = logging.getLogger(__name__)
 
@@ -637,7 +642,8 @@ class SessionedEngine(ShardEngine):
             return None
         from engines.grammar import GrammarConstraint  # llama.cpp, only when a grammar is used
 
-        return GrammarConstraint(vocabulary, grammar)
+        # grammar_vocabulary() is a llama_vocab pointer where it is not None (an engine on llama.cpp).
+        return GrammarConstraint(cast("llama_cpp.llama_vocab_p", vocabulary), grammar)
 
     def _result(
         self, request: StepRequest, session: Session, output: ForwardOutput, fresh: bool, elapsed: int

@@ -64,7 +64,7 @@ class Tokenizer:
         # False: the model is an engine's (Tokenizer.borrowing), freed by it, not here.
         self._owns_model = owns_model
         self.architecture = architecture
-        self._model = model
+        self._model: llama_cpp.llama_model_p | None = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.bos_token = int(llama_cpp.llama_vocab_bos(self._vocab))
@@ -157,7 +157,9 @@ class Tokenizer:
         for its family, or ChatML.
         """
         encoded = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]
-        chat = (llama_cpp.llama_chat_message * len(encoded))(*encoded)
+        chat = (llama_cpp.llama_chat_message * len(encoded))(
+            *(llama_cpp.llama_chat_message(role, content) for role, content in encoded)
+        )
         capacity = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
         for _ in range(2):
             buffer = ctypes.create_string_buffer(capacity)
