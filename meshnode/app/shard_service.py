@@ -24,6 +24,7 @@ from engines.interface import EngineCapabilities, EngineError, LoadRequest, Shar
 from engines.weight_repack import WeightRepack
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
+from meshnode.dataplane.envelope import fingerprint_message
 from meshnode.dataplane.lease import LeaseConfig
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.sansio import SECOND_NS
@@ -153,16 +154,9 @@ def process_cpus() -> frozenset[int]:
 def served_shard(caps: EngineCapabilities, model_name: str, cpus: Iterable[int] = ()) -> mesh.ServedShard:
     """What the loaded engine serves, as announced (with its fingerprint, and the threads and
     ``cpus`` it computes with)."""
-    fp = caps.fingerprint
     return mesh.ServedShard(
         model_name=model_name,
-        fingerprint=shard.Fingerprint(
-            model_artifact_digest=fp.model_artifact_digest,
-            runtime_recipe_digest=fp.runtime_recipe_digest,
-            recipe_id=fp.recipe_id,
-            recipe_version=fp.recipe_version,
-            catalogue_version=fp.catalogue_version,
-        ),
+        fingerprint=fingerprint_message(caps.fingerprint),
         shard_range=shard.ShardRange(
             start_layer=caps.layer_start, end_layer=caps.layer_end, effective_start_layer=caps.layer_start
         ),

@@ -8,12 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engines.interface import EngineFingerprint
 from engines.request_limits import MAX_DRAFT_TOKENS
 from meshnode.dataplane.errors import payload_corrupt
 from meshnode.wire.pb import shard
 
 SUPPORTED_SCHEMA_VERSIONS = (shard.SCHEMA_VERSION_1,)
 HIGHEST_SCHEMA_VERSION = max(SUPPORTED_SCHEMA_VERSIONS)
+
+
+def fingerprint_message(fingerprint: EngineFingerprint) -> shard.Fingerprint:
+    """An engine's fingerprint as the wire carries it (announcements, SessionOpen, capability)."""
+    return shard.Fingerprint(
+        model_artifact_digest=fingerprint.model_artifact_digest,
+        runtime_recipe_digest=fingerprint.runtime_recipe_digest,
+        recipe_id=fingerprint.recipe_id,
+        recipe_version=fingerprint.recipe_version,
+        catalogue_version=fingerprint.catalogue_version,
+    )
 
 
 def digests(fingerprint: shard.Fingerprint) -> tuple[str, str]:

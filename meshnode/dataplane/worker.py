@@ -110,6 +110,7 @@ from meshnode.dataplane.envelope import (
     Deadline,
     UnitPosition,
     digests,
+    fingerprint_message,
     range_tuple,
     unit_position,
 )
@@ -196,14 +197,7 @@ class ShardWorker:
             max_total_context_tokens=config.max_total_context_tokens,
             max_queue_depth=config.max_queue_depth,
         )
-        fp = capabilities.fingerprint
-        self.fingerprint = shard.Fingerprint(
-            model_artifact_digest=fp.model_artifact_digest,
-            runtime_recipe_digest=fp.runtime_recipe_digest,
-            recipe_id=fp.recipe_id,
-            recipe_version=fp.recipe_version,
-            catalogue_version=fp.catalogue_version,
-        )
+        self.fingerprint = fingerprint_message(capabilities.fingerprint)
         self._digests = digests(self.fingerprint)
         self.batch_limits = config.batch_limits or BatchLimits(
             max_units=max(1, max_sessions),
