@@ -204,6 +204,18 @@ class FakeEngine(SessionedEngine):
         for sums in cache.prefix_sums:
             del sums[length:]
 
+    def _copy_prefix(self, source: Session, target: Session, length: int) -> None:
+        cache = self._caches.get(source.slot)
+        if cache is None or not cache.prefix_sums or len(cache.prefix_sums[0]) < length:
+            raise EngineError(
+                EngineErrorKind.INTERNAL, f"slot {source.slot} does not hold {length} positions"
+            )
+        if target.slot in self._caches:
+            raise EngineError(EngineErrorKind.INTERNAL, f"slot {target.slot} is not empty")
+        self._caches[target.slot] = _FakeCache(
+            [[s.copy() for s in sums[:length]] for sums in cache.prefix_sums]
+        )
+
     def _resident_bytes(self) -> int:
         weights = self._weights
         total = weights.embedding.nbytes + weights.unembedding.nbytes

@@ -43,6 +43,7 @@ import numpy as np
 from engines.request_limits import (
     DEFAULT_PENALTY_LAST_N,
     MAX_DRAFT_TOKENS,
+    MAX_PREFIX_DIGEST_BYTES,
 )
 
 
@@ -209,6 +210,11 @@ class LoadRequest:
     weight_repack: bool = False
     # Idle sessions are dropped after this long even without a release.
     session_ttl_s: float = 600.0
+    # Prefix cache (engines.session_table): how many released sessions' whole prefill blocks
+    # are kept, each in the slot it already held (0: none, every release empties its slot),
+    # and how long one is kept unused.
+    prefix_cache_entries: int = 0
+    prefix_cache_ttl_s: float = 600.0
     # Where derived artifacts (GGUF slices) are cached; ``None`` picks a default.
     cache_dir: str | None = None
     # The model fingerprint (manifest root) when the caller already holds it verified: a file
@@ -293,6 +299,12 @@ class StepRequest:
     # The cache may hold more than ``first_position`` tokens, uncommitted drafts of the last
     # step that the head rejected: drop them before running (``rollback_refusal`` says when not).
     rollback: bool = False
+    # Prefix cache. A prefill chunk that completes a block of the head's grid carries the digest of
+    # every token up to its end; the engine keeps the blocks it computed that way when the session
+    # is released. A session's first step at ``first_position`` L > 0 may name the digest of the
+    # prefix of L tokens to start from (absent: CACHE_MISS with ``actual_past_len`` 0).
+    block_digest: bytes = b""
+    prefix_digest: bytes = b""
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.hidden is None):
@@ -301,6 +313,14 @@ class StepRequest:
             raise EngineError(EngineErrorKind.INVALID_REQUEST, "negative position")
         if self.n_tokens < 1:
             raise EngineError(EngineErrorKind.INVALID_REQUEST, "a step needs at least one token")
+        if (
+            len(self.block_digest) > MAX_PREFIX_DIGEST_BYTES
+            or len(self.prefix_digest) > MAX_PREFIX_DIGEST_BYTES
+        ):
+            raise EngineError(
+                EngineErrorKind.INVALID_REQUEST,
+                f"a prefix digest has at most {MAX_PREFIX_DIGEST_BYTES} bytes",
+            )
         if not 0 <= self.draft_tokens < self.n_tokens or self.draft_tokens > MAX_DRAFT_TOKENS:
             raise EngineError(
                 EngineErrorKind.INVALID_REQUEST,
@@ -381,6 +401,15 @@ METRIC_SESSIONS_EXPIRED = "sessions_expired"
 METRIC_SESSIONS_CANCELLED = "sessions_cancelled"
 METRIC_STEPS_CANCELLED = "steps_cancelled"
 METRIC_ERRORS = "errors"
+# Prefix cache: sessions started from a kept prefix, starts that found none, the positions they
+# did not compute again, released sessions kept, and kept prefixes dropped for room or age.
+METRIC_PREFIX_HITS = "prefix_hits"
+METRIC_PREFIX_MISSES = "prefix_misses"
+METRIC_PREFIX_TOKENS_REUSED = "prefix_tokens_reused"
+METRIC_PREFIX_KEPT = "prefix_kept"
+METRIC_PREFIX_EVICTED = "prefix_evicted"
+# Not a counter: how many prefixes are kept now (reported with the counters).
+METRIC_PREFIX_ENTRIES = "prefix_entries"
 
 
 def rollback_refusal(held: int, committed: int, expected: int) -> str | None:

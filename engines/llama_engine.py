@@ -486,6 +486,14 @@ class LlamaShardEngine(SessionedEngine):
         if runtime is not None:
             runtime.truncate(session.slot, length)
 
+    def _copy_prefix(self, source: Session, target: Session, length: int) -> None:
+        runtime = (
+            self._main if source.start_layer == self._layer_start else self._extra.get(source.start_layer)
+        )
+        if runtime is None:
+            raise EngineError(EngineErrorKind.INTERNAL, f"no runtime starts at layer {source.start_layer}")
+        runtime.copy_sequence(source.slot, target.slot, length)
+
     def _runtimes(self) -> list[LlamaRuntime]:
         return [self._main, *self._extra.values()] if self._main is not None else []
 

@@ -512,6 +512,29 @@ class LlamaRuntime:
         """Drop positions >= ``length`` from the sequence (0 drops it entirely)."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, length, -1)
 
+    def copy_sequence(self, source: int, target: int, length: int) -> None:
+        """Make the empty sequence ``target`` hold ``source``'s first ``length`` positions.
+
+        Each sequence is its own KV stream here (``kv_unified`` off), and llama.cpp copies between
+        streams only whole: a partial range fails an assertion that aborts the process. So the
+        whole stream is copied (applied at the next decode, a cost of the stream's size, not the
+        prefix's) and the copy then cut to ``length``; the source keeps every position it held."""
+        if source == target:
+            raise EngineError(EngineErrorKind.INTERNAL, "a sequence cannot be copied onto itself")
+        held = self.cached_length(source)
+        if not 0 < length <= held:
+            raise EngineError(
+                EngineErrorKind.INTERNAL,
+                f"sequence {source} holds {held} positions, not the {length} to copy",
+            )
+        if self.cached_length(target) != 0:
+            raise EngineError(
+                EngineErrorKind.INTERNAL, f"sequence {target} is not empty; it cannot take a copy"
+            )
+        llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+        if length < held:
+            llama_cpp.llama_memory_seq_rm(self._memory, target, length, -1)
+
     def cached_length(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
 

@@ -12,6 +12,15 @@ MAX_GRAMMAR_BYTES = 256 * 1024
 # The most draft tokens one verify step carries: the tail computes logits for every position
 # of it (llama.cpp sizes its output buffer for 1 + this many rows).
 MAX_DRAFT_TOKENS = 15
+# A prefix digest (prefix cache: the block a prefill chunk completes, the prefix a session
+# starts from) is the head's keyed hash; nothing longer is kept or compared.
+MAX_PREFIX_DIGEST_BYTES = 32
 
 
-__all__ = ["DEFAULT_PENALTY_LAST_N", "MAX_DRAFT_TOKENS", "MAX_GRAMMAR_BYTES", "MAX_PENALTY_LAST_N"]
+__all__ = [
+    "DEFAULT_PENALTY_LAST_N",
+    "MAX_DRAFT_TOKENS",
+    "MAX_GRAMMAR_BYTES",
+    "MAX_PENALTY_LAST_N",
+    "MAX_PREFIX_DIGEST_BYTES",
+]

@@ -48,6 +48,12 @@ from engines.interface import (
     METRIC_DECODE_STEPS,
     METRIC_ERRORS,
     METRIC_PREFILL_STEPS,
+    METRIC_PREFIX_ENTRIES,
+    METRIC_PREFIX_EVICTED,
+    METRIC_PREFIX_HITS,
+    METRIC_PREFIX_KEPT,
+    METRIC_PREFIX_MISSES,
+    METRIC_PREFIX_TOKENS_REUSED,
     METRIC_SESSIONS_CANCELLED,
     METRIC_SESSIONS_EVICTED,
     METRIC_SESSIONS_EXPIRED,
@@ -72,7 +78,7 @@ from engines.interface import (
     supports_speculation,
 )
 from engines.sampling import sample_token, validate_sampling
-from engines.session_table import Session, SessionTable
+from engines.session_table import PrefixStart, Session, SessionTable
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -172,6 +178,11 @@ class SessionedEngine(ShardEngine):
     def _truncate(self, session: Session, length: int) -> None:
         """Drop the session's cached positions >= ``length`` (0: all of them)."""
 
+    def _copy_prefix(self, source: Session, target: Session, length: int) -> None:
+        """Make ``target``'s empty slot hold ``source``'s first ``length`` positions, leaving
+        ``source`` as it is (prefix cache: a kept prefix longer than the new session needs)."""
+        raise EngineError(EngineErrorKind.INTERNAL, "this engine cannot copy a kept prefix")
+
     @abstractmethod
     def _close_backend(self) -> None: ...
 
@@ -192,7 +203,12 @@ class SessionedEngine(ShardEngine):
             with self._state_lock:
                 self._caps = caps
                 self._max_context = max_context
-                self._table = SessionTable(request.n_seq_max, request.session_ttl_s)
+                self._table = SessionTable(
+                    request.n_seq_max,
+                    request.session_ttl_s,
+                    prefix_entries=request.prefix_cache_entries,
+                    prefix_ttl_s=request.prefix_cache_ttl_s,
+                )
             return caps
 
     def capabilities(self) -> EngineCapabilities:
@@ -224,15 +240,21 @@ class SessionedEngine(ShardEngine):
         return int(running)
 
     def release(self, session: SessionKey) -> bool:
+        """End the session; with the prefix cache on, its whole prefill blocks stay kept."""
         with self._compute_lock:
             if self._table is None:
                 return False
             with self._state_lock:
-                dropped = self._table.remove(session)
+                dropped, evicted = self._table.release(session, self._clock())
             if dropped is None:
                 return False
-            self._truncate(dropped, 0)
-            self._count(METRIC_SESSIONS_RELEASED)
+            self._truncate(dropped, dropped.past_len if dropped.kept else 0)
+            for kept in evicted:
+                self._truncate(kept, 0)
+            with self._state_lock:
+                self._counters[METRIC_SESSIONS_RELEASED] += 1
+                self._counters[METRIC_PREFIX_KEPT] += int(dropped.kept)
+                self._counters[METRIC_PREFIX_EVICTED] += len(evicted)
             return True
 
     def health(self) -> EngineHealth:
@@ -251,7 +273,10 @@ class SessionedEngine(ShardEngine):
 
     def metrics(self) -> EngineMetrics:
         with self._state_lock:
-            return EngineMetrics(dict(self._counters))
+            counters = dict(self._counters)
+            if self._table is not None:
+                counters[METRIC_PREFIX_ENTRIES] = len(self._table.kept())
+            return EngineMetrics(counters)
 
     def close(self) -> None:
         with self._compute_lock, self._state_lock:
@@ -305,19 +330,25 @@ class SessionedEngine(ShardEngine):
         if request.cancel_token is not None and request.cancel_token.cancelled:
             raise EngineError(EngineErrorKind.CANCELLED, "step was cancelled before it started")
 
+        prefix: PrefixStart | None = None
         with self._state_lock:
             self._pending_drops += table.admit_epoch(key)
             fresh = not decode and request.first_position == 0
             if fresh:
                 session, displaced = table.open(key, start_layer, now)
                 self._pending_drops += displaced
-                self._counters[METRIC_SESSIONS_EVICTED] += sum(1 for s in displaced if s.key != key)
+                self._count_displaced(displaced, reopened=key)
                 self._counters[METRIC_SESSIONS_OPENED] += 1
+            elif self._starts_from_prefix(table, request, decode):
+                prefix = self._open_from_prefix(table, request, start_layer, now)
+                session = prefix.session
             else:
                 session = self._continuing_session(table, request, decode, start_layer)
             self._running.add(key)
-        if fresh:
+        if fresh or prefix is not None:
             self._free_pending()  # a reused slot must be empty before the step writes to it
+        if prefix is not None:
+            self._place_prefix(prefix, request.first_position)
 
         want_logits = caps.is_tail and (request.sampling is not None or request.want_logits)
         forward = self._forward_verify if request.draft_tokens else self._forward
@@ -334,6 +365,62 @@ class SessionedEngine(ShardEngine):
             self._finish_running((key,))
         elapsed = time.perf_counter_ns() - started
         return self._commit(request, session, output, fresh, elapsed, decode)
+
+    @staticmethod
+    def _starts_from_prefix(table: SessionTable, request: StepRequest, decode: bool) -> bool:
+        """A session's first step naming a kept prefix to start from (a step of a session already
+        held, or of one cancelled, is judged as it always is)."""
+        return (
+            not decode
+            and bool(request.prefix_digest)
+            and not request.draft_tokens
+            and table.lookup(request.session) is None
+            and not table.is_cancelled(request.session)
+        )
+
+    def _open_from_prefix(
+        self, table: SessionTable, request: StepRequest, start_layer: int, now: float
+    ) -> PrefixStart:
+        """(Caller holds the state lock.) The session opened from the kept prefix the step names,
+        or the CACHE_MISS at length 0 that sends the head back to a full prefill."""
+        length = request.first_position
+        prefix = table.open_from_prefix(request.session, start_layer, length, request.prefix_digest, now)
+        if prefix is None:
+            self._counters[METRIC_PREFIX_MISSES] += 1
+            raise EngineError(
+                EngineErrorKind.CACHE_MISS,
+                f"session {request.session.session_id!r}@{request.session.epoch}: no kept prefix of "
+                f"{length} positions with this digest; prefill from position 0",
+                actual_past_len=0,
+            )
+        self._pending_drops += prefix.evicted
+        self._counters[METRIC_PREFIX_EVICTED] += len(prefix.evicted)
+        self._counters[METRIC_PREFIX_HITS] += 1
+        self._counters[METRIC_PREFIX_TOKENS_REUSED] += length
+        self._counters[METRIC_SESSIONS_OPENED] += 1
+        return prefix
+
+    def _place_prefix(self, prefix: PrefixStart, length: int) -> None:
+        """Make the new session's slot hold the prefix: a copy of the kept one, or the adopted slot
+        cut to ``length``. A failure leaves no session behind (the step then fails as a miss would)."""
+        try:
+            if prefix.copied:
+                self._copy_prefix(prefix.source, prefix.session, length)
+            else:
+                self._truncate(prefix.session, length)
+        except BaseException:
+            self._finish_running((prefix.session.key,))
+            self._forget(prefix.session)
+            self._free_pending()
+            raise
+
+    def _count_displaced(self, displaced: Sequence[Session], reopened: SessionKey | None = None) -> None:
+        """(Caller holds the state lock.) Live sessions and kept prefixes pushed out (a session
+        ``reopened`` by a fresh prefill is not counted as evicted)."""
+        self._counters[METRIC_SESSIONS_EVICTED] += sum(
+            1 for s in displaced if not s.kept and s.key != reopened
+        )
+        self._counters[METRIC_PREFIX_EVICTED] += sum(1 for s in displaced if s.kept)
 
     def _forward_verify(
         self,
@@ -404,6 +491,8 @@ class SessionedEngine(ShardEngine):
                 raise EngineError(EngineErrorKind.CANCELLED, "session was cancelled during the step")
             session.past_len = request.first_position + request.n_tokens
             session.committed_len = session.past_len - request.draft_tokens
+            if not decode and not request.draft_tokens:
+                session.record_block(request.first_position, session.past_len, request.block_digest)
             table.touch(session, self._clock())
         # A verify step (speculative decoding) runs the prefill path but is decoding work.
         self._count(METRIC_DECODE_STEPS if decode or request.draft_tokens else METRIC_PREFILL_STEPS)
@@ -554,6 +643,7 @@ class SessionedEngine(ShardEngine):
             # session at ``expected`` as every failed step must.
             self._truncate(session, expected)
             session.past_len = session.committed_len = expected
+            session.cut_blocks(expected)
         return session
 
     def _validate(
@@ -698,7 +788,8 @@ class SessionedEngine(ShardEngine):
             if self._table is None:
                 return
             expired = self._table.expire(self._clock() if now is None else now)
-            self._counters[METRIC_SESSIONS_EXPIRED] += len(expired)
+            self._counters[METRIC_SESSIONS_EXPIRED] += sum(1 for s in expired if not s.kept)
+            self._counters[METRIC_PREFIX_EVICTED] += sum(1 for s in expired if s.kept)
             self._pending_drops += expired
         self._free_pending()
 
@@ -708,7 +799,7 @@ class SessionedEngine(ShardEngine):
             if self._table is None:
                 return
             doomed = self._table.remove_where_start(start_layer)
-            self._counters[METRIC_SESSIONS_EVICTED] += len(doomed)
+            self._count_displaced(doomed)
             self._pending_drops += doomed
         self._free_pending()
 

@@ -70,7 +70,7 @@ from meshnode.dataplane.client_requests import (
     unit_request,
     work_stream_opening,
 )
-from meshnode.dataplane.client_units import OutgoingUnit, prefill_pieces
+from meshnode.dataplane.client_units import OutgoingUnit, PrefixBlocks, prefill_pieces
 from meshnode.dataplane.envelope import (
     SUPPORTED_SCHEMA_VERSIONS,
     Deadline,
@@ -81,6 +81,7 @@ from meshnode.dataplane.errors import payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import BOUNDARY_DTYPES
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.wire.chunking import tokens_per_chunk
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
 from meshnode.wire.flow_control import default_flow_control
 from meshnode.wire.pb import shard
@@ -220,12 +221,14 @@ class SessionClient:
         *,
         first_position: int = 0,
         deadline: Deadline | None = None,
+        blocks: PrefixBlocks | None = None,
     ) -> list[int]:
         """Split a prefill into chunks within the negotiated limits; returns their unit ids.
 
         ``inputs``: token ids ``[n]`` for a head hop, float32 hidden ``[n, hidden]`` otherwise.
         ``first_position == 0`` starts fresh state; otherwise the cache must hold exactly
-        ``first_position`` tokens.
+        ``first_position`` tokens, or (with ``blocks``) a session may start from the kept prefix
+        of that many tokens.
         """
         pieces = prefill_pieces(
             inputs,
@@ -233,6 +236,7 @@ class SessionClient:
             takes_tokens=self.takes_tokens,
             boundary_dtype=self.boundary_dtype,
             flow=self._require_flow(),
+            blocks=blocks,
         )
         return [self._add(p.position, deadline=deadline, tokens=p.tokens, hidden=p.hidden) for p in pieces]
 
@@ -319,6 +323,13 @@ class SessionClient:
         if self.failed is not None:
             raise SessionNotReady("the session failed; open a new one")
         self._units.retry(unit_id)
+
+    def prefill_chunk_tokens(self) -> int:
+        """The most token positions one prefill chunk from the head may carry on this stream."""
+        flow = self._require_flow()
+        return tokens_per_chunk(
+            flow.max_prefill_chunk_tokens, bytes_per_token=4, max_chunk_bytes=flow.max_chunk_bytes
+        )
 
     def _require_flow(self) -> shard.FlowControl:
         if self.failed is not None or self.flow is None:

@@ -107,6 +107,7 @@ def unit_request(
             mode=shard.CACHE_MODE_PREFILL if fresh else shard.CACHE_MODE_DECODE,
             expected_past_len=0 if fresh else position.first_position,
             rollback=position.rollback,
+            prefix_digest=position.prefix_digest,
         ),
         deadline_unix_nanos=wire_deadline(deadline),
         chunk=shard.ChunkInfo(
@@ -115,6 +116,7 @@ def unit_request(
             final_chunk=position.final,
         ),
         draft_tokens=position.draft_tokens,
+        block_digest=position.block_digest,
     )
     return shard.SessionRequest(
         chunk=shard.ActivationChunk(envelope=envelope, bundle=encode_bundle([tensor]))

@@ -52,6 +52,30 @@ class OutgoingUnit:
 
 
 @dataclass(frozen=True)
+class PrefixBlocks:
+    """Prefix cache, for a prefill from the head: its chunks fall on a grid of ``grid`` positions,
+    each chunk that is one whole block carries the digest of every token up to its end
+    (``digests[i]`` names positions ``[0, (i + 1) * grid)``), and a prefill starting past 0 asks
+    each hop to open its session from the kept prefix named ``digests[first_position // grid - 1]``."""
+
+    grid: int
+    digests: Sequence[bytes]
+
+    def block_digest(self, first_position: int, token_count: int) -> bytes:
+        end = first_position + token_count
+        if token_count != self.grid or first_position % self.grid:
+            return b""
+        index = end // self.grid - 1
+        return self.digests[index] if index < len(self.digests) else b""
+
+    def start_digest(self, first_position: int) -> bytes:
+        index = first_position // self.grid - 1
+        if first_position % self.grid or not 0 <= index < len(self.digests):
+            raise ValueError(f"no whole-block prefix ends at position {first_position}")
+        return self.digests[index]
+
+
+@dataclass(frozen=True)
 class PrefillPiece:
     position: UnitPosition
     tokens: np.ndarray | None
@@ -65,9 +89,11 @@ def prefill_pieces(
     takes_tokens: bool,
     boundary_dtype: int,
     flow: shard.FlowControl,
+    blocks: PrefixBlocks | None = None,
 ) -> list[PrefillPiece]:
     """Split a prefill's ``inputs`` (token ids ``[n]`` for a head hop, float32 hidden
-    ``[n, hidden]`` otherwise) into chunks within ``flow``'s limits."""
+    ``[n, hidden]`` otherwise) into chunks within ``flow``'s limits, on ``blocks``' grid when
+    given (its first chunk then starts from the kept prefix before ``first_position``, if any)."""
     if takes_tokens:
         tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
         n, bytes_per_token = len(tokens), 4
@@ -85,7 +111,11 @@ def prefill_pieces(
         max_prefill_chunk_tokens=flow.max_prefill_chunk_tokens,
         bytes_per_token=bytes_per_token,
         max_chunk_bytes=flow.max_chunk_bytes,
+        grid=None if blocks is None else blocks.grid,
     )
+    prefix_digest = b""
+    if blocks is not None and first_position:
+        prefix_digest = blocks.start_digest(first_position)
     pieces = []
     for chunk in chunks:
         lo = chunk.first_position - first_position
@@ -97,6 +127,10 @@ def prefill_pieces(
             expected_past_len=None if chunk.first_position == 0 else chunk.first_position,
             chunk_index=chunk.index,
             chunk_count=chunk.count,
+            block_digest=b""
+            if blocks is None
+            else blocks.block_digest(chunk.first_position, chunk.token_count),
+            prefix_digest=prefix_digest if chunk.index == 0 else b"",
         )
         pieces.append(
             PrefillPiece(
@@ -106,4 +140,4 @@ def prefill_pieces(
     return pieces
 
 
-__all__ = ["OutgoingUnit", "PrefillPiece", "UnitState", "prefill_pieces"]
+__all__ = ["OutgoingUnit", "PrefillPiece", "PrefixBlocks", "UnitState", "prefill_pieces"]

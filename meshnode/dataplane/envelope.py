@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.interface import EngineFingerprint
-from engines.request_limits import MAX_DRAFT_TOKENS
+from engines.request_limits import MAX_DRAFT_TOKENS, MAX_PREFIX_DIGEST_BYTES
 from meshnode.dataplane.errors import payload_corrupt
 from meshnode.wire.pb import shard
 
@@ -59,6 +59,12 @@ class UnitPosition:
     # CacheExpectation.rollback: the cache may hold uncommitted drafts past expected_past_len,
     # which the receiver drops first.
     rollback: bool = False
+    # Prefix cache (Envelope.block_digest): a prefill unit that completes a block of the head's
+    # grid carries the digest of every token up to its end; empty otherwise.
+    block_digest: bytes = b""
+    # CacheExpectation.prefix_digest: a continued prefill that may open its session from the
+    # receiver's kept prefix of ``first_position`` tokens with this digest.
+    prefix_digest: bytes = b""
 
     @property
     def fresh_start(self) -> bool:
@@ -127,6 +133,11 @@ def unit_position(envelope: shard.Envelope) -> UnitPosition:
         raise payload_corrupt("a unit carries at least one token position")
     expectation = envelope.cache_expectation
     drafts = envelope.draft_tokens
+    block_digest, prefix_digest = envelope.block_digest, expectation.prefix_digest
+    if len(block_digest) > MAX_PREFIX_DIGEST_BYTES or len(prefix_digest) > MAX_PREFIX_DIGEST_BYTES:
+        raise payload_corrupt(f"a prefix digest has at most {MAX_PREFIX_DIGEST_BYTES} bytes")
+    if envelope.phase != shard.PHASE_PREFILL and (block_digest or prefix_digest):
+        raise payload_corrupt("only a prefill unit completes a block or starts from a kept prefix")
     if envelope.phase != shard.PHASE_DECODE and (drafts or expectation.rollback):
         raise payload_corrupt("only a decode unit carries drafts or a rollback")
     if drafts > MAX_DRAFT_TOKENS:
@@ -140,11 +151,24 @@ def unit_position(envelope: shard.Envelope) -> UnitPosition:
         if expectation.mode in (shard.CACHE_MODE_PREFILL, shard.CACHE_MODE_STATELESS):
             if first != 0:
                 raise payload_corrupt("a fresh prefill starts at position 0")
-            return UnitPosition(False, first, count, None, info.chunk_index, info.chunk_count)
+            if prefix_digest:
+                raise payload_corrupt("a fresh prefill starts from nothing kept")
+            return UnitPosition(
+                False, first, count, None, info.chunk_index, info.chunk_count, block_digest=block_digest
+            )
         if expectation.mode == shard.CACHE_MODE_DECODE:
             if expectation.expected_past_len != first:
                 raise payload_corrupt("a continued prefill expects the cache to hold its first position")
-            return UnitPosition(False, first, count, first, info.chunk_index, info.chunk_count)
+            return UnitPosition(
+                False,
+                first,
+                count,
+                first,
+                info.chunk_index,
+                info.chunk_count,
+                block_digest=block_digest,
+                prefix_digest=prefix_digest,
+            )
         raise payload_corrupt("envelope has no cache expectation")
     if envelope.phase == shard.PHASE_DECODE:
         if (

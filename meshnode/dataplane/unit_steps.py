@@ -43,6 +43,9 @@ def cache_refusal(session: SessionState, position: UnitPosition) -> ShardProtoco
     expected, held = position.expected_past_len, session.past_len
     if expected is None or held is None or held == expected:
         return None
+    if position.prefix_digest and held == 0:
+        # A session's first unit naming a kept prefix: only the engine knows what it kept.
+        return None
     if not position.rollback:
         return errors.cache_miss(f"session holds {held} tokens, not {expected}", held)
     if session.committed_len is None:
@@ -70,6 +73,8 @@ def step_request(unit: Unit, token: CancelToken) -> StepRequest:
         cancel_token=token,
         draft_tokens=position.draft_tokens,
         rollback=position.rollback,
+        block_digest=position.block_digest,
+        prefix_digest=position.prefix_digest,
     )
 
 

@@ -58,17 +58,24 @@ def plan_prefill_chunks(
     max_prefill_chunk_tokens: int = DEFAULT_MAX_PREFILL_CHUNK_TOKENS,
     bytes_per_token: int | None = None,
     max_chunk_bytes: int | None = None,
+    grid: int | None = None,
 ) -> list[PrefillChunk]:
     """Split ``n_tokens`` starting at ``first_position`` into bounded chunks.
 
-    Chunks are as even as possible (sizes differ by at most one token) so no
-    tail chunk of one token costs a whole extra round trip of latency.
+    Without a ``grid`` chunks are as even as possible (sizes differ by at most one
+    token) so no tail chunk of one token costs a whole extra round trip of latency.
+    With one, every boundary falls on a multiple of ``grid`` (absolute positions, at
+    most the bound): the same positions are then computed in the same passes by every
+    prefill of the same tokens, whatever its length, which is what lets a kept prefix
+    stand for a fresh prefill bit for bit (the prefix cache).
     """
     if n_tokens <= 0:
         raise ValueError("a prefill needs at least one token")
     bound = tokens_per_chunk(
         max_prefill_chunk_tokens, bytes_per_token=bytes_per_token, max_chunk_bytes=max_chunk_bytes
     )
+    if grid is not None:
+        return _grid_chunks(n_tokens, first_position, grid, bound)
     count = -(-n_tokens // bound)
     base, extra = divmod(n_tokens, count)
     chunks: list[PrefillChunk] = []
@@ -78,6 +85,22 @@ def plan_prefill_chunks(
         chunks.append(PrefillChunk(index=index, count=count, first_position=position, token_count=size))
         position += size
     return chunks
+
+
+def _grid_chunks(n_tokens: int, first_position: int, grid: int, bound: int) -> list[PrefillChunk]:
+    if not 0 < grid <= bound:
+        raise ValueError(f"a prefill grid of {grid} tokens does not fit chunks of at most {bound}")
+    end = first_position + n_tokens
+    spans = []
+    position = first_position
+    while position < end:
+        stop = min(end, (position // grid + 1) * grid)
+        spans.append((position, stop - position))
+        position = stop
+    return [
+        PrefillChunk(index=index, count=len(spans), first_position=first, token_count=count)
+        for index, (first, count) in enumerate(spans)
+    ]
 
 
 __all__ = [

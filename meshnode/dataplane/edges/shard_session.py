@@ -69,6 +69,7 @@ from meshnode.dataplane.client import (
     SessionNotReady,
     SessionReady,
 )
+from meshnode.dataplane.client_units import PrefixBlocks
 from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.edges.answer_stream import AnswerStream, DirectAnswers
 from meshnode.dataplane.edges.stream_io import (
@@ -260,11 +261,13 @@ class ShardSession:
         *,
         first_position: int = 0,
         deadline_unix_ns: int = 0,
+        blocks: PrefixBlocks | None = None,
     ) -> list[UnitHandle]:
-        """Chunk a prefill within the negotiated limits (needs the session accepted)."""
+        """Chunk a prefill within the negotiated limits (needs the session accepted), on the
+        prefix cache's grid with ``blocks``."""
         self._raise_if_over()
         ids = self.client.submit_prefill(
-            inputs, first_position=first_position, deadline=_deadline(deadline_unix_ns)
+            inputs, first_position=first_position, deadline=_deadline(deadline_unix_ns), blocks=blocks
         )
         return self._submitted(ids)
 

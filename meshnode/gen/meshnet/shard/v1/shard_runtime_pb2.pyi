@@ -216,14 +216,16 @@ class ChunkInfo(_message.Message):
     def __init__(self, chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., final_chunk: _Optional[bool] = ...) -> None: ...
 
 class CacheExpectation(_message.Message):
-    __slots__ = ("mode", "expected_past_len", "rollback")
+    __slots__ = ("mode", "expected_past_len", "rollback", "prefix_digest")
     MODE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PAST_LEN_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     mode: CacheMode
     expected_past_len: int
     rollback: bool
-    def __init__(self, mode: _Optional[_Union[CacheMode, str]] = ..., expected_past_len: _Optional[int] = ..., rollback: _Optional[bool] = ...) -> None: ...
+    prefix_digest: bytes
+    def __init__(self, mode: _Optional[_Union[CacheMode, str]] = ..., expected_past_len: _Optional[int] = ..., rollback: _Optional[bool] = ..., prefix_digest: _Optional[bytes] = ...) -> None: ...
 
 class CacheResult(_message.Message):
     __slots__ = ("mode", "past_len", "cache_hit")
@@ -236,7 +238,7 @@ class CacheResult(_message.Message):
     def __init__(self, mode: _Optional[_Union[CacheMode, str]] = ..., past_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("schema_version", "work_id", "route_session_id", "route_epoch", "fingerprint", "shard_range", "phase", "position", "idempotency_step", "cache_expectation", "deadline_unix_nanos", "chunk", "draft_tokens")
+    __slots__ = ("schema_version", "work_id", "route_session_id", "route_epoch", "fingerprint", "shard_range", "phase", "position", "idempotency_step", "cache_expectation", "deadline_unix_nanos", "chunk", "draft_tokens", "block_digest")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,7 @@ class Envelope(_message.Message):
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGEST_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     work_id: str
     route_session_id: str
@@ -263,7 +266,8 @@ class Envelope(_message.Message):
     deadline_unix_nanos: int
     chunk: ChunkInfo
     draft_tokens: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., idempotency_step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., deadline_unix_nanos: _Optional[int] = ..., chunk: _Optional[_Union[ChunkInfo, _Mapping]] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
+    block_digest: bytes
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., idempotency_step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., deadline_unix_nanos: _Optional[int] = ..., chunk: _Optional[_Union[ChunkInfo, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., block_digest: _Optional[bytes] = ...) -> None: ...
 
 class ShardError(_message.Message):
     __slots__ = ("code", "detail", "retryable", "actual_past_len")
