@@ -162,6 +162,10 @@ class _Generation:
     def system_fingerprint(self) -> str | None:
         return self._route.system_fingerprint
 
+    @property
+    def cached_tokens(self) -> int:
+        return self._decoder.cached_tokens
+
     # ------------------------------------------------------------------ the token stream
 
     async def run(self) -> AsyncGenerator[int, None]:
@@ -300,6 +304,12 @@ class GenerationStream:
     @property
     def system_fingerprint(self) -> str | None:
         return self._generation.system_fingerprint
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the route did not prefill again: the hops started from a prefix they kept
+        (the API's ``usage.prompt_tokens_details.cached_tokens``)."""
+        return self._generation.cached_tokens
 
 
 __all__ = [

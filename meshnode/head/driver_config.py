@@ -56,6 +56,10 @@ class DriverConfig:
     # unbatched; stages timed as those nodes measured gave 79.5 with two cohorts, 62.8 as a
     # convoy, and equal stages lost 0-4% against one cohort per stage (bench/RESULTS.md).
     pipeline_cohorts: int = 2
+    # Prefix cache (meshnode.head.prefix_index): start a prefill from the prefix the route's hops
+    # kept of an earlier generation, and prefer the route that holds the longest one; off: every
+    # prefill starts at position 0 (its chunks fall on the same grid either way).
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:

@@ -33,6 +33,13 @@ class DriverStats:
     accepted_draft_tokens: int = 0
     rebuilds: int = 0
     reroutes: int = 0
+    # Prefix cache: prefills started from a prefix the route's hops kept, those a hop no longer
+    # held (each then prefilled from position 0), the prompt tokens not prefilled again, and the
+    # routes that were chosen over a cheaper one for the prefix they hold.
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_cached_tokens: int = 0
+    prefix_route_preferred: int = 0
     # Routes opened (every epoch of every generation) by how their stages run: in pipeline
     # cohorts, or every session in one batch a stage; and the last one's cohorts (0: one batch).
     routes_in_cohorts: int = 0

@@ -61,6 +61,8 @@ class RouteDecoder:
         # The route's caches may hold rejected drafts of the last verify round beyond the accepted
         # tokens: the next step asks every hop to drop them.
         self._rollback = False
+        # Prompt tokens the last replay did not prefill: the hops started from a kept prefix.
+        self.cached_tokens = 0
 
     def stop_speculating(self) -> bool:
         """Decode token by token from now on; False when it already did (nothing changes)."""
