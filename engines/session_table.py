@@ -241,9 +241,9 @@ class SessionTable:
             evicted.append(self._evict(next(iter(self._kept))))
         return session, evicted
 
-    def touch_kept(self, kept: Session, now: float) -> None:
-        kept.last_used = now
-        self._kept.move_to_end(kept.slot)
+    def drop_kept(self) -> list[Session]:
+        """Every kept prefix, gone (the caller empties their slots)."""
+        return [self._evict(slot) for slot in list(self._kept)]
 
     def _take_slot(self, displaced: list[Session], *, live_too: bool) -> int | None:
         """A free slot, else a kept prefix's, else (``live_too``) the least recently used live

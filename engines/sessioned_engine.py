@@ -257,6 +257,18 @@ class SessionedEngine(ShardEngine):
                 self._counters[METRIC_PREFIX_EVICTED] += len(evicted)
             return True
 
+    def clear_prefix_cache(self) -> int:
+        """Drop every kept prefix now (their slots are emptied); returns how many there were."""
+        with self._compute_lock:
+            if self._table is None:
+                return 0
+            with self._state_lock:
+                dropped = self._table.drop_kept()
+                self._counters[METRIC_PREFIX_EVICTED] += len(dropped)
+            for kept in dropped:
+                self._truncate(kept, 0)
+            return len(dropped)
+
     def health(self) -> EngineHealth:
         with self._compute_lock:
             if self._table is None:

@@ -31,6 +31,12 @@ one that has produced tokens waits for room instead (:mod:`meshnode.head.route_c
 
 Closing the token stream ends the generation everywhere: a unit still running is
 cancelled on every hop, then the session is released (:mod:`meshnode.head.route_control`).
+
+Prefix cache (:mod:`meshnode.head.prefix_index`, ``DriverConfig.prefix_cache``): a generation
+that ends with its session released leaves its prompt's whole blocks kept at every hop, and the
+driver remembers which route holds them; a later generation whose prompt starts the same way is
+planned onto that route unless it is much busier (:mod:`meshnode.head.prefix_routes`) and
+prefills only what follows the kept prefix.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from meshnode.head.backend import GenerationFailed, MeshBusy
 from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
 from meshnode.head.planner import ModelIdentity, NoRouteError, Route, plan_route_with_room
+from meshnode.head.prefix_index import PrefixIndex
+from meshnode.head.prefix_routes import preferred_route
 from meshnode.head.recovery import ROUTE_FAILURES
 from meshnode.head.route_choice import RouteChoice
 from meshnode.head.route_control import CancelReport, RouteControl
@@ -83,6 +91,8 @@ class GenerationDriver:
         self._found_dead: dict[bytes, int] = {}
         # The sessions this head's generations hold, per shard.
         self.sessions = SessionLedger()
+        # Which routes hold which prompt prefixes (None: the prefix cache is off).
+        self.prefixes = PrefixIndex(self.options.boundary_dtype) if self.options.prefix_cache else None
 
     def generate(
         self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
@@ -93,16 +103,29 @@ class GenerationDriver:
             raise ValueError("max_tokens must be at least 1")
         return GenerationStream(_Generation(self, model, Transcript(tuple(prompt)), sampling, max_tokens))
 
-    def plan(self, model: ModelIdentity, exclude: set[bytes]) -> Route:
-        """The cheapest route avoiding ``exclude`` and, when possible, hops found dead lately."""
+    def plan(self, model: ModelIdentity, exclude: set[bytes], prompt: Sequence[int] = ()) -> Route:
+        """The cheapest route avoiding ``exclude`` and, when possible, hops found dead lately; or,
+        not much busier, the route holding the longest prefix of ``prompt``."""
         now_ns = time.monotonic_ns()
         self._found_dead = {node: until for node, until in self._found_dead.items() if until > now_ns}
         candidates = self.sessions.adjust(self.env.candidates())
+        avoid = frozenset(exclude)
+        route = None
         if self._found_dead:
             with contextlib.suppress(NoRouteError):
                 dead = frozenset(exclude | self._found_dead.keys())
-                return plan_route_with_room(candidates, model, exclude=dead)
-        return plan_route_with_room(candidates, model, exclude=frozenset(exclude))
+                route = plan_route_with_room(candidates, model, exclude=dead)
+                avoid = dead
+        if route is None:
+            route = plan_route_with_room(candidates, model, exclude=avoid)
+        if self.prefixes is None or not prompt:
+            return route
+        preferred = preferred_route(route, self.prefixes.holders(model, prompt), candidates, avoid)
+        if preferred is None:
+            return route
+        self.stats.prefix_route_preferred += 1
+        log.debug("a route holding the prompt's first %d tokens is preferred to the cheapest", preferred[1])
+        return preferred[0]
 
     def found_dead(self, node_ids: set[bytes]) -> None:
         until_ns = time.monotonic_ns() + round(self.options.dead_memory_s * SECOND_NS)
@@ -145,7 +168,9 @@ class _Generation:
         self._route = RouteSession(env, options, stats, driver.sessions, model, sampling, self._session_id)
         self._choice = RouteChoice(driver, options, model, transcript)
         self._watchdog = StallWatchdog(env, options, self._route)
-        self._decoder = RouteDecoder(options, stats, transcript, sampling, max_tokens, self._watchdog)
+        self._decoder = RouteDecoder(
+            options, stats, transcript, sampling, max_tokens, self._watchdog, driver.prefixes
+        )
         self._control = RouteControl(env, options, self._session_id)
         self._recovery = RouteRecovery(
             driver, env, options, stats, self._route, self._choice, self._watchdog, self._control
@@ -271,10 +296,18 @@ class _Generation:
                 report = await self._control.end(session, route.hops, epoch, interrupted=interrupted)
                 if report is not None:
                     self._stats.last_cancel = report
+                if not interrupted and outcome in ("completed", "closed"):
+                    self._remember_prefix(route)
         finally:
             self._route.release_hold()
             self._stats.active -= 1
             setattr(self._stats, outcome, getattr(self._stats, outcome) + 1)
+
+    def _remember_prefix(self, route: Route) -> None:
+        """The session was released on ``route``: its hops keep the prompt's whole blocks."""
+        prefixes, prefilled = self._driver.prefixes, self._decoder.prefilled
+        if prefixes is not None and prefilled is not None and prefilled.route == route:
+            prefixes.record(route, prefilled.grid, prefilled.digests)
 
 
 class GenerationStream:

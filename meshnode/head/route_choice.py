@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from meshnode.head.backend import GenerationFailed, MeshBusy
@@ -25,8 +25,9 @@ from meshnode.sansio import SECOND_NS
 
 
 class RoutePlanner(Protocol):
-    def plan(self, model: ModelIdentity, exclude: set[bytes]) -> Route:
-        """The cheapest route avoiding ``exclude``; raises NoRouteError when there is none."""
+    def plan(self, model: ModelIdentity, exclude: set[bytes], prompt: Sequence[int] = ()) -> Route:
+        """The route for a generation of ``prompt`` avoiding ``exclude`` (the cheapest, or one
+        holding a prefix of the prompt); raises NoRouteError when there is none."""
         ...
 
 
@@ -63,7 +64,7 @@ class RouteChoice:
         options = self._options
         while True:
             try:
-                return self._planner.plan(self._model, self._excluded | self._busy)
+                return self._planner.plan(self._model, self._excluded | self._busy, self._transcript.prompt)
             except NoRouteError as exc:
                 if not self._busy:
                     raise GenerationFailed(str(exc)) from None

@@ -14,17 +14,32 @@ decoding gives. The next step asks every hop to drop the rejected drafts
 rebuilds exactly the accepted caches. Penalised and grammar requests decode one token
 at a time, as do routes with a hop that does not announce verify steps
 (``ServedShard.verifies_drafts``: a node predating them).
+
+Prefix cache (:mod:`meshnode.head.prefix_index`): the prompt's prefill chunks fall on a grid
+of absolute positions, and each whole block carries its digest, so every hop keeps those
+blocks when the session ends. A replay whose route holds a prefix of the prompt starts after
+it: its first chunk names the prefix, and each hop opens the session from what it kept,
+computing every later chunk exactly as a fresh prefill on the grid would. A hop that no longer
+keeps it refuses that chunk (``CACHE_MISS`` at length 0); the replay then prefills from
+position 0, one round trip later, and the route's record is forgotten.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engines.interface import SamplingParams, supports_speculation
-from meshnode.dataplane.edges.shard_session import StepOutput
+from meshnode.dataplane.client_units import PrefixBlocks
+from meshnode.dataplane.edges.shard_session import ShardSession, StepOutput
+from meshnode.dataplane.edges.unit_futures import UnitHandle
 from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
+from meshnode.head.planner import Route
+from meshnode.head.prefix_index import PREFIX_GRID_TOKENS, PrefixIndex
 from meshnode.head.route_session import RouteSession
 from meshnode.head.speculation import SpeculationConfig, Speculator
 from meshnode.head.stall_watchdog import StallWatchdog
@@ -36,6 +51,16 @@ from meshnode.wire.pb import shard
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefilledBlocks:
+    """What the last replay's prefill left on its route: the grid and each whole block's digest
+    (the hops keep these blocks when the session ends)."""
+
+    route: Route
+    grid: int
+    digests: Sequence[bytes]
+
+
 class RouteDecoder:
     def __init__(
         self,
@@ -45,8 +70,14 @@ class RouteDecoder:
         sampling: SamplingParams,
         max_tokens: int,
         watchdog: StallWatchdog,
+        prefixes: PrefixIndex | None = None,
     ) -> None:
         self._options = options
+        # None: the prefix cache is off (the chunks still fall on the grid, so the text is the same).
+        self._prefixes = prefixes
+        # A hop refused to start from a kept prefix: this generation prefills from 0 from now on.
+        self._prefix_missed = False
+        self.prefilled: PrefilledBlocks | None = None
         self._stats = stats
         self._transcript = transcript
         self._max_tokens = max_tokens
@@ -80,10 +111,56 @@ class RouteDecoder:
         prompt's prefill and returns the first token; later it returns None."""
         session = route.session
         assert session is not None
-        transcript, watchdog = self._transcript, self._watchdog
-        # Rebuilt from the transcript: nothing but accepted tokens (a fresh prefill at position 0).
+        # Rebuilt from the transcript: nothing but accepted tokens (a prefill from position 0, or
+        # from a prefix the hops kept, which computes the same).
         self._rollback = False
-        prefill = session.submit_prefill(transcript.prompt, deadline_unix_ns=self._deadline_unix_ns())
+        blocks, start = self._prefix_start(route, session)
+        try:
+            return await self._replay_from(route, session, blocks, start)
+        except ShardProtocolError as error:
+            if not start or error.code != shard.ERROR_CODE_CACHE_MISS:
+                raise
+            self._missed_prefix(route, blocks, start)
+        return await self._replay_from(route, session, blocks, 0)
+
+    def _prefix_start(self, route: RouteSession, session: ShardSession) -> tuple[PrefixBlocks, int]:
+        """The prompt's grid and block digests, and where its prefill starts: after the longest prefix
+        the route's hops were left holding, never at the prompt's end (its last token is computed)."""
+        grid = min(PREFIX_GRID_TOKENS, session.client.prefill_chunk_tokens())
+        prompt, planned, prefixes = self._transcript.prompt, route.route, self._prefixes
+        self.cached_tokens = 0
+        if prefixes is None or planned is None:
+            self.prefilled = None
+            return PrefixBlocks(grid, ()), 0
+        digests = prefixes.digests(planned, grid, prompt)
+        self.prefilled = PrefilledBlocks(planned, grid, digests)
+        if self._prefix_missed:
+            return PrefixBlocks(grid, digests), 0
+        held = min(prefixes.held_blocks(planned, grid, digests), (len(prompt) - 1) // grid)
+        return PrefixBlocks(grid, digests), held * grid
+
+    def _missed_prefix(self, route: RouteSession, blocks: PrefixBlocks, start: int) -> None:
+        self._prefix_missed = True
+        self._stats.prefix_misses += 1
+        planned = route.route
+        if self._prefixes is not None and planned is not None:
+            self._prefixes.forget(planned, blocks.grid, blocks.start_digest(start))
+        log.info(
+            "generation %s: a hop no longer keeps the prompt's first %d tokens; prefilling from position 0",
+            route.route_session_id[:8],
+            start,
+        )
+
+    async def _replay_from(
+        self, route: RouteSession, session: ShardSession, blocks: PrefixBlocks, start: int
+    ) -> int | None:
+        transcript, watchdog = self._transcript, self._watchdog
+        prefill = session.submit_prefill(
+            transcript.prompt[start:],
+            first_position=start,
+            deadline_unix_ns=self._deadline_unix_ns(),
+            blocks=blocks,
+        )
         steps = transcript.replay_steps()
         decodes = [
             session.submit_decode(
@@ -93,11 +170,21 @@ class RouteDecoder:
         ]
         watchdog.waiting()
         output: StepOutput | None = None
-        for handle in prefill:
-            output = await handle
-            route.mark_admitted()
-            watchdog.waiting()
+        try:
+            for handle in prefill:
+                output = await handle
+                route.mark_admitted()
+                watchdog.waiting()
+        except ShardProtocolError as error:
+            if start and error.code == shard.ERROR_CODE_CACHE_MISS:
+                # The units after the refused one fail too: settle them before prefilling again.
+                await _settle([*prefill, *decodes], self._options.control_timeout_s)
+            raise
         assert output is not None
+        if start:
+            self.cached_tokens = start
+            self._stats.prefix_hits += 1
+            self._stats.prefix_cached_tokens += start
         first = _token(output)
         if transcript.started:
             self._check_replay(route, first, transcript.generated[0], len(transcript.prompt))
@@ -174,6 +261,13 @@ class RouteDecoder:
         if output.done.answered_directly:
             stats.direct_tokens += len(tokens)
         return tokens
+
+
+async def _settle(handles: Sequence[UnitHandle], timeout_s: float) -> None:
+    """Wait (a while at most) for the units to be answered; their outcomes are not wanted."""
+    futures = [handle.future for handle in handles if not handle.future.done()]
+    if futures:
+        await asyncio.wait(futures, timeout=timeout_s)
 
 
 def _token(output: StepOutput) -> int:

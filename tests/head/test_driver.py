@@ -73,7 +73,8 @@ async def test_a_long_prompt_is_prefilled_in_pipelined_chunks():
         head = await routes.add_shard(DRIVER_INDEX, 0, 2, max_context=1024)
         await routes.add_shard(MIDDLE, 2, 3, max_context=1024)
         await routes.add_shard(TAIL, 3, 4, max_context=1024)
-        prompt = [(7 * i) % 30 + 1 for i in range(300)]  # three chunks of 100 (at most 128 each)
+        # Three chunks on the prefill grid (meshnode.head.prefix_index): two blocks of 128, the rest.
+        prompt = [(7 * i) % 30 + 1 for i in range(300)]
         head.engine.step_delay_s = 0.1
         driver = GenerationDriver(routes, FAST)
         stream = driver.generate(routes.model, prompt, GREEDY, 3)
@@ -85,7 +86,7 @@ async def test_a_long_prompt_is_prefilled_in_pipelined_chunks():
         head.engine.step_delay_s = 0.0
         tokens = [await first, *[t async for t in stream]]
         assert tokens == reference(prompt, 3)
-        assert [c.n_tokens for c in head.engine.calls][:3] == [100, 100, 100]
+        assert [c.n_tokens for c in head.engine.calls][:3] == [128, 128, 44]
     finally:
         await routes.aclose()
 

@@ -30,6 +30,7 @@ class RecordingEngine(FakeEngine):
         max_sessions: int = 4,
         max_context: int = 64,
         numerics: str = FAKE_NUMERICS,
+        prefix_cache_entries: int = 0,
     ) -> None:
         super().__init__(SPEC, numerics=numerics)
         self.load(
@@ -39,6 +40,7 @@ class RecordingEngine(FakeEngine):
                 layer_end=layer_end,
                 n_ctx=max_context,
                 n_seq_max=max_sessions,
+                prefix_cache_entries=prefix_cache_entries,
             )
         )
         self.calls: list[StepRequest] = []

@@ -1,0 +1,77 @@
+"""The prefix cache through the generation driver, over real shard servers on the in-process
+loopback mesh (fake engines): a conversation's next turn starts from what every hop kept."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.loopback_routes import DRIVER_INDEX, FAST, MIDDLE, TAIL, LoopbackRoutes, collect, reference
+from helpers.polling import eventually
+
+from engines.interface import GREEDY, METRIC_PREFIX_HITS, METRIC_PREFIX_MISSES
+from meshnode.head.driver import DriverConfig, GenerationDriver
+
+pytestmark = pytest.mark.timeout(60)
+
+PLAIN = DriverConfig(**{**FAST.__dict__, "speculation": False})
+
+
+def turn(length: int, salt: int) -> list[int]:
+    return [(7 * i + salt) % 30 + 1 for i in range(length)]
+
+
+async def three_hops(entries: int) -> LoopbackRoutes:
+    routes = LoopbackRoutes()
+    for index, (start, end) in ((DRIVER_INDEX, (0, 2)), (MIDDLE, (2, 3)), (TAIL, (3, 4))):
+        await routes.add_shard(index, start, end, max_context=2048, prefix_cache_entries=entries)
+    return routes
+
+
+def idle(routes: LoopbackRoutes) -> bool:
+    return all(s.server.load().active_sessions == 0 for s in routes.shards.values())
+
+
+async def test_the_next_turn_prefills_only_what_follows_the_kept_prefix_with_the_same_tokens():
+    routes = await three_hops(entries=4)
+    try:
+        driver = GenerationDriver(routes, PLAIN)
+        first_prompt = turn(300, 1)
+        answer = await collect(driver.generate(routes.model, first_prompt, GREEDY, 5))
+        assert answer == reference(first_prompt, 5)
+        await eventually(lambda: idle(routes))
+        for shard in routes.shards.values():
+            # The grid: whole blocks of 128, then the rest.
+            assert [c.n_tokens for c in shard.engine.calls][:3] == [128, 128, 44]
+            shard.engine.calls.clear()
+        second_prompt = [*first_prompt, *answer, *turn(100, 2)]
+        stream = driver.generate(routes.model, second_prompt, GREEDY, 5)
+        tokens = await collect(stream)
+        assert tokens == reference(second_prompt, 5)
+        assert stream.cached_tokens == 256
+        for shard in routes.shards.values():
+            prefill = shard.engine.calls[0]
+            # Every hop started its session from the two blocks it kept.
+            assert prefill.first_position == 256 and prefill.prefix_digest
+            assert shard.engine.metrics()[METRIC_PREFIX_HITS] == 1
+        assert driver.stats.prefix_hits == 1 and driver.stats.prefix_cached_tokens == 256
+    finally:
+        await routes.aclose()
+
+
+async def test_a_hop_that_dropped_the_prefix_costs_a_full_prefill_not_the_answer():
+    routes = await three_hops(entries=4)
+    try:
+        driver = GenerationDriver(routes, PLAIN)
+        first_prompt = turn(300, 1)
+        await collect(driver.generate(routes.model, first_prompt, GREEDY, 3))
+        await eventually(lambda: idle(routes))
+        # The middle hop loses what it kept (as an eviction for room or age would).
+        middle = routes.shards[MIDDLE].engine
+        assert middle.clear_prefix_cache() == 1
+        second_prompt = [*first_prompt, *turn(90, 3)]
+        stream = driver.generate(routes.model, second_prompt, GREEDY, 4)
+        assert await collect(stream) == reference(second_prompt, 4)
+        assert stream.cached_tokens == 0
+        assert middle.metrics()[METRIC_PREFIX_MISSES] == 1
+        assert driver.stats.prefix_misses == 1 and driver.stats.rebuilds == 0
+    finally:
+        await routes.aclose()
