@@ -27,7 +27,11 @@ async def three_hops(entries: int) -> LoopbackRoutes:
 
 
 def idle(routes: LoopbackRoutes) -> bool:
-    return all(s.server.load().active_sessions == 0 for s in routes.shards.values())
+    """No session open anywhere, and every engine that ran one has released it (kept its blocks)."""
+    return all(
+        s.server.load().active_sessions == 0 and len(s.engine.released) >= bool(s.engine.calls)
+        for s in routes.shards.values()
+    )
 
 
 async def test_the_next_turn_prefills_only_what_follows_the_kept_prefix_with_the_same_tokens():
@@ -73,5 +77,40 @@ async def test_a_hop_that_dropped_the_prefix_costs_a_full_prefill_not_the_answer
         assert stream.cached_tokens == 0
         assert middle.metrics()[METRIC_PREFIX_MISSES] == 1
         assert driver.stats.prefix_misses == 1 and driver.stats.rebuilds == 0
+    finally:
+        await routes.aclose()
+
+
+async def test_every_hop_gets_the_block_digests_and_the_next_turn_prefers_the_route_that_kept_them():
+    routes = LoopbackRoutes()
+    try:
+        await routes.add_shard(DRIVER_INDEX, 0, 2, max_context=2048, prefix_cache_entries=4)
+        first_tail = await routes.add_shard(MIDDLE, 2, 4, max_context=2048, prefix_cache_entries=4)
+        other_tail = await routes.add_shard(TAIL, 2, 4, max_context=2048, prefix_cache_entries=4)
+        driver = GenerationDriver(routes, PLAIN)
+        prompt = turn(300, 4)
+        await collect(driver.generate(routes.model, prompt, GREEDY, 3))
+        await eventually(lambda: idle(routes))
+        used = first_tail if first_tail.engine.calls else other_tail
+        unused = other_tail if used is first_tail else first_tail
+        head_digests = [c.block_digest for c in routes.shards[DRIVER_INDEX].engine.calls[:3]]
+        # Whole blocks carry a digest (the partial last one none), the same at every hop.
+        assert [bool(d) for d in head_digests] == [True, True, False]
+        assert [c.block_digest for c in used.engine.calls[:3]] == head_digests
+        # The replica that kept the prefix now looks busier than the other, not much busier.
+        used.announcement.load.active_sessions = 1
+        unused.engine.calls.clear()
+        second = [*prompt, *turn(50, 5)]
+        stream = driver.generate(routes.model, second, GREEDY, 3)
+        assert await collect(stream) == reference(second, 3)
+        assert stream.cached_tokens == 256 and driver.stats.prefix_route_preferred == 1
+        assert unused.engine.calls == []
+        # Much busier: the idle replica takes the next one and prefills it all.
+        await eventually(lambda: idle(routes))
+        used.announcement.load.active_sessions = 3
+        third = [*prompt, *turn(60, 6)]
+        stream = driver.generate(routes.model, third, GREEDY, 3)
+        assert await collect(stream) == reference(third, 3)
+        assert stream.cached_tokens == 0 and unused.engine.calls
     finally:
         await routes.aclose()
