@@ -108,8 +108,14 @@ async def print_stream(
 
 
 def describe_summary(summary: StreamSummary) -> str:
+    # The prompt tokens a prefix cache spared explain a quick first token; said only when some were.
+    cached = (
+        f"{summary.cached_tokens} of {summary.prompt_tokens} prompt tokens cached; "
+        if summary.cached_tokens
+        else ""
+    )
     return (
-        f"[{summary.completion_tokens} tokens ({summary.finish_reason or 'ended'}); "
+        f"[{summary.completion_tokens} tokens ({summary.finish_reason or 'ended'}); {cached}"
         f"first after {summary.time_to_first_token_s:.2f} s; "
         f"{summary.decode_tokens_per_s:.1f} tokens/s after it]"
     )
