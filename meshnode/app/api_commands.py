@@ -28,6 +28,7 @@ from meshnode.app.api_options import (
 )
 from meshnode.app.head_config import DEFAULT_API_LISTEN
 from meshnode.app.pipeline_options import add_pipeline_options
+from meshnode.app.prefix_cache_options import add_prefix_cache_options, prefix_cache_entries
 from meshnode.app.session_options import add_session_options, max_sessions
 from meshnode.app.speculation_options import add_speculation_options, driver_config
 from meshnode.app.weight_repack_option import add_weight_repack_option
@@ -143,12 +144,14 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         describe_served_model(args.model, None)  # a file that is no GGUF: refused here, in one line
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
+    sessions = max_sessions(args, args.model, None, args.ctx)
     shard_options = ShardServiceConfig(
         model=args.model,
         model_name=args.model_name,
         threads=args.threads,
         ctx=args.ctx,
-        max_sessions=max_sessions(args, args.model, None, args.ctx),
+        max_sessions=sessions,
+        prefix_cache_entries=prefix_cache_entries(args, sessions),
         n_gpu_layers=args.n_gpu_layers,
         weight_repack=args.weight_repack,
     )
@@ -225,6 +228,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     add_session_options(p)
+    add_prefix_cache_options(p)
     add_weight_repack_option(p)
     p.add_argument(
         "--api-listen",

@@ -52,6 +52,10 @@ class ShardServiceConfig:
     # Context tokens per session.
     ctx: int = 4096
     max_sessions: int = 4
+    # Released sessions' prefill blocks the shard keeps in their slots for a later prompt that
+    # starts the same way (engines.session_table; 0: none). The command line's default is
+    # max_sessions (meshnode.app.prefix_cache_options); in-process callers choose.
+    prefix_cache_entries: int = 0
     cache_dir: Path | None = None
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     # The name announced (default: the file's stem) and the fingerprint when it is already known
@@ -209,6 +213,7 @@ class ShardService:
             layer_end=end,
             n_ctx=options.ctx,
             n_seq_max=options.max_sessions,
+            prefix_cache_entries=options.prefix_cache_entries,
             n_threads=options.threads,
             n_gpu_layers=options.n_gpu_layers,
             cache_dir=str(options.cache_dir) if options.cache_dir else None,
