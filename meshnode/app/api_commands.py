@@ -165,7 +165,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             running = await start_standalone(shard_options, head)
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
-        status = await answer_standalone_status(node_data_dir(args), running.url, running.host.announcement)
+        status = await answer_standalone_status(
+            node_data_dir(args), running.url, running.host.announcement, running.service.prefix_cache_status
+        )
         try:
             alias = f" as {args.model_name}" if args.model_name else ""
             print(f"serving {args.model.name}{alias} (all layers) at {running.url}/v1", flush=True)

@@ -17,6 +17,7 @@ from meshnode.app.lifecycle import run_node
 from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.node_head import start_head
 from meshnode.app.prefix_cache_options import prefix_cache_entries
+from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
 from meshnode.commandline.cli_error import CliError
@@ -89,6 +90,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
             )
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None
+    node.add_status_section(PREFIX_CACHE_SECTION, service.prefix_cache_status)
     try:
         from meshnode.app.placed_serving import offer_model_file
 
@@ -112,6 +114,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
             if head is not None:
                 await head.aclose()
     finally:
+        node.remove_status_section(PREFIX_CACHE_SECTION)
         await service.aclose()
 
 

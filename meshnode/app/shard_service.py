@@ -22,6 +22,7 @@ from typing import Protocol
 
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
+from meshnode.app.prefix_cache_status import prefix_cache_section
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.envelope import fingerprint_message
@@ -184,10 +185,19 @@ def _worker_config(options: ShardServiceConfig) -> WorkerConfig:
 
 
 class ShardService:
-    def __init__(self, node: ServingNode, server: ShardServer, served: mesh.ServedShard) -> None:
+    def __init__(
+        self,
+        node: ServingNode,
+        server: ShardServer,
+        served: mesh.ServedShard,
+        *,
+        prefix_cache_entries: int = 0,
+    ) -> None:
         self.node = node
         self.server = server
         self.served = served
+        # The most prefixes the engine keeps (ShardServiceConfig.prefix_cache_entries).
+        self.prefix_cache_entries = prefix_cache_entries
         self._refresh: asyncio.Task[None] | None = None
         # Membership's admission test (None: no mesh, no peers to lose).
         self._is_member: Callable[[bytes], bool] | None = None
@@ -244,7 +254,10 @@ class ShardService:
             await server.aclose()
             raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
         service = cls(
-            node, server, served_shard(caps, options.model_name or options.model.stem, process_cpus())
+            node,
+            server,
+            served_shard(caps, options.model_name or options.model.stem, process_cpus()),
+            prefix_cache_entries=options.prefix_cache_entries,
         )
         server.register(node.register_handler)
         service._is_member = is_member
@@ -266,6 +279,10 @@ class ShardService:
             caps.device,
         )
         return service
+
+    def prefix_cache_status(self) -> dict[str, int]:
+        """The ``prefix_cache`` section of the node's status (meshnode.app.prefix_cache_status)."""
+        return prefix_cache_section(self.server.engine.metrics().counters, self.prefix_cache_entries)
 
     async def _refresh_load(self, interval_s: float) -> None:
         while True:
