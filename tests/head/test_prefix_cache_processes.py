@@ -54,7 +54,9 @@ async def route_ready(api: str, mesh: QuicCluster) -> None:
 
 
 def cluster(root: Path, model: Path, *extra: str) -> QuicCluster:
-    return QuicCluster(root, model, api_node_args(SPLITS, ("A",), "--probe-timeout", "1", *extra))
+    # node_args come after the helper's own options: this --ctx wins over its default.
+    args = api_node_args(SPLITS, ("A",), "--probe-timeout", "1", "--ctx", "2048", *extra)
+    return QuicCluster(root, model, args)
 
 
 async def six_turns(api: str) -> list[tuple[str, int, int]]:
