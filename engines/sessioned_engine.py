@@ -24,6 +24,15 @@ shared forward pass would abort every session in it. So nothing polls a shared p
 cancel that lands while it computes (the step's token, or its session) makes that step
 alone CANCELLED once the pass returns, its computed position rolled back.
 
+Prefix cache (``LoadRequest.prefix_cache_entries``, engines.session_table): a prefill chunk that
+carries a block digest and starts where the session's recorded blocks end extends them; a
+release keeps those blocks in the session's slot (cut to the last one) instead of emptying it.
+A session's first step at position L > 0 naming a digest (``StepRequest.prefix_digest``) opens
+from the kept prefix of L positions with that digest, adopting its slot or copying it
+(``_copy_prefix``), or is a ``CACHE_MISS`` at length 0. Only prefill-written whole blocks are
+ever kept: a decode or verify step computes its rows in passes a fresh prefill does not, so
+reusing them would not give the fresh prefill's numbers.
+
 Threads: steps, release, health and metrics run on the caller's worker thread and hold
 ``_compute_lock``; ``cancel`` and ``CancelToken.cancel`` may come from any thread. A
 cancel flags the session at once; its cache is freed immediately when no step is

@@ -37,6 +37,12 @@ from engines.interface import (
     METRIC_DECODE_STEPS,
     METRIC_ERRORS,
     METRIC_PREFILL_STEPS,
+    METRIC_PREFIX_ENTRIES,
+    METRIC_PREFIX_EVICTED,
+    METRIC_PREFIX_HITS,
+    METRIC_PREFIX_KEPT,
+    METRIC_PREFIX_MISSES,
+    METRIC_PREFIX_TOKENS_REUSED,
     METRIC_SESSIONS_CANCELLED,
     METRIC_SESSIONS_EVICTED,
     METRIC_SESSIONS_EXPIRED,
@@ -73,6 +79,31 @@ _ENGINE_SINGLE_COUNTERS = {
     ),
     METRIC_SESSIONS_OPENED: ("meshnode_engine_sessions_opened_total", "Engine sessions opened"),
     METRIC_ERRORS: ("meshnode_engine_errors_total", "Engine steps that failed"),
+}
+# The shard's prefix cache (engines.session_table): released sessions' whole prefill blocks kept
+# in their slots, from which a later prompt that starts the same way opens its session.
+_ENGINE_PREFIX_COUNTERS = {
+    METRIC_PREFIX_HITS: (
+        "meshnode_prefix_cache_hits_total",
+        "Sessions this shard opened from a kept prefix instead of computing it again",
+    ),
+    METRIC_PREFIX_MISSES: (
+        "meshnode_prefix_cache_misses_total",
+        "Sessions asked to open from a kept prefix this shard no longer held (the head prefills "
+        "from the first token)",
+    ),
+    METRIC_PREFIX_TOKENS_REUSED: (
+        "meshnode_prefix_cache_tokens_reused_total",
+        "Positions sessions opened from kept prefixes did not compute again",
+    ),
+    METRIC_PREFIX_KEPT: (
+        "meshnode_prefix_cache_kept_total",
+        "Released sessions whose whole prefill blocks this shard kept",
+    ),
+    METRIC_PREFIX_EVICTED: (
+        "meshnode_prefix_cache_evicted_total",
+        "Kept prefixes dropped to make room for a session or after going unused too long",
+    ),
 }
 
 
@@ -366,9 +397,22 @@ def _engine_families(counters: Mapping[str, int]) -> list[Metric]:
             [({"reason": reason}, counters.get(key, 0)) for key, reason in _ENGINE_SESSION_ENDS.items()],
         ),
     ]
-    for key, (name, doc) in _ENGINE_SINGLE_COUNTERS.items():
+    for key, (name, doc) in (_ENGINE_SINGLE_COUNTERS | _ENGINE_PREFIX_COUNTERS).items():
         families.append(_counter(name, doc, counters.get(key, 0)))
-    known = _ENGINE_STEP_KINDS.keys() | _ENGINE_SESSION_ENDS.keys() | _ENGINE_SINGLE_COUNTERS.keys()
+    families.append(
+        _gauge(
+            "meshnode_prefix_cache_entries",
+            "Prefixes this shard keeps now, each in the KV slot of an idle session",
+            counters.get(METRIC_PREFIX_ENTRIES, 0),
+        )
+    )
+    known = (
+        _ENGINE_STEP_KINDS.keys()
+        | _ENGINE_SESSION_ENDS.keys()
+        | _ENGINE_SINGLE_COUNTERS.keys()
+        | _ENGINE_PREFIX_COUNTERS.keys()
+        | {METRIC_PREFIX_ENTRIES}
+    )
     others = [({"event": key}, value) for key, value in sorted(counters.items()) if key not in known]
     if others:
         # An engine may count more than the interface names; shown rather than lost.
@@ -400,6 +444,28 @@ def _driver_families(stats: Any) -> list[Metric]:
             "meshnode_prompt_tokens_total",
             "Prompt tokens of the generations this head started",
             stats.prompt_tokens,
+        ),
+        _counter(
+            "meshnode_prompt_tokens_cached_total",
+            "Prompt tokens this head did not prefill again: the route's hops kept them from an "
+            "earlier generation (the API's usage.prompt_tokens_details.cached_tokens)",
+            stats.prefix_cached_tokens,
+        ),
+        _counter(
+            "meshnode_head_prefix_cache_hits_total",
+            "Prefills this head started from a prefix the route's hops kept",
+            stats.prefix_hits,
+        ),
+        _counter(
+            "meshnode_head_prefix_cache_misses_total",
+            "Prefills from a kept prefix that a hop no longer held (each prefilled again from the "
+            "first token)",
+            stats.prefix_misses,
+        ),
+        _counter(
+            "meshnode_head_prefix_route_preferred_total",
+            "Routes this head chose over a cheaper one for the prefix their hops kept",
+            stats.prefix_route_preferred,
         ),
         _counter("meshnode_completion_tokens_total", "Tokens generated for API clients", stats.tokens),
         # The same count under its earlier name, which dashboards and alerts use.

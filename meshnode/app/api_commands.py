@@ -28,6 +28,7 @@ from meshnode.app.api_options import (
 )
 from meshnode.app.head_config import DEFAULT_API_LISTEN
 from meshnode.app.pipeline_options import add_pipeline_options
+from meshnode.app.prefix_cache_options import add_prefix_cache_options, prefix_cache_entries
 from meshnode.app.session_options import add_session_options, max_sessions
 from meshnode.app.speculation_options import add_speculation_options, driver_config
 from meshnode.app.weight_repack_option import add_weight_repack_option
@@ -108,8 +109,14 @@ async def print_stream(
 
 
 def describe_summary(summary: StreamSummary) -> str:
+    # The prompt tokens a prefix cache spared explain a quick first token; said only when some were.
+    cached = (
+        f"{summary.cached_tokens} of {summary.prompt_tokens} prompt tokens cached; "
+        if summary.cached_tokens
+        else ""
+    )
     return (
-        f"[{summary.completion_tokens} tokens ({summary.finish_reason or 'ended'}); "
+        f"[{summary.completion_tokens} tokens ({summary.finish_reason or 'ended'}); {cached}"
         f"first after {summary.time_to_first_token_s:.2f} s; "
         f"{summary.decode_tokens_per_s:.1f} tokens/s after it]"
     )
@@ -137,12 +144,14 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         describe_served_model(args.model, None)  # a file that is no GGUF: refused here, in one line
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
+    sessions = max_sessions(args, args.model, None, args.ctx)
     shard_options = ShardServiceConfig(
         model=args.model,
         model_name=args.model_name,
         threads=args.threads,
         ctx=args.ctx,
-        max_sessions=max_sessions(args, args.model, None, args.ctx),
+        max_sessions=sessions,
+        prefix_cache_entries=prefix_cache_entries(args, sessions),
         n_gpu_layers=args.n_gpu_layers,
         weight_repack=args.weight_repack,
     )
@@ -156,7 +165,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             running = await start_standalone(shard_options, head)
         except (ShardServiceError, HeadError) as exc:
             raise CliError(str(exc)) from None
-        status = await answer_standalone_status(node_data_dir(args), running.url, running.host.announcement)
+        status = await answer_standalone_status(
+            node_data_dir(args), running.url, running.host.announcement, running.service.prefix_cache_status
+        )
         try:
             alias = f" as {args.model_name}" if args.model_name else ""
             print(f"serving {args.model.name}{alias} (all layers) at {running.url}/v1", flush=True)
@@ -219,6 +230,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     add_session_options(p)
+    add_prefix_cache_options(p)
     add_weight_repack_option(p)
     p.add_argument(
         "--api-listen",

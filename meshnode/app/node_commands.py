@@ -22,6 +22,7 @@ from meshnode.app.lease_options import add_lease_options, link_settings
 from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.member_commands import NOT_ADMIN, add_invite_options, list_invites, revoke_invite_command
 from meshnode.app.placement_options import add_placement_options
+from meshnode.app.prefix_cache_options import add_prefix_cache_options
 from meshnode.app.session_options import add_session_options
 from meshnode.app.status import format_status, query_node_status
 from meshnode.app.stored_membership import load_stored_membership, membership_for_join
@@ -124,6 +125,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--ctx", type=positive_int, default=4096, metavar="N", help="context tokens per session (4096)"
     )
     add_session_options(model)
+    add_prefix_cache_options(model)
     add_weight_repack_option(model)
     add_api_listen_option(model)
     add_placement_options(parser)

@@ -16,6 +16,8 @@ from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.app.listen_check import check_listen_addresses
 from meshnode.app.node_head import start_head
+from meshnode.app.prefix_cache_options import prefix_cache_entries
+from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
 from meshnode.commandline.cli_error import CliError
@@ -68,6 +70,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     # Loaded only by a node that serves a shard: it brings the shard worker and server with it.
     from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 
+    sessions = max_sessions(args, args.model, args.layers, args.ctx)
     options = ShardServiceConfig(
         model=args.model,
         model_name=args.model_name,
@@ -76,7 +79,8 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         weight_repack=args.weight_repack,
         threads=args.threads,
         ctx=args.ctx,
-        max_sessions=max_sessions(args, args.model, args.layers, args.ctx),
+        max_sessions=sessions,
+        prefix_cache_entries=prefix_cache_entries(args, sessions),
         leases=lease_settings(args, serves_api=args.api_listen is not False),
     )
     try:
@@ -86,6 +90,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
             )
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None
+    node.add_status_section(PREFIX_CACHE_SECTION, service.prefix_cache_status)
     try:
         from meshnode.app.placed_serving import offer_model_file
 
@@ -109,6 +114,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
             if head is not None:
                 await head.aclose()
     finally:
+        node.remove_status_section(PREFIX_CACHE_SECTION)
         await service.aclose()
 
 

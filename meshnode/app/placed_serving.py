@@ -20,6 +20,8 @@ from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
 from meshnode.app.node_head import start_head
 from meshnode.app.placement_options import placement_settings, upload_limiter
+from meshnode.app.prefix_cache_options import prefix_cache_entries
+from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.session_options import max_sessions
 from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 from meshnode.artifacts.holdings import FullModel, Holdings
@@ -104,6 +106,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     switched = SwitchedNode(node, handlers)
 
     async def start_serving(request: ServeRequest) -> _PlacedShard:
+        sessions = max_sessions(args, request.model_path, request.layers, args.ctx)
         options = ShardServiceConfig(
             model=request.model_path,
             layers=request.layers,
@@ -111,7 +114,8 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             weight_repack=args.weight_repack,
             threads=args.threads,
             ctx=args.ctx,
-            max_sessions=max_sessions(args, request.model_path, request.layers, args.ctx),
+            max_sessions=sessions,
+            prefix_cache_entries=prefix_cache_entries(args, sessions),
             leases=lease_settings(args, serves_api=args.api_listen is not False),
             model_name=request.model_name,
             model_fingerprint=request.fingerprint,
@@ -145,8 +149,14 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         serving = placement.serving
         return isinstance(serving, _PlacedShard) and holds_sessions(serving.service)
 
+    def prefix_cache() -> dict[str, int]:
+        # The shard placed now (a move to another range starts a new one, its counters at 0).
+        serving = placement.serving
+        return serving.service.prefix_cache_status() if isinstance(serving, _PlacedShard) else {}
+
     offer_artifacts(node, holdings, args, busy)
     node.add_status_section("placement", placement.status)
+    node.add_status_section(PREFIX_CACHE_SECTION, prefix_cache)
     running: list[asyncio.Task[None]] = []
 
     def place(_: Node) -> None:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
+from meshnode.app.prefix_cache_status import prefix_cache_section
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.envelope import fingerprint_message
@@ -52,6 +53,10 @@ class ShardServiceConfig:
     # Context tokens per session.
     ctx: int = 4096
     max_sessions: int = 4
+    # Released sessions' prefill blocks the shard keeps in their slots for a later prompt that
+    # starts the same way (engines.session_table; 0: none). The command line's default is
+    # max_sessions (meshnode.app.prefix_cache_options); in-process callers choose.
+    prefix_cache_entries: int = 0
     cache_dir: Path | None = None
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     # The name announced (default: the file's stem) and the fingerprint when it is already known
@@ -180,10 +185,19 @@ def _worker_config(options: ShardServiceConfig) -> WorkerConfig:
 
 
 class ShardService:
-    def __init__(self, node: ServingNode, server: ShardServer, served: mesh.ServedShard) -> None:
+    def __init__(
+        self,
+        node: ServingNode,
+        server: ShardServer,
+        served: mesh.ServedShard,
+        *,
+        prefix_cache_entries: int = 0,
+    ) -> None:
         self.node = node
         self.server = server
         self.served = served
+        # The most prefixes the engine keeps (ShardServiceConfig.prefix_cache_entries).
+        self.prefix_cache_entries = prefix_cache_entries
         self._refresh: asyncio.Task[None] | None = None
         # Membership's admission test (None: no mesh, no peers to lose).
         self._is_member: Callable[[bytes], bool] | None = None
@@ -209,6 +223,7 @@ class ShardService:
             layer_end=end,
             n_ctx=options.ctx,
             n_seq_max=options.max_sessions,
+            prefix_cache_entries=options.prefix_cache_entries,
             n_threads=options.threads,
             n_gpu_layers=options.n_gpu_layers,
             cache_dir=str(options.cache_dir) if options.cache_dir else None,
@@ -239,7 +254,10 @@ class ShardService:
             await server.aclose()
             raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
         service = cls(
-            node, server, served_shard(caps, options.model_name or options.model.stem, process_cpus())
+            node,
+            server,
+            served_shard(caps, options.model_name or options.model.stem, process_cpus()),
+            prefix_cache_entries=options.prefix_cache_entries,
         )
         server.register(node.register_handler)
         service._is_member = is_member
@@ -261,6 +279,10 @@ class ShardService:
             caps.device,
         )
         return service
+
+    def prefix_cache_status(self) -> dict[str, int]:
+        """The ``prefix_cache`` section of the node's status (meshnode.app.prefix_cache_status)."""
+        return prefix_cache_section(self.server.engine.metrics().counters, self.prefix_cache_entries)
 
     async def _refresh_load(self, interval_s: float) -> None:
         while True:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.request_limits import MAX_DRAFT_TOKENS
+from meshnode.app.prefix_cache_options import prefix_cache_on
 from meshnode.head.driver_config import DriverConfig
 
 SPECULATION_CHOICES = ("auto", "off")
@@ -50,7 +51,8 @@ def add_speculation_options(parser: argparse.ArgumentParser | Any) -> None:
 
 def driver_config(args: argparse.Namespace, base: DriverConfig | None = None) -> DriverConfig:
     """``base`` (the defaults) with the speculation (and the ``--pipeline``,
-    meshnode.app.pipeline_options) the command line asked for."""
+    meshnode.app.pipeline_options, and ``--prefix-cache``, meshnode.app.prefix_cache_options)
+    the command line asked for."""
     base = base or DriverConfig()
     speculation = getattr(args, "speculation", "auto") != "off"
     return replace(
@@ -59,6 +61,7 @@ def driver_config(args: argparse.Namespace, base: DriverConfig | None = None) ->
         draft_max=getattr(args, "draft_max", base.draft_max),
         pipeline=getattr(args, "pipeline", base.pipeline),
         pipeline_cohorts=getattr(args, "pipeline_cohorts", base.pipeline_cohorts),
+        prefix_cache=base.prefix_cache and prefix_cache_on(args),
     )
 
 

@@ -50,6 +50,7 @@ def format_status(status: dict[str, Any]) -> str:
     if startup:
         lines.append(f"  starting: {startup['state']}")
     lines += _memory_lines(status)
+    lines += _prefix_cache_lines(status)
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
@@ -102,6 +103,7 @@ def _standalone_text(status: dict[str, Any]) -> str:
         f"  serving: {_serving_text(server['serving'])}{_sessions_text(server)}",
         _api_line(server["api_url"]),
         *_memory_lines(status),
+        *_prefix_cache_lines(status),
     ]
     return "\n".join(lines)
 
@@ -114,6 +116,22 @@ def _memory_lines(status: dict[str, Any]) -> list[str]:
     """The memory line of a process that reports its shard's memory (none where it does not)."""
     memory = (status.get("sections") or {}).get("memory")
     return [_memory_text(memory)] if memory else []
+
+
+def _prefix_cache_lines(status: dict[str, Any]) -> list[str]:
+    """``  prefix cache: 3 of 8 kept; 12 hits, 4 misses, 5120 tokens reused``: what the process's
+    shard keeps of released prompts (meshnode.app.prefix_cache_status); none while it serves
+    nothing, or from an older node."""
+    section = (status.get("sections") or {}).get("prefix_cache")
+    if not section:
+        return []
+    if not section.get("limit"):
+        return ["  prefix cache: off"]
+    return [
+        f"  prefix cache: {section.get('entries', 0)} of {section['limit']} kept; "
+        f"{section.get('hits', 0)} hits, {section.get('misses', 0)} misses, "
+        f"{section.get('tokens_reused', 0)} tokens reused"
+    ]
 
 
 def _relay_process_text(relay: dict[str, Any]) -> str:

@@ -41,6 +41,9 @@ class StreamSummary:
     total_s: float
     # The message of an error event the server sent after the stream began (it ended the answer).
     error: str | None = None
+    # Prompt tokens the server did not compute again (``usage.prompt_tokens_details.cached_tokens``;
+    # 0 from a server that does not say).
+    cached_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -87,7 +90,7 @@ async def stream_completion(
     first: float | None = None
     pieces: list[str] = []
     finish: str | None = None
-    usage: dict[str, int] = {}
+    usage: dict[str, Any] = {}
     error: str | None = None
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
     try:
@@ -131,7 +134,14 @@ async def stream_completion(
         time_to_first_token_s=first if first is not None else total,
         total_s=total,
         error=error,
+        cached_tokens=cached_tokens(usage),
     )
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``, as OpenAI reports it (0 where absent or null)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
 
 
 async def _error_text(response: aiohttp.ClientResponse) -> str:
@@ -160,6 +170,7 @@ __all__ = [
     "ApiError",
     "StreamSummary",
     "TextChunk",
+    "cached_tokens",
     "completion_request",
     "served_models",
     "stream_completion",

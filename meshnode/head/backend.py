@@ -4,7 +4,9 @@ The API never sees routes, shards or sessions. A backend turns a prompt into
 tokens and streams generated token ids; closing the stream (``aclose``) must
 cancel the generation everywhere it runs, which is how a client that hangs up
 stops work on every hop. A stream may also say how the computation behind it
-runs (:class:`FingerprintedStream`), which the API reports as ``system_fingerprint``.
+runs (:class:`FingerprintedStream`), which the API reports as ``system_fingerprint``, and how
+much of its prompt it did not compute again (:class:`CacheReportingStream`), which the API reports
+as ``usage.prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ class FingerprintedStream(Protocol):
     @property
     def system_fingerprint(self) -> str | None:
         """A short id of the computing configuration; None while it is not known yet."""
+        ...
+
+
+@runtime_checkable
+class CacheReportingStream(Protocol):
+    """A token stream that knows how many prompt tokens came from a prefix cache (optional for
+    backends: a stream without it reports 0)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose computation was reused rather than run again (0 until the prompt's
+        prefill has started)."""
         ...
 
 

@@ -5,16 +5,18 @@ incremental UTF-8-safe text, stop strings honoured (and generation stopped
 early), end-of-generation tokens, ``max_tokens`` and usage counts. The token
 stream is always closed when the completion ends for any reason — including
 the consumer going away — so the backend cancels its work. Each event carries
-the stream's ``system_fingerprint`` as it stood then (a re-route may change it).
+the stream's ``system_fingerprint`` as it stood then (a re-route may change it); the final
+tally says how many prompt tokens came from the route's prefix cache (``cached_tokens``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engines.interface import SamplingParams
-from meshnode.head.backend import FingerprintedStream, GenerationBackend
+from meshnode.head.backend import CacheReportingStream, FingerprintedStream, GenerationBackend
 from meshnode.head.stop_strings import StopMatcher
 
 
@@ -41,13 +43,18 @@ class CompletionResult:
     prompt_tokens: int
     completion_tokens: int
     system_fingerprint: str | None = None
+    # Prompt tokens the route did not prefill again: they came from a prefix it kept.
+    cached_tokens: int = 0
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always there, 0
+        without a cache hit, as OpenAI reports it."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -91,6 +98,8 @@ async def run_completion(
         if tail:
             pieces.append(tail)
             yield TextDelta(tail, fingerprint())
+    # Read once the stream is over: the prefill that decides it has run by then.
+    cached = tokens.cached_tokens if isinstance(tokens, CacheReportingStream) else 0
     yield CompletionResult(
-        "".join(pieces), finish_reason, len(request.prompt_tokens), generated, fingerprint()
+        "".join(pieces), finish_reason, len(request.prompt_tokens), generated, fingerprint(), cached
     )

@@ -121,3 +121,41 @@ class FingerprintedBackend(ScriptedBackend):
         return RouteSwitchingTokens(
             super().generate(model, prompt_tokens, sampling, max_tokens), self.switch_after
         )
+
+
+class PrefixCachedTokens:
+    """A token stream that reports ``cached`` prompt tokens from a prefix cache once its first
+    token came (as the head's stream does once the prompt's prefill has run), 0 before."""
+
+    def __init__(self, tokens: TokenStream, cached: int) -> None:
+        self.tokens = tokens
+        self.cached = cached
+        self.started = False
+
+    def __aiter__(self) -> "PrefixCachedTokens":
+        return self
+
+    async def __anext__(self) -> int:
+        token = await anext(self.tokens)
+        self.started = True
+        return token
+
+    async def aclose(self) -> None:
+        await self.tokens.aclose()
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached if self.started else 0
+
+
+class PrefixCachedBackend(ScriptedBackend):
+    """Says ``cached`` of each prompt's tokens came from a kept prefix."""
+
+    def __init__(self, reply: str, cached: int) -> None:
+        super().__init__(reply)
+        self.cached = cached
+
+    def generate(
+        self, model: str, prompt_tokens: Sequence[int], sampling: SamplingParams, max_tokens: int
+    ) -> PrefixCachedTokens:
+        return PrefixCachedTokens(super().generate(model, prompt_tokens, sampling, max_tokens), self.cached)

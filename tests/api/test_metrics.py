@@ -9,13 +9,23 @@ text parser, so the checks hold for what a Prometheus server reads.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import aiohttp
 import pytest
-from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
+from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes, Shard
+from helpers.recording_engine import RecordingEngine
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.interface import GREEDY
+from engines.interface import (
+    GREEDY,
+    EngineCapabilities,
+    EngineError,
+    EngineErrorKind,
+    LoadRequest,
+    SessionKey,
+    StepRequest,
+)
 from engines.tiny_model import ensure_tiny_model
 from meshnode.app.head_service import HeadConfig, HeadService
 from meshnode.head.driver import GenerationDriver
@@ -188,3 +198,54 @@ async def test_each_node_counts_in_its_own_registry(routes) -> None:
     await generate(driver, routes)
     assert value(parse(await metrics.exposition()), "meshnode_time_to_first_token_seconds_count") == 1
     assert value(parse(await other.exposition()), "meshnode_time_to_first_token_seconds_count") == 0
+
+
+class PrefixKeepingEngine(RecordingEngine):
+    """The recording fake engine with the prefix cache on (two kept prefixes at most)."""
+
+    def load(self, request: LoadRequest) -> EngineCapabilities:
+        return super().load(replace(request, prefix_cache_entries=2))
+
+
+async def test_the_prefix_caches_counters_of_the_shard_and_the_head() -> None:
+    routes = LoopbackRoutes()
+    try:
+        await check_prefix_counters(routes, await routes.add_shard(DRIVER_INDEX, 0, 2, PrefixKeepingEngine))
+    finally:
+        await routes.aclose()
+
+
+async def check_prefix_counters(routes: LoopbackRoutes, shard: Shard) -> None:
+    driver, metrics = head_metrics(routes)
+    before = parse(await metrics.exposition())
+    assert value(before, "meshnode_prefix_cache_hits_total") == 0
+    assert value(before, "meshnode_prefix_cache_entries") == 0
+    # The shard keeps a released session's two blocks, a later session opens from them, and
+    # one asks for a prefix it never kept.
+    engine = shard.engine
+    first = SessionKey("first", 1)
+    for block, digest in ((0, b"block-1"), (4, b"block-2")):
+        engine.prefill(StepRequest(first, block, token_ids=(1, 2, 3, 4), block_digest=digest))
+    assert engine.release(first)
+    after_release = parse(await metrics.exposition())
+    assert value(after_release, "meshnode_prefix_cache_kept_total") == 1
+    assert value(after_release, "meshnode_prefix_cache_entries") == 1
+    engine.prefill(StepRequest(SessionKey("second", 1), 8, token_ids=(9,), prefix_digest=b"block-2"))
+    with pytest.raises(EngineError) as missed:
+        engine.prefill(StepRequest(SessionKey("third", 1), 4, token_ids=(9,), prefix_digest=b"other"))
+    assert missed.value.kind == EngineErrorKind.CACHE_MISS
+    driver.stats.prefix_hits, driver.stats.prefix_misses = 3, 1
+    driver.stats.prefix_cached_tokens, driver.stats.prefix_route_preferred = 96, 2
+    samples = parse(await metrics.exposition())
+    assert value(samples, "meshnode_prefix_cache_hits_total") == 1
+    assert value(samples, "meshnode_prefix_cache_misses_total") == 1
+    assert value(samples, "meshnode_prefix_cache_tokens_reused_total") == 8
+    assert value(samples, "meshnode_prefix_cache_entries") == 0  # the second session took its slot
+    assert value(samples, "meshnode_prefix_cache_evicted_total") == 0
+    assert value(samples, "meshnode_head_prefix_cache_hits_total") == 3
+    assert value(samples, "meshnode_head_prefix_cache_misses_total") == 1
+    assert value(samples, "meshnode_prompt_tokens_cached_total") == 96
+    assert value(samples, "meshnode_head_prefix_route_preferred_total") == 2
+    # Named families only: none of them also appears among the engine's unnamed events.
+    others = {dict(labels)["event"] for labels in samples.get("meshnode_engine_other_events_total", {})}
+    assert not {event for event in others if event.startswith("prefix")}

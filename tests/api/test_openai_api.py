@@ -9,10 +9,12 @@ import aiohttp
 import openai
 import pytest
 from helpers.polling import eventually
-from scripted_backend import FingerprintedBackend, ScriptedBackend
+from scripted_backend import FingerprintedBackend, PrefixCachedBackend, ScriptedBackend
 
 from engines.interface import SamplingParams
 from meshnode.api.openai_api import start_api_server
+from meshnode.app.api_commands import describe_summary
+from meshnode.head.api_client import StreamSummary, completion_request, stream_completion
 
 
 @pytest.fixture
@@ -44,7 +46,12 @@ async def test_models_and_plain_completion(serve):
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "Hello, mesh!"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 13, "total_tokens": 15}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 13,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},  # this backend cannot say: none cached
+    }
     assert backend.calls[0][0] == [ord("H"), ord("i")]
     assert body["system_fingerprint"] is None  # this backend cannot say how it computes
 
@@ -163,6 +170,58 @@ async def test_the_official_openai_client_works_unchanged(serve):
         assert [m.id for m in models.data] == ["tiny"]
     finally:
         await client.close()
+
+
+async def read_chunks(url, body):
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        raw = (await response.read()).decode()
+    return [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+
+
+@pytest.mark.parametrize(
+    ("path", "prompt"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "a long shared prefix"}),
+    ],
+)
+async def test_usage_says_how_many_prompt_tokens_a_kept_prefix_spared(serve, path, prompt):
+    base = await serve(PrefixCachedBackend("Hello", cached=16))
+    status, body = await post(f"{base}{path}", {"model": "tiny", **prompt})
+    assert status == 200
+    usage = body["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    stream = {"model": "tiny", **prompt, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = await read_chunks(f"{base}{path}", stream)
+    # Null on every chunk but the last, which has no choices and the whole tally (OpenAI's way).
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+async def test_the_official_client_and_ours_read_the_cached_tokens(serve):
+    base = await serve(PrefixCachedBackend("Hello", cached=8))
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    try:
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.usage.prompt_tokens_details.cached_tokens == 8
+        completion = await client.completions.create(model="tiny", prompt="hey")
+        assert completion.usage.prompt_tokens_details.cached_tokens == 8
+    finally:
+        await client.close()
+    path, body = completion_request("hey there", chat=False, max_tokens=16)
+    events = [event async for event in stream_completion(base, path, body)]
+    summary = events[-1]
+    assert isinstance(summary, StreamSummary)
+    assert (summary.text, summary.prompt_tokens, summary.cached_tokens) == ("Hello", 9, 8)
+    assert "8 of 9 prompt tokens cached" in describe_summary(summary)
+    # A server with nothing cached (or that does not say) reads as 0, and the line leaves it out.
+    plain = await serve(ScriptedBackend("Hi"))
+    events = [event async for event in stream_completion(plain, path, body)]
+    assert events[-1].cached_tokens == 0 and "cached" not in describe_summary(events[-1])
 
 
 @pytest.mark.parametrize(

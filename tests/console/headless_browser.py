@@ -62,6 +62,8 @@ class ConsoleDom(HTMLParser):
         # This node's relays: id -> (registered, the line's text).
         self.relays: dict[str, tuple[str, str]] = {}
         self._relay: str | None = None
+        # The prefix cache section's attributes (data-limit, data-entries), when there is one.
+        self.prefix_cache: dict[str, str] = {}
         # The memory section's text, and how deep in its divs the parser is (0: outside).
         self.memory_text = ""
         self._memory_depth = 0
@@ -82,6 +84,8 @@ class ConsoleDom(HTMLParser):
         if "relay" in a.get("class", "").split():
             self._relay = a["data-relay-id"]
             self.relays[self._relay] = (a["data-registered"], "")
+        if a.get("id") == "prefix-cache":
+            self.prefix_cache = {key.removeprefix("data-"): a[key] for key in ("data-limit", "data-entries")}
         if a.get("id") == "state":
             self.state = a.get("data-state", "")
         self._in_coverage_text = a.get("class") == "coverage-text"

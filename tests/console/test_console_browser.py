@@ -85,6 +85,10 @@ async def test_the_console_shows_every_node_and_the_models_coverage(cluster, bro
     if "memory" in view["sections"]:
         assert "tokenizer" not in view["sections"]["memory"]["outside_bytes"]
         assert "MiB budget" in dom.memory_text and "not the shard's" not in dom.memory_text, dom.memory_text
+    # What A's shard keeps of released prompts: on by default, as many as it has sessions.
+    limit = view["sections"]["prefix_cache"]["limit"]
+    assert limit == next(n for n in view["nodes"] if n["id"] == a_id)["load"]["max_sessions"] > 0
+    assert dom.prefix_cache["limit"] == str(limit)
     # This node's relay, and why it is not registered.
     registered, line = dom.relays[SILENT_RELAY_ID]
     assert registered == "false"

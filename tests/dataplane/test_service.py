@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,10 @@ from helpers.polling import eventually
 from helpers.recording_engine import SPEC
 
 from engines.fake import FakeEngine, FaultKind, FaultRule
+from engines.interface import EngineCapabilities, LoadRequest
 from engines.tiny_model import ensure_tiny_model
 from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
+from meshnode.dataplane.client_units import PrefixBlocks
 from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.membership.credentials import MeshKey
 from meshnode.wire.framing import StreamType
@@ -131,3 +134,56 @@ def test_the_cli_refuses_a_model_it_cannot_serve_before_joining(tmp_path: Path) 
         f"meshnode start: cannot serve gpt2.gguf: cannot read {unloadable}: {unloadable}: "
         "gpt2.embedding_length is missing"
     ]
+
+
+class LoadRecordingEngine(FakeEngine):
+    """The fake engine, keeping the load request the service sent it."""
+
+    def __init__(self) -> None:
+        super().__init__(SPEC)
+        self.loaded: list[LoadRequest] = []
+
+    def load(self, request: LoadRequest) -> EngineCapabilities:
+        self.loaded.append(request)
+        return super().load(request)
+
+
+async def test_the_prefix_cache_size_reaches_the_engine_and_its_counters_the_status_section() -> None:
+    loopback = LoopbackMesh()
+    node, client = AnnouncingPeer(loopback, 1), loopback.add(2)
+    engines: list[LoadRecordingEngine] = []
+
+    def engine_factory() -> LoadRecordingEngine:
+        engines.append(LoadRecordingEngine())
+        return engines[-1]
+
+    options = replace(fake_options(), prefix_cache_entries=2)
+    service = await ShardService.start(node, options, engine_factory=engine_factory)
+    try:
+        assert engines[0].loaded[0].prefix_cache_entries == 2
+        assert service.prefix_cache_status() == {
+            "limit": 2,
+            "entries": 0,
+            "hits": 0,
+            "misses": 0,
+            "tokens_reused": 0,
+            "kept": 0,
+            "evicted": 0,
+        }
+        # A prefill of two whole blocks, released: the shard keeps it. The next prompt that starts
+        # with the same two blocks opens from it and computes only what follows.
+        blocks = PrefixBlocks(grid=4, digests=[b"block-1", b"block-2"])
+        link = await client.get_link(node.peer.node_id)
+        opening = {"fingerprint": node.serving.fingerprint, "shard_range": srange(0, 4)}
+        async with ShardSession.open(link, **opening) as first:
+            for handle in first.submit_prefill([1, 2, 3, 4, 5, 6, 7, 8], blocks=blocks):
+                await handle
+        await eventually(lambda: service.prefix_cache_status()["entries"] == 1, 5, "the prefix to be kept")
+        async with ShardSession.open(link, **opening) as second:
+            for handle in second.submit_prefill([9, 10], first_position=8, blocks=blocks):
+                await handle
+        section = service.prefix_cache_status()
+        assert (section["hits"], section["misses"], section["tokens_reused"]) == (1, 0, 8)
+    finally:
+        await service.aclose()
+        await loopback.aclose()

@@ -3,6 +3,8 @@ loopback mesh (fake engines): a conversation's next turn starts from what every 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from helpers.loopback_routes import DRIVER_INDEX, FAST, MIDDLE, TAIL, LoopbackRoutes, collect, reference
 from helpers.polling import eventually
@@ -112,5 +114,26 @@ async def test_every_hop_gets_the_block_digests_and_the_next_turn_prefers_the_ro
         stream = driver.generate(routes.model, third, GREEDY, 3)
         assert await collect(stream) == reference(third, 3)
         assert stream.cached_tokens == 0 and unused.engine.calls
+    finally:
+        await routes.aclose()
+
+
+async def test_speculation_and_batches_keep_the_same_tokens_with_a_kept_prefix():
+    routes = await three_hops(entries=4)
+    try:
+        # Speculation on (FAST): verify steps write draft positions that are never kept.
+        driver = GenerationDriver(routes, FAST)
+        prompt = [*turn(200, 7), *turn(100, 7)]  # repeats: prompt lookup drafts
+        answer = await collect(driver.generate(routes.model, prompt, GREEDY, 24))
+        assert answer == reference(prompt, 24)
+        assert driver.stats.speculative_rounds > 0
+        await eventually(lambda: idle(routes))
+        second = [*prompt, *answer, *turn(40, 8)]
+        # Two conversations at once continue from the same kept prefix: their decodes batch.
+        streams = [driver.generate(routes.model, second, GREEDY, 16) for _ in range(2)]
+        results = await asyncio.gather(*(collect(stream) for stream in streams))
+        assert results == [reference(second, 16)] * 2
+        # One adopted the kept prefix; the other found it taken and prefilled from 0.
+        assert sorted(stream.cached_tokens for stream in streams) == [0, 256]
     finally:
         await routes.aclose()

@@ -111,9 +111,15 @@ def test_status_and_generate_find_a_standalone_server_through_its_data_directory
     lines = shown.stdout.splitlines()
     assert lines[0].startswith("standalone server (meshnode serve: no mesh), up ")
     assert lines[1].startswith(f"  serving: {tiny_model.stem} [0:6) of 6 (")
-    assert re.search(r"  sessions 0/\d+$", lines[1]), lines[1]
+    sessions = re.search(r"  sessions 0/(\d+)$", lines[1])
+    assert sessions, lines[1]
     assert lines[2] == f"  API: {url}/v1 (try: meshnode generate --prompt ...)"
     assert lines[3].startswith("  memory: ") and "against its budget" in lines[3]
+    # The prefix cache is on by default and may keep as many prefixes as the shard has sessions.
+    kept = re.fullmatch(
+        r"  prefix cache: \d+ of (\d+) kept; \d+ hits, \d+ misses, \d+ tokens reused", lines[4]
+    )
+    assert kept and kept.group(1) == sessions.group(1), lines[4]
     raw = json.loads(meshnode("status", "--data-dir", data_dir, "--json").stdout)
     assert raw["standalone"]["api_url"] == url and "node" not in raw
     # `generate` with no --api finds the server's API as it finds a node's.
@@ -153,7 +159,7 @@ def test_a_mesh_node_serving_every_layer_answers_alone(tmp_path, tiny_model):
         process = subprocess.Popen(
             [sys.executable, "-m", "meshnode", "create", "--data-dir", str(data_dir), "--listen",
              "127.0.0.1:0", "--model", str(tiny_model), "--api-listen", "127.0.0.1:0", "--threads", "1",
-             "--ctx", "512"],
+             "--ctx", "512", "--prefix-cache", "off"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     try:
@@ -175,6 +181,8 @@ def test_a_mesh_node_serving_every_layer_answers_alone(tmp_path, tiny_model):
         assert done.stdout == reference_text(tiny_model) + "\n"
         status = meshnode("status", "--data-dir", str(data_dir))
         assert "API: http://127.0.0.1:" in status.stdout
+        # Off: the shard keeps nothing of released sessions, and its status says so.
+        assert "  prefix cache: off" in status.stdout.splitlines()
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(20)

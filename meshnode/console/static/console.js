@@ -171,6 +171,14 @@ function drawSections(view) {
       `${mib(memory.budget_bytes)} MiB budget`, progressBar(fraction),
       ...outsideShard(memory)));
   }
+  // What this node's shard keeps of released prompts (empty while it serves nothing).
+  const prefix = view.sections.prefix_cache;
+  if (prefix && Object.keys(prefix).length) {
+    box.append(el("div", { id: "prefix-cache", "data-limit": prefix.limit, "data-entries": prefix.entries },
+      el("strong", {}, "prefix cache: "),
+      prefix.limit ? `${prefix.entries} of ${prefix.limit} kept; ${prefix.hits} hits, ${prefix.misses} misses, ` +
+        `${prefix.tokens_reused} tokens reused` : "off"));
+  }
   for (const relay of view.relays) {
     const state = relay.registered ? "registered" : `not registered (${relay.problem || "connecting"})`;
     box.append(el("div", { class: "relay", "data-relay-id": relay.id, "data-registered": relay.registered },

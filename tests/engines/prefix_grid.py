@@ -1,0 +1,135 @@
+"""Prefills on the head's grid through a chain of shard engines, as the head drives them with the
+prefix cache on: every chunk is [kC, (k+1)C) (the last one may be partial), a whole block carries
+the digest of every token up to its end, and a session may start from a kept prefix by naming its
+digest at its first position. Shared by the prefix-cache tests on the tiny model and on Gemma."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engines.engine_chain import chain_step
+from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest
+from engines.llama_engine import LlamaShardEngine
+
+
+def block_digests(tokens: Sequence[int], grid: int) -> list[bytes]:
+    """The digest of every whole block of ``tokens``: block k's chains block k-1's with its own
+    tokens, so it names every token before the block's end (16 bytes, as the head's are)."""
+    digests: list[bytes] = []
+    previous = b""
+    for end in range(grid, len(tokens) + 1, grid):
+        digest = hashlib.blake2b(previous, digest_size=16)
+        digest.update(np.asarray(tokens[end - grid : end], dtype="<i4").tobytes())
+        previous = digest.digest()
+        digests.append(previous)
+    return digests
+
+
+@dataclass
+class GridRun:
+    """What a chain computed: each non-tail engine's hidden rows for the prefilled positions, and
+    the tail's logits and greedy token after the prefill and after every decode."""
+
+    hidden: list[np.ndarray] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+def run_on_grid(
+    engines: Sequence[ShardEngine],
+    key: SessionKey,
+    tokens: Sequence[int],
+    grid: int,
+    *,
+    start: int = 0,
+    keep_blocks: bool = True,
+    decode_steps: int = 0,
+) -> GridRun:
+    """Prefill ``tokens[start:]`` through ``engines`` in grid chunks, then ``decode_steps`` greedy
+    decodes. ``start`` > 0 (a multiple of ``grid``) starts the session from the kept prefix of
+    ``start`` tokens; ``keep_blocks`` False sends no block digests (the session keeps nothing)."""
+    assert start % grid == 0 and start < len(tokens)
+    digests = block_digests(tokens, grid)
+    rows: list[list[np.ndarray]] = [[] for _ in engines[:-1]]
+    run = GridRun()
+    for first in range(start, len(tokens), grid):
+        end = min(first + grid, len(tokens))
+        last_chunk = end == len(tokens)
+        block = digests[end // grid - 1] if keep_blocks and end % grid == 0 else b""
+        prefix = digests[start // grid - 1] if first == start and start else b""
+        hidden = None
+        for index, engine in enumerate(engines):
+            tail = index == len(engines) - 1
+            result = engine.prefill(
+                StepRequest(
+                    key,
+                    first,
+                    token_ids=tuple(tokens[first:end]) if index == 0 else None,
+                    hidden=hidden,
+                    sampling=GREEDY if tail and last_chunk else None,
+                    want_logits=tail and last_chunk,
+                    block_digest=block,
+                    prefix_digest=prefix,
+                )
+            )
+            if not tail:
+                assert result.hidden is not None
+                rows[index].append(result.hidden)
+            hidden = result.hidden
+    assert result.logits is not None and result.token_id is not None
+    run.hidden = [np.concatenate(chunks) for chunks in rows]
+    run.logits.append(result.logits.copy())
+    run.tokens.append(result.token_id)
+    position = len(tokens)
+    for _ in range(decode_steps):
+        result = chain_step(engines, key, position, (run.tokens[-1],))
+        assert result.logits is not None and result.token_id is not None
+        run.logits.append(result.logits.copy())
+        run.tokens.append(result.token_id)
+        position += 1
+    return run
+
+
+def release(engines: Sequence[ShardEngine], key: SessionKey) -> None:
+    for engine in engines:
+        engine.release(key)
+
+
+def max_logit_difference(got: GridRun, expected: GridRun) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(got.logits, expected.logits, strict=True))
+
+
+def assert_same_run(got: GridRun, expected: GridRun, *, first_position: int = 0) -> float:
+    """``got`` (which prefilled from ``first_position``) computed bit for bit what ``expected``
+    did from 0: the same hidden rows at every engine, the same logits and tokens. Returns the
+    largest logit difference (0.0)."""
+    assert len(got.hidden) == len(expected.hidden)
+    for rows, reference in zip(got.hidden, expected.hidden, strict=True):
+        assert np.array_equal(rows, reference[first_position:])
+    worst = max_logit_difference(got, expected)
+    assert worst == 0.0
+    assert got.tokens == expected.tokens
+    return worst
+
+
+def kept_lengths(engine: LlamaShardEngine) -> dict[int, int]:
+    """What each kept prefix's slot holds in the llama.cpp runtime, by slot: the engine's own
+    storage, which the session table only describes."""
+    table, runtime = engine._table, engine._main
+    assert table is not None and runtime is not None
+    return {kept.slot: runtime.cached_length(kept.slot) for kept in table.kept()}
+
+
+__all__ = [
+    "GridRun",
+    "assert_same_run",
+    "block_digests",
+    "kept_lengths",
+    "max_logit_difference",
+    "release",
+    "run_on_grid",
+]

@@ -1,0 +1,179 @@
+"""Acceptance of the prefix cache on the real Gemma 3 270M Q4_K_M: a session that starts from a
+kept prefix computes bit for bit what a fresh prefill of its whole prompt on the same grid does
+(the same hidden rows at every hop, the same logits, then 20 identical greedy decodes), for the
+whole model and for a split into 0:6 / 6:12 / 12:18, with prefixes past Gemma's sliding window of
+512 positions, both by adopting a kept prefix and by copying one that must stay. And the control
+that makes the rule necessary: positions written by decode steps are not what a prefill chunk
+writes there, so only whole prefill blocks may be kept."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prefix_grid import GridRun, assert_same_run, kept_lengths, release, run_on_grid
+
+from engines.engine_chain import chain_step
+from engines.interface import METRIC_PREFIX_HITS, METRIC_PREFIX_TOKENS_REUSED, LoadRequest, SessionKey
+from engines.llama_engine import LlamaShardEngine
+from engines.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+# The head's prefill grid; no larger than n_batch, so the runtime never splits a chunk again.
+GRID = 128
+DECODE_STEPS = 20
+# The first conversation: five whole blocks (640 positions, past the sliding window) and a partial one.
+FIRST_PROMPT_TOKENS = 700
+ANSWER_TOKENS = 8
+SPLIT = ((0, 6), (6, 12), (12, 18))
+
+
+def _sentences(topic: str, count: int) -> str:
+    return " ".join(
+        f"{topic} {i}: node {i} of the mesh holds layers {i % 18} to {i % 18 + 3}, answers within "
+        f"{10 + 7 * i} milliseconds and hands its hidden state to node {i + 1}."
+        for i in range(count)
+    )
+
+
+def _load(path: Path, start: int = 0, end: int | None = None) -> LlamaShardEngine:
+    engine = LlamaShardEngine()
+    engine.load(
+        LoadRequest(
+            str(path),
+            start,
+            end,
+            n_ctx=2048,
+            n_seq_max=3,
+            n_batch=512,
+            n_threads=2,
+            prefix_cache_entries=4,
+        )
+    )
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gemma_model: Path) -> Iterator[Tokenizer]:
+    with Tokenizer.open(gemma_model) as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def texts(tokenizer: Tokenizer) -> dict[str, tuple[int, ...]]:
+    """The first turn and three continuations, cut to fixed token counts."""
+    lengths = {"first": FIRST_PROMPT_TOKENS, "second": 230, "branch": 120, "third": 100}
+    tokens = {}
+    for name, length in lengths.items():
+        tokens[name] = tuple(tokenizer.tokenize(_sentences(name.capitalize(), 60)))[:length]
+        assert len(tokens[name]) == length
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def whole(gemma_model: Path) -> Iterator[list[LlamaShardEngine]]:
+    engine = _load(gemma_model)
+    yield [engine]
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def split(gemma_model: Path) -> Iterator[list[LlamaShardEngine]]:
+    engines = [_load(gemma_model, start, end) for start, end in SPLIT]
+    assert engines[-1].capabilities().layer_end == 18
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def _fresh(chain: list[LlamaShardEngine], name: str, prompt: tuple[int, ...]) -> GridRun:
+    """The reference: the whole prompt prefilled from 0 on the grid by a session that keeps nothing."""
+    key = SessionKey(f"{name}-fresh", 1)
+    run = run_on_grid(chain, key, prompt, GRID, keep_blocks=False, decode_steps=DECODE_STEPS)
+    release(chain, key)
+    return run
+
+
+@pytest.mark.parametrize("layout", ["whole", "split"])
+def test_a_conversation_continues_from_kept_prefixes_exactly(
+    layout: str, texts: dict[str, tuple[int, ...]], request: pytest.FixtureRequest
+) -> None:
+    chain: list[LlamaShardEngine] = request.getfixturevalue(layout)
+    hits = [engine.metrics()[METRIC_PREFIX_HITS] for engine in chain]
+    reused = [engine.metrics()[METRIC_PREFIX_TOKENS_REUSED] for engine in chain]
+
+    # Turn one: 700 tokens on the grid, a short answer, then released: 5 whole blocks stay kept.
+    first_key = SessionKey(f"{layout}-first", 1)
+    first = run_on_grid(chain, first_key, texts["first"], GRID, decode_steps=ANSWER_TOKENS - 1)
+    release(chain, first_key)
+    assert [list(kept_lengths(engine).values()) for engine in chain] == [[640]] * len(chain)
+
+    # Turn two resends turn one and its answer: it adopts the kept slot and prefills from 640.
+    second_prompt = texts["first"] + tuple(first.tokens) + texts["second"]
+    assert len(second_prompt) == 938
+    expected = _fresh(chain, f"{layout}-second", second_prompt)
+    second_key = SessionKey(f"{layout}-second", 1)
+    second = run_on_grid(chain, second_key, second_prompt, GRID, start=640, decode_steps=DECODE_STEPS)
+    worst = assert_same_run(second, expected, first_position=640)
+    print(f"\n{layout}: adopted 640 kept positions, max |Δlogit| over 21 steps = {worst}")
+    release(chain, second_key)
+    # Turn two kept its 7 whole blocks in the slot it adopted.
+    assert [list(kept_lengths(engine).values()) for engine in chain] == [[896]] * len(chain)
+
+    # A branch from turn two's first 768 positions: the longer prefix must stay, so it is copied.
+    branch_prompt = second_prompt[:768] + texts["branch"]
+    expected = _fresh(chain, f"{layout}-branch", branch_prompt)
+    before = [kept_lengths(engine) for engine in chain]
+    branch_key = SessionKey(f"{layout}-branch", 1)
+    branch = run_on_grid(chain, branch_key, branch_prompt, GRID, start=768, decode_steps=DECODE_STEPS)
+    worst = assert_same_run(branch, expected, first_position=768)
+    print(f"{layout}: copied 768 of 896 kept positions, max |Δlogit| = {worst}")
+    # The kept prefix is intact, in its own slot: the copy went elsewhere.
+    assert [kept_lengths(engine) for engine in chain] == before
+    for engine, kept in zip(chain, before, strict=True):
+        held = engine._table.lookup(branch_key) if engine._table is not None else None
+        assert held is not None and held.slot not in kept
+
+    # A third session starts from the whole longer prefix (adopting it): exact too.
+    third_prompt = second_prompt[:896] + texts["third"]
+    expected = _fresh(chain, f"{layout}-third", third_prompt)
+    third_key = SessionKey(f"{layout}-third", 1)
+    third = run_on_grid(chain, third_key, third_prompt, GRID, start=896, decode_steps=DECODE_STEPS)
+    worst = assert_same_run(third, expected, first_position=896)
+    print(f"{layout}: adopted the intact 896-position prefix, max |Δlogit| = {worst}")
+    release(chain, branch_key)
+    release(chain, third_key)
+
+    assert [engine.metrics()[METRIC_PREFIX_HITS] - h for engine, h in zip(chain, hits, strict=True)] == [
+        3
+    ] * len(chain)
+    assert [
+        engine.metrics()[METRIC_PREFIX_TOKENS_REUSED] - r for engine, r in zip(chain, reused, strict=True)
+    ] == [640 + 768 + 896] * len(chain)
+
+
+def test_positions_written_by_decode_steps_differ_from_prefilled_ones(
+    whole: list[LlamaShardEngine], texts: dict[str, tuple[int, ...]]
+) -> None:
+    """Positions 640-699 written one token a pass (as an answer is) against the same tokens in one
+    prefill chunk: the next step, the same one-token decode at 700, sees other logits. So a kept
+    prefix may hold prefill blocks only."""
+    prompt = texts["first"]
+    prefilled_key = SessionKey("control-prefilled", 1)
+    prefilled = run_on_grid(whole, prefilled_key, prompt, GRID, keep_blocks=False, decode_steps=1)
+    release(whole, prefilled_key)
+
+    decoded_key = SessionKey("control-decoded", 1)
+    run_on_grid(whole, decoded_key, prompt[:640], GRID, keep_blocks=False)
+    for position in range(640, len(prompt)):
+        chain_step(whole, decoded_key, position, (prompt[position],))
+    result = chain_step(whole, decoded_key, len(prompt), (prefilled.tokens[0],))
+    release(whole, decoded_key)
+    assert result.logits is not None
+
+    worst = float(np.abs(result.logits - prefilled.logits[1]).max())
+    print(f"\ncontrol: decode-written positions 640-699, max |Δlogit| at the next decode = {worst}")
+    assert worst > 0.0
