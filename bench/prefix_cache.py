@@ -31,10 +31,12 @@ otherwise.
 
 Two smaller scenarios follow (``--no-fan-out``, ``--no-eviction`` skip them):
 
-    fan-out   a shared system prompt (~600 tokens) and ``--fan-out-users`` distinct short questions,
-              each a new conversation, on (d off) and (d on) alternately: users after the first
-              should reuse the system prompt's whole 128-token blocks (a kept prefix is copied for
-              each user: it must stay for the next one);
+    fan-out   a shared system prompt (~600 tokens) and ``--fan-out-users`` distinct questions, each a
+              new conversation, on (d off) and (d on) alternately: users after the first should
+              reuse the system prompt's whole 128-token blocks. Each question is long enough that a
+              user's kept prefix ends with a block of its own, so the next user's start is a copy
+              of it (the longer prefix stays kept), not an adoption; the first hop's /metrics prefix
+              counters before and after;
     eviction  a three-node mesh of its own with the cache on but small (``--eviction-entries`` kept
               prefixes, ``--eviction-sessions`` sessions per shard), more conversations than that
               interleaved, every node's ``/metrics`` prefix counters before and after (each node
@@ -98,16 +100,16 @@ TURNS = [
 ]
 
 FAN_OUT_QUESTIONS = [
-    "What time does the first ferry leave Kelvik for Ostrand on a Sunday?",
-    "How much does it cost to send one full container to Marrow Bay?",
-    "Can I send a crate of chickens to Sandvoe?",
-    "My pallet of fish was damaged yesterday. How do I make a claim?",
-    "Do you carry fireworks for a festival on Tillholm?",
-    "Is the Saturday boat running in January if the wind is strong?",
-    "How early must my cargo be at the quay?",
-    "How long does a refund take?",
-    "Can I change my booking for tomorrow morning?",
-    "Which boat calls at Tillholm?",
+    "Hello, I am organising a family move from Kelvik to Ostrand at the end of the month. We have about twelve pallets of furniture and boxes, nothing refrigerated and nothing dangerous, and we would like everything to arrive on a Sunday if possible. What time does the first ferry leave Kelvik on a Sunday, and how much will the twelve pallets cost us?",
+    "Good afternoon. Our brewery on Marrow Bay wants to send one full container of empty kegs back to the supplier every other week, and sometimes a second container in the summer. We are thinking about a yearly contract. How much does one full container cost per crossing, with and without the contract, and when do the Marrow Bay boats leave?",
+    "Hi, my daughter is moving to Sandvoe with her small farm and wants to bring a crate of chickens, two crates of rabbits and a pallet of feed. She can only travel on a Tuesday or a Thursday because of her work. Can the animals travel to Sandvoe at all, on which boat and on which days, and what would the whole trip cost her?",
+    "Dear support, yesterday a refrigerated pallet of fresh fish that I sent from Tillholm to Marrow Bay arrived warm and damaged, and the buyer refused it. I have the delivery note and the buyer took photographs on the quay. How do I make a claim for the lost goods, how long do I have to send it, and how long will it take before I am paid?",
+    "Hello there. Our village is holding a summer festival on Tillholm and the committee would like to ship a box of fireworks, a generator, two cans of petrol and three pallets of tables and chairs from Kelvik the week before. Which of these can you carry, which forms do we need to send, and how much will the things you can carry cost?",
+    "Good morning. I have a refrigerated pallet of cheese booked on the Saturday crossing to Ostrand in the middle of January, and the forecast says the wind may reach force eight. Will the Saturday boat run in January if the wind is that strong, what happens to my booking if it does not, and will I have to pay for the cold store while I wait?",
+    "Hi. My van is often held up at the roadworks outside Kelvik in the mornings, and I am worried about missing the boat with my pallets of vegetables and my refrigerated pallet of meat. How early must my cargo be at the quay before departure, and what happens, and what does it cost me, if it arrives after that but before the boat leaves?",
+    "Hello, I cancelled a booking of four standard pallets to Sandvoe three weeks ago because the boat was cancelled for the weather, and I asked for a full refund instead of moving to the next crossing. I paid by card from our company account. How long does a refund take, where will the money go, and who do I call if it has still not arrived next week?",
+    "Good evening. I would like to change my booking for tomorrow morning's 06:10 crossing from Kelvik to Ostrand: I booked two standard pallets, but I now need to send three, and one of them must stay cold. Can I still change the booking this late, how much will the change cost, and what will the new total be for tomorrow's crossing?",
+    "Hello. A customer of mine lives on Tillholm and I need to send her a single pallet of building materials from Kelvik as soon as possible, but I do not know which boats call at Tillholm or how long the trip takes. Which boat calls at Tillholm, at what times does it leave, and what will one standard pallet cost me without a contract?",
 ]
 
 # key: (label, layout); each runs with the cache off and on (--modes).
@@ -317,6 +319,7 @@ class Results:
     fan_out: dict[str, list[ChatTurn]] = field(default_factory=dict)
     fan_out_shared: int = 0
     fan_out_system: int = 0
+    fan_out_metrics: tuple[dict[str, float], dict[str, float]] = field(default_factory=lambda: ({}, {}))
     eviction: dict[str, list[tuple[int, int, ChatTurn]]] = field(default_factory=dict)
     eviction_metrics: list[tuple[str, dict[str, float], dict[str, float]]] = field(default_factory=list)
     eviction_driver: dict[str, Any] = field(default_factory=dict)
@@ -440,6 +443,7 @@ async def fan_out(
     results.fan_out_shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
     results.fan_out_system = len(tokenizer.tokenize(system["content"], add_special=False))
     results.fan_out = {key: [] for key in keys}
+    before = await prefix_metrics(http, apis["d on"])
     for index, question in enumerate(questions, start=1):
         for key in keys:
             turn = await chat_turn(
@@ -448,6 +452,7 @@ async def fan_out(
             results.fan_out[key].append(turn)
         line = ", ".join(f"{k} {r[-1].ttft_s:.2f}/{r[-1].cached_tokens}" for k, r in results.fan_out.items())
         print(f"  fan-out user {index}: TTFT s/reused {line}", file=sys.stderr, flush=True)
+    results.fan_out_metrics = (before, await prefix_metrics(http, apis["d on"]))
     if len(keys) == 2:
         for index, (a, b) in enumerate(zip(*results.fan_out.values(), strict=True), start=1):
             if a.text != b.text:
@@ -669,6 +674,20 @@ def report_fan_out(args: argparse.Namespace, results: Results) -> None:
         print(f"users 2-{len(on)}: median TTFT off {later_off:.3f} s, on {later_on:.3f} s ({later_on / later_off:.2f}x); "
               f"reused {min(reused)}-{max(reused)} tokens each (the shared whole blocks: {whole}); texts identical: "
               f"{not any(m.startswith('fan-out') for m in results.mismatches)}")  # fmt: skip
+    before, after = results.fan_out_metrics
+    print(f"(d on)'s first hop's /metrics prefix samples over the fan-out: {metric_changes(before, after)}")
+
+
+def metric_changes(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+    """Counters by how much they grew; a gauge (the entries kept) by what it read before and after."""
+    changed = [
+        f"{k} {after[k] - before.get(k, 0.0):+g}"
+        if k.endswith("_total")
+        else f"{k} {before.get(k, 0.0):g} -> {after[k]:g}"
+        for k in sorted(after)
+        if after[k] != before.get(k, 0.0) or not k.endswith("_total")
+    ]
+    return ", ".join(changed) if changed else "(none changed)"
 
 
 def report_eviction(args: argparse.Namespace, results: Results) -> None:
@@ -692,12 +711,11 @@ def report_eviction(args: argparse.Namespace, results: Results) -> None:
     stats = results.eviction_driver
     print(f"the head (driver): prefix hits {stats.get('prefix_hits')}, misses {stats.get('prefix_misses')} "
           f"(a hop no longer kept it), tokens not prefilled {stats.get('prefix_cached_tokens')}")  # fmt: skip
-    print("each node's /metrics prefix samples, the change over this scenario:")
+    print(
+        "each node's /metrics prefix samples: what each counter added over this scenario, the gauge before -> after:"
+    )
     for name, before, after in results.eviction_metrics:
-        changed = [
-            f"{k} {after[k] - before.get(k, 0.0):+g}" for k in sorted(after) if after[k] != before.get(k, 0.0)
-        ]
-        print(f"  {name}: {', '.join(changed) if changed else '(none changed)'}")
+        print(f"  {name}: {metric_changes(before, after)}")
     if off:
         same = not any(m.startswith("eviction") for m in results.mismatches)
         print(f"texts identical to (d off)'s: {same}")
