@@ -284,13 +284,15 @@ async def start_mesh(
     *,
     extra: Sequence[str] = (),
     proxies: DelayProxies | None = None,
+    ctx: int = 1024,
 ) -> tuple[LocalMesh, str]:
     """The configuration's processes, ready (its API lists the model), ``extra`` arguments given to
-    each (and each behind a delay proxy of ``proxies``); returns the API URL."""
+    each (and each behind a delay proxy of ``proxies``), ``ctx`` tokens per session; returns the API
+    URL."""
     # The nodes' own gossip timing, as a user's mesh runs: LocalMesh's default is the tests'
     # one-second heartbeat (failures seen fast), which costs every node ~6 ms of CPU a second
     # more, ~0.45 ms a token over three nodes at 40 tokens/s, on the cores the engines share.
-    mesh = LocalMesh(work, model, threads=threads, ctx=1024, env=env, timing=())
+    mesh = LocalMesh(work, model, threads=threads, ctx=ctx, env=env, timing=())
 
     def node_extra() -> list[str]:
         return [*extra, *(proxies.node_args() if proxies is not None else [])]
