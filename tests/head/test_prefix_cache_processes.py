@@ -102,6 +102,9 @@ async def test_a_six_turn_chat_is_the_same_with_the_cache_and_reuses_from_the_se
         await route_ready(api, with_cache)
         cached = await six_turns(api)
         statuses = [p.status() for p in with_cache.processes]
+    print(
+        "\nturn: prompt tokens, cached with the cache on:", [(prompt, reused) for _, prompt, reused in cached]
+    )
     assert [text for text, _, _ in cached] == [text for text, _, _ in plain]
     assert [prompt for _, prompt, _ in cached] == [prompt for _, prompt, _ in plain]
     assert cached[0][2] == 0
