@@ -25,7 +25,6 @@ that moves them fails loudly instead of silently weakening the node:
 
 from __future__ import annotations
 
-import datetime
 import ssl
 from typing import Any
 
@@ -33,30 +32,10 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketPacer
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from cryptography.x509.oid import NameOID
 
-from meshnode.identity import NodeIdentity, public_key_bytes
+from meshnode.identity import NodeIdentity
+from meshnode.transport.node_certificate import certificate_node_id, self_signed_certificate
 from meshnode.wire.framing import ALPN
-
-# Certificates are never checked for dates (the key is what is pinned), but a
-# sane validity window keeps generic TLS tooling quiet.
-_CERT_VALIDITY = datetime.timedelta(days=3650)
-
-
-def self_signed_certificate(identity: NodeIdentity) -> x509.Certificate:
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"meshnode {identity.short_id}")])
-    now = datetime.datetime.now(datetime.UTC)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(identity.private_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + _CERT_VALIDITY)
-        .sign(identity.private_key, algorithm=None)
-    )
 
 
 def quic_configuration(
@@ -153,10 +132,7 @@ class MeshQuicConnection(QuicConnection):
         certificate = getattr(self.tls, "_peer_certificate", None)
         if certificate is None:
             return None
-        key = certificate.public_key()
-        if not isinstance(key, Ed25519PublicKey):
-            return None
-        return public_key_bytes(key)
+        return certificate_node_id(certificate)
 
     # -- streams beyond the peer's stream limit ---------------------------------
     # aioquic writes RESET_STREAM and STOP_SENDING even for a stream still blocked
