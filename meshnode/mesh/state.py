@@ -158,6 +158,10 @@ class MeshState:
     def is_admitted(self, peer_id: bytes) -> bool:
         return peer_id in self._admitted
 
+    def admitted(self) -> frozenset[bytes]:
+        """The peers admitted now (the bulk lane lets their certificates complete a handshake)."""
+        return frozenset(self._admitted)
+
     def heartbeat(self) -> None:
         """Make our announcement fresher, so peers hear from us again."""
         self.local.heartbeat_seq += 1

@@ -1,0 +1,154 @@
+"""The bulk lane's listening side: TCP accepted, TLS completed, the peer admitted, then served.
+
+A connection costs the node a TCP accept and at most one handshake before it is refused:
+a client whose certificate does not carry the key of a node the lane trusts fails inside
+OpenSSL's handshake (as a stranger's QUIC handshake fails in aioquic's), the handshake
+must finish within ``handshake_timeout``, and at most ``max_connections`` connections
+(handshaking or served) are open at once, ``max_per_peer`` of them per node. Only after
+that does ``admits`` decide, with the node id the handshake proved, and only an admitted
+peer's connection reaches ``serve`` as a :class:`~meshnode.transport.tls_lane.TlsStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+
+from meshnode.identity import short_id
+from meshnode.transport.bind_errors import listen_error
+from meshnode.transport.read_limits import ReadLimits, process_budget
+from meshnode.transport.tls_lane import (
+    LANE_DIAL_FAILURES,
+    READ_BUFFER_BYTES,
+    LaneContexts,
+    TlsStream,
+    abort_with_reset,
+    authenticated_peer,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_PER_PEER = 8
+# What a lane connection's reader may hold of incomplete frames (requests are a few bytes).
+_CONNECTION_BUFFER_BYTES = 1 << 20
+_STALL_TIMEOUT_S = 30.0
+
+
+class TlsLaneListener:
+    def __init__(
+        self,
+        contexts: LaneContexts,
+        serve: Callable[[TlsStream], Awaitable[None]],
+        *,
+        admits: Callable[[bytes], bool],
+        trusted: Callable[[], Iterable[bytes]],
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_per_peer: int = DEFAULT_MAX_PER_PEER,
+    ) -> None:
+        self.contexts = contexts
+        self._serve = serve
+        # Whether the QUIC side would serve this peer now (admitted, not removed).
+        self._admits = admits
+        # The nodes whose certificates may complete a handshake (refreshed at each accept).
+        self._trusted = trusted
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
+        self._open = 0
+        self._by_peer: Counter[bytes] = Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        # Connections refused, by reason (status and tests).
+        self.refusals: Counter[str] = Counter()
+        self.served: Counter[bytes] = Counter()
+
+    async def listen(self, host: str, port: int) -> None:
+        """Start accepting on TCP ``host:port``; raises ListenError when it cannot be bound."""
+        try:
+            self._server = await asyncio.start_server(self._accept, host, port, limit=READ_BUFFER_BYTES)
+        except OSError as exc:
+            raise listen_error("TCP", host, port, exc) from exc
+
+    @property
+    def local_address(self) -> tuple[str, int]:
+        assert self._server is not None
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    def connections_of(self, peer_id: bytes) -> int:
+        return self._by_peer[peer_id]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            if self._open >= self.max_connections:
+                self._refuse(writer, "busy", "too many lane connections")
+                return
+            self._open += 1
+            try:
+                await self._handshake_and_serve(reader, writer)
+            finally:
+                self._open -= 1
+        finally:
+            self._tasks.discard(task)
+
+    async def _handshake_and_serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.contexts.trust(self._trusted())
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                await writer.start_tls(self.contexts.server, ssl_handshake_timeout=self.handshake_timeout)
+            peer_id = authenticated_peer(writer)
+        except LANE_DIAL_FAILURES as exc:
+            self._refuse(writer, "handshake", f"{type(exc).__name__}: {exc}")
+            return
+        if not self._admits(peer_id):
+            self._refuse(writer, "not_admitted", f"{short_id(peer_id)} is not admitted")
+            return
+        if self._by_peer[peer_id] >= self.max_per_peer:
+            self._refuse(
+                writer, "peer_busy", f"{self.max_per_peer} lane connections from {short_id(peer_id)}"
+            )
+            return
+        self._by_peer[peer_id] += 1
+        limits = ReadLimits(
+            budget=process_budget().child(_CONNECTION_BUFFER_BYTES), stall_timeout=_STALL_TIMEOUT_S
+        )
+        stream = TlsStream(reader, writer, peer_id, limits)
+        try:
+            self.served[peer_id] += 1
+            await self._serve(stream)
+        finally:
+            self._by_peer[peer_id] -= 1
+            if not self._by_peer[peer_id]:
+                del self._by_peer[peer_id]
+            stream.close()
+
+    def _refuse(self, writer: asyncio.StreamWriter, reason: str, detail: str) -> None:
+        self.refusals[reason] += 1
+        peer = writer.get_extra_info("peername")
+        log.debug("refused lane connection from %s: %s", peer, detail)
+        abort_with_reset(writer)
+
+
+__all__ = [
+    "DEFAULT_HANDSHAKE_TIMEOUT_S",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_PER_PEER",
+    "TlsLaneListener",
+]
