@@ -4,7 +4,8 @@ A connection costs the node a TCP accept and at most one handshake before it is 
 a client whose certificate does not carry the key of a node the lane trusts fails inside
 OpenSSL's handshake (as a stranger's QUIC handshake fails in aioquic's), the handshake
 must finish within ``handshake_timeout``, and at most ``max_connections`` connections
-(handshaking or served) are open at once, ``max_per_peer`` of them per node. Only after
+(handshaking or served) are open at once (one more is refused at its ClientHello, before
+the server signs anything), ``max_per_peer`` of them per node. Only after
 that does ``admits`` decide, with the node id the handshake proved, and only an admitted
 peer's connection reaches ``serve`` as a :class:`~meshnode.transport.tls_lane.TlsStream`.
 """
@@ -13,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+import ssl
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 
 from meshnode.identity import short_id
 from meshnode.transport.bind_errors import listen_error
 from meshnode.transport.read_limits import ReadLimits, process_budget
 from meshnode.transport.tls_lane import (
-    LANE_DIAL_FAILURES,
     READ_BUFFER_BYTES,
     LaneContexts,
+    LaneDialError,
     TlsStream,
     abort_with_reset,
     authenticated_peer,
@@ -60,6 +63,9 @@ class TlsLaneListener:
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
         self._open = 0
+        # When each handshake under way began (see _client_hello).
+        self._handshakes: deque[float] = deque()
+        self.handshakes_begun = 0
         self._by_peer: Counter[bytes] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -69,8 +75,18 @@ class TlsLaneListener:
 
     async def listen(self, host: str, port: int) -> None:
         """Start accepting on TCP ``host:port``; raises ListenError when it cannot be bound."""
+        # At each ClientHello, before the handshake's costly part (and before the client's
+        # certificate is checked against the trusted nodes, refreshed there).
+        self.contexts.server.sni_callback = self._client_hello
         try:
-            self._server = await asyncio.start_server(self._accept, host, port, limit=READ_BUFFER_BYTES)
+            self._server = await asyncio.start_server(
+                self._accept,
+                host,
+                port,
+                ssl=self.contexts.server,
+                ssl_handshake_timeout=self.handshake_timeout,
+                limit=READ_BUFFER_BYTES,
+            )
         except OSError as exc:
             raise listen_error("TCP", host, port, exc) from exc
 
@@ -92,30 +108,41 @@ class TlsLaneListener:
         if self._server is not None:
             await self._server.wait_closed()
 
+    def _client_hello(
+        self, ssl_object: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext
+    ) -> int | None:
+        """Refuse a handshake beyond ``max_connections`` (served ones, and those begun within the
+        handshake timeout, the longest one can last); else let it go on, trusting who may pass now."""
+        now = time.monotonic()
+        while self._handshakes and self._handshakes[0] <= now - self.handshake_timeout:
+            self._handshakes.popleft()
+        if self._open + len(self._handshakes) >= self.max_connections:
+            self.refusals["busy"] += 1
+            return ssl.ALERT_DESCRIPTION_HANDSHAKE_FAILURE
+        self._handshakes.append(now)
+        self.handshakes_begun += 1
+        self.contexts.trust(self._trusted())
+        return None
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Called once the handshake succeeded: the client showed a certificate of a trusted node.
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        if self._handshakes:
+            self._handshakes.popleft()
+        self._open += 1
         try:
-            if self._open >= self.max_connections:
-                self._refuse(writer, "busy", "too many lane connections")
-                return
-            self._open += 1
-            try:
-                await self._handshake_and_serve(reader, writer)
-            finally:
-                self._open -= 1
+            await self._admit_and_serve(reader, writer)
         finally:
+            self._open -= 1
             self._tasks.discard(task)
 
-    async def _handshake_and_serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.contexts.trust(self._trusted())
+    async def _admit_and_serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with asyncio.timeout(self.handshake_timeout):
-                await writer.start_tls(self.contexts.server, ssl_handshake_timeout=self.handshake_timeout)
             peer_id = authenticated_peer(writer)
-        except LANE_DIAL_FAILURES as exc:
-            self._refuse(writer, "handshake", f"{type(exc).__name__}: {exc}")
+        except LaneDialError as exc:
+            self._refuse(writer, "handshake", str(exc))
             return
         if not self._admits(peer_id):
             self._refuse(writer, "not_admitted", f"{short_id(peer_id)} is not admitted")
