@@ -27,6 +27,7 @@ async def run_node(
     node: Node,
     *,
     on_ready: Callable[[Node], None] | None = None,
+    on_started: Callable[[Node], Awaitable[None]] | None = None,
     drain: Callable[[], Awaitable[None]] | None = None,
     drain_timeout: float = 30.0,
     join_timeout: float = DEFAULT_JOIN_TIMEOUT_S,
@@ -35,8 +36,9 @@ async def run_node(
 
     With ``drain``, the first signal drains first: ``drain()`` stops new work and
     returns once in-flight work is done; it is given ``drain_timeout`` seconds, and a
-    second signal cuts it short. PeerLeaving goes out after the drain either way. A joiner
-    keeps trying bootstrap peers it cannot reach for ``join_timeout`` seconds (:mod:`.join_retry`).
+    second signal cuts it short. PeerLeaving goes out after the drain either way.
+    ``on_started`` runs once the node's socket is bound, before it joins (what listens beside
+    it: the bulk lane). A joiner keeps trying bootstrap peers it cannot reach for ``join_timeout`` seconds (:mod:`.join_retry`).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -49,6 +51,8 @@ async def run_node(
             raise CliError(
                 f"{exc}; choose another with --listen HOST:PORT (port 0 picks a free one)"
             ) from None
+        if on_started is not None:
+            await on_started(node)
         if node.state.is_member:
             await node.reconnect()
         else:

@@ -95,7 +95,7 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         from meshnode.app.placed_serving import offer_model_file
 
         # Joiners with no --model fetch their layers from nodes that hold them (meshnode.artifacts).
-        await offer_model_file(node, args.model, args, service)
+        lane = await offer_model_file(node, args.model, args, service)
         head = await start_head(node, service, args, args.model)
 
         async def drain() -> None:
@@ -108,9 +108,15 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
 
         try:
             return await run_node(
-                node, drain=drain, drain_timeout=args.drain_timeout, join_timeout=args.join_timeout
+                node,
+                on_started=lane.start if lane is not None else None,
+                drain=drain,
+                drain_timeout=args.drain_timeout,
+                join_timeout=args.join_timeout,
             )
         finally:
+            if lane is not None:
+                await lane.close()
             if head is not None:
                 await head.aclose()
     finally:

@@ -4,7 +4,8 @@ The composition root of placement: the shard service and the head are built here
 each range :class:`~meshnode.autoplace.auto_shard.AutoShard` chooses, on a
 :class:`~meshnode.autoplace.switched_handlers.SwitchedNode` so that a node that moves
 to another range can register its new shard server's handlers. Every node serving
-a model also offers its tensors to joiners (:func:`offer_artifacts`).
+a model also offers its tensors to joiners (:func:`offer_artifacts`), over QUIC and over the
+bulk lane (:class:`~meshnode.app.bulk_lane.NodeBulkLane`), which also carries its own fetches.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from meshnode.app.bulk_lane import NodeBulkLane
 from meshnode.app.head_service import HeadService
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
@@ -57,16 +59,18 @@ def holds_sessions(service: ShardService | None) -> bool:
         return False
 
 
-async def offer_model_file(node: Node, path: Path, args: argparse.Namespace, service: ShardService) -> None:
-    """A node serving ``--model PATH`` offers the whole file's tensors (a file it cannot offer
-    is only logged: the node still serves its layers)."""
+async def offer_model_file(
+    node: Node, path: Path, args: argparse.Namespace, service: ShardService
+) -> NodeBulkLane | None:
+    """A node serving ``--model PATH`` offers the whole file's tensors, over QUIC and the bulk lane
+    it returns (a file it cannot offer is only logged: the node still serves its layers)."""
     holdings = Holdings()
     try:
         holdings.add(await asyncio.to_thread(FullModel, path))
     except (OSError, ValueError) as exc:
         log.warning("not offering %s to joining nodes: %s", path.name, exc)
-        return
-    offer_artifacts(node, holdings, args, lambda: holds_sessions(service))
+        return None
+    return NodeBulkLane(node, offer_artifacts(node, holdings, args, lambda: holds_sessions(service)))
 
 
 def _report_placement_end(task: asyncio.Task[None]) -> None:
@@ -140,21 +144,24 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             raise
         return _PlacedShard(service, head, handlers)
 
-    try:
-        placement = AutoShard(node, placement_settings(args, data_dir), start_serving, holdings)
-    except StoreInUse as exc:
-        raise CliError(str(exc)) from None
-
     def busy() -> bool:
         serving = placement.serving
         return isinstance(serving, _PlacedShard) and holds_sessions(serving.service)
+
+    # Started beside the node (run_node's on_started); its lanes carry this node's fetches too.
+    lane = NodeBulkLane(node, offer_artifacts(node, holdings, args, busy))
+    try:
+        placement = AutoShard(
+            node, placement_settings(args, data_dir), start_serving, holdings, open_link=lane.lanes.open_link
+        )
+    except StoreInUse as exc:
+        raise CliError(str(exc)) from None
 
     def prefix_cache() -> dict[str, int]:
         # The shard placed now (a move to another range starts a new one, its counters at 0).
         serving = placement.serving
         return serving.service.prefix_cache_status() if isinstance(serving, _PlacedShard) else {}
 
-    offer_artifacts(node, holdings, args, busy)
     node.add_status_section("placement", placement.status)
     node.add_status_section(PREFIX_CACHE_SECTION, prefix_cache)
     running: list[asyncio.Task[None]] = []
@@ -178,6 +185,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         return await run_node(
             node,
             on_ready=place,
+            on_started=lane.start,
             drain=drain,
             drain_timeout=args.drain_timeout,
             join_timeout=args.join_timeout,
@@ -188,6 +196,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         # A placement that failed was logged when it ended (_report_placement_end).
         await asyncio.gather(*running, return_exceptions=True)
         await placement.aclose()
+        await lane.close()
 
 
 __all__ = ["offer_artifacts", "offer_model_file", "serve_placed_node"]

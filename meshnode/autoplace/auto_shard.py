@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from engines.gguf_file import read_gguf
 from engines.slicing import tensors_for_range
 from meshnode.artifacts.disk_room import check_disk_room
-from meshnode.artifacts.fetcher import Quarantine, TransferError, fetch_manifest, fetch_tensors
+from meshnode.artifacts.fetcher import OpenLink, Quarantine, TransferError, fetch_manifest, fetch_tensors
 from meshnode.artifacts.holdings import Holdings, PartialHolding
 from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
 from meshnode.artifacts.store import ArtifactStore, PartialModel, StoreError
@@ -104,8 +104,11 @@ class AutoShard:
         holdings: Holdings,
         *,
         budget: Callable[[], int | None] | None = None,
+        open_link: OpenLink | None = None,
     ) -> None:
         self._node = node
+        # What artifact streams are opened on (the bulk lanes: TLS/TCP to a direct peer, else QUIC).
+        self._open_link: OpenLink = open_link or node.get_link
         self._settings = settings
         self._start_serving = start_serving
         self._holdings = holdings
@@ -174,7 +177,7 @@ class AutoShard:
         self._model = model
         self._state = "fetching the manifest"
         manifest, metadata = await fetch_manifest(
-            self._node.get_link, model.fingerprint, found.sources, quarantine=self._quarantine
+            self._open_link, model.fingerprint, found.sources, quarantine=self._quarantine
         )
         partial = self._store.open(manifest, metadata)
         self._holdings.add(PartialHolding(partial))
@@ -299,7 +302,7 @@ class AutoShard:
         display = asyncio.ensure_future(ProgressDisplay(progress).run())
         try:
             report = await fetch_tensors(
-                self._node.get_link, partial, wanted, sources, progress=progress, quarantine=self._quarantine
+                self._open_link, partial, wanted, sources, progress=progress, quarantine=self._quarantine
             )
         finally:
             progress.finish()
