@@ -68,6 +68,20 @@ def lanes_of(node: Node) -> BulkLanes:
     return NodeBulkLane(node, ArtifactServer(Holdings())).lanes
 
 
+def free_on_tcp_too() -> str:
+    """A loopback address whose port number is free on UDP and on TCP, for a node and its lane
+    (a port free on UDP may be taken on TCP, by another test's outgoing connection say)."""
+    while True:
+        with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            tcp.bind(("127.0.0.1", 0))
+            port = tcp.getsockname()[1]
+            try:
+                udp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return f"127.0.0.1:{port}"
+
+
 def quic_port(node: Node) -> int:
     assert node.endpoint is not None
     return node.endpoint.local_address[1]
@@ -95,7 +109,7 @@ async def manifest_over_lane(contexts: LaneContexts, holder: Node, root: str) ->
 async def test_a_direct_peer_serves_the_manifest_and_tensors_over_tls_on_its_own_port(
     tmp_path, tiny_model, tiny_manifest
 ):
-    async with mesh_of(tmp_path, 2) as (holder, joiner):
+    async with mesh_of(tmp_path, 2, free_on_tcp_too) as (holder, joiner):
         source = await serve_on_lane(holder, FullModel(tiny_model))
         try:
             assert source.lane.server.listener.local_address[1] == quic_port(holder)
@@ -119,7 +133,7 @@ async def test_a_direct_peer_serves_the_manifest_and_tensors_over_tls_on_its_own
 async def test_a_stranger_is_refused_in_the_handshake_and_never_reaches_the_server(
     tmp_path, tiny_model, tiny_manifest
 ):
-    async with mesh_of(tmp_path, 2) as (holder, _member):
+    async with mesh_of(tmp_path, 2, free_on_tcp_too) as (holder, _member):
         source = await serve_on_lane(holder, FullModel(tiny_model))
         listener = source.lane.server.listener
         try:
@@ -136,7 +150,7 @@ async def test_a_stranger_is_refused_in_the_handshake_and_never_reaches_the_serv
 async def test_a_trusted_key_that_the_mesh_has_not_admitted_is_refused_after_the_handshake(
     tmp_path, tiny_model, tiny_manifest
 ):
-    async with mesh_of(tmp_path, 2) as (holder, member):
+    async with mesh_of(tmp_path, 2, free_on_tcp_too) as (holder, member):
         source = await serve_on_lane(holder, FullModel(tiny_model))
         listener = source.lane.server.listener
         try:
@@ -156,7 +170,7 @@ async def test_a_trusted_key_that_the_mesh_has_not_admitted_is_refused_after_the
 async def test_a_server_whose_key_is_not_the_expected_node_is_refused_and_the_fetch_goes_over_quic(
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
-    async with mesh_of(tmp_path, 3) as (holder, impostor, joiner):
+    async with mesh_of(tmp_path, 3, free_on_tcp_too) as (holder, impostor, joiner):
         source = await serve_on_lane(holder, FullModel(tiny_model))
         other = await serve_on_lane(impostor, FullModel(tiny_model))
         try:
@@ -182,7 +196,7 @@ async def test_a_server_whose_key_is_not_the_expected_node_is_refused_and_the_fe
 async def test_a_relayed_only_peer_is_fetched_from_over_quic(tmp_path: Path, tiny_model, tiny_manifest):
     mesh_key = MeshKey.generate()
     server, relay = await start_relay_server(mesh_key)
-    holder = first_member(tmp_path / "holder", relay_only_config(relay), mesh_key)
+    holder = first_member(tmp_path / "holder", relay_only_config(relay, listen=free_on_tcp_too()), mesh_key)
     joiner: Node | None = None
     source: LanePeer | None = None
     try:
@@ -221,7 +235,7 @@ async def test_a_tensor_cut_off_over_the_lane_resumes_by_range_over_the_lane(
     index = next(i for i, t in enumerate(tiny_manifest.tensors) if t.name == CUT_TENSOR)
     size = tiny_manifest.tensor(CUT_TENSOR).nbytes
     cut_at = 16 * 4096
-    async with mesh_of(tmp_path, 3) as (cutting_node, honest_node, joiner):
+    async with mesh_of(tmp_path, 3, free_on_tcp_too) as (cutting_node, honest_node, joiner):
         cutting = await serve_on_lane(
             cutting_node, CuttingHolding(FullModel(tiny_model), index, cut_at), **paced()
         )
@@ -253,7 +267,7 @@ async def test_a_tensor_cut_off_over_the_lane_resumes_by_range_over_the_lane(
 async def test_a_source_lying_over_the_lane_is_quarantined_and_the_fetch_completes(
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
-    async with mesh_of(tmp_path, 3) as (honest_node, liar_node, joiner):
+    async with mesh_of(tmp_path, 3, free_on_tcp_too) as (honest_node, liar_node, joiner):
         honest = await serve_on_lane(honest_node, FullModel(tiny_model))
         liar = await serve_on_lane(liar_node, FlippingHolding(FullModel(tiny_model)))
         try:
@@ -277,7 +291,7 @@ async def test_a_source_lying_over_the_lane_is_quarantined_and_the_fetch_complet
 async def test_one_fetch_mixes_a_lane_source_and_a_quic_source(
     tmp_path, tiny_model, tiny_manifest, tiny_metadata
 ):
-    async with mesh_of(tmp_path, 3) as (lane_node, quic_node, joiner):
+    async with mesh_of(tmp_path, 3, free_on_tcp_too) as (lane_node, quic_node, joiner):
         on_lane = await serve_on_lane(lane_node, FullModel(tiny_model))
         # This one has no lane listening: its TCP port refuses, so it is asked over QUIC.
         on_quic = serve(quic_node, FullModel(tiny_model))
@@ -301,7 +315,7 @@ async def test_one_fetch_mixes_a_lane_source_and_a_quic_source(
 async def test_a_tcp_port_taken_leaves_the_node_serving_artifacts_over_quic(
     tmp_path, tiny_model, tiny_manifest
 ):
-    async with mesh_of(tmp_path, 2) as (holder, joiner):
+    async with mesh_of(tmp_path, 2, free_on_tcp_too) as (holder, joiner):
         source = serve(holder, FullModel(tiny_model))
         # Bound, not listening: the lane cannot bind it, and a connection to it is refused.
         taken = socket.socket()

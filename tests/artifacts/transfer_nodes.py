@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,13 +112,20 @@ def serve(node: Node, *artifacts: HeldArtifact, limiter: UploadLimiter | None = 
 
 
 @contextlib.asynccontextmanager
-async def mesh_of(tmp_path: Path, count: int) -> AsyncIterator[list[Node]]:
-    """``count`` started nodes in one mesh, each seeing every other."""
-    first = await start_first_node(tmp_path)
+async def mesh_of(
+    tmp_path: Path, count: int, listen: Callable[[], str] | None = None
+) -> AsyncIterator[list[Node]]:
+    """``count`` started nodes in one mesh, each seeing every other; each listening at ``listen()``
+    when given (default: a free UDP port on loopback)."""
+
+    def config() -> dict[str, Any]:
+        return {} if listen is None else {"listen": listen()}
+
+    first = await start_first_node(tmp_path, **config())
     nodes = [first]
     try:
         for index in range(1, count):
-            nodes.append(await start_joiner(tmp_path, f"node{index}", first))
+            nodes.append(await start_joiner(tmp_path, f"node{index}", first, **config()))
         await eventually(
             lambda: all(
                 other.node_id in node.state.table for node in nodes for other in nodes if other is not node
