@@ -35,8 +35,17 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.tls_lane import LaneContexts, TlsStream, dial_lane
 from meshnode.wire.framing import StreamType
 
-from .test_transfer import CUT_TENSOR, head_range, nbytes, paced
-from .transfer_nodes import CuttingHolding, FlippingHolding, Peer, mesh_of, serve
+from .transfer_nodes import (
+    CUT_TENSOR,
+    CuttingHolding,
+    FlippingHolding,
+    Peer,
+    head_range,
+    mesh_of,
+    nbytes,
+    paced,
+    serve,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engines.gguf_file import read_gguf
-from engines.slicing import tensors_for_range
-from engines.tiny_model import ensure_tiny_model
 from meshnode.artifacts.fetcher import TransferError, fetch_manifest, fetch_tensors
 from meshnode.artifacts.holdings import FullModel, PartialHolding
 from meshnode.artifacts.progress import TransferProgress
@@ -33,33 +31,21 @@ from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 
 from .transfer_nodes import (
+    CUT_TENSOR,
     CuttingHolding,
     DisconnectingHolding,
     FlippingHolding,
     LyingMetadata,
     Peer,
+    head_range,
     mesh_of,
+    nbytes,
+    paced,
     serve,
 )
 
 # Frame headers and protobuf fields per chunk, plus the manifest replies: far below this.
 OVERHEAD_BYTES = 64 * 1024
-
-
-# A source sending 4 KiB chunks paced well below what the joiner reads, so that the joiner has
-# read what was sent before the source's stream fails (a reset drops what is still unread).
-def paced() -> dict:
-    return {"chunk_bytes": 4096, "limiter": UploadLimiter(bytes_per_s=256 * 1024)}
-
-
-def head_range(manifest, layers: int) -> list[str]:
-    """What a first-range shard of ``layers`` layers needs (engines.slicing's roles), in file order."""
-    needed = tensors_for_range(read_gguf(ensure_tiny_model()), 0, layers)
-    return [tensor.name for tensor in manifest.tensors if tensor.name in needed]
-
-
-def nbytes(manifest, names) -> int:
-    return sum(manifest.tensor(name).nbytes for name in names)
 
 
 async def raw_request(node, peer_id: bytes, body: bytes) -> list:
@@ -163,7 +149,6 @@ async def test_a_source_that_disconnects_mid_tensor_is_dropped_and_another_finis
         assert set(report.fetched) == set(wanted)
 
 
-CUT_TENSOR = "token_embd.weight"
 # The cutting source fails its upload of CUT_TENSOR here, in 4 KiB chunks.
 CUT_AT = 16 * 4096
 

@@ -12,6 +12,9 @@ from typing import Any
 from helpers.mesh_nodes import start_first_node, start_joiner
 from helpers.polling import eventually
 
+from engines.gguf_file import read_gguf
+from engines.slicing import tensors_for_range
+from engines.tiny_model import ensure_tiny_model
 from meshnode.artifacts.holdings import HeldArtifact, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.upload_limit import UploadLimiter
@@ -136,3 +139,23 @@ async def mesh_of(
     finally:
         for node in reversed(nodes):
             await node.shutdown()
+
+
+# The tensor a cutting source fails mid-way in the resume tests.
+CUT_TENSOR = "token_embd.weight"
+
+
+# A source sending 4 KiB chunks paced well below what the joiner reads, so that the joiner has
+# read what was sent before the source's stream fails (a reset drops what is still unread).
+def paced() -> dict:
+    return {"chunk_bytes": 4096, "limiter": UploadLimiter(bytes_per_s=256 * 1024)}
+
+
+def head_range(manifest, layers: int) -> list[str]:
+    """What a first-range shard of ``layers`` layers needs (engines.slicing's roles), in file order."""
+    needed = tensors_for_range(read_gguf(ensure_tiny_model()), 0, layers)
+    return [tensor.name for tensor in manifest.tensors if tensor.name in needed]
+
+
+def nbytes(manifest, names) -> int:
+    return sum(manifest.tensor(name).nbytes for name in names)
