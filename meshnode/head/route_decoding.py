@@ -156,9 +156,10 @@ class RouteDecoder:
     ) -> int | None:
         transcript, watchdog = self._transcript, self._watchdog
         # Every prefill chunk gets a unit's whole time after the one before it: a chunk is one
-        # unit of compute, and on a wide model it can take tens of seconds (Llama 3 8B's shape on
-        # 2 cores: ~50 s for 512 tokens), so one deadline for the whole prompt expired mid-prompt
-        # and the generation re-routed, prefilled again and expired again.
+        # unit of compute, and a wide model takes seconds a chunk (Llama 3 8B's shape on 2 cores
+        # prefills ~11 tokens/s: ~95 s for the eight 128-token chunks of 1024 tokens), so one
+        # deadline for the whole prompt expired mid-prompt and the generation re-routed,
+        # prefilled again and expired again.
         unit_ns = round(self._options.unit_timeout_s * SECOND_NS)
         prefill = session.submit_prefill(
             transcript.prompt[start:],
