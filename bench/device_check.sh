@@ -19,10 +19,22 @@
 #
 # Environment: DEVICE_CHECK_BUDGET_S (585: both together), CORES_CHECK_BUDGET_S (270),
 # CORES_CHECK_LEVELS (1,4 here), CORES_CHECK_ROUNDS (2), CORES_CHECK_CONFIGS (cores_check's).
+#
+# `bash bench/device_check.sh --big-model` (issue 53; prepared, not yet run on a device): no
+# cores_check; bench/gpu_check.sh builds llama.cpp for CUDA and then runs only the Llama 3
+# 8B-shape stages (GPU_CHECK_BIG_MODEL=1): bench/engine.py's split parity and prefill/decode
+# against the whole model on the GPU, and bench/big_model.py (join, fetch, memory, time to first
+# token for 1024 and 4096 tokens, decode, against monolithic llama.cpp on the same GPU). Its
+# files: gpu_check.log, system.txt, build.log.gz, bench.txt, big_model.txt. The build (~310 s)
+# leaves ~270 s: the 8B join over QUIC is the stage most likely to run out (a stopped stage
+# still returns what it printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STARTED=$(date +%s)
 BUDGET=${DEVICE_CHECK_BUDGET_S:-585}
+if [ "${1:-}" = --big-model ]; then
+  GPU_CHECK_BIG_MODEL=1 GPU_CHECK_BUDGET_S=$BUDGET exec bash bench/gpu_check.sh
+fi
 CORES_CHECK_BUDGET_S=${CORES_CHECK_BUDGET_S:-270} CORES_CHECK_LEVELS=${CORES_CHECK_LEVELS:-1,4} \
   bash bench/cores_check.sh
 cores_status=$?

@@ -197,7 +197,9 @@ def median_run(runs: list[Run]) -> Run:
 class Monolithic:
     """llama-cpp-python's low-level API: one context, one sequence, greedy."""
 
-    def __init__(self, path: Path, threads: int, weight_repack: bool, n_ctx: int = 1024) -> None:
+    def __init__(
+        self, path: Path, threads: int, weight_repack: bool, n_ctx: int = 1024, n_gpu_layers: int = 0
+    ) -> None:
         # Imported late: libgomp reads its settings (see --node-env) when llama.cpp loads.
         import llama_cpp
 
@@ -209,6 +211,7 @@ class Monolithic:
         # The nodes' setting (the probe's choice), not llama.cpp's default: on an AMX CPU the
         # default repacks weights and the pinned build dies in its first decode.
         params.use_extra_bufts = weight_repack
+        params.n_gpu_layers = n_gpu_layers
         self.model = self.lib.llama_model_load_from_file(str(path).encode(), params)
         ctx_params = self.lib.llama_context_default_params()
         ctx_params.n_ctx = n_ctx

@@ -8,7 +8,8 @@ and a three-shard chain (Gemma's 18 layers: [0, 9) + [9, 18) and [0, 6) + [6, 12
 another model's layers are cut the same way, in halves and in thirds), all through
 ``LlamaShardEngine``. For each it measures a 128-token prefill (fresh session, greedy
 token sampled at the tail) and greedy decode ms/token, and prints each as a ratio to the
-monolithic figure of the same run. Configurations alternate (three prefills per round,
+monolithic figure of the same run, and whether its greedy tokens (the prefill's and every 8th decoded
+one) are the monolithic engine's. Configurations alternate (three prefills per round,
 then decode blocks of 8 tokens) so that background load hits them alike; the figures are
 medians over prefills and over decode blocks.
 
@@ -147,6 +148,9 @@ def run_setting(args: argparse.Namespace, report: Report) -> None:
     prefill: dict[str, list[float]] = {name: [] for name in chains}
     decode: dict[str, list[float]] = {name: [] for name in chains}
     blocks = max(1, args.decode_tokens // BLOCK_TOKENS)
+    # Each configuration's greedy tokens (the prefill's, then each decode block's last): a split
+    # that computes what the whole model does gives the same ones.
+    greedy: dict[str, list[int]] = {name: [] for name in chains}
     for rnd in range(-1, args.rounds):  # round -1 warms up: page faults, graph allocation
         report.write(event="stage", stage="the warm-up round" if rnd < 0 else f"round {rnd + 1}")
         key = SessionKey(f"bench-{rnd}", 1)
@@ -154,6 +158,7 @@ def run_setting(args: argparse.Namespace, report: Report) -> None:
         for _ in range(PREFILLS_PER_ROUND):  # a prefill at position 0 restarts the session
             for name, chain in chains.items():
                 seconds, tokens[name] = prefill_seconds(chain, key, prompt)
+                greedy[name].append(tokens[name])
                 if rnd >= 0:
                     prefill[name].append(seconds)
         # Alternate short decode blocks so background load hits every configuration alike.
@@ -162,6 +167,7 @@ def run_setting(args: argparse.Namespace, report: Report) -> None:
                 seconds, tokens[name] = decode_block(
                     chain, key, len(prompt) + block * BLOCK_TOKENS, tokens[name], BLOCK_TOKENS
                 )
+                greedy[name].append(tokens[name])
                 if rnd >= 0:
                     decode[name].append(seconds)
         for chain in chains.values():
@@ -171,6 +177,7 @@ def run_setting(args: argparse.Namespace, report: Report) -> None:
         event="result",
         prefill={name: statistics.median(values) for name, values in prefill.items()},
         decode={name: statistics.median(values) for name, values in decode.items()},
+        same_tokens={name: values == greedy[BASELINE] for name, values in greedy.items()},
     )
     for chain in chains.values():
         for engine in chain:
@@ -240,13 +247,15 @@ def print_setting(setting: str, events: list[dict[str, Any]], returncode: int) -
     print(f"weight repack {setting}:")
     print(
         f"  {'configuration':<14} {f'prefill {PREFILL_TOKENS} (s)':>16} {'ratio':>7}"
-        f" {'decode ms/token':>16} {'ratio':>7}  weight buffers (MiB)"
+        f" {'decode ms/token':>16} {'ratio':>7}  {'greedy':<9} weight buffers (MiB)"
     )
+    same = result.get("same_tokens", {})
     for name in prefill:
         p, d = prefill[name], decode[name]
+        tokens = "same" if same.get(name, True) else "DIFFERENT"
         print(
             f"  {name:<14} {p:>16.4f} {p / base_prefill:>6.3f}x {d * 1000:>16.2f} {d / base_decode:>6.3f}x"
-            f"  {format_buffers(loaded.get(name, {}))}"
+            f"  {tokens:<9} {format_buffers(loaded.get(name, {}))}"
         )
     if setting == "on" and not any(b in buffers for buffers in loaded.values() for b in REPACK_BUFFERS):
         print("  (llama.cpp repacked no weights here: no AMX or CPU_REPACK buffer)")

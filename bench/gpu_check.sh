@@ -41,6 +41,8 @@
 #                   .venv (a CPU build), with n_gpu_layers 0 and the small random model.
 #   --cpu-build     as --cpu-dry-run, but builds the carried sdist for the CPU first (the
 #                   check that the trimmed sdist still builds; ~7 minutes on 2 cores).
+# GPU_CHECK_BIG_MODEL=1 runs issue 53's 8B-shape stages instead of the parity tests, the engine
+# bench and the mixed routes (in the CPU modes on the q4-tiny shape: the script's own check).
 # Environment: GPU_CHECK_PYTHON (python3; .venv/bin/python in the CPU modes),
 # GPU_CHECK_VENV (/tmp/meshnode-gpu-venv), GPU_CHECK_BUDGET_S (570), GPU_CHECK_BUILD_S (the
 # build's own limit, 520), GPU_CHECK_COPY (the CPU modes' copy), OUT (the device
@@ -80,7 +82,8 @@ fi
 
 OUT=${OUT:-$ROOT/.cache/gpu-check-out}
 mkdir -p "$OUT"
-rm -f "$OUT"/gpu_check.log "$OUT"/system.txt "$OUT"/build.log.gz "$OUT"/parity.txt "$OUT"/bench.txt "$OUT"/mixed.txt
+rm -f "$OUT"/gpu_check.log "$OUT"/system.txt "$OUT"/build.log.gz "$OUT"/parity.txt "$OUT"/bench.txt "$OUT"/mixed.txt \
+  "$OUT"/big_model.txt
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 TEE_PID=$!
 
@@ -304,6 +307,39 @@ done
 if [ "$MODE" = gpu ] && [ "$offload" != 1 ]; then
   stamp "this build cannot offload: the GPU checks would run on the CPU, stopping"
   FAILED+=("no GPU offload")
+  finish
+fi
+
+# Issue 53's model that needs the mesh (GPU_CHECK_BIG_MODEL=1, bench/device_check.sh --big-model):
+# these stages instead of the ones below. Llama 3 8B's shape in Q4_0 (4.5 GB, generated here),
+# every layer offloaded: bench/engine.py's whole vs 2 and 3 shards on the device (greedy
+# tokens the same, prefill 128 and decode against the whole model on the same GPU), then
+# bench/big_model.py (created on A, joined by B and C with only an invite, prefill 1024 and
+# 4096 tokens and decode through the API, against monolithic llama.cpp on the same GPU, and
+# the activations' share of the time to first token on the QUIC path).
+if [ "${GPU_CHECK_BIG_MODEL:-0}" = 1 ]; then
+  BIG_SIZE=llama3-8b
+  [ "$MODE" = gpu ] || BIG_SIZE=q4-tiny
+  stage "issue 53: the $BIG_SIZE shape, n_gpu_layers $NGL"
+  big=$(timeout "$(left 120)" "$VPY" bench/random_model.py --size "$BIG_SIZE")
+  if [ -n "$big" ] && [ -f "$big" ]; then
+    stamp "$(ls -l "$big")"
+    run_logged "engine bench ($BIG_SIZE)" 150 "$OUT/bench.txt" \
+      "$VPY" bench/engine.py --model "$big" --n-gpu-layers "$NGL" --weight-repack off --rounds 2 \
+      --decode-tokens 32 --threads 4
+    if [ "$MODE" = gpu ]; then
+      run_logged "big model ($BIG_SIZE)" 400 "$OUT/big_model.txt" \
+        "$VPY" bench/big_model.py --n-gpu-layers "$NGL" --threads 4 --tokens 32
+    else
+      run_logged "big model ($BIG_SIZE)" 400 "$OUT/big_model.txt" \
+        "$VPY" bench/big_model.py --size "$BIG_SIZE" --first-layers 1 --prompt-tokens 64 --tokens 4 \
+        --tls-mib 16
+    fi
+  else
+    stamp "the $BIG_SIZE model: not generated"
+    FAILED+=("$BIG_SIZE model")
+  fi
+  [ "$MODE" = gpu ] && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/system.txt"
   finish
 fi
 

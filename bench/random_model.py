@@ -11,13 +11,23 @@ scaled down, about 40 MB. ``gemma270m``: Gemma 3 270M's shape (18 layers, n_embd
 gguf-py can write them (Q8_0 vocabulary tables, Q5_0 layer matrices where Gemma mixes Q5_0, Q4_K,
 Q6_K and Q8_0), about 0.5 GB: the concurrency bench's stand-in where the Gemma package cannot go
 (a machine without the package registries), with the same layer count and the vocabulary
-projection dominating a token's work; tokens/s compare only within one run.
+projection dominating a token's work; tokens/s compare only within one run. ``llama3-8b``
+(issue 53's model that needs the mesh): Llama 3 8B's shape (32 layers, n_embd 4096, n_ff 14336,
+32 heads with 8 KV heads, a 128 256-token vocabulary) in Q4_0 throughout, about 4.6 GB — the
+size of the Q4 files people run, so a range is gigabytes and a token's activations 16 KB.
+(The package registries carry no whole model of this class: a Qwen 7B GGUF is published
+there as two of its ~47 parts, which do not make a file.)
 
-Generated in seconds: each weight matrix is a window of a pre-scaled pool of float16
+Generated in seconds: each float16 or gguf-py-quantized weight matrix is a window of a pre-scaled pool of float16
 normal values (an odd length, so no two rows of a matrix are equal and no two tokens tie),
 so making the model costs memory copies, not random draws. The numbers are meaningless;
 the shapes, the dtype and the tokenizer (byte fallback, so any text tokenizes) are real,
-and the bytes are deterministic.
+and the bytes are deterministic. The Q4_0 shape's blocks are written directly instead
+(gguf-py quantizes 8 billion floats in about 2.5 minutes here, after drawing
+them, and its writer holds every tensor until the file is written: 4.5 GB): each 32-value
+block is a float16 scale of random sign and a fixed size, 1 / (4.64 sqrt(input width)) so a
+row's output has about unit variance like the float16 pools', and 16 bytes of uniformly
+random nibbles; each tensor is written as it is made, so the generator holds one at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import quantize
 
 from engines.atomic_files import atomic_path
@@ -52,6 +62,8 @@ class Shape:
     # Gemma 3 270M Q4_K_M's kinds of weights (Q8_0 tables, Q5_0 matrices) instead of float16:
     # llama.cpp's batched kernels, and so how a shard batches sessions, depend on the type.
     quantized: bool = False
+    # Q4_0 blocks of random nibbles written directly (the shapes people run at 4 bits).
+    q4_0: bool = False
 
 
 SIZES = {
@@ -60,7 +72,21 @@ SIZES = {
     "gemma270m": Shape(
         n_layers=18, n_embd=640, n_ff=2048, n_head=4, n_head_kv=1, n_vocab=262_144, quantized=True
     ),
+    "llama3-8b": Shape(
+        n_layers=32,
+        n_embd=4096,
+        n_ff=14336,
+        n_head=32,
+        n_head_kv=8,
+        n_vocab=128_256,
+        context=8192,
+        q4_0=True,
+    ),
+    # The Q4_0 writer's test shape: the 8B one's head layout and weight type, tiny widths.
+    "q4-tiny": Shape(n_layers=4, n_embd=256, n_ff=512, n_head=8, n_head_kv=2, n_vocab=4096, q4_0=True),
 }
+# Mean square of a uniform nibble less 8 (values -8..7): a Q4_0 weight's variance over its scale's square.
+_NIBBLE_MEAN_SQUARE = 21.5
 
 
 def _vocabulary(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -105,14 +131,14 @@ class _Pools:
         return np.tile(pool[:_POOL], repeats)[start : start + count].reshape(rows, cols)
 
 
-def write_random_model(destination: Path, shape: Shape, name: str) -> None:
-    rng = np.random.default_rng(_SEED)
+def _add_metadata(writer: GGUFWriter, shape: Shape, name: str) -> None:
     tokens, scores, types = _vocabulary(shape.n_vocab)
     head_dim = shape.n_embd // shape.n_head
-    kv_dim = head_dim * shape.n_head_kv
-    writer = GGUFWriter(str(destination), "llama")
     writer.add_name(name)
-    writer.add_file_type(LlamaFileType.MOSTLY_Q5_0 if shape.quantized else LlamaFileType.MOSTLY_F16)
+    if shape.q4_0:
+        writer.add_file_type(LlamaFileType.MOSTLY_Q4_0)
+    else:
+        writer.add_file_type(LlamaFileType.MOSTLY_Q5_0 if shape.quantized else LlamaFileType.MOSTLY_F16)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layers)
@@ -132,6 +158,17 @@ def write_random_model(destination: Path, shape: Shape, name: str) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(True)
+
+
+def write_random_model(destination: Path, shape: Shape, name: str) -> None:
+    if shape.q4_0:
+        _write_q4_0_model(destination, shape, name)
+        return
+    rng = np.random.default_rng(_SEED)
+    head_dim = shape.n_embd // shape.n_head
+    kv_dim = head_dim * shape.n_head_kv
+    writer = GGUFWriter(str(destination), "llama")
+    _add_metadata(writer, shape, name)
 
     pools = _Pools(rng, {shape.n_embd, shape.n_ff})
 
@@ -163,6 +200,65 @@ def write_random_model(destination: Path, shape: Shape, name: str) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
+    writer.close()
+
+
+def _layer_matrices(shape: Shape) -> list[tuple[str, int, int]]:
+    """Every weight matrix in file order: (name, rows, input width); norms are added apart."""
+    kv_dim = shape.n_embd // shape.n_head * shape.n_head_kv
+    matrices = [("token_embd.weight", shape.n_vocab, shape.n_embd)]
+    for layer in range(shape.n_layers):
+        prefix = f"blk.{layer}."
+        matrices += [
+            (prefix + "attn_q.weight", shape.n_embd, shape.n_embd),
+            (prefix + "attn_k.weight", kv_dim, shape.n_embd),
+            (prefix + "attn_v.weight", kv_dim, shape.n_embd),
+            (prefix + "attn_output.weight", shape.n_embd, shape.n_embd),
+            (prefix + "ffn_gate.weight", shape.n_ff, shape.n_embd),
+            (prefix + "ffn_up.weight", shape.n_ff, shape.n_embd),
+            (prefix + "ffn_down.weight", shape.n_embd, shape.n_ff),
+        ]
+    matrices.append(("output.weight", shape.n_vocab, shape.n_embd))
+    return matrices
+
+
+def _q4_0_blocks(rng: np.random.Generator, rows: int, cols: int, scaled: bool) -> np.ndarray:
+    """``rows`` x ``cols`` Q4_0 values as raw blocks: (rows, cols / 32 * 18) bytes."""
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0]
+    count = rows * cols // block_values
+    scale = 1.0 / np.sqrt(_NIBBLE_MEAN_SQUARE * (cols if scaled else 1))
+    # A random sign per block: the nibbles' mean (-0.5 scale) then cancels instead of adding a
+    # common offset to every output of the matrix.
+    signs = rng.integers(0, 2, count, dtype=np.int8) * 2 - 1
+    blocks = np.empty((count, block_bytes), dtype=np.uint8)
+    blocks[:, :2] = (signs * scale).astype("<f2").view(np.uint8).reshape(count, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (count, block_bytes - 2), dtype=np.uint8)
+    return blocks.reshape(rows, cols // block_values * block_bytes)
+
+
+def _write_q4_0_model(destination: Path, shape: Shape, name: str) -> None:
+    """Tensor infos first, then each tensor's bytes as it is made (one in memory at a time)."""
+    rng = np.random.default_rng(_SEED)
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0]
+    writer = GGUFWriter(str(destination), "llama")
+    _add_metadata(writer, shape, name)
+    matrices = _layer_matrices(shape)
+    norms = [f"blk.{layer}.{kind}_norm.weight" for layer in range(shape.n_layers) for kind in ("attn", "ffn")]
+    norms.append("output_norm.weight")
+    norm_bytes = shape.n_embd * 4
+    for matrix, rows, cols in matrices:
+        nbytes = rows * cols // block_values * block_bytes
+        byte_shape = (rows, cols // block_values * block_bytes)
+        writer.add_tensor_info(matrix, byte_shape, np.dtype(np.uint8), nbytes, GGMLQuantizationType.Q4_0)
+    for norm in norms:
+        writer.add_tensor_info(norm, (shape.n_embd,), np.dtype(np.float32), norm_bytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for matrix, rows, cols in matrices:
+        writer.write_tensor_data(_q4_0_blocks(rng, rows, cols, scaled=matrix != "token_embd.weight"))
+    for _ in norms:
+        writer.write_tensor_data((1.0 + 0.1 * rng.standard_normal(shape.n_embd)).astype(np.float32))
     writer.close()
 
 

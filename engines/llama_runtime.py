@@ -26,8 +26,10 @@ from engines.device_memory import first_offload_buffer_type
 from engines.hidden_capture import HiddenCapture
 from engines.interface import EngineError, EngineErrorKind
 from engines.llama_lib import ensure_llama_backend, overridden_tensors, requested_abort, weight_buffers
+from engines.mapped_pages import release_mapped_pages
 from engines.resident_memory import BufferReport, anonymous_growth, record_baseline
 from engines.row_invariance import ROW_INVARIANT_MAX_ROWS
+from engines.weight_repack import repacked_share
 
 # llama_decode return codes (llama.h).
 _DECODE_OK = 0
@@ -193,6 +195,10 @@ class LlamaRuntime:
         self.overridden_tensors = dict(overridden)
         if not self._model:
             raise EngineError(EngineErrorKind.UNSUPPORTED_MODEL, f"llama.cpp could not load {model_path}")
+        # Repacked weights are llama.cpp's own copies: the mapping's pages of them are never read
+        # again, and kept resident they held the weights twice (engines.mapped_pages).
+        if repacked_share(self.weight_buffers) and release_mapped_pages(model_path):
+            buffer_report.note_mapped_pages_released()
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
 

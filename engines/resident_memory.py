@@ -115,6 +115,13 @@ def is_anonymous_host_buffer(buffer_type: str) -> bool:
     return buffer_type in ("CPU", "AMX") or buffer_type.startswith("CPU_") or buffer_type.endswith("_Host")
 
 
+def is_repacked_buffer(buffer_type: str) -> bool:
+    """Whether ``buffer_type`` holds llama.cpp's repacked copies of weights (CPU_REPACK, AMX)."""
+    return (
+        is_anonymous_host_buffer(buffer_type) and buffer_type != "CPU" and not buffer_type.endswith("_Host")
+    )
+
+
 @dataclass(frozen=True)
 class ShardBudget:
     """What a shard has to hold, in bytes (llama.cpp prints MiB with two decimals).
@@ -165,6 +172,7 @@ class BufferReport:
         self.by_type: dict[BufferKind, dict[str, float]] = {kind: {} for kind in BufferKind}
         self._vocabulary_bytes = 0
         self._context_table_bytes = 0
+        self._mapped_pages_released = False
 
     def note(self, line: str) -> bool:
         """Count ``line`` if it reports a buffer; whether it did."""
@@ -194,9 +202,24 @@ class BufferReport:
         cleared = self._bytes[BufferKind.KV] + self._bytes[BufferKind.OUTPUT]
         self._context_table_bytes = max(0, anonymous_growth - cleared)
 
+    def note_mapped_pages_released(self) -> None:
+        """The model file's mapped pages were given back after its weights were repacked
+        (engines.mapped_pages): the repacked tensors are then held once, in their repacked copy,
+        not also in the mapped span that llama.cpp reports around them."""
+        self._mapped_pages_released = True
+
+    def _weights_bytes(self) -> int:
+        weights = self._bytes[BufferKind.WEIGHTS]
+        if not self._mapped_pages_released:
+            return weights
+        by_type = self.by_type[BufferKind.WEIGHTS]
+        mapped = sum(mib for name, mib in by_type.items() if name.endswith("_Mapped"))
+        repacked = sum(mib for name, mib in by_type.items() if is_repacked_buffer(name))
+        return weights - round(min(mapped, repacked) * MIB)
+
     def budget(self) -> ShardBudget:
         return ShardBudget(
-            self._bytes[BufferKind.WEIGHTS],
+            self._weights_bytes(),
             self._bytes[BufferKind.KV],
             self._bytes[BufferKind.COMPUTE],
             self._bytes[BufferKind.OUTPUT],
@@ -383,6 +406,7 @@ __all__ = [
     "ShardMemory",
     "anonymous_growth",
     "is_anonymous_host_buffer",
+    "is_repacked_buffer",
     "model_file_memory",
     "outside_shards",
     "parse_proc_status",

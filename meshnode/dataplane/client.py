@@ -76,6 +76,7 @@ from meshnode.dataplane.envelope import (
     Deadline,
     UnitPosition,
     digests,
+    later,
 )
 from meshnode.dataplane.errors import payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
@@ -222,13 +223,15 @@ class SessionClient:
         first_position: int = 0,
         deadline: Deadline | None = None,
         blocks: PrefixBlocks | None = None,
+        chunk_allowance_ns: int = 0,
     ) -> list[int]:
         """Split a prefill into chunks within the negotiated limits; returns their unit ids.
 
         ``inputs``: token ids ``[n]`` for a head hop, float32 hidden ``[n, hidden]`` otherwise.
         ``first_position == 0`` starts fresh state; otherwise the cache must hold exactly
         ``first_position`` tokens, or (with ``blocks``) a session may start from the kept prefix
-        of that many tokens.
+        of that many tokens. ``deadline`` is the first chunk's; each later chunk, which waits for
+        the ones before it, has ``chunk_allowance_ns`` more than the one before.
         """
         pieces = prefill_pieces(
             inputs,
@@ -238,7 +241,15 @@ class SessionClient:
             flow=self._require_flow(),
             blocks=blocks,
         )
-        return [self._add(p.position, deadline=deadline, tokens=p.tokens, hidden=p.hidden) for p in pieces]
+        return [
+            self._add(
+                p.position,
+                deadline=later(deadline, index * chunk_allowance_ns),
+                tokens=p.tokens,
+                hidden=p.hidden,
+            )
+            for index, p in enumerate(pieces)
+        ]
 
     def submit_decode(
         self,

@@ -114,6 +114,13 @@ class Deadline:
         return cls(unix_ns, now_ns + (unix_ns - unix_now_ns))
 
 
+def later(deadline: Deadline | None, by_ns: int) -> Deadline | None:
+    """``deadline`` moved ``by_ns`` later on both clocks (None stays None)."""
+    if deadline is None or by_ns == 0:
+        return deadline
+    return Deadline(deadline.unix_ns + by_ns, deadline.at_ns + by_ns)
+
+
 def wire_deadline(deadline: Deadline | None) -> int:
     """``deadline_unix_nanos`` for an envelope or decode step (0: none)."""
     return 0 if deadline is None else deadline.unix_ns
@@ -189,6 +196,7 @@ __all__ = [
     "Deadline",
     "UnitPosition",
     "digests",
+    "later",
     "range_tuple",
     "unit_position",
     "wire_deadline",

@@ -155,18 +155,28 @@ class RouteDecoder:
         self, route: RouteSession, session: ShardSession, blocks: PrefixBlocks, start: int
     ) -> int | None:
         transcript, watchdog = self._transcript, self._watchdog
+        # Every prefill chunk gets a unit's whole time after the one before it: a chunk is one
+        # unit of compute, and a wide model takes seconds a chunk (Llama 3 8B's shape on 2 cores
+        # prefills ~11 tokens/s: ~95 s for the eight 128-token chunks of 1024 tokens), so one
+        # deadline for the whole prompt expired mid-prompt and the generation re-routed,
+        # prefilled again and expired again.
+        unit_ns = round(self._options.unit_timeout_s * SECOND_NS)
         prefill = session.submit_prefill(
             transcript.prompt[start:],
             first_position=start,
             deadline_unix_ns=self._deadline_unix_ns(),
             blocks=blocks,
+            chunk_allowance_ns=unit_ns,
         )
         steps = transcript.replay_steps()
+        behind_prefill_ns = (len(prefill) - 1) * unit_ns
         decodes = [
             session.submit_decode(
-                step.token, position=step.position, deadline_unix_ns=self._deadline_unix_ns(index + 1)
+                step.token,
+                position=step.position,
+                deadline_unix_ns=self._deadline_unix_ns(index + 1) + behind_prefill_ns,
             )
-            for index, step in enumerate(steps, start=len(prefill))
+            for index, step in enumerate(steps)
         ]
         watchdog.waiting()
         output: StepOutput | None = None

@@ -214,6 +214,28 @@ def test_a_wedged_peer_fails_units_at_their_deadline() -> None:
     assert link.client.take_events() == [] and link.client.unacked == 0
 
 
+def test_each_prefill_chunk_has_its_allowance_after_the_one_before() -> None:
+    """A wide model's prefill chunk takes tens of seconds: a prompt's chunks sharing one unit's
+    deadline expired mid-prompt (issue 53), so each waits its allowance after the one before."""
+    link = connected(chunk_tokens=2)
+    start = link.harness.now
+    link.hold_engine = True
+    ids = link.client.submit_prefill(
+        [1, 2, 3, 4, 5, 6], deadline=link.harness.deadline(SECOND), chunk_allowance_ns=SECOND
+    )
+    assert len(ids) == 3
+    link.pump()
+    for index, unit_id in enumerate(ids):
+        deadline = start + (index + 1) * SECOND
+        assert link.client.get_timer() == deadline
+        link.client.handle_timer(deadline - 1)
+        assert link.client.take_events() == []
+        link.client.handle_timer(deadline)
+        (failed,) = link.client.take_events()
+        assert failed.unit_id == unit_id and isinstance(failed.error, SessionTransportError)
+    assert link.client.get_timer() is None
+
+
 def test_cancel_reaches_a_sender_blocked_on_credit() -> None:
     link = connected(chunk_tokens=1)
     link.hold_engine = True

@@ -262,12 +262,18 @@ class ShardSession:
         first_position: int = 0,
         deadline_unix_ns: int = 0,
         blocks: PrefixBlocks | None = None,
+        chunk_allowance_ns: int = 0,
     ) -> list[UnitHandle]:
         """Chunk a prefill within the negotiated limits (needs the session accepted), on the
-        prefix cache's grid with ``blocks``."""
+        prefix cache's grid with ``blocks``; each chunk after the first may end
+        ``chunk_allowance_ns`` later than the one before it."""
         self._raise_if_over()
         ids = self.client.submit_prefill(
-            inputs, first_position=first_position, deadline=_deadline(deadline_unix_ns), blocks=blocks
+            inputs,
+            first_position=first_position,
+            deadline=_deadline(deadline_unix_ns),
+            blocks=blocks,
+            chunk_allowance_ns=chunk_allowance_ns,
         )
         return self._submitted(ids)
 

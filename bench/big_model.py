@@ -1,0 +1,399 @@
+"""A model that needs the mesh (issue 53): Llama 3 8B's shape, created, joined, fetched and served.
+
+    python bench/big_model.py [--prompt-tokens 1024,4096] [--tokens 4] [--threads 2]
+                              [--first-layers 11] [--tls-mib 512] [--no-monolithic]
+                              [--n-gpu-layers N] [--size llama3-8b]
+
+The model is bench/random_model.py's ``llama3-8b`` (32 layers, n_embd 4096, Q4_0, 4.5 GB;
+generated and cached on first use, ~30 s). Everything runs on this machine, in one run:
+
+1. TLS over TCP between two processes on loopback (Python's ``ssl`` and asyncio, the
+   kernel's TCP): a child sends ``--tls-mib`` MiB, this process reads it. The bulk lane's
+   ceiling here, what the mesh's fetch throughput is held against.
+2. A mesh of real ``meshnode`` processes: A is created with the model serving
+   [0, ``--first-layers``); B and C start at the same moment with only an invite, no model
+   and empty caches, each with a ``--memory-budget`` of ``--first-layers`` ordinary layers
+   and one vocabulary-sized table, so neither holds the rest alone and the model ends split
+   three ways. Their placement status is polled every half second: join to serving per
+   joiner, split into choosing (manifest, claim), fetching (streamed, hashed, journaled)
+   and loading (probe, slice, llama.cpp load), with the transfer's rate as the node's own
+   progress reports it. Bytes fetched are held against the bytes of the range's tensors;
+   fetch throughput against (1).
+3. Each node's resident memory against its budget (weights + KV + compute buffers, as
+   llama.cpp reported them: ``meshnode status``'s ``memory`` section).
+4. One greedy generation per ``--prompt-tokens`` length through A's API (streamed; time to
+   first token, decode tokens/s over ``--tokens``), then the mesh is stopped and (5) runs.
+5. Monolithic llama-cpp-python (bench/e2e.py's ``Monolithic``: one context, ``--threads``
+   threads) on the same prompts.
+
+The wire's share of a prompt: each hop carries the prompt's activations, n_tokens x n_embd x
+4 bytes (float32); their time on the mesh's QUIC path is that size over the QUIC throughput
+this run measured (the joiners' fetch rate from one source: the same endpoint, framing and
+flow control), two hops for three nodes, against the mesh's time to first token.
+
+2 cores make an 8B prefill slow (~10 tokens/s): the default run takes about half an hour.
+Each figure is printed as it is measured. ``--n-gpu-layers 99`` offloads every node's layers and
+the monolithic model's (bench/device_check.sh --big-model); ``--size`` takes another of
+bench/random_model.py's shapes (``q4-tiny``: the script's own quick check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from e2e import Monolithic, Run, api_run  # noqa: E402
+from random_model import SIZES, ensure_random_model  # noqa: E402
+
+from engines.engine_guard import choose_weight_repack  # noqa: E402
+from engines.engine_probe import ProbeTarget  # noqa: E402
+from engines.gguf_file import read_gguf  # noqa: E402
+from engines.openmp_wait import available_cpus, openmp_wait_env  # noqa: E402
+from engines.slicing import tensors_for_range  # noqa: E402
+from engines.weight_repack import WeightRepack  # noqa: E402
+from meshnode.app.local_mesh import Child, LocalMesh  # noqa: E402
+
+MIB = 1 << 20
+JOIN_TIMEOUT_S = 3600.0
+TLS_CHUNK = 1 << 20
+
+
+# ---------------------------------------------------------------------------- (1) TLS over TCP
+
+
+def _tls_sender(port_file: Path, nbytes: int) -> None:
+    """The child: serve one TLS connection on loopback and send ``nbytes`` to it."""
+    from cryptography.hazmat.primitives import serialization
+
+    from meshnode.identity import NodeIdentity
+    from meshnode.transport.quic_connection import self_signed_certificate
+
+    identity = NodeIdentity.generate()
+    work = Path(tempfile.mkdtemp())
+    cert, key = work / "cert.pem", work / "key.pem"
+    cert.write_bytes(self_signed_certificate(identity).public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        identity.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_cert_chain(cert, key)
+    chunk = os.urandom(TLS_CHUNK)
+
+    async def serve() -> None:
+        done = asyncio.Event()
+
+        async def send(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sent = 0
+            while sent < nbytes:
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+            writer.close()
+            with contextlib.suppress(OSError, ssl.SSLError):
+                await writer.wait_closed()
+            done.set()
+
+        server = await asyncio.start_server(send, "127.0.0.1", 0, ssl=context)
+        port_file.write_text(str(server.sockets[0].getsockname()[1]))
+        await done.wait()
+        server.close()
+
+    asyncio.run(serve())
+
+
+async def tls_bulk_bytes_per_s(mib: int) -> float:
+    """One-way TLS 1.3 over TCP from a child process to this one on loopback."""
+    port_file = Path(tempfile.mkdtemp()) / "port"
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--tls-sender", str(port_file), str(mib * MIB)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        while not port_file.exists() or not port_file.read_text():
+            await asyncio.sleep(0.05)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname = False
+        client.verify_mode = ssl.CERT_NONE
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(port_file.read_text()), ssl=client)
+        started = time.perf_counter()
+        received = 0
+        while chunk := await reader.read(TLS_CHUNK):
+            received += len(chunk)
+        elapsed = time.perf_counter() - started
+        writer.close()
+        assert received == mib * MIB, received
+        return received / elapsed
+    finally:
+        child.wait(30)
+
+
+# ---------------------------------------------------------------------------- (2) joining
+
+
+@dataclass
+class JoinTimeline:
+    """When a joiner's placement state first showed each value, and what its transfer said."""
+
+    started: float
+    states: dict[str, float] = field(default_factory=dict)
+    layers: tuple[int, int] | None = None
+    fetched_bytes: int = 0
+    # The transfer's own rate report, sampled while fetching (bytes/s).
+    rates: list[float] = field(default_factory=list)
+    etas: list[tuple[float, float]] = field(default_factory=list)
+
+    def seen(self, state: str, now: float) -> None:
+        key = state.split(":")[0]
+        if key not in self.states:
+            self.states[key] = now
+            print(f"    +{now - self.started:7.1f} s  {key}", flush=True)
+
+    def span(self, start: str, end: str) -> float | None:
+        if start in self.states and end in self.states:
+            return self.states[end] - self.states[start]
+        return None
+
+
+def placement(child: Child) -> dict[str, Any]:
+    status = child.status()
+    return {} if status is None else dict(status.get("sections", {}).get("placement", {}))
+
+
+async def watch_joiners(mesh: LocalMesh, joiners: list[Child], started: float) -> dict[str, JoinTimeline]:
+    timelines = {child.name: JoinTimeline(started) for child in joiners}
+    last_print = dict.fromkeys(timelines, 0.0)
+    while True:
+        now = time.monotonic()
+        for child in joiners:
+            if not child.alive():
+                raise RuntimeError(child.exit_message("joining"))
+            report = placement(child)
+            timeline = timelines[child.name]
+            if state := report.get("state"):
+                timeline.seen(str(state), now)
+            if layers := report.get("layers"):
+                timeline.layers = (int(layers[0]), int(layers[1]))
+            timeline.fetched_bytes = int(report.get("fetched_bytes", 0))
+            transfer = report.get("transfer")
+            if transfer and not transfer.get("finished") and transfer.get("rate_bytes_per_s"):
+                timeline.rates.append(float(transfer["rate_bytes_per_s"]))
+                if transfer.get("eta_s") is not None:
+                    timeline.etas.append((now, float(transfer["eta_s"])))
+                if now - last_print[child.name] > 20:
+                    print(
+                        f"    {child.name} {transfer['label']}: {transfer['done_bytes'] / MIB:.0f}/"
+                        f"{transfer['total_bytes'] / MIB:.0f} MiB, {transfer['rate_bytes_per_s'] / MIB:.1f} "
+                        f"MiB/s, ETA {transfer['eta_s']} s",
+                        flush=True,
+                    )
+                    last_print[child.name] = now
+        if all("serving" in t.states for t in timelines.values()):
+            return timelines
+        if now - started > JOIN_TIMEOUT_S:
+            raise RuntimeError(f"not serving after {JOIN_TIMEOUT_S:.0f} s: {timelines}")
+        await asyncio.sleep(0.5)
+
+
+def range_bytes(model: Path, layers: tuple[int, int]) -> int:
+    header = read_gguf(model)
+    needed = tensors_for_range(header, *layers)
+    return sum(t.nbytes for t in header.tensors if t.name in needed)
+
+
+def joiner_budget(model: Path, layers: int) -> int:
+    """``layers`` ordinary layers and one vocabulary-sized table (the largest), a MiB spare."""
+    sizes = {t.name: t.nbytes for t in read_gguf(model).tensors}
+    layer = sum(size for name, size in sizes.items() if name.startswith("blk.1."))
+    return layers * layer + max(sizes["output.weight"], sizes["token_embd.weight"]) + MIB
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def print_memory(name: str, status: dict[str, Any] | None) -> float | None:
+    memory = None if status is None else status.get("sections", {}).get("memory")
+    if not memory:
+        print(f"  {name}: no memory report", flush=True)
+        return None
+    budget = memory["budget"]
+    ratio = memory["rss_bytes"] / memory["budget_bytes"]
+    print(
+        f"  {name}: resident {memory['rss_bytes'] / MIB:.0f} MiB (shard's own {memory['shard_bytes'] / MIB:.0f})"
+        f" / budget {memory['budget_bytes'] / MIB:.0f} MiB (weights {budget['weights_bytes'] / MIB:.0f}, KV "
+        f"{budget['kv_bytes'] / MIB:.0f}, compute {budget['compute_bytes'] / MIB:.0f}, output "
+        f"{budget['output_bytes'] / MIB:.0f}) = {ratio:.2f} (shard's own "
+        f"{memory['shard_bytes'] / memory['budget_bytes']:.2f})",
+        flush=True,
+    )
+    return ratio
+
+
+async def mesh_part(
+    args: argparse.Namespace, model: Path, prompts: dict[int, list[int]], env: dict[str, str], work: Path
+) -> tuple[dict[int, Run], float]:
+    """(2)-(4); returns the runs per prompt length and the fetch throughput from one source."""
+    mesh = LocalMesh(work, model, threads=args.threads, ctx=args.ctx, env=env, timing=())
+    offload = ["--n-gpu-layers", str(args.n_gpu_layers)] if args.n_gpu_layers else []
+    try:
+        mesh.create_mesh("A")
+        started = time.monotonic()
+        await mesh.start_first("A", (0, args.first_layers), extra=offload)
+        print(f"  A (created with the model, [0, {args.first_layers})): serving after "
+              f"{time.monotonic() - started:.1f} s (manifest, probe, slice, load)", flush=True)  # fmt: skip
+        token = mesh.invite("A")
+        budget = joiner_budget(model, args.first_layers)
+        print(f"  B and C join with only the invite, --memory-budget {budget / MIB:.0f} MiB", flush=True)
+        joiners = []
+        started = time.monotonic()
+        for name in ("B", "C"):
+            data_dir = work / name
+            joiners.append(mesh.spawn(
+                name, "join", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
+                "--threads", str(args.threads), "--ctx", str(args.ctx), "--api-listen", "off",
+                "--memory-budget", str(budget), *offload,
+                env={"MESHNODE_INVITE": token, "MESHNODE_CACHE_DIR": str(work / f"{name}-cache")},
+                data_dir=data_dir,
+            ))  # fmt: skip
+        timelines = await watch_joiners(mesh, joiners, started)
+        rates = []
+        for name, timeline in timelines.items():
+            assert timeline.layers is not None
+            share = range_bytes(model, timeline.layers)
+            fetch = timeline.span("fetching", "loading")
+            load = timeline.span("loading", "serving")
+            total = timeline.states["serving"] - started
+            rate = timeline.fetched_bytes / fetch if fetch else 0.0
+            rates.append(rate)
+            print(
+                f"  {name} layers [{timeline.layers[0]}, {timeline.layers[1]}): join to serving {total:.1f} s "
+                f"(choosing {timeline.states.get('fetching', started) - started:.1f} s, fetch + "
+                f"verify {fetch or 0:.1f} s, load {load or 0:.1f} s); fetched {timeline.fetched_bytes / MIB:.0f}"
+                f" MiB / range {share / MIB:.0f} MiB = {timeline.fetched_bytes / share:.4f}; "
+                f"{rate / MIB:.1f} MiB/s",
+                flush=True,
+            )
+            if timeline.rates:
+                print(f"    its progress bar's rate: first {timeline.rates[0] / MIB:.1f}, median "
+                      f"{float(np.median(timeline.rates)) / MIB:.1f}, last {timeline.rates[-1] / MIB:.1f} MiB/s",
+                      flush=True)  # fmt: skip
+            if timeline.etas:
+                first_at, first_eta = timeline.etas[0]
+                print(f"    its first ETA {first_eta:.0f} s, {timeline.states['loading'] - first_at:.0f} s "
+                      "before the fetch ended", flush=True)  # fmt: skip
+        api, _ = await mesh.wait_route("A")
+        print("memory per node (resident / (weights + KV + compute + output buffers)):", flush=True)
+        for child in mesh.children:
+            if child.data_dir is not None:
+                print_memory(child.name, child.status())
+        runs: dict[int, Run] = {}
+        for length, prompt in prompts.items():
+            run = await api_run(api, prompt, args.tokens)
+            runs[length] = run
+            print(f"  mesh, {length}-token prompt: time to first token {run.ttft_s:.1f} s, decode "
+                  f"{run.decode_tps:.2f} tokens/s", flush=True)  # fmt: skip
+        print("memory per node after the prompts:", flush=True)
+        for child in mesh.children:
+            if child.data_dir is not None:
+                print_memory(child.name, child.status())
+        # One source at a time: the joiners fetched from A at once, so each one's rate is a share
+        # of what A's endpoint sent; the sum is what one source delivered.
+        return runs, sum(rates)
+    finally:
+        mesh.stop_all()
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    model = ensure_random_model(args.size)
+    print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB), ready after "
+          f"{time.perf_counter() - started:.1f} s", flush=True)  # fmt: skip
+    header = read_gguf(model)
+    n_embd = next(int(r.value) for r in header.metadata if r.key.endswith(".embedding_length"))
+    n_vocab = next(int(t.shape[1]) for t in header.tensors if t.name == "token_embd.weight")
+    rng = np.random.default_rng(53)
+    # BOS, then ordinary tokens (past the control and byte tokens, inside every shape's vocabulary).
+    prompts = {
+        length: [1, *(int(t) for t in rng.integers(300, min(50_000, n_vocab), size=length - 1))]
+        for length in args.prompt_tokens
+    }
+    tls = await tls_bulk_bytes_per_s(args.tls_mib)
+    print(f"TLS 1.3 over TCP, two processes on loopback: {tls / MIB:.0f} MiB/s", flush=True)
+    repack = choose_weight_repack(
+        WeightRepack.AUTO, ProbeTarget(model, threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    ).weight_repack
+    env = openmp_wait_env(3, args.threads, available_cpus(), others=1)
+    env["MESHNODE_WEIGHT_REPACK"] = "on" if repack else "off"
+    with tempfile.TemporaryDirectory(prefix="big-model-") as work:
+        mesh_runs, quic = await mesh_part(args, model, prompts, env, Path(work))
+    print(f"fetch from one source over QUIC {quic / MIB:.1f} MiB/s / TLS over TCP {tls / MIB:.0f} MiB/s "
+          f"= {quic / tls:.3f}", flush=True)  # fmt: skip
+    mono_runs: dict[int, Run] = {}
+    if not args.no_monolithic:
+        mono = Monolithic(model, args.threads, repack, n_ctx=args.ctx, n_gpu_layers=args.n_gpu_layers)
+        try:
+            for length, prompt in prompts.items():
+                mono_runs[length] = mono.run(prompt, args.tokens)
+                print(f"  monolithic, {length}-token prompt: time to first token "
+                      f"{mono_runs[length].ttft_s:.1f} s, decode {mono_runs[length].decode_tps:.2f} tokens/s",
+                      flush=True)  # fmt: skip
+        finally:
+            mono.close()
+    print("\nsummary:")
+    for length in prompts:
+        mesh_run = mesh_runs[length]
+        hop_bytes = length * n_embd * 4
+        wire_s = 2 * hop_bytes / quic if quic else float("nan")
+        line = (f"  {length} tokens: {hop_bytes / MIB:.0f} MiB of activations a hop, ~{wire_s:.1f} s on QUIC "
+                f"for two hops = {wire_s / mesh_run.ttft_s:.1%} of the mesh's {mesh_run.ttft_s:.1f} s to first "
+                f"token")  # fmt: skip
+        if length in mono_runs:
+            mono_run = mono_runs[length]
+            line += (f"; TTFT mesh/monolithic {mesh_run.ttft_s / mono_run.ttft_s:.2f} (target <= 1.2), decode "
+                     f"{mesh_run.decode_tps / mono_run.decode_tps:.2f} (target >= 0.9)")  # fmt: skip
+        print(line, flush=True)
+    print(f"whole run {time.perf_counter() - started:.0f} s")
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--tls-sender":
+        _tls_sender(Path(sys.argv[2]), int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096]
+    )
+    parser.add_argument("--tokens", type=int, default=4, help="generated per prompt (4)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=4352, help="context per session (4352)")
+    parser.add_argument("--first-layers", type=int, default=11, help="A's layers [0, N) (11)")
+    parser.add_argument("--tls-mib", type=int, default=512)
+    parser.add_argument("--no-monolithic", action="store_true")
+    parser.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="llama3-8b", help="bench/random_model.py's")
+    args = parser.parse_args()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
