@@ -105,8 +105,11 @@ async def _query_manifest(link: PeerLink, root: bytes, received: Counter[bytes])
         await stream.send_frame(encode_manifest_query(root))
         stream.finish()
         body = await stream.recv_frame(timeout=FRAME_TIMEOUT_S)
-    finally:
+    except BaseException:
         stream.close()
+        raise
+    # One frame is the whole reply (a manifest or a refusal): the exchange is over, cleanly.
+    stream.release()
     if body is None:
         raise BadReply("stream ended without a manifest reply")
     received[link.peer_id] += len(body)
@@ -124,7 +127,11 @@ async def _fetch_item(
     after_chunk: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Stream item ``item`` (``nbytes`` long, from the verified manifest) from ``offset`` to its
-    end into ``sink``, awaiting ``after_chunk`` after each chunk it takes."""
+    end into ``sink``, awaiting ``after_chunk`` after each chunk it takes.
+
+    The stream is released (on the bulk lane, its connection may carry the next request)
+    only when the reply was read to its end: the end marker, or a refusal, which is a whole
+    reply; on anything else it is closed."""
     stream = await link.open_stream(StreamType.ARTIFACT)
     try:
         await stream.send_frame(encode_fetch(root, item, offset=offset))
@@ -140,8 +147,13 @@ async def _fetch_item(
                 sink(data)
                 if after_chunk is not None:
                     await after_chunk()
-    finally:
+    except PeerRefused:
+        stream.release()
+        raise
+    except BaseException:
         stream.close()
+        raise
+    stream.release()
 
 
 # ------------------------------------------------------------------------------ manifest
