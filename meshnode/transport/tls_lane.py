@@ -205,6 +205,10 @@ class LaneConnection:
 Redial = Callable[[], Awaitable[LaneConnection]]
 # What a stream that may be sent again keeps of what it wrote: a request is a few hundred bytes.
 _REPLAY_BYTES = 64 * 1024
+# Writes shorter than this (a type byte, a frame's length prefix) wait for the stream's next
+# write, so that a request or a chunk frame goes out in one flush of TLS records and one send,
+# not two; they go out at the latest when the stream reads, finishes, or ends.
+_HOLD_BYTES = 64
 
 
 class TlsStream(MeshStream):
@@ -233,6 +237,7 @@ class TlsStream(MeshStream):
         self._redial = redial
         # What was written while it may still be sent again (None: it may not).
         self._replay: bytearray | None = bytearray() if redial is not None else None
+        self._held: list[bytes] = []
         self._id = next(_stream_ids)
         self._send_error: StreamError | None = None
         self._recv_error: StreamError | None = None
@@ -254,6 +259,7 @@ class TlsStream(MeshStream):
         if self._unread:
             data, self._unread = self._unread[:max_bytes], self._unread[max_bytes:]
             return data
+        self._send_held()
         try:
             data = await self._reader.read(max_bytes)
         except (ConnectionError, ssl.SSLError) as exc:
@@ -275,18 +281,28 @@ class TlsStream(MeshStream):
                 self._replay = None
             else:
                 self._replay += data
+        if len(data) < _HOLD_BYTES and sum(map(len, self._held)) < _HOLD_BYTES:
+            self._held.append(bytes(data))
+            return
+        pieces, self._held = [*self._held, data], []
         try:
-            self._writer.write(data)
+            self._writer.writelines(pieces)
             await self._writer.drain()
         except (ConnectionError, ssl.SSLError) as exc:
             if self._replay is None:
                 raise LinkClosed(f"lane connection lost: {exc}") from None
             await self._send_again()
 
+    def _send_held(self) -> None:
+        if self._held:
+            pieces, self._held = self._held, []
+            self._writer.writelines(pieces)
+
     async def _send_again(self) -> None:
         """What was written, once more on a new connection (the peer closed this one unread)."""
         assert self._replay is not None and self._redial is not None
         written, self._replay = bytes(self._replay), None
+        self._held = []  # in what was written
         self.connection.close()
         try:
             connection = await self._redial()
@@ -303,6 +319,7 @@ class TlsStream(MeshStream):
     def finish(self) -> None:
         # No end of stream on the wire (see the module's note); later writes are refused here.
         if self._send_error is None:
+            self._send_held()
             self._send_error = StreamError("write after finish")
 
     def reset(self, error_code: int) -> None:
@@ -331,6 +348,7 @@ class TlsStream(MeshStream):
         if self._recv_error is not None or self._unread or not self.connection.usable:
             self.close()
             return
+        self.finish()  # what is held goes out
         self.released = True
         self._send_error = self._recv_error = StreamError("exchange over: the connection went on")
         if self._on_release is not None:
