@@ -37,6 +37,7 @@ class NodeBulkLane:
         self.listening = await self.server.listen(host, port)
 
     async def close(self) -> None:
+        self.lanes.close()
         await self.server.close()
 
     def _address_of(self, link: PeerLink) -> tuple[str, int] | None:

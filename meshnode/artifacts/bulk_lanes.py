@@ -4,7 +4,10 @@
 :func:`~.fetcher.fetch_tensors`. For a source the node reaches directly at an address the
 peer listens on (:func:`lane_address`: a direct QUIC link at an address the peer announces,
 or one this node dialed to a peer that says it is directly reachable), each ARTIFACT
-stream is a TLS connection to the same port number over TCP, authenticated as that node.
+stream is an exchange on a TLS connection to the same port number over TCP, authenticated
+as that node: one from the source's :class:`~meshnode.transport.lane_pool.LanePool` of idle
+connections when it has one, else a new one (a connection goes back to the pool only when
+its reply was read to its end, see :mod:`meshnode.transport.tls_lane`).
 A source reached only through a relay, or through a punched UDP path (its NAT's mapping,
 which TCP cannot use), stays on QUIC; so does one whose lane cannot be dialed or whose
 handshake fails, from then on. Either way the fetcher verifies every byte as before.
@@ -18,8 +21,9 @@ from collections.abc import Awaitable, Callable
 from meshnode.identity import short_id
 from meshnode.transport.addresses import parse_host_port
 from meshnode.transport.base import MeshStream, PeerLink
+from meshnode.transport.lane_pool import LanePool
 from meshnode.transport.quic import QuicLink
-from meshnode.transport.tls_lane import LANE_DIAL_FAILURES, LaneContexts, dial_lane
+from meshnode.transport.tls_lane import LANE_DIAL_FAILURES, LaneConnection, LaneContexts, dial_lane
 from meshnode.transport.udp_address import describe_sockaddr
 from meshnode.wire.pb import mesh
 
@@ -56,11 +60,13 @@ class BulkLanes:
         address_of: Callable[[PeerLink], tuple[str, int] | None],
         *,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+        pool: LanePool | None = None,
     ) -> None:
         self._get_link = get_link
         self.contexts = contexts
         self._address_of = address_of
         self.connect_timeout = connect_timeout
+        self.pool = pool if pool is not None else LanePool()
         # Per source, the lane its artifacts came over, in words (the log says it once).
         self.lanes: dict[bytes, str] = {}
         # Sources whose lane failed: QUIC only from then on.
@@ -76,6 +82,10 @@ class BulkLanes:
             self._note(source, f"QUIC ({link.description}: no direct address for TCP)")
             return link
         return _LaneLink(self, link, address)
+
+    def close(self) -> None:
+        """Close the idle lane connections (those carrying an exchange close with it)."""
+        self.pool.close()
 
     def lane_failed(self, source: bytes, address: tuple[str, int], reason: str) -> None:
         self._lane_failed[source] = reason
@@ -110,18 +120,26 @@ class _LaneLink(PeerLink):
 
     async def open_raw_stream(self) -> MeshStream:
         source = self.peer_id
+        pool = self._lanes.pool
         if source not in self._lanes._lane_failed:
-            host, port = self.address
+            connection = pool.take(source)
+            if connection is not None:
+                # Should the source have closed it meanwhile, the request goes out again on a new one.
+                return connection.stream(pool.put, redial=self._dial)
             try:
-                stream = await dial_lane(
-                    host, port, self._lanes.contexts, source, timeout=self._lanes.connect_timeout
-                )
+                connection = await self._dial()
             except LANE_DIAL_FAILURES as exc:
                 self._lanes.lane_failed(source, self.address, f"{type(exc).__name__}: {exc}")
             else:
                 self._lanes.lane_used(source, self.address)
-                return stream
+                return connection.stream(pool.put)
         return await self.quic.open_raw_stream()
+
+    async def _dial(self) -> LaneConnection:
+        host, port = self.address
+        return await dial_lane(
+            host, port, self._lanes.contexts, self.peer_id, timeout=self._lanes.connect_timeout
+        )
 
     def close(self, reason: str = "") -> None:
         # The QUIC link is the node's; lane connections close with their streams.

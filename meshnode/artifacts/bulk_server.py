@@ -1,11 +1,12 @@
 """Serve ARTIFACT requests on the bulk lane (TLS over TCP) with the ARTIFACT stream's own handler.
 
-A lane connection is one stream, as on QUIC: its type byte, then the request and the
-reply. It goes through a :class:`~meshnode.mesh.dispatcher.Dispatcher` holding only the
-ARTIFACT handler (any other stream type is refused), with the QUIC side's admission
-(``is_admitted``, and ``check_peer`` refusing a removed node) checked twice: by the
-listener before the connection is served, and by the dispatcher on the stream, as for
-every QUIC stream. Uploads run in the same :class:`~.server.ArtifactServer`, so the same
+Each exchange on a lane connection is one stream, as on QUIC: its type byte, then the
+request and the reply; a connection carries the peer's exchanges one after another
+(:mod:`meshnode.transport.tls_lane`). Each goes through a
+:class:`~meshnode.mesh.dispatcher.Dispatcher` holding only the ARTIFACT handler (any
+other stream type is refused), with the QUIC side's admission (``is_admitted``, and
+``check_peer`` refusing a removed node) checked by the listener before the connection
+is served, and by the dispatcher on every exchange, as for every QUIC stream. Uploads run in the same :class:`~.server.ArtifactServer`, so the same
 :class:`~.upload_limit.UploadLimiter` paces them and the same per-peer upload limit
 counts QUIC and lane uploads together.
 """
@@ -20,6 +21,7 @@ from meshnode.mesh.dispatcher import Dispatcher
 from meshnode.transport.tls_lane import LaneContexts
 from meshnode.transport.tls_listener import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PER_PEER,
     TlsLaneListener,
@@ -44,6 +46,7 @@ class BulkLaneServer:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_per_peer: int = DEFAULT_MAX_PER_PEER,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self._is_admitted = is_admitted
         self._check_peer = check_peer
@@ -59,6 +62,7 @@ class BulkLaneServer:
             handshake_timeout=handshake_timeout,
             max_connections=max_connections,
             max_per_peer=max_per_peer,
+            idle_timeout=idle_timeout,
         )
 
     async def listen(self, host: str, port: int) -> bool:

@@ -12,6 +12,9 @@ fsync'd and then its name appended to ``journal`` and the journal fsync'd. That
 order is the crash rule: after a SIGKILL (or a power cut) a journaled tensor's bytes
 are on disk, and reopening trusts the journal and nothing else, so a tensor cut off
 mid-write is simply fetched again. A torn last journal line is ignored and cut away.
+Several tensors verified at about the same time may be committed together
+(:meth:`PartialModel.commit_verified`): one fsync of the file for all their bytes, then
+their lines, then one fsync of the journal; the rule holds for each of them.
 
 A tensor cut off by its source (the link failed, the fetch was stopped) keeps what
 arrived: its bytes are fsync'd and ``unfinished.json`` records how many there are,
@@ -228,6 +231,14 @@ class PartialModel:
         os.fsync(self._fd)  # the bytes first, then the record that counts them
         self._record_unfinished(name, writer.written)
 
+    def commit_verified(self, writers: list[TensorWriter] | tuple[TensorWriter, ...]) -> None:
+        """Journal the tensors of ``writers``, each of which must match its digest
+        (:class:`TensorDigestMismatch` before anything is written if one does not): the file's
+        bytes made durable once for all of them, then their journal lines, then the journal."""
+        for writer in writers:
+            writer.verify()
+        self._commit([writer.tensor for writer in writers])
+
     def discard(self, name: str) -> None:
         """Trust nothing of tensor ``name``'s unfinished bytes: the next attempt starts over."""
         self._record_unfinished(name, 0)
@@ -285,15 +296,18 @@ class PartialModel:
                 os.fsync(journal.fileno())
         return verified
 
-    def _commit(self, tensor: TensorDigest) -> None:
-        os.fsync(self._fd)  # the bytes first, then the journal line that vouches for them
-        index = self._index[tensor.name]
+    def _commit(self, tensors: list[TensorDigest]) -> None:
+        os.fsync(self._fd)  # the bytes first, then the journal lines that vouch for them
+        lines = b"".join(
+            f"{self._index[tensor.name]}\t{tensor.sha256}\t{tensor.name}\n".encode() for tensor in tensors
+        )
         with self._journal_lock:
-            self._journal.write(f"{index}\t{tensor.sha256}\t{tensor.name}\n".encode())
+            self._journal.write(lines)
             self._journal.flush()
             os.fsync(self._journal.fileno())
-            self._verified.add(tensor.name)
-        self._record_unfinished(tensor.name, 0)
+            self._verified.update(tensor.name for tensor in tensors)
+        for tensor in tensors:
+            self._record_unfinished(tensor.name, 0)
 
     @property
     def _unfinished_path(self) -> Path:
@@ -390,12 +404,16 @@ class TensorWriter:
         self._digest.update(data)
         self.written += len(data)
 
+    def verify(self) -> None:
+        """:class:`TensorDigestMismatch` unless every byte of the tensor was written and they are
+        the manifest's (nothing is written: a commit makes them durable and journals them)."""
+        if self.written != self.tensor.nbytes or self._digest.hexdigest() != self.tensor.sha256:
+            raise TensorDigestMismatch(self.tensor.name)
+
     def commit(self) -> None:
         """Journal the tensor if its bytes are the manifest's; :class:`TensorDigestMismatch` if not
         (the bytes stay unjournaled, so they are never trusted and a refetch overwrites them)."""
-        if self.written != self.tensor.nbytes or self._digest.hexdigest() != self.tensor.sha256:
-            raise TensorDigestMismatch(self.tensor.name)
-        self._model._commit(self.tensor)
+        self._model.commit_verified([self])
 
 
 __all__ = ["ArtifactStore", "PartialModel", "StoreError", "TensorDigestMismatch", "TensorWriter"]

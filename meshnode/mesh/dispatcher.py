@@ -10,8 +10,10 @@ Handlers are ``async def handler(stream: FramedStream) -> None``. They may raise
 ``TimeoutError`` (reset as READ_TIMEOUT) or a framing error (FRAME_TOO_LARGE;
 OVERLOADED when the link's or the node's buffer for incomplete frames is full;
 READ_TIMEOUT when the peer stalled mid-frame; MALFORMED otherwise). When a
-handler returns, the dispatcher closes the stream: finishes it if the handler
-did not, and discards whatever the peer sends after that.
+handler returns, the dispatcher releases the stream (its conversation ended
+cleanly, :meth:`~meshnode.transport.stream.MeshStream.release`): a QUIC stream is
+closed, finished if the handler did not finish it, and whatever the peer sends after
+that is discarded; a bulk-lane connection may then carry the peer's next exchange.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class Dispatcher:
                 raise MeshRefusal(mesh.MESH_ERROR_READ_TIMEOUT, str(exc)) from None
             except FramingError as exc:
                 raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, str(exc)) from None
-            framed.close()
+            framed.release()
         # Resetting through `framed` also gives back what it held of a partial frame.
         except MeshRefusal as refusal:
             self._refuse(framed, refusal)

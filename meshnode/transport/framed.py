@@ -111,6 +111,15 @@ class FramedStream:
         self._decoder.abandon()
         self.stream.close()
 
+    def release(self) -> None:
+        """Done with a conversation that ended cleanly (see :meth:`MeshStream.release`). Bytes read
+        past its last frame belong to no frame of it: the stream is closed then, never reused."""
+        if self._frames or self._pending or self._eof or not self._decoder.at_frame_boundary:
+            self.close()
+            return
+        self._decoder.abandon()
+        self.stream.release()
+
     async def _fill_until_frame(self) -> None:
         while not self._frames and not self._eof:
             await self._fill()

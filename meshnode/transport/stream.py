@@ -74,6 +74,12 @@ class MeshStream(abc.ABC):
         """
         self.finish()
 
+    def release(self) -> None:
+        """Done with a stream whose conversation ended cleanly (every message of it read and
+        written): a transport that carries conversations one after another on one connection
+        (the bulk lane) may carry the next on it. Any other closes the stream (:meth:`close`)."""
+        self.close()
+
 
 __all__ = [
     "RESET_CANCELLED",

@@ -1,9 +1,25 @@
 """TLS 1.3 over TCP between two nodes, authenticated both ways with their node keys: the bulk lane.
 
 aioquic does its per-packet work in Python, which caps a QUIC link at tens of MB/s; on
-TCP the kernel and OpenSSL do the per-byte work. A lane connection carries one stream,
-exactly what a QUIC stream carries (a type byte, then frames), so the handlers that
-serve QUIC streams serve it unchanged; it is opened for one request and closed after it.
+TCP the kernel and OpenSSL do the per-byte work. A lane connection carries exchanges one
+after another, each exactly what one QUIC stream carries, so the handlers that serve QUIC
+streams serve it unchanged:
+
+    exchange   = type byte, request frame, reply frames
+    frame      = 4-byte little-endian length, body   (meshnode.wire.framing, 8 MiB cap)
+
+The client sends an exchange's type byte and request, reads the reply to its end (the
+reply's own last frame says so: a manifest, a refusal, an end marker), and only then
+may send the next exchange on the same connection. The server reads the next type byte
+only once its reply ended cleanly. Anything else ends the connection, never an exchange
+alone: an exchange aborted on either side closes it (with a TCP RST where it is a reset,
+:meth:`TlsStream.reset`), and so do bytes of a next request that arrive before the reply
+ended. A connection is one :class:`LaneConnection`; each exchange on it is a
+:class:`TlsStream`, which :meth:`TlsStream.release` hands back (a clean end: the
+connection may carry the next exchange) or :meth:`TlsStream.close` ends with the
+connection. Waiting idle for the next exchange is bounded on both sides (the client's
+pool, :mod:`meshnode.transport.lane_pool`, gives up on an idle connection before the
+server does, so that it never sends a request into a connection being closed).
 
 Authentication is the QUIC links' (:mod:`meshnode.transport.node_certificate` says how
 OpenSSL is made to do it): each side shows a certificate carrying its node key, the
@@ -11,8 +27,8 @@ client accepts only the node it dialed, the server only nodes it trusts, and aft
 handshake both read the peer's node id out of its certificate. Nothing else is trusted.
 
 TLS on an asyncio transport cannot half-close, so :meth:`TlsStream.finish` writes no end
-of stream: the protocols carried here do not need one (a request is one frame), and the
-server ends the connection when its reply is done.
+of stream: the protocols carried here do not need one (a request is one frame, and a
+reply says where it ends).
 """
 
 from __future__ import annotations
@@ -24,7 +40,7 @@ import socket
 import ssl
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from cryptography import x509
@@ -131,8 +147,8 @@ def abort_with_reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class TlsStream(MeshStream):
-    """One lane connection as a :class:`MeshStream` to an authenticated peer."""
+class LaneConnection:
+    """One authenticated lane connection, carrying one exchange (a :class:`TlsStream`) at a time."""
 
     def __init__(
         self,
@@ -141,13 +157,92 @@ class TlsStream(MeshStream):
         peer_id: bytes,
         read_limits: ReadLimits | None = None,
     ) -> None:
-        self._reader = reader
-        self._writer = writer
+        self.reader = reader
+        self.writer = writer
         self.peer_id = peer_id
         self.read_limits = read_limits
+        # Exchanges begun on it (tests and logs).
+        self.exchanges = 0
+
+    @property
+    def usable(self) -> bool:
+        """Whether it may carry another exchange: not closing, not ended or failed by the peer."""
+        reader = self.reader
+        return not (self.writer.transport.is_closing() or reader.at_eof() or reader.exception() is not None)
+
+    def stream(
+        self,
+        on_release: Callable[[LaneConnection], None] | None = None,
+        *,
+        unread: bytes = b"",
+        redial: Redial | None = None,
+    ) -> TlsStream:
+        """The next exchange on this connection; ``unread``: its first bytes, already read.
+
+        ``redial`` (a client reusing an idle connection): if the peer turns out to have closed
+        this connection before any byte of the reply came, the request is sent again on a new
+        connection from ``redial`` (see :class:`TlsStream`)."""
+        self.exchanges += 1
+        return TlsStream(self, on_release, unread, redial)
+
+    async def next_exchange(self, idle_timeout: float) -> bytes:
+        """The first byte of the peer's next exchange; ``b""`` when the peer ended the connection
+        or sent nothing for ``idle_timeout`` seconds."""
+        try:
+            async with asyncio.timeout(idle_timeout):
+                return await self.reader.read(1)
+        except (TimeoutError, ConnectionError, ssl.SSLError):
+            return b""
+
+    def close(self) -> None:
+        """End the connection; what was written still goes out first."""
+        self.writer.close()
+
+    def abort(self) -> None:
+        abort_with_reset(self.writer)
+
+
+Redial = Callable[[], Awaitable[LaneConnection]]
+# What a stream that may be sent again keeps of what it wrote: a request is a few hundred bytes.
+_REPLAY_BYTES = 64 * 1024
+# Writes shorter than this (a type byte, a frame's length prefix) wait for the stream's next
+# write, so that a request or a chunk frame goes out in one flush of TLS records and one send,
+# not two; they go out at the latest when the stream reads, finishes, or ends.
+_HOLD_BYTES = 64
+
+
+class TlsStream(MeshStream):
+    """One exchange on a lane connection, as a :class:`MeshStream` to an authenticated peer.
+
+    With ``redial``, on a reused connection: a server may close an idle connection just as the
+    client reuses it, and then the request meets an end or a reset before any byte of the
+    reply. That says nothing about the request, so it is sent once more, on a new connection
+    (requests are idempotent reads); a reply that began is never replayed.
+    """
+
+    def __init__(
+        self,
+        connection: LaneConnection,
+        on_release: Callable[[LaneConnection], None] | None = None,
+        unread: bytes = b"",
+        redial: Redial | None = None,
+    ) -> None:
+        self.connection = connection
+        self._reader = connection.reader
+        self._writer = connection.writer
+        self.peer_id = connection.peer_id
+        self.read_limits = connection.read_limits
+        self._on_release = on_release
+        self._unread = unread
+        self._redial = redial
+        # What was written while it may still be sent again (None: it may not).
+        self._replay: bytearray | None = bytearray() if redial is not None else None
+        self._held: list[bytes] = []
         self._id = next(_stream_ids)
         self._send_error: StreamError | None = None
         self._recv_error: StreamError | None = None
+        # Ended with release(): the connection went on to its next exchange.
+        self.released = False
 
     @property
     def stream_id(self) -> int:
@@ -161,16 +256,62 @@ class TlsStream(MeshStream):
     async def read(self, max_bytes: int = 65536) -> bytes:
         if self._recv_error is not None:
             raise self._recv_error
+        if self._unread:
+            data, self._unread = self._unread[:max_bytes], self._unread[max_bytes:]
+            return data
+        self._send_held()
         try:
-            return await self._reader.read(max_bytes)
+            data = await self._reader.read(max_bytes)
         except (ConnectionError, ssl.SSLError) as exc:
-            raise LinkClosed(f"lane connection lost: {exc}") from None
+            if self._replay is None:
+                raise LinkClosed(f"lane connection lost: {exc}") from None
+            data = b""
+        if not data and self._replay is not None:
+            await self._send_again()
+            return await self.read(max_bytes)
+        # A byte of the reply came: this exchange stays on this connection, come what may.
+        self._replay = None
+        return data
 
     async def write(self, data: bytes) -> None:
         if self._send_error is not None:
             raise self._send_error
+        if self._replay is not None:
+            if len(self._replay) + len(data) > _REPLAY_BYTES:
+                self._replay = None
+            else:
+                self._replay += data
+        if len(data) < _HOLD_BYTES and sum(map(len, self._held)) < _HOLD_BYTES:
+            self._held.append(bytes(data))
+            return
+        pieces, self._held = [*self._held, data], []
         try:
-            self._writer.write(data)
+            self._writer.writelines(pieces)
+            await self._writer.drain()
+        except (ConnectionError, ssl.SSLError) as exc:
+            if self._replay is None:
+                raise LinkClosed(f"lane connection lost: {exc}") from None
+            await self._send_again()
+
+    def _send_held(self) -> None:
+        if self._held:
+            pieces, self._held = self._held, []
+            self._writer.writelines(pieces)
+
+    async def _send_again(self) -> None:
+        """What was written, once more on a new connection (the peer closed this one unread)."""
+        assert self._replay is not None and self._redial is not None
+        written, self._replay = bytes(self._replay), None
+        self._held = []  # in what was written
+        self.connection.close()
+        try:
+            connection = await self._redial()
+        except LANE_DIAL_FAILURES as exc:
+            raise LinkClosed(f"lane connection lost, and a new one failed: {exc}") from None
+        connection.exchanges += 1
+        self.connection, self._reader, self._writer = connection, connection.reader, connection.writer
+        try:
+            self._writer.write(written)
             await self._writer.drain()
         except (ConnectionError, ssl.SSLError) as exc:
             raise LinkClosed(f"lane connection lost: {exc}") from None
@@ -178,20 +319,40 @@ class TlsStream(MeshStream):
     def finish(self) -> None:
         # No end of stream on the wire (see the module's note); later writes are refused here.
         if self._send_error is None:
+            self._send_held()
             self._send_error = StreamError("write after finish")
 
     def reset(self, error_code: int) -> None:
         # TCP carries no reset code, but it can say "aborted" apart from "done": an RST, which the
         # peer reads as a lost connection (a source that failed), never as a clean end of reply.
+        if self.released:
+            return
         self._send_error = self._recv_error = StreamReset(error_code, by_peer=False)
-        abort_with_reset(self._writer)
+        self.connection.abort()
 
     def close(self) -> None:
-        # What was written still goes out before the connection closes.
+        # The exchange did not end cleanly (or nobody says it did): the connection ends with it.
+        # What was written still goes out before it closes.
+        if self.released:
+            return
         self.finish()
         if self._recv_error is None:
             self._recv_error = StreamError("stream closed")
-        self._writer.close()
+        self.connection.close()
+
+    def release(self) -> None:
+        """The exchange ended cleanly: the connection may carry the next (given to ``on_release``);
+        one that the peer ended or that failed meanwhile is closed instead."""
+        if self.released or isinstance(self._recv_error, StreamReset):
+            return
+        if self._recv_error is not None or self._unread or not self.connection.usable:
+            self.close()
+            return
+        self.finish()  # what is held goes out
+        self.released = True
+        self._send_error = self._recv_error = StreamError("exchange over: the connection went on")
+        if self._on_release is not None:
+            self._on_release(self.connection)
 
 
 async def dial_lane(
@@ -202,7 +363,7 @@ async def dial_lane(
     *,
     timeout: float,
     read_limits: ReadLimits | None = None,
-) -> TlsStream:
+) -> LaneConnection:
     """A lane connection to ``expected_peer_id`` at ``host:port``; raises one of LANE_DIAL_FAILURES."""
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(
@@ -221,12 +382,13 @@ async def dial_lane(
     except BaseException:
         abort_with_reset(writer)
         raise
-    return TlsStream(reader, writer, peer_id, read_limits)
+    return LaneConnection(reader, writer, peer_id, read_limits)
 
 
 __all__ = [
     "LANE_ALPN",
     "LANE_DIAL_FAILURES",
+    "LaneConnection",
     "LaneContexts",
     "LaneDialError",
     "TlsStream",

@@ -7,7 +7,12 @@ must finish within ``handshake_timeout``, and at most ``max_connections`` connec
 (handshaking or served) are open at once (one more is refused at its ClientHello, before
 the server signs anything), ``max_per_peer`` of them per node. Only after
 that does ``admits`` decide, with the node id the handshake proved, and only an admitted
-peer's connection reaches ``serve`` as a :class:`~meshnode.transport.tls_lane.TlsStream`.
+peer's connection reaches ``serve``, one exchange at a time, each a
+:class:`~meshnode.transport.tls_lane.TlsStream`. An exchange that ``serve`` released (its
+reply ended cleanly) lets the connection carry the peer's next one; the listener waits at
+most ``idle_timeout`` for it, then closes the connection. Each exchange is judged afresh by
+``serve`` (the dispatcher checks admission on every stream), so a peer removed while its
+connection is open is refused at its next request.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from meshnode.transport.bind_errors import listen_error
 from meshnode.transport.read_limits import ReadLimits, process_budget
 from meshnode.transport.tls_lane import (
     READ_BUFFER_BYTES,
+    LaneConnection,
     LaneContexts,
     LaneDialError,
     TlsStream,
@@ -36,6 +42,10 @@ log = logging.getLogger(__name__)
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_MAX_PER_PEER = 8
+# How long a connection waits for the peer's next exchange. Longer than the client's pool
+# keeps it idle (lane_pool.DEFAULT_IDLE_TIMEOUT_S), so a client never sends a request into
+# a connection the server is closing; short enough that idle connections do not hold slots.
+DEFAULT_IDLE_TIMEOUT_S = 20.0
 # What a lane connection's reader may hold of incomplete frames (requests are a few bytes).
 _CONNECTION_BUFFER_BYTES = 1 << 20
 _STALL_TIMEOUT_S = 30.0
@@ -52,6 +62,7 @@ class TlsLaneListener:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_per_peer: int = DEFAULT_MAX_PER_PEER,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.contexts = contexts
         self._serve = serve
@@ -62,6 +73,7 @@ class TlsLaneListener:
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
+        self.idle_timeout = idle_timeout
         self._open = 0
         # When each handshake under way began (see _client_hello).
         self._handshakes: deque[float] = deque()
@@ -71,7 +83,9 @@ class TlsLaneListener:
         self._server: asyncio.Server | None = None
         # Connections refused, by reason (status and tests).
         self.refusals: Counter[str] = Counter()
+        # Connections admitted, and exchanges served on them, per peer.
         self.served: Counter[bytes] = Counter()
+        self.exchanges: Counter[bytes] = Counter()
 
     async def listen(self, host: str, port: int) -> None:
         """Start accepting on TCP ``host:port``; raises ListenError when it cannot be bound."""
@@ -134,6 +148,10 @@ class TlsLaneListener:
         self._open += 1
         try:
             await self._admit_and_serve(reader, writer)
+        except asyncio.CancelledError:
+            # Only close() cancels it (a connection waiting for its next exchange, say), and
+            # asyncio's stream server would log a connection task that ends cancelled as an error.
+            pass
         finally:
             self._open -= 1
             self._tasks.discard(task)
@@ -156,15 +174,24 @@ class TlsLaneListener:
         limits = ReadLimits(
             budget=process_budget().child(_CONNECTION_BUFFER_BYTES), stall_timeout=_STALL_TIMEOUT_S
         )
-        stream = TlsStream(reader, writer, peer_id, limits)
+        connection = LaneConnection(reader, writer, peer_id, limits)
         try:
             self.served[peer_id] += 1
-            await self._serve(stream)
+            first_byte = b""
+            while True:
+                stream = connection.stream(unread=first_byte)
+                self.exchanges[peer_id] += 1
+                await self._serve(stream)
+                if not stream.released:
+                    break
+                first_byte = await connection.next_exchange(self.idle_timeout)
+                if not first_byte:
+                    break
         finally:
             self._by_peer[peer_id] -= 1
             if not self._by_peer[peer_id]:
                 del self._by_peer[peer_id]
-            stream.close()
+            connection.close()
 
     def _refuse(self, writer: asyncio.StreamWriter, reason: str, detail: str) -> None:
         self.refusals[reason] += 1
@@ -175,6 +202,7 @@ class TlsLaneListener:
 
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT_S",
+    "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_PER_PEER",
     "TlsLaneListener",

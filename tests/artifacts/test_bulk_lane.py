@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,10 @@ from helpers.polling import eventually
 
 from meshnode.app.bulk_lane import NodeBulkLane
 from meshnode.artifacts.bulk_lanes import BulkLanes
-from meshnode.artifacts.fetcher import TransferError, fetch_manifest, fetch_tensors
-from meshnode.artifacts.holdings import FullModel, HeldArtifact, Holdings
+from meshnode.artifacts.fetcher import IN_FLIGHT_PER_SOURCE, TransferError, fetch_manifest, fetch_tensors
+from meshnode.artifacts.holdings import FullModel
 from meshnode.artifacts.protocol import encode_manifest_query, parse_reply
 from meshnode.artifacts.schedule import Quarantine
-from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import ArtifactStore
 from meshnode.gen.meshnode.v1 import artifacts_pb2 as pb
 from meshnode.identity import NodeIdentity
@@ -35,11 +33,11 @@ from meshnode.transport.framed import FramedStream
 from meshnode.transport.tls_lane import LaneContexts, TlsStream, dial_lane
 from meshnode.wire.framing import StreamType
 
+from .lane_nodes import LanePeer, free_on_tcp_too, lanes_of, quic_port, serve_on_lane
 from .transfer_nodes import (
     CUT_TENSOR,
     CuttingHolding,
     FlippingHolding,
-    Peer,
     head_range,
     mesh_of,
     nbytes,
@@ -50,57 +48,12 @@ from .transfer_nodes import (
 pytestmark = pytest.mark.timeout(60)
 
 
-@dataclass
-class LanePeer:
-    peer: Peer
-    lane: NodeBulkLane
-
-    @property
-    def id(self) -> bytes:
-        return self.peer.id
-
-    @property
-    def server(self) -> ArtifactServer:
-        return self.peer.server
-
-
-async def serve_on_lane(node: Node, artifact: HeldArtifact, **options) -> LanePeer:
-    peer = serve(node, artifact, **options)
-    lane = NodeBulkLane(node, peer.server)
-    await lane.start(node)
-    assert lane.listening
-    return LanePeer(peer, lane)
-
-
-def lanes_of(node: Node) -> BulkLanes:
-    """What a joiner fetches through (it serves nothing itself)."""
-    return NodeBulkLane(node, ArtifactServer(Holdings())).lanes
-
-
-def free_on_tcp_too() -> str:
-    """A loopback address whose port number is free on UDP and on TCP, for a node and its lane
-    (a port free on UDP may be taken on TCP, by another test's outgoing connection say)."""
-    while True:
-        with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            tcp.bind(("127.0.0.1", 0))
-            port = tcp.getsockname()[1]
-            try:
-                udp.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return f"127.0.0.1:{port}"
-
-
-def quic_port(node: Node) -> int:
-    assert node.endpoint is not None
-    return node.endpoint.local_address[1]
-
-
 async def manifest_over_lane(contexts: LaneContexts, holder: Node, root: str) -> pb.ArtifactReply | None:
     """The reply to a manifest query on a fresh lane connection; ``None`` when it was refused."""
     stream: TlsStream | None = None
     try:
-        stream = await dial_lane("127.0.0.1", quic_port(holder), contexts, holder.node_id, timeout=5)
+        connection = await dial_lane("127.0.0.1", quic_port(holder), contexts, holder.node_id, timeout=5)
+        stream = connection.stream()
         framed = FramedStream(stream, expect_stream_type=False, stream_type=StreamType.ARTIFACT)
         await stream.write(bytes((int(StreamType.ARTIFACT),)))
         await framed.send_frame(encode_manifest_query(bytes.fromhex(root)))
@@ -133,8 +86,13 @@ async def test_a_direct_peer_serves_the_manifest_and_tensors_over_tls_on_its_own
             assert report.quarantined == {} and report.failed_sources == {}
             # The same serving code paid the same accounts: the tensors and the blob, nothing else.
             assert source.server.uploaded_bytes == nbytes(manifest, wanted) + len(blob)
-            # One lane connection per request: manifest, blob, the holdings query, each tensor.
-            assert source.lane.server.listener.served[joiner.node_id] == 3 + len(wanted)
+            # Every request was an exchange on the lane (manifest, blob, the holdings query, each
+            # tensor), carried by connections reused one request after another: no more of them
+            # than the fetch had requests in flight at once.
+            listener = source.lane.server.listener
+            assert listener.exchanges[joiner.node_id] == 3 + len(wanted)
+            assert listener.served[joiner.node_id] <= IN_FLIGHT_PER_SOURCE
+            lanes.close()
         finally:
             await source.lane.close()
 

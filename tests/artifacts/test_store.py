@@ -238,3 +238,31 @@ def test_a_restarted_node_reopens_its_partial_model_by_root(
         '{"gguf_version": 3, "metadata_sha256": "' + "0" * 64 + '", "tensors": []}'
     )
     assert store.reopen(tiny_manifest.root) is None
+
+
+def written_writer(partial, model: Path, name: str, *, flip: bool = False):
+    data = bytearray(tensor_bytes(model, name))
+    if flip:
+        data[0] ^= 0x01
+    writer = partial.writer(name)
+    writer.write(bytes(data))
+    return writer
+
+
+def test_tensors_committed_together_are_journaled_together_and_a_mismatch_journals_none(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    first, second, third = (t.name for t in tiny_manifest.tensors[:3])
+    store = ArtifactStore(tmp_path)
+    with store.open(tiny_manifest, tiny_metadata) as partial:
+        good = written_writer(partial, tiny_model, first)
+        bad = written_writer(partial, tiny_model, second, flip=True)
+        with pytest.raises(TensorDigestMismatch):
+            partial.commit_verified([good, bad])
+        assert partial.verified == frozenset()
+        assert not partial.journal_path.exists() or partial.journal_path.read_bytes() == b""
+        partial.commit_verified([good, written_writer(partial, tiny_model, third)])
+        assert partial.verified == frozenset([first, third])
+        assert len(partial.journal_path.read_bytes().splitlines()) == 2
+    with store.open(tiny_manifest, tiny_metadata) as reopened:
+        assert reopened.verified == frozenset([first, third])
