@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import Monolithic, Run, api_run  # noqa: E402
+from e2e import Monolithic, Run  # noqa: E402
 from random_model import SIZES, ensure_random_model  # noqa: E402
 
 from engines.engine_guard import choose_weight_repack  # noqa: E402
@@ -68,10 +68,13 @@ from engines.openmp_wait import available_cpus, openmp_wait_env  # noqa: E402
 from engines.slicing import tensors_for_range  # noqa: E402
 from engines.weight_repack import WeightRepack  # noqa: E402
 from meshnode.app.local_mesh import Child, LocalMesh  # noqa: E402
+from meshnode.head.api_client import StreamSummary, stream_completion  # noqa: E402
 
 MIB = 1 << 20
 JOIN_TIMEOUT_S = 3600.0
 TLS_CHUNK = 1 << 20
+# The longest silence a request may meet: a 4096-token prompt's prefill on 2 cores is minutes.
+API_SILENCE_S = 3600.0
 
 
 # ---------------------------------------------------------------------------- (1) TLS over TCP
@@ -227,6 +230,18 @@ def joiner_budget(model: Path, layers: int) -> int:
 
 
 # ---------------------------------------------------------------------------- the run
+
+
+async def api_run(api: str, prompt: list[int], tokens: int) -> Run:
+    """One greedy streamed /v1/completions of ``prompt`` (token ids)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    summary = None
+    async for event in stream_completion(api, "/v1/completions", body, timeout_s=API_SILENCE_S):
+        if isinstance(event, StreamSummary):
+            summary = event
+    assert summary is not None
+    return Run(summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.completion_tokens)
 
 
 def print_memory(name: str, status: dict[str, Any] | None) -> float | None:

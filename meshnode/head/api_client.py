@@ -85,14 +85,17 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 async def stream_completion(
     base_url: str, path: str, body: dict[str, Any], *, timeout_s: float = 600.0, api_key: str | None = None
 ) -> AsyncIterator[TextChunk | StreamSummary]:
-    """Text as it arrives, then one :class:`StreamSummary`."""
+    """Text as it arrives, then one :class:`StreamSummary`. ``timeout_s`` bounds a silence (no
+    byte for that long, the wait for the first token included), not the whole stream: a long
+    answer from a slow mesh (an 8B model on small machines decodes a few tokens a second) keeps
+    streaming for as long as it takes."""
     started = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
     finish: str | None = None
     usage: dict[str, Any] = {}
     error: str | None = None
-    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout_s)
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
