@@ -1,7 +1,7 @@
 """A model that needs the mesh (issue 53): Llama 3 8B's shape, created, joined, fetched and served.
 
     python bench/big_model.py [--prompt-tokens 1024,4096] [--tokens 4] [--threads 2]
-                              [--first-layers 11] [--tls-mib 512] [--no-monolithic]
+                              [--first-layers 11] [--tls-mib 512] [--no-monolithic] [--no-mesh]
                               [--n-gpu-layers N] [--size llama3-8b]
 
 The model is bench/random_model.py's ``llama3-8b`` (32 layers, n_embd 4096, Q4_0, 4.5 GB;
@@ -357,10 +357,13 @@ async def main_async(args: argparse.Namespace) -> None:
     ).weight_repack
     env = openmp_wait_env(3, args.threads, available_cpus(), others=1)
     env["MESHNODE_WEIGHT_REPACK"] = "on" if repack else "off"
-    with tempfile.TemporaryDirectory(prefix="big-model-") as work:
-        mesh_runs, quic = await mesh_part(args, model, prompts, env, Path(work))
-    print(f"fetch from one source over QUIC {quic / MIB:.1f} MiB/s / TLS over TCP {tls / MIB:.0f} MiB/s "
-          f"= {quic / tls:.3f}", flush=True)  # fmt: skip
+    mesh_runs: dict[int, Run] = {}
+    quic = 0.0
+    if not args.no_mesh:
+        with tempfile.TemporaryDirectory(prefix="big-model-") as work:
+            mesh_runs, quic = await mesh_part(args, model, prompts, env, Path(work))
+        print(f"fetch from one source over QUIC {quic / MIB:.1f} MiB/s / TLS over TCP {tls / MIB:.0f} MiB/s "
+              f"= {quic / tls:.3f}", flush=True)  # fmt: skip
     mono_runs: dict[int, Run] = {}
     if not args.no_monolithic:
         mono = Monolithic(model, args.threads, repack, n_ctx=args.ctx, n_gpu_layers=args.n_gpu_layers)
@@ -373,7 +376,7 @@ async def main_async(args: argparse.Namespace) -> None:
         finally:
             mono.close()
     print("\nsummary:")
-    for length in prompts:
+    for length in mesh_runs:
         mesh_run = mesh_runs[length]
         hop_bytes = length * n_embd * 4
         wire_s = 2 * hop_bytes / quic if quic else float("nan")
@@ -404,6 +407,7 @@ def main() -> None:
     parser.add_argument("--first-layers", type=int, default=11, help="A's layers [0, N) (11)")
     parser.add_argument("--tls-mib", type=int, default=512)
     parser.add_argument("--no-monolithic", action="store_true")
+    parser.add_argument("--no-mesh", action="store_true", help="monolithic llama-cpp-python alone")
     parser.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     parser.add_argument("--size", choices=sorted(SIZES), default="llama3-8b", help="bench/random_model.py's")
     args = parser.parse_args()

@@ -194,6 +194,9 @@ def median_run(runs: list[Run]) -> Run:
 # ---------------------------------------------------------------------------- (a) monolithic
 
 
+MONOLITHIC_BATCH = 512
+
+
 class Monolithic:
     """llama-cpp-python's low-level API: one context, one sequence, greedy."""
 
@@ -215,19 +218,22 @@ class Monolithic:
         self.model = self.lib.llama_model_load_from_file(str(path).encode(), params)
         ctx_params = self.lib.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
-        ctx_params.n_batch = 512
+        ctx_params.n_batch = MONOLITHIC_BATCH
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
         self.ctx = self.lib.llama_init_from_model(self.model, ctx_params)
         self.n_vocab = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.model))
-        self.batch = self.lib.llama_batch_init(512, 0, 1)
+        self.batch = self.lib.llama_batch_init(MONOLITHIC_BATCH, 0, 1)
         self.memory = self.lib.llama_get_memory(self.ctx)
 
     def _decode(self, tokens: list[int], first_position: int) -> int:
-        fill_one_sequence(self.batch, tokens, first_position)
-        if self.lib.llama_decode(self.ctx, self.batch) != 0:
-            raise RuntimeError("llama_decode failed")
+        # A prompt longer than the batch (bench/big_model.py's 1024 and 4096 tokens) goes in
+        # batch-sized pieces, as llama.cpp's own tools feed it; the logits are the last piece's.
+        for start in range(0, len(tokens), MONOLITHIC_BATCH):
+            fill_one_sequence(self.batch, tokens[start : start + MONOLITHIC_BATCH], first_position + start)
+            if self.lib.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError("llama_decode failed")
         logits = np.ctypeslib.as_array(
             ctypes.cast(self.lib.llama_get_logits_ith(self.ctx, -1), ctypes.POINTER(ctypes.c_float)),
             shape=(self.n_vocab,),
