@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import json
 import os
 import statistics
 import subprocess
@@ -74,6 +73,7 @@ from one_sequence_batch import fill_one_sequence
 from engines.openmp_wait import available_cpus
 from engines.tokenizer import Tokenizer
 from meshnode.app.local_mesh import LocalMesh
+from meshnode.head.api_client import StreamSummary, stream_completion
 from meshnode.head.prefix_index import PREFIX_GRID_TOKENS
 
 Message = dict[str, str]
@@ -147,41 +147,22 @@ class ChatTurn:
 async def chat_turn(
     http: aiohttp.ClientSession, api: str, messages: Sequence[Message], tokens: int
 ) -> ChatTurn:
-    """One greedy streamed chat completion: when its first text came, the text, and the usage
-    (``prompt_tokens_details.cached_tokens`` included) from the stream's last event."""
+    """One greedy streamed chat completion through the API client the CLI uses: when its first
+    text came, the text, and the usage (``prompt_tokens_details.cached_tokens`` included)."""
     body = {"messages": list(messages), "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    started = time.perf_counter()
-    first: float | None = None
-    pieces: list[str] = []
-    usage: dict[str, Any] = {}
-    async with http.post(f"{api}/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{api}: {response.status} {await response.text()}")
-        async for raw in response.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if isinstance(event.get("error"), dict):
-                raise RuntimeError(f"{api}: the generation failed: {event['error'].get('message')}")
-            usage = event.get("usage") or usage
-            for choice in event.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text:
-                    if first is None:
-                        first = time.perf_counter() - started
-                    pieces.append(text)
-    details = usage.get("prompt_tokens_details") or {}
+    summary = None
+    async for item in stream_completion(api, "/v1/chat/completions", body):
+        if isinstance(item, StreamSummary):
+            summary = item
+    if summary is None or summary.error is not None:
+        raise RuntimeError(f"{api}: the generation failed: {summary.error if summary else 'no answer'}")
     return ChatTurn(
-        ttft_s=first if first is not None else time.perf_counter() - started,
-        text="".join(pieces),
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        cached_tokens=int(details.get("cached_tokens", 0)),
-        completion_tokens=int(usage.get("completion_tokens", 0)),
+        ttft_s=summary.time_to_first_token_s,
+        text=summary.text,
+        prompt_tokens=summary.prompt_tokens,
+        cached_tokens=summary.cached_tokens,
+        completion_tokens=summary.completion_tokens,
     )
 
 
