@@ -251,13 +251,19 @@ def _placement_text(placement: dict[str, Any]) -> str:
 
 def _progress_text(progress: dict[str, Any]) -> str:
     """``hashing gemma.gguf: 120.0/253.0 MiB 47.4% 85.2 MiB/s ETA 2 s`` (the label when there is one)."""
-    eta = progress.get("eta_s")
     label = f"{progress['label']}: " if progress.get("label") else ""
     return (
         f"{label}{progress['done_bytes'] / 2**20:.1f}/{progress['total_bytes'] / 2**20:.1f} MiB "
-        f"{progress['fraction'] * 100:.1f}% {progress['rate_bytes_per_s'] / 2**20:.1f} MiB/s"
-        + ("" if eta is None else f" ETA {eta:.0f} s")
+        f"{progress['fraction'] * 100:.1f}% {progress['rate_bytes_per_s'] / 2**20:.1f} MiB/s{_eta_text(progress)}"
     )
+
+
+def _eta_text(progress: dict[str, Any]) -> str:
+    eta = progress.get("eta_s")
+    if eta is not None:
+        return f" ETA {eta:.0f} s"
+    # A transfer too young for an honest ETA says so (artifacts.progress.ETA_AFTER_NS).
+    return " ETA estimating" if progress.get("estimating") else ""
 
 
 def _serving_text(serving: dict[str, Any] | None) -> str:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 
-from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
+import pytest
+
+from meshnode.artifacts.progress import ETA_AFTER_NS, RATE_TIME_CONSTANT_NS, ProgressDisplay, TransferProgress
 from meshnode.artifacts.schedule import FetchPlan, Quarantine
 from meshnode.artifacts.upload_limit import ByteBucket, UploadLimiter
 from meshnode.sansio import SECOND_NS
 
 A, B = b"a" * 32, b"b" * 32
+MIB = 1 << 20
 
 
 def test_a_source_takes_only_tensors_it_holds_in_queue_order():
@@ -77,15 +80,75 @@ def test_uploads_are_paced_only_while_the_node_is_busy():
 
 def test_progress_reports_rate_and_eta():
     progress = TransferProgress("tiny")
-    progress.begin(total_bytes=10_000, resumed_bytes=2_000, now_ns=0)
-    assert progress.eta_s(0) is None
-    progress.advance(4_000, 2 * SECOND_NS)
-    assert progress.rate(2 * SECOND_NS) == 2_000
-    assert progress.eta_s(2 * SECOND_NS) == 2.0
-    status = progress.as_status(2 * SECOND_NS)
-    assert status["done_bytes"] == 6_000 and status["total_bytes"] == 10_000
-    assert status["resumed_bytes"] == 2_000 and status["fraction"] == 0.6
-    assert status["eta_s"] == 2.0 and status["finished"] is False
+    progress.begin(total_bytes=100_000, resumed_bytes=20_000, now_ns=0)
+    assert progress.eta_s(0) is None and progress.rate(0) == 0
+    for second in range(1, 21):  # 2,000 bytes a second for 20 s
+        progress.advance(2_000, second * SECOND_NS)
+    now = 20 * SECOND_NS
+    # Each second's bytes arrive at its end, so the newest weigh a little more: within 3%.
+    assert progress.rate(now) == pytest.approx(2_000, rel=0.03)
+    assert progress.eta_s(now) == pytest.approx(20.0, rel=0.03)
+    status = progress.as_status(now)
+    assert status["done_bytes"] == 60_000 and status["total_bytes"] == 100_000
+    assert status["resumed_bytes"] == 20_000 and status["fraction"] == 0.6
+    assert status["eta_s"] == pytest.approx(20.0, rel=0.03) and status["estimating"] is False
+    assert status["finished"] is False
+
+
+def test_no_eta_from_the_first_seconds_of_a_transfer():
+    progress = TransferProgress("big")
+    progress.begin(total_bytes=1000 * MIB, resumed_bytes=0, now_ns=0)
+    # The first instants: a burst of 8 MiB in 10 ms (the old windowed rate: 800 MiB/s, an ETA of 1 s).
+    progress.advance(8 * MIB, SECOND_NS // 100)
+    assert progress.eta_s(SECOND_NS // 100) is None
+    assert progress.as_status(SECOND_NS // 100)["estimating"] is True
+    assert progress.line(SECOND_NS // 100).endswith("ETA estimating")
+    # Then a steady 5 MiB/s: still no ETA until ETA_AFTER_NS.
+    now = SECOND_NS // 100
+    while now < ETA_AFTER_NS - SECOND_NS // 10:
+        now += SECOND_NS // 10
+        progress.advance(MIB // 2, now)
+        assert progress.eta_s(now) is None, now
+    # The early rate is the average since the start, not the burst's.
+    assert progress.rate(now) < 6 * MIB
+    now += SECOND_NS
+    progress.advance(5 * MIB, now)
+    assert progress.eta_s(now) is not None
+    assert "estimating" not in progress.line(now)
+
+
+def test_the_eta_follows_a_halved_rate_within_a_few_time_constants():
+    """A second joiner starts sharing the source: 10 MiB/s for 15 s, then 5 MiB/s to the end."""
+    total = 1500 * MIB
+    progress = TransferProgress("shared")
+    progress.begin(total_bytes=total, resumed_bytes=0, now_ns=0)
+    step = SECOND_NS // 10
+    now = 0
+    while now < 15 * SECOND_NS:
+        now += step
+        progress.advance(MIB, now)
+    first_eta = progress.eta_s(now)
+    assert first_eta == pytest.approx((total - progress.done_bytes) / (10 * MIB), rel=0.01)
+    while progress.done_bytes < total:
+        now += step
+        progress.advance(MIB // 2, now)
+        eta = progress.eta_s(now)
+        assert eta is not None
+        truth = (total - progress.done_bytes) / (5 * MIB)
+        if now - 15 * SECOND_NS >= 4 * RATE_TIME_CONSTANT_NS:
+            assert eta == pytest.approx(truth, rel=0.05), now / SECOND_NS
+    assert progress.eta_s(now) == 0.0
+
+
+def test_a_stalled_transfer_shows_its_rate_falling_and_its_eta_growing():
+    progress = TransferProgress("stalled")
+    progress.begin(total_bytes=1000 * MIB, resumed_bytes=0, now_ns=0)
+    for second in range(1, 31):
+        progress.advance(4 * MIB, second * SECOND_NS)
+    at_stall = progress.eta_s(30 * SECOND_NS)
+    later = 30 * SECOND_NS + RATE_TIME_CONSTANT_NS
+    assert progress.rate(later) < progress.rate(30 * SECOND_NS) / 2
+    assert at_stall is not None and (progress.eta_s(later) or 0) > 2 * at_stall
 
 
 def test_the_bar_is_drawn_only_on_a_terminal(caplog):
