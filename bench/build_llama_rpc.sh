@@ -2,7 +2,7 @@
 # Build llama.cpp's llama-bench and RPC server (the target is ggml-rpc-server in the
 # llama.cpp that llama-cpp-python 0.3.36 vendors; older trees call it rpc-server) from
 # the vendored source in the pinned llama-cpp-python sdist, for the llama.cpp RPC
-# anchor in bench/e2e.py --rpc (issue 20).
+# anchor in bench/e2e.py --rpc (issue 20) and bench/big_model.py (issue 53).
 #
 # Why the sdist and not a llama.cpp checkout: the anchor must run the same ggml/llama
 # code meshnode's engine runs, and the sdist is fetchable from the package registry
@@ -13,12 +13,16 @@
 # and CMake flags) matches. On success the last line of stdout is the bin directory,
 # which holds llama-bench and ggml-rpc-server.
 #
-# Usage: bench/build_llama_rpc.sh [--force]     (-j from $JOBS, default 2)
+# Usage: bench/build_llama_rpc.sh [--force | --check]     (-j from $JOBS, default 2)
+#   --check: build nothing; print the bin directory if the cached build is current, else
+#            exit 3 (what bench/big_model.py asks before it skips the anchor).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 force=0
+check=0
 [ "${1:-}" = "--force" ] && force=1
+[ "${1:-}" = "--check" ] && check=1
 
 # The pinned version, read from pyproject.toml so it cannot drift from the engine's.
 version="$(sed -n 's/.*"llama-cpp-python==\([0-9][0-9.]*\)".*/\1/p' "$repo/pyproject.toml" | head -1)"
@@ -26,7 +30,14 @@ if [ -z "$version" ]; then
   echo "build_llama_rpc: no llama-cpp-python==X pin in $repo/pyproject.toml" >&2
   exit 1
 fi
-pip="${PIP:-$repo/.venv/bin/pip}"
+# $PIP, else the repository's .venv, else $PYTHON's (a worktree has no .venv of its own).
+if [ -n "${PIP:-}" ]; then
+  pip=("$PIP")
+elif [ -x "$repo/.venv/bin/pip" ]; then
+  pip=("$repo/.venv/bin/pip")
+else
+  pip=("${PYTHON:-python3}" -m pip)
+fi
 jobs="${JOBS:-2}"
 root="${MESHNODE_LLAMA_RPC_CACHE:-$HOME/.cache/meshnode/llama-rpc}/$version"
 src="$root/src/llama_cpp_python-$version/vendor/llama.cpp"
@@ -85,6 +96,10 @@ if [ "$force" = 0 ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/ggml-rpc-server" 
   echo "$bin"
   exit 0
 fi
+if [ "$check" = 1 ]; then
+  echo "build_llama_rpc: no current build under $root (bench/build_llama_rpc.sh builds it, minutes)" >&2
+  exit 3
+fi
 
 for tool in cmake g++; do
   if ! command -v "$tool" >/dev/null 2>&1; then
@@ -96,7 +111,7 @@ done
 mkdir -p "$root/sdist" "$root/src"
 sdist="$root/sdist/llama_cpp_python-$version.tar.gz"
 if [ ! -f "$sdist" ]; then
-  "$pip" download --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$root/sdist" >&2
+  "${pip[@]}" download --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$root/sdist" >&2
 fi
 if [ ! -f "$src/CMakeLists.txt" ]; then
   tar -xzf "$sdist" -C "$root/src"

@@ -57,39 +57,87 @@ class AnchorConfig:
     layers_per_server: tuple[range, ...]
 
 
+def three_way_config(n_layer: int, first_end: int, second_end: int) -> AnchorConfig:
+    """llama.cpp RPC 3-way cut where a three-node mesh is cut: blocks [0, first_end) and the
+    embeddings in llama-bench, [first_end, second_end) on the first server, [second_end, n_layer)
+    and the output layer on the second.
+
+    llama.cpp offloads the top ``-ngl`` of its n_layer + 1 layers (the output layer counted last)
+    and deals them to the devices in ``-ts`` proportions, in order: a first server's share of
+    exactly its block count puts the cut between the servers at ``second_end``.
+    """
+    if not 0 < first_end < second_end < n_layer:
+        raise ValueError(f"cuts {first_end}, {second_end} do not split {n_layer} blocks three ways")
+    first = second_end - first_end
+    second = n_layer - second_end + 1  # its blocks and the output layer
+    return AnchorConfig(
+        "rpc3",
+        "llama.cpp RPC 3-way",
+        2,
+        first + second,
+        f"{first}/{second}",
+        (range(first_end, second_end), range(second_end, n_layer + 1)),
+    )
+
+
 ANCHORS: dict[str, AnchorConfig] = {
     "rpc1": AnchorConfig("rpc1", "llama.cpp local (rpc baseline)", 0, 0, None, ()),
     "rpc2": AnchorConfig("rpc2", "llama.cpp RPC 2-way", 1, 10, None, (range(9, 19),)),
-    "rpc3": AnchorConfig("rpc3", "llama.cpp RPC 3-way", 2, 13, "6/7", (range(6, 12), range(12, 19))),
+    # -ngl 13 -ts 6/7: blocks 6-11 on the first server, 12-17 and the output on the second.
+    "rpc3": three_way_config(18, 6, 12),
 }
 BASELINE = "rpc1"
 
 
 @dataclass(frozen=True)
 class BenchResult:
-    """One llama-bench test as its JSON output gives it."""
+    """One llama-bench test as its JSON output gives it: a prefill test (n_prompt tokens, n_gen 0)
+    or a decode test (n_prompt 0, n_gen tokens), either after n_depth tokens of context."""
 
     n_gen: int
     n_depth: int
     n_gpu_layers: int
     avg_ts: float
     samples_ts: tuple[float, ...]
+    n_prompt: int = 0
+
+
+def parse_bench_tests(text: str) -> list[BenchResult]:
+    """Every test in ``llama-bench -o json``'s stdout (a JSON array of tests)."""
+    return [
+        BenchResult(
+            n_gen=int(t["n_gen"]),
+            n_depth=int(t.get("n_depth", 0)),
+            n_gpu_layers=int(t["n_gpu_layers"]),
+            avg_ts=float(t["avg_ts"]),
+            samples_ts=tuple(float(s) for s in t["samples_ts"]),
+            n_prompt=int(t["n_prompt"]),
+        )
+        for t in json.loads(text)
+    ]
+
+
+def decode_test(tests: Sequence[BenchResult]) -> BenchResult:
+    """The one decode-only test among ``tests``."""
+    decode = [t for t in tests if t.n_prompt == 0 and t.n_gen > 0]
+    if len(decode) != 1:
+        raise ValueError(f"expected one decode-only test in llama-bench's output, got {len(decode)}")
+    return decode[0]
+
+
+def prefill_test(tests: Sequence[BenchResult]) -> BenchResult | None:
+    """The prefill-only test among ``tests``, if llama-bench ran one (``-p`` above 0)."""
+    prefill = [t for t in tests if t.n_prompt > 0 and t.n_gen == 0]
+    if len(prefill) > 1:
+        raise ValueError(
+            f"expected at most one prefill-only test in llama-bench's output, got {len(prefill)}"
+        )
+    return prefill[0] if prefill else None
 
 
 def parse_bench_json(text: str) -> BenchResult:
-    """The decode test out of ``llama-bench -o json``'s stdout (a JSON array of tests)."""
-    tests = json.loads(text)
-    decode = [t for t in tests if int(t["n_prompt"]) == 0 and int(t["n_gen"]) > 0]
-    if len(decode) != 1:
-        raise ValueError(f"expected one decode-only test in llama-bench's output, got {len(decode)}")
-    t = decode[0]
-    return BenchResult(
-        n_gen=int(t["n_gen"]),
-        n_depth=int(t.get("n_depth", 0)),
-        n_gpu_layers=int(t["n_gpu_layers"]),
-        avg_ts=float(t["avg_ts"]),
-        samples_ts=tuple(float(s) for s in t["samples_ts"]),
-    )
+    """The decode test out of ``llama-bench -o json``'s stdout."""
+    return decode_test(parse_bench_tests(text))
 
 
 def added_ms_per_token(tps: float, baseline_tps: float) -> float:
@@ -151,14 +199,39 @@ def check_placement(config: AnchorConfig, placement: Placement, endpoints: Seque
         if layers != list(expected):
             raise RuntimeError(f"{config.label}: layers {layers} on {endpoint}, expected {list(expected)}")
         parts.append(f"{endpoint} layers {layers[0]}-{layers[-1]} {mib:.0f} MiB")
-    return "; ".join(parts) + " (layer 18 = output)"
+    # llama.cpp counts the output layer last, after the n_layer blocks.
+    return "; ".join(parts) + f" (layer {placement.offloadable - 1} = output)"
 
 
 def build_tools() -> Path:
     """The directory holding llama-bench and ggml-rpc-server: the cached build, or a fresh one
     (minutes) by bench/build_llama_rpc.sh, whose build output goes to this process's stderr."""
-    done = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=True)
+    done = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=True, env=_build_env()
+    )
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+# build_llama_rpc.sh --check's exit status when the tools are not built (or built otherwise).
+NOT_BUILT = 3
+
+
+def cached_tools() -> Path | None:
+    """The cached build's bin directory when bench/build_llama_rpc.sh finds it current (same
+    version and flags), else ``None``; never builds."""
+    done = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--check"], stdout=subprocess.PIPE, text=True, env=_build_env()
+    )
+    if done.returncode == NOT_BUILT:
+        return None
+    done.check_returncode()
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _build_env() -> dict[str, str]:
+    # The script's pip and python default to the repository's .venv; a worktree or a venv
+    # elsewhere runs it with this interpreter's.
+    return {"PYTHON": sys.executable, **os.environ}
 
 
 def _free_tcp_port() -> int:
@@ -256,6 +329,8 @@ class BenchSettings:
     reps: int
     repack: bool
     env: Mapping[str, str]
+    # Tokens of a prefill test besides the decode one (0: decode only).
+    prompt_tokens: int = 0
 
 
 def bench_command(
@@ -265,7 +340,7 @@ def bench_command(
         str(tools / "llama-bench"),
         "-m", str(s.model),
         "-t", str(s.threads),
-        "-p", "0",
+        "-p", str(s.prompt_tokens),
         "-n", str(s.tokens),
         "-d", str(s.depth),
         "-r", str(s.reps),
@@ -298,12 +373,26 @@ def run_bench(
     tools: Path, config: AnchorConfig, endpoints: Sequence[str], s: BenchSettings, *, verbose: bool = False
 ) -> tuple[BenchResult, str]:
     """One llama-bench invocation; its decode result and its stderr (the load log when verbose)."""
+    tests, log = run_bench_tests(tools, config, endpoints, s, verbose=verbose)
+    return decode_test(tests), log
+
+
+def run_bench_tests(
+    tools: Path,
+    config: AnchorConfig,
+    endpoints: Sequence[str],
+    s: BenchSettings,
+    *,
+    verbose: bool = False,
+    timeout_s: float = 600.0,
+) -> tuple[list[BenchResult], str]:
+    """One llama-bench invocation; every test it ran and its stderr (the load log when verbose)."""
     done = subprocess.run(
         bench_command(tools, config, endpoints, s, verbose=verbose),
         capture_output=True,
         text=True,
         env={**os.environ, **s.env},
-        timeout=600,
+        timeout=timeout_s,
         start_new_session=True,
         preexec_fn=_PREEXEC,
     )
@@ -311,4 +400,4 @@ def run_bench(
         raise RuntimeError(
             f"llama-bench ({config.label}) {exit_description(done.returncode)}: {done.stderr[-3000:]}"
         )
-    return parse_bench_json(done.stdout), done.stderr
+    return parse_bench_tests(done.stdout), done.stderr
