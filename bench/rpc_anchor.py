@@ -220,11 +220,14 @@ def cached_tools() -> Path | None:
     """The cached build's bin directory when bench/build_llama_rpc.sh finds it current (same
     version and flags), else ``None``; never builds."""
     done = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--check"], stdout=subprocess.PIPE, text=True, env=_build_env()
+        ["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, env=_build_env()
     )
     if done.returncode == NOT_BUILT:
         return None
-    done.check_returncode()
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{BUILD_SCRIPT.name} --check exited with {done.returncode}: {done.stderr.strip()}"
+        )
     return Path(done.stdout.strip().splitlines()[-1])
 
 
