@@ -1,8 +1,10 @@
 """A model that needs the mesh (issue 53): Llama 3 8B's shape, created, joined, fetched and served.
 
     python bench/big_model.py [--prompt-tokens 1024,4096] [--tokens 4] [--threads 2]
-                              [--first-layers 11] [--tls-mib 512] [--no-monolithic] [--no-mesh]
+                              [--first-layers N] [--tls-mib 512] [--no-monolithic] [--no-mesh]
                               [--n-gpu-layers N] [--size llama3-8b]
+                              [--no-rpc | --build-rpc] [--rpc-prompt 64] [--rpc-tokens 16]
+                              [--rpc-depth D] [--rpc-reps 2]
 
 The model is bench/random_model.py's ``llama3-8b`` (32 layers, n_embd 4096, Q4_0, 4.5 GB;
 generated and cached on first use, ~30 s). Everything runs on this machine, in one run:
@@ -11,7 +13,8 @@ generated and cached on first use, ~30 s). Everything runs on this machine, in o
    kernel's TCP): a child sends ``--tls-mib`` MiB, this process reads it. The bulk lane's
    ceiling here, what the mesh's fetch throughput is held against.
 2. A mesh of real ``meshnode`` processes: A is created with the model serving
-   [0, ``--first-layers``); B and C start at the same moment with only an invite, no model
+   [0, ``--first-layers``) (default: 11 of every 32 layers, 11 at the 8B shape, 1 of
+   q4-tiny's 4); B and C start at the same moment with only an invite, no model
    and empty caches, each with a ``--memory-budget`` of ``--first-layers`` ordinary layers
    and one vocabulary-sized table, so neither holds the rest alone and the model ends split
    three ways. Their placement status is polled every half second: join to serving per
@@ -25,6 +28,28 @@ generated and cached on first use, ~30 s). Everything runs on this machine, in o
    first token, decode tokens/s over ``--tokens``), then the mesh is stopped and (5) runs.
 5. Monolithic llama-cpp-python (bench/e2e.py's ``Monolithic``: one context, ``--threads``
    threads) on the same prompts.
+6. llama.cpp's own RPC split on the same file, the issue's anchor for the decode ratio
+   (bench/rpc_anchor.py, the tools built by bench/build_llama_rpc.sh): ``llama-bench`` alone
+   (local, 1 process) and with two ``ggml-rpc-server`` processes on loopback (3-way), cut as
+   the mesh's ranges chain (A's, then each joiner's from where the hop before ended; without
+   the mesh, or where the joiners' ranges do not chain, [0, ``--first-layers``) and the rest
+   halved): blocks of A's hop and the embeddings in
+   llama-bench, B's on the first server, C's and the output layer on the second, checked
+   against llama.cpp's own load log. Each process gets ``--threads`` threads; the ratio is
+   3-way ÷ local, llama.cpp's own cost of the split, beside the mesh's ÷ monolithic (the
+   tools are a separate build, so no figure crosses between the two). Each llama-bench is
+   one run: ``-p --rpc-prompt -n --rpc-tokens -d --rpc-depth -r --rpc-reps``, a prefill and
+   a decode test, both after ``--rpc-depth`` tokens of context (filled untimed, once per
+   process: llama-bench keeps the state and restores it for each test and repetition).
+   The depth defaults to the shortest ``--prompt-tokens`` (1024), so the decode is measured
+   where the mesh's first decode is; on 2 cores that fill is ~100 s per process at the 8B
+   shape (about 4 of this part's ~5 minutes). 4096 would be ~10 minutes per process for a
+   figure the ratio barely needs (at this size a token's weights, 4.5 GB, dwarf its KV reads,
+   ~0.5 GB at 4096), hence not the default; ``--rpc-depth 0`` drops the fill. Decode is
+   short (16 tokens, 2 repetitions after llama-bench's own warm-up token): ~10 s a process
+   at 3-4 tokens/s. ``--no-rpc`` skips the part; when the tools are not built it is skipped
+   with a message (``--build-rpc`` builds them first: ~10 minutes on 2 cores, cached under
+   ~/.cache/meshnode/llama-rpc).
 
 The wire's share of a prompt: each hop carries the prompt's activations, n_tokens x n_embd x
 4 bytes (float32); their time on the mesh's QUIC path is that size over the QUIC throughput
@@ -58,12 +83,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import rpc_anchor  # noqa: E402
 from e2e import Monolithic, Run  # noqa: E402
 from random_model import SIZES, ensure_random_model  # noqa: E402
 
 from engines.engine_guard import choose_weight_repack  # noqa: E402
 from engines.engine_probe import ProbeTarget  # noqa: E402
-from engines.gguf_file import read_gguf  # noqa: E402
+from engines.gguf_file import metadata_int, read_gguf  # noqa: E402
 from engines.openmp_wait import available_cpus, openmp_wait_env  # noqa: E402
 from engines.slicing import tensors_for_range  # noqa: E402
 from engines.weight_repack import WeightRepack  # noqa: E402
@@ -75,6 +101,8 @@ JOIN_TIMEOUT_S = 3600.0
 TLS_CHUNK = 1 << 20
 # The longest silence a request may meet: a 4096-token prompt's prefill on 2 cores is minutes.
 API_SILENCE_S = 3600.0
+# One llama-bench run of the anchor: the depth fill alone is ~100 s at the 8B shape on 2 cores.
+RPC_BENCH_TIMEOUT_S = 3600.0
 
 
 # ---------------------------------------------------------------------------- (1) TLS over TCP
@@ -202,10 +230,11 @@ async def watch_joiners(mesh: LocalMesh, joiners: list[Child], started: float) -
                 if transfer.get("eta_s") is not None:
                     timeline.etas.append((now, float(transfer["eta_s"])))
                 if now - last_print[child.name] > 20:
+                    eta = "estimating" if transfer.get("eta_s") is None else f"{transfer['eta_s']} s"
                     print(
                         f"    {child.name} {transfer['label']}: {transfer['done_bytes'] / MIB:.0f}/"
                         f"{transfer['total_bytes'] / MIB:.0f} MiB, {transfer['rate_bytes_per_s'] / MIB:.1f} "
-                        f"MiB/s, ETA {transfer['eta_s']} s",
+                        f"MiB/s, ETA {eta}",
                         flush=True,
                     )
                     last_print[child.name] = now
@@ -264,8 +293,9 @@ def print_memory(name: str, status: dict[str, Any] | None) -> float | None:
 
 async def mesh_part(
     args: argparse.Namespace, model: Path, prompts: dict[int, list[int]], env: dict[str, str], work: Path
-) -> tuple[dict[int, Run], float]:
-    """(2)-(4); returns the runs per prompt length and the fetch throughput from one source."""
+) -> tuple[dict[int, Run], float, list[tuple[int, int]]]:
+    """(2)-(4); returns the runs per prompt length, the fetch throughput from one source and the
+    joiners' layer ranges."""
     mesh = LocalMesh(work, model, threads=args.threads, ctx=args.ctx, env=env, timing=())
     offload = ["--n-gpu-layers", str(args.n_gpu_layers)] if args.n_gpu_layers else []
     try:
@@ -290,8 +320,10 @@ async def mesh_part(
             ))  # fmt: skip
         timelines = await watch_joiners(mesh, joiners, started)
         rates = []
+        ranges = []
         for name, timeline in timelines.items():
             assert timeline.layers is not None
+            ranges.append(timeline.layers)
             share = range_bytes(model, timeline.layers)
             fetch = timeline.span("fetching", "loading")
             load = timeline.span("loading", "serving")
@@ -331,18 +363,99 @@ async def mesh_part(
                 print_memory(child.name, child.status())
         # One source at a time: the joiners fetched from A at once, so each one's rate is a share
         # of what A's endpoint sent; the sum is what one source delivered.
-        return runs, sum(rates)
+        return runs, sum(rates), ranges
     finally:
         mesh.stop_all()
 
 
+# ---------------------------------------------------------------------------- (6) llama.cpp RPC
+
+
+def three_hop_cuts(
+    first: tuple[int, int], joiners: list[tuple[int, int]], n_layer: int
+) -> tuple[int, int] | None:
+    """The mesh's three ranges as three hops: A's, then each joiner (in the order of where their
+    ranges start) from where the hop before ended to its own end; ``None`` unless every hop holds
+    a layer and the last ends the model. On the 8B run A [0, 11), B [11, 24) and C [21, 32) gave
+    [0, 11), [11, 24), [24, 32): C served the part of its range B did not."""
+    if first[0] != 0:
+        return None
+    ends = [first[1]]
+    for start, end in sorted(joiners):
+        if not start <= ends[-1] < end:
+            return None
+        ends.append(end)
+    return (ends[0], ends[1]) if len(ends) == 3 and ends[2] == n_layer else None
+
+
+@dataclass(frozen=True)
+class AnchorRun:
+    label: str
+    decode: rpc_anchor.BenchResult
+    prefill: rpc_anchor.BenchResult | None
+
+
+def rpc_part(
+    args: argparse.Namespace,
+    model: Path,
+    tools: Path,
+    repack: bool,
+    env: dict[str, str],
+    n_layer: int,
+    cuts: tuple[int, int],
+) -> tuple[AnchorRun, AnchorRun]:
+    """(6): llama-bench local, then 3-way over two rpc-servers, blocks cut at ``cuts``."""
+    settings = rpc_anchor.BenchSettings(
+        model=model, threads=args.threads, tokens=args.rpc_tokens, depth=args.rpc_depth, reps=args.rpc_reps,
+        repack=repack, env=env, prompt_tokens=args.rpc_prompt,
+    )  # fmt: skip
+    local = rpc_anchor.ANCHORS[rpc_anchor.BASELINE]
+    three_way = rpc_anchor.three_way_config(n_layer, *cuts)
+    print(f"llama.cpp RPC anchor: llama-bench -p {args.rpc_prompt} -n {args.rpc_tokens} -d {args.rpc_depth} "
+          f"-r {args.rpc_reps}, {args.threads} threads per process, loopback; 3-way: blocks [0, {cuts[0]}) local, "
+          f"[{cuts[0]}, {cuts[1]}) and [{cuts[1]}, {n_layer}) + output on two rpc-servers "
+          f"(-ngl {three_way.n_gpu_layers} -ts {three_way.tensor_split})", flush=True)  # fmt: skip
+    runs = []
+    with (
+        tempfile.TemporaryDirectory(prefix="big-model-rpc-") as logs,
+        rpc_anchor.RpcServers(tools, 2, args.threads, env, Path(logs)) as servers,
+    ):
+        for config in (local, three_way):
+            endpoints = servers.endpoints[: config.servers]
+            started = time.perf_counter()
+            # Verbose for the load log the placement check reads; it adds no lines per token.
+            tests, log = rpc_anchor.run_bench_tests(
+                tools, config, endpoints, settings, verbose=True, timeout_s=RPC_BENCH_TIMEOUT_S
+            )
+            run = AnchorRun(config.label, rpc_anchor.decode_test(tests), rpc_anchor.prefill_test(tests))
+            runs.append(run)
+            prefill = "" if run.prefill is None else f"prefill {run.prefill.avg_ts:.2f} tokens/s, "
+            print(f"  {config.label}: {prefill}decode {run.decode.avg_ts:.2f} tokens/s "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+            if config.servers:
+                placed = rpc_anchor.check_placement(config, rpc_anchor.parse_placement(log), endpoints)
+                print(f"    placement, from llama.cpp's load log: {placed}", flush=True)
+    return runs[0], runs[1]
+
+
 async def main_async(args: argparse.Namespace) -> None:
     started = time.perf_counter()
+    # Found (or built) before anything is measured, so a build never overlaps a measurement.
+    tools = None
+    if not args.no_rpc:
+        tools = rpc_anchor.build_tools() if args.build_rpc else rpc_anchor.cached_tools()
+        if tools is None:
+            print("llama.cpp RPC anchor: skipped, llama-bench and ggml-rpc-server are not built "
+                  "(--build-rpc builds them first, or bench/build_llama_rpc.sh; ~10 minutes on 2 cores)",
+                  flush=True)  # fmt: skip
     model = ensure_random_model(args.size)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB), ready after "
           f"{time.perf_counter() - started:.1f} s", flush=True)  # fmt: skip
     header = read_gguf(model)
-    n_embd = next(int(r.value) for r in header.metadata if r.key.endswith(".embedding_length"))
+    n_embd = metadata_int(header.get(f"{header.architecture}.embedding_length"))
+    n_layer = metadata_int(header.get(f"{header.architecture}.block_count"))
+    if args.first_layers is None:
+        args.first_layers = min(max(round(n_layer * 11 / 32), 1), n_layer - 2)
     n_vocab = next(int(t.shape[1]) for t in header.tensors if t.name == "token_embd.weight")
     rng = np.random.default_rng(53)
     # BOS, then ordinary tokens (past the control and byte tokens, inside every shape's vocabulary).
@@ -359,9 +472,16 @@ async def main_async(args: argparse.Namespace) -> None:
     env["MESHNODE_WEIGHT_REPACK"] = "on" if repack else "off"
     mesh_runs: dict[int, Run] = {}
     quic = 0.0
+    rest = n_layer - args.first_layers
+    cuts = (args.first_layers, args.first_layers + (rest + 1) // 2)
     if not args.no_mesh:
         with tempfile.TemporaryDirectory(prefix="big-model-") as work:
-            mesh_runs, quic = await mesh_part(args, model, prompts, env, Path(work))
+            mesh_runs, quic, ranges = await mesh_part(args, model, prompts, env, Path(work))
+        mesh_cuts = three_hop_cuts((0, args.first_layers), ranges, n_layer)
+        if mesh_cuts is None:
+            print(f"  the joiners' ranges {ranges} after A's [0, {args.first_layers}) make no three hops: the "
+                  f"llama.cpp RPC 3-way is cut at {cuts[0]} and {cuts[1]}", flush=True)  # fmt: skip
+        cuts = mesh_cuts or cuts
         print(f"fetch from one source over QUIC {quic / MIB:.1f} MiB/s / TLS over TCP {tls / MIB:.0f} MiB/s "
               f"= {quic / tls:.3f}", flush=True)  # fmt: skip
     mono_runs: dict[int, Run] = {}
@@ -375,6 +495,9 @@ async def main_async(args: argparse.Namespace) -> None:
                       flush=True)  # fmt: skip
         finally:
             mono.close()
+    anchor: tuple[AnchorRun, AnchorRun] | None = None
+    if tools is not None:
+        anchor = rpc_part(args, model, tools, repack, env, n_layer, cuts)
     print("\nsummary:")
     for length in mesh_runs:
         mesh_run = mesh_runs[length]
@@ -387,6 +510,15 @@ async def main_async(args: argparse.Namespace) -> None:
             mono_run = mono_runs[length]
             line += (f"; TTFT mesh/monolithic {mesh_run.ttft_s / mono_run.ttft_s:.2f} (target <= 1.2), decode "
                      f"{mesh_run.decode_tps / mono_run.decode_tps:.2f} (target >= 0.9)")  # fmt: skip
+        print(line, flush=True)
+    if anchor is not None:
+        local, three_way = anchor
+        line = (f"  llama.cpp RPC 3-way / llama.cpp local (llama-bench, after {args.rpc_depth} tokens): decode "
+                f"{three_way.decode.avg_ts:.2f} / {local.decode.avg_ts:.2f} = "
+                f"{three_way.decode.avg_ts / local.decode.avg_ts:.2f}")  # fmt: skip
+        if local.prefill is not None and three_way.prefill is not None:
+            line += (f", prefill {three_way.prefill.avg_ts:.1f} / {local.prefill.avg_ts:.1f} = "
+                     f"{three_way.prefill.avg_ts / local.prefill.avg_ts:.2f}")  # fmt: skip
         print(line, flush=True)
     print(f"whole run {time.perf_counter() - started:.0f} s")
 
@@ -404,13 +536,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="generated per prompt (4)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4352, help="context per session (4352)")
-    parser.add_argument("--first-layers", type=int, default=11, help="A's layers [0, N) (11)")
+    parser.add_argument("--first-layers", type=int, help="A's layers [0, N) (11 of every 32 layers)")
     parser.add_argument("--tls-mib", type=int, default=512)
     parser.add_argument("--no-monolithic", action="store_true")
     parser.add_argument("--no-mesh", action="store_true", help="monolithic llama-cpp-python alone")
     parser.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers to offload (0)")
     parser.add_argument("--size", choices=sorted(SIZES), default="llama3-8b", help="bench/random_model.py's")
+    rpc = parser.add_mutually_exclusive_group()
+    rpc.add_argument("--no-rpc", action="store_true", help="no llama.cpp RPC anchor")
+    rpc.add_argument("--build-rpc", action="store_true", help="build the anchor's tools first if needed")
+    parser.add_argument("--rpc-prompt", type=int, default=64, help="the anchor's prefill test, tokens (64)")
+    parser.add_argument("--rpc-tokens", type=int, default=16, help="the anchor's decode test, tokens (16)")
+    parser.add_argument(
+        "--rpc-depth", type=int, help="the anchor's context depth (the shortest --prompt-tokens)"
+    )
+    parser.add_argument("--rpc-reps", type=int, default=2, help="the anchor's repetitions (2)")
     args = parser.parse_args()
+    if args.rpc_depth is None:
+        args.rpc_depth = min(args.prompt_tokens)
     asyncio.run(main_async(args))
 
 
