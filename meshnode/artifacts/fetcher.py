@@ -339,8 +339,12 @@ class _TensorFetch:
     async def fetch_one(self, source: bytes, index: int) -> _Outcome:
         tensor = self.partial.manifest.tensors[index]
         try:
-            # Goes on from bytes an earlier attempt left, which it reads back from disk first.
-            writer = await asyncio.to_thread(self.partial.writer, tensor.name)
+            if self.partial.unfinished_bytes(tensor.name):
+                # Goes on from bytes an earlier attempt left, which it reads back from disk first.
+                writer = await asyncio.to_thread(self.partial.writer, tensor.name)
+            else:
+                # Nothing to read back: a thread hop per tensor would cost more than the writer.
+                writer = self.partial.writer(tensor.name)
         except OSError as error:
             raise StoreError(f"cannot read back {tensor.name!r}: {error}") from error
 
