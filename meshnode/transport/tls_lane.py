@@ -244,6 +244,10 @@ class TlsStream(MeshStream):
         # Ended with release(): the connection went on to its next exchange.
         self.released = False
 
+    # The stream reader holds this much before it stops reading the socket: a frame up to this
+    # size waits there whole, so a reader may ask for it in one read.
+    exact_read_bytes = READ_BUFFER_BYTES
+
     @property
     def stream_id(self) -> int:
         return self._id
@@ -271,6 +275,28 @@ class TlsStream(MeshStream):
             return await self.read(max_bytes)
         # A byte of the reply came: this exchange stays on this connection, come what may.
         self._replay = None
+        return data
+
+    async def readexactly(self, nbytes: int) -> bytes:
+        if self._recv_error is not None:
+            raise self._recv_error
+        if self._unread or self._replay is not None:
+            # Bytes the listener read first, or a reply not begun whose request may go out again:
+            # read() knows both (only the first read of an exchange meets them).
+            return await self._read_pieces(nbytes)
+        self._send_held()
+        try:
+            return await self._reader.readexactly(nbytes)
+        except (ConnectionError, ssl.SSLError) as exc:
+            raise LinkClosed(f"lane connection lost: {exc}") from None
+
+    async def _read_pieces(self, nbytes: int) -> bytes:
+        data = b""
+        while len(data) < nbytes:
+            piece = await self.read(nbytes - len(data))
+            if not piece:
+                raise asyncio.IncompleteReadError(data, nbytes)
+            data += piece
         return data
 
     async def write(self, data: bytes) -> None:
