@@ -8,7 +8,7 @@ Servers in child processes, the fetcher in this one, all on loopback:
 * raw TLS  Python's ssl on asyncio, TLS 1.3 with the lane's own certificates and contexts, no
            framing: the server writes as many bytes as the slice holds, the client reads them.
            The baseline (what the link and OpenSSL allow between two Python processes).
-* lane     a meshnode node serving the model (upload limit off, its bulk lane listening);
+* lane     a meshnode node serving the model (idle: unpaced, 256 KiB chunks; its bulk lane listening);
            this process joins the mesh and fetch_tensors() the range's tensors through
            BulkLanes (TLS/TCP, verified and journaled into a fresh store each round).
 * QUIC     the same fetch over the node's QUIC link (node.get_link), as before the lane.
@@ -81,12 +81,14 @@ async def raw_tls_server(client_id: bytes) -> None:
 
 
 async def source_node(model: Path, invite: str) -> None:
-    """A node serving the model's artifacts over QUIC and its bulk lane, upload limit off."""
+    """A node serving the model's artifacts over QUIC and its bulk lane, as an idle node does: no
+    sessions to protect, so its uploads go unpaced in the protocol's largest chunks (without
+    ``is_busy`` a limiter counts as always pacing, and the server sends 64 KiB chunks)."""
     with tempfile.TemporaryDirectory() as data_dir:
         node = await start_invited_node(Path(data_dir), fast_config(), decode_invite_token(invite))
         holdings = Holdings()
         holdings.add(FullModel(model))
-        server = ArtifactServer(holdings, UploadLimiter(bytes_per_s=0))
+        server = ArtifactServer(holdings, UploadLimiter(bytes_per_s=0, is_busy=lambda: False))
         server.register(node)
         lane = NodeBulkLane(node, server)
         await lane.start(node)
