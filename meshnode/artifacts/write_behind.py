@@ -22,6 +22,9 @@ from meshnode.artifacts.store import StoreError, TensorWriter
 
 # Bytes of one tensor handed to the thread and not written yet, at most (a few chunks).
 PENDING_BYTES = 2 << 20
+# A chunk this small, with nothing of its tensor ahead of it, is written on the caller's thread:
+# hashing and writing it costs less than handing it over and hearing back (a norm's few KB).
+INLINE_BYTES = 16 << 10
 
 
 class WriteBehind:
@@ -58,10 +61,14 @@ class TensorWrites:
         self.error: StoreError | None = None
 
     def write(self, data: bytes) -> None:
-        """Hand ``data`` (the tensor's next bytes) to the thread."""
+        """Hand ``data`` (the tensor's next bytes) to the thread, or write it now if it is small
+        and nothing is waiting ahead of it."""
+        self.given += len(data)
+        if len(data) <= INLINE_BYTES and not self._pending:
+            self._write(data)
+            return
         self._pending.append((self._executor.submit(self._write, data), len(data)))
         self._pending_bytes += len(data)
-        self.given += len(data)
 
     async def wait_below_limit(self) -> None:
         """Wait while more than the limit waits to be written; StoreError if a write failed."""
@@ -96,7 +103,7 @@ class TensorWrites:
             raise self.error
 
     def _write(self, data: bytes) -> None:
-        # In the thread.
+        # In the thread, or on the caller's when nothing is pending (never both at once).
         if self.error is not None:
             return
         try:
@@ -113,4 +120,4 @@ async def _written(future: concurrent.futures.Future[None]) -> None:
     await asyncio.shield(asyncio.wrap_future(future))
 
 
-__all__ = ["PENDING_BYTES", "TensorWrites", "WriteBehind"]
+__all__ = ["INLINE_BYTES", "PENDING_BYTES", "TensorWrites", "WriteBehind"]

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from meshnode.artifacts.store import ArtifactStore, StoreError
-from meshnode.artifacts.write_behind import WriteBehind
+from meshnode.artifacts.write_behind import INLINE_BYTES, WriteBehind
 
 from .test_store import tensor_bytes
 
@@ -63,9 +63,11 @@ async def test_no_more_than_the_limit_waits_for_a_slow_disk(
                 real_write(chunk)
 
             writer.write = slow_write
-            writes = write_behind.writes(writer, pending_bytes=2 * CHUNK)
-            for start in range(0, 3 * CHUNK, CHUNK):
-                writes.write(data[start : start + CHUNK])
+            # Chunks too large to be written inline: each goes to the thread.
+            large = INLINE_BYTES + 1
+            writes = write_behind.writes(writer, pending_bytes=2 * large)
+            for start in range(0, 3 * large, large):
+                writes.write(data[start : start + large])
             waiting = asyncio.create_task(writes.wait_below_limit())
             await asyncio.sleep(0.2)
             # Three chunks wait on a disk that takes none: over the limit, so the fetch waits too.
@@ -73,7 +75,7 @@ async def test_no_more_than_the_limit_waits_for_a_slow_disk(
             disk_free.set()
             await asyncio.wait_for(waiting, 30)
             await writes.drain()
-            assert writer.written == 3 * CHUNK
+            assert writer.written == 3 * large
     finally:
         disk_free.set()
         write_behind.close()
@@ -100,15 +102,53 @@ async def test_a_disk_failure_stops_the_writes_where_it_happened_and_is_raised(
 
             writer.write = failing_once
             writes = write_behind.writes(writer)
-            for start in range(0, 4 * CHUNK, CHUNK):
-                writes.write(data[start : start + CHUNK])
+            # Chunks too large to be written inline: the failure happens in the thread.
+            large = INLINE_BYTES + 1
+            for start in range(0, 4 * large, large):
+                writes.write(data[start : start + large])
             with pytest.raises(StoreError, match=f"cannot write {name!r}: .*No space left"):
                 await writes.drain()
             # The chunks after the failed one were not written at its place: the writer counts
             # only the first, which is what a kept attempt would resume from.
             assert calls == 2
-            assert writer.written == CHUNK
+            assert writer.written == large
             writes.settle()
             assert isinstance(writes.error, StoreError)
     finally:
+        write_behind.close()
+
+
+async def test_a_small_chunk_with_nothing_ahead_is_written_at_once_and_one_behind_others_waits_its_turn(
+    tmp_path, tiny_model, tiny_manifest, tiny_metadata
+):
+    name = largest_tensor(tiny_manifest)
+    data = tensor_bytes(tiny_model, name)
+    assert len(data) > 2 * INLINE_BYTES + 2 * CHUNK
+    disk_free = threading.Event()
+    write_behind = WriteBehind()
+    try:
+        with ArtifactStore(tmp_path).open(tiny_manifest, tiny_metadata) as partial:
+            writer = partial.writer(name)
+            writes = write_behind.writes(writer)
+            writes.write(data[:CHUNK])
+            # Small, nothing pending: written before write() returned, no thread involved.
+            assert writer.written == CHUNK
+            real_write = writer.write
+
+            def slow_write(chunk: bytes) -> None:
+                disk_free.wait(timeout=30)
+                real_write(chunk)
+
+            writer.write = slow_write
+            large_end = CHUNK + INLINE_BYTES + 1
+            writes.write(data[CHUNK:large_end])
+            writes.write(data[large_end : large_end + CHUNK])
+            # The small one is behind a large one the thread holds: it waits in line, in order.
+            assert writer.written == CHUNK
+            disk_free.set()
+            await writes.drain()
+            assert writer.written == writes.given == large_end + CHUNK
+            assert partial.read(partial.index_of(name), 0, writer.written) == data[: writer.written]
+    finally:
+        disk_free.set()
         write_behind.close()
