@@ -8,19 +8,24 @@ Servers in child processes, the fetcher in this one, all on loopback:
 * raw TLS  Python's ssl on asyncio, TLS 1.3 with the lane's own certificates and contexts, no
            framing: the server writes as many bytes as the slice holds, the client reads them.
            The baseline (what the link and OpenSSL allow between two Python processes).
-* lane     a meshnode node serving the model (upload limit off, its bulk lane listening);
+* lane     a meshnode node serving the model (idle: unpaced, 256 KiB chunks; its bulk lane listening);
            this process joins the mesh and fetch_tensors() the range's tensors through
            BulkLanes (TLS/TCP, verified and journaled into a fresh store each round).
 * QUIC     the same fetch over the node's QUIC link (node.get_link), as before the lane.
 
-Prints medians and the ratios lane/raw TLS (issue 53's target: >= 0.5) and QUIC/raw TLS.
+Prints medians and the ratios lane/raw TLS (issue 53's target: >= 0.5) and QUIC/raw TLS, the
+CPU seconds each raw TLS download and each lane fetch took (user + system: this process with its
+threads, and the serving child), and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import resource
 import shutil
 import statistics
 import sys
@@ -81,12 +86,14 @@ async def raw_tls_server(client_id: bytes) -> None:
 
 
 async def source_node(model: Path, invite: str) -> None:
-    """A node serving the model's artifacts over QUIC and its bulk lane, upload limit off."""
+    """A node serving the model's artifacts over QUIC and its bulk lane, as an idle node does: no
+    sessions to protect, so its uploads go unpaced in the protocol's largest chunks (without
+    ``is_busy`` a limiter counts as always pacing, and the server sends 64 KiB chunks)."""
     with tempfile.TemporaryDirectory() as data_dir:
         node = await start_invited_node(Path(data_dir), fast_config(), decode_invite_token(invite))
         holdings = Holdings()
         holdings.add(FullModel(model))
-        server = ArtifactServer(holdings, UploadLimiter(bytes_per_s=0))
+        server = ArtifactServer(holdings, UploadLimiter(bytes_per_s=0, is_busy=lambda: False))
         server.register(node)
         lane = NodeBulkLane(node, server)
         await lane.start(node)
@@ -144,14 +151,46 @@ async def raw_tls_download(contexts: LaneContexts, port: int, server_id: bytes, 
     return nbytes / elapsed
 
 
-async def fetch_rate(open_link, manifest, blob, names, source: bytes, scratch: Path) -> float:
+async def fetch_rate(
+    open_link, manifest, blob, names, source: bytes, scratch: Path, meter: CpuMeter | None = None
+) -> float:
     shutil.rmtree(scratch, ignore_errors=True)
     with ArtifactStore(scratch).open(manifest, blob) as partial:
         started = time.perf_counter()
-        report = await fetch_tensors(open_link, partial, names, [source])
+        with meter or contextlib.nullcontext():
+            report = await fetch_tensors(open_link, partial, names, [source])
         elapsed = time.perf_counter() - started
         assert partial.verified >= frozenset(names)
     return sum(manifest.tensor(n).nbytes for n in report.fetched) / elapsed
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process, all its threads, or of child ``pid`` (Linux)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds of this process and of one child while a block runs, appended to ``seconds``."""
+
+    def __init__(self, child: Child, seconds: dict[str, list[float]], name: str) -> None:
+        self.pid = child.process.pid
+        self.here = seconds.setdefault(f"{name} here", [])
+        self.there = seconds.setdefault(f"{name} server", [])
+
+    def __enter__(self) -> None:
+        self.started = cpu_seconds(), cpu_seconds(self.pid)
+
+    def __exit__(self, *exc: object) -> None:
+        self.here.append(cpu_seconds() - self.started[0])
+        self.there.append(cpu_seconds(self.pid) - self.started[1])
+
+
+def load_average() -> str:
+    return " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
 def slice_names(manifest, start: int, end: int) -> list[str]:
@@ -175,6 +214,7 @@ async def measure(args: argparse.Namespace) -> None:
         names = [t.name for t in manifest.tensors]
     nbytes = sum(manifest.tensor(n).nbytes for n in names)
     print(f"{model.name}: layers [{start}, {end}) = {len(names)} tensors, {nbytes / 1e6:.1f} MB")
+    print(f"load average {load_average()}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         node = await start_first_node(tmp_path)
@@ -190,15 +230,18 @@ async def measure(args: argparse.Namespace) -> None:
             source = bytes.fromhex((await child.reply())["node_id"])
             manifest_, blob = await fetch_manifest(node.get_link, manifest.root, [source])
             rates: dict[str, list[float]] = {"raw TLS": [], "lane": [], "QUIC": []}
+            cpu: dict[str, list[float]] = {}
             for round_ in range(args.rounds):
-                rates["raw TLS"].append(
-                    await raw_tls_download(
-                        lane.contexts, raw_info["port"], bytes.fromhex(raw_info["node_id"]), nbytes
+                with CpuMeter(raw, cpu, "raw TLS"):
+                    rates["raw TLS"].append(
+                        await raw_tls_download(
+                            lane.contexts, raw_info["port"], bytes.fromhex(raw_info["node_id"]), nbytes
+                        )
                     )
-                )
                 scratch = tmp_path / f"store-{round_}"
+                meter = CpuMeter(child, cpu, "lane")
                 rates["lane"].append(
-                    await fetch_rate(lane.lanes.open_link, manifest_, blob, names, source, scratch)
+                    await fetch_rate(lane.lanes.open_link, manifest_, blob, names, source, scratch, meter)
                 )
                 if round_ < args.quic_rounds:
                     rates["QUIC"].append(
@@ -215,6 +258,11 @@ async def measure(args: argparse.Namespace) -> None:
             print(f"lane / raw TLS: {medians['lane'] / medians['raw TLS']:.2f} (target >= 0.5)")
             if "QUIC" in medians:
                 print(f"QUIC / raw TLS: {medians['QUIC'] / medians['raw TLS']:.3f}")
+            for name, seconds in cpu.items():
+                print(
+                    f"CPU s {name:15s} median {statistics.median(seconds):.2f} ({', '.join(f'{s:.2f}' for s in seconds)})"
+                )
+            print(f"load average {load_average()}")
         finally:
             for child in children:
                 await child.stop()

@@ -71,17 +71,25 @@ class BulkLanes:
         self.lanes: dict[bytes, str] = {}
         # Sources whose lane failed: QUIC only from then on.
         self._lane_failed: dict[bytes, str] = {}
+        # Per source, the lane found for its current QUIC link: the fetcher asks for a link per
+        # tensor, and the address comes from that link. Only a lane is remembered, so a source
+        # that had none (its announcement not in yet, say) is looked at again next time.
+        self._lane_links: dict[bytes, _LaneLink] = {}
 
     async def open_link(self, source: bytes) -> PeerLink:
         """What the fetcher opens ARTIFACT streams on for ``source`` (an ``OpenLink``)."""
         link = await self._get_link(source)
         if source in self._lane_failed:
             return link
+        known = self._lane_links.get(source)
+        if known is not None and known.quic is link:
+            return known
         address = self._address_of(link)
         if address is None:
             self._note(source, f"QUIC ({link.description}: no direct address for TCP)")
             return link
-        return _LaneLink(self, link, address)
+        self._lane_links[source] = lane_link = _LaneLink(self, link, address)
+        return lane_link
 
     def close(self) -> None:
         """Close the idle lane connections (those carrying an exchange close with it)."""
@@ -89,6 +97,7 @@ class BulkLanes:
 
     def lane_failed(self, source: bytes, address: tuple[str, int], reason: str) -> None:
         self._lane_failed[source] = reason
+        self._lane_links.pop(source, None)
         log.warning(
             "bulk lane to %s at %s:%d failed (%s): its artifacts come over QUIC",
             short_id(source),

@@ -4,8 +4,10 @@
 asks sources in turn until one answers with a manifest that hashes to the root and a
 metadata blob that matches its digest. :func:`fetch_tensors` asks every source what it
 holds, then runs a few workers per source over one :class:`~.schedule.FetchPlan`:
-each tensor streams into the :class:`~.store.PartialModel` and is journaled only once
-its digest matches (by a :class:`_Committer`, in a thread, while the workers go on). A source whose bytes do not match (or who breaks the protocol) is
+each tensor streams into the :class:`~.store.PartialModel` (written and hashed in the
+fetch's thread, :mod:`.write_behind`, while the event loop reads the next chunk) and is
+journaled only once its digest matches (by a :class:`_Committer`, in a thread, while the
+workers go on). A source whose bytes do not match (or who breaks the protocol) is
 quarantined and its tensor goes to another source; a source whose link fails is
 dropped the same way, without blame. When no live source holds what is still
 missing, :class:`TransferError` names it.
@@ -42,6 +44,7 @@ from meshnode.artifacts.protocol import (
 )
 from meshnode.artifacts.schedule import FetchPlan, Quarantine
 from meshnode.artifacts.store import PartialModel, StoreError, TensorDigestMismatch, TensorWriter
+from meshnode.artifacts.write_behind import TensorWrites, WriteBehind
 from meshnode.identity import short_id
 from meshnode.transport.base import PeerLink
 from meshnode.transport.request_reply import REQUEST_FAILURES
@@ -285,6 +288,7 @@ class _TensorFetch:
         self.changed = asyncio.Condition()
         self.workers: Counter[bytes] = Counter()
         self.committer = _Committer(partial)
+        self.write_behind = WriteBehind()
 
     async def holdings_of(self, source: bytes) -> frozenset[int] | None:
         try:
@@ -339,26 +343,33 @@ class _TensorFetch:
     async def fetch_one(self, source: bytes, index: int) -> _Outcome:
         tensor = self.partial.manifest.tensors[index]
         try:
-            # Goes on from bytes an earlier attempt left, which it reads back from disk first.
-            writer = await asyncio.to_thread(self.partial.writer, tensor.name)
+            if self.partial.unfinished_bytes(tensor.name):
+                # Goes on from bytes an earlier attempt left, which it reads back from disk first.
+                writer = await asyncio.to_thread(self.partial.writer, tensor.name)
+            else:
+                # Nothing to read back: a thread hop per tensor would cost more than the writer.
+                writer = self.partial.writer(tensor.name)
         except OSError as error:
             raise StoreError(f"cannot read back {tensor.name!r}: {error}") from error
 
+        # Written and hashed in the fetch's thread; a failure of our disk there (StoreError) is
+        # raised by the awaits below and ends the whole fetch, never blamed on the source.
+        writes = self.write_behind.writes(writer)
+
         def sink(data: bytes) -> None:
-            try:
-                writer.write(data)
-            except OSError as error:  # our disk, not the source's fault: ends the whole fetch
-                raise StoreError(f"cannot write {tensor.name!r}: {error}") from error
+            writes.write(data)
             if self.progress is not None:
                 self.progress.advance(len(data), time.monotonic_ns())
 
         kept = writer.written
 
-        async def checkpoint() -> None:
+        async def after_chunk() -> None:
+            await writes.wait_below_limit()
             # Now and then what arrived is made durable and counted, so that even a SIGKILL loses
             # only the bytes since (a cancelled or failed fetch keeps everything that arrived).
             nonlocal kept
-            if writer.written - kept >= CHECKPOINT_BYTES:
+            if writes.given - kept >= CHECKPOINT_BYTES:
+                await writes.drain()
                 kept = writer.written
                 await asyncio.to_thread(self._keep, writer)
 
@@ -366,12 +377,14 @@ class _TensorFetch:
             # Asked per tensor: the node keeps one link per peer and redials one that dropped.
             link = await self.open_link(source)
             await _fetch_item(
-                link, self.root, index, tensor.nbytes, sink, self.received, writer.written, checkpoint
+                link, self.root, index, tensor.nbytes, sink, self.received, writer.written, after_chunk
             )
+            await writes.drain()
             writer.verify()
             self.committer.add(writer)
         except TensorDigestMismatch as error:
-            self._rewind(writer.written)
+            self._settle(writes)
+            self._rewind(writes.given)
             self.partial.discard(tensor.name)
             self.plan.give_back(index)
             if writer.resumed:
@@ -381,11 +394,13 @@ class _TensorFetch:
                 return _Outcome.RESTARTED
             return self._quarantined(source, index, f"tensor {tensor.name!r}: {error}")
         except BadReply as error:
-            self._rewind(writer.written)
+            self._settle(writes)
+            self._rewind(writes.given)
             self.partial.discard(tensor.name)
             self.plan.give_back(index)
             return self._quarantined(source, index, f"tensor {tensor.name!r}: {error}")
         except PeerRefused as refusal:
+            self._settle(writes)
             self._keep(writer)
             if refusal.code == NOT_HELD:
                 self.plan.give_back(index, not_held_by=source)
@@ -397,6 +412,7 @@ class _TensorFetch:
             self.plan.lose(source, str(refusal))
             return _Outcome.REFUSED
         except _SOURCE_FAILURES as error:
+            self._settle(writes)
             self._keep(writer)
             self.plan.give_back(index)
             self.failed[source] = _describe(error)
@@ -413,6 +429,7 @@ class _TensorFetch:
             return _Outcome.FAILED
         except BaseException:
             # Stopped (cancelled, or our disk failed): what arrived is kept for the next run.
+            writes.settle()
             with contextlib.suppress(OSError):
                 self.partial.keep(writer)
             self.plan.give_back(index)
@@ -424,6 +441,14 @@ class _TensorFetch:
         self.plan.lose(source, "quarantined")
         self.quarantine.add(source, reason)
         return _Outcome.QUARANTINED
+
+    @staticmethod
+    def _settle(writes: TensorWrites) -> None:
+        """Wait for every chunk handed over to be written (blocking, but for at most
+        PENDING_BYTES of them) before the writer is read; a failure of our disk ends the fetch."""
+        writes.settle()
+        if writes.error is not None and not isinstance(writes.error, TensorDigestMismatch):
+            raise writes.error
 
     def _keep(self, writer: TensorWriter) -> None:
         """Keep the bytes of a tensor whose source stopped mid-way, for any source to go on from."""
@@ -488,6 +513,9 @@ async def fetch_tensors(
             with contextlib.suppress(StoreError):
                 await run.committer.flush()
             raise
+        finally:
+            # Each worker drained its tensor's writes before it ended: this only stops the thread.
+            run.write_behind.close()
         await run.committer.flush()
     if progress is not None:
         progress.finish()

@@ -175,8 +175,11 @@ def encode_manifest_reply(manifest: ModelManifest, metadata_nbytes: int, held: f
 
 
 def encode_chunk(offset: int, data: bytes) -> bytes:
-    chunk = pb.ArtifactChunk(offset=offset, data=data)
-    return pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION, chunk=chunk).SerializeToString()
+    reply = pb.ArtifactReply(gen=NODE_PROTOCOL_GENERATION)
+    # Filled in place: a chunk message passed to the reply would be copied into it, data and all.
+    reply.chunk.offset = offset
+    reply.chunk.data = data
+    return reply.SerializeToString()
 
 
 def encode_end(sent: int) -> bytes:

@@ -42,6 +42,10 @@ class MeshStream(abc.ABC):
     peer_id: bytes
     # Shared by the streams of one link; FramedStream applies them. None: no caps.
     read_limits: ReadLimits | None = None
+    # The largest read :meth:`readexactly` takes (0: it is not offered). A transport whose own
+    # reader holds that much anyway offers it, so that FramedStream reads a frame in two calls
+    # (its length, then its body) instead of in pieces through its decoder.
+    exact_read_bytes: int = 0
 
     @property
     @abc.abstractmethod
@@ -51,6 +55,11 @@ class MeshStream(abc.ABC):
     @abc.abstractmethod
     async def read(self, max_bytes: int = 65536) -> bytes:
         """Up to ``max_bytes``; ``b""`` once the peer finished. Raises :class:`StreamError`."""
+
+    async def readexactly(self, nbytes: int) -> bytes:
+        """Exactly ``nbytes`` (at most :attr:`exact_read_bytes`); ``asyncio.IncompleteReadError``
+        holding what came if the peer finished first. Raises :class:`StreamError` as :meth:`read`."""
+        raise NotImplementedError(f"{type(self).__name__} offers no exact reads")
 
     @abc.abstractmethod
     async def write(self, data: bytes) -> None:

@@ -205,10 +205,11 @@ class LaneConnection:
 Redial = Callable[[], Awaitable[LaneConnection]]
 # What a stream that may be sent again keeps of what it wrote: a request is a few hundred bytes.
 _REPLAY_BYTES = 64 * 1024
-# Writes shorter than this (a type byte, a frame's length prefix) wait for the stream's next
-# write, so that a request or a chunk frame goes out in one flush of TLS records and one send,
-# not two; they go out at the latest when the stream reads, finishes, or ends.
-_HOLD_BYTES = 64
+# Writes shorter than this (a type byte, a frame's length prefix, a small frame) wait for the
+# stream's next write, so that a request, a chunk frame, or a small tensor's one chunk and the
+# end of its reply go out in one flush and one send, not two; short pieces go out joined, as one
+# TLS record. Held writes go out at the latest when the stream reads, finishes, or ends.
+_HOLD_BYTES = 16 * 1024
 
 
 class TlsStream(MeshStream):
@@ -238,11 +239,16 @@ class TlsStream(MeshStream):
         # What was written while it may still be sent again (None: it may not).
         self._replay: bytearray | None = bytearray() if redial is not None else None
         self._held: list[bytes] = []
+        self._held_bytes = 0
         self._id = next(_stream_ids)
         self._send_error: StreamError | None = None
         self._recv_error: StreamError | None = None
         # Ended with release(): the connection went on to its next exchange.
         self.released = False
+
+    # The stream reader holds this much before it stops reading the socket: a frame up to this
+    # size waits there whole, so a reader may ask for it in one read.
+    exact_read_bytes = READ_BUFFER_BYTES
 
     @property
     def stream_id(self) -> int:
@@ -273,6 +279,28 @@ class TlsStream(MeshStream):
         self._replay = None
         return data
 
+    async def readexactly(self, nbytes: int) -> bytes:
+        if self._recv_error is not None:
+            raise self._recv_error
+        if self._unread or self._replay is not None:
+            # Bytes the listener read first, or a reply not begun whose request may go out again:
+            # read() knows both (only the first read of an exchange meets them).
+            return await self._read_pieces(nbytes)
+        self._send_held()
+        try:
+            return await self._reader.readexactly(nbytes)
+        except (ConnectionError, ssl.SSLError) as exc:
+            raise LinkClosed(f"lane connection lost: {exc}") from None
+
+    async def _read_pieces(self, nbytes: int) -> bytes:
+        data = b""
+        while len(data) < nbytes:
+            piece = await self.read(nbytes - len(data))
+            if not piece:
+                raise asyncio.IncompleteReadError(data, nbytes)
+            data += piece
+        return data
+
     async def write(self, data: bytes) -> None:
         if self._send_error is not None:
             raise self._send_error
@@ -281,12 +309,17 @@ class TlsStream(MeshStream):
                 self._replay = None
             else:
                 self._replay += data
-        if len(data) < _HOLD_BYTES and sum(map(len, self._held)) < _HOLD_BYTES:
+        if len(data) < _HOLD_BYTES and self._held_bytes < _HOLD_BYTES:
             self._held.append(bytes(data))
+            self._held_bytes += len(data)
             return
-        pieces, self._held = [*self._held, data], []
+        pieces, joined = [*self._held, data], bool(self._held) and len(data) < _HOLD_BYTES
+        self._held, self._held_bytes = [], 0
         try:
-            self._writer.writelines(pieces)
+            if joined:
+                self._writer.write(b"".join(pieces))
+            else:
+                self._writer.writelines(pieces)
             await self._writer.drain()
         except (ConnectionError, ssl.SSLError) as exc:
             if self._replay is None:
@@ -295,14 +328,14 @@ class TlsStream(MeshStream):
 
     def _send_held(self) -> None:
         if self._held:
-            pieces, self._held = self._held, []
-            self._writer.writelines(pieces)
+            pieces, self._held, self._held_bytes = self._held, [], 0
+            self._writer.write(b"".join(pieces))
 
     async def _send_again(self) -> None:
         """What was written, once more on a new connection (the peer closed this one unread)."""
         assert self._replay is not None and self._redial is not None
         written, self._replay = bytes(self._replay), None
-        self._held = []  # in what was written
+        self._held, self._held_bytes = [], 0  # in what was written
         self.connection.close()
         try:
             connection = await self._redial()

@@ -298,3 +298,28 @@ async def test_a_tcp_port_taken_leaves_the_node_serving_artifacts_over_quic(
             await lane.close()
         finally:
             taken.close()
+
+
+async def test_a_source_without_a_lane_address_yet_gets_its_lane_once_it_has_one(tmp_path):
+    # The lane found for a QUIC link is kept while that link is the node's; no lane is never kept,
+    # so a source whose announcement had not come in yet is looked at again on the next tensor.
+    async with mesh_of(tmp_path, 2, free_on_tcp_too) as (holder, joiner):
+        address: tuple[str, int] | None = None
+        asked = 0
+
+        def address_of(link) -> tuple[str, int] | None:
+            nonlocal asked
+            asked += 1
+            return address
+
+        lanes = BulkLanes(joiner.get_link, LaneContexts(joiner.identity), address_of)
+        quic = await joiner.get_link(holder.node_id)
+        assert await lanes.open_link(holder.node_id) is quic
+        assert lanes.lanes[holder.node_id].startswith("QUIC (")
+        address = ("127.0.0.1", quic_port(holder))
+        lane = await lanes.open_link(holder.node_id)
+        assert lane is not quic and lane.description.startswith("tls 127.0.0.1:")
+        assert await lanes.open_link(holder.node_id) is lane
+        assert asked == 2
+        lanes.lane_failed(holder.node_id, address, "refused")
+        assert await lanes.open_link(holder.node_id) is quic

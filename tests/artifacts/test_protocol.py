@@ -147,6 +147,15 @@ def chunk(offset: int, data: bytes) -> pb.ArtifactReply:
     return parse_reply(encode_chunk(offset, data))
 
 
+@pytest.mark.parametrize(("offset", "data"), [(0, b""), (0, b"x"), (12345, bytes(range(256)) * 4)])
+def test_a_chunk_is_the_reply_message_with_its_chunk_kind_even_at_offset_0(offset: int, data: bytes):
+    # Filled in place, not built from a chunk message: the same bytes, and a chunk even when every
+    # field of it has its default value.
+    built = pb.ArtifactReply(gen=1, chunk=pb.ArtifactChunk(offset=offset, data=data))
+    assert encode_chunk(offset, data) == built.SerializeToString()
+    assert chunk(offset, data).WhichOneof("kind") == "chunk"
+
+
 def test_a_chunk_receiver_takes_exactly_the_range_in_order():
     receiver = ChunkReceiver(10, 6)
     assert receiver.accept(chunk(10, b"abc")) == b"abc"
