@@ -308,6 +308,20 @@ def print_memory(name: str, status: dict[str, Any] | None) -> float | None:
     return ratio
 
 
+def one_source_rate(fetches: list[tuple[float, float, int]]) -> float:
+    """What the one source (A) delivered while it served: every joiner's bytes over the time at
+    least one of them was fetching. Joiners fetching at once share A, so neither one's own rate
+    is A's; joiners fetching one after the other are each A's rate, and this is their mean by
+    bytes."""
+    busy = 0.0
+    covered_to = float("-inf")
+    for start, end, _ in sorted(fetches):
+        if end > covered_to:
+            busy += end - max(start, covered_to)
+            covered_to = end
+    return sum(nbytes for _, _, nbytes in fetches) / busy if busy > 0 else 0.0
+
+
 async def mesh_part(
     args: argparse.Namespace, model: Path, prompts: dict[int, list[int]], env: dict[str, str], work: Path
 ) -> tuple[dict[int, Run], float, list[tuple[int, int]]]:
@@ -336,7 +350,8 @@ async def mesh_part(
                 data_dir=data_dir,
             ))  # fmt: skip
         timelines = await watch_joiners(mesh, joiners, started)
-        rates = []
+        # (start, end, bytes) of each joiner's fetch from A, for what A delivered while it served.
+        fetches: list[tuple[float, float, int]] = []
         ranges = []
         for name, timeline in timelines.items():
             assert timeline.layers is not None
@@ -346,7 +361,10 @@ async def mesh_part(
             load = timeline.span("loading", "serving")
             total = timeline.states["serving"] - started
             rate = timeline.fetched_bytes / fetch if fetch else 0.0
-            rates.append(rate)
+            if fetch:
+                fetches.append(
+                    (timeline.states["fetching"], timeline.states["loading"], timeline.fetched_bytes)
+                )
             print(
                 f"  {name} layers [{timeline.layers[0]}, {timeline.layers[1]}): join to serving {total:.1f} s "
                 f"(choosing {timeline.states.get('fetching', started) - started:.1f} s, fetch + "
@@ -378,9 +396,7 @@ async def mesh_part(
         for child in mesh.children:
             if child.data_dir is not None:
                 print_memory(child.name, child.status())
-        # One source at a time: the joiners fetched from A at once, so each one's rate is a share
-        # of what A's endpoint sent; the sum is what one source delivered.
-        return runs, sum(rates), ranges
+        return runs, one_source_rate(fetches), ranges
     finally:
         mesh.stop_all()
 

@@ -28,7 +28,8 @@ An f32 K or V would not help: llama.cpp casts an f32 cache to f16 before flash a
 and the types meet again.
 
 Time is the process's CPU seconds (``time.process_time``): with ``--threads 1`` (the default)
-that is the work itself, unmoved by whatever else a shared machine runs. Printed: prefill CPU
+that is the work itself, unmoved by whatever else a shared machine runs; with more threads the
+wall-clock times are printed too (CPU time then counts every thread's waiting as well). Printed: prefill CPU
 seconds at each 1024 tokens, decode ms a token at the prompt's depth over ``--decode``
 tokens, and each against ``stock``.
 """
@@ -109,6 +110,10 @@ CONFIGS = {
 class Result:
     prefill_marks: list[tuple[int, float]]
     decode_ms: float
+    # Wall-clock time, for runs with more than one thread (CPU time then counts every thread,
+    # spinning included).
+    prefill_wall_s: float
+    decode_wall_ms: float
 
 
 def model_with_layers(layers: int) -> Path:
@@ -161,20 +166,24 @@ def measure(
         )
     try:
         marks = []
+        wall_started = time.perf_counter()
         started = time.process_time()
         for start in range(0, prompt, config.batch):
             end = min(prompt, start + config.batch)
             runtime.run(0, start, tokens[start:end], want_logits=end == prompt)
             if end % 1024 == 0 or end == prompt:
                 marks.append((end, time.process_time() - started))
+        prefill_wall_s = time.perf_counter() - wall_started
         decoding = time.process_time()
+        wall_decoding = time.perf_counter()
         for offset in range(decode):
             position = prompt + offset
             runtime.run(0, position, tokens[position : position + 1], want_logits=True)
         decode_ms = (time.process_time() - decoding) / max(1, decode) * 1000
+        decode_wall_ms = (time.perf_counter() - wall_decoding) / max(1, decode) * 1000
     finally:
         runtime.close()
-    return Result(marks, decode_ms)
+    return Result(marks, decode_ms, prefill_wall_s, decode_wall_ms)
 
 
 def main() -> None:
@@ -216,6 +225,13 @@ def main() -> None:
             f"({result.decode_ms / base.decode_ms:.2f}x)",
             flush=True,
         )
+        if args.threads > 1:
+            print(
+                f"  {'':10s} wall: prefill {result.prefill_wall_s:.1f} s "
+                f"({result.prefill_wall_s / base.prefill_wall_s:.2f}x), decode {result.decode_wall_ms:.1f} ms a "
+                f"token ({result.decode_wall_ms / base.decode_wall_ms:.2f}x)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
