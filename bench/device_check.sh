@@ -25,8 +25,8 @@
 # 8B-shape stages (GPU_CHECK_BIG_MODEL=1): bench/engine.py's split parity and prefill/decode
 # against the whole model on the GPU, and bench/big_model.py (join, fetch, memory, time to first
 # token for 1024 and 4096 tokens, decode, against monolithic llama.cpp on the same GPU). Its
-# files: gpu_check.log, system.txt, build.log.gz, bench.txt, big_model.txt. The build (~310 s)
-# leaves ~270 s: the 8B join over QUIC is the stage most likely to run out (a stopped stage
+# files: gpu_check.log, system.txt, build.log.gz, bulk_lane.txt, bench.txt, big_model.txt. The build (~310 s)
+# leaves ~270 s: the 8B prompts are the stage most likely to run out (a stopped stage
 # still returns what it printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
