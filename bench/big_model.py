@@ -1,6 +1,6 @@
 """A model that needs the mesh (issue 53): Llama 3 8B's shape, created, joined, fetched and served.
 
-    python bench/big_model.py [--prompt-tokens 1024,4096] [--tokens 4] [--threads 2]
+    python bench/big_model.py [--prompt-tokens 1024,4096] [--tokens 16] [--threads 2]
                               [--first-layers N] [--tls-mib 512] [--no-monolithic] [--no-mesh]
                               [--n-gpu-layers N] [--size llama3-8b]
                               [--no-rpc | --build-rpc] [--rpc-prompt 64] [--rpc-tokens 16]
@@ -569,7 +569,12 @@ def main() -> None:
     parser.add_argument(
         "--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096]
     )
-    parser.add_argument("--tokens", type=int, default=4, help="generated per prompt (4)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=16,
+        help="generated per prompt (16: decode over 15 intervals; 4 gave 3, too few)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4352, help="context per session (4352)")
     parser.add_argument("--first-layers", type=int, help="A's layers [0, N) (11 of every 32 layers)")
