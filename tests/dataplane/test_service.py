@@ -58,10 +58,13 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
         assert fingerprint.model_artifact_digest == SPEC.digest()
         assert node.capacity == mesh.Capacity(max_concurrent_sessions=3, max_context_tokens=64)
         assert node.loads[0].serving_state == shard.SERVING_STATE_SERVING
+        # Before any traffic: the validation's forward, timed, is the announced estimate.
+        assert node.serving.speed.source == mesh.STAGE_SPEED_SOURCE_CALIBRATED
+        assert node.serving.speed.decode_us_per_token >= 1 and node.serving.speed.samples == 0
 
         link = await client.get_link(node.peer.node_id)
         async with ShardSession.open(link, fingerprint=fingerprint, shard_range=srange(0, 4)) as session:
-            await session.prefill([1, 2, 3])
+            first = (await session.prefill([1, 2, 3])).token
             seen = len(node.loads)
             await eventually(
                 lambda: len(node.loads) > seen and node.loads[-1].active_sessions == 1,
@@ -69,6 +72,17 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
                 "the load to be refreshed",
             )
             assert node.loads[-1].kv_pressure > 0
+            # A decode batch run: the refreshed announcement's speed is measured from it.
+            assert first is not None
+            await session.decode(first, position=3)
+            await eventually(
+                lambda: (
+                    node.serving is not None and node.serving.speed.source == mesh.STAGE_SPEED_SOURCE_MEASURED
+                ),
+                5,
+                "the measured speed to be announced",
+            )
+            assert node.serving is not None and node.serving.speed.samples >= 1
     finally:
         await service.aclose()
         await loopback.aclose()
