@@ -579,6 +579,32 @@ def _batch_families(worker: Any, now: float) -> list[Metric]:
             "Share of the last 10 s this shard's engine spent on batches (0..1)",
             stats.busy_fraction(round(now * SECOND_NS)),
         ),
+        *_stage_speed_families(stats.speed.speed()),
+    ]
+
+
+def _stage_speed_families(speed: Any) -> list[Metric]:
+    """The range's step times this node announces (meshnode.dataplane.stage_speed); none before
+    the validation's calibration."""
+    if speed is None:
+        return []
+    source = "measured" if speed.measured else "calibrated"
+    return [
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_stage_seconds_per_token",
+            "What a step of this shard's range takes per token, smoothed, by kind and source "
+            "(prefill 0: none measured yet)",
+            [
+                ({"kind": "decode", "source": source}, speed.decode_us_per_token / 1e6),
+                ({"kind": "prefill", "source": source}, speed.prefill_us_per_token / 1e6),
+            ],
+        ),
+        _gauge(
+            "meshnode_stage_speed_samples",
+            "Engine batches this shard's announced step times are smoothed over",
+            speed.samples,
+        ),
     ]
 
 

@@ -27,6 +27,7 @@ from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.envelope import fingerprint_message
 from meshnode.dataplane.lease import LeaseConfig
+from meshnode.dataplane.stage_speed import with_speed
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
@@ -261,7 +262,7 @@ class ShardService:
         )
         server.register(node.register_handler)
         service._is_member = is_member
-        node.set_serving(service.served)
+        node.set_serving(service.announced_serving())
         node.set_capacity(
             mesh.Capacity(
                 max_concurrent_sessions=server.worker.max_sessions, max_context_tokens=caps.max_context_tokens
@@ -280,6 +281,11 @@ class ShardService:
         )
         return service
 
+    def announced_serving(self) -> mesh.ServedShard:
+        """What is served, with the range's speed as measured so far (calibrated at load, then
+        smoothed from the engine's batches)."""
+        return with_speed(self.served, self.server.worker.batch_stats.speed.speed())
+
     def prefix_cache_status(self) -> dict[str, int]:
         """The ``prefix_cache`` section of the node's status (meshnode.app.prefix_cache_status)."""
         return prefix_cache_section(self.server.engine.metrics().counters, self.prefix_cache_entries)
@@ -288,6 +294,7 @@ class ShardService:
         while True:
             await asyncio.sleep(interval_s)
             self._end_departed()
+            self.node.set_serving(self.announced_serving())
             self.node.set_load(await self.server.announced_load())
 
     def _end_departed(self) -> None:

@@ -272,7 +272,20 @@ def _serving_text(serving: dict[str, Any] | None) -> str:
     span = f"[{serving['start_layer']}:{serving['end_layer']}) of {serving['total_layers']}"
     state = serving.get("state", "serving")
     text = f"{serving['model']} {span} ({serving.get('numerics') or 'numerics unreported'})"
+    text += _speed_text(serving)
     return text if state == "serving" else f"{text}, {state}"
+
+
+def _speed_text(serving: dict[str, Any]) -> str:
+    """``, decode 25.0 ms/token, prefill 1.2 ms/token (measured, 40 batches)``; empty when unsaid."""
+    decode = serving.get("decode_ms_per_token")
+    if decode is None:
+        return ""
+    prefill = serving.get("prefill_ms_per_token")
+    prefill_text = f", prefill {prefill:.1f} ms/token" if prefill is not None else ""
+    source = serving.get("speed_source") or "calibrated"
+    samples = f", {serving.get('speed_samples', 0)} batches" if source == "measured" else ""
+    return f", decode {decode:.1f} ms/token{prefill_text} ({source}{samples})"
 
 
 __all__ = ["NotANodeError", "format_status", "query_node_status"]

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from meshnode.dataplane.stage_speed import StageSpeedMeter
 from meshnode.sansio import SECOND_NS
 
 # Units per batch: a bucket per doubling up to what one shard's sessions can make.
@@ -66,6 +67,10 @@ class BatchStats:
     recent_busy: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=_BUSY_INTERVALS_KEPT))
     sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BOUNDS))
     queue_wait_s: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BOUNDS_S))
+    # The running batch's (decodes, prefills, tokens), and the step times smoothed from the
+    # finished ones (the range's speed the node announces).
+    running_work: tuple[int, int, int] | None = None
+    speed: StageSpeedMeter = field(default_factory=StageSpeedMeter)
 
     def started(
         self, *, decodes: int, prefills: int, tokens: int, waits_ns: Sequence[int], now_ns: int
@@ -78,6 +83,7 @@ class BatchStats:
         for wait in waits_ns:
             self.queue_wait_s.observe(max(0, wait) / SECOND_NS)
         self.running_since_ns = now_ns
+        self.running_work = (decodes, prefills, tokens)
         if self.first_started_ns is None:
             self.first_started_ns = now_ns
 
@@ -85,7 +91,16 @@ class BatchStats:
         if self.running_since_ns is not None:
             self.busy_ns += max(0, now_ns - self.running_since_ns)
             self.recent_busy.append((self.running_since_ns, now_ns))
+            if self.running_work is not None:
+                decodes, prefills, tokens = self.running_work
+                self.speed.batch_finished(
+                    decodes=decodes,
+                    prefills=prefills,
+                    tokens=tokens,
+                    duration_ns=now_ns - self.running_since_ns,
+                )
             self.running_since_ns = None
+            self.running_work = None
 
     def busy_ns_at(self, now_ns: int) -> int:
         """Engine busy time up to ``now_ns``, the running batch's share so far included."""

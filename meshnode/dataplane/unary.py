@@ -9,6 +9,7 @@ streams, a FireCancel, engine and next-hop releases).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import cast
 
@@ -38,6 +39,10 @@ class Validation:
     validated: bool
     detail: str
     validated_at_unix_nanos: int
+    # What its steps took (monotonic ns): the decode step, and the prefill per token. The shard's
+    # first estimate of its speed (meshnode.dataplane.stage_speed); 0 when it failed.
+    decode_ns: int = 0
+    prefill_ns_per_token: int = 0
 
 
 def validate_engine(engine: ShardEngine, *, unix_now_ns: int, probe_tokens: int = PROBE_TOKENS) -> Validation:
@@ -60,6 +65,7 @@ def validate_engine(engine: ShardEngine, *, unix_now_ns: int, probe_tokens: int 
     except Exception:
         return Validation(False, "the engine is not loaded", 0)
     rng = np.random.default_rng(0)
+    took_ns = {False: 0, True: 0}
     try:
         for first, count, decode in ((0, probe_tokens, False), (probe_tokens, 1, True)):
             if role.takes_tokens:
@@ -77,14 +83,22 @@ def validate_engine(engine: ShardEngine, *, unix_now_ns: int, probe_tokens: int 
                 sampling=GREEDY if role.is_tail else None,
                 want_logits=role.is_tail,
             )
+            began_ns = time.monotonic_ns()
             result = engine.decode(request) if decode else engine.prefill(request)
+            took_ns[decode] = time.monotonic_ns() - began_ns
             check_result(result, role, count, sampled=role.is_tail, want_logits=role.is_tail)
     except Exception:
         return Validation(False, VALIDATION_FAILED_DETAIL, 0)
     finally:
         with contextlib.suppress(Exception):
             engine.release(PROBE_SESSION)
-    return Validation(True, "", unix_now_ns)
+    return Validation(
+        True,
+        "",
+        unix_now_ns,
+        decode_ns=took_ns[True],
+        prefill_ns_per_token=took_ns[False] // max(1, probe_tokens),
+    )
 
 
 def capability_report(

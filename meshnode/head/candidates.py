@@ -66,6 +66,8 @@ def shard_candidate(
         hosts=announced_hosts(announcement.addresses),
         compute_threads=served.compute_threads,
         cpus=cpus_of_mask(served.cpu_mask),
+        # Validated on receipt (meshnode.mesh.validation.validate_stage_speed): within bounds.
+        decode_ms_per_token=served.speed.decode_us_per_token / 1_000 if served.HasField("speed") else 0.0,
     )
 
 

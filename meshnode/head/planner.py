@@ -5,11 +5,16 @@ output is an ordered list of hops, each told where to start executing
 (``effective_start_layer``) so that overlapping ranges never apply a layer
 twice. Among the chains that cover ``[0, total_layers)`` the cheapest wins,
 where a hop costs a fixed per-hop overhead plus its round-trip time plus a
-load penalty: fewer, closer, idler hops first. Load is a shard's share of its
-capacity in use (active / max sessions), so of two replicas of a range the
-less loaded takes the next session; equal costs go to the lower node id, so
-every head plans alike. :func:`plan_route_with_room` leaves shards at capacity
-out while another chain exists.
+load penalty plus its compute time: fewer, closer, idler, faster hops first.
+Load is a shard's share of its capacity in use (active / max sessions), so of
+two replicas of a range the less loaded takes the next session; compute time is
+the decode time per token the shard announces for its range
+(``ServedShard.speed``), scaled to the layers the route asks of it, so of two
+replicas the faster takes sessions until its load outweighs the difference (a
+shard that announces none costs what it did before speeds were announced).
+Equal costs go to the lower node id, so every head plans alike.
+:func:`plan_route_with_room` leaves shards at capacity out while another chain
+exists: the faster replica, once full, spills to the slower.
 
 Candidates of one model must share its :class:`ModelIdentity` (the hop contract);
 their numerics (backend, weight layout, build) may differ and never bar a chain.
@@ -71,6 +76,8 @@ class ShardCandidate:
     # (ServedShard.compute_threads, .cpu_mask); 0 and empty when unsaid.
     compute_threads: int = 0
     cpus: frozenset[int] = frozenset()
+    # What a decode step of its whole range takes there (ServedShard.speed), ms per token; 0 when unsaid.
+    decode_ms_per_token: float = 0.0
 
     @property
     def load(self) -> float:
@@ -85,7 +92,25 @@ class ShardCandidate:
 
     @property
     def cost_ms(self) -> float:
-        return HOP_OVERHEAD_MS + max(0.0, self.rtt_ms) + FULL_LOAD_PENALTY_MS * self.load
+        """The hop's cost when it runs its whole range."""
+        return self.cost_from_ms(self.start_layer)
+
+    def cost_from_ms(self, position: int) -> float:
+        """The hop's cost when a route enters it at layer ``position`` (it runs the rest of its range)."""
+        return (
+            HOP_OVERHEAD_MS
+            + max(0.0, self.rtt_ms)
+            + FULL_LOAD_PENALTY_MS * self.load
+            + self.compute_ms(self.end_layer - max(position, self.start_layer))
+        )
+
+    def compute_ms(self, layers: int) -> float:
+        """The announced decode time of ``layers`` of its range: a step's cost is about linear
+        in the layers it runs. 0 without an announcement."""
+        served = self.end_layer - self.start_layer
+        if self.decode_ms_per_token <= 0.0 or served <= 0:
+            return 0.0
+        return self.decode_ms_per_token * max(0, min(layers, served)) / served
 
 
 @dataclass(frozen=True)
@@ -200,7 +225,7 @@ def _cheapest_chain(candidates: list[ShardCandidate], model: ModelIdentity) -> l
         for candidate in usable:
             if not candidate.start_layer <= position < candidate.end_layer:
                 continue
-            key = (cost + candidate.cost_ms, hop_count + 1, (*ids, candidate.node_id))
+            key = (cost + candidate.cost_from_ms(position), hop_count + 1, (*ids, candidate.node_id))
             end = candidate.end_layer
             if end not in best or key < best[end]:
                 best[end] = key

@@ -25,6 +25,10 @@ MAX_TEXT = 256
 MAX_NONCE = 32
 # Revocations one frame may carry: the most a node keeps (meshnode.membership.revocation).
 MAX_REVOCATIONS_PER_FRAME = 4096
+# The slowest step a node may announce for its range (ServedShard.speed), per token: a minute.
+# A stage slower than that serves no one, and the bound keeps a head's route costs finite.
+MAX_STAGE_US_PER_TOKEN = 60_000_000
+_STAGE_SPEED_SOURCES = frozenset({mesh.STAGE_SPEED_SOURCE_CALIBRATED, mesh.STAGE_SPEED_SOURCE_MEASURED})
 
 M = TypeVar("M", bound=Message)
 
@@ -93,6 +97,27 @@ def validate_announcement(announcement: mesh.PeerAnnouncement) -> None:
         total = announcement.serving.total_layers
         if shard_range.start_layer >= shard_range.end_layer or (total and shard_range.end_layer > total):
             raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "served layer range is empty or past the model")
+        if announcement.serving.HasField("speed"):
+            validate_stage_speed(announcement.serving.speed)
+
+
+def validate_stage_speed(speed: mesh.StageSpeed) -> None:
+    """A served range's announced step times: a decode time within (0, MAX], a prefill time
+    within [0, MAX] (0: none measured yet) and a source that says how they were obtained."""
+    if not 0 < speed.decode_us_per_token <= MAX_STAGE_US_PER_TOKEN:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED,
+            f"serving.speed.decode_us_per_token {speed.decode_us_per_token} is not within "
+            f"1..{MAX_STAGE_US_PER_TOKEN}",
+        )
+    if speed.prefill_us_per_token > MAX_STAGE_US_PER_TOKEN:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED,
+            f"serving.speed.prefill_us_per_token {speed.prefill_us_per_token} is above "
+            f"{MAX_STAGE_US_PER_TOKEN}",
+        )
+    if speed.source not in _STAGE_SPEED_SOURCES:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"serving.speed.source {speed.source} is not known")
 
 
 def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes) -> None:
@@ -132,6 +157,7 @@ def validate_probe(probe: mesh.Probe) -> None:
 
 
 __all__ = [
+    "MAX_STAGE_US_PER_TOKEN",
     "check_generation",
     "check_node_id",
     "check_sender",
@@ -142,4 +168,5 @@ __all__ = [
     "validate_peer_leaving",
     "validate_probe",
     "validate_route_request",
+    "validate_stage_speed",
 ]

@@ -40,6 +40,13 @@ class ServingStatus:
     # "serving"; "claimed" while the node fetches and loads the range (routes skip it);
     # "draining" or "not serving" as its load record says.
     state: str = "serving"
+    # What a step of the range takes there, ms per token (ServedShard.speed): "calibrated" at load,
+    # "measured" from its batches; None and "" from a node that does not say, prefill None until
+    # measured.
+    decode_ms_per_token: float | None = None
+    prefill_ms_per_token: float | None = None
+    speed_source: str = ""
+    speed_samples: int = 0
 
     @classmethod
     def of(cls, announcement: mesh.PeerAnnouncement) -> ServingStatus | None:
@@ -55,7 +62,20 @@ class ServingStatus:
             model_digest=serving.fingerprint.model_artifact_digest,
             numerics=serving.numerics,
             state=serving_state_name(announcement),
+            **_speed_fields(serving),
         )
+
+
+def _speed_fields(serving: mesh.ServedShard) -> dict[str, Any]:
+    if not serving.HasField("speed"):
+        return {}
+    speed = serving.speed
+    return {
+        "decode_ms_per_token": speed.decode_us_per_token / 1_000,
+        "prefill_ms_per_token": speed.prefill_us_per_token / 1_000 if speed.prefill_us_per_token else None,
+        "speed_source": "measured" if speed.source == mesh.STAGE_SPEED_SOURCE_MEASURED else "calibrated",
+        "speed_samples": speed.samples,
+    }
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardSe
 from meshnode.dataplane.client_units import PrefixBlocks
 from meshnode.dataplane.edges.shard_session import ShardSession
 from meshnode.membership.credentials import MeshKey
+from meshnode.mesh.validation import validate_stage_speed
 from meshnode.wire.framing import StreamType
 from meshnode.wire.pb import mesh, shard
 
@@ -58,10 +59,13 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
         assert fingerprint.model_artifact_digest == SPEC.digest()
         assert node.capacity == mesh.Capacity(max_concurrent_sessions=3, max_context_tokens=64)
         assert node.loads[0].serving_state == shard.SERVING_STATE_SERVING
+        # Before any traffic: the validation's forward, timed, is the announced estimate.
+        assert node.serving.speed.source == mesh.STAGE_SPEED_SOURCE_CALIBRATED
+        assert node.serving.speed.decode_us_per_token >= 1 and node.serving.speed.samples == 0
 
         link = await client.get_link(node.peer.node_id)
         async with ShardSession.open(link, fingerprint=fingerprint, shard_range=srange(0, 4)) as session:
-            await session.prefill([1, 2, 3])
+            first = (await session.prefill([1, 2, 3])).token
             seen = len(node.loads)
             await eventually(
                 lambda: len(node.loads) > seen and node.loads[-1].active_sessions == 1,
@@ -69,6 +73,17 @@ async def test_a_served_shard_is_registered_announced_and_refreshed() -> None:
                 "the load to be refreshed",
             )
             assert node.loads[-1].kv_pressure > 0
+            # A decode batch run: the refreshed announcement's speed is measured from it.
+            assert first is not None
+            await session.decode(first, position=3)
+            await eventually(
+                lambda: (
+                    node.serving is not None and node.serving.speed.source == mesh.STAGE_SPEED_SOURCE_MEASURED
+                ),
+                5,
+                "the measured speed to be announced",
+            )
+            assert node.serving is not None and node.serving.speed.samples >= 1
     finally:
         await service.aclose()
         await loopback.aclose()
@@ -184,6 +199,44 @@ async def test_the_prefix_cache_size_reaches_the_engine_and_its_counters_the_sta
                 await handle
         section = service.prefix_cache_status()
         assert (section["hits"], section["misses"], section["tokens_reused"]) == (1, 0, 8)
+    finally:
+        await service.aclose()
+        await loopback.aclose()
+
+
+@pytest.mark.slow
+async def test_a_real_shard_announces_its_calibrated_then_its_measured_speed(tmp_path: Path) -> None:
+    loopback = LoopbackMesh()
+    node, client = AnnouncingPeer(loopback, 1), loopback.add(2)
+    options = ShardServiceConfig(
+        model=ensure_tiny_model(), ctx=64, max_sessions=2, threads=1, cache_dir=tmp_path / "cache"
+    )
+    service = await ShardService.start(node, options, refresh_interval_s=0.05)
+    try:
+        assert node.serving is not None
+        calibrated = node.serving.speed
+        assert calibrated.source == mesh.STAGE_SPEED_SOURCE_CALIBRATED and calibrated.samples == 0
+        assert calibrated.decode_us_per_token >= 1 and calibrated.prefill_us_per_token >= 1
+        validate_stage_speed(calibrated)
+
+        link = await client.get_link(node.peer.node_id)
+        fingerprint = node.serving.fingerprint
+        async with ShardSession.open(link, fingerprint=fingerprint, shard_range=srange(0, 6)) as session:
+            token = (await session.prefill([1, 2, 3, 4])).token
+            for position in range(4, 8):
+                assert token is not None
+                token = (await session.decode(token, position=position)).token
+        await eventually(
+            lambda: (
+                node.serving is not None and node.serving.speed.source == mesh.STAGE_SPEED_SOURCE_MEASURED
+            ),
+            10,
+            "the measured speed to be announced",
+        )
+        measured = node.serving.speed
+        # The four decode batches and the prefill's, each a sample.
+        assert measured.samples == 5
+        validate_stage_speed(measured)
     finally:
         await service.aclose()
         await loopback.aclose()

@@ -24,6 +24,7 @@ from meshnode.dataplane.batching import BatchLimits
 from meshnode.dataplane.errors import ENGINE_FAILURE_DETAIL
 from meshnode.dataplane.lease import LOCAL_ORIGIN, StreamOrigin
 from meshnode.dataplane.route import make_hop, make_route
+from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.dataplane.worker import WorkerConfig, WorkerLoad
 from meshnode.metrics import MetricSources, collect, render, samples_by_name
 from meshnode.wire.pb import shard
@@ -412,8 +413,19 @@ async def test_batch_sizes_queue_waits_and_busy_time_after_known_batches() -> No
 
     assert (stats.batches, stats.decode_units, stats.prefill_units, stats.tokens) == (5, 3, 3, 12)
     assert stats.busy_ns == 15 * MS
+    # The announced speed: a's lone decode took 10 ms, then b's and c's shared 5 ms (5 ms per
+    # token for each), smoothed: 10 + 0.1 * (5 - 10) = 9.5 ms. The prefills took no time on the
+    # harness's clock, so none is measured.
+    assert stats.speed.speed() == StageSpeed(
+        decode_us_per_token=9_500, prefill_us_per_token=0, samples=2, measured=True
+    )
     sources = MetricSources(server=_Server(harness))
     text = render(await collect(sources, now=harness.now / SECOND))
+    assert metric_samples(text, "meshnode_stage_seconds_per_token", "meshnode_stage_speed_samples") == [
+        ("meshnode_stage_seconds_per_token", {"kind": "decode", "source": "measured"}, 0.0095),
+        ("meshnode_stage_seconds_per_token", {"kind": "prefill", "source": "measured"}, 0.0),
+        ("meshnode_stage_speed_samples", {}, 2),
+    ]
     assert metric_samples(text, "meshnode_batches_total", "meshnode_batch_units_total") == [
         ("meshnode_batches_total", {}, 5),
         ("meshnode_batch_units_total", {"kind": "decode"}, 3),

@@ -395,8 +395,12 @@ async def test_streams_the_peer_abandons_do_not_exhaust_the_connection(first):
 async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
     joiner = await start_joiner(tmp_path, "server", first)
     try:
+        # With the range's speed: it travels in the joiner's signed record like the rest.
+        speed = mesh.StageSpeed(decode_us_per_token=40_000, source=mesh.STAGE_SPEED_SOURCE_CALIBRATED)
         joiner.set_serving(
-            mesh.ServedShard(model_name="m", shard_range={"start_layer": 0, "end_layer": 3}, total_layers=6)
+            mesh.ServedShard(
+                model_name="m", shard_range={"start_layer": 0, "end_layer": 3}, total_layers=6, speed=speed
+            )
         )
         joiner.set_capacity(mesh.Capacity(max_concurrent_sessions=4, max_context_tokens=4096))
 
@@ -415,6 +419,10 @@ async def test_what_a_node_serves_reaches_its_peers(tmp_path, first):
             "model_digest": "",
             "numerics": "",
             "state": "serving",
+            "decode_ms_per_token": 40.0,
+            "prefill_ms_per_token": None,
+            "speed_source": "calibrated",
+            "speed_samples": 0,
         }
         assert peer["capacity"]["max_concurrent_sessions"] == 4
         async with RawPeer() as stranger:

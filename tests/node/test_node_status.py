@@ -54,6 +54,12 @@ def a_report_with_one_peer() -> tuple[StatusReport, MeshState, MeshState]:
             shard_range=shard.ShardRange(start_layer=3, end_layer=6),
             fingerprint=shard.Fingerprint(model_artifact_digest="sha256:abc"),
             numerics="f32",
+            speed=mesh.StageSpeed(
+                decode_us_per_token=31_250,
+                prefill_us_per_token=2_500,
+                samples=12,
+                source=mesh.STAGE_SPEED_SOURCE_MEASURED,
+            ),
         )
     )
     b.local.capacity.CopyFrom(mesh.Capacity(max_concurrent_sessions=4, max_context_tokens=4096))
@@ -112,6 +118,10 @@ def test_the_report_serializes_to_the_status_sockets_json():
                     "model_digest": "sha256:abc",
                     "numerics": "f32",
                     "state": "serving",
+                    "decode_ms_per_token": 31.25,
+                    "prefill_ms_per_token": 2.5,
+                    "speed_source": "measured",
+                    "speed_samples": 12,
                 },
                 "capacity": {"max_concurrent_sessions": 4, "max_context_tokens": 4096},
                 "load": {"active_sessions": 1, "queued_chunks": 2, "kv_pressure": 0.1235},

@@ -45,3 +45,34 @@ def test_the_status_text_says_when_a_range_is_not_served_yet() -> None:
     served.fingerprint.runtime_recipe_digest = "r" * 64
     serving = ServingStatus.of(announcement(served, mesh.Load(serving_state=shard.SERVING_STATE_SERVING)))
     assert serving is not None and not _serving_text(serving.__dict__).endswith(", serving")
+
+
+def test_the_status_shows_a_nodes_announced_speed_and_nothing_when_unsaid() -> None:
+    served, _ = claim_announcement(MODEL, (0, 6))
+    served.fingerprint.runtime_recipe_digest = "r" * 64
+    serving_load = mesh.Load(serving_state=shard.SERVING_STATE_SERVING)
+    unsaid = ServingStatus.of(announcement(served, serving_load))
+    assert unsaid is not None and unsaid.decode_ms_per_token is None and unsaid.speed_source == ""
+    assert _serving_text(unsaid.__dict__) == "tiny [0:6) of 6 (numerics unreported)"
+
+    served.speed.CopyFrom(
+        mesh.StageSpeed(decode_us_per_token=40_000, source=mesh.STAGE_SPEED_SOURCE_CALIBRATED)
+    )
+    calibrated = ServingStatus.of(announcement(served, serving_load))
+    assert calibrated is not None
+    assert (calibrated.decode_ms_per_token, calibrated.prefill_ms_per_token) == (40.0, None)
+    assert _serving_text(calibrated.__dict__).endswith(", decode 40.0 ms/token (calibrated)")
+
+    served.speed.CopyFrom(
+        mesh.StageSpeed(
+            decode_us_per_token=25_000,
+            prefill_us_per_token=1_250,
+            samples=40,
+            source=mesh.STAGE_SPEED_SOURCE_MEASURED,
+        )
+    )
+    measured = ServingStatus.of(announcement(served, serving_load))
+    assert measured is not None and measured.speed_source == "measured"
+    assert _serving_text(measured.__dict__) == (
+        "tiny [0:6) of 6 (numerics unreported), decode 25.0 ms/token, prefill 1.2 ms/token (measured, 40 batches)"
+    )

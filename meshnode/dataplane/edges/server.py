@@ -195,6 +195,13 @@ class ShardServer:
             partial(validate_engine, self.engine, unix_now_ns=time.time_ns())
         )
         self._worker = ShardWorker(capabilities, self.config.worker)
+        if self.validation.validated:
+            # The validation's steps are the range's first timing on these threads: the speed
+            # announced before any traffic, until live batches replace it.
+            self._worker.batch_stats.speed.calibrate(
+                decode_ns_per_token=self.validation.decode_ns,
+                prefill_ns_per_token=self.validation.prefill_ns_per_token,
+            )
         self._arm_timer()
         return self.validation
 

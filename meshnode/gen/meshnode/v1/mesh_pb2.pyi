@@ -42,6 +42,12 @@ class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_ROLE_HOST: _ClassVar[NodeRole]
     NODE_ROLE_CLIENT: _ClassVar[NodeRole]
 
+class StageSpeedSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STAGE_SPEED_SOURCE_UNSPECIFIED: _ClassVar[StageSpeedSource]
+    STAGE_SPEED_SOURCE_CALIBRATED: _ClassVar[StageSpeedSource]
+    STAGE_SPEED_SOURCE_MEASURED: _ClassVar[StageSpeedSource]
+
 class NatMapping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NAT_MAPPING_UNKNOWN: _ClassVar[NatMapping]
@@ -74,6 +80,9 @@ NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_WORKER: NodeRole
 NODE_ROLE_HOST: NodeRole
 NODE_ROLE_CLIENT: NodeRole
+STAGE_SPEED_SOURCE_UNSPECIFIED: StageSpeedSource
+STAGE_SPEED_SOURCE_CALIBRATED: StageSpeedSource
+STAGE_SPEED_SOURCE_MEASURED: StageSpeedSource
 NAT_MAPPING_UNKNOWN: NatMapping
 NAT_MAPPING_NONE: NatMapping
 NAT_MAPPING_ENDPOINT_INDEPENDENT: NatMapping
@@ -88,7 +97,7 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[_Union[MeshErrorCode, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ServedShard(_message.Message):
-    __slots__ = ("model_name", "fingerprint", "shard_range", "total_layers", "numerics", "verifies_drafts", "compute_threads", "cpu_mask")
+    __slots__ = ("model_name", "fingerprint", "shard_range", "total_layers", "numerics", "verifies_drafts", "compute_threads", "cpu_mask", "speed")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +106,7 @@ class ServedShard(_message.Message):
     VERIFIES_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_THREADS_FIELD_NUMBER: _ClassVar[int]
     CPU_MASK_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     fingerprint: _shard_runtime_pb2.Fingerprint
     shard_range: _shard_runtime_pb2.ShardRange
@@ -105,7 +115,20 @@ class ServedShard(_message.Message):
     verifies_drafts: bool
     compute_threads: int
     cpu_mask: bytes
-    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[_shard_runtime_pb2.Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ..., total_layers: _Optional[int] = ..., numerics: _Optional[str] = ..., verifies_drafts: _Optional[bool] = ..., compute_threads: _Optional[int] = ..., cpu_mask: _Optional[bytes] = ...) -> None: ...
+    speed: StageSpeed
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[_shard_runtime_pb2.Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ..., total_layers: _Optional[int] = ..., numerics: _Optional[str] = ..., verifies_drafts: _Optional[bool] = ..., compute_threads: _Optional[int] = ..., cpu_mask: _Optional[bytes] = ..., speed: _Optional[_Union[StageSpeed, _Mapping]] = ...) -> None: ...
+
+class StageSpeed(_message.Message):
+    __slots__ = ("decode_us_per_token", "prefill_us_per_token", "samples", "source")
+    DECODE_US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    decode_us_per_token: int
+    prefill_us_per_token: int
+    samples: int
+    source: StageSpeedSource
+    def __init__(self, decode_us_per_token: _Optional[int] = ..., prefill_us_per_token: _Optional[int] = ..., samples: _Optional[int] = ..., source: _Optional[_Union[StageSpeedSource, str]] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("max_concurrent_sessions", "max_context_tokens")
