@@ -13,15 +13,9 @@ from engines.gguf_file import read_gguf
 from engines.slicing import ensure_slice, plan_slice
 from meshnode.artifacts.store import ArtifactStore, StoreError, TensorDigestMismatch
 
+from .tensor_bytes import tensor_bytes
+
 CHUNK = 4096
-
-
-def tensor_bytes(model: Path, name: str) -> bytes:
-    gguf = read_gguf(model)
-    info = next(t for t in gguf.tensors if t.name == name)
-    with model.open("rb") as file:
-        file.seek(gguf.data_offset + info.offset)
-        return file.read(info.nbytes)
 
 
 def write_tensor(partial, model: Path, name: str, *, flip: bool = False) -> None:

@@ -12,7 +12,7 @@ import pytest
 from meshnode.artifacts.store import ArtifactStore, StoreError
 from meshnode.artifacts.write_behind import INLINE_BYTES, WriteBehind
 
-from .test_store import tensor_bytes
+from .tensor_bytes import tensor_bytes
 
 CHUNK = 4096
 
