@@ -66,21 +66,6 @@ SEGMENTS = {
     ("dec1", "sse"): "driver yields -> text -> SSE chunk",
     ("sse", "dec0'"): "SSE write -> the next step starts",
 }
-# A head that sends each step ahead (before it passes the last token on) sends it between dec1
-# and sse: a token's cycle then runs from one unit's frame at the worker to the next's.
-ORDER_AHEAD = ("frame", "e0", "ll0", "ll1", "s0", "s1", "e1", "back", "ans", "dec1", "frame'")
-SEGMENTS_AHEAD = {
-    ("frame", "e0"): "worker -> engine thread starts (hand-off)",
-    ("e0", "ll0"): "engine before llama_decode",
-    ("ll0", "ll1"): "llama_decode",
-    ("ll1", "s0"): "logits to the sampler",
-    ("s0", "s1"): "sampling (the draw)",
-    ("s1", "e1"): "engine after sampling",
-    ("e1", "back"): "engine thread -> event loop (hand-off)",
-    ("back", "ans"): "worker's answer -> local link -> head's client",
-    ("ans", "dec1"): "head's client -> the step returns",
-    ("dec1", "frame'"): "next step sent -> worker's frame (SSE after)",
-}
 
 
 def read_events(path: Path) -> list[tuple[int, str]]:
@@ -121,17 +106,12 @@ def token_paths(
 
 
 def report(events: list[tuple[int, str]], bench_ms: float | None, client_tps: list[float]) -> None:
-    paths, order, segments = token_paths(events), ORDER, SEGMENTS
-    ahead = token_paths(events, ORDER_AHEAD)
-    # Without steps sent ahead both cycles are complete; the step-anchored one says more.
-    if len(paths) < len(ahead) // 2:
-        paths, order, segments = ahead, ORDER_AHEAD, SEGMENTS_AHEAD
-    first, last = order[0], order[-1]
-    print(f"one node, the whole model, speculation off: {len(paths)} decode tokens with every stamp"
-          f"{' (steps sent ahead)' if order is ORDER_AHEAD else ''}")  # fmt: skip
+    paths = token_paths(events)
+    first, last = ORDER[0], ORDER[-1]
+    print(f"one node, the whole model, speculation off: {len(paths)} decode tokens with every stamp")
     print(f"{'segment':<52} {'median ms':>10} {'mean ms':>9}")
     total_median = 0.0
-    for (start, end), label in segments.items():
+    for (start, end), label in SEGMENTS.items():
         values = [(path[end] - path[start]) / 1e6 for path in paths]
         median = statistics.median(values)
         total_median += median
