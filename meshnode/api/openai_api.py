@@ -14,7 +14,9 @@ when the backend cannot tell): equal values mean the same contract, boundary and
 per-layer numerics. A request the mesh has no room for
 (:class:`~meshnode.head.backend.MeshBusy`) is a 429 with ``Retry-After`` and OpenAI's
 rate-limit error object, decided before any byte of the answer: it is never queued
-without bound, and a request answered 200 is never dropped for capacity.
+without bound, and a request answered 200 is never dropped for capacity. A request whose
+``deadline_s`` the route's expected time cannot meet is refused before it starts (a 400,
+``deadline_unreachable``: :func:`~meshnode.api.request_fields.check_deadline`).
 
 ``/health`` is readiness (200 only while a generation could start here: a complete route
 for a model and not draining; else 503 with the reason); ``/livez`` (also
@@ -43,7 +45,13 @@ from meshnode.api.errors import (
     openai_errors,
     track_started_answers,
 )
-from meshnode.api.request_fields import ParsedRequest, check_against_model, check_prompt_fits, parse_request
+from meshnode.api.request_fields import (
+    ParsedRequest,
+    check_against_model,
+    check_deadline,
+    check_prompt_fits,
+    parse_request,
+)
 from meshnode.head.backend import (
     ContextLengthExceeded,
     ContextReporting,
@@ -53,6 +61,7 @@ from meshnode.head.backend import (
     MeshBusy,
     PromptTokenizer,
     ReadinessReporting,
+    RouteTimeReporting,
     UnknownModel,
 )
 from meshnode.head.completions import CompletionRequest, CompletionResult, TextDelta, run_completion
@@ -220,6 +229,9 @@ class OpenAIApi:
         # stream this node serves, and its QUIC connections, would wait meanwhile.
         prompt = await asyncio.to_thread(self._tokens, parsed, tokenizer)
         check_prompt_fits(len(prompt), context_tokens=context, param=parsed.prompt_param)
+        if parsed.deadline_s is not None and isinstance(self.backend, RouteTimeReporting):
+            route = self.backend.route_time(parsed.model)
+            max_tokens = check_deadline(parsed, max_tokens, len(prompt), route)
         return prompt, max_tokens
 
     @staticmethod

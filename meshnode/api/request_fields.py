@@ -16,10 +16,21 @@ Sampling follows llama.cpp's names and meanings where OpenAI has none:
 three penalties look back on, prompt included, as llama-server counts it).
 ``top_p: 0`` keeps only the most likely token: it is greedy decoding, whatever
 the temperature.
+
+``deadline_s`` (a meshnode field) is the time the client will wait for the whole answer, in
+seconds from the request. The head checks it against the time its route is expected to take
+(:mod:`meshnode.head.route_time`: the prompt's prefill, then a decode step per token, from the
+speeds the route's hops announce): a request that set ``max_tokens`` beyond what fits is refused
+with a 400, code ``deadline_unreachable``, naming the tokens that fit, before any node computes
+for it; one that left ``max_tokens`` at its default has it cut to what fits (``finish_reason:
+length`` if it gets there). A route whose hops do not all announce a speed is not judged. A
+generation running late is not cut at the deadline by the server: a client that gives up closes
+the connection, which cancels the work on every hop.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +40,15 @@ from engines.json_grammar import json_grammar
 from engines.request_limits import DEFAULT_PENALTY_LAST_N, MAX_GRAMMAR_BYTES, MAX_PENALTY_LAST_N
 from meshnode.api.errors import ApiError
 from meshnode.dataplane.route import MAX_LOGIT_BIASES
+from meshnode.head.route_time import RouteTime
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 512
 # The bound before the model's context is known; the context then bounds it again.
 MAX_TOKENS_LIMIT = 1 << 24
+# The longest ``deadline_s`` a request may give (a day): longer says nothing a client means.
+MAX_DEADLINE_S = 86_400.0
+DEADLINE_UNREACHABLE = "deadline_unreachable"
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # OpenAI's bias range; -100 effectively bans a token, 100 all but forces it.
 LOGIT_BIAS_LIMIT = 100.0
@@ -61,7 +76,16 @@ SAMPLING_FIELDS = frozenset(
         "logit_bias",
     }
 )
-COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user"}
+COMMON_FIELDS = SAMPLING_FIELDS | {
+    "model",
+    "max_tokens",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "deadline_s",
+}
 # Chat fields of OpenAI's that this node honours only where they ask for nothing it lacks:
 # name -> (the values that ask for nothing more than it does, what a client asks for otherwise).
 CHAT_FIELDS_AT_DEFAULT: dict[str, tuple[tuple[object, ...], str]] = {
@@ -111,6 +135,8 @@ class ParsedRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # Seconds the client waits for the whole answer (``deadline_s``); None: it did not say.
+    deadline_s: float | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -412,7 +438,19 @@ def parse_request(body: Any, *, chat: bool, served: list[str]) -> ParsedRequest:
         stop=_stops(body),
         stream=stream,
         include_usage=_stream_options(body, stream),
+        deadline_s=_deadline(body),
     )
+
+
+def _deadline(body: dict[str, Any]) -> float | None:
+    value = body.get("deadline_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_DEADLINE_S:
+        raise ApiError(
+            f"'deadline_s' must be a number of seconds above 0 and at most {MAX_DEADLINE_S:g}", "deadline_s"
+        )
+    return float(value)
 
 
 def check_against_model(parsed: ParsedRequest, *, context_tokens: int | None, vocab_size: int | None) -> int:
@@ -452,11 +490,47 @@ def check_prompt_fits(prompt_length: int, *, context_tokens: int | None, param: 
         )
 
 
+def check_deadline(
+    parsed: ParsedRequest, max_tokens: int, prompt_length: int, route: RouteTime | None
+) -> int:
+    """The request's ``max_tokens`` once its ``deadline_s`` is held against the route's expected
+    time: as it was when the request set no deadline or the route's time is unknown; cut to what
+    fits when the client left it at its default; else refused (400, ``deadline_unreachable``)
+    when the answer is expected to take longer than the deadline."""
+    if parsed.deadline_s is None or route is None:
+        return max_tokens
+    budget_ms = parsed.deadline_s * 1_000
+    fits = route.tokens_within(budget_ms, prompt_length)
+    expected_ms = route.answer_ms(prompt_length, max_tokens)
+    if fits is None or expected_ms is None or expected_ms <= budget_ms:
+        return max_tokens
+    if fits >= 1 and parsed.max_tokens_param is None:
+        return fits
+    step_ms = route.decode_ms_per_token
+    assert step_ms is not None  # a known answer time has a known step
+    prefill_s = prompt_length * route.prefill_ms_per_token / 1_000
+    wanted = f"{parsed.max_tokens_param} {max_tokens}" if parsed.max_tokens_param else f"{max_tokens} tokens"
+    advice = (
+        f"ask for at most {fits} tokens or allow more time"
+        if fits >= 1
+        else f"not even the prompt's prefill ({prefill_s:.1f} s) and one token fit: allow more time"
+    )
+    raise ApiError(
+        f"the answer is expected to take {math.ceil(expected_ms / 100) / 10:.1f} s on the route the mesh "
+        f"would use ({wanted} at {step_ms:.1f} ms each, after {prefill_s:.1f} s of prefill for "
+        f"{prompt_length} prompt tokens), over 'deadline_s' {parsed.deadline_s:g}: {advice}",
+        "deadline_s",
+        code=DEADLINE_UNREACHABLE,
+    )
+
+
 __all__ = [
+    "DEADLINE_UNREACHABLE",
     "DEFAULT_CHAT_MAX_TOKENS",
     "DEFAULT_COMPLETION_MAX_TOKENS",
     "ParsedRequest",
     "check_against_model",
+    "check_deadline",
     "check_prompt_fits",
     "parse_request",
 ]

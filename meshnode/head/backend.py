@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from engines.interface import SamplingParams
 from meshnode.head.coverage import ModelCoverage
+from meshnode.head.route_time import RouteTime
 from meshnode.wire.errors import MeshnodeError
 
 
@@ -137,4 +138,14 @@ class ContextReporting(Protocol):
 
     def context_tokens(self, model: str) -> int | None:
         """Raises :class:`UnknownModel`; None when not known now."""
+        ...
+
+
+@runtime_checkable
+class RouteTimeReporting(Protocol):
+    """A backend that knows what the route a request would take now is expected to take per
+    token (optional: else a request's ``deadline_s`` is not checked before it starts)."""
+
+    def route_time(self, model: str) -> RouteTime | None:
+        """Raises :class:`UnknownModel`; None when no route is complete now."""
         ...

@@ -68,6 +68,7 @@ def shard_candidate(
         cpus=cpus_of_mask(served.cpu_mask),
         # Validated on receipt (meshnode.mesh.validation.validate_stage_speed): within bounds.
         decode_ms_per_token=served.speed.decode_us_per_token / 1_000 if served.HasField("speed") else 0.0,
+        prefill_ms_per_token=served.speed.prefill_us_per_token / 1_000 if served.HasField("speed") else 0.0,
     )
 
 

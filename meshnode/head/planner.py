@@ -78,6 +78,8 @@ class ShardCandidate:
     cpus: frozenset[int] = frozenset()
     # What a decode step of its whole range takes there (ServedShard.speed), ms per token; 0 when unsaid.
     decode_ms_per_token: float = 0.0
+    # What prefilling one token through its whole range takes there, ms; 0 when unsaid or not measured yet.
+    prefill_ms_per_token: float = 0.0
 
     @property
     def load(self) -> float:
@@ -98,19 +100,30 @@ class ShardCandidate:
     def cost_from_ms(self, position: int) -> float:
         """The hop's cost when a route enters it at layer ``position`` (it runs the rest of its range)."""
         return (
-            HOP_OVERHEAD_MS
-            + max(0.0, self.rtt_ms)
+            self.link_ms
             + FULL_LOAD_PENALTY_MS * self.load
             + self.compute_ms(self.end_layer - max(position, self.start_layer))
         )
 
+    @property
+    def link_ms(self) -> float:
+        """What reaching the hop adds to a step whatever it computes: the fixed overhead and the round trip."""
+        return HOP_OVERHEAD_MS + max(0.0, self.rtt_ms)
+
     def compute_ms(self, layers: int) -> float:
         """The announced decode time of ``layers`` of its range: a step's cost is about linear
         in the layers it runs. 0 without an announcement."""
+        return self._share_of(self.decode_ms_per_token, layers)
+
+    def prefill_ms(self, layers: int) -> float:
+        """The announced prefill time of one token through ``layers`` of its range; 0 without one."""
+        return self._share_of(self.prefill_ms_per_token, layers)
+
+    def _share_of(self, whole_range_ms: float, layers: int) -> float:
         served = self.end_layer - self.start_layer
-        if self.decode_ms_per_token <= 0.0 or served <= 0:
+        if whole_range_ms <= 0.0 or served <= 0:
             return 0.0
-        return self.decode_ms_per_token * max(0, min(layers, served)) / served
+        return whole_range_ms * max(0, min(layers, served)) / served
 
 
 @dataclass(frozen=True)

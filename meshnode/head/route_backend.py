@@ -19,6 +19,7 @@ from meshnode.head.candidates import identities_for_artifact
 from meshnode.head.coverage import ModelCoverage, layer_coverage
 from meshnode.head.driver import GenerationDriver
 from meshnode.head.planner import ModelIdentity, NoRouteError, plan_route
+from meshnode.head.route_time import RouteTime, route_time
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,27 @@ class RouteBackend:
             if c.node_id in on_route and c.model == identity and c.max_context_tokens > 0
         ]
         return min(contexts) if contexts else None
+
+    def route_time(self, model: str) -> RouteTime | None:
+        """What the route a request for ``model`` would take now is expected to take (the
+        driver's own choice: around hops found dead, and full ones while others have room);
+        None when no route is complete."""
+        return self._route_time(self._local(model))
+
+    def route_times(self) -> list[RouteTime]:
+        """:meth:`route_time` of every model this node answers for that has a complete route."""
+        found = (self._route_time(model) for model in self.models)
+        return [time for time in found if time is not None]
+
+    def _route_time(self, model: LocalModel) -> RouteTime | None:
+        identity = self._routable(model)
+        if identity is None:
+            return None
+        try:
+            route = self.driver.plan(identity, set())
+        except NoRouteError:
+            return None
+        return route_time(route, self.driver.env.candidates())
 
     def model_coverage(self, model: str) -> ModelCoverage | None:
         """The layers of the route a request for ``model`` would take (else of the first way it

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from helpers.loopback_routes import DRIVER_INDEX, LoopbackRoutes
 from helpers.polling import eventually
+from helpers.small_tokenizer import SmallTokenizer
 
 from engines.interface import GREEDY
 from meshnode.api.openai_api import start_api_server
@@ -34,29 +35,6 @@ BUSY_ERROR = {
     "param": None,
     "code": "mesh_at_capacity",
 }
-
-
-class SmallTokenizer:
-    """Text to the fake model's small vocabulary; never ends a generation early."""
-
-    class Detokenizer:
-        def feed(self, token_id: int) -> str:
-            return chr(ord("a") + token_id % 26)
-
-        def flush(self) -> str:
-            return ""
-
-    def encode_prompt(self, text: str) -> list[int]:
-        return [ord(c) % 16 for c in text]
-
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.encode_prompt("".join(m["content"] for m in messages))
-
-    def is_end_of_generation(self, token_id: int) -> bool:
-        return False
-
-    def detokenizer(self) -> SmallTokenizer.Detokenizer:
-        return SmallTokenizer.Detokenizer()
 
 
 @pytest.fixture
