@@ -53,6 +53,7 @@ from engines.interface import (
     EngineHealth,
 )
 from engines.resident_memory import ShardMemory, shard_memory
+from meshnode.identity import short_id
 
 # What generate_latest writes (names escaped to the classic character set) is the 0.0.4 text format.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -114,6 +115,8 @@ class MetricSources:
     node: Any = None  # meshnode.node.Node
     server: Any = None  # meshnode.dataplane.edges.server.ShardServer
     driver: Any = None  # meshnode.head.driver.GenerationDriver
+    routes: Any = None  # meshnode.head.route_backend.RouteBackend
+    slow_stages: Any = None  # meshnode.mesh.slow_stage.SlowStageWatch
 
 
 class NodeMetrics:
@@ -206,7 +209,48 @@ def live_families(sources: MetricSources, health: EngineHealth | None, *, now: f
     driver = sources.driver
     if driver is not None:
         families += _driver_families(driver.stats)
+    if sources.routes is not None:
+        families += _route_families(sources.routes.route_times())
+    if sources.slow_stages is not None:
+        families += _slow_stage_families(sources.slow_stages)
     return families
+
+
+def _route_families(times: Sequence[Any]) -> list[Metric]:
+    """What the route a request would take now is expected to take per token, by model
+    (meshnode.head.route_time); a route some hop of which announces no speed is left out."""
+    known = [(time.model_name, time.decode_ms_per_token) for time in times]
+    return [
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_route_expected_seconds_per_token",
+            "The announced decode time of the route a request would take now, its hops' links "
+            "included, by model",
+            [({"model": model}, step / 1_000) for model, step in known if step is not None],
+        )
+    ]
+
+
+def _slow_stage_families(watch: Any) -> list[Metric]:
+    """The stages this node compares (meshnode.mesh.slow_stage): each one's time for its work
+    against the others', and whether it has been slow long enough to say so."""
+    compared = [watch.verdict(node_id) for node_id in watch.compared_nodes()]
+    return [
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_stage_time_ratio",
+            "A stage's decode time for the work it holds over the median of the other stages' "
+            "of its model, by node",
+            [({"node": short_id(verdict.node_id)}, verdict.ratio) for verdict in compared],
+        ),
+        _labelled(
+            GaugeMetricFamily,
+            "meshnode_stage_slow",
+            "1 for a stage that has been far slower than the others for long enough to slow every "
+            "route through it, by node",
+            [({"node": short_id(verdict.node_id)}, int(verdict.slow)) for verdict in compared],
+        ),
+    ]
 
 
 @functools.cache

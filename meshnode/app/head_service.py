@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -29,6 +30,7 @@ from meshnode.head.driver import GenerationDriver, RouteEnvironment
 from meshnode.head.environment import NodeRoutes, StandaloneShardHost
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.route_backend import LocalModel, RouteBackend
+from meshnode.mesh.slow_stage import SlowStageWatch
 from meshnode.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from meshnode.metrics import MetricSources, NodeMetrics
 from meshnode.transport.addresses import format_host_port
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The status section of the routes this head would take now, with their expected time per token.
+ROUTES_SECTION = "routes"
+
 
 class HeadError(Exception):
     """The head could not start; one line for the operator."""
@@ -53,6 +58,13 @@ def api_url(host: str, port: int) -> str:
     return f"http://{format_host_port(reachable, port)}"
 
 
+def route_status(backend: RouteBackend, slow_stages: SlowStageWatch | None) -> dict[str, Any]:
+    """The ``routes`` section: each model's route as a request would take it now, its expected
+    time per token (meshnode.head.route_time), and which of its hops slow it down."""
+    slow = slow_stages.slow_nodes() if slow_stages is not None else frozenset()
+    return {"routes": [time.to_json(slow) for time in backend.route_times()]}
+
+
 class HeadService:
     def __init__(
         self,
@@ -62,6 +74,7 @@ class HeadService:
         tokenizer: Tokenizer,
         local: LocalShardLink | StandaloneShardHost | None,
         backend: RouteBackend,
+        slow_stages: SlowStageWatch | None = None,
     ) -> None:
         self.driver = driver
         self.backend = backend
@@ -69,6 +82,12 @@ class HeadService:
         self._runner = runner
         self._tokenizer = tokenizer
         self._local = local
+        self._slow_stages = slow_stages
+        # Run at close: what was added to the node's status for this head comes off it.
+        self.on_close: Callable[[], None] | None = None
+
+    def route_status(self) -> dict[str, Any]:
+        return route_status(self.backend, self._slow_stages)
 
     @classmethod
     async def start(
@@ -81,13 +100,16 @@ class HeadService:
         local: LocalShardLink | StandaloneShardHost | None = None,
         metrics: MetricSources | None = None,
         vocabulary_model: object | None = None,
+        slow_stages: SlowStageWatch | None = None,
     ) -> HeadService:
         """Open the model's tokenizer, build the driver and serve the API (with ``/metrics``
         over ``metrics`` and the driver). Raises :class:`HeadError`.
 
         ``vocabulary_model``: the local shard engine's model where it holds the whole
         vocabulary (ShardEngine.vocabulary_model); the tokenizer then uses it instead of
-        loading a second copy, and the head must close before that engine does."""
+        loading a second copy, and the head must close before that engine does.
+
+        ``slow_stages``: the node's verdicts on the mesh's stages, shown on the routes' hops."""
         from engines.tokenizer import Tokenizer, TokenizerError  # llama.cpp loads only with a model
 
         try:
@@ -103,6 +125,7 @@ class HeadService:
 
         sources = metrics or MetricSources()
         sources.driver = driver
+        sources.routes = backend
         node_metrics = NodeMetrics(sources)
         driver.token_observers.append(node_metrics.observe_token)
 
@@ -136,7 +159,7 @@ class HeadService:
         log.info("OpenAI-compatible API on %s/v1%s, model %s%s", url, exposed, model.name, keyed)
         if not loopback and not options.access.api_key:
             log.warning("the API is reachable from other machines without a key: set --api-key")
-        return cls(driver, runner, url, tokenizer, local, backend)
+        return cls(driver, runner, url, tokenizer, local, backend, slow_stages)
 
     async def drain(self, poll_s: float = 0.05) -> None:
         """Refuse new generations (503), then wait for the running ones to end."""
@@ -145,6 +168,8 @@ class HeadService:
             await asyncio.sleep(poll_s)
 
     async def aclose(self) -> None:
+        if self.on_close is not None:
+            self.on_close()
         await self._runner.cleanup()
         await self.driver.aclose()
         if self._local is not None:
@@ -153,9 +178,14 @@ class HeadService:
 
 
 async def start_node_head(
-    node: Node, service: ShardService, model_path: Path, options: HeadConfig
+    node: Node,
+    service: ShardService,
+    model_path: Path,
+    options: HeadConfig,
+    slow_stages: SlowStageWatch | None = None,
 ) -> HeadService:
-    """The head of a mesh node that serves a shard of ``model_path``."""
+    """The head of a mesh node that serves a shard of ``model_path``; its routes are in the node's
+    status (with ``slow_stages``' verdicts on their hops)."""
     local = LocalShardLink(node.node_id)
     service.server.register(local.register)
     try:
@@ -165,14 +195,17 @@ async def start_node_head(
             served=service.served,
             options=options,
             local=local,
-            metrics=MetricSources(node=node, server=service.server),
+            metrics=MetricSources(node=node, server=service.server, slow_stages=slow_stages),
             # The head closes before the service (node_serving, placed_serving).
             vocabulary_model=service.server.engine.vocabulary_model(),
+            slow_stages=slow_stages,
         )
     except BaseException:
         await local.aclose()
         raise
     node.set_api_url(head.url)
+    node.add_status_section(ROUTES_SECTION, head.route_status)
+    head.on_close = lambda: node.remove_status_section(ROUTES_SECTION)
     return head
 
 
@@ -223,11 +256,13 @@ async def start_standalone(shard_options: ShardServiceConfig, options: HeadConfi
 
 __all__ = [
     "DEFAULT_API_LISTEN",
+    "ROUTES_SECTION",
     "HeadConfig",
     "HeadError",
     "HeadService",
     "StandaloneHead",
     "api_url",
+    "route_status",
     "start_node_head",
     "start_standalone",
 ]

@@ -16,19 +16,28 @@ from meshnode.node import Node
 
 if TYPE_CHECKING:
     from meshnode.app.shard_service import ShardService
+    from meshnode.mesh.slow_stage import SlowStageWatch
 
 log = logging.getLogger(__name__)
 
 
 async def start_head(
-    node: Node, service: ShardService, args: argparse.Namespace, model_path: Path
+    node: Node,
+    service: ShardService,
+    args: argparse.Namespace,
+    model_path: Path,
+    slow_stages: SlowStageWatch | None = None,
 ) -> HeadService | None:
     """The API on a node serving a shard (``--api-listen``); a busy default port only warns."""
     if args.api_listen is False:
         return None
     try:
         return await start_node_head(
-            node, service, model_path, head_config(args.api_listen, api_access(args), driver_config(args))
+            node,
+            service,
+            model_path,
+            head_config(args.api_listen, api_access(args), driver_config(args)),
+            slow_stages,
         )
     except HeadError as exc:
         if args.api_listen is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshnode.app.lease_options import lease_settings
 from meshnode.app.lifecycle import run_node
@@ -20,8 +21,13 @@ from meshnode.app.prefix_cache_options import prefix_cache_entries
 from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.preparation_status import show_file_passes, status_while_preparing
 from meshnode.app.session_options import max_sessions
+from meshnode.app.slow_stage_status import SlowStageMonitor
 from meshnode.commandline.cli_error import CliError
 from meshnode.node import Node
+
+if TYPE_CHECKING:
+    from meshnode.app.shard_service import ShardService
+    from meshnode.mesh.slow_stage import SlowStageWatch
 
 
 def check_serving_options(args: argparse.Namespace) -> None:
@@ -92,36 +98,44 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     node.add_status_section(PREFIX_CACHE_SECTION, service.prefix_cache_status)
     try:
-        from meshnode.app.placed_serving import offer_model_file
-
-        # Joiners with no --model fetch their layers from nodes that hold them (meshnode.artifacts).
-        lane = await offer_model_file(node, args.model, args, service)
-        head = await start_head(node, service, args, args.model)
-
-        async def drain() -> None:
-            # The API first: it refuses new requests and waits for the generations it
-            # accepted, whose sessions on this node's own shard may not be open yet;
-            # only then does the shard refuse new sessions and wait for its last ones.
-            if head is not None:
-                await head.drain()
-            await service.drain()
-
-        try:
-            return await run_node(
-                node,
-                on_started=lane.start if lane is not None else None,
-                drain=drain,
-                drain_timeout=args.drain_timeout,
-                join_timeout=args.join_timeout,
-            )
-        finally:
-            if lane is not None:
-                await lane.close()
-            if head is not None:
-                await head.aclose()
+        async with SlowStageMonitor(node).watching() as slow_stages:
+            await slow_stages.price_from_file(service.served, args.model)
+            return await _serve_with_head(node, args, service, slow_stages.watch)
     finally:
         node.remove_status_section(PREFIX_CACHE_SECTION)
         await service.aclose()
+
+
+async def _serve_with_head(
+    node: Node, args: argparse.Namespace, service: ShardService, slow_stages: SlowStageWatch
+) -> int:
+    from meshnode.app.placed_serving import offer_model_file
+
+    # Joiners with no --model fetch their layers from nodes that hold them (meshnode.artifacts).
+    lane = await offer_model_file(node, args.model, args, service)
+    head = await start_head(node, service, args, args.model, slow_stages)
+
+    async def drain() -> None:
+        # The API first: it refuses new requests and waits for the generations it
+        # accepted, whose sessions on this node's own shard may not be open yet;
+        # only then does the shard refuse new sessions and wait for its last ones.
+        if head is not None:
+            await head.drain()
+        await service.drain()
+
+    try:
+        return await run_node(
+            node,
+            on_started=lane.start if lane is not None else None,
+            drain=drain,
+            drain_timeout=args.drain_timeout,
+            join_timeout=args.join_timeout,
+        )
+    finally:
+        if lane is not None:
+            await lane.close()
+        if head is not None:
+            await head.aclose()
 
 
 __all__ = ["check_serving_options", "serve_node"]

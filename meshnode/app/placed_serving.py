@@ -26,6 +26,7 @@ from meshnode.app.prefix_cache_options import prefix_cache_entries
 from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.session_options import max_sessions
 from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
+from meshnode.app.slow_stage_status import SlowStageMonitor
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import StoreInUse
@@ -108,6 +109,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     holdings = Holdings()
     handlers = SwitchedHandlers(node.register_handler)
     switched = SwitchedNode(node, handlers)
+    slow_stages = SlowStageMonitor(node)
 
     async def start_serving(request: ServeRequest) -> _PlacedShard:
         sessions = max_sessions(args, request.model_path, request.layers, args.ctx)
@@ -135,7 +137,8 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             handlers.clear()
             raise PlacementError(str(exc)) from None
         try:
-            head = await start_head(node, service, args, request.model_path)
+            await slow_stages.price_from_file(service.served, request.model_path)
+            head = await start_head(node, service, args, request.model_path, slow_stages.watch)
         except BaseException as exc:
             await service.aclose()
             handlers.clear()
@@ -182,14 +185,15 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             await cancel_and_wait(task)
 
     try:
-        return await run_node(
-            node,
-            on_ready=place,
-            on_started=lane.start,
-            drain=drain,
-            drain_timeout=args.drain_timeout,
-            join_timeout=args.join_timeout,
-        )
+        async with slow_stages.watching():
+            return await run_node(
+                node,
+                on_ready=place,
+                on_started=lane.start,
+                drain=drain,
+                drain_timeout=args.drain_timeout,
+                join_timeout=args.join_timeout,
+            )
     finally:
         for task in running:
             task.cancel()

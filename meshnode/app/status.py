@@ -51,6 +51,8 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  starting: {startup['state']}")
     lines += _memory_lines(status)
     lines += _prefix_cache_lines(status)
+    lines += _slow_stage_lines((status.get("sections") or {}).get("slow_stages"))
+    lines += _route_lines((status.get("sections") or {}).get("routes"))
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
@@ -132,6 +134,60 @@ def _prefix_cache_lines(status: dict[str, Any]) -> list[str]:
         f"{section.get('hits', 0)} hits, {section.get('misses', 0)} misses, "
         f"{section.get('tokens_reused', 0)} tokens reused"
     ]
+
+
+def _slow_stage_lines(section: dict[str, Any] | None) -> list[str]:
+    """This node's verdict, and the other stages found slow (meshnode.app.slow_stage_status):
+    ``  this node's stage: 3.1x the other stages' time for its layers, slow for 120 s``."""
+    if not section:
+        return []
+    lines = []
+    own = section.get("this_node")
+    if own is not None:
+        lines.append(f"  this node's stage: {_verdict_text(own, section)}")
+    lines += [
+        f"  slow stage: node {verdict['node']}, {_verdict_text(verdict, section)}"
+        for verdict in section.get("slow", [])
+        if own is None or verdict["node"] != own["node"]
+    ]
+    return lines
+
+
+def _verdict_text(verdict: dict[str, Any], section: dict[str, Any]) -> str:
+    text = f"{verdict['ratio']:.1f}x the other stages' time for its layers"
+    pending, lasting = verdict.get("pending_s"), section.get("lasting_s", 0)
+    if verdict["slow"]:
+        text += f", slow for {verdict['since_s']:.0f} s: every route through it runs at its pace"
+        if pending is not None:
+            text += f" (back under {section['clear_ratio']:g}x for {pending:.0f} of {lasting:.0f} s)"
+    elif pending is not None:
+        text += f" (over {section['slow_ratio']:g}x for {pending:.0f} of {lasting:.0f} s before it is called slow)"
+    return text
+
+
+def _route_lines(section: dict[str, Any] | None) -> list[str]:
+    """``  route for gemma: 66.0 ms/token expected (15.2 tokens/s): a1b2c3 [0,6) 12.0 ms, ...``:
+    each model's route as a request would take it now (meshnode.head.route_time)."""
+    if not section:
+        return []
+    lines = []
+    for route in section.get("routes", []):
+        step = route.get("decode_ms_per_token")
+        expected = (
+            f"{step:.1f} ms/token expected ({route['tokens_per_s']:.1f} tokens/s)"
+            if step is not None
+            else "time unknown (a hop announces no speed)"
+        )
+        hops = ", ".join(_hop_text(hop) for hop in route.get("hops", []))
+        lines.append(f"  route for {route['model']}: {expected}: {hops}")
+    return lines
+
+
+def _hop_text(hop: dict[str, Any]) -> str:
+    start, end = hop["layers"]
+    decode = hop.get("decode_ms")
+    text = f"{hop['node']} [{start},{end}) " + (f"{decode:.1f} ms" if decode is not None else "unannounced")
+    return text + " SLOW" if hop.get("slow") else text
 
 
 def _relay_process_text(relay: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ slower than it is for want of a measurement.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +42,13 @@ class HopTime:
         """The hop's share of a decode step: its compute and its link."""
         return None if self.decode_ms is None else self.decode_ms + self.link_ms
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, slow: bool = False) -> dict[str, Any]:
         return {
             "node": short_id(self.node_id),
             "layers": [self.start_layer, self.end_layer],
             "decode_ms": _ms(self.decode_ms),
             "link_ms": _ms(self.link_ms),
+            "slow": slow,
         }
 
 
@@ -98,14 +99,16 @@ class RouteTime:
             return 0
         return math.floor(left / step) if step > 0.0 else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, slow: Collection[bytes] = frozenset()) -> dict[str, Any]:
+        """The route as status shows it; ``slow``: the nodes whose stage slows every route through
+        it (:mod:`meshnode.mesh.slow_stage`), marked on their hops."""
         step = self.decode_ms_per_token
         return {
             "model": self.model_name,
             "decode_ms_per_token": _ms(step),
             "tokens_per_s": round(1_000 / step, 2) if step else None,
             "prefill_ms_per_token": _ms(self.prefill_ms_per_token),
-            "hops": [hop.to_json() for hop in self.hops],
+            "hops": [hop.to_json(hop.node_id in slow) for hop in self.hops],
         }
 
 

@@ -212,6 +212,10 @@ class SlowStageWatch:
         verdict = self._verdicts.get(node_id)
         return verdict is not None and verdict.slow
 
+    def compared_nodes(self) -> list[bytes]:
+        """The nodes whose stage the last observation compared, in id order."""
+        return sorted(self._verdicts)
+
     def slow_nodes(self) -> frozenset[bytes]:
         return frozenset(node_id for node_id, verdict in self._verdicts.items() if verdict.slow)
 

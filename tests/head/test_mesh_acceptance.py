@@ -134,6 +134,35 @@ async def test_metrics_after_a_generation(api, cluster, reference):
     assert delta("meshnode_completion_tokens_total") == 24 and delta("meshnode_prompt_tokens_total") > 0
 
 
+async def test_the_heads_status_shows_its_route_time_from_the_announced_speeds(api, cluster):
+    """A's ``routes`` section: the route a request would take, each hop's decode time being the
+    speed its node announces (each runs its whole range) and the route's the sum with the links;
+    its ``slow_stages`` section compares its stage with the two others; /metrics says the same."""
+    await route_ready(api, cluster)
+    node = cluster.named("A")
+    async with asyncio.timeout(30):
+        while True:
+            status = node.status()
+            assert status is not None
+            sections = status["sections"]
+            if (sections["slow_stages"]["this_node"] or {}).get("compared_with") == 3:
+                break  # B and B2 are replicas: both compared, with C
+            await asyncio.sleep(0.5)
+    announced = {peer["short_id"]: peer["serving"] for peer in status["peers"] if peer["serving"]}
+    announced[status["node"]["short_id"]] = status["node"]["serving"]
+    (route,) = sections["routes"]["routes"]
+    assert route["model"] == MODEL
+    assert [hop["layers"] for hop in route["hops"]] == [[0, 2], [2, 4], [4, 6]]
+    for hop in route["hops"]:
+        assert hop["decode_ms"] == announced[hop["node"]]["decode_ms_per_token"] > 0
+    assert route["decode_ms_per_token"] == pytest.approx(
+        sum(hop["decode_ms"] + hop["link_ms"] for hop in route["hops"]), abs=0.01
+    )
+    metrics = await scrape(api)
+    assert metrics[f'meshnode_route_expected_seconds_per_token{{model="{MODEL}"}}'] > 0
+    assert metrics[f'meshnode_stage_slow{{node="{status["node"]["short_id"]}"}}'] in (0, 1)
+
+
 async def test_a_node_whose_shard_is_not_first_answers_through_a_remote_first_hop(api, cluster, reference):
     """C serves the last layers: its driver opens the session to A over QUIC, and the route's
     tail — C itself — hands the token back through B and A."""
