@@ -515,6 +515,7 @@ def check_deadline(
         if fits >= 1
         else f"not even the prompt's prefill ({prefill_s:.1f} s) and one token fit: allow more time"
     )
+    # Rounded up: an answer 1.04 s long against a 1 s deadline must not read "1.0 s".
     raise ApiError(
         f"the answer is expected to take {math.ceil(expected_ms / 100) / 10:.1f} s on the route the mesh "
         f"would use ({wanted} at {step_ms:.1f} ms each, after {prefill_s:.1f} s of prefill for "

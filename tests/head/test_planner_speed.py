@@ -8,6 +8,7 @@ from meshnode.head.planner import (
     plan_route,
     plan_route_with_room,
 )
+from meshnode.head.session_load import SessionLedger
 from meshnode.wire.pb import mesh, shard
 
 GEMMA = ModelIdentity("sha256:aa", "sha256:r1", 18)
@@ -79,3 +80,40 @@ def test_a_candidate_reads_the_announced_speed_and_none_when_unsaid():
     )
     said = shard_candidate(node_id, mesh.PeerAnnouncement(endpoint_id=node_id, serving=served))
     assert said is not None and said.decode_ms_per_token == 12.5
+
+
+def test_sessions_arriving_one_by_one_fill_the_three_times_faster_replica_then_spill_to_the_slower():
+    """What a head does as requests come: each route planned over gossip adjusted by the
+    sessions this head holds (SessionLedger), then held. A replica three times faster (30 ms
+    against 90 ms for the range) takes every session until it is full; the rest go to the slower."""
+    fast = candidate("fast", 9, 18, decode_ms_per_token=30.0, max_sessions=4)
+    slow = candidate("slow", 9, 18, decode_ms_per_token=90.0, max_sessions=4)
+    pool = [candidate("a", 0, 9), fast, slow]
+    ledger = SessionLedger()
+    chosen = []
+    for _ in range(7):
+        route = plan_route_with_room(ledger.adjust(pool), GEMMA)
+        ledger.hold(route.node_ids)
+        chosen.append(names(route)[1])
+    assert chosen == ["fast"] * 4 + ["slow"] * 3
+    # A session ends on the faster one: the next goes there again.
+    ledger.release([fast.node_id])
+    assert names(plan_route_with_room(ledger.adjust(pool), GEMMA)) == ["a", "fast"]
+
+
+def test_a_speed_gap_smaller_than_the_load_penalty_spreads_sessions_before_the_faster_is_full():
+    """The other side of the cost: a load penalty of up to FULL_LOAD_PENALTY_MS. Replicas 10 and
+    30 ms apart trade speed for load: the faster takes two sessions, then the idle slower one
+    is cheaper (10 + 50 * 2/4 > 30)."""
+    pool = [
+        candidate("a", 0, 9),
+        candidate("fast", 9, 18, decode_ms_per_token=10.0, max_sessions=4),
+        candidate("slow", 9, 18, decode_ms_per_token=30.0, max_sessions=4),
+    ]
+    ledger = SessionLedger()
+    chosen = []
+    for _ in range(3):
+        route = plan_route_with_room(ledger.adjust(pool), GEMMA)
+        ledger.hold(route.node_ids)
+        chosen.append(names(route)[1])
+    assert chosen == ["fast", "fast", "slow"]
