@@ -147,3 +147,50 @@ async def test_a_short_lived_slowdown_leaves_no_verdict_and_no_log(three_nodes, 
     assert monitor.status()["this_node"]["slow"] is False
     assert monitor.status()["this_node"]["pending_s"] is None
     assert not caplog.records
+
+
+def test_status_text_of_a_pending_verdict_another_slow_stage_and_a_route_of_unknown_time():
+    node = {
+        "short_id": "aaaa",
+        "mesh_id": "m1",
+        "member": True,
+        "addresses": ["127.0.0.1:1"],
+        "serving": None,
+    }
+    verdict = {"compared_with": 2, "since_s": None}
+    sections = {
+        "slow_stages": {
+            "this_node": {**verdict, "node": "aaaa", "slow": False, "ratio": 2.4, "pending_s": 12.0},
+            "slow": [
+                {**verdict, "node": "cccc", "slow": True, "ratio": 3.0, "pending_s": None, "since_s": 90.0}
+            ],
+            "slow_ratio": 2.0,
+            "clear_ratio": 1.5,
+            "lasting_s": 60.0,
+        },
+        "routes": {
+            "routes": [
+                {
+                    "model": "m",
+                    "decode_ms_per_token": None,
+                    "tokens_per_s": None,
+                    "hops": [
+                        {"node": "aaaa", "layers": [0, 3], "decode_ms": 10.0, "link_ms": 2.0, "slow": False},
+                        {"node": "bbbb", "layers": [3, 6], "decode_ms": None, "link_ms": 2.0, "slow": False},
+                    ],
+                }
+            ]
+        },
+    }
+    lines = format_status({"node": node, "peers": [], "sections": sections}).splitlines()
+    assert (
+        "  this node's stage: 2.4x the other stages' time for its layers (over 2x for 12 of 60 s before it "
+        "is called slow)"
+    ) in lines
+    assert (
+        "  slow stage: node cccc, 3.0x the other stages' time for its layers, slow for 90 s: every route "
+        "through it runs at its pace"
+    ) in lines
+    assert (
+        "  route for m: time unknown (a hop announces no speed): aaaa [0,3) 10.0 ms, bbbb [3,6) unannounced"
+    ) in lines
