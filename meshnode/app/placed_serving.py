@@ -33,6 +33,7 @@ from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeReques
 from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
 from meshnode.cancellation import cancel_and_wait
 from meshnode.commandline.cli_error import CliError
+from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 
@@ -148,11 +149,21 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         serving = placement.serving
         return isinstance(serving, _PlacedShard) and holds_sessions(serving.service)
 
+    def own_speed() -> StageSpeed | None:
+        # What the shard placed now announces of its speed (placement by time prices this node by it).
+        serving = placement.serving
+        return serving.service.stage_speed() if isinstance(serving, _PlacedShard) else None
+
     # Started beside the node (run_node's on_started); its lanes carry this node's fetches too.
     lane = NodeBulkLane(node, offer_artifacts(node, holdings, args, busy))
     try:
         placement = AutoShard(
-            node, placement_settings(args, data_dir), start_serving, holdings, open_link=lane.lanes.open_link
+            node,
+            placement_settings(args, data_dir),
+            start_serving,
+            holdings,
+            open_link=lane.lanes.open_link,
+            own_speed=own_speed,
         )
     except StoreInUse as exc:
         raise CliError(str(exc)) from None

@@ -6,15 +6,18 @@ The steps, each logged:
 2. **Manifest**: ask the nodes announcing it for its manifest and metadata, verified against
    the fingerprint, and open the local copy (:class:`meshnode.artifacts.store.PartialModel`),
    resuming what an earlier run verified. What it holds is offered to other joiners at once.
-3. **Claim**: choose the range (:func:`meshnode.mesh.placement.choose_range`) within the
-   budget (:mod:`.memory_budget`), announce it as a claim, and wait ``claim_settle_s`` (a few
+3. **Claim**: choose the range within the budget (:mod:`.memory_budget`): by time
+   (:func:`.time_balance.choose_range_by_time`) where this node knows its own speed and every
+   node on the route announces one (:mod:`.speed_inputs`), else by memory
+   (:func:`meshnode.mesh.placement.choose_range`); announce it as a claim, and wait ``claim_settle_s`` (a few
    gossip rounds) for the claims of nodes joining at the same moment; of two claims on one
    gap the lower node id keeps it, and the other chooses again.
 4. **Fetch** exactly the tensors the range needs, from every node that holds them.
 5. **Serve** through ``start_serving`` (the shard service and the API, built by the caller).
-6. **Watch**: every ``poll_s``, ask :class:`meshnode.mesh.placement.Replacement` whether another
-   range would cover enough layers nobody serves, for long enough; only then drain, claim the
-   new range and go back to step 4. The settle time is stretched by a share of the node id,
+6. **Watch**: every ``poll_s``, ask :class:`.time_balance.TimeReplacement` (speeds known) or
+   :class:`meshnode.mesh.placement.Replacement` (not) whether another range would make the best
+   route faster by ``move_min_gain`` or cover layers nobody serves, for long enough; only then
+   drain, claim the new range and go back to step 4. The settle time is stretched by a share of the node id,
    so two nodes that see the same gap do not both move at once.
 """
 
@@ -36,7 +39,7 @@ from meshnode.artifacts.fetcher import OpenLink, Quarantine, TransferError, fetc
 from meshnode.artifacts.holdings import Holdings, PartialHolding
 from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
 from meshnode.artifacts.store import ArtifactStore, PartialModel, StoreError
-from meshnode.autoplace.config import AutoPlaceConfig
+from meshnode.autoplace.config import PLACE_BY_MEMORY, PLACE_BY_TIME, AutoPlaceConfig
 from meshnode.autoplace.layer_costs import LayerCosts, layer_costs
 from meshnode.autoplace.memory_budget import read_machine_budget
 from meshnode.autoplace.mesh_models import (
@@ -46,7 +49,10 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
+from meshnode.autoplace.speed_inputs import OwnSpeed, announced_per_layer, timed_others
+from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, choose_range_by_time
 from meshnode.cancellation import cancel_and_wait
+from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.identity import short_id
 from meshnode.logs import mib
 from meshnode.mesh.placement import Range, Replacement, choose_range
@@ -105,6 +111,7 @@ class AutoShard:
         *,
         budget: Callable[[], int | None] | None = None,
         open_link: OpenLink | None = None,
+        own_speed: Callable[[], StageSpeed | None] | None = None,
     ) -> None:
         self._node = node
         # What artifact streams are opened on (the bulk lanes: TLS/TCP to a direct peer, else QUIC).
@@ -131,6 +138,11 @@ class AutoShard:
         self.fetched_bytes = 0
         # The id's first byte stretches the move settle time by up to half of it.
         self._move_settle_ns = round(settings.move_settle_s * SECOND_NS * (1 + node.node_id[0] / 510))
+        # What the shard serving now announces of its speed (None: no shard, or none calibrated).
+        self._read_own_speed = own_speed
+        self._own_speed = OwnSpeed(settings.speed_estimate)
+        # What the last choice or watch went by: time (speeds known) or memory.
+        self._placed_by: str | None = None
 
     # -- what `meshnode status` shows -------------------------------------------------
 
@@ -143,6 +155,15 @@ class AutoShard:
         if self._progress is not None:
             report["transfer"] = self._progress.as_status()
         report["fetched_bytes"] = self.fetched_bytes
+        report["place_by"] = self._settings.place_by
+        if self._placed_by is not None:
+            report["placed_by"] = self._placed_by
+        own = self._own_speed.us_per_layer(())
+        report["own_speed"] = {
+            "source": self._own_speed.source,
+            **({} if own is None else {"decode_ms_per_layer": round(own / 1_000, 3)}),
+            **({} if self._settings.speed_estimate is None else {"estimate": self._settings.speed_estimate}),
+        }
         return report
 
     @property
@@ -198,7 +219,12 @@ class AutoShard:
             log.info("serving %s layers [%d, %d) placed by the mesh", model.name, *layers)
             moved_to = await self._watch(model, costs, layers)
             log.info(
-                "moving from layers [%d, %d) to [%d, %d): they cover layers nobody serves", *layers, *moved_to
+                "moving from layers [%d, %d) to [%d, %d): %s",
+                *layers,
+                *moved_to,
+                "the mesh's best route is faster that way, or they cover layers nobody serves"
+                if self._placed_by == PLACE_BY_TIME
+                else "they cover layers nobody serves",
             )
             self._state = "moving"
             await self._let_go(drain=True)
@@ -238,14 +264,28 @@ class AutoShard:
         if budget is None:
             raise PlacementError("cannot tell this machine's free memory; say --memory-budget")
         found = coverage(self._announcements(), model, exclude=self._node.node_id)
-        layers = choose_range(
-            model.total_layers,
-            list(costs.per_layer),
-            max(0, budget - costs.shared),
-            found.served_ranges,
-            found.claims,
-            self._node.node_id,
-        )
+        # Claims of lower node ids keep their range against this node's (choose_range's rule).
+        timed = self._timed(model, found, [c.node_id for c in found.claims if c.node_id < self._node.node_id])
+        if timed is not None:
+            others, own = timed
+            layers = choose_range_by_time(
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                others,
+                own,
+                min_gain=self._settings.join_min_gain,
+            )
+        else:
+            layers = choose_range(
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                found.served_ranges,
+                found.claims,
+                self._node.node_id,
+            )
+        self._placed_by = PLACE_BY_MEMORY if timed is None else PLACE_BY_TIME
         if layers is None:
             cheapest = min(costs.per_layer) + costs.shared
             raise PlacementError(
@@ -253,6 +293,20 @@ class AutoShard:
                 f"{mib(cheapest)}); raise --memory-budget or free memory"
             )
         return layers
+
+    def _timed(
+        self, model: MeshModel, found: ModelCoverage, claims_of: Iterable[bytes] | None
+    ) -> tuple[list[TimedRange], float] | None:
+        """The other nodes' ranges (served, and the claims of ``claims_of``; all when None) with
+        their per-layer times, and this node's; None where placement goes by memory: so set, or
+        a speed unknown."""
+        if self._settings.place_by != PLACE_BY_TIME:
+            return None
+        per_layer = announced_per_layer(self._announcements(), model)
+        per_layer.pop(self._node.node_id, None)
+        others = timed_others(found, per_layer, claims_of=claims_of)
+        own = self._own_speed.us_per_layer(per_layer.values())
+        return None if others is None or own is None else (others, own)
 
     async def _claim(self, model: MeshModel, costs: LayerCosts, preferred: Range | None = None) -> Range:
         """Announce a claim and keep it once it has stood ``claim_settle_s`` uncontested."""
@@ -321,23 +375,51 @@ class AutoShard:
         replacement = Replacement(
             min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
         )
+        timed_replacement = self._time_replacement()
         while True:
             await asyncio.sleep(self._settings.poll_s)
+            if self._read_own_speed is not None:
+                self._own_speed.observe(self._read_own_speed(), layers)
             budget = self._budget()
             if budget is None:
                 continue
             found = coverage(self._announcements(), model, exclude=self._node.node_id)
-            others = [*found.served_ranges, *(claim.layers for claim in found.claims)]
-            moved_to = replacement.consider(
-                layers,
-                model.total_layers,
-                list(costs.per_layer),
-                max(0, budget - costs.shared),
-                others,
-                time.monotonic_ns(),
-            )
+            timed = self._timed(model, found, None)
+            placed_by = PLACE_BY_MEMORY if timed is None else PLACE_BY_TIME
+            if placed_by != self._placed_by:
+                # A better range seen by the other rule does not count toward this one's settle time.
+                replacement = Replacement(
+                    min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
+                )
+                timed_replacement = self._time_replacement()
+                self._placed_by = placed_by
+            if timed is not None:
+                moved_to = timed_replacement.consider(
+                    layers,
+                    model.total_layers,
+                    list(costs.per_layer),
+                    max(0, budget - costs.shared),
+                    *timed,
+                    time.monotonic_ns(),
+                )
+            else:
+                moved_to = replacement.consider(
+                    layers,
+                    model.total_layers,
+                    list(costs.per_layer),
+                    max(0, budget - costs.shared),
+                    [*found.served_ranges, *(claim.layers for claim in found.claims)],
+                    time.monotonic_ns(),
+                )
             if moved_to is not None:
                 return moved_to
+
+    def _time_replacement(self) -> TimeReplacement:
+        return TimeReplacement(
+            min_gain=self._settings.move_min_gain,
+            min_gain_layers=self._settings.min_gain_layers,
+            settle_ns=self._move_settle_ns,
+        )
 
     async def _let_go(self, *, drain: bool = False) -> None:
         serving, self._serving = self._serving, None
