@@ -78,7 +78,7 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FACTOR",
         help="how fast this machine is against the mesh's nodes before it has measured its own "
-        "(0.33: a third as fast as the median node, 2: twice as fast), for --place-by time; "
+        "(1: as fast as the fastest node that measured its speed, 0.33: a third as fast), for --place-by time; "
         "default: placed by memory until its first range is calibrated at load, then by time",
     )
     group.add_argument(

@@ -49,7 +49,7 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
-from meshnode.autoplace.speed_inputs import OwnSpeed, announced_per_layer, timed_others
+from meshnode.autoplace.speed_inputs import OwnSpeed, announced_per_layer, estimated_speed, timed_others
 from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, choose_range_by_time
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.stage_speed import StageSpeed
@@ -305,8 +305,13 @@ class AutoShard:
         per_layer = announced_per_layer(self._announcements(), model)
         per_layer.pop(self._node.node_id, None)
         others = timed_others(found, per_layer, claims_of=claims_of)
-        own = self._own_speed.us_per_layer(per_layer.values())
+        own = self._own_us_per_layer(model)
         return None if others is None or own is None else (others, own)
+
+    def _own_us_per_layer(self, model: MeshModel) -> float | None:
+        measured = announced_per_layer(self._announcements(), model, measured_only=True)
+        measured.pop(self._node.node_id, None)
+        return self._own_speed.us_per_layer(measured.values())
 
     async def _claim(self, model: MeshModel, costs: LayerCosts, preferred: Range | None = None) -> Range:
         """Announce a claim and keep it once it has stood ``claim_settle_s`` uncontested."""
@@ -314,7 +319,7 @@ class AutoShard:
         while True:
             self._layers = layers
             self._state = "claiming"
-            served, load = claim_announcement(model, layers)
+            served, load = claim_announcement(model, layers, self._claim_speed(model, layers))
             self._node.set_serving(served)
             self._node.set_load(load)
             log.info(
@@ -330,6 +335,11 @@ class AutoShard:
                 return layers
             log.info("layers [%d, %d) were claimed by a node that keeps them; choosing again", *layers)
             layers, preferred = settled, None
+
+    def _claim_speed(self, model: MeshModel, layers: Range) -> mesh.StageSpeed | None:
+        """What a claim of ``layers`` announces of this node's speed (None: it knows none)."""
+        own = self._own_us_per_layer(model)
+        return None if own is None else estimated_speed(own, layers)
 
     def _contested(self, model: MeshModel, layers: Range) -> bool:
         """Whether a node with a lower id claims layers overlapping ``layers``."""

@@ -8,30 +8,38 @@ A peer's per-layer decode time is the decode time it announces for its range
   engine batches) over its layers, kept after it stops serving so that a node moving to
   another range chooses with what it measured;
 * before it ever served, a stated estimate (``--speed-estimate``): how fast this machine is
-  against the mesh's nodes, as a factor (0.33: a third as fast), priced against the median
-  per-layer time the peers announce. A node with neither places itself by memory, as before,
+  against the mesh's fastest node, as a factor (0.33: a third as fast), priced against the
+  shortest per-layer time the peers measured (not the estimates of other claims, which would
+  compound; the fastest, not the median, so that a slow peer does not make a fast joiner's
+  stated 1 slower). A node with neither places itself by memory, as before,
   and by time once its first range is calibrated (:class:`.time_balance.TimeReplacement`).
 
-Any node on the route that announces no speed (one that predates speeds, or a claim, which is
-announced before a range is loaded) makes the choice memory-only: a node of unknown speed
+A claim announces this node's estimate for the range it claims (:func:`estimated_speed`,
+``STAGE_SPEED_SOURCE_ESTIMATED``), so that nodes joining at the same moment price each other.
+Any node on the route that announces no speed (one that predates speeds, or a claim of a node
+that knows none of its own) makes the choice memory-only: a node of unknown speed
 cannot be priced, and pricing it as average could move layers onto it that it cannot carry.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 
 from meshnode.autoplace.mesh_models import Announcements, MeshModel, ModelCoverage
 from meshnode.autoplace.time_balance import TimedRange, us_per_layer
 from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.mesh.placement import Range
+from meshnode.mesh.validation import MAX_STAGE_US_PER_TOKEN
+from meshnode.wire.pb import mesh
 
 PerLayer = dict[bytes, float]
 
 
-def announced_per_layer(announcements: Announcements, model: MeshModel) -> PerLayer:
-    """Each node's per-layer decode time (us per token) for ``model``, of the nodes announcing one."""
+def announced_per_layer(
+    announcements: Announcements, model: MeshModel, *, measured_only: bool = False
+) -> PerLayer:
+    """Each node's per-layer decode time (us per token) for ``model``, of the nodes announcing one
+    (``measured_only``: of those that measured it, leaving the estimates of claims out)."""
     found: PerLayer = {}
     for node_id, announcement in announcements:
         if not announcement.HasField("serving"):
@@ -42,6 +50,7 @@ def announced_per_layer(announcements: Announcements, model: MeshModel) -> PerLa
             served.fingerprint.model_artifact_digest != model.fingerprint
             or not served.HasField("speed")
             or served.speed.decode_us_per_token == 0
+            or (measured_only and served.speed.source == mesh.STAGE_SPEED_SOURCE_ESTIMATED)
             or not 0 <= span.start_layer < span.end_layer
         ):
             continue
@@ -62,6 +71,16 @@ def timed_others(
     if any(node_id not in per_layer for node_id, _ in ranged):
         return None
     return [TimedRange(layers, per_layer[node_id]) for node_id, layers in ranged]
+
+
+def estimated_speed(own_us_per_layer: float, layers: Range) -> mesh.StageSpeed:
+    """The speed a claim of ``layers`` announces: this node's per-layer time over them, an estimate
+    (within what receivers accept)."""
+    decode_us = round(own_us_per_layer * (layers[1] - layers[0]))
+    return mesh.StageSpeed(
+        decode_us_per_token=max(1, min(MAX_STAGE_US_PER_TOKEN, decode_us)),
+        source=mesh.STAGE_SPEED_SOURCE_ESTIMATED,
+    )
 
 
 class OwnSpeed:
@@ -86,7 +105,7 @@ class OwnSpeed:
         known = list(peers)
         if self.stated_factor is None or not known:
             return None
-        return statistics.median(known) / self.stated_factor
+        return min(known) / self.stated_factor
 
     @property
     def source(self) -> str:
@@ -96,4 +115,4 @@ class OwnSpeed:
         return "stated" if self.stated_factor is not None else "unknown"
 
 
-__all__ = ["OwnSpeed", "PerLayer", "announced_per_layer", "timed_others"]
+__all__ = ["OwnSpeed", "PerLayer", "announced_per_layer", "estimated_speed", "timed_others"]

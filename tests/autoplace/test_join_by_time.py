@@ -2,7 +2,7 @@
 
 Real ``meshnode`` processes, real llama.cpp, the tiny model. C is created with the model and
 serves all six layers; it announces the speed its validation forward measured. J1 joins with
-only an invite and ``--speed-estimate 0.33`` (a third as fast as the mesh's median node): by
+only an invite and ``--speed-estimate 0.33`` (a third as fast as the mesh's fastest node): by
 time it takes the one layer that makes the best route fastest (J1's layer at three times C's
 per-layer time, then C's other five, against C's six alone), where its budget holds four. J2
 joins with ``--place-by memory`` and takes four layers where replicas are fewest, as every

@@ -27,6 +27,7 @@ from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.upload_limit import UploadLimiter
 from meshnode.autoplace.auto_shard import AutoPlaceConfig, AutoShard, ServeRequest
+from meshnode.autoplace.time_balance import TimedRange, route_bottleneck
 from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.node import Node
 from meshnode.wire.pb import mesh, shard
@@ -124,7 +125,7 @@ def placed(placement: AutoShard) -> tuple[int, int] | None:
 
 
 @contextlib.asynccontextmanager
-async def creator_and_joiner(tmp_path: Path) -> AsyncIterator[tuple[Path, Node]]:
+async def creator_and_joiner(tmp_path: Path) -> AsyncIterator[tuple[Path, Node, Node]]:
     model = ensure_tiny_model()
     creator = await start_first_node(tmp_path)
     joiner: Node | None = None
@@ -136,7 +137,7 @@ async def creator_and_joiner(tmp_path: Path) -> AsyncIterator[tuple[Path, Node]]
         ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(creator)
         joiner = await start_joiner(tmp_path, "j", creator)
         await eventually(lambda: joiner.peers(), what="the joiner sees the creator")
-        yield model, joiner
+        yield model, creator, joiner
     finally:
         if joiner is not None:
             await joiner.shutdown()
@@ -156,7 +157,7 @@ async def test_a_joiner_a_third_as_fast_takes_fewer_layers_by_time_and_its_budge
     tmp_path, place_by: str, estimate: float | None, expected: tuple[int, int], placed_by: str
 ):
     async with (
-        creator_and_joiner(tmp_path) as (model, joiner),
+        creator_and_joiner(tmp_path) as (model, _, joiner),
         placing(
             tmp_path,
             joiner,
@@ -186,7 +187,7 @@ async def test_a_joiner_that_measures_itself_faster_than_stated_moves_to_more_la
         return check
 
     async with (
-        creator_and_joiner(tmp_path) as (model, joiner),
+        creator_and_joiner(tmp_path) as (model, _, joiner),
         placing(
             tmp_path, joiner, model, place_by="time", estimate=1 / 3, measured_us=CREATOR_US_PER_LAYER
         ) as placement,
@@ -200,3 +201,36 @@ async def test_a_joiner_that_measures_itself_faster_than_stated_moves_to_more_la
             "decode_ms_per_layer": 1.0,
             "estimate": 1 / 3,
         }
+
+
+async def test_two_joiners_placing_at_once_price_each_other_by_the_speed_their_claims_announce(tmp_path):
+    """A joiner as fast as the creator and one a third as fast place themselves at the same moment.
+    Each claim announces its estimate, so the later chooser prices the earlier's claim by time
+    (without it, it would have chosen by memory), and the best route ends at 3 ms, the best
+    six layers allow (2.6 ms split exactly)."""
+    model = ensure_tiny_model()
+    async with creator_and_joiner(tmp_path) as (_, creator, fast):
+        slow = await start_joiner(tmp_path, "slow", creator)
+        await eventually(lambda: len(slow.peers()) == 2 and len(fast.peers()) == 2, what="a full mesh")
+        async with (
+            placing(
+                tmp_path, fast, model, place_by="time", estimate=1.0, measured_us=CREATOR_US_PER_LAYER
+            ) as fast_placement,
+            placing(
+                tmp_path, slow, model, place_by="time", estimate=1 / 3, measured_us=3 * CREATOR_US_PER_LAYER
+            ) as slow_placement,
+        ):
+            await eventually(
+                lambda: placed(fast_placement) and placed(slow_placement), timeout=30, what="both placed"
+            )
+            fast_layers, slow_layers = placed(fast_placement), placed(slow_placement)
+            assert fast_layers is not None and slow_layers is not None
+            stages = [
+                TimedRange((0, TINY_N_LAYERS), CREATOR_US_PER_LAYER),
+                TimedRange(fast_layers, CREATOR_US_PER_LAYER),
+                TimedRange(slow_layers, 3 * CREATOR_US_PER_LAYER),
+            ]
+            assert route_bottleneck(TINY_N_LAYERS, stages) == 3 * CREATOR_US_PER_LAYER, stages
+            assert fast_placement.status()["placed_by"] == "time"
+            assert slow_placement.status()["placed_by"] == "time"
+        await slow.shutdown()

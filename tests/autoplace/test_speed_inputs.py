@@ -1,14 +1,15 @@
 """meshnode.autoplace.speed_inputs: the peers' per-layer times from their records, this node's
-own (measured, else stated against the peers' median), and memory-only where one is unknown."""
+own (measured, else stated against the fastest peer), and memory-only where one is unknown."""
 
 from __future__ import annotations
 
 import pytest
 
 from meshnode.autoplace.mesh_models import MeshModel, claim_announcement, coverage
-from meshnode.autoplace.speed_inputs import OwnSpeed, announced_per_layer, timed_others
+from meshnode.autoplace.speed_inputs import OwnSpeed, announced_per_layer, estimated_speed, timed_others
 from meshnode.autoplace.time_balance import TimedRange
 from meshnode.dataplane.stage_speed import StageSpeed, with_speed
+from meshnode.mesh.validation import MAX_STAGE_US_PER_TOKEN
 from meshnode.wire.pb import mesh, shard
 
 MODEL = MeshModel("a" * 64, "tiny", 12)
@@ -44,10 +45,10 @@ def test_each_node_is_priced_per_layer_and_a_node_without_a_speed_makes_it_memor
     assert timed_others(found, per_layer) is None
 
 
-def test_own_speed_is_measured_once_serving_else_stated_against_the_median_peer() -> None:
+def test_own_speed_is_measured_once_serving_else_stated_against_the_fastest_peer() -> None:
     own = OwnSpeed(stated_factor=0.5)
     assert own.source == "stated"
-    assert own.us_per_layer([1_000, 2_000, 9_000]) == 4_000  # the median 2 ms, at half the speed
+    assert own.us_per_layer([2_000, 1_000, 9_000]) == 2_000  # the fastest 1 ms, at half its speed
     assert own.us_per_layer([]) is None  # nothing to price a factor against
     own.observe(None, (0, 4))  # not calibrated yet: still the estimate
     assert own.source == "stated"
@@ -61,3 +62,18 @@ def test_own_speed_is_measured_once_serving_else_stated_against_the_median_peer(
     assert OwnSpeed().source == "unknown"
     with pytest.raises(ValueError):
         OwnSpeed(stated_factor=0)
+
+
+def test_a_claim_announces_its_estimate_which_prices_it_but_never_prices_a_stated_factor() -> None:
+    estimate = estimated_speed(3_000, (0, 2))
+    assert estimate.decode_us_per_token == 6_000
+    assert estimate.source == mesh.STAGE_SPEED_SOURCE_ESTIMATED
+    assert estimated_speed(1e12, (0, 12)).decode_us_per_token == MAX_STAGE_US_PER_TOKEN
+    served, _ = claim_announcement(MODEL, (0, 2), estimate)
+    claimed = mesh.PeerAnnouncement(
+        serving=served, load=mesh.Load(serving_state=shard.SERVING_STATE_NOT_SERVING)
+    )
+    announcements = [(b"\x01", record(MODEL, (0, 12), 24_000)), (b"\x02", claimed)]
+    assert announced_per_layer(announcements, MODEL) == {b"\x01": 2_000, b"\x02": 3_000}
+    # A joiner's stated factor is priced against what nodes measured, not against estimates.
+    assert announced_per_layer(announcements, MODEL, measured_only=True) == {b"\x01": 2_000}
