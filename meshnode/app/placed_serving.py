@@ -26,6 +26,7 @@ from meshnode.app.prefix_cache_options import prefix_cache_entries
 from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.session_options import max_sessions
 from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
+from meshnode.app.speed_probe import probe_config, probe_speed
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import StoreInUse
@@ -110,9 +111,9 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     handlers = SwitchedHandlers(node.register_handler)
     switched = SwitchedNode(node, handlers)
 
-    async def start_serving(request: ServeRequest) -> _PlacedShard:
+    def serving_options(request: ServeRequest) -> ShardServiceConfig:
         sessions = max_sessions(args, request.model_path, request.layers, args.ctx)
-        options = ShardServiceConfig(
+        return ShardServiceConfig(
             model=request.model_path,
             layers=request.layers,
             n_gpu_layers=args.n_gpu_layers,
@@ -125,10 +126,12 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             model_name=request.model_name,
             model_fingerprint=request.fingerprint,
         )
+
+    async def start_serving(request: ServeRequest) -> _PlacedShard:
         try:
             service = await ShardService.start(
                 switched,
-                options,
+                serving_options(request),
                 refresh_interval_s=args.heartbeat_interval,
                 is_member=node.state.is_admitted,
             )
@@ -164,6 +167,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             holdings,
             open_link=lane.lanes.open_link,
             own_speed=own_speed,
+            probe=lambda request: probe_speed(node.node_id, probe_config(serving_options(request))),
         )
     except StoreInUse as exc:
         raise CliError(str(exc)) from None

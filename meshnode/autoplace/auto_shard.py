@@ -9,16 +9,18 @@ The steps, each logged:
 3. **Claim**: choose the range within the budget (:mod:`.memory_budget`): by time
    (:func:`.time_balance.choose_range_by_time`) where this node knows its own speed and every
    node on the route announces one (:mod:`.speed_inputs`), else by memory
-   (:func:`meshnode.mesh.placement.choose_range`); announce it as a claim, and wait ``claim_settle_s`` (a few
-   gossip rounds) for the claims of nodes joining at the same moment; of two claims on one
-   gap the lower node id keeps it, and the other chooses again.
+   (:func:`meshnode.mesh.placement.choose_range`). By time, a node that knows no speed of its
+   own first times a one-layer slice (``probe``, meshnode.app.speed_probe), fetched like a
+   range. Announce the range as a claim, and wait ``claim_settle_s`` (a few gossip rounds) for
+   the claims of nodes joining at the same moment; of two claims on one gap the lower node id
+   keeps it, and the other chooses again.
 4. **Fetch** exactly the tensors the range needs, from every node that holds them.
 5. **Serve** through ``start_serving`` (the shard service and the API, built by the caller).
 6. **Watch**: every ``poll_s``, ask :class:`.time_balance.TimeReplacement` (speeds known) or
    :class:`meshnode.mesh.placement.Replacement` (not) whether another range would make the best
    route faster by ``move_min_gain`` or cover layers nobody serves, for long enough; only then
-   drain, claim the new range and go back to step 4. The settle time is stretched by a share of the node id,
-   so two nodes that see the same gap do not both move at once.
+   drain, claim the new range and go back to step 4. The settle time is stretched by a share
+   of the node id, so two nodes that see the same gap do not both move at once.
 """
 
 from __future__ import annotations
@@ -49,7 +51,13 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
-from meshnode.autoplace.speed_inputs import OwnSpeed, announced_per_layer, estimated_speed, timed_others
+from meshnode.autoplace.speed_inputs import (
+    OwnSpeed,
+    announced_per_layer,
+    estimated_speed,
+    probe_layers,
+    timed_others,
+)
 from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, choose_range_by_time
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.stage_speed import StageSpeed
@@ -112,6 +120,7 @@ class AutoShard:
         budget: Callable[[], int | None] | None = None,
         open_link: OpenLink | None = None,
         own_speed: Callable[[], StageSpeed | None] | None = None,
+        probe: Callable[[ServeRequest], Awaitable[StageSpeed | None]] | None = None,
     ) -> None:
         self._node = node
         # What artifact streams are opened on (the bulk lanes: TLS/TCP to a direct peer, else QUIC).
@@ -141,6 +150,8 @@ class AutoShard:
         # What the shard serving now announces of its speed (None: no shard, or none calibrated).
         self._read_own_speed = own_speed
         self._own_speed = OwnSpeed(settings.speed_estimate)
+        # Loads a slice, reads the speed it calibrates, closes it (meshnode.app.speed_probe).
+        self._probe = probe
         # What the last choice or watch went by: time (speeds known) or memory.
         self._placed_by: str | None = None
 
@@ -208,6 +219,7 @@ class AutoShard:
             {tensor.name: tensor.nbytes for tensor in manifest.tensors},
             lambda start, end: tensors_for_range(header, start, end),
         )
+        await self._probe_own_speed(model, partial, header)
         layers = await self._claim(model, costs)
         while True:
             await self._fetch(partial, layers, header)
@@ -335,6 +347,30 @@ class AutoShard:
                 return layers
             log.info("layers [%d, %d) were claimed by a node that keeps them; choosing again", *layers)
             layers, preferred = settled, None
+
+    async def _probe_own_speed(self, model: MeshModel, partial: PartialModel, header: Any) -> None:
+        """Before a first claim by time, with no speed of its own (none measured, none stated) and
+        peers that measured theirs: time a one-layer slice (:func:`.speed_inputs.probe_layers`)."""
+        if (
+            self._probe is None
+            or self._settings.place_by != PLACE_BY_TIME
+            or self._own_us_per_layer(model) is not None
+            or not announced_per_layer(self._announcements(), model, measured_only=True)
+        ):
+            return
+        layers = probe_layers(model.total_layers)
+        await self._fetch(partial, layers, header)
+        self._state = "measuring this machine's speed"
+        speed = await self._probe(ServeRequest(partial.path, layers, model.fingerprint, model.name))
+        self._own_speed.probed(speed, layers)
+        if speed is None:
+            log.info("no speed from the probe of layers [%d, %d): placing by memory", *layers)
+        else:
+            log.info(
+                "this machine decodes layers [%d, %d) in %.2f ms a token: placing by time",
+                *layers,
+                speed.decode_us_per_token / 1_000,
+            )
 
     def _claim_speed(self, model: MeshModel, layers: Range) -> mesh.StageSpeed | None:
         """What a claim of ``layers`` announces of this node's speed (None: it knows none)."""

@@ -7,7 +7,10 @@ A peer's per-layer decode time is the decode time it announces for its range
 * while it serves, the figure its shard announces (calibrated at load, then measured from its
   engine batches) over its layers, kept after it stops serving so that a node moving to
   another range chooses with what it measured;
-* before it ever served, a stated estimate (``--speed-estimate``): how fast this machine is
+* before it ever served, what a probe measured: a shard of one middle layer
+  (:func:`probe_layers`) loaded and timed the way serving calibrates, then closed
+  (meshnode.app.speed_probe);
+* or, told so, a stated estimate (``--speed-estimate``): how fast this machine is
   against the mesh's fastest node, as a factor (0.33: a third as fast), priced against the
   shortest per-layer time the peers measured (not the estimates of other claims, which would
   compound; the fastest, not the median, so that a slow peer does not make a fast joiner's
@@ -83,14 +86,29 @@ def estimated_speed(own_us_per_layer: float, layers: Range) -> mesh.StageSpeed:
     )
 
 
+def probe_layers(n_layers: int) -> Range:
+    """The slice a probe times: one middle layer, away from the embedding and output tables."""
+    if n_layers < 1:
+        raise ValueError("a model has at least one layer")
+    middle = n_layers // 2 if n_layers > 2 else 0
+    return middle, middle + 1
+
+
 class OwnSpeed:
-    """This node's per-layer decode time: measured while it serves, else stated against its peers."""
+    """This node's per-layer decode time: measured while it serves, else probed, else stated
+    against its peers."""
 
     def __init__(self, stated_factor: float | None = None) -> None:
         if stated_factor is not None and not stated_factor > 0:
             raise ValueError(f"a speed estimate is a positive factor, not {stated_factor}")
         self.stated_factor = stated_factor
         self._measured_us_per_layer: float | None = None
+        self._probed_us_per_layer: float | None = None
+
+    def probed(self, speed: StageSpeed | None, layers: Range) -> None:
+        """What a probe of ``layers`` calibrated (None: it could not)."""
+        if speed is not None and layers[1] > layers[0]:
+            self._probed_us_per_layer = us_per_layer(speed.decode_us_per_token, layers)
 
     def observe(self, speed: StageSpeed | None, layers: Range) -> None:
         """What the shard serving ``layers`` announces now (None: nothing calibrated yet)."""
@@ -102,6 +120,8 @@ class OwnSpeed:
         with no peer speed to price it against)."""
         if self._measured_us_per_layer is not None:
             return self._measured_us_per_layer
+        if self._probed_us_per_layer is not None:
+            return self._probed_us_per_layer
         known = list(peers)
         if self.stated_factor is None or not known:
             return None
@@ -112,7 +132,9 @@ class OwnSpeed:
         """How the figure is known, for the placement status."""
         if self._measured_us_per_layer is not None:
             return "measured"
+        if self._probed_us_per_layer is not None:
+            return "probed"
         return "stated" if self.stated_factor is not None else "unknown"
 
 
-__all__ = ["OwnSpeed", "PerLayer", "announced_per_layer", "estimated_speed", "timed_others"]
+__all__ = ["OwnSpeed", "PerLayer", "announced_per_layer", "estimated_speed", "probe_layers", "timed_others"]

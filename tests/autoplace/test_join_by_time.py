@@ -7,6 +7,8 @@ time it takes the one layer that makes the best route fastest (J1's layer at thr
 per-layer time, then C's other five, against C's six alone), where its budget holds four. J2
 joins with ``--place-by memory`` and takes four layers where replicas are fewest, as every
 joiner did before speeds. The API answers through both with the whole model's greedy text.
+A joiner told nothing of its speed probes it: a real shard of one middle layer, loaded,
+calibrated and closed before it claims.
 """
 
 from __future__ import annotations
@@ -50,4 +52,16 @@ def test_a_joiner_stated_a_third_as_fast_takes_one_layer_and_a_memory_joiner_its
     # C on [0, 6) and J1 on [0, 1): four layers where replicas are fewest, the lowest start of the ties.
     assert tuple(second["layers"]) == (1, 5), second
     assert second["placed_by"] == "memory"
+    assert asyncio.run(completion(mesh.creator.api_url())) == reference_text(mesh.model)
+
+
+def test_a_joiner_that_knows_no_speed_of_its_own_probes_a_layer_and_places_by_time(mesh: Mesh):
+    """No --speed-estimate: before it claims, the joiner loads its fetched middle layer in a
+    shard of its own, reads the speed it calibrates, closes it, and places itself by time."""
+    joiner = mesh.add_joiner("J1", *NO_MOVE)
+    (placed,) = wait_placed(joiner).values()
+    assert placed["placed_by"] == "time", placed
+    log = joiner.log_path.read_text()
+    assert "this machine decodes layers [3, 4) in" in log, log[-3000:]
+    assert placed["own_speed"]["source"] in {"probed", "measured"}
     assert asyncio.run(completion(mesh.creator.api_url())) == reference_text(mesh.model)

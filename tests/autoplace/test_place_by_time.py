@@ -6,14 +6,15 @@ the best route fastest (its 3 ms, then the creator's five layers, 5 ms, against 
 the creator alone); by memory, or with no speed of its own, it takes the four layers its
 budget holds, as before. Once serving, the joiner's shard measures itself as fast as the
 creator, and the joiner moves, after the settle time, to the three layers that split the
-work evenly.
+work evenly. Joiners placing at once price each other by the estimates their claims announce,
+and a joiner told nothing of its speed probes a middle layer before it claims.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from helpers.polling import eventually
 
 from engines.gguf_file import read_gguf
 from engines.model_manifest import build_manifest
+from engines.slicing import tensors_for_range
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
@@ -87,7 +89,14 @@ def budget_for(model: Path) -> int:
 
 @contextlib.asynccontextmanager
 async def placing(
-    tmp_path: Path, node: Node, model: Path, *, place_by: str, estimate: float | None, measured_us: int
+    tmp_path: Path,
+    node: Node,
+    model: Path,
+    *,
+    place_by: str,
+    estimate: float | None,
+    measured_us: int,
+    probe: Callable[[ServeRequest], Awaitable[StageSpeed | None]] | None = None,
 ) -> AsyncIterator[AutoShard]:
     holdings = Holdings()
     ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(node)
@@ -109,7 +118,7 @@ async def placing(
     def own_speed() -> StageSpeed | None:
         return shards[-1].speed if shards and placement.serving is shards[-1] else None
 
-    placement = AutoShard(node, settings, start_serving, holdings, own_speed=own_speed)
+    placement = AutoShard(node, settings, start_serving, holdings, own_speed=own_speed, probe=probe)
     task = asyncio.ensure_future(placement.run())
     try:
         yield placement
@@ -234,3 +243,41 @@ async def test_two_joiners_placing_at_once_price_each_other_by_the_speed_their_c
             assert fast_placement.status()["placed_by"] == "time"
             assert slow_placement.status()["placed_by"] == "time"
         await slow.shutdown()
+
+
+@pytest.mark.parametrize("place_by", ["time", "memory"])
+async def test_a_joiner_with_no_speed_of_its_own_probes_a_middle_layer_before_it_claims(
+    tmp_path, place_by: str
+):
+    probed: list[ServeRequest] = []
+
+    async def probe(request: ServeRequest) -> StageSpeed:
+        # What a real probe returns: the speed a shard of the slice calibrated at load.
+        probed.append(request)
+        return speed_for(request.layers, 3 * CREATOR_US_PER_LAYER)
+
+    async with (
+        creator_and_joiner(tmp_path) as (model, _, joiner),
+        placing(
+            tmp_path,
+            joiner,
+            model,
+            place_by=place_by,
+            estimate=None,
+            measured_us=3 * CREATOR_US_PER_LAYER,
+            probe=probe,
+        ) as placement,
+    ):
+        await eventually(lambda: placed(placement), timeout=30, what="placed")
+        if place_by == "memory":
+            assert probed == [] and placed(placement) == (0, 4)
+            return
+        # Probed a third as fast as the creator: one layer, as if it had been told so.
+        assert [request.layers for request in probed] == [(3, 4)]
+        assert placed(placement) == (0, 1)
+        assert placement.status()["own_speed"]["source"] in {"probed", "measured"}
+        # The probe's layer was fetched and verified like any range's.
+        held = placement._store.reopen(build_manifest(model).root)
+        assert held is not None
+        assert tensors_for_range(read_gguf(model), 3, 4) <= held.verified
+        held.close()
