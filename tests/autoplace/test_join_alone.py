@@ -44,6 +44,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 # Reply framing (protobuf fields, chunk headers) on top of the tensor bytes, generously.
 FRAMING_SHARE = 0.01
 FRAMING_BYTES = 64 * 1024
+# Issue 16's rule, sized by memory: every node here announces its speed (the creator calibrates,
+# a joiner probes), and by time the joiners would take other ranges (test_join_by_time.py).
+BY_MEMORY = ("--place-by", "memory")
 
 
 def needed_bytes(model: Path, layers: tuple[int, int], *, held: tuple[int, int] | None = None) -> int:
@@ -66,7 +69,9 @@ def covered(ranges: list[tuple[int, int]], total: int) -> bool:
 @pytest.fixture(scope="module")
 def tiny_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     model = ensure_tiny_model()
-    placed = Mesh(tmp_path_factory.mktemp("join-alone"), model, (0, 2), tiny_budget(model))
+    placed = Mesh(
+        tmp_path_factory.mktemp("join-alone"), model, (0, 2), tiny_budget(model), joiner_options=BY_MEMORY
+    )
     try:
         placed.start("J1", "J2")
         yield placed
@@ -122,7 +127,7 @@ def test_killing_a_joiner_moves_the_other_to_cover_the_gap_and_answers_continue(
 def test_a_joiner_stopped_mid_transfer_exits_and_resumes_without_refetching_what_it_had(tmp_path: Path):
     model = default_model_path(progress=False)
     # Gemma's middle layers within 60 MiB: no vocabulary table, about 44 MiB to fetch.
-    mesh = Mesh(tmp_path, model, (0, 6), 60 * 2**20)
+    mesh = Mesh(tmp_path, model, (0, 6), 60 * 2**20, joiner_options=BY_MEMORY)
     try:
         mesh.start()
         joiner = mesh.add_joiner("J3")

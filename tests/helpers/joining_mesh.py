@@ -62,8 +62,18 @@ async def completion(api: str) -> str:
 class Mesh:
     """C, created with ``model`` serving ``creator_layers``; joiners with only an invite."""
 
-    def __init__(self, root: Path, model: Path, creator_layers: tuple[int, int], budget: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model: Path,
+        creator_layers: tuple[int, int],
+        budget: int,
+        *,
+        joiner_options: tuple[str, ...] = (),
+    ) -> None:
         self.root = root
+        # Options every joiner starts (and restarts) with; add_joiner's own come after them.
+        self.joiner_options = joiner_options
         self.model = model
         self.creator_layers = creator_layers
         self.budget = budget
@@ -98,7 +108,7 @@ class Mesh:
         env = {**os.environ, "MESHNODE_CACHE_DIR": str(self.root / f"{joiner.name}-cache")}
         joiner.start(
             *command, *self.common(), "--memory-budget", str(self.budget), "--claim-settle", "2",
-            "--move-settle", "2", "--api-listen", "off", *options, env=env,
+            "--move-settle", "2", "--api-listen", "off", *self.joiner_options, *options, env=env,
         )  # fmt: skip
 
     def stop(self) -> None:
