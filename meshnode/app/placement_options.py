@@ -77,9 +77,9 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         type=positive,
         default=None,
         metavar="FACTOR",
-        help="how fast this machine is against the mesh's nodes before it has measured its own "
-        "(1: as fast as the fastest node that measured its speed, 0.33: a third as fast), for --place-by time; "
-        "default: placed by memory until its first range is calibrated at load, then by time",
+        help="how fast this machine is against the mesh's nodes before it has served (1: as fast as "
+        "the fastest node that measured its speed, 0.33: a third as fast), for --place-by time "
+        "(default: measured before the first claim, by loading and timing one layer)",
     )
     group.add_argument(
         "--claim-settle",

@@ -58,7 +58,7 @@ from meshnode.autoplace.speed_inputs import (
     probe_layers,
     timed_others,
 )
-from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, choose_range_by_time
+from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, range_gaining_time
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.identity import short_id
@@ -152,8 +152,10 @@ class AutoShard:
         self._own_speed = OwnSpeed(settings.speed_estimate)
         # Loads a slice, reads the speed it calibrates, closes it (meshnode.app.speed_probe).
         self._probe = probe
-        # What the last choice or watch went by: time (speeds known) or memory.
+        # What the last choice went by: time (a range taken for its speed) or memory (speeds
+        # unknown, or none gaining enough); and what a serving node's moves go by now.
         self._placed_by: str | None = None
+        self._moves_by: str | None = None
 
     # -- what `meshnode status` shows -------------------------------------------------
 
@@ -169,6 +171,8 @@ class AutoShard:
         report["place_by"] = self._settings.place_by
         if self._placed_by is not None:
             report["placed_by"] = self._placed_by
+        if self._moves_by is not None:
+            report["moves_by"] = self._moves_by
         own = self._own_speed.us_per_layer(())
         report["own_speed"] = {
             "source": self._own_speed.source,
@@ -235,7 +239,7 @@ class AutoShard:
                 *layers,
                 *moved_to,
                 "the mesh's best route is faster that way, or they cover layers nobody serves"
-                if self._placed_by == PLACE_BY_TIME
+                if self._moves_by == PLACE_BY_TIME
                 else "they cover layers nobody serves",
             )
             self._state = "moving"
@@ -278,17 +282,17 @@ class AutoShard:
         found = coverage(self._announcements(), model, exclude=self._node.node_id)
         # Claims of lower node ids keep their range against this node's (choose_range's rule).
         timed = self._timed(model, found, [c.node_id for c in found.claims if c.node_id < self._node.node_id])
+        layers = None
         if timed is not None:
-            others, own = timed
-            layers = choose_range_by_time(
+            layers = range_gaining_time(
                 model.total_layers,
                 list(costs.per_layer),
                 max(0, budget - costs.shared),
-                others,
-                own,
+                *timed,
                 min_gain=self._settings.join_min_gain,
             )
-        else:
+        self._placed_by = PLACE_BY_MEMORY if layers is None else PLACE_BY_TIME
+        if layers is None:
             layers = choose_range(
                 model.total_layers,
                 list(costs.per_layer),
@@ -297,7 +301,6 @@ class AutoShard:
                 found.claims,
                 self._node.node_id,
             )
-        self._placed_by = PLACE_BY_MEMORY if timed is None else PLACE_BY_TIME
         if layers is None:
             cheapest = min(costs.per_layer) + costs.shared
             raise PlacementError(
@@ -431,14 +434,14 @@ class AutoShard:
                 continue
             found = coverage(self._announcements(), model, exclude=self._node.node_id)
             timed = self._timed(model, found, None)
-            placed_by = PLACE_BY_MEMORY if timed is None else PLACE_BY_TIME
-            if placed_by != self._placed_by:
+            moves_by = PLACE_BY_MEMORY if timed is None else PLACE_BY_TIME
+            if moves_by != self._moves_by:
                 # A better range seen by the other rule does not count toward this one's settle time.
                 replacement = Replacement(
                     min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
                 )
                 timed_replacement = self._time_replacement()
-                self._placed_by = placed_by
+                self._moves_by = moves_by
             if timed is not None:
                 moved_to = timed_replacement.consider(
                     layers,

@@ -28,8 +28,8 @@ class AutoPlaceConfig:
     # How long a moving node waits for the generations through it before it lets go.
     move_drain_s: float = 10.0
     place_by: str = PLACE_BY_TIME
-    # This machine's speed against the mesh's nodes before it has measured its own (--speed-estimate):
-    # 0.33 is a third as fast as the fastest node that measured its speed; None: placed by memory until calibrated.
+    # This machine's speed against the mesh's nodes before it has served (--speed-estimate): 0.33
+    # is a third as fast as the fastest node that measured its speed; None: probed (one layer).
     speed_estimate: float | None = None
     # The share of the slowest stage's time a range must save: to be taken by a joiner for its
     # speed, and, lasting move_settle_s, for a serving node to move (a move reloads the shard, so

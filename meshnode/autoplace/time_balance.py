@@ -165,11 +165,28 @@ def choose_range_by_time(
     :func:`~meshnode.mesh.placement.choose_range`): the fastest window where it gains
     ``min_gain``, else the memory-only choice (layers nobody serves, then where replicas are
     fewest, as many as the budget holds); None when the budget holds no layer."""
-    found = fastest_range(n_layers, layer_bytes, budget_bytes, others, own_us_per_layer)
-    if found is not None and found.gain >= min_gain:
-        return found.layers
+    gaining = range_gaining_time(
+        n_layers, layer_bytes, budget_bytes, others, own_us_per_layer, min_gain=min_gain
+    )
+    if gaining is not None:
+        return gaining
     counts = replica_counts(n_layers, [other.layers for other in others])
     return best_range(counts, layer_bytes, budget_bytes)
+
+
+def range_gaining_time(
+    n_layers: int,
+    layer_bytes: Sequence[int],
+    budget_bytes: int,
+    others: Sequence[TimedRange],
+    own_us_per_layer: float,
+    *,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> Range | None:
+    """:func:`fastest_range`'s window where it saves ``min_gain`` of the slowest stage's time;
+    None where memory-only placement decides."""
+    found = fastest_range(n_layers, layer_bytes, budget_bytes, others, own_us_per_layer)
+    return found.layers if found is not None and found.gain >= min_gain else None
 
 
 class TimeReplacement:
@@ -243,6 +260,7 @@ __all__ = [
     "TimedRange",
     "choose_range_by_time",
     "fastest_range",
+    "range_gaining_time",
     "route_bottleneck",
     "us_per_layer",
 ]

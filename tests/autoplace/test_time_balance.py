@@ -10,6 +10,7 @@ from meshnode.autoplace.time_balance import (
     TimeReplacement,
     choose_range_by_time,
     fastest_range,
+    range_gaining_time,
     route_bottleneck,
     us_per_layer,
 )
@@ -97,6 +98,8 @@ def test_where_speed_gains_too_little_placement_is_memory_only() -> None:
     crawling = 20 * FAST
     found = fastest_range(LAYERS, UNIFORM, ALL, [fast], crawling)
     assert found is not None and found.gain < 0.1
+    assert range_gaining_time(LAYERS, UNIFORM, ALL, [fast], crawling) is None
+    assert range_gaining_time(LAYERS, UNIFORM, ALL, [fast], SLOW) == (0, 3)
     assert choose_range_by_time(LAYERS, UNIFORM, 60, [fast], crawling) == choose_range(
         LAYERS, UNIFORM, 60, [(0, LAYERS)], [], b"\x01"
     )
