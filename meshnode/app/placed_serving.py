@@ -27,6 +27,7 @@ from meshnode.app.prefix_cache_status import PREFIX_CACHE_SECTION
 from meshnode.app.session_options import max_sessions
 from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 from meshnode.app.slow_stage_status import SlowStageMonitor
+from meshnode.app.speed_probe import probe_config, probe_speed
 from meshnode.artifacts.holdings import FullModel, Holdings
 from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.store import StoreInUse
@@ -34,6 +35,7 @@ from meshnode.autoplace.auto_shard import AutoShard, PlacementError, ServeReques
 from meshnode.autoplace.switched_handlers import SwitchedHandlers, SwitchedNode
 from meshnode.cancellation import cancel_and_wait
 from meshnode.commandline.cli_error import CliError
+from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.node import Node
 from meshnode.wire.framing import StreamType
 
@@ -111,9 +113,9 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
     switched = SwitchedNode(node, handlers)
     slow_stages = SlowStageMonitor(node)
 
-    async def start_serving(request: ServeRequest) -> _PlacedShard:
+    def serving_options(request: ServeRequest) -> ShardServiceConfig:
         sessions = max_sessions(args, request.model_path, request.layers, args.ctx)
-        options = ShardServiceConfig(
+        return ShardServiceConfig(
             model=request.model_path,
             layers=request.layers,
             n_gpu_layers=args.n_gpu_layers,
@@ -126,10 +128,12 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             model_name=request.model_name,
             model_fingerprint=request.fingerprint,
         )
+
+    async def start_serving(request: ServeRequest) -> _PlacedShard:
         try:
             service = await ShardService.start(
                 switched,
-                options,
+                serving_options(request),
                 refresh_interval_s=args.heartbeat_interval,
                 is_member=node.state.is_admitted,
             )
@@ -151,11 +155,22 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
         serving = placement.serving
         return isinstance(serving, _PlacedShard) and holds_sessions(serving.service)
 
+    def own_speed() -> StageSpeed | None:
+        # What the shard placed now announces of its speed (placement by time prices this node by it).
+        serving = placement.serving
+        return serving.service.stage_speed() if isinstance(serving, _PlacedShard) else None
+
     # Started beside the node (run_node's on_started); its lanes carry this node's fetches too.
     lane = NodeBulkLane(node, offer_artifacts(node, holdings, args, busy))
     try:
         placement = AutoShard(
-            node, placement_settings(args, data_dir), start_serving, holdings, open_link=lane.lanes.open_link
+            node,
+            placement_settings(args, data_dir),
+            start_serving,
+            holdings,
+            open_link=lane.lanes.open_link,
+            own_speed=own_speed,
+            probe=lambda request: probe_speed(node.node_id, probe_config(serving_options(request))),
         )
     except StoreInUse as exc:
         raise CliError(str(exc)) from None

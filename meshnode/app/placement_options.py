@@ -4,7 +4,9 @@ A node started with no ``--model`` (``meshnode join --invite TOKEN`` alone) lear
 gossip what the mesh serves, takes the layer range that helps most within
 ``--memory-budget`` and fetches just those tensors from its peers into
 ``--model-store``. ``--placement off`` keeps such a node a plain member that serves no
-layers. ``--claim-settle`` and ``--move-settle`` are the waits that keep two joiners
+layers. ``--place-by time`` (the default) sizes the range by how fast this node is against
+the others, where speeds are known (``--speed-estimate`` states this node's before it has
+measured its own); ``--place-by memory`` by memory alone. ``--claim-settle`` and ``--move-settle`` are the waits that keep two joiners
 off one gap and a serving node from chasing coverage that flickers.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from meshnode.app.session_options import parse_size
 from meshnode.artifacts.upload_limit import DEFAULT_UPLOAD_BYTES_PER_S, UploadLimiter
-from meshnode.autoplace.config import AutoPlaceConfig
+from meshnode.autoplace.config import PLACE_BY_MEMORY, PLACE_BY_TIME, AutoPlaceConfig
 from meshnode.commandline.argument_types import positive
 
 AUTO, OFF = "auto", "off"
@@ -62,6 +64,24 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         f"holds none; default {DEFAULT_UPLOAD_BYTES_PER_S // 1024}K)",
     )
     group.add_argument(
+        "--place-by",
+        choices=(PLACE_BY_TIME, PLACE_BY_MEMORY),
+        default=PLACE_BY_TIME,
+        help="time (the default): take the range that makes the mesh's best route fastest, a fast "
+        "node more layers and a slow one fewer, where this node and the nodes on the route announce "
+        "their speed (by memory where one does not), and move only for a lasting gain; memory: as "
+        "many layers as --memory-budget holds, whatever the speeds",
+    )
+    group.add_argument(
+        "--speed-estimate",
+        type=positive,
+        default=None,
+        metavar="FACTOR",
+        help="how fast this machine is against the mesh's nodes before it has served (1: as fast as "
+        "the fastest node that measured its speed, 0.33: a third as fast), for --place-by time "
+        "(default: measured before the first claim, by loading and timing one layer)",
+    )
+    group.add_argument(
         "--claim-settle",
         type=positive,
         default=None,
@@ -93,6 +113,8 @@ def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceCon
         poll_s=interval,
         claim_settle_s=args.claim_settle if args.claim_settle is not None else _CLAIM_ROUNDS * interval,
         move_settle_s=args.move_settle,
+        place_by=args.place_by,
+        speed_estimate=args.speed_estimate,
     )
 
 

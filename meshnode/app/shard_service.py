@@ -27,7 +27,7 @@ from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.envelope import fingerprint_message
 from meshnode.dataplane.lease import LeaseConfig
-from meshnode.dataplane.stage_speed import with_speed
+from meshnode.dataplane.stage_speed import StageSpeed, with_speed
 from meshnode.dataplane.worker import WorkerConfig
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
@@ -284,7 +284,11 @@ class ShardService:
     def announced_serving(self) -> mesh.ServedShard:
         """What is served, with the range's speed as measured so far (calibrated at load, then
         smoothed from the engine's batches)."""
-        return with_speed(self.served, self.server.worker.batch_stats.speed.speed())
+        return with_speed(self.served, self.stage_speed())
+
+    def stage_speed(self) -> StageSpeed | None:
+        """The range's step times as announced (None until calibrated)."""
+        return self.server.worker.batch_stats.speed.speed()
 
     def prefix_cache_status(self) -> dict[str, int]:
         """The ``prefix_cache`` section of the node's status (meshnode.app.prefix_cache_status)."""

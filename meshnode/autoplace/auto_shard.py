@@ -6,16 +6,21 @@ The steps, each logged:
 2. **Manifest**: ask the nodes announcing it for its manifest and metadata, verified against
    the fingerprint, and open the local copy (:class:`meshnode.artifacts.store.PartialModel`),
    resuming what an earlier run verified. What it holds is offered to other joiners at once.
-3. **Claim**: choose the range (:func:`meshnode.mesh.placement.choose_range`) within the
-   budget (:mod:`.memory_budget`), announce it as a claim, and wait ``claim_settle_s`` (a few
-   gossip rounds) for the claims of nodes joining at the same moment; of two claims on one
-   gap the lower node id keeps it, and the other chooses again.
+3. **Claim**: choose the range within the budget (:mod:`.memory_budget`): by time
+   (:func:`.time_balance.choose_range_by_time`) where this node knows its own speed and every
+   node on the route announces one (:mod:`.speed_inputs`), else by memory
+   (:func:`meshnode.mesh.placement.choose_range`). By time, a node that knows no speed of its
+   own first times a one-layer slice (``probe``, meshnode.app.speed_probe), fetched like a
+   range. Announce the range as a claim, and wait ``claim_settle_s`` (a few gossip rounds) for
+   the claims of nodes joining at the same moment; of two claims on one gap the lower node id
+   keeps it, and the other chooses again.
 4. **Fetch** exactly the tensors the range needs, from every node that holds them.
 5. **Serve** through ``start_serving`` (the shard service and the API, built by the caller).
-6. **Watch**: every ``poll_s``, ask :class:`meshnode.mesh.placement.Replacement` whether another
-   range would cover enough layers nobody serves, for long enough; only then drain, claim the
-   new range and go back to step 4. The settle time is stretched by a share of the node id,
-   so two nodes that see the same gap do not both move at once.
+6. **Watch**: every ``poll_s``, ask :class:`.time_balance.TimeReplacement` (speeds known) or
+   :class:`meshnode.mesh.placement.Replacement` (not) whether another range would make the best
+   route faster by ``move_min_gain`` or cover layers nobody serves, for long enough; only then
+   drain, claim the new range and go back to step 4. The settle time is stretched by a share
+   of the node id, so two nodes that see the same gap do not both move at once.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from meshnode.artifacts.fetcher import OpenLink, Quarantine, TransferError, fetc
 from meshnode.artifacts.holdings import Holdings, PartialHolding
 from meshnode.artifacts.progress import ProgressDisplay, TransferProgress
 from meshnode.artifacts.store import ArtifactStore, PartialModel, StoreError
-from meshnode.autoplace.config import AutoPlaceConfig
+from meshnode.autoplace.config import PLACE_BY_MEMORY, PLACE_BY_TIME, AutoPlaceConfig
 from meshnode.autoplace.layer_costs import LayerCosts, layer_costs
 from meshnode.autoplace.memory_budget import read_machine_budget
 from meshnode.autoplace.mesh_models import (
@@ -46,7 +51,16 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
+from meshnode.autoplace.speed_inputs import (
+    OwnSpeed,
+    announced_per_layer,
+    estimated_speed,
+    probe_layers,
+    timed_others,
+)
+from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, range_gaining_time
 from meshnode.cancellation import cancel_and_wait
+from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.identity import short_id
 from meshnode.logs import mib
 from meshnode.mesh.placement import Range, Replacement, choose_range
@@ -105,6 +119,8 @@ class AutoShard:
         *,
         budget: Callable[[], int | None] | None = None,
         open_link: OpenLink | None = None,
+        own_speed: Callable[[], StageSpeed | None] | None = None,
+        probe: Callable[[ServeRequest], Awaitable[StageSpeed | None]] | None = None,
     ) -> None:
         self._node = node
         # What artifact streams are opened on (the bulk lanes: TLS/TCP to a direct peer, else QUIC).
@@ -131,6 +147,15 @@ class AutoShard:
         self.fetched_bytes = 0
         # The id's first byte stretches the move settle time by up to half of it.
         self._move_settle_ns = round(settings.move_settle_s * SECOND_NS * (1 + node.node_id[0] / 510))
+        # What the shard serving now announces of its speed (None: no shard, or none calibrated).
+        self._read_own_speed = own_speed
+        self._own_speed = OwnSpeed(settings.speed_estimate)
+        # Loads a slice, reads the speed it calibrates, closes it (meshnode.app.speed_probe).
+        self._probe = probe
+        # What the last choice went by: time (a range taken for its speed) or memory (speeds
+        # unknown, or none gaining enough); and what a serving node's moves go by now.
+        self._placed_by: str | None = None
+        self._moves_by: str | None = None
 
     # -- what `meshnode status` shows -------------------------------------------------
 
@@ -143,6 +168,17 @@ class AutoShard:
         if self._progress is not None:
             report["transfer"] = self._progress.as_status()
         report["fetched_bytes"] = self.fetched_bytes
+        report["place_by"] = self._settings.place_by
+        if self._placed_by is not None:
+            report["placed_by"] = self._placed_by
+        if self._moves_by is not None:
+            report["moves_by"] = self._moves_by
+        own = self._own_speed.us_per_layer(())
+        report["own_speed"] = {
+            "source": self._own_speed.source,
+            **({} if own is None else {"decode_ms_per_layer": round(own / 1_000, 3)}),
+            **({} if self._settings.speed_estimate is None else {"estimate": self._settings.speed_estimate}),
+        }
         return report
 
     @property
@@ -187,6 +223,7 @@ class AutoShard:
             {tensor.name: tensor.nbytes for tensor in manifest.tensors},
             lambda start, end: tensors_for_range(header, start, end),
         )
+        await self._probe_own_speed(model, partial, header)
         layers = await self._claim(model, costs)
         while True:
             await self._fetch(partial, layers, header)
@@ -198,7 +235,12 @@ class AutoShard:
             log.info("serving %s layers [%d, %d) placed by the mesh", model.name, *layers)
             moved_to = await self._watch(model, costs, layers)
             log.info(
-                "moving from layers [%d, %d) to [%d, %d): they cover layers nobody serves", *layers, *moved_to
+                "moving from layers [%d, %d) to [%d, %d): %s",
+                *layers,
+                *moved_to,
+                "the mesh's best route is faster that way, or they cover layers nobody serves"
+                if self._moves_by == PLACE_BY_TIME
+                else "they cover layers nobody serves",
             )
             self._state = "moving"
             await self._let_go(drain=True)
@@ -238,14 +280,27 @@ class AutoShard:
         if budget is None:
             raise PlacementError("cannot tell this machine's free memory; say --memory-budget")
         found = coverage(self._announcements(), model, exclude=self._node.node_id)
-        layers = choose_range(
-            model.total_layers,
-            list(costs.per_layer),
-            max(0, budget - costs.shared),
-            found.served_ranges,
-            found.claims,
-            self._node.node_id,
-        )
+        # Claims of lower node ids keep their range against this node's (choose_range's rule).
+        timed = self._timed(model, found, [c.node_id for c in found.claims if c.node_id < self._node.node_id])
+        layers = None
+        if timed is not None:
+            layers = range_gaining_time(
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                *timed,
+                min_gain=self._settings.join_min_gain,
+            )
+        self._placed_by = PLACE_BY_MEMORY if layers is None else PLACE_BY_TIME
+        if layers is None:
+            layers = choose_range(
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                found.served_ranges,
+                found.claims,
+                self._node.node_id,
+            )
         if layers is None:
             cheapest = min(costs.per_layer) + costs.shared
             raise PlacementError(
@@ -254,13 +309,32 @@ class AutoShard:
             )
         return layers
 
+    def _timed(
+        self, model: MeshModel, found: ModelCoverage, claims_of: Iterable[bytes] | None
+    ) -> tuple[list[TimedRange], float] | None:
+        """The other nodes' ranges (served, and the claims of ``claims_of``; all when None) with
+        their per-layer times, and this node's; None where placement goes by memory: so set, or
+        a speed unknown."""
+        if self._settings.place_by != PLACE_BY_TIME:
+            return None
+        per_layer = announced_per_layer(self._announcements(), model)
+        per_layer.pop(self._node.node_id, None)
+        others = timed_others(found, per_layer, claims_of=claims_of)
+        own = self._own_us_per_layer(model)
+        return None if others is None or own is None else (others, own)
+
+    def _own_us_per_layer(self, model: MeshModel) -> float | None:
+        measured = announced_per_layer(self._announcements(), model, measured_only=True)
+        measured.pop(self._node.node_id, None)
+        return self._own_speed.us_per_layer(measured.values())
+
     async def _claim(self, model: MeshModel, costs: LayerCosts, preferred: Range | None = None) -> Range:
         """Announce a claim and keep it once it has stood ``claim_settle_s`` uncontested."""
         layers = preferred or self._choose(model, costs)
         while True:
             self._layers = layers
             self._state = "claiming"
-            served, load = claim_announcement(model, layers)
+            served, load = claim_announcement(model, layers, self._claim_speed(model, layers))
             self._node.set_serving(served)
             self._node.set_load(load)
             log.info(
@@ -276,6 +350,35 @@ class AutoShard:
                 return layers
             log.info("layers [%d, %d) were claimed by a node that keeps them; choosing again", *layers)
             layers, preferred = settled, None
+
+    async def _probe_own_speed(self, model: MeshModel, partial: PartialModel, header: Any) -> None:
+        """Before a first claim by time, with no speed of its own (none measured, none stated) and
+        peers that measured theirs: time a one-layer slice (:func:`.speed_inputs.probe_layers`)."""
+        if (
+            self._probe is None
+            or self._settings.place_by != PLACE_BY_TIME
+            or self._own_us_per_layer(model) is not None
+            or not announced_per_layer(self._announcements(), model, measured_only=True)
+        ):
+            return
+        layers = probe_layers(model.total_layers)
+        await self._fetch(partial, layers, header)
+        self._state = "measuring this machine's speed"
+        speed = await self._probe(ServeRequest(partial.path, layers, model.fingerprint, model.name))
+        self._own_speed.probed(speed, layers)
+        if speed is None:
+            log.info("no speed from the probe of layers [%d, %d): placing by memory", *layers)
+        else:
+            log.info(
+                "this machine decodes layers [%d, %d) in %.2f ms a token: placing by time",
+                *layers,
+                speed.decode_us_per_token / 1_000,
+            )
+
+    def _claim_speed(self, model: MeshModel, layers: Range) -> mesh.StageSpeed | None:
+        """What a claim of ``layers`` announces of this node's speed (None: it knows none)."""
+        own = self._own_us_per_layer(model)
+        return None if own is None else estimated_speed(own, layers)
 
     def _contested(self, model: MeshModel, layers: Range) -> bool:
         """Whether a node with a lower id claims layers overlapping ``layers``."""
@@ -321,23 +424,51 @@ class AutoShard:
         replacement = Replacement(
             min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
         )
+        timed_replacement = self._time_replacement()
         while True:
             await asyncio.sleep(self._settings.poll_s)
+            if self._read_own_speed is not None:
+                self._own_speed.observe(self._read_own_speed(), layers)
             budget = self._budget()
             if budget is None:
                 continue
             found = coverage(self._announcements(), model, exclude=self._node.node_id)
-            others = [*found.served_ranges, *(claim.layers for claim in found.claims)]
-            moved_to = replacement.consider(
-                layers,
-                model.total_layers,
-                list(costs.per_layer),
-                max(0, budget - costs.shared),
-                others,
-                time.monotonic_ns(),
-            )
+            timed = self._timed(model, found, None)
+            moves_by = PLACE_BY_MEMORY if timed is None else PLACE_BY_TIME
+            if moves_by != self._moves_by:
+                # A better range seen by the other rule does not count toward this one's settle time.
+                replacement = Replacement(
+                    min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
+                )
+                timed_replacement = self._time_replacement()
+                self._moves_by = moves_by
+            if timed is not None:
+                moved_to = timed_replacement.consider(
+                    layers,
+                    model.total_layers,
+                    list(costs.per_layer),
+                    max(0, budget - costs.shared),
+                    *timed,
+                    time.monotonic_ns(),
+                )
+            else:
+                moved_to = replacement.consider(
+                    layers,
+                    model.total_layers,
+                    list(costs.per_layer),
+                    max(0, budget - costs.shared),
+                    [*found.served_ranges, *(claim.layers for claim in found.claims)],
+                    time.monotonic_ns(),
+                )
             if moved_to is not None:
                 return moved_to
+
+    def _time_replacement(self) -> TimeReplacement:
+        return TimeReplacement(
+            min_gain=self._settings.move_min_gain,
+            min_gain_layers=self._settings.min_gain_layers,
+            settle_ns=self._move_settle_ns,
+        )
 
     async def _let_go(self, *, drain: bool = False) -> None:
         serving, self._serving = self._serving, None

@@ -103,8 +103,11 @@ def most_needed(announcements: Announcements, *, exclude: bytes) -> ModelCoverag
     return None if best is None else best[1]
 
 
-def claim_announcement(model: MeshModel, layers: Range) -> tuple[mesh.ServedShard, mesh.Load]:
-    """What a node announces while it fetches and loads ``layers``: routes skip it, joiners see it."""
+def claim_announcement(
+    model: MeshModel, layers: Range, speed: mesh.StageSpeed | None = None
+) -> tuple[mesh.ServedShard, mesh.Load]:
+    """What a node announces while it fetches and loads ``layers``: routes skip it, joiners see it
+    (and, with ``speed``, the time it expects its range to take, to place themselves by)."""
     served = mesh.ServedShard(
         model_name=model.name,
         fingerprint=shard.Fingerprint(model_artifact_digest=model.fingerprint),
@@ -113,6 +116,8 @@ def claim_announcement(model: MeshModel, layers: Range) -> tuple[mesh.ServedShar
         ),
         total_layers=model.total_layers,
     )
+    if speed is not None:
+        served.speed.CopyFrom(speed)
     return served, mesh.Load(serving_state=shard.SERVING_STATE_NOT_SERVING)
 
 

@@ -28,7 +28,9 @@ MAX_REVOCATIONS_PER_FRAME = 4096
 # The slowest step a node may announce for its range (ServedShard.speed), per token: a minute.
 # A stage slower than that serves no one, and the bound keeps a head's route costs finite.
 MAX_STAGE_US_PER_TOKEN = 60_000_000
-_STAGE_SPEED_SOURCES = frozenset({mesh.STAGE_SPEED_SOURCE_CALIBRATED, mesh.STAGE_SPEED_SOURCE_MEASURED})
+_STAGE_SPEED_SOURCES = frozenset(
+    {mesh.STAGE_SPEED_SOURCE_CALIBRATED, mesh.STAGE_SPEED_SOURCE_MEASURED, mesh.STAGE_SPEED_SOURCE_ESTIMATED}
+)
 
 M = TypeVar("M", bound=Message)
 

@@ -66,6 +66,14 @@ class ServingStatus:
         )
 
 
+# How an announced speed was obtained, as status shows it (validated: no other source arrives).
+_SPEED_SOURCES = {
+    mesh.STAGE_SPEED_SOURCE_CALIBRATED: "calibrated",
+    mesh.STAGE_SPEED_SOURCE_MEASURED: "measured",
+    mesh.STAGE_SPEED_SOURCE_ESTIMATED: "estimated",
+}
+
+
 def _speed_fields(serving: mesh.ServedShard) -> dict[str, Any]:
     if not serving.HasField("speed"):
         return {}
@@ -73,7 +81,7 @@ def _speed_fields(serving: mesh.ServedShard) -> dict[str, Any]:
     return {
         "decode_ms_per_token": speed.decode_us_per_token / 1_000,
         "prefill_ms_per_token": speed.prefill_us_per_token / 1_000 if speed.prefill_us_per_token else None,
-        "speed_source": "measured" if speed.source == mesh.STAGE_SPEED_SOURCE_MEASURED else "calibrated",
+        "speed_source": _SPEED_SOURCES.get(speed.source, "calibrated"),
         "speed_samples": speed.samples,
     }
 

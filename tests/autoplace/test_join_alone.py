@@ -16,16 +16,21 @@ again what it had verified or the part it had of the tensors it was fetching.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
-from helpers.node_processes import NODE_TIMING, NodeProcess
-from helpers.serve_process import whole_model_greedy_text
+from helpers.joining_mesh import (
+    PLACE_TIMEOUT_S,
+    Mesh,
+    completion,
+    placement,
+    reference_text,
+    tiny_budget,
+    wait_placed,
+)
 
 from engines.default_model import default_model_path
 from engines.gguf_file import read_gguf
@@ -33,40 +38,15 @@ from engines.model_manifest import build_manifest
 from engines.slicing import tensors_for_range
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
 from meshnode.artifacts.store import ArtifactStore
-from meshnode.membership.credentials import encode_invite_token
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PROMPT = "The capital of France is"
-TOKENS = 16
 # Reply framing (protobuf fields, chunk headers) on top of the tensor bytes, generously.
 FRAMING_SHARE = 0.01
 FRAMING_BYTES = 64 * 1024
-PLACE_TIMEOUT_S = 180.0
-
-
-def reference_text(model: Path) -> str:
-    return whole_model_greedy_text(model, PROMPT, TOKENS)
-
-
-def placement(process: NodeProcess) -> dict:
-    status = process.live_status()
-    return {} if status is None else status.get("sections", {}).get("placement", {})
-
-
-def wait_placed(
-    *processes: NodeProcess, until: Callable[[dict[str, dict]], bool] | None = None
-) -> dict[str, dict]:
-    """Each process's placement once every one serves (and ``until(placements)`` holds)."""
-    deadline = time.monotonic() + PLACE_TIMEOUT_S
-    while True:
-        placed = {p.name: placement(p) for p in processes}
-        if all(p.get("state") == "serving" for p in placed.values()) and (until is None or until(placed)):
-            return placed
-        if time.monotonic() > deadline:
-            logs = "\n".join(p.log_path.read_text()[-2500:] for p in processes)
-            raise AssertionError(f"not placed: {placed}\n{logs}")
-        time.sleep(0.2)
+# Issue 16's rule, sized by memory: every node here announces its speed (the creator calibrates,
+# a joiner probes), and by time the joiners would take other ranges (test_join_by_time.py).
+BY_MEMORY = ("--place-by", "memory")
 
 
 def needed_bytes(model: Path, layers: tuple[int, int], *, held: tuple[int, int] | None = None) -> int:
@@ -82,80 +62,16 @@ def metadata_bytes(model: Path) -> int:
     return sum(len(record.raw) for record in read_gguf(model).metadata)
 
 
-async def completion(api: str) -> str:
-    body = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
-    async with asyncio.timeout(120), aiohttp.ClientSession() as session:
-        while True:
-            async with session.get(f"{api}/v1/models") as response:
-                listed = [m["id"] for m in (await response.json())["data"]]
-            if listed:
-                async with session.post(f"{api}/v1/completions", json={**body, "model": listed[0]}) as r:
-                    if r.status == 200:
-                        return (await r.json())["choices"][0]["text"]
-            await asyncio.sleep(0.3)
-
-
 def covered(ranges: list[tuple[int, int]], total: int) -> bool:
     return {layer for start, end in ranges for layer in range(start, end)} == set(range(total))
-
-
-class Mesh:
-    """C, created with ``model`` serving ``creator_layers``; joiners with only an invite."""
-
-    def __init__(self, root: Path, model: Path, creator_layers: tuple[int, int], budget: int) -> None:
-        self.root = root
-        self.model = model
-        self.creator_layers = creator_layers
-        self.budget = budget
-        self.creator = NodeProcess(root, "C")
-        self.joiners: list[NodeProcess] = []
-        self.token = ""
-
-    def common(self) -> list[str]:
-        return ["--listen", "127.0.0.1:0", *NODE_TIMING, "--threads", "1", "--ctx", "512", "--log-level",
-                "debug"]  # fmt: skip
-
-    def start(self, *joiners: str) -> None:
-        start, end = self.creator_layers
-        self.creator.start(
-            "create", *self.common(), "--model", str(self.model), "--layers", f"{start}:{end}",
-            "--api-listen", "127.0.0.1:0",
-        )  # fmt: skip
-        self.creator.wait_ready()
-        self.token = encode_invite_token(self.creator.invite())
-        for name in joiners:
-            self.add_joiner(name)
-
-    def add_joiner(self, name: str) -> NodeProcess:
-        joiner = NodeProcess(self.root, name)
-        self.joiners.append(joiner)
-        self.start_joiner(joiner, "join", "--invite", self.token)
-        return joiner
-
-    def start_joiner(self, joiner: NodeProcess, *command: str) -> None:
-        # An empty cache: nothing of the model on the machine but what the mesh sends.
-        env = {**os.environ, "MESHNODE_CACHE_DIR": str(self.root / f"{joiner.name}-cache")}
-        joiner.start(
-            *command, *self.common(), "--memory-budget", str(self.budget), "--claim-settle", "2",
-            "--move-settle", "2", "--api-listen", "off", env=env,
-        )  # fmt: skip
-
-    def stop(self) -> None:
-        for process in (self.creator, *self.joiners):
-            process.stop()
-
-
-def tiny_budget(model: Path) -> int:
-    """Four ordinary layers and one vocabulary table, not a fifth layer."""
-    sizes = {t.name: t.nbytes for t in read_gguf(model).tensors}
-    layer = sum(size for name, size in sizes.items() if name.startswith("blk.1."))
-    return 4 * layer + sizes["output.weight"] + 4096
 
 
 @pytest.fixture(scope="module")
 def tiny_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     model = ensure_tiny_model()
-    placed = Mesh(tmp_path_factory.mktemp("join-alone"), model, (0, 2), tiny_budget(model))
+    placed = Mesh(
+        tmp_path_factory.mktemp("join-alone"), model, (0, 2), tiny_budget(model), joiner_options=BY_MEMORY
+    )
     try:
         placed.start("J1", "J2")
         yield placed
@@ -211,7 +127,7 @@ def test_killing_a_joiner_moves_the_other_to_cover_the_gap_and_answers_continue(
 def test_a_joiner_stopped_mid_transfer_exits_and_resumes_without_refetching_what_it_had(tmp_path: Path):
     model = default_model_path(progress=False)
     # Gemma's middle layers within 60 MiB: no vocabulary table, about 44 MiB to fetch.
-    mesh = Mesh(tmp_path, model, (0, 6), 60 * 2**20)
+    mesh = Mesh(tmp_path, model, (0, 6), 60 * 2**20, joiner_options=BY_MEMORY)
     try:
         mesh.start()
         joiner = mesh.add_joiner("J3")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from meshnode.autoplace.stage_balance import StepCosts, balanced_ranges, even_ranges, step_costs
+from meshnode.autoplace.stage_balance import NoSplitError, StepCosts, balanced_ranges, even_ranges, step_costs
 
 # Gemma 3 270M's shape: 18 layers of 3.6-4.0 MB and a tied 262 144 x 640 embedding of 178 MB.
 GEMMA_LIKE = StepCosts(
@@ -86,3 +86,58 @@ def test_more_nodes_than_layers_is_refused():
     with pytest.raises(ValueError, match="each stage needs a layer"):
         even_ranges(2, 0)
     assert even_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+
+
+def exhaustive_timed(costs: StepCosts, speeds: list[float], fits) -> list[tuple[int, int]] | None:
+    """Every cut, stage times as bytes over speed, ranges a stage cannot hold left out."""
+    n_layers, stages = len(costs.per_layer), len(speeds)
+    best = None
+    for cuts in itertools.combinations(range(1, n_layers), stages - 1):
+        bounds = (0, *cuts, n_layers)
+        ranges = list(itertools.pairwise(bounds))
+        if not all(fits(index, *r) for index, r in enumerate(ranges)):
+            continue
+        times = [costs.stage(r) / speed for r, speed in zip(ranges, speeds, strict=True)]
+        key = (tuple(sorted(times, reverse=True)), bounds[1:])
+        if best is None or key < best[0]:
+            best = (key, ranges)
+    return None if best is None else best[1]
+
+
+def test_with_speeds_and_memory_the_slowest_stage_time_is_as_fast_as_any_cut_allows():
+    rng = random.Random(11)
+    for _ in range(800):
+        n_layers = rng.randint(1, 8)
+        stages = rng.randint(1, n_layers)
+        costs = StepCosts(tuple(rng.randint(1, 40) for _ in range(n_layers)), rng.randint(0, 50))
+        # Speeds as powers of two: stage times stay exact, so ties are ties.
+        speeds = [rng.choice([0.25, 0.5, 1.0, 2.0]) for _ in range(stages)]
+        caps = [rng.randint(1, n_layers) for _ in range(stages)]
+
+        def fits(index: int, start: int, end: int, caps=caps) -> bool:
+            return end - start <= caps[index]
+
+        expected = exhaustive_timed(costs, speeds, fits)
+        if expected is None:
+            with pytest.raises(NoSplitError):
+                balanced_ranges(costs, stages, speeds=speeds, fits=fits)
+        else:
+            assert balanced_ranges(costs, stages, speeds=speeds, fits=fits) == expected
+
+
+def test_a_node_a_third_as_fast_gets_a_third_of_the_layers():
+    uniform = StepCosts((10,) * 12, 0)
+    assert balanced_ranges(uniform, 2, speeds=[1.0, 1 / 3]) == [(0, 9), (9, 12)]
+    assert balanced_ranges(StepCosts((10,) * 14, 0), 3, speeds=[1.0, 1.0, 1 / 3]) == [
+        (0, 6),
+        (6, 12),
+        (12, 14),
+    ]
+    # Memory first: a fast node that holds only four layers leaves the rest to the slow one.
+    assert balanced_ranges(
+        uniform, 2, speeds=[1.0, 1 / 3], fits=lambda index, start, end: index == 1 or end - start <= 4
+    ) == [(0, 4), (4, 12)]
+    with pytest.raises(ValueError, match="positive speeds"):
+        balanced_ranges(uniform, 2, speeds=[1.0])
+    with pytest.raises(ValueError, match="positive speeds"):
+        balanced_ranges(uniform, 2, speeds=[1.0, 0.0])

@@ -100,3 +100,13 @@ def test_the_bounds_themselves_are_accepted():
             source=mesh.STAGE_SPEED_SOURCE_CALIBRATED,
         )
     )
+
+
+def test_a_claims_estimated_speed_verifies_and_an_unknown_source_is_still_refused():
+    estimate = speed(prefill=0, source=mesh.STAGE_SPEED_SOURCE_ESTIMATED)
+    opened = open_record(sign_record(NODE, announcement(estimate)), mesh_id=MESH, unix_now=NOW)
+    assert opened.announcement.serving.speed.source == mesh.STAGE_SPEED_SOURCE_ESTIMATED
+    validate_stage_speed(estimate)
+    with pytest.raises(MeshRefusal) as refused:
+        validate_stage_speed(speed(source=4))
+    assert refused.value.code == mesh.MESH_ERROR_MALFORMED

@@ -81,3 +81,46 @@ def test_the_built_in_gemma_gets_a_light_tail(split):
     assert ranges() == [("0:8", "0:6"), ("8:16", "6:12"), ("16:18", "12:18")]
     assert ranges("--min-layers", "1") == [("0:8", "0:6"), ("8:17", "6:12"), ("17:18", "12:18")]
     assert "Slowest stage: 186.2 MB against 201.4 MB split evenly (8% less)." in split("--nodes", "3").stdout
+
+
+def stage_rows(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line.strip()[:1].isdigit()]
+
+
+def test_speeds_give_each_node_layers_in_proportion_and_the_slow_one_no_output_projection(split, tiny_model):
+    gguf = read_gguf(tiny_model)
+    costs = step_costs(model_info(gguf).n_layers, {t.name: t.nbytes for t in gguf.tensors})
+    result = split("--speeds", "1,0.33", "--model", str(tiny_model))
+    assert result.returncode == 0, result.stderr
+    # Rows in pipeline order: the node (as listed in --speeds), its range, its speed. The slow
+    # node goes first, where no output projection falls to it, and gets 2 layers to the other's 4.
+    rows = stage_rows(result.stdout)
+    assert [(row[0], row[1], row[2]) for row in rows] == [("2", "0:2", "0.33"), ("1", "2:6", "1")]
+    assert balanced_ranges(costs, 2, 2, speeds=[0.33, 1.0]) == [(0, 2), (2, 6)]
+    # Equal speeds: the split of equal nodes.
+    alike = split("--speeds", "1,1", "--model", str(tiny_model))
+    plain = split("--nodes", "2", "--model", str(tiny_model))
+    assert [row[1] for row in stage_rows(alike.stdout)] == [row[1] for row in stage_rows(plain.stdout)]
+
+
+def test_memory_budgets_bound_each_node_and_wrong_lists_are_refused(split, tiny_model):
+    gguf = read_gguf(tiny_model)
+    sizes = {t.name: t.nbytes for t in gguf.tensors}
+    layer = sum(size for name, size in sizes.items() if name.startswith("blk.2."))
+    # The fast node has room for its tables and two layers only: the slow node takes the rest.
+    room = sizes["token_embd.weight"] + sizes.get("output.weight", 0) + 2 * layer + 4 * 4096
+    result = split("--speeds", "1,0.33", "--memory-budgets", f"{room},1G", "--model", str(tiny_model))
+    assert result.returncode == 0, result.stderr
+    ranges = {row[0]: row[1] for row in stage_rows(result.stdout)}
+    start, end = (int(bound) for bound in ranges["1"].split(":"))
+    assert end - start <= 3
+    # No budget holds the tables the first and last stages need.
+    result = split("--speeds", "1,1", "--memory-budgets", "1K,1K", "--model", str(tiny_model))
+    assert result.returncode == 1
+    assert "fits their memory" in result.stderr
+    result = split("--nodes", "3", "--speeds", "1,1", "--model", str(tiny_model))
+    assert result.returncode == 2
+    assert "--speeds lists 2 node(s) for 3 nodes" in result.stderr
+    assert split("--model", str(tiny_model)).returncode == 2
+    with pytest.raises(SystemExit):
+        split("--speeds", "1,-1", "--model", str(tiny_model))

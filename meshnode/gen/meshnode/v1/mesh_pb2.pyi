@@ -47,6 +47,7 @@ class StageSpeedSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_SPEED_SOURCE_UNSPECIFIED: _ClassVar[StageSpeedSource]
     STAGE_SPEED_SOURCE_CALIBRATED: _ClassVar[StageSpeedSource]
     STAGE_SPEED_SOURCE_MEASURED: _ClassVar[StageSpeedSource]
+    STAGE_SPEED_SOURCE_ESTIMATED: _ClassVar[StageSpeedSource]
 
 class NatMapping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -83,6 +84,7 @@ NODE_ROLE_CLIENT: NodeRole
 STAGE_SPEED_SOURCE_UNSPECIFIED: StageSpeedSource
 STAGE_SPEED_SOURCE_CALIBRATED: StageSpeedSource
 STAGE_SPEED_SOURCE_MEASURED: StageSpeedSource
+STAGE_SPEED_SOURCE_ESTIMATED: StageSpeedSource
 NAT_MAPPING_UNKNOWN: NatMapping
 NAT_MAPPING_NONE: NatMapping
 NAT_MAPPING_ENDPOINT_INDEPENDENT: NatMapping
