@@ -23,6 +23,7 @@ from typing import Protocol
 from engines.interface import EngineCapabilities, EngineError, LoadRequest, ShardEngine
 from engines.weight_repack import WeightRepack
 from meshnode.app.prefix_cache_status import prefix_cache_section
+from meshnode.app.range_work import range_work_of_file
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.envelope import fingerprint_message
@@ -254,6 +255,11 @@ class ShardService:
         if not validation.validated:
             await server.aclose()
             raise ShardServiceError(f"{options.model.name} layers failed validation: {validation.detail}")
+        work = await asyncio.to_thread(
+            range_work_of_file, options.model, caps.total_layers, caps.layer_start, caps.layer_end
+        )
+        if work is not None:
+            server.worker.batch_stats.range_work = work
         service = cls(
             node,
             server,

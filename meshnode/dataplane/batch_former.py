@@ -151,6 +151,7 @@ class BatchFormer:
             tokens=tokens,
             waits_ns=[now_ns - unit.arrived_ns for unit in units],
             now_ns=now_ns,
+            ranges=[unit.session.shard_range for unit in units],
         )
         return RunBatch(batch_id, tuple(u.id for u in units), tuple(steps))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshnode.dataplane.stage_speed import StageSpeedMeter
@@ -69,12 +69,34 @@ class BatchStats:
     queue_wait_s: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BOUNDS_S))
     # The running batch's (decodes, prefills, tokens), and the step times smoothed from the
     # finished ones (the range's speed the node announces).
-    running_work: tuple[int, int, int] | None = None
+    running_work: tuple[int, int, int, float] | None = None
     speed: StageSpeedMeter = field(default_factory=StageSpeedMeter)
+    # What computing layers [start, end) of the range costs (any unit); the shard sets the
+    # weight bytes a step reads where it knows them. Layers by default.
+    range_work: Callable[[int, int], float] = field(default=lambda start, end: float(end - start))
+
+    def _range_share(self, ranges: Sequence[tuple[int, int, int]]) -> float:
+        """The mean share of the range's work the steps ran (1 when they ran all of it)."""
+        shares = []
+        for start, end, effective in ranges:
+            whole = self.range_work(start, end)
+            part = self.range_work(effective, end)
+            if whole > 0 and 0 < part <= whole:
+                shares.append(part / whole)
+        return sum(shares) / len(shares) if shares else 1.0
 
     def started(
-        self, *, decodes: int, prefills: int, tokens: int, waits_ns: Sequence[int], now_ns: int
+        self,
+        *,
+        decodes: int,
+        prefills: int,
+        tokens: int,
+        waits_ns: Sequence[int],
+        now_ns: int,
+        ranges: Sequence[tuple[int, int, int]] = (),
     ) -> None:
+        """A batch began; ``ranges``: each step's (start, end, effective start), its session's range
+        and where its route enters it."""
         self.batches += 1
         self.decode_units += decodes
         self.prefill_units += prefills
@@ -83,7 +105,7 @@ class BatchStats:
         for wait in waits_ns:
             self.queue_wait_s.observe(max(0, wait) / SECOND_NS)
         self.running_since_ns = now_ns
-        self.running_work = (decodes, prefills, tokens)
+        self.running_work = (decodes, prefills, tokens, self._range_share(ranges))
         if self.first_started_ns is None:
             self.first_started_ns = now_ns
 
@@ -92,12 +114,13 @@ class BatchStats:
             self.busy_ns += max(0, now_ns - self.running_since_ns)
             self.recent_busy.append((self.running_since_ns, now_ns))
             if self.running_work is not None:
-                decodes, prefills, tokens = self.running_work
+                decodes, prefills, tokens, share = self.running_work
                 self.speed.batch_finished(
                     decodes=decodes,
                     prefills=prefills,
                     tokens=tokens,
                     duration_ns=now_ns - self.running_since_ns,
+                    range_share=share,
                 )
             self.running_since_ns = None
             self.running_work = None

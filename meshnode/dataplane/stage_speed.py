@@ -8,6 +8,10 @@ Pure and synchronous. :class:`StageSpeedMeter` is fed two ways:
 * the engine's *live batches* afterwards (meshnode.dataplane.batch_stats calls
   :meth:`StageSpeedMeter.batch_finished`): a batch of decode steps only is a decode sample, a
   batch of prefill only a prefill sample; a mixed batch says nothing separable and is skipped.
+  A batch that ran only the end of the range (routes trimmed to start inside it) is scaled to
+  the whole range by the share of the range's work it ran (weight bytes a step reads, where
+  the shard knows them, else layers): a tail replica that computes one layer and the output
+  projection must not announce that as the time of its seven layers.
 
 Each figure is an exponentially weighted moving average, so one slow batch (a page fault, a
 neighbour's burst) moves it a little and a lasting change moves it within a few dozen batches.
@@ -99,11 +103,16 @@ class StageSpeedMeter:
         if prefill_ns_per_token is not None and prefill_ns_per_token > 0 and self._prefill_samples == 0:
             self._prefill_ns.reset(prefill_ns_per_token)
 
-    def batch_finished(self, *, decodes: int, prefills: int, tokens: int, duration_ns: int) -> None:
+    def batch_finished(
+        self, *, decodes: int, prefills: int, tokens: int, duration_ns: int, range_share: float = 1.0
+    ) -> None:
         """A batch the engine ran: ``decodes`` decode steps and ``prefills`` prefill chunks of
-        ``tokens`` tokens in all, in ``duration_ns``."""
-        if duration_ns <= 0 or tokens <= 0:
+        ``tokens`` tokens in all, in ``duration_ns``, over ``range_share`` of the range's work (a
+        route that starts inside the range runs only its end: the sample is scaled to the whole
+        range, which is what the node announces and what placement and routes price)."""
+        if duration_ns <= 0 or tokens <= 0 or not 0.0 < range_share <= 1.0:
             return
+        duration_ns = round(duration_ns / range_share)
         if prefills == 0 and decodes > 0:
             # Every session in the batch advanced by its tokens in the batch's time: a stream's
             # time per token is the duration over its share of the tokens (one, without drafts).

@@ -2,6 +2,7 @@
 
 import pytest
 
+from meshnode.dataplane.batch_stats import BatchStats
 from meshnode.dataplane.stage_speed import Ewma, StageSpeed, StageSpeedMeter, with_speed
 from meshnode.mesh.validation import MAX_STAGE_US_PER_TOKEN, validate_stage_speed
 from meshnode.wire.pb import mesh, shard
@@ -76,3 +77,39 @@ def test_the_speed_rides_in_the_served_shard_and_reads_back():
     )
     assert StageSpeed.of_message(announced.speed) == speed
     assert not with_speed(announced, None).HasField("speed")
+
+
+def test_a_batch_that_ran_the_end_of_the_range_is_scaled_to_the_whole_range():
+    # A route entering a 7-layer range at its last layer: that layer and the output projection
+    # took 30 ms, a quarter of the range's work; the range's step is announced as 120 ms.
+    meter = StageSpeedMeter()
+    meter.batch_finished(decodes=1, prefills=0, tokens=1, duration_ns=30 * MS, range_share=0.25)
+    assert meter.speed() == StageSpeed(120_000, 0, samples=1, measured=True)
+    # A share outside (0, 1] is no sample.
+    meter.batch_finished(decodes=1, prefills=0, tokens=1, duration_ns=30 * MS, range_share=0.0)
+    meter.batch_finished(decodes=1, prefills=0, tokens=1, duration_ns=30 * MS, range_share=1.5)
+    assert meter.speed() == StageSpeed(120_000, 0, samples=1, measured=True)
+
+
+def test_batch_stats_price_the_share_of_the_range_each_step_ran():
+    stats = BatchStats()
+    # Range [5, 12): six layers of 90 and, at the end, one of 90 with an output of 131 (the
+    # weight bytes a step reads, in MB).
+    stats.range_work = lambda start, end: 90.0 * (end - start) + (131.0 if end == 12 else 0.0)
+    stats.started(decodes=1, prefills=0, tokens=1, waits_ns=[0], now_ns=0, ranges=[(5, 12, 11)])
+    stats.finished(now_ns=221 * MS)
+    # 221 ms for 221 of the range's 761: the range's step is 761 ms.
+    speed = stats.speed.speed()
+    assert speed is not None and speed.decode_us_per_token == 761_000
+    # By layers alone (the default pricing), the same batch would read as 7x its time.
+    by_layers = BatchStats()
+    by_layers.started(decodes=1, prefills=0, tokens=1, waits_ns=[0], now_ns=0, ranges=[(5, 12, 11)])
+    by_layers.finished(now_ns=100 * MS)
+    speed = by_layers.speed.speed()
+    assert speed is not None and speed.decode_us_per_token == 700_000
+    # A batch over the whole range is taken as it is.
+    whole = BatchStats()
+    whole.started(decodes=1, prefills=0, tokens=1, waits_ns=[0], now_ns=0, ranges=[(5, 12, 5)])
+    whole.finished(now_ns=100 * MS)
+    speed = whole.speed.speed()
+    assert speed is not None and speed.decode_us_per_token == 100_000
