@@ -76,7 +76,7 @@ def _node_count(args: argparse.Namespace) -> int:
     return nodes
 
 
-def _memory_fits(gguf: Any, n_layers: int, budgets: Sequence[int]) -> StageFits:
+def memory_fits(gguf: Any, n_layers: int, budgets: Sequence[int]) -> StageFits:
     """Whether node ``index``'s budget holds the tensors of a range (its role's tables too)."""
     from engines.slicing import tensors_for_range
     from meshnode.autoplace.layer_costs import layer_costs
@@ -89,7 +89,7 @@ def _memory_fits(gguf: Any, n_layers: int, budgets: Sequence[int]) -> StageFits:
     return lambda index, start, end: held.range_bytes(start, end) <= budgets[index]
 
 
-def _best_split(
+def best_split(
     costs: StepCosts,
     min_layers: int,
     speeds: Sequence[float],
@@ -170,9 +170,9 @@ def run_split(args: argparse.Namespace) -> int:
     tensor_bytes = {tensor.name: tensor.nbytes for tensor in gguf.tensors}
     costs = step_costs(info.n_layers, tensor_bytes)
     speeds: Sequence[float] = args.speeds or [1.0] * args.nodes
-    fits = None if args.memory_budgets is None else _memory_fits(gguf, info.n_layers, args.memory_budgets)
+    fits = None if args.memory_budgets is None else memory_fits(gguf, info.n_layers, args.memory_budgets)
     try:
-        order, balanced = _best_split(costs, args.min_layers, speeds, args.memory_budgets, fits)
+        order, balanced = best_split(costs, args.min_layers, speeds, args.memory_budgets, fits)
     except NoSplitError as exc:
         raise CliError(f"{info.name}: {exc} (--memory-budgets)", 1) from None
     even = even_ranges(info.n_layers, args.nodes)
@@ -212,9 +212,18 @@ def run_split(args: argparse.Namespace) -> int:
         f"Slowest stage: {_mb(slowest)} against {_mb(slowest_even)} split evenly"
         + (f" ({1 - slowest / slowest_even:.0%} less)." if slowest < slowest_even else ".")
     )
-    print("A pipeline of nodes on machines of their own runs at the pace of its slowest stage; one")
-    print("person's tokens pass every stage in turn and cost the same either way. Give each node its")
-    print("range when it starts or joins: meshnode join --invite TOKEN --model PATH --layers A:B")
+    print("A pipeline of nodes on machines of their own runs at the pace of its slowest stage when")
+    if args.speeds is None:
+        print("several people use it; one person's tokens pass every stage in turn and cost the same")
+        print("either way.")
+    else:
+        # Alone, a token waits for every stage in turn: the sum, which speeds make depend on the split.
+        alone = sum(time(index, layers) for index, layers in enumerate(balanced))
+        alone_even = sum(time(index, layers) for index, layers in enumerate(even))
+        print(f"several people use it; one person's token passes every stage in turn: {_mb(alone)}")
+        print(f"against {_mb(alone_even)} split evenly.")
+    print("Give each node its range when it starts or joins:")
+    print("meshnode join --invite TOKEN --model PATH --layers A:B")
     return 0
 
 
