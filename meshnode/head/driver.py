@@ -50,6 +50,7 @@ from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any, Protocol
 
 from engines.interface import SamplingParams
+from meshnode.audit.commitment_store import CommitmentStore
 from meshnode.head.backend import GenerationFailed, MeshBusy
 from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
@@ -93,6 +94,8 @@ class GenerationDriver:
         self.sessions = SessionLedger()
         # Which routes hold which prompt prefixes (None: the prefix cache is off).
         self.prefixes = PrefixIndex(self.options.boundary_dtype) if self.options.prefix_cache else None
+        # The commitments the hops of this head's generations signed, for audits (bounded).
+        self.commitments = CommitmentStore()
 
     def generate(
         self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
@@ -165,7 +168,9 @@ class _Generation:
         self._transcript = transcript
         self._max_tokens = max_tokens
         self._session_id = uuid.uuid4().hex
-        self._route = RouteSession(env, options, stats, driver.sessions, model, sampling, self._session_id)
+        self._route = RouteSession(
+            env, options, stats, driver.sessions, model, sampling, self._session_id, driver.commitments
+        )
         self._choice = RouteChoice(driver, options, model, transcript)
         self._watchdog = StallWatchdog(env, options, self._route)
         self._decoder = RouteDecoder(

@@ -16,8 +16,10 @@ Which hops refused a new session for capacity is read here too
 from __future__ import annotations
 
 import logging
+import time
 
 from engines.interface import SamplingParams
+from meshnode.audit.commitment_store import CommitmentStore
 from meshnode.dataplane.edges.shard_session import (
     DirectAnswers,
     SessionConfig,
@@ -50,8 +52,12 @@ class RouteSession:
         model: ModelIdentity,
         sampling: SamplingParams,
         route_session_id: str,
+        commitments: CommitmentStore | None = None,
     ) -> None:
+        """``commitments``: where the hops' signed commitments for this generation are kept (None:
+        nowhere)."""
         self._env = env
+        self._commitments = commitments
         self._options = options
         self._stats = stats
         self._ledger = ledger
@@ -149,6 +155,10 @@ class RouteSession:
             options=SessionConfig(open_timeout_s=options.open_timeout_s),
             answers=answers,
         )
+        store = self._commitments
+        if store is not None:
+            key = self.route_session_id
+            session.commitment_sink = lambda signed: store.add(key, signed, time.monotonic_ns())
         self.session = session
         self.opened = True
         self._held = route.node_ids

@@ -69,6 +69,7 @@ from meshnode.dataplane.client import (
     SessionNotReady,
     SessionReady,
 )
+from meshnode.dataplane.client_events import UnitCommitted, UnitDone
 from meshnode.dataplane.client_units import PrefixBlocks
 from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.edges.answer_stream import AnswerStream, DirectAnswers
@@ -142,6 +143,8 @@ class ShardSession:
         # Set while no Ack of a unit answered directly is owed (see aclose).
         self._acks_settled = asyncio.Event()
         self._acks_settled.set()
+        # Handed every signed commitment the Acks carry (meshnode.audit), unchecked; None: dropped.
+        self.commitment_sink: Callable[[tuple[shard.SignedCommitment, ...]], None] | None = None
         # The answer stream to the tail, when the head asked for one.
         self._answers = (
             None
@@ -460,6 +463,8 @@ class ShardSession:
         for event in self.client.take_events():
             self._futures.settle(event)
             match event:
+                case UnitDone() | UnitCommitted() if event.commitments and self.commitment_sink is not None:
+                    self.commitment_sink(event.commitments)
                 case SessionReady():
                     self._failures = 0
                 case SessionFailed():
