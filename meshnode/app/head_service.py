@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from meshnode.api.openai_api import start_api_server
+from meshnode.app.audit_status import AUDITS_SECTION, audit_section
 from meshnode.app.head_config import DEFAULT_API_LISTEN, HeadConfig
 from meshnode.console.server import add_console_routes, mesh_source
 from meshnode.head.driver import GenerationDriver, RouteEnvironment
@@ -173,6 +174,8 @@ async def start_node_head(
         await local.aclose()
         raise
     node.set_api_url(head.url)
+    driver = head.driver
+    node.add_status_section(AUDITS_SECTION, lambda: audit_section(driver))
     return head
 
 

@@ -51,6 +51,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  starting: {startup['state']}")
     lines += _memory_lines(status)
     lines += _prefix_cache_lines(status)
+    lines += _audit_lines(status)
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
@@ -132,6 +133,24 @@ def _prefix_cache_lines(status: dict[str, Any]) -> list[str]:
         f"{section.get('hits', 0)} hits, {section.get('misses', 0)} misses, "
         f"{section.get('tokens_reused', 0)} tokens reused"
     ]
+
+
+def _audit_lines(status: dict[str, Any]) -> list[str]:
+    """``  audits: 2% of generations; 14 audited, ...`` and a line per node convicted
+    (meshnode.app.audit_status); none on a node without a head, or from an older node."""
+    section = (status.get("sections") or {}).get("audits")
+    if not section:
+        return []
+    rate = section.get("rate", 0)
+    if not rate:
+        return ["  audits: off"]
+    line = (
+        f"  audits: {rate:.0%} of generations; {section.get('audited', 0)} audited, "
+        f"{section.get('without_replica', 0)} without a replica, {section.get('disputes', 0)} disputes"
+    )
+    lines = [line]
+    lines += [f"  CONVICTED {each['node']}: {each['verdict']}" for each in section.get("convicted") or []]
+    return lines
 
 
 def _relay_process_text(relay: dict[str, Any]) -> str:

@@ -90,9 +90,9 @@ def step_material(request: StepRequest) -> bytes:
     else:
         assert request.hidden is not None
         body = b"H" + _array_material(request.hidden)
-    return _digest(
-        header, request.prefix_digest, request.block_digest, _sampling_material(request.sampling), body
-    )
+    # The block digest is left out: it names a prefix for the receiver to keep and changes nothing
+    # computed (a replay sends none, so as not to fill replicas' prefix caches).
+    return _digest(header, request.prefix_digest, _sampling_material(request.sampling), body)
 
 
 def chained_input_digest(previous: bytes | None, request: StepRequest) -> bytes:

@@ -27,6 +27,7 @@ from meshnode.dataplane.edges.shard_session import (
     default_client_config,
 )
 from meshnode.dataplane.route import make_hop
+from meshnode.dataplane.unit_journal import UnitJournal
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
@@ -53,11 +54,16 @@ class RouteSession:
         sampling: SamplingParams,
         route_session_id: str,
         commitments: CommitmentStore | None = None,
+        *,
+        journals: bool = False,
     ) -> None:
         """``commitments``: where the hops' signed commitments for this generation are kept (None:
-        nowhere)."""
+        nowhere); ``journals``: keep each epoch's units for an audit to replay (:attr:`journal`)."""
         self._env = env
         self._commitments = commitments
+        self._journals = journals
+        # The units sent in the current epoch (None: not kept, or no session opened yet).
+        self.journal: UnitJournal | None = None
         self._options = options
         self._stats = stats
         self._ledger = ledger
@@ -155,6 +161,8 @@ class RouteSession:
             options=SessionConfig(open_timeout_s=options.open_timeout_s),
             answers=answers,
         )
+        self.journal = UnitJournal() if self._journals else None
+        session.client.journal = self.journal
         store = self._commitments
         if store is not None:
             key = self.route_session_id
