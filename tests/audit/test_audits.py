@@ -9,6 +9,7 @@ decide. Every peer signs its commitments with its own node key.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from helpers.lying_engine import LayerSkippingEngine, LyingEngine
 from helpers.recording_engine import RecordingEngine
 
 from engines.interface import GREEDY, SamplingParams
+from meshnode.app.audit_status import audit_section
+from meshnode.audit.commitment import open_commitment
 from meshnode.audit.evidence import encode_evidence, verify_evidence_bytes
 from meshnode.head.driver import DriverConfig, GenerationDriver
 
@@ -89,9 +92,11 @@ async def test_a_liar_is_caught_within_the_generations_the_audit_rate_predicts(l
     verdict = verify_evidence_bytes(encode_evidence(evidence))
     assert verdict.convicted and verdict.accused == middle.node_id
     witnesses = {routes.shards[i].node_id for i in (SPARE, THIRD)}
-    from meshnode.audit.commitment import open_commitment
-
     assert {bytes(open_commitment(w).node_id) for w in evidence.witnesses} == witnesses
+    # What meshnode status shows carries the evidence as the file `meshnode audit verify` reads.
+    (shown,) = audit_section(driver)["convicted"]
+    assert shown["node_id"] == middle.node_id.hex() and shown["verdict"] == verdict.detail
+    assert verify_evidence_bytes(json.dumps(shown["evidence"]).encode()).accused == middle.node_id
     # From now on no route goes through the liar, although it is still announced.
     assert middle.node_id in {c.node_id for c in routes.candidates()}
     stream = driver.generate(routes.model, PROMPT, GREEDY, 3)
