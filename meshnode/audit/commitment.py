@@ -7,7 +7,7 @@ state the same input and different outputs convict one of them, and the statemen
 are the proof (:mod:`meshnode.audit.evidence`).
 
 What "the same input" means: a unit's output depends on the session's whole history on that
-hop (its KV cache), so the input digest is a chain: BLAKE2b over the previous unit's input
+hop (its KV cache), so the input digest is a chain: SHA-256 over the previous unit's input
 digest and this unit's own material (positions, cache expectation, sampling, the tensor or
 tokens). It restarts at every fresh start (a prefill from position 0). Equal chains mean equal
 histories, which is what makes a differing output a lie rather than a different question.
@@ -42,11 +42,13 @@ class CommitmentRejected(Exception):
     """A signed commitment that does not decode, is malformed, or is not signed by the node it names."""
 
 
-def _digest(*parts: bytes) -> bytes:
-    hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+def _digest(*parts: bytes | memoryview) -> bytes:
+    # SHA-256: with the CPU's SHA extensions 2.4x BLAKE2b's speed here (8 MiB of a long prefill
+    # chunk's hidden states in 7 ms against 17), and a unit's digests are on the event loop.
+    hasher = hashlib.sha256()
     for part in parts:
         # Length-prefixed, so no two sequences of parts hash alike.
-        hasher.update(struct.pack("<Q", len(part)))
+        hasher.update(struct.pack("<Q", part.nbytes if isinstance(part, memoryview) else len(part)))
         hasher.update(part)
     return hasher.digest()
 
@@ -57,9 +59,10 @@ def recipe_digest(fingerprint: shard.Fingerprint) -> bytes:
     return hashlib.sha256(material).digest()
 
 
-def _array_material(array: np.ndarray) -> bytes:
+def _array_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
+    """Its shape, and its float32 little-endian bytes: a view, never a copy, when it is already so."""
     canonical = np.ascontiguousarray(array, dtype="<f4")
-    return struct.pack(f"<{canonical.ndim}q", *canonical.shape) + canonical.tobytes()
+    return struct.pack(f"<{canonical.ndim}q", *canonical.shape), canonical.data.cast("B")
 
 
 def _sampling_material(sampling: SamplingParams | None) -> bytes:
@@ -85,14 +88,15 @@ def step_material(request: StepRequest) -> bytes:
         len(request.prefix_digest),
         request.want_logits,
     )
+    body: tuple[bytes | memoryview, ...]
     if request.token_ids is not None:
-        body = b"T" + np.asarray(request.token_ids, dtype="<i4").tobytes()
+        body = (b"T", np.asarray(request.token_ids, dtype="<i4").tobytes())
     else:
         assert request.hidden is not None
-        body = b"H" + _array_material(request.hidden)
+        body = (b"H", *_array_parts(request.hidden))
     # The block digest is left out: it names a prefix for the receiver to keep and changes nothing
     # computed (a replay sends none, so as not to fill replicas' prefix caches).
-    return _digest(header, request.prefix_digest, _sampling_material(request.sampling), body)
+    return _digest(header, request.prefix_digest, _sampling_material(request.sampling), *body)
 
 
 def chained_input_digest(previous: bytes | None, request: StepRequest) -> bytes:
@@ -103,15 +107,15 @@ def chained_input_digest(previous: bytes | None, request: StepRequest) -> bytes:
 
 def output_digest(result: StepResult) -> bytes:
     """What a hop computed: the hidden states it passes on, or the tail's tokens (and logits)."""
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     if result.hidden is not None:
-        parts.append(b"H" + _array_material(result.hidden))
+        parts += [b"H", *_array_parts(result.hidden)]
     if result.token_ids is not None:
-        parts.append(b"V" + np.asarray(result.token_ids, dtype="<i4").tobytes())
+        parts += [b"V", np.asarray(result.token_ids, dtype="<i4").tobytes()]
     elif result.token_id is not None:
-        parts.append(b"T" + struct.pack("<i", result.token_id))
+        parts += [b"T", struct.pack("<i", result.token_id)]
     if result.logits is not None:
-        parts.append(b"L" + _array_material(result.logits))
+        parts += [b"L", *_array_parts(result.logits)]
     return _digest(*parts)
 
 
