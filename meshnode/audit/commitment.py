@@ -211,6 +211,21 @@ class CommitmentSigner:
 
 def open_commitment(signed: shard.SignedCommitment) -> shard.UnitCommitment:
     """The commitment in ``signed``, once its form and its signer's signature check out."""
+    commitment = decode_commitment(signed)
+    if not signed_by_its_node(signed, commitment):
+        raise CommitmentRejected("the commitment is not signed by the node it names")
+    return commitment
+
+
+def signed_by_its_node(signed: shard.SignedCommitment, commitment: shard.UnitCommitment) -> bool:
+    return verify_signature(
+        bytes(commitment.node_id), bytes(signed.signature), COMMITMENT_DOMAIN + bytes(signed.commitment)
+    )
+
+
+def decode_commitment(signed: shard.SignedCommitment) -> shard.UnitCommitment:
+    """The commitment in ``signed`` once its form checks out, its signature NOT checked: for
+    finding where two runs differ cheaply; only :func:`open_commitment` makes it a statement."""
     body = bytes(signed.commitment)
     if len(body) > MAX_COMMITMENT_BYTES:
         raise CommitmentRejected(f"a commitment of {len(body)} bytes (at most {MAX_COMMITMENT_BYTES})")
@@ -222,8 +237,6 @@ def open_commitment(signed: shard.SignedCommitment) -> shard.UnitCommitment:
         raise CommitmentRejected("the commitment's node_id is not a node id")
     if len(commitment.input_digest) != DIGEST_BYTES or len(commitment.output_digest) != DIGEST_BYTES:
         raise CommitmentRejected(f"the commitment's digests are not {DIGEST_BYTES} bytes")
-    if not verify_signature(bytes(commitment.node_id), bytes(signed.signature), COMMITMENT_DOMAIN + body):
-        raise CommitmentRejected("the commitment is not signed by the node it names")
     return commitment
 
 
@@ -243,6 +256,7 @@ __all__ = [
     "CommitmentRejected",
     "CommitmentSigner",
     "chained_input_digest",
+    "decode_commitment",
     "is_exact",
     "layers",
     "make_commitment",
@@ -250,5 +264,6 @@ __all__ = [
     "output_digest",
     "recipe_digest",
     "sign_commitment",
+    "signed_by_its_node",
     "step_material",
 ]

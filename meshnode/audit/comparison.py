@@ -17,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from meshnode.audit.commitment import CommitmentRejected, is_exact, layers, open_commitment
+from meshnode.audit.commitment import (
+    CommitmentRejected,
+    decode_commitment,
+    is_exact,
+    layers,
+    open_commitment,
+    signed_by_its_node,
+)
 from meshnode.audit.evidence import MIN_WITNESSES, assemble, check_evidence
 from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.wire.pb import shard
@@ -28,7 +35,10 @@ UnitKey = tuple[tuple[int, int], int]
 
 @dataclass(frozen=True)
 class Statement:
-    """A commitment that opened (its signature checked), with its signed form kept as evidence."""
+    """A commitment that decoded, with its signed form kept as evidence. Its signature is checked
+    only when it is judged on (:func:`judge`): comparing a long generation's every commitment
+    would otherwise cost the head one signature check each, and a forged one can at most send an
+    audit to a third computation that finds nothing."""
 
     commitment: shard.UnitCommitment
     signed: shard.SignedCommitment
@@ -45,17 +55,21 @@ class Statement:
 @dataclass(frozen=True)
 class RunStatements:
     by_key: dict[UnitKey, Statement]
-    # Commitments that did not open (forged, malformed): never compared, only counted.
+    # Commitments that did not decode (malformed, or with a bad signature when checked): never
+    # compared, only counted.
     unopened: int
 
 
-def statements(signed: Iterable[shard.SignedCommitment], *, epoch: int | None = None) -> RunStatements:
-    """The statements of one run (of one epoch, when given), one per hop and unit."""
+def statements(
+    signed: Iterable[shard.SignedCommitment], *, epoch: int | None = None, verify: bool = False
+) -> RunStatements:
+    """The statements of one run (of one epoch, when given), one per hop and unit; ``verify``:
+    only those whose signature checks out (otherwise :func:`judge` checks the ones it uses)."""
     by_key: dict[UnitKey, Statement] = {}
     unopened = 0
     for each in signed:
         try:
-            commitment = open_commitment(each)
+            commitment = open_commitment(each) if verify else decode_commitment(each)
         except CommitmentRejected:
             unopened += 1
             continue
@@ -124,11 +138,13 @@ def judge(
     gathered: Sequence[Statement], *, reporter_id: bytes = b"", unix_now_ns: int = 0
 ) -> Conviction | None:
     """The signer two other nodes contradict, with the evidence; None while no output has two
-    witnesses against someone. Statements for other inputs than the first's are left out."""
-    if not gathered:
+    witnesses against someone. Statements not signed by their node, and those for other inputs
+    than the first signed one's, are left out."""
+    signed = [s for s in gathered if signed_by_its_node(s.signed, s.commitment)]
+    if not signed:
         return None
-    first = gathered[0].commitment
-    same_input = [s for s in gathered if s.commitment.input_digest == first.input_digest]
+    first = signed[0].commitment
+    same_input = [s for s in signed if s.commitment.input_digest == first.input_digest]
     by_output: dict[bytes, dict[bytes, Statement]] = {}
     for statement in same_input:
         by_output.setdefault(bytes(statement.commitment.output_digest), {}).setdefault(

@@ -74,9 +74,18 @@ def test_a_difference_at_an_inexact_hop_is_only_checked_within_tolerance():
     assert comparison.divergence is None and comparison.within_tolerance == 1
 
 
-def test_commitments_that_do_not_open_are_counted_and_left_out():
-    forged = shard.SignedCommitment(commitment=commitment(LIAR, HOPS[1], 1, b"i" * 32, b"o" * 32).commitment)
-    assert statements([forged]).unopened == 1 and not statements([forged]).by_key
+def test_malformed_commitments_are_left_out_and_forged_ones_are_never_judged_on():
+    malformed = shard.SignedCommitment(commitment=b"\xff\xff")
+    assert statements([malformed]).unopened == 1 and not statements([malformed]).by_key
+    # Unsigned (or forged): compared cheaply, but a checked run leaves it out, and so does the judge.
+    unsigned = shard.SignedCommitment(
+        commitment=commitment(SPARE, HOPS[1], 2, b"i" * 32, b"y" * 32).commitment
+    )
+    assert statements([unsigned]).by_key and statements([unsigned], verify=True).unopened == 1
+    liar = opened(commitment(LIAR, HOPS[1], 2, b"i" * 32, b"x" * 32))
+    third = opened(commitment(THIRD, HOPS[1], 2, b"i" * 32, b"y" * 32))
+    (forged_witness,) = statements([unsigned]).by_key.values()
+    assert judge([liar, forged_witness, third]) is None
 
 
 def opened(signed: shard.SignedCommitment) -> Statement:
