@@ -288,10 +288,10 @@ class SessionClient:
             hidden=hidden,
         )
 
-    def submit_replay(self, entry: JournalEntry) -> int:
+    def submit_replay(self, entry: JournalEntry, *, deadline: Deadline | None = None) -> int:
         """Send a unit another session's journal recorded, as it was (an audit's replay)."""
         return self._add(
-            entry.position, deadline=None, tokens=entry.tokens, hidden=entry.hidden, step=entry.step
+            entry.position, deadline=deadline, tokens=entry.tokens, hidden=entry.hidden, step=entry.step
         )
 
     def submit_forward(self, work: ForwardWork) -> int:

@@ -40,6 +40,7 @@ from meshnode.head.driver_config import DriverConfig
 from meshnode.head.planner import Route, ShardCandidate
 from meshnode.head.route_environment import RouteEnvironment
 from meshnode.identity import short_id
+from meshnode.sansio import SECOND_NS
 from meshnode.wire.errors import MeshnodeError
 from meshnode.wire.pb import shard
 
@@ -222,14 +223,17 @@ class Auditor:
             ],
             sampling=generation.sampling,
             boundary_dtype=self._options.boundary_dtype,
-            route_session_id=f"audit-{uuid.uuid4().hex}",
+            # Named like any generation's session, its units with deadlines: nothing marks a replay.
+            route_session_id=uuid.uuid4().hex,
             config=default_client_config(),
             options=SessionConfig(open_timeout_s=self._options.open_timeout_s),
         )
         collected: list[shard.SignedCommitment] = []
         session.commitment_sink = collected.extend
         try:
-            handles = [session.submit_replay(entry) for entry in generation.journal.entries]
+            entries = generation.journal.entries
+            deadline_unix_ns = time.time_ns() + round(self._options.unit_timeout_s * len(entries) * SECOND_NS)
+            handles = [session.submit_replay(entry, deadline_unix_ns=deadline_unix_ns) for entry in entries]
             for handle in handles:
                 # A unit that fails ends the replay: what came back before it still compares.
                 await asyncio.wait_for(asyncio.shield(handle.future), self._options.unit_timeout_s)

@@ -296,10 +296,10 @@ class ShardSession:
         )
         return self._submitted([unit_id])[0]
 
-    def submit_replay(self, entry: JournalEntry) -> UnitHandle:
+    def submit_replay(self, entry: JournalEntry, *, deadline_unix_ns: int = 0) -> UnitHandle:
         """A unit another session's journal recorded, sent as it was (an audit's replay)."""
         self._raise_if_over()
-        return self._submitted([self.client.submit_replay(entry)])[0]
+        return self._submitted([self.client.submit_replay(entry, deadline=_deadline(deadline_unix_ns))])[0]
 
     def submit_forward(self, work: ForwardWork) -> UnitHandle:
         """A unit a forwarding worker passes on with its own step and work id."""
