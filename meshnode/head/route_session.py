@@ -165,8 +165,9 @@ class RouteSession:
         session.client.journal = self.journal
         store = self._commitments
         if store is not None:
-            key = self.route_session_id
-            session.commitment_sink = lambda signed: store.add(key, signed, time.monotonic_ns())
+            key, hops = self.route_session_id, len(route.hops)
+            # One commitment a hop at most: an Ack carrying more is not believed for the rest.
+            session.commitment_sink = lambda signed: store.add(key, signed[:hops], time.monotonic_ns())
         self.session = session
         self.opened = True
         self._held = route.node_ids
