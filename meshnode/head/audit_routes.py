@@ -2,7 +2,9 @@
 
 A replay runs the generation's units on the route with every hop that has a replica (another
 node serving the same registered range of the same model, not excluded) moved to one; the
-hops without one stay. A decider (a third computation of one disputed hop) runs the route up
+hops without one stay, and the route ends at the last hop moved: the hops after it would only
+compute again what they computed, on the same node, for nothing an audit can convict on (the
+tail, with its vocabulary, is often the dearest). A decider (a third computation of one disputed hop) runs the route up
 to that hop only, the hop on yet another replica. ``pick`` chooses among replicas (a seeded
 random choice in the auditor, so which replica checks which is not predictable by a hop).
 """
@@ -40,17 +42,18 @@ def _moved(hop: Hop, to: ShardCandidate) -> Hop:
 def replay_route(
     route: Route, candidates: Sequence[ShardCandidate], exclude: frozenset[bytes], pick: Pick
 ) -> Route | None:
-    """``route`` with each hop that has a replica on one; None when no hop has any."""
+    """``route`` with each hop that has a replica on one, up to the last such hop; None when no
+    hop has any."""
     hops: list[Hop] = []
-    moved = False
-    for hop in route.hops:
+    last_moved = -1
+    for index, hop in enumerate(route.hops):
         others = replicas(hop, route, candidates, exclude)
         if others:
             hops.append(_moved(hop, pick(others)))
-            moved = True
+            last_moved = index
         else:
             hops.append(hop)
-    return replace(route, hops=tuple(hops)) if moved else None
+    return replace(route, hops=tuple(hops[: last_moved + 1])) if last_moved >= 0 else None
 
 
 def decider_route(

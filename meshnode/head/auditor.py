@@ -4,7 +4,7 @@ When a generation ends, the head decides (``DriverConfig.audit_rate``, a seeded 
 then, so no hop can tell during a generation whether it will be audited) whether to audit it.
 An audit replays the units the head sent in the generation's last epoch (its journal,
 :mod:`meshnode.dataplane.unit_journal`) on the route with every hop that has a replica moved
-to one (:mod:`meshnode.head.audit_routes`), gathers the replay's signed commitments, and
+to one, up to the last such hop (:mod:`meshnode.head.audit_routes`), gathers the replay's signed commitments, and
 compares them with the ones the generation's own hops signed
 (:func:`meshnode.audit.comparison.first_divergence`). At the first hop given the same input
 that stated another output, a third computation on yet another replica of that range (up to

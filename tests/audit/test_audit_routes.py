@@ -26,7 +26,7 @@ def first(choices):
     return choices[0]
 
 
-def test_each_hop_with_a_replica_moves_to_one_and_the_others_stay():
+def test_each_hop_with_a_replica_moves_to_one_the_others_stay_and_the_route_ends_at_the_last_moved():
     candidates = [
         candidate(1, 0, 2),
         candidate(2, 2, 3),
@@ -38,8 +38,11 @@ def test_each_hop_with_a_replica_moves_to_one_and_the_others_stay():
     ]
     replay = replay_route(ROUTE, candidates, frozenset(), first)
     assert replay is not None
-    assert replay.node_ids == (node(1), node(4), node(3))
+    # The tail has no replica: it would only compute again what it computed.
+    assert replay.node_ids == (node(1), node(4))
     assert replay.hops[1].numerics == "n4" and replay.hops[1].effective_start_layer == 2
+    with_tail = replay_route(ROUTE, [*candidates, candidate(8, 3, 4)], frozenset(), first)
+    assert with_tail is not None and with_tail.node_ids == (node(1), node(4), node(8))
 
 
 def test_no_replica_anywhere_means_no_audit_and_excluded_nodes_are_no_replicas():
