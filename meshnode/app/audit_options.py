@@ -35,7 +35,8 @@ def add_audit_options(parser: argparse.ArgumentParser | Any) -> None:
         metavar="R",
         help="share of finished generations recomputed on other replicas of their ranges and "
         "compared hop by hop, a node that computed wrong convicted with signed evidence "
-        f"(default {default:.0%}; 0 turns audits off; routes without a replica are never audited)",
+        f"(default {default * 100:g}%%, written 0.02 or 2%%; 0 turns audits off; routes without a replica "
+        "are never audited)",
     )
 
 

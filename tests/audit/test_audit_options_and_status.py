@@ -14,6 +14,8 @@ from meshnode.app.status import _audit_lines
 def test_the_audit_rate_is_a_fraction_or_a_percentage_and_defaults_to_two_percent():
     parser = argparse.ArgumentParser()
     add_audit_options(parser)
+    # The help renders (argparse formats it with %): it says the default.
+    assert "(default 2%," in " ".join(parser.format_help().split())
     assert driver_config(parser.parse_args([])).audit_rate == pytest.approx(0.02)
     assert driver_config(parser.parse_args(["--audit-rate", "5%"])).audit_rate == pytest.approx(0.05)
     assert driver_config(parser.parse_args(["--audit-rate", "0"])).audit_rate == 0.0
