@@ -130,6 +130,7 @@ class FakeEngine(SessionedEngine):
         step_delay_s: float = 0.0,
         fingerprint: EngineFingerprint | None = None,
         numerics: str = FAKE_NUMERICS,
+        exact_numerics: bool = True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -137,6 +138,8 @@ class FakeEngine(SessionedEngine):
         self.spec = spec or FakeModelSpec()
         self.step_delay_s = step_delay_s
         self.numerics = numerics
+        # The fake's math is per token in a fixed order: bit-exact across splits and batches.
+        self.exact_numerics = exact_numerics
         self._fingerprint = fingerprint or EngineFingerprint(
             model_artifact_digest=self.spec.digest(),
             runtime_recipe_digest=hashlib.sha256(
@@ -188,6 +191,7 @@ class FakeEngine(SessionedEngine):
             backend="numpy",
             device="cpu",
             numerics=self.numerics,
+            exact_numerics=self.exact_numerics,
         )
         return caps, request.n_ctx
 

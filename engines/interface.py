@@ -251,6 +251,10 @@ class EngineCapabilities:
     # whose numerics differ still serve one route; heads record and report the mix.
     # Empty: the engine does not say.
     numerics: str = ""
+    # Whether any engine of this fingerprint and numerics, given the same session history, computes
+    # the same bytes, alone or batched (engines.row_invariance: the CPU with weights as loaded). A
+    # hop's signed commitments say so (meshnode.audit): only exact hops can be convicted of lying.
+    exact_numerics: bool = False
     # The CPU threads it computes with (a head tells hops with cores of their own from hops
     # sharing a machine's, meshnode.head.pipeline); 0: the engine does not say.
     compute_threads: int = 0

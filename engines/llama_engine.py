@@ -185,6 +185,9 @@ class LlamaShardEngine(SessionedEngine):
             backend=f"llama.cpp ({llama_cpp_version()})",
             device=backend,
             numerics=runtime_numerics(backend, request.weight_repack),
+            # The CPU kernels with weights as loaded are the ones traced bit-exact across splits and
+            # batches; a GPU's and repacked weights' are checked only within a tolerance.
+            exact_numerics=not offload and not request.weight_repack,
             compute_threads=request.n_threads or available_cpus(),
         )
         # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.

@@ -26,6 +26,7 @@ from meshnode.app.api_options import (
     head_config,
     parse_api_listen,
 )
+from meshnode.app.audit_options import add_audit_options
 from meshnode.app.head_config import DEFAULT_API_LISTEN
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.prefix_cache_options import add_prefix_cache_options, prefix_cache_entries
@@ -241,6 +242,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     add_api_access_options(p)
     add_speculation_options(p)
+    add_audit_options(p)
     add_pipeline_options(p)
     p.set_defaults(handler=cmd_serve)
 

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from meshnode.api.access import ANY_ORIGIN, ApiAccess
+from meshnode.app.audit_options import add_audit_options
 from meshnode.app.head_config import DEFAULT_API_HOST, DEFAULT_API_LISTEN, DEFAULT_API_PORT, HeadConfig
 from meshnode.app.pipeline_options import add_pipeline_options
 from meshnode.app.speculation_options import add_speculation_options
@@ -109,6 +110,7 @@ def add_api_listen_option(parser: argparse.ArgumentParser | Any) -> None:
     _add_api_listen(parser)
     add_api_access_options(parser)
     add_speculation_options(parser)
+    add_audit_options(parser)
     add_pipeline_options(parser)
 
 

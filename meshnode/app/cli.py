@@ -29,6 +29,7 @@ from typing import Any
 from meshnode import __version__
 from meshnode.app import (
     api_commands,
+    audit_command,
     demo,
     doctor,
     member_commands,
@@ -53,6 +54,7 @@ COMMAND_MODULES: tuple[ModuleType, ...] = (
     split_command,
     demo,
     doctor,
+    audit_command,
 )
 
 

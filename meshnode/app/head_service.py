@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from meshnode.api.openai_api import start_api_server
+from meshnode.app.audit_status import AUDITS_SECTION, audit_section
 from meshnode.app.head_config import DEFAULT_API_LISTEN, HeadConfig
 from meshnode.console.server import add_console_routes, mesh_source
 from meshnode.head.driver import GenerationDriver, RouteEnvironment
@@ -205,7 +206,14 @@ async def start_node_head(
         raise
     node.set_api_url(head.url)
     node.add_status_section(ROUTES_SECTION, head.route_status)
-    head.on_close = lambda: node.remove_status_section(ROUTES_SECTION)
+    driver = head.driver
+    node.add_status_section(AUDITS_SECTION, lambda: audit_section(driver))
+
+    def remove_sections() -> None:
+        node.remove_status_section(ROUTES_SECTION)
+        node.remove_status_section(AUDITS_SECTION)
+
+    head.on_close = remove_sections
     return head
 
 

@@ -30,6 +30,7 @@ from meshnode.dataplane.envelope import fingerprint_message
 from meshnode.dataplane.lease import LeaseConfig
 from meshnode.dataplane.stage_speed import StageSpeed, with_speed
 from meshnode.dataplane.worker import WorkerConfig
+from meshnode.identity import NodeIdentity
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.cpu_mask import cpu_mask
@@ -111,6 +112,11 @@ class ServingNode(Protocol):
 
     @property
     def node_id(self) -> bytes: ...
+
+    @property
+    def identity(self) -> NodeIdentity | None:
+        """The node key: it signs the served units' commitments (meshnode.audit); None: unsigned."""
+        ...
 
     async def get_link(self, peer_id: bytes) -> PeerLink: ...
 
@@ -241,7 +247,12 @@ class ShardService:
         engine = engine_factory()
         config = ServerConfig(worker=_worker_config(options))
         server = ShardServer(
-            engine, links=node.get_link, config=config, owns_engine=True, local_peer_id=node.node_id
+            engine,
+            links=node.get_link,
+            config=config,
+            owns_engine=True,
+            local_peer_id=node.node_id,
+            identity=node.identity,
         )
         try:
             caps = await server.engine_thread.call(engine.load, request)

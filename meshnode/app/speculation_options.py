@@ -52,7 +52,7 @@ def add_speculation_options(parser: argparse.ArgumentParser | Any) -> None:
 def driver_config(args: argparse.Namespace, base: DriverConfig | None = None) -> DriverConfig:
     """``base`` (the defaults) with the speculation (and the ``--pipeline``,
     meshnode.app.pipeline_options, and ``--prefix-cache``, meshnode.app.prefix_cache_options)
-    the command line asked for."""
+    the command line asked for, and ``--audit-rate`` (meshnode.app.audit_options)."""
     base = base or DriverConfig()
     speculation = getattr(args, "speculation", "auto") != "off"
     return replace(
@@ -62,6 +62,7 @@ def driver_config(args: argparse.Namespace, base: DriverConfig | None = None) ->
         pipeline=getattr(args, "pipeline", base.pipeline),
         pipeline_cohorts=getattr(args, "pipeline_cohorts", base.pipeline_cohorts),
         prefix_cache=base.prefix_cache and prefix_cache_on(args),
+        audit_rate=getattr(args, "audit_rate", base.audit_rate),
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from meshnode.app.shard_service import ShardService, ShardServiceConfig, ShardServiceError
 from meshnode.dataplane.edges.server import Register
 from meshnode.dataplane.stage_speed import StageSpeed
+from meshnode.identity import NodeIdentity
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh
 
@@ -39,6 +40,11 @@ class UnannouncedNode:
     @property
     def node_id(self) -> bytes:
         return self._node_id
+
+    @property
+    def identity(self) -> NodeIdentity | None:
+        # The probe computes nothing for anyone: it signs no commitments.
+        return None
 
     @property
     def register_handler(self) -> Register:

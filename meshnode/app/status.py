@@ -53,6 +53,7 @@ def format_status(status: dict[str, Any]) -> str:
     lines += _prefix_cache_lines(status)
     lines += _slow_stage_lines((status.get("sections") or {}).get("slow_stages"))
     lines += _route_lines((status.get("sections") or {}).get("routes"))
+    lines += _audit_lines(status)
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
@@ -188,6 +189,24 @@ def _hop_text(hop: dict[str, Any]) -> str:
     decode = hop.get("decode_ms")
     text = f"{hop['node']} [{start},{end}) " + (f"{decode:.1f} ms" if decode is not None else "unannounced")
     return text + " SLOW" if hop.get("slow") else text
+
+
+def _audit_lines(status: dict[str, Any]) -> list[str]:
+    """``  audits: 2% of generations; 14 audited, ...`` and a line per node convicted
+    (meshnode.app.audit_status); none on a node without a head, or from an older node."""
+    section = (status.get("sections") or {}).get("audits")
+    if not section:
+        return []
+    rate = section.get("rate", 0)
+    if not rate:
+        return ["  audits: off"]
+    line = (
+        f"  audits: {rate:.0%} of generations; {section.get('audited', 0)} audited, "
+        f"{section.get('without_replica', 0)} without a replica, {section.get('disputes', 0)} disputes"
+    )
+    lines = [line]
+    lines += [f"  CONVICTED {each['node']}: {each['verdict']}" for each in section.get("convicted") or []]
+    return lines
 
 
 def _relay_process_text(relay: dict[str, Any]) -> str:

@@ -95,6 +95,8 @@ class DownstreamResult:
 
     bundle: shard.TensorBundle | None = None
     answered_directly: bool = False
+    # The signed commitments the next hop's Ack carried (its own and those after it), unchecked.
+    commitments: tuple[shard.SignedCommitment, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

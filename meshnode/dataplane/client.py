@@ -81,6 +81,7 @@ from meshnode.dataplane.envelope import (
 from meshnode.dataplane.errors import payload_corrupt, refusal
 from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import BOUNDARY_DTYPES
+from meshnode.dataplane.unit_journal import JournalEntry, UnitJournal
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.wire.chunking import tokens_per_chunk
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
@@ -145,6 +146,8 @@ class SessionClient:
         self._events: list[ClientEvent] = []
         self._units = UnitBook(self._events, retry_memory=self.config.retry_memory)
         self._next_unit_id = 1
+        # Every unit submitted, for an audit to replay (meshnode.dataplane.unit_journal); None: none.
+        self.journal: UnitJournal | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -285,6 +288,12 @@ class SessionClient:
             hidden=hidden,
         )
 
+    def submit_replay(self, entry: JournalEntry, *, deadline: Deadline | None = None) -> int:
+        """Send a unit another session's journal recorded, as it was (an audit's replay)."""
+        return self._add(
+            entry.position, deadline=deadline, tokens=entry.tokens, hidden=entry.hidden, step=entry.step
+        )
+
     def submit_forward(self, work: ForwardWork) -> int:
         """A unit a forwarding worker passes on, with the step and work id it arrived with."""
         hidden = np.asarray(work.hidden, dtype=np.float32)
@@ -312,6 +321,8 @@ class SessionClient:
         if step is None:
             step = self.next_step
         self.next_step = max(self.next_step, step + 1)
+        if self.journal is not None:
+            self.journal.record(step, position, tokens, hidden)
         unit = OutgoingUnit(
             id=self._next_unit_id,
             step=step,

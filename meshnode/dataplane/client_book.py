@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from meshnode.dataplane.client_events import ClientEvent, PeerRefusal, UnitDone, UnitFailed
+from meshnode.dataplane.client_events import ClientEvent, PeerRefusal, UnitCommitted, UnitDone, UnitFailed
 from meshnode.dataplane.client_units import OutgoingUnit, UnitState
 from meshnode.dataplane.errors import SessionTransportError, payload_corrupt, refusal
 from meshnode.wire.errors import MeshnodeError, ShardProtocolError
@@ -110,6 +110,8 @@ class UnitBook:
         if unit is None:
             raise payload_corrupt("ack for a unit not in flight")
         if unit.state is UnitState.ABANDONED or unit.state is UnitState.ANSWERED:
+            if unit.state is UnitState.ANSWERED and ack.commitments:
+                self._events.append(UnitCommitted(unit.step, unit.work_id, tuple(ack.commitments)))
             return
         if ack.answered_directly and unit.result is None and waits_for_direct_answers:
             if self._answers_lost:
@@ -213,6 +215,7 @@ class UnitBook:
                 duplicate=ack.duplicate,
                 execution_nanos=ack.execution_nanos,
                 answered_directly=answered_directly,
+                commitments=tuple(ack.commitments),
             )
         )
 

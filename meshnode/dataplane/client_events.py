@@ -31,10 +31,22 @@ class UnitDone:
     # The tail sent the result to the session's head, not back along the route: for a forwarding
     # hop, ``bundle`` is then None; for the head, the result came on its answer stream.
     answered_directly: bool = False
+    # The signed commitments the Ack carried (meshnode.audit), unchecked; empty when the unit was
+    # done by its direct answer ahead of the Ack (they come as UnitCommitted then).
+    commitments: tuple[shard.SignedCommitment, ...] = ()
 
     def tensors(self) -> dict[str, WireTensor]:
         """Decode (and checksum-verify) the result; PayloadCorrupt if it does not decode."""
         return {} if self.bundle is None else decode_bundle(self.bundle)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCommitted:
+    """The Ack of a unit already done (its direct answer came first) carried signed commitments."""
+
+    step: int
+    work_id: str
+    commitments: tuple[shard.SignedCommitment, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +73,15 @@ class PeerRefusal:
     error: ShardProtocolError
 
 
-ClientEvent = SessionReady | UnitDone | UnitFailed | SessionFailed | PeerRefusal
+ClientEvent = SessionReady | UnitDone | UnitCommitted | UnitFailed | SessionFailed | PeerRefusal
 
 
-__all__ = ["ClientEvent", "PeerRefusal", "SessionFailed", "SessionReady", "UnitDone", "UnitFailed"]
+__all__ = [
+    "ClientEvent",
+    "PeerRefusal",
+    "SessionFailed",
+    "SessionReady",
+    "UnitCommitted",
+    "UnitDone",
+    "UnitFailed",
+]

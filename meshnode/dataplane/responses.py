@@ -17,6 +17,7 @@ def ack(
     duplicate: bool,
     execution_nanos: int,
     answered_directly: bool = False,
+    commitments: tuple[shard.SignedCommitment, ...] = (),
 ) -> shard.SessionResponse:
     # Filled in place: nesting keyword-built messages copies each of them once more (2x the cost
     # on every unit of every hop, bench/RESULTS.md "Single-stream hop latency").
@@ -28,6 +29,8 @@ def ack(
     message.duplicate = duplicate
     message.execution_nanos = execution_nanos
     message.answered_directly = answered_directly
+    if commitments:
+        message.commitments.extend(commitments)
     return response
 
 

@@ -60,6 +60,10 @@ class StepRecord:
     # The tail sent the result to the session's head on its answer stream (direct answer): the
     # Acks for this step say so instead of carrying a result.
     answered_directly: bool = False
+    # This hop's signed commitment for the step (meshnode.audit), when it makes one, and every
+    # commitment its Acks carry: its own, then the next hops' once they answered.
+    own_commitment: shard.SignedCommitment | None = None
+    commitments: tuple[shard.SignedCommitment, ...] = ()
 
 
 class Verdict(Enum):

@@ -124,6 +124,7 @@ class StreamTable:
             duplicate=duplicate,
             execution_nanos=record.execution_nanos,
             answered_directly=answered_directly,
+            commitments=record.commitments,
         )
         self._outbox.append(Send(stream.id, ack))
         self._credit_returned(stream)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engines.interface import BatchStep, CancelToken, EngineError, StepResult
+from meshnode.audit.commitment import CommitmentSigner, chained_input_digest, output_digest
 from meshnode.dataplane import errors
 from meshnode.dataplane.actions import (
     Action,
@@ -46,9 +47,16 @@ from meshnode.wire.pb import shard
 
 class UnitRunner:
     def __init__(
-        self, outbox: list[Action], sessions: SessionTable, streams: StreamTable, batches: BatchFormer
+        self,
+        outbox: list[Action],
+        sessions: SessionTable,
+        streams: StreamTable,
+        batches: BatchFormer,
+        signer: CommitmentSigner | None = None,
     ) -> None:
         self._outbox = outbox
+        # Signs this hop's commitment for every unit it applies (None: it signs none).
+        self._signer = signer
         self._sessions = sessions
         self._streams = streams
         self._batches = batches
@@ -123,6 +131,10 @@ class UnitRunner:
             return None
         unit.token = token
         unit.input = None
+        if self._signer is not None:
+            previous = session.audit_chain
+            if position.fresh_start or previous is not None:
+                unit.input_digest = chained_input_digest(None if position.fresh_start else previous, request)
         # A verify step runs through the engine's multi-token (prefill) path, alone.
         return BatchStep(request, position.single_decode)
 
@@ -155,6 +167,8 @@ class UnitRunner:
             session.last_active_ns = now_ns
         if isinstance(outcome, BaseException):
             error = errors.from_engine_failure(outcome)
+            # What the engine holds after a failure is not known: no commitment until a fresh start.
+            session.audit_chain = None
             if live:
                 is_miss = error.code == shard.ERROR_CODE_CACHE_MISS
                 session.past_len = error.actual_past_len if is_miss else None
@@ -172,6 +186,7 @@ class UnitRunner:
                 verify=unit.position.verify,
             )
         except ShardProtocolError as error:
+            session.audit_chain = None
             if live:
                 session.past_len = session.committed_len = None
             self._streams.fail(unit, error)
@@ -188,6 +203,8 @@ class UnitRunner:
             past_len=result.past_len,
             cache_hit=result.cache_hit,
         )
+        own = self._commit(unit, result)
+        commitments = () if own is None else (own,)
         plan = session.plan
         if plan.next_hop is None:
             stream = self._streams.get(unit.stream_id)
@@ -200,6 +217,8 @@ class UnitRunner:
                 result.execution_nanos,
                 RecordState.COMPLETE,
                 result=None if bundle is None else result_chunk(unit, bundle),
+                own_commitment=own,
+                commitments=commitments,
             )
             session.ledger.applied(record)
             self._streams.succeed(unit, record, duplicate=False)
@@ -213,7 +232,14 @@ class UnitRunner:
             hidden=result.hidden,
         )
         record = StepRecord(
-            unit.step, unit.work_id, cache, result.execution_nanos, RecordState.FORWARDING, forward=work
+            unit.step,
+            unit.work_id,
+            cache,
+            result.execution_nanos,
+            RecordState.FORWARDING,
+            forward=work,
+            own_commitment=own,
+            commitments=commitments,
         )
         session.ledger.applied(record)
         if unit.answered:
@@ -221,6 +247,24 @@ class UnitRunner:
             record.state = RecordState.FORWARD_FAILED
             return
         self._forward(unit, record, work)
+
+    def _commit(self, unit: Unit, result: StepResult) -> shard.SignedCommitment | None:
+        """Sign this hop's commitment for an applied unit, moving the session's chain on."""
+        if self._signer is None or unit.input_digest is None:
+            return None
+        session = unit.session
+        session.audit_chain = unit.input_digest
+        return self._signer.sign(
+            shard_range=session.shard_range,
+            session_id=session.session_id,
+            epoch=session.epoch,
+            step=unit.step,
+            work_id=unit.work_id,
+            first_position=unit.position.first_position,
+            token_count=unit.position.token_count,
+            input_digest=unit.input_digest,
+            output=output_digest(result),
+        )
 
     # ------------------------------------------------------------------ the next hop and replays
 
@@ -259,6 +303,10 @@ class UnitRunner:
             record.state = RecordState.COMPLETE
             record.forward = None
             record.answered_directly = outcome.answered_directly
+            # Passed on unchecked (the head checks them), but no more than the hops after this one.
+            onward = len(unit.session.plan.message.downstream)
+            own = () if record.own_commitment is None else (record.own_commitment,)
+            record.commitments = (*own, *outcome.commitments[:onward])
             if outcome.bundle is not None:
                 record.result = result_chunk(unit, outcome.bundle)
             for waiter in waiting:

@@ -77,6 +77,12 @@ Choices the schema leaves open, made here:
   committed one and the held one (engines.interface.rollback_refusal; CACHE_MISS
   otherwise, as without it), and the engine drops the rejected drafts before running.
   A retried verify step is replayed from its record like any other: never re-applied.
+- Commitments (meshnode.audit.commitment): a worker given the node key signs, for every unit
+  its engine applies, the chained digest of the session's inputs and the digest of its output,
+  and its Ack carries that commitment followed by those the next hop's Ack carried (at most as
+  many as the route has hops after this one; passed on unchecked: the head checks them). A
+  duplicate is answered with the record's commitments. Nothing in a unit says whether it will
+  be audited, so every unit is committed to the same way.
 - Cache mode STATELESS is run as a fresh prefill at position 0 (the state it
   leaves is released like any other).
 - Leases (:mod:`.lease`): a session belongs to the peer whose stream opened it.
@@ -98,6 +104,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engines.interface import EngineCapabilities
+from meshnode.audit.commitment import CommitmentSigner
 from meshnode.dataplane import errors, responses
 from meshnode.dataplane.actions import Action, DownstreamResult
 from meshnode.dataplane.admission import AdmissionPolicy
@@ -133,6 +140,7 @@ from meshnode.dataplane.unit_runner import UnitRunner
 from meshnode.dataplane.unit_steps import verdict_refusal
 from meshnode.dataplane.worker_state import SessionState, StreamPhase, StreamState, Unit
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.identity import NodeIdentity
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.flow_control import default_flow_control, negotiate_flow_control
 from meshnode.wire.pb import shard
@@ -183,7 +191,14 @@ class WorkerLoad:
 class ShardWorker:
     """Node-wide session protocol state for one served shard. See the module docstring."""
 
-    def __init__(self, capabilities: EngineCapabilities, config: WorkerConfig | None = None) -> None:
+    def __init__(
+        self,
+        capabilities: EngineCapabilities,
+        config: WorkerConfig | None = None,
+        *,
+        identity: NodeIdentity | None = None,
+    ) -> None:
+        """``identity``: the node key that signs this hop's unit commitments (None: it signs none)."""
         self.capabilities = capabilities
         self.config = config = config or WorkerConfig()
         self.local_flow_control = config.flow_control or default_flow_control()
@@ -218,7 +233,14 @@ class ShardWorker:
             self.batch_limits, hold_share=config.batch_hold_share, max_hold_ns=config.max_batch_hold_ns
         )
         self._streams = StreamTable(self._outbox, self._batches, max_queue_depth=config.max_queue_depth)
-        self._units = UnitRunner(self._outbox, self._sessions, self._streams, self._batches)
+        signer = (
+            None
+            if identity is None
+            else CommitmentSigner.for_engine(
+                identity, self.fingerprint, exact=capabilities.exact_numerics, numerics=capabilities.numerics
+            )
+        )
+        self._units = UnitRunner(self._outbox, self._sessions, self._streams, self._batches, signer)
         self._keeper = SessionKeeper(
             capabilities, admission, self._outbox, self._sessions, self._batches, self._units
         )

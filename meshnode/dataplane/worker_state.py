@@ -75,6 +75,10 @@ class SessionState:
     committed_len: int | None = 0
     # Highest position admitted since the last fresh start (the context budget's unit).
     context_tokens: int = 0
+    # The input digest of the last unit applied here since a fresh start (meshnode.audit.commitment's
+    # chain); None when there is none or the history is not known (an engine failure): then no
+    # commitment is made until the next fresh start.
+    audit_chain: bytes | None = None
     queue: deque[Unit] = field(default_factory=deque)
 
     @property
@@ -99,6 +103,8 @@ class Unit:
     record: StepRecord | None = None
     # Answered from the replay record (a duplicate), not by running the engine.
     replay: bool = False
+    # The chained input digest this unit commits to, once prepared (None: it makes no commitment).
+    input_digest: bytes | None = None
 
 
 @dataclass(eq=False)

@@ -44,12 +44,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any, Protocol
 
 from engines.interface import SamplingParams
+from meshnode.audit.commitment_store import CommitmentStore
+from meshnode.audit.comparison import Conviction
+from meshnode.audit.evidence import check_evidence
+from meshnode.gen.meshnode.v1.audit_pb2 import AuditEvidence
+from meshnode.head.auditor import Auditor, FinishedGeneration
 from meshnode.head.backend import GenerationFailed, MeshBusy
 from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
@@ -66,6 +72,7 @@ from meshnode.head.route_session import RouteSession
 from meshnode.head.session_load import SessionLedger
 from meshnode.head.stall_watchdog import StallWatchdog
 from meshnode.head.transcript import Transcript
+from meshnode.identity import short_id
 from meshnode.sansio import SECOND_NS
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
@@ -81,7 +88,14 @@ class TokenObserver(Protocol):
 
 
 class GenerationDriver:
-    def __init__(self, env: RouteEnvironment, options: DriverConfig | None = None) -> None:
+    def __init__(
+        self,
+        env: RouteEnvironment,
+        options: DriverConfig | None = None,
+        *,
+        audit_rng: random.Random | None = None,
+    ) -> None:
+        """``audit_rng``: draws which generations are audited and on which replicas (seeded in tests)."""
         self.env = env
         self.options = options or DriverConfig()
         self.stats = DriverStats()
@@ -93,6 +107,18 @@ class GenerationDriver:
         self.sessions = SessionLedger()
         # Which routes hold which prompt prefixes (None: the prefix cache is off).
         self.prefixes = PrefixIndex(self.options.boundary_dtype) if self.options.prefix_cache else None
+        # The commitments the hops of this head's generations signed, for audits (bounded).
+        self.commitments = CommitmentStore()
+        # Nodes an audit convicted, with the evidence: no route of this head goes through them.
+        self.convicted: dict[bytes, AuditEvidence] = {}
+        self.auditor = Auditor(
+            env,
+            self.options,
+            self.commitments,
+            self._convict,
+            excluded=lambda: frozenset(self.convicted),
+            rng=audit_rng,
+        )
 
     def generate(
         self, model: ModelIdentity, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int
@@ -108,7 +134,9 @@ class GenerationDriver:
         not much busier, the route holding the longest prefix of ``prompt``."""
         now_ns = time.monotonic_ns()
         self._found_dead = {node: until for node, until in self._found_dead.items() if until > now_ns}
-        candidates = self.sessions.adjust(self.env.candidates())
+        candidates = self.sessions.adjust(
+            [c for c in self.env.candidates() if c.node_id not in self.convicted]
+        )
         avoid = frozenset(exclude)
         route = None
         if self._found_dead:
@@ -127,6 +155,15 @@ class GenerationDriver:
         log.debug("a route holding the prompt's first %d tokens is preferred to the cheapest", preferred[1])
         return preferred[0]
 
+    def _convict(self, conviction: Conviction) -> None:
+        """An audit convicted a node: new routes avoid it from now on."""
+        self.convicted[conviction.accused] = conviction.evidence
+        log.warning(
+            "node %s is convicted of computing wrong by an audit and no longer routed through (%s)",
+            short_id(conviction.accused),
+            check_evidence(conviction.evidence).detail,
+        )
+
     def found_dead(self, node_ids: set[bytes]) -> None:
         until_ns = time.monotonic_ns() + round(self.options.dead_memory_s * SECOND_NS)
         for node_id in node_ids:
@@ -140,9 +177,11 @@ class GenerationDriver:
         return task
 
     async def aclose(self) -> None:
-        """Wait for the cleanups still running (cancels and releases of finished generations)."""
+        """Wait for the cleanups still running (cancels and releases of finished generations); audits
+        still running or waiting are abandoned."""
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self.auditor.aclose()
 
 
 class _Generation:
@@ -165,7 +204,18 @@ class _Generation:
         self._transcript = transcript
         self._max_tokens = max_tokens
         self._session_id = uuid.uuid4().hex
-        self._route = RouteSession(env, options, stats, driver.sessions, model, sampling, self._session_id)
+        self._sampling = sampling
+        self._route = RouteSession(
+            env,
+            options,
+            stats,
+            driver.sessions,
+            model,
+            sampling,
+            self._session_id,
+            driver.commitments,
+            journals=options.audit_rate > 0,
+        )
         self._choice = RouteChoice(driver, options, model, transcript)
         self._watchdog = StallWatchdog(env, options, self._route)
         self._decoder = RouteDecoder(
@@ -298,6 +348,11 @@ class _Generation:
                     self._stats.last_cancel = report
                 if not interrupted and outcome in ("completed", "closed"):
                     self._remember_prefix(route)
+                journal = self._route.journal
+                if outcome == "completed" and journal is not None:
+                    self._driver.auditor.finished(
+                        FinishedGeneration(self._session_id, epoch, route, journal, self._sampling)
+                    )
         finally:
             self._route.release_hold()
             self._stats.active -= 1

@@ -60,8 +60,15 @@ class DriverConfig:
     # kept of an earlier generation, and prefer the route that holds the longest one; off: every
     # prefill starts at position 0 (its chunks fall on the same grid either way).
     prefix_cache: bool = True
+    # Audits by replica (meshnode.head.auditor): the share of finished generations whose units
+    # are replayed on other replicas of their ranges and compared hop by hop, chosen after the
+    # generation ended; 0 turns audits off. A generation whose route has no replica is never
+    # audited. Each audit costs one more run of the generation's units (a dispute, a few more).
+    audit_rate: float = 0.02
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise ValueError("audit_rate must be between 0 and 1")
         if not 1 <= self.draft_max <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_max must be between 1 and {MAX_DRAFT_TOKENS}")
         if self.pipeline not in PIPELINE_MODES:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from meshnode.head.candidates import shard_candidates
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ShardCandidate
+from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import StreamHandler
 from meshnode.transport.base import PeerLink
 from meshnode.wire.framing import StreamType
@@ -61,6 +62,8 @@ class StandaloneShardHost:
         self.node_id = node_id or os.urandom(32)
         self.local = LocalShardLink(self.node_id)
         self.announcement = mesh.PeerAnnouncement(endpoint_id=self.node_id)
+        # A node of one has no replica to audit against: its units are not signed.
+        self.identity: NodeIdentity | None = None
 
     # ServingNode
     def register_handler(self, stream_type: StreamType, handler: StreamHandler) -> None:

@@ -16,8 +16,10 @@ Which hops refused a new session for capacity is read here too
 from __future__ import annotations
 
 import logging
+import time
 
 from engines.interface import SamplingParams
+from meshnode.audit.commitment_store import CommitmentStore
 from meshnode.dataplane.edges.shard_session import (
     DirectAnswers,
     SessionConfig,
@@ -25,6 +27,7 @@ from meshnode.dataplane.edges.shard_session import (
     default_client_config,
 )
 from meshnode.dataplane.route import make_hop
+from meshnode.dataplane.unit_journal import UnitJournal
 from meshnode.head.candidates import session_fingerprint
 from meshnode.head.driver_config import DriverConfig
 from meshnode.head.driver_stats import DriverStats
@@ -50,8 +53,17 @@ class RouteSession:
         model: ModelIdentity,
         sampling: SamplingParams,
         route_session_id: str,
+        commitments: CommitmentStore | None = None,
+        *,
+        journals: bool = False,
     ) -> None:
+        """``commitments``: where the hops' signed commitments for this generation are kept (None:
+        nowhere); ``journals``: keep each epoch's units for an audit to replay (:attr:`journal`)."""
         self._env = env
+        self._commitments = commitments
+        self._journals = journals
+        # The units sent in the current epoch (None: not kept, or no session opened yet).
+        self.journal: UnitJournal | None = None
         self._options = options
         self._stats = stats
         self._ledger = ledger
@@ -149,6 +161,13 @@ class RouteSession:
             options=SessionConfig(open_timeout_s=options.open_timeout_s),
             answers=answers,
         )
+        self.journal = UnitJournal() if self._journals else None
+        session.client.journal = self.journal
+        store = self._commitments
+        if store is not None:
+            key, hops = self.route_session_id, len(route.hops)
+            # One commitment a hop at most: an Ack carrying more is not believed for the rest.
+            session.commitment_sink = lambda signed: store.add(key, signed[:hops], time.monotonic_ns())
         self.session = session
         self.opened = True
         self._held = route.node_ids

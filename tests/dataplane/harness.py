@@ -34,6 +34,7 @@ from meshnode.dataplane.payload import encode_hidden, encode_tokens
 from meshnode.dataplane.route import make_hop, make_route
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.identity import NodeIdentity
 from meshnode.wire.pb import shard
 from meshnode.wire.tensor_codec import encode_bundle
 
@@ -194,9 +195,15 @@ def result_tokens(items: list[shard.SessionResponse]) -> list[int]:
 
 
 class WorkerHarness:
-    def __init__(self, engine: RecordingEngine | None = None, config: WorkerConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: RecordingEngine | None = None,
+        config: WorkerConfig | None = None,
+        *,
+        identity: NodeIdentity | None = None,
+    ) -> None:
         self.engine = engine or RecordingEngine()
-        self.worker = ShardWorker(self.engine.capabilities(), config)
+        self.worker = ShardWorker(self.engine.capabilities(), config, identity=identity)
         # Monotonic now; the wall clock reads ``now + wall_clock_offset`` (a test may step it).
         self.now = NOW
         self.wall_clock_offset = UNIX_START - NOW

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
 from meshnode.transport.base import MeshStream, PeerLink
 from meshnode.transport.loopback import LoopbackLink, loopback_link_pair
@@ -71,8 +72,9 @@ class LoopbackMesh:
         self.stream_window = stream_window
         self.connection_window = connection_window
 
-    def add(self, index: int) -> MeshPeer:
-        peer = MeshPeer(self, bytes([index]) * 32)
+    def add(self, index: int, node_id: bytes | None = None) -> MeshPeer:
+        """Peer ``index``; its id is ``index`` repeated unless given (a node key's, to sign as it)."""
+        peer = MeshPeer(self, node_id or bytes([index]) * 32)
         self.peers[peer.node_id] = peer
         return peer
 
@@ -97,7 +99,9 @@ class AnnouncingPeer:
     """A loopback mesh peer with the announcement setters of ``meshnode.node.Node``."""
 
     def __init__(self, loopback: LoopbackMesh, index: int) -> None:
-        self.peer = loopback.add(index)
+        # A node key of its own, as a Node has (its shard signs its units' commitments with it).
+        self.identity = NodeIdentity.from_seed(bytes([index]) * 32)
+        self.peer = loopback.add(index, self.identity.node_id)
         self.node_id = self.peer.node_id
         self.serving: mesh_pb.ServedShard | None = None
         self.capacity: mesh_pb.Capacity | None = None

@@ -23,6 +23,7 @@ from meshnode.head.candidates import shard_candidates
 from meshnode.head.driver import DriverConfig
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ModelIdentity, ShardCandidate
+from meshnode.identity import NodeIdentity
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh
 
@@ -48,9 +49,19 @@ class LoopbackRoutes:
     local: LocalShardLink | None = None
     hidden: set[bytes] = field(default_factory=set)
     alive_calls: int = 0
+    # Every peer has a node key (its id is the key's) and its shard signs its units' commitments.
+    signed: bool = False
 
     def __post_init__(self) -> None:
-        self.me = self.mesh.add(DRIVER_INDEX)
+        self.me = self._add_peer(DRIVER_INDEX)
+
+    def identity(self, index: int) -> NodeIdentity | None:
+        """Peer ``index``'s node key (the same every run), when the peers sign."""
+        return NodeIdentity.from_seed(bytes([index]) * 32) if self.signed else None
+
+    def _add_peer(self, index: int) -> MeshPeer:
+        identity = self.identity(index)
+        return self.mesh.add(index, None if identity is None else identity.node_id)
 
     async def add_shard(
         self,
@@ -61,9 +72,9 @@ class LoopbackRoutes:
         **engine_options: Any,
     ) -> Shard:
         """A server for ``[start, end)`` on peer ``index`` (``DRIVER_INDEX``: this node, served locally)."""
-        peer = self.me if index == DRIVER_INDEX else self.mesh.add(index)
+        peer = self.me if index == DRIVER_INDEX else self._add_peer(index)
         engine = engine_class(start, end, **engine_options)
-        server = ShardServer(engine, links=peer.get_link)
+        server = ShardServer(engine, links=peer.get_link, identity=self.identity(index))
         assert (await server.start()).validated
         if index == DRIVER_INDEX:
             self.local = LocalShardLink(peer.node_id)
@@ -145,10 +156,11 @@ FAST = DriverConfig(stall_probe_s=0.2, probe_timeout_s=0.5, control_timeout_s=1.
 
 @contextlib.asynccontextmanager
 async def three_hop_routes(
-    engine_class: type[RecordingEngine] = RecordingEngine, **engine_options: object
+    engine_class: type[RecordingEngine] = RecordingEngine, *, signed: bool = False, **engine_options: object
 ) -> AsyncIterator[LoopbackRoutes]:
-    """The driver's [0, 2), MIDDLE's [2, 3) and TAIL's [3, 4); SPARE is the index for a replica."""
-    routes = LoopbackRoutes()
+    """The driver's [0, 2), MIDDLE's [2, 3) and TAIL's [3, 4); SPARE is the index for a replica.
+    ``signed``: every peer has a node key and signs its units' commitments."""
+    routes = LoopbackRoutes(signed=signed)
     try:
         await routes.add_shard(DRIVER_INDEX, 0, 2, engine_class, **engine_options)
         await routes.add_shard(MIDDLE, 2, 3, engine_class, **engine_options)

@@ -76,6 +76,7 @@ from meshnode.dataplane.unary import (
     validate_engine,
 )
 from meshnode.dataplane.worker import DownstreamResult, ShardWorker, WorkerConfig, WorkerLoad
+from meshnode.identity import NodeIdentity
 from meshnode.mesh.dispatcher import StreamHandler
 from meshnode.transport.base import RESET_CANCELLED, LinkClosed, PeerLink, StreamError
 from meshnode.transport.framed import FramedStream
@@ -163,9 +164,12 @@ class ShardServer:
         config: ServerConfig | None = None,
         owns_engine: bool = False,
         local_peer_id: bytes | None = None,
+        identity: NodeIdentity | None = None,
     ) -> None:
         """``local_peer_id``: this node's id; its streams (its own head's) are exempt from the
-        per-peer share of sessions."""
+        per-peer share of sessions. ``identity``: the node key that signs the units' commitments
+        (meshnode.audit; None: none are signed)."""
+        self._identity = identity
         self.engine = engine
         self.local_peer_id = local_peer_id
         self.config = config or ServerConfig()
@@ -194,7 +198,7 @@ class ShardServer:
         self.validation = await self.engine_thread.call(
             partial(validate_engine, self.engine, unix_now_ns=time.time_ns())
         )
-        self._worker = ShardWorker(capabilities, self.config.worker)
+        self._worker = ShardWorker(capabilities, self.config.worker, identity=self._identity)
         if self.validation.validated:
             # The validation's steps are the range's first timing on these threads: the speed
             # announced before any traffic, until live batches replace it.
@@ -439,7 +443,9 @@ class ShardServer:
             outcome = future.exception()
         else:
             done = future.result().done
-            outcome = DownstreamResult(done.bundle, answered_directly=done.answered_directly)
+            outcome = DownstreamResult(
+                done.bundle, answered_directly=done.answered_directly, commitments=done.commitments
+            )
         self._forward_done(unit_id, outcome)
 
     def _forward_done(self, unit_id: int, outcome: object) -> None:

@@ -69,6 +69,7 @@ from meshnode.dataplane.client import (
     SessionNotReady,
     SessionReady,
 )
+from meshnode.dataplane.client_events import UnitCommitted, UnitDone, UnitFailed
 from meshnode.dataplane.client_units import PrefixBlocks
 from meshnode.dataplane.edges import rpc
 from meshnode.dataplane.edges.answer_stream import AnswerStream, DirectAnswers
@@ -85,6 +86,7 @@ from meshnode.dataplane.envelope import Deadline
 from meshnode.dataplane.errors import SessionTransportError
 from meshnode.dataplane.route import make_route
 from meshnode.dataplane.step_outputs import PrefillOutput, StepOutput
+from meshnode.dataplane.unit_journal import JournalEntry
 from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
@@ -142,6 +144,8 @@ class ShardSession:
         # Set while no Ack of a unit answered directly is owed (see aclose).
         self._acks_settled = asyncio.Event()
         self._acks_settled.set()
+        # Handed every signed commitment the Acks carry (meshnode.audit), unchecked; None: dropped.
+        self.commitment_sink: Callable[[tuple[shard.SignedCommitment, ...]], None] | None = None
         # The answer stream to the tail, when the head asked for one.
         self._answers = (
             None
@@ -291,6 +295,11 @@ class ShardSession:
             value, position=position, deadline=_deadline(deadline_unix_ns), draft=draft, rollback=rollback
         )
         return self._submitted([unit_id])[0]
+
+    def submit_replay(self, entry: JournalEntry, *, deadline_unix_ns: int = 0) -> UnitHandle:
+        """A unit another session's journal recorded, sent as it was (an audit's replay)."""
+        self._raise_if_over()
+        return self._submitted([self.client.submit_replay(entry, deadline=_deadline(deadline_unix_ns))])[0]
 
     def submit_forward(self, work: ForwardWork) -> UnitHandle:
         """A unit a forwarding worker passes on with its own step and work id."""
@@ -460,6 +469,11 @@ class ShardSession:
         for event in self.client.take_events():
             self._futures.settle(event)
             match event:
+                case UnitDone() | UnitCommitted() if event.commitments and self.commitment_sink is not None:
+                    self.commitment_sink(event.commitments)
+                case UnitFailed() if self.client.journal is not None:
+                    # How far a failed unit got on each hop is not known: no faithful replay.
+                    self.client.journal.spoil("a unit failed")
                 case SessionReady():
                     self._failures = 0
                 case SessionFailed():

@@ -73,6 +73,12 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_FLOW_CONTROL_VIOLATION: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
 
+class Numerics(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NUMERICS_UNSPECIFIED: _ClassVar[Numerics]
+    NUMERICS_EXACT: _ClassVar[Numerics]
+    NUMERICS_INEXACT: _ClassVar[Numerics]
+
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
@@ -120,6 +126,9 @@ ERROR_CODE_CANCELLED: ErrorCode
 ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode
 ERROR_CODE_FLOW_CONTROL_VIOLATION: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+NUMERICS_UNSPECIFIED: Numerics
+NUMERICS_EXACT: Numerics
+NUMERICS_INEXACT: Numerics
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
@@ -376,20 +385,58 @@ class CancelSignal(_message.Message):
     def __init__(self, route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., work_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("work_id", "idempotency_step", "cache_result", "duplicate", "execution_nanos", "answered_directly")
+    __slots__ = ("work_id", "idempotency_step", "cache_result", "duplicate", "execution_nanos", "answered_directly", "commitments")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     CACHE_RESULT_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_NANOS_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     idempotency_step: int
     cache_result: CacheResult
     duplicate: bool
     execution_nanos: int
     answered_directly: bool
-    def __init__(self, work_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., cache_result: _Optional[_Union[CacheResult, _Mapping]] = ..., duplicate: _Optional[bool] = ..., execution_nanos: _Optional[int] = ..., answered_directly: _Optional[bool] = ...) -> None: ...
+    commitments: _containers.RepeatedCompositeFieldContainer[SignedCommitment]
+    def __init__(self, work_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., cache_result: _Optional[_Union[CacheResult, _Mapping]] = ..., duplicate: _Optional[bool] = ..., execution_nanos: _Optional[int] = ..., answered_directly: _Optional[bool] = ..., commitments: _Optional[_Iterable[_Union[SignedCommitment, _Mapping]]] = ...) -> None: ...
+
+class UnitCommitment(_message.Message):
+    __slots__ = ("node_id", "route_session_id", "route_epoch", "idempotency_step", "work_id", "position", "shard_range", "recipe_digest", "numerics", "numerics_detail", "input_digest", "output_digest")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    node_id: bytes
+    route_session_id: str
+    route_epoch: int
+    idempotency_step: int
+    work_id: str
+    position: PositionSpan
+    shard_range: ShardRange
+    recipe_digest: bytes
+    numerics: Numerics
+    numerics_detail: str
+    input_digest: bytes
+    output_digest: bytes
+    def __init__(self, node_id: _Optional[bytes] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., work_id: _Optional[str] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., recipe_digest: _Optional[bytes] = ..., numerics: _Optional[_Union[Numerics, str]] = ..., numerics_detail: _Optional[str] = ..., input_digest: _Optional[bytes] = ..., output_digest: _Optional[bytes] = ...) -> None: ...
+
+class SignedCommitment(_message.Message):
+    __slots__ = ("commitment", "signature")
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    commitment: bytes
+    signature: bytes
+    def __init__(self, commitment: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("work_id", "route_session_id", "idempotency_step", "error", "terminal")
