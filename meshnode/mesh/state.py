@@ -58,9 +58,9 @@ from meshnode.membership.revocation import Learned, RevocationList, Revoked
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.credential_gate import Admission, CredentialGate
 from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
-from meshnode.mesh.peer_table import MergeReport, PeerTable
+from meshnode.mesh.peer_table import MergeReport, PeerEntry, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
-from meshnode.mesh.validation import validate_gossip_frame
+from meshnode.mesh.validation import MAX_PEERS_PER_FRAME, validate_gossip_frame
 from meshnode.sansio import SECOND_NS
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
@@ -140,6 +140,8 @@ class MeshState:
         # None until start_heartbeat: a state that never heartbeats has no timer.
         self._next_heartbeat_ns: int | None = None
         self._events: list[MeshEvent] = []
+        # Where the next gossip frame's page of a table too large for one frame starts.
+        self._page_start = 0
         self.gate = CredentialGate(
             node_id=self.node_id,
             mesh_id=mesh_id,
@@ -260,11 +262,23 @@ class MeshState:
     def gossip_frame(self, verifier_id: bytes) -> mesh.GossipFrame:
         frame = mesh.GossipFrame(gen=NODE_PROTOCOL_GENERATION, sender_id=self.node_id)
         frame.entries.add().record.CopyFrom(self.local_record())
-        for entry in self.table.entries():
+        for entry in self._table_page(MAX_PEERS_PER_FRAME - 1):
             frame.entries.add().record.CopyFrom(entry.record)
         frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
         frame.revocations.extend(self.revocations.signed())
         return frame
+
+    def _table_page(self, limit: int) -> list[PeerEntry]:
+        """The whole table when it fits a frame; past that, ``limit`` entries from where the last
+        page ended, so that successive frames carry all of it. A frame listing more than
+        ``MAX_PEERS_PER_FRAME`` is refused as malformed: a whole table of 256 peers or more once
+        made every frame of every member refused."""
+        entries = self.table.entries()
+        if len(entries) <= limit:
+            return entries
+        start = self._page_start % len(entries)
+        self._page_start = start + limit
+        return (entries[start:] + entries[:start])[:limit]
 
     def refusal_frame(self, refusal: MeshRefusal) -> mesh.GossipFrame:
         """A refusal, with our revocations: a removed node is shown the signed reason, which it can
