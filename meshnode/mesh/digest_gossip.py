@@ -81,6 +81,13 @@ def revocation_id(revocation: membership.Revocation) -> int:
     )
 
 
+def prefix_of(node_id: bytes) -> int:
+    """How a digest names a node: the first 8 bytes of its id. Ids are public keys, so two
+    members sharing a prefix is chance (about 2^-64 a pair) or a key ground for it; either way
+    both records are sent, and each is still verified against its own full id."""
+    return int.from_bytes(node_id[:8], "big")
+
+
 def bucket_of(node_id: bytes, bucket_count: int) -> int:
     """Node ids are public keys, uniform enough that their first bytes spread the buckets evenly."""
     return int.from_bytes(node_id[:4], "big") % bucket_count
@@ -104,9 +111,20 @@ class _Buckets:
 class _Snapshot:
     """Our versions at one state of the table, and their buckets at the counts asked for."""
 
-    key: tuple[int, Version]
+    key: tuple[int, int, Version]
     versions: dict[bytes, Version]
+    # Nodes we removed (tombstoned) or that were revoked, by prefix: not asked for again.
+    removed: dict[int, bytes]
     _by_count: dict[int, _Buckets] = field(default_factory=dict)
+    _by_prefix: dict[int, list[bytes]] | None = None
+
+    def named(self, prefix: int) -> list[bytes]:
+        """Our nodes whose id begins with ``prefix`` (one, but for a collision)."""
+        if self._by_prefix is None:
+            self._by_prefix = {}
+            for node_id in self.versions:
+                self._by_prefix.setdefault(prefix_of(node_id), []).append(node_id)
+        return self._by_prefix.get(prefix, [])
 
     def buckets(self, bucket_count: int) -> _Buckets:
         buckets = self._by_count.get(bucket_count)
@@ -148,11 +166,15 @@ class DigestGossip:
         """Our versions, recomputed only when the table or our own record changed: an exchange
         reads them three times, and a member takes part in several exchanges a round."""
         state = self._state
-        key = (state.table.changes, record_version(state.local))
+        key = (state.table.changes, len(state.revocations), record_version(state.local))
         if self._snapshot is None or self._snapshot.key != key:
             versions = {entry.peer_id: record_version(entry.announcement) for entry in state.table.entries()}
-            versions[state.node_id] = key[1]
-            self._snapshot = _Snapshot(key, versions)
+            versions[state.node_id] = key[2]
+            removed = [
+                *state.table.tombstoned_ids(),
+                *(r.target for r in state.revocations.all() if r.kind == "node"),
+            ]
+            self._snapshot = _Snapshot(key, versions, {prefix_of(n): n for n in removed})
         return self._snapshot
 
     def _bucket_hashes(self, bucket_count: int) -> list[int]:
@@ -198,24 +220,31 @@ class DigestGossip:
         self._check_peer(peer_id)
         snapshot = self._current()
         ours = snapshot.versions
-        theirs: dict[bytes, Version] = {}
-        for entry in reply.entries:
-            theirs[bytes(entry.node_id)] = (entry.incarnation, entry.sequence)
+        theirs: dict[int, Version] = {}
+        for prefix, incarnation, sequence in zip(
+            reply.node_prefixes, reply.incarnations, reply.sequences, strict=True
+        ):
+            # Two listed under one prefix (a collision): the older version counts, so neither is missed.
+            theirs[prefix] = min(theirs.get(prefix, (incarnation, sequence)), (incarnation, sequence))
         push = mesh.DigestPush(gen=NODE_PROTOCOL_GENERATION, sender_id=self._state.node_id)
         members = snapshot.buckets(sent.bucket_count).members
         for node_id in (n for bucket in dict.fromkeys(reply.listed_buckets) for n in members[bucket]):
             if len(push.entries) >= MAX_PEERS_PER_FRAME:
                 break
-            their_version = theirs.get(node_id)
+            their_version = theirs.get(prefix_of(node_id))
             if their_version is None or their_version < ours[node_id]:
                 record = self._record(node_id)
                 if record is not None:
                     push.entries.add().record.CopyFrom(record)
-        for node_id, their_version in theirs.items():
+        for prefix, their_version in theirs.items():
             if len(push.wanted) >= MAX_WANTED_PER_FRAME:
                 break
-            if self._wants(node_id, their_version, ours.get(node_id), peer_id):
-                push.wanted.append(node_id)
+            named = snapshot.named(prefix)
+            if not named:
+                if self._wants(snapshot.removed.get(prefix), their_version, None, peer_id):
+                    push.wanted.append(prefix)
+            elif any(self._wants(n, their_version, ours[n], peer_id) for n in named):
+                push.wanted.append(prefix)
         if reply.revocations_listed:
             held = self._revocation_ids()
             listed_ids = set(reply.revocation_ids)
@@ -248,8 +277,8 @@ class DigestGossip:
         start = self._rng.randrange(len(differing)) if differing else 0
         for bucket in differing[start:] + differing[:start]:
             members = buckets.members[bucket]
-            if len(reply.entries) + len(members) > MAX_DIGEST_ENTRIES_PER_FRAME:
-                if not reply.entries:
+            if len(reply.node_prefixes) + len(members) > MAX_DIGEST_ENTRIES_PER_FRAME:
+                if not reply.node_prefixes:
                     # One bucket larger than a frame (an opener with a small table summarized
                     # ours in few buckets): a window of it, from a random place, not listed.
                     offset = self._rng.randrange(len(members))
@@ -271,7 +300,9 @@ class DigestGossip:
     def _add_versions(reply: mesh.DigestReply, node_ids: Iterable[bytes], snapshot: _Snapshot) -> None:
         for node_id in node_ids:
             incarnation, sequence = snapshot.versions[node_id]
-            reply.entries.add(node_id=node_id, incarnation=incarnation, sequence=sequence)
+            reply.node_prefixes.append(prefix_of(node_id))
+            reply.incarnations.append(incarnation)
+            reply.sequences.append(sequence)
 
     def answer_push(
         self, frame: mesh.DigestPush, *, peer_id: bytes, now_ns: int, unix_now: float
@@ -281,10 +312,14 @@ class DigestGossip:
         self._check_peer(peer_id)
         report = self._take(frame.entries, frame.revocations, peer_id, now_ns, unix_now)
         records = mesh.DigestRecords(gen=NODE_PROTOCOL_GENERATION, sender_id=self._state.node_id)
-        for node_id in dict.fromkeys(bytes(n) for n in frame.wanted):
-            record = self._record(node_id)
-            if record is not None:
-                records.entries.add().record.CopyFrom(record)
+        snapshot = self._current()
+        for prefix in dict.fromkeys(frame.wanted):
+            for node_id in snapshot.named(prefix):
+                if len(records.entries) >= MAX_PEERS_PER_FRAME:
+                    break
+                record = self._record(node_id)
+                if record is not None:
+                    records.entries.add().record.CopyFrom(record)
         if frame.wanted_revocations:
             held = self._revocation_ids()
             wanted = dict.fromkeys(frame.wanted_revocations)
@@ -293,7 +328,11 @@ class DigestGossip:
 
     # -- both -----------------------------------------------------------------------------------
 
-    def _wants(self, node_id: bytes, offered: Version, held: Version | None, peer_id: bytes) -> bool:
+    def _wants(self, node_id: bytes | None, offered: Version, held: Version | None, peer_id: bytes) -> bool:
+        """Whether to ask for a record the peer listed; ``node_id`` None: one of a node we do not
+        know, of which we know only the prefix (nor its revocation or tombstone: the merge decides)."""
+        if node_id is None:
+            return True
         if node_id == self._state.node_id or self._state.revocations.node(node_id) is not None:
             return False
         if held is not None:
@@ -329,6 +368,7 @@ __all__ = [
     "DigestGossip",
     "bucket_count_for",
     "bucket_of",
+    "prefix_of",
     "record_version",
     "revocation_id",
     "version_hash",

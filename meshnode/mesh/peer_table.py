@@ -95,6 +95,9 @@ class PeerTable:
     def peer_ids(self) -> list[bytes]:
         return list(self._entries)
 
+    def tombstoned_ids(self) -> list[bytes]:
+        return list(self._tombstones)
+
     def tombstone(self, peer_id: bytes) -> Tombstone | None:
         return self._tombstones.get(peer_id)
 

@@ -7,6 +7,7 @@ these bound counts and strings so a frame cannot fill the peer table).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -30,6 +31,8 @@ MAX_REVOCATIONS_PER_FRAME = 4096
 MAX_DIGEST_BUCKETS = 1024
 MAX_DIGEST_ENTRIES_PER_FRAME = 1024
 MAX_WANTED_PER_FRAME = MAX_PEERS_PER_FRAME
+# Suspicions one digest frame passes on (meshnode.mesh.failure_detector).
+MAX_SUSPECTED_PER_FRAME = 16
 # The slowest step a node may announce for its range (ServedShard.speed), per token: a minute.
 # A stage slower than that serves no one, and the bound keeps a head's route costs finite.
 MAX_STAGE_US_PER_TOKEN = 60_000_000
@@ -153,21 +156,33 @@ def validate_digest_open(frame: mesh.DigestOpen, authenticated_peer_id: bytes) -
         )
     if len(frame.bucket_hashes) != count:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestOpen.bucket_hashes does not match bucket_count")
+    _check_suspected(frame.suspected, "DigestOpen")
+
+
+def _check_suspected(suspected: Sequence[bytes], what: str) -> None:
+    if len(suspected) > MAX_SUSPECTED_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_SUSPECTED_PER_FRAME} suspects in one {what}"
+        )
+    for node_id in suspected:
+        check_node_id(node_id, f"{what}.suspected")
 
 
 def validate_digest_reply(frame: mesh.DigestReply, authenticated_peer_id: bytes, bucket_count: int) -> None:
     """``bucket_count``: the one the opener's DigestOpen announced (the opener's own, not the peer's)."""
     _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestReply")
-    if len(frame.entries) > MAX_DIGEST_ENTRIES_PER_FRAME:
+    listed = len(frame.node_prefixes)
+    if listed > MAX_DIGEST_ENTRIES_PER_FRAME:
         raise MeshRefusal(
             mesh.MESH_ERROR_MALFORMED, f"more than {MAX_DIGEST_ENTRIES_PER_FRAME} digest entries in one frame"
         )
+    if len(frame.incarnations) != listed or len(frame.sequences) != listed:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestReply's version lists differ in length")
     if len(frame.listed_buckets) > bucket_count or any(b >= bucket_count for b in frame.listed_buckets):
         raise MeshRefusal(
             mesh.MESH_ERROR_MALFORMED, "DigestReply lists a bucket the opener did not summarize"
         )
-    for entry in frame.entries:
-        check_node_id(entry.node_id, "DigestEntry.node_id")
+    _check_suspected(frame.suspected, "DigestReply")
     if len(frame.revocation_ids) > MAX_REVOCATIONS_PER_FRAME:
         raise MeshRefusal(
             mesh.MESH_ERROR_MALFORMED, f"more than {MAX_REVOCATIONS_PER_FRAME} revocation ids in one frame"
@@ -179,8 +194,6 @@ def validate_digest_push(frame: mesh.DigestPush, authenticated_peer_id: bytes) -
     _check_records_and_revocations(len(frame.entries), len(frame.revocations), "DigestPush")
     if len(frame.wanted) > MAX_WANTED_PER_FRAME or len(frame.wanted_revocations) > MAX_WANTED_PER_FRAME:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_WANTED_PER_FRAME} wanted in one frame")
-    for node_id in frame.wanted:
-        check_node_id(node_id, "DigestPush.wanted")
 
 
 def validate_digest_records(frame: mesh.DigestRecords, authenticated_peer_id: bytes) -> None:
@@ -226,6 +239,7 @@ __all__ = [
     "MAX_PEERS_PER_FRAME",
     "MAX_REVOCATIONS_PER_FRAME",
     "MAX_STAGE_US_PER_TOKEN",
+    "MAX_SUSPECTED_PER_FRAME",
     "MAX_WANTED_PER_FRAME",
     "check_generation",
     "check_node_id",

@@ -39,9 +39,10 @@ from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey, issue_certificate
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.digest_gossip import DigestGossip
+from meshnode.mesh.failure_detector import FailureDetector
 from meshnode.mesh.partial_view import PartialView
 from meshnode.mesh.state import MeshState
-from meshnode.mesh.validation import decode
+from meshnode.mesh.validation import decode, validate_digest_open, validate_digest_reply
 from meshnode.sansio import SECOND_NS
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
 from meshnode.wire.pb import mesh
@@ -67,6 +68,7 @@ class SimNode:
     state: MeshState
     digest: DigestGossip
     view: PartialView
+    detector: FailureDetector
     traffic: Traffic = field(default_factory=Traffic)
     # Peers this member holds a gossip link with: all it gossiped with (full), its active view (digest).
     links: set[bytes] = field(default_factory=set)
@@ -96,6 +98,8 @@ class SimMesh:
         active_size: int = 8,
         passive_size: int = 32,
         shuffle_chance: float = 0.1,
+        retry_chance: float = 0.1,
+        tombstone_ttl_rounds: int = 60,
         serving_every: int = 2,
     ) -> None:
         self.rng = random.Random(seed)
@@ -104,15 +108,20 @@ class SimMesh:
         self.active_size = active_size
         self.passive_size = passive_size
         self.shuffle_chance = shuffle_chance
+        self.retry_chance = retry_chance
+        self.tombstone_ttl_rounds = tombstone_ttl_rounds
         self.mesh_key = MeshKey.generate()
         self.mesh_id = self.mesh_key.mesh_id
         self.round = 0
         self.refusals: Counter[str] = Counter()
+        # Every frame's bytes, by message type.
+        self.bytes_by_kind: Counter[str] = Counter()
         # Which pairs are cut off from each other (a partition): a member of one side reaches none
         # of the other.
         self.side: dict[bytes, int] = {}
         # Records and revocations delta exchanges brought this round: (receiver, what, from whom).
         self._arrived: list[tuple[SimNode, mesh.DigestRecords, bytes]] = []
+        self._serving_count = 0
         self.nodes: list[SimNode] = [self._new_node(i, serving=i % serving_every == 0) for i in range(size)]
         self.by_id = {n.node_id: n for n in self.nodes}
 
@@ -127,11 +136,18 @@ class SimMesh:
             incarnation=int(START_UNIX * SECOND_NS) - index,
         )
         if serving:
-            start = index % 4 * (TOTAL_LAYERS // 4)
+            # Serving members take the model's four quarters in turn.
+            start = self._serving_count % 4 * (TOTAL_LAYERS // 4)
+            self._serving_count += 1
             local.serving.model_name = MODEL
             local.serving.shard_range.start_layer = start
             local.serving.shard_range.end_layer = start + TOTAL_LAYERS // 4
             local.serving.total_layers = TOTAL_LAYERS
+            local.serving.fingerprint.model_artifact_digest = "sim-artifact"
+            local.serving.fingerprint.runtime_recipe_digest = "sim-recipe"
+            local.serving.speed.decode_us_per_token = 1000 + index % 97 * 10
+            local.serving.speed.source = mesh.STAGE_SPEED_SOURCE_MEASURED
+            local.capacity.max_concurrent_sessions = 4
         certificate = issue_certificate(
             self.mesh_key, node_id=identity.node_id, issuer_id=identity.node_id, unix_now=START_UNIX
         )
@@ -141,13 +157,15 @@ class SimMesh:
             local=local,
             membership=MembershipState(mesh_key=None, certificate=certificate),
             max_peers=4096,
+            tombstone_ttl_ns=self.tombstone_ttl_rounds * SECOND_NS,
             **({"frame_table_limit": 0} if self.delta else {}),
         )
         rng = random.Random(self.rng.random())
         view = PartialView(
             identity.node_id, active_size=self.active_size, passive_size=self.passive_size, rng=rng
         )
-        return SimNode(identity, state, DigestGossip(state, rng=rng), view)
+        detector = FailureDetector(identity.node_id, rng=rng)
+        return SimNode(identity, state, DigestGossip(state, rng=rng), view, detector)
 
     # -- time ---------------------------------------------------------------------------------
 
@@ -175,6 +193,7 @@ class SimMesh:
 
     def _send(self, sender: SimNode, receiver: SimNode, message: Message) -> bytes:
         data = message.SerializeToString()
+        self.bytes_by_kind[type(message).__name__] += len(data)
         sender.traffic.bytes_sent += len(data)
         receiver.traffic.bytes_received += len(data)
         return data
@@ -221,7 +240,7 @@ class SimMesh:
             responder.links.add(opener.node_id)
         return True
 
-    def digest_exchange(self, opener: SimNode, responder: SimNode) -> bool:
+    def digest_exchange(self, opener: SimNode, responder: SimNode, suspect: tuple[bytes, ...] = ()) -> bool:
         """A delta exchange (four frames); a pair not yet admitted to each other exchanges in full first."""
         if not self.reachable(opener, responder):
             return False
@@ -231,12 +250,20 @@ class SimMesh:
         try:
             t0 = time.process_time()
             sent = opener.digest.open()
+            sent.suspected.extend(dict.fromkeys([*opener.detector.rumors(), *suspect]))
             data = self._send(opener, responder, sent)
             t1 = time.process_time()
-            reply = responder.digest.answer_open(decode(mesh.DigestOpen, data), peer_id=opener.node_id)
+            opened = decode(mesh.DigestOpen, data)
+            validate_digest_open(opened, opener.node_id)
+            self._hear(responder, opened.suspected, opener)
+            reply = responder.digest.answer_open(opened, peer_id=opener.node_id)
+            reply.suspected.extend(responder.detector.rumors())
             data = self._send(responder, opener, reply)
             t2 = time.process_time()
-            push = opener.digest.answer_reply(sent, decode(mesh.DigestReply, data), peer_id=responder.node_id)
+            answered = decode(mesh.DigestReply, data)
+            validate_digest_reply(answered, responder.node_id, sent.bucket_count)
+            self._hear(opener, answered.suspected, responder)
+            push = opener.digest.answer_reply(sent, answered, peer_id=responder.node_id)
             data = self._send(opener, responder, push)
             t3 = time.process_time()
             pushed = decode(mesh.DigestPush, data)
@@ -265,8 +292,63 @@ class SimMesh:
         responder.traffic.cpu_s += (t2 - t1) + (t4 - t3)
         opener.traffic.exchanges += 1
         responder.traffic.exchanges += 1
+        opener.detector.alive(responder.node_id)
+        responder.detector.alive(opener.node_id)
         self._link(opener, responder)
         return True
+
+    @staticmethod
+    def _hear(node: SimNode, suspected: list[bytes], sender: SimNode) -> None:
+        """Suspicions a peer passed on: checked by our own probes later; one naming us is refuted
+        at once by a fresher record (SWIM's refutation; ours is signed by us, as every record)."""
+        if node.node_id in suspected:
+            node.state.heartbeat()
+        node.detector.heard(suspected, sender=sender.node_id)
+
+    # -- failure detection -------------------------------------------------------------------
+
+    def _probe(self, node: SimNode, target: SimNode) -> None:
+        """A probe of ``target`` and, when it fails, ``indirect_probes`` helpers' probes of it."""
+        probe = len(mesh.Probe(gen=1, nonce=b"n" * 16).SerializeToString())
+        node.traffic.bytes_sent += probe
+        if self.reachable(node, target):
+            node.traffic.bytes_received += probe
+            node.detector.alive(target.node_id)
+            return
+        members = node.state.table.peer_ids()
+        for helper_id in node.detector.helpers_for(target.node_id, members):
+            helper = self.by_id[helper_id]
+            if not self.reachable(node, helper):
+                continue
+            # Our request and its answer; the helper's probe of the target (and its answer).
+            node.traffic.bytes_sent += probe + 32
+            node.traffic.bytes_received += probe
+            helper.traffic.bytes_received += probe + 32
+            helper.traffic.bytes_sent += 2 * probe
+            if self.reachable(helper, target):
+                helper.traffic.bytes_received += probe
+                node.detector.alive(target.node_id)
+                return
+        node.detector.unreachable(target.node_id)
+
+    def _detect(self, node: SimNode) -> None:
+        """This round's failure detection for ``node``: remove the confirmed, probe one member and
+        the suspects others named, and now and then try a peer removed earlier (a healed partition)."""
+        known = set(node.state.table.peer_ids())
+        plan = node.detector.start_round(known)
+        for peer_id in plan.confirmed:
+            node.state.remove_peer(peer_id, reason="confirmed down", now_ns=self.now_ns)
+            node.view.drop(peer_id, failed=True)
+            node.links.discard(peer_id)
+        for peer_id in (plan.probe, *plan.checks):
+            if peer_id is not None:
+                self._probe(node, self.by_id[peer_id])
+        departed = node.state.table.departed()
+        if departed and self.rng.random() < self.retry_chance:
+            peer = self.by_id[self.rng.choice(departed)[0]]
+            if peer.node_id not in node.state.table and self.reachable(node, peer):
+                # It is alive after all: tell it what we believed, so it refutes with a fresher record.
+                self.digest_exchange(node, peer, suspect=(peer.node_id,))
 
     @staticmethod
     def _without_records(push: mesh.DigestPush) -> mesh.DigestPush:
@@ -328,6 +410,7 @@ class SimMesh:
         exchange with ``fanout`` peers of its active view; an unreachable one leaves the view."""
         self.round += 1
         for node in self._members_in_random_order():
+            self._detect(node)
             node.view.refresh(set(node.state.table.peer_ids()))
             if self.rng.random() < self.shuffle_chance:
                 swapped = node.view.shuffle()
@@ -341,6 +424,8 @@ class SimMesh:
                 if not self.digest_exchange(node, peer):
                     node.view.drop(peer_id, failed=True)
                     node.links.discard(peer_id)
+                    if not self.reachable(node, peer):
+                        self._probe(node, peer)  # a failed exchange is a failed probe: ask helpers
         self._merge_arrived()
 
     def gossip_round(self) -> None:
@@ -359,6 +444,18 @@ class SimMesh:
 
     # -- joining ---------------------------------------------------------------------------------
 
+    def add_member(self, bootstrap: SimNode) -> SimNode:
+        """A new member, whose first exchange is with ``bootstrap`` (its invite's bootstrap peer)."""
+        node = self._new_node(len(self.nodes), serving=True)
+        self.nodes.append(node)
+        self.by_id[node.node_id] = node
+        if self.delta:
+            self.digest_exchange(node, bootstrap)
+            self._merge_arrived()
+        else:
+            self.full_exchange(node, bootstrap)
+        return node
+
     def join_all_through(self, seed: SimNode) -> None:
         """Each other member makes its first exchange with ``seed`` (its invite's bootstrap peer)."""
         for node in self.nodes:
@@ -370,6 +467,10 @@ class SimMesh:
                     self.full_exchange(node, seed)
 
     # -- what members know ----------------------------------------------------------------------
+
+    def knowing_down(self, node: SimNode) -> int:
+        """How many live members no longer list ``node``."""
+        return sum(node.node_id not in other.state.table for other in self.live() if other is not node)
 
     def holders_of(self, node: SimNode) -> int:
         """How many other live members hold ``node``'s current record."""

@@ -157,7 +157,7 @@ def test_a_large_difference_goes_over_several_exchanges_each_frame_within_its_li
     while held_ids(a) != held_ids(b):
         sent = a.digest.open()
         reply = b.digest.answer_open(sent, peer_id=a.node_id)
-        assert len(reply.entries) <= MAX_DIGEST_ENTRIES_PER_FRAME
+        assert len(reply.node_prefixes) <= MAX_DIGEST_ENTRIES_PER_FRAME
         push = a.digest.answer_reply(sent, reply, peer_id=b.node_id)
         assert len(push.wanted) <= MAX_WANTED_PER_FRAME
         records, _ = b.digest.answer_push(push, peer_id=a.node_id, now_ns=NOW_NS, unix_now=NOW)
@@ -250,18 +250,25 @@ def test_malformed_digest_frames_are_refused_with_their_codes(pair):
     assert code_of(lambda: b.digest.answer_open(sent, peer_id=b.node_id)) == mesh.MESH_ERROR_SENDER_MISMATCH
     old = mesh.DigestOpen(gen=2, sender_id=a.node_id, bucket_count=1, bucket_hashes=[0])
     assert code_of(lambda: b.digest.answer_open(old, peer_id=a.node_id)) == mesh.MESH_ERROR_BAD_GENERATION
-    greedy = mesh.DigestPush(gen=1, sender_id=a.node_id, wanted=[b.node_id] * (MAX_WANTED_PER_FRAME + 1))
+    greedy = mesh.DigestPush(gen=1, sender_id=a.node_id, wanted=[1] * (MAX_WANTED_PER_FRAME + 1))
     assert (
         code_of(lambda: b.digest.answer_push(greedy, peer_id=a.node_id, now_ns=NOW_NS, unix_now=NOW))
         == mesh.MESH_ERROR_MALFORMED
     )
     stray = mesh.DigestReply(gen=1, sender_id=b.node_id, listed_buckets=[sent.bucket_count])
     assert code_of(lambda: a.digest.answer_reply(sent, stray, peer_id=b.node_id)) == mesh.MESH_ERROR_MALFORMED
-    short_id = mesh.DigestReply(gen=1, sender_id=b.node_id)
-    short_id.entries.add(node_id=b"x" * 5)
-    assert (
-        code_of(lambda: a.digest.answer_reply(sent, short_id, peer_id=b.node_id)) == mesh.MESH_ERROR_MALFORMED
+    uneven = mesh.DigestReply(
+        gen=1, sender_id=b.node_id, node_prefixes=[1, 2], incarnations=[1], sequences=[1]
     )
+    assert (
+        code_of(lambda: a.digest.answer_reply(sent, uneven, peer_id=b.node_id)) == mesh.MESH_ERROR_MALFORMED
+    )
+    crowded = mesh.DigestOpen(
+        gen=1, sender_id=a.node_id, bucket_count=1, bucket_hashes=[0], suspected=[b.node_id] * 17
+    )
+    assert code_of(lambda: b.digest.answer_open(crowded, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
+    odd = mesh.DigestOpen(gen=1, sender_id=a.node_id, bucket_count=1, bucket_hashes=[0], suspected=[b"x" * 5])
+    assert code_of(lambda: b.digest.answer_open(odd, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
 
 
 def test_bucket_counts_are_powers_of_two_within_bounds():

@@ -10,7 +10,8 @@ from helpers.gossip_sim import SimMesh
 from meshnode.membership.revocation import revoke_node
 from meshnode.wire.pb import mesh
 
-pytestmark = pytest.mark.timeout(600)
+# About two minutes on one core: marked slow (it still runs in CI).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def predicted_rounds(members: int, fanout: int) -> int:
@@ -57,19 +58,32 @@ def test_a_record_change_reaches_everyone_within_the_predicted_rounds(mesh_of_30
     assert not sim.refusals
 
 
+def held_across(side: list, other: list) -> int:
+    """(member, member of the other side) pairs where the first still lists the second."""
+    ids = {n.node_id for n in other}
+    return sum(len(ids & set(n.state.table.peer_ids())) for n in side)
+
+
 def test_a_partitioned_half_rejoins():
-    sim = SimMesh(128, seed=5)
+    # Tombstones of 40 rounds: a member confirmed down is taken again from others' gossip only
+    # once its tombstone expires (meshnode.mesh.rules.resolve_announcement), 60 s by default.
+    sim = SimMesh(128, seed=5, tombstone_ttl_rounds=40)
     sim.join_all_through(sim.nodes[0])
     converge(sim, 20)
-    half = sim.nodes[64:]
-    sim.partition(half)
+    left, right = sim.nodes[:64], sim.nodes[64:]
+    sim.partition(right)
     for node in sim.nodes[::9]:
         node.change_record()  # on both sides of the cut
-    for _ in range(8):
+    for _ in range(30):
         sim.gossip_round()
     assert not sim.converged()  # the changes made on one side have not crossed
+    # Each side's probes confirmed the other down: at most 1 % of the pairs across still listed.
+    assert held_across(left, right) + held_across(right, left) <= 2 * 64 * 64 // 100
     sim.heal()
-    converge(sim, 30)
+    # Members retry peers they removed; one that answers refutes the suspicion with a fresher
+    # record of its own, and the rest follows by gossip once the tombstones expire.
+    converge(sim, 40 + 20)
+    assert sim.missing_serving_records() == 0
     assert not sim.refusals
 
 
@@ -113,3 +127,19 @@ def test_forged_and_revoked_records_are_refused_everywhere():
         assert removed.node_id not in node.state.table
     # The removed member's exchanges are refused with the revocation's code.
     assert set(sim.refusals) == {"MESH_ERROR_REVOKED"}
+
+
+def test_a_killed_member_is_removed_everywhere_within_the_predicted_rounds(mesh_of_300):
+    sim = mesh_of_300
+    killed = sim.nodes[42]
+    sim.kill(killed)
+    # Found by a probe or a failed exchange in its first round, suspected once the helpers fail
+    # too, the suspicion spreads as a record does (a round a hop, each hearer probing it itself),
+    # and each removes it suspicion_rounds after its own probes failed.
+    bound = 1 + predicted_rounds(len(sim.nodes), sim.fanout) + killed.detector.suspicion_rounds + 1
+    rounds = 0
+    while sim.knowing_down(killed) < len(sim.live()) - 1:
+        sim.gossip_round()
+        rounds += 1
+        assert rounds <= bound
+    assert not sim.refusals
