@@ -5,7 +5,7 @@ between two members (Cassandra's digest-then-pull, with Merkle-style buckets) is
 four frames on one stream, none of which needs the whole table:
 
 1. the opener's :class:`~meshnode.wire.pb.mesh.DigestOpen`: its table (its own record
-   included) split into ``bucket_count`` buckets by node id, one 64-bit hash per
+   included) split into ``bucket_count`` buckets by node id, one 32-bit hash per
    bucket (the XOR of a hash of each record's node id, incarnation and sequence),
    and a summary of its revocations;
 2. the responder's ``DigestReply``: for the buckets whose hash differs, its own
@@ -57,8 +57,8 @@ from meshnode.wire.pb import mesh
 
 # About this many records per bucket: a changed record makes the responder list its bucket,
 # so the fewer per bucket the smaller the reply, and the more buckets the larger the summary
-# (8 bytes each). Eight balances them: at 1,024 nodes a summary is 1 KiB and a bucket's
-# versions about 400 bytes.
+# (4 bytes each). Eight balances them: at 1,024 nodes a summary is 512 bytes and a bucket's
+# versions about 160.
 RECORDS_PER_BUCKET = 8
 
 Version = tuple[int, int]
@@ -72,7 +72,7 @@ def record_version(announcement: mesh.PeerAnnouncement) -> Version:
 def version_hash(node_id: bytes, version: Version) -> int:
     incarnation, sequence = version
     data = node_id + incarnation.to_bytes(8, "big", signed=True) + sequence.to_bytes(8, "big")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "big")
 
 
 def revocation_id(revocation: membership.Revocation) -> int:
