@@ -68,6 +68,9 @@ class PeerTable:
         # Where removed peers last said they listen, the latest removal last; unlike a tombstone
         # it does not expire (a member that stopped may come back there), only the oldest goes.
         self._departed: dict[bytes, str] = {}
+        # Bumped whenever an entry is added, updated or removed: a summary of the table computed
+        # at one count is still right while the count is unchanged (delta gossip's digests).
+        self.changes = 0
 
     def __contains__(self, peer_id: bytes) -> bool:
         return peer_id in self._entries
@@ -91,6 +94,9 @@ class PeerTable:
 
     def peer_ids(self) -> list[bytes]:
         return list(self._entries)
+
+    def tombstoned_ids(self) -> list[bytes]:
+        return list(self._tombstones)
 
     def tombstone(self, peer_id: bytes) -> Tombstone | None:
         return self._tombstones.get(peer_id)
@@ -126,6 +132,7 @@ class PeerTable:
             elif action is MergeAction.ADD:
                 copy = mesh.PeerAnnouncement()
                 copy.CopyFrom(announcement)
+                self.changes += 1
                 self._entries[peer_id] = PeerEntry(
                     copy, record.signed, first_seen_ns=now_ns, last_heard_ns=now_ns
                 )
@@ -136,6 +143,7 @@ class PeerTable:
                 assert entry is not None
                 entry.announcement.CopyFrom(announcement)
                 entry.record = record.signed
+                self.changes += 1
                 entry.last_heard_ns = now_ns
                 report.updated.append(peer_id)
             elif action is MergeAction.IGNORE_TOMBSTONED:
@@ -150,6 +158,7 @@ class PeerTable:
         entry = self._entries.pop(peer_id, None)
         if entry is None:
             return False
+        self.changes += 1
         self._tombstones[peer_id] = Tombstone(
             freshness(entry.announcement), now_ns + self.tombstone_ttl_ns, reason
         )

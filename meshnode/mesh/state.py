@@ -40,6 +40,7 @@ unchanged, and merges only records that verify against the node they name.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
@@ -58,9 +59,9 @@ from meshnode.membership.revocation import Learned, RevocationList, Revoked
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.credential_gate import Admission, CredentialGate
 from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
-from meshnode.mesh.peer_table import MergeReport, PeerTable
+from meshnode.mesh.peer_table import MergeReport, PeerEntry, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
-from meshnode.mesh.validation import validate_gossip_frame
+from meshnode.mesh.validation import MAX_PEERS_PER_FRAME, validate_gossip_frame
 from meshnode.sansio import SECOND_NS
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal
@@ -120,6 +121,9 @@ class MeshState:
         max_peers: int = 1024,
         revocations: RevocationList | None = None,
         certificate_ttl_s: float = DEFAULT_CERTIFICATE_TTL_S,
+        # Records of others a GossipFrame carries besides ours. Under delta gossip
+        # (meshnode.mesh.digest_gossip) a frame only admits, and 0 keeps it small.
+        frame_table_limit: int = MAX_PEERS_PER_FRAME - 1,
     ) -> None:
         if membership is None and invite is None:
             raise ValueError("a node needs either a membership or an invite")
@@ -140,6 +144,9 @@ class MeshState:
         # None until start_heartbeat: a state that never heartbeats has no timer.
         self._next_heartbeat_ns: int | None = None
         self._events: list[MeshEvent] = []
+        self.frame_table_limit = min(frame_table_limit, MAX_PEERS_PER_FRAME - 1)
+        # Where the next gossip frame's page of a table too large for one frame starts.
+        self._page_start = 0
         self.gate = CredentialGate(
             node_id=self.node_id,
             mesh_id=mesh_id,
@@ -260,11 +267,23 @@ class MeshState:
     def gossip_frame(self, verifier_id: bytes) -> mesh.GossipFrame:
         frame = mesh.GossipFrame(gen=NODE_PROTOCOL_GENERATION, sender_id=self.node_id)
         frame.entries.add().record.CopyFrom(self.local_record())
-        for entry in self.table.entries():
+        for entry in self._table_page(self.frame_table_limit):
             frame.entries.add().record.CopyFrom(entry.record)
         frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
         frame.revocations.extend(self.revocations.signed())
         return frame
+
+    def _table_page(self, limit: int) -> list[PeerEntry]:
+        """The whole table when it fits a frame; past that, ``limit`` entries from where the last
+        page ended, so that successive frames carry all of it. A frame listing more than
+        ``MAX_PEERS_PER_FRAME`` is refused as malformed: a whole table of 256 peers or more once
+        made every frame of every member refused."""
+        entries = self.table.entries()
+        if len(entries) <= limit:
+            return entries
+        start = self._page_start % len(entries)
+        self._page_start = start + limit
+        return (entries[start:] + entries[:start])[:limit]
 
     def refusal_frame(self, refusal: MeshRefusal) -> mesh.GossipFrame:
         """A refusal, with our revocations: a removed node is shown the signed reason, which it can
@@ -387,6 +406,14 @@ class MeshState:
             self._admitted.discard(peer_id)  # refused now: no stream of it is served until it proves again
             raise
 
+    def merge_relayed(
+        self, entries: Iterable[mesh.GossipEntry], *, peer_id: bytes, now_ns: int, unix_now: float
+    ) -> MergeReport:
+        """Merge records an admitted peer relayed outside a GossipFrame (delta gossip,
+        :mod:`meshnode.mesh.digest_gossip`): each is verified against the node it names and a
+        revoked node's is dropped, as in a frame; the sender's own record need not be among them."""
+        return self._merge(self._open_relayed(entries, peer_id, unix_now), now_ns)
+
     def _open_records(self, frame: mesh.GossipFrame, peer_id: bytes, unix_now: float) -> OpenedGossip:
         """The frame's sound records; refuses the frame when the sender's own is not one."""
         opened = open_gossip_entries(
@@ -394,6 +421,18 @@ class MeshState:
         )
         self.record_drops.update(drop.fault.value for drop in opened.dropped)
         opened.sender_record()
+        return self._without_revoked(opened)
+
+    def _open_relayed(
+        self, entries: Iterable[mesh.GossipEntry], peer_id: bytes, unix_now: float
+    ) -> OpenedGossip:
+        opened = open_gossip_entries(
+            entries, sender=peer_id, mesh_id=self.mesh_id, unix_now=unix_now, held=self.table.record_of
+        )
+        self.record_drops.update(drop.fault.value for drop in opened.dropped)
+        return self._without_revoked(opened)
+
+    def _without_revoked(self, opened: OpenedGossip) -> OpenedGossip:
         # A removed node's record is not merged from anyone: others may not have heard of its removal yet.
         kept = [r for r in opened.records if self.revocations.node(r.node_id) is None]
         if len(kept) != len(opened.records):

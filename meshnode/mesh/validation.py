@@ -7,6 +7,7 @@ these bound counts and strings so a frame cannot fill the peer table).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -25,6 +26,13 @@ MAX_TEXT = 256
 MAX_NONCE = 32
 # Revocations one frame may carry: the most a node keeps (meshnode.membership.revocation).
 MAX_REVOCATIONS_PER_FRAME = 4096
+# Delta gossip (meshnode.mesh.digest_gossip): buckets in one summary, versions in one reply
+# (about 50 bytes each), and records or revocations wanted in one frame.
+MAX_DIGEST_BUCKETS = 1024
+MAX_DIGEST_ENTRIES_PER_FRAME = 1024
+MAX_WANTED_PER_FRAME = MAX_PEERS_PER_FRAME
+# Suspicions one digest frame passes on (meshnode.mesh.failure_detector).
+MAX_SUSPECTED_PER_FRAME = 16
 # The slowest step a node may announce for its range (ServedShard.speed), per token: a minute.
 # A stage slower than that serves no one, and the bound keeps a head's route costs finite.
 MAX_STAGE_US_PER_TOKEN = 60_000_000
@@ -135,6 +143,75 @@ def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes)
         )
 
 
+def _check_header(gen: int, sender_id: bytes, authenticated_peer_id: bytes, what: str) -> None:
+    check_generation(gen, what)
+    check_sender(sender_id, authenticated_peer_id, f"{what}.sender_id")
+
+
+def validate_digest_open(frame: mesh.DigestOpen, authenticated_peer_id: bytes) -> None:
+    _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestOpen")
+    count = frame.bucket_count
+    if not 0 < count <= MAX_DIGEST_BUCKETS or count & (count - 1):
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED,
+            f"DigestOpen.bucket_count {count} is not a power of two within 1..{MAX_DIGEST_BUCKETS}",
+        )
+    if len(frame.bucket_hashes) != count:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestOpen.bucket_hashes does not match bucket_count")
+    _check_suspected(frame.suspected, "DigestOpen")
+
+
+def _check_suspected(suspected: Sequence[bytes], what: str) -> None:
+    if len(suspected) > MAX_SUSPECTED_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_SUSPECTED_PER_FRAME} suspects in one {what}"
+        )
+    for node_id in suspected:
+        check_node_id(node_id, f"{what}.suspected")
+
+
+def validate_digest_reply(frame: mesh.DigestReply, authenticated_peer_id: bytes, bucket_count: int) -> None:
+    """``bucket_count``: the one the opener's DigestOpen announced (the opener's own, not the peer's)."""
+    _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestReply")
+    listed = len(frame.node_prefixes)
+    if listed > MAX_DIGEST_ENTRIES_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_DIGEST_ENTRIES_PER_FRAME} digest entries in one frame"
+        )
+    if len(frame.incarnations) != listed or len(frame.sequences) != listed:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestReply's version lists differ in length")
+    if len(frame.listed_buckets) > bucket_count or any(b >= bucket_count for b in frame.listed_buckets):
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, "DigestReply lists a bucket the opener did not summarize"
+        )
+    _check_suspected(frame.suspected, "DigestReply")
+    if len(frame.revocation_ids) > MAX_REVOCATIONS_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_REVOCATIONS_PER_FRAME} revocation ids in one frame"
+        )
+
+
+def validate_digest_push(frame: mesh.DigestPush, authenticated_peer_id: bytes) -> None:
+    _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestPush")
+    _check_records_and_revocations(len(frame.entries), len(frame.revocations), "DigestPush")
+    if len(frame.wanted) > MAX_WANTED_PER_FRAME or len(frame.wanted_revocations) > MAX_WANTED_PER_FRAME:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_WANTED_PER_FRAME} wanted in one frame")
+
+
+def validate_digest_records(frame: mesh.DigestRecords, authenticated_peer_id: bytes) -> None:
+    _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestRecords")
+    _check_records_and_revocations(len(frame.entries), len(frame.revocations), "DigestRecords")
+
+
+def _check_records_and_revocations(records: int, revocations: int, what: str) -> None:
+    if records > MAX_PEERS_PER_FRAME:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_PEERS_PER_FRAME} records in one {what}")
+    if revocations > MAX_WANTED_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_WANTED_PER_FRAME} revocations in one {what}"
+        )
+
+
 def validate_route_request(request: mesh.RouteTableRequest, authenticated_peer_id: bytes) -> None:
     check_generation(request.gen, "RouteTableRequest")
     if request.requester_id:
@@ -159,12 +236,22 @@ def validate_probe(probe: mesh.Probe) -> None:
 
 
 __all__ = [
+    "MAX_DIGEST_BUCKETS",
+    "MAX_DIGEST_ENTRIES_PER_FRAME",
+    "MAX_PEERS_PER_FRAME",
+    "MAX_REVOCATIONS_PER_FRAME",
     "MAX_STAGE_US_PER_TOKEN",
+    "MAX_SUSPECTED_PER_FRAME",
+    "MAX_WANTED_PER_FRAME",
     "check_generation",
     "check_node_id",
     "check_sender",
     "decode",
     "validate_announcement",
+    "validate_digest_open",
+    "validate_digest_push",
+    "validate_digest_records",
+    "validate_digest_reply",
     "validate_gossip_frame",
     "validate_peer_down",
     "validate_peer_leaving",

@@ -54,6 +54,12 @@ class NodeConfig:
     quic: QuicConfig = field(default_factory=QuicConfig)
     # Hole punching, the LAN shortcut and the watch over direct paths to peers behind NAT.
     traversal: TraversalConfig = field(default_factory=TraversalConfig)
+    # Delta gossip (meshnode.mesh.digest_gossip): each heartbeat a digest exchange with
+    # gossip_fanout peers of an active view of active_view, instead of the whole table with
+    # every peer. Off by default while it is new.
+    delta_gossip: bool = False
+    gossip_fanout: int = 3
+    active_view: int = 8
 
     @property
     def effective_peer_timeout(self) -> float:

@@ -2,8 +2,9 @@
 
 When each beat is due and which peer went stale are :class:`~meshnode.mesh.state.MeshState`'s
 decisions (pure, on its timer); :class:`Heartbeat` acts on them: at each beat the keeper
-renews this node's certificate when it is due, the node gossips with every peer (with the
-known peers while the table lists none), and every tenth beat the membership is saved; a
+renews this node's certificate when it is due, the node gossips with every peer (or, under delta
+gossip, by digest with a few: :mod:`meshnode.node.delta_gossip`; with the known peers while the
+table lists none), and every tenth beat the membership is saved; a
 stale peer is suspected (:class:`~meshnode.node.liveness.Liveness`).
 """
 
@@ -13,6 +14,7 @@ import time
 
 from meshnode.mesh.state import HeartbeatDue, MeshState, PeerStale
 from meshnode.node.background_tasks import BackgroundTasks
+from meshnode.node.delta_gossip import DeltaGossip
 from meshnode.node.gossip import Gossip
 from meshnode.node.liveness import Liveness
 from meshnode.node.membership_keeper import MembershipKeeper
@@ -24,9 +26,16 @@ _SAVE_EVERY_BEATS = 10
 
 class Heartbeat:
     def __init__(
-        self, state: MeshState, keeper: MembershipKeeper, gossip: Gossip, liveness: Liveness
+        self,
+        state: MeshState,
+        keeper: MembershipKeeper,
+        gossip: Gossip,
+        liveness: Liveness,
+        delta: DeltaGossip | None = None,
     ) -> None:
+        """``delta``: gossip by digest with a few peers each beat instead of in full with all."""
         self._state = state
+        self._delta = delta
         self._keeper = keeper
         self._gossip = gossip
         self._liveness = liveness
@@ -49,7 +58,10 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self._keeper.on_heartbeat()
-        self._gossip.with_all()
+        if self._delta is not None:
+            self._delta.round()
+        else:
+            self._gossip.with_all()
         if not len(self._state.table) and self._state.is_member:
             self._gossip.with_known_peers()
         if self._beats % _SAVE_EVERY_BEATS == 0 and self._state.is_member:

@@ -60,6 +60,7 @@ from meshnode.mesh.state import MeshState
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.bootstrap import Bootstrap
 from meshnode.node.config import DEFAULT_LISTEN, DEFAULT_PORT, JoinError, NodeConfig
+from meshnode.node.delta_gossip import DeltaGossip
 from meshnode.node.gossip import Gossip
 from meshnode.node.heartbeat import Heartbeat
 from meshnode.node.liveness import Liveness
@@ -119,6 +120,8 @@ class Node:
             tombstone_ttl_ns=_to_ns(config.tombstone_ttl),
             revocations=load_revocations(data_dir, mesh_id),
             certificate_ttl_s=config.certificate_ttl,
+            # Under delta gossip a GossipFrame only admits: the digest brings the table.
+            **({"frame_table_limit": 0} if config.delta_gossip else {}),
         )
         if membership is not None:
             local.relays.extend(
@@ -174,7 +177,21 @@ class Node:
             gossip_timeout=config.gossip_timeout,
             connect_timeout=config.connect_timeout,
         )
-        self._heartbeat = Heartbeat(self.state, self.keeper, self.gossip, self._liveness)
+        self.delta_gossip = (
+            DeltaGossip(
+                self.state,
+                self.gossip,
+                self._liveness,
+                self._background,
+                fanout=config.gossip_fanout,
+                active_view=config.active_view,
+                gossip_timeout=config.gossip_timeout,
+                connect_timeout=config.connect_timeout,
+            )
+            if config.delta_gossip
+            else None
+        )
+        self._heartbeat = Heartbeat(self.state, self.keeper, self.gossip, self._liveness, self.delta_gossip)
         self._bootstrap = Bootstrap(
             self.state, self.keeper, self._connections, self.gossip, self._background, known_peers
         )
@@ -187,6 +204,8 @@ class Node:
         self.dispatcher.register(
             StreamType.ROUTE_REQUEST, self.gossip.serve_route_request, before_admission=True
         )
+        if self.delta_gossip is not None:
+            self.dispatcher.register(StreamType.GOSSIP_DIGEST, self.delta_gossip.serve)
         self.dispatcher.register(StreamType.PEER_DOWN, self._liveness.serve_peer_down)
         self.dispatcher.register(StreamType.PEER_LEAVING, self._liveness.serve_peer_leaving)
         self.dispatcher.register(StreamType.PROBE, self._liveness.serve_probe)

@@ -38,6 +38,8 @@ class StreamType(IntEnum):
     """First byte of every stream (or relay channel)."""
 
     GOSSIP = 0x01
+    # Delta gossip between admitted members: a digest, then what differs (mesh.proto DigestOpen).
+    GOSSIP_DIGEST = 0x02
     ROUTE_REQUEST = 0x05
     PEER_DOWN = 0x06
     PEER_LEAVING = 0x07

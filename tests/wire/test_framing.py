@@ -73,8 +73,8 @@ def test_encoder_refuses_before_producing_any_byte():
 def test_unknown_stream_type_and_the_decoder_stays_failed():
     decoder = FrameDecoder(expect_stream_type=True)
     with pytest.raises(UnknownStreamType) as info:
-        decoder.feed(b"\x02" + encode_frame(b"x"))
-    assert info.value.value == 0x02
+        decoder.feed(b"\x03" + encode_frame(b"x"))
+    assert info.value.value == 0x03
     with pytest.raises(UnknownStreamType):
         decoder.feed(encode_frame(b"y"))
 

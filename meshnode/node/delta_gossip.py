@@ -1,0 +1,141 @@
+"""Delta gossip on the node's links: the asyncio edge of :mod:`meshnode.mesh.digest_gossip`.
+
+With ``NodeConfig.delta_gossip`` the heartbeat does not exchange the whole table with
+every peer: :meth:`DeltaGossip.round` takes ``fanout`` peers of the partial view's active
+view (:class:`~meshnode.mesh.partial_view.PartialView`) and runs a digest exchange with
+each (four frames on one GOSSIP_DIGEST stream). The first contact with a peer is still a
+full GossipFrame exchange (:meth:`Gossip.get_link`), which admits both sides; under
+delta gossip that frame carries no table (``MeshState.frame_table_limit``), the digest
+brings the rest. What the records and revocations mean, and every check on them, is the
+pure machine's; a peer that does not answer is suspected as a heartbeat's is
+(:class:`~meshnode.node.liveness.Liveness`).
+
+Not yet here (issue 57): links to peers that leave the active view stay open, liveness
+still rides on each record's heartbeat sequence (so every record changes every beat),
+and the SWIM failure detector (:mod:`meshnode.mesh.failure_detector`) is not wired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from meshnode.identity import short_id
+from meshnode.mesh.digest_gossip import DigestExchangeReport, DigestGossip
+from meshnode.mesh.message_reader import read_message
+from meshnode.mesh.partial_view import PartialView
+from meshnode.mesh.state import MeshState
+from meshnode.node.background_tasks import BackgroundTasks
+from meshnode.node.gossip import Gossip
+from meshnode.node.liveness import Liveness
+from meshnode.node.peer_failures import PEER_FAILURES
+from meshnode.transport.base import PeerLink, StreamReset
+from meshnode.transport.framed import FramedStream
+from meshnode.wire.framing import StreamType
+from meshnode.wire.mesh_refusal import MeshRefusal, RemoteRefusal, refusal_from_reset_code
+from meshnode.wire.pb import mesh
+
+log = logging.getLogger(__name__)
+
+
+class DeltaGossip:
+    def __init__(
+        self,
+        state: MeshState,
+        gossip: Gossip,
+        liveness: Liveness,
+        background: BackgroundTasks,
+        *,
+        fanout: int,
+        active_view: int,
+        gossip_timeout: float,
+        connect_timeout: float,
+    ) -> None:
+        self._state = state
+        self._gossip = gossip
+        self._liveness = liveness
+        self._background = background
+        self._fanout = fanout
+        self._gossip_timeout = gossip_timeout
+        self._connect_timeout = connect_timeout
+        self._digest = DigestGossip(state)
+        self.view = PartialView(state.node_id, active_size=active_view, passive_size=4 * active_view)
+        self._in_round: set[bytes] = set()
+        # Digest exchanges completed, opened and served (the status report's and the tests' reading).
+        self.exchanges = 0
+
+    def round(self) -> None:
+        """A heartbeat's gossip: a digest exchange with ``fanout`` peers of the active view."""
+        self.view.refresh(set(self._state.table.peer_ids()))
+        for peer_id in self.view.targets(self._fanout):
+            if peer_id not in self._in_round:
+                self._background.spawn(self._with_peer(peer_id))
+
+    async def _with_peer(self, peer_id: bytes) -> None:
+        self._in_round.add(peer_id)
+        try:
+            async with asyncio.timeout(self._connect_timeout + 2 * self._gossip_timeout):
+                link = await self._gossip.get_link(peer_id)
+                await self.exchange(link)
+        except RemoteRefusal as refusal:
+            log.info("peer %s refused our digest: %s", short_id(peer_id), refusal.detail)
+        except MeshRefusal as refusal:
+            log.info("refused the digest reply of %s: %s", short_id(peer_id), refusal.detail)
+        except PEER_FAILURES as exc:
+            log.debug("digest with %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
+            self.view.drop(peer_id, failed=True)
+            self._liveness.suspect(peer_id, reporter=None)
+        finally:
+            self._in_round.discard(peer_id)
+
+    async def exchange(self, link: PeerLink) -> DigestExchangeReport:
+        """The opening side: our digest, their versions, our push and wants, their records."""
+        peer_id = link.peer_id
+        async with asyncio.timeout(self._gossip_timeout):
+            stream = await link.open_stream(StreamType.GOSSIP_DIGEST)
+            try:
+                sent = self._digest.open()
+                await stream.send_frame(sent.SerializeToString())
+                reply = await read_message(stream, mesh.DigestReply, None)
+                push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
+                await stream.send_frame(push.SerializeToString())
+                stream.finish()
+                records = await read_message(stream, mesh.DigestRecords, None)
+            except StreamReset as exc:
+                refusal = refusal_from_reset_code(exc.error_code)
+                if refusal is not None:
+                    raise refusal from None
+                raise
+            finally:
+                stream.close()
+        report = self._digest.take_records(
+            records, peer_id=peer_id, now_ns=time.monotonic_ns(), unix_now=time.time()
+        )
+        self._after(peer_id, report)
+        return report
+
+    async def serve(self, stream: FramedStream) -> None:
+        """The accepting side (GOSSIP_DIGEST, from admitted peers only: the dispatcher's rule)."""
+        peer_id = stream.peer_id
+        opened = await read_message(stream, mesh.DigestOpen, self._gossip_timeout)
+        await stream.send_frame(self._digest.answer_open(opened, peer_id=peer_id).SerializeToString())
+        push = await read_message(stream, mesh.DigestPush, self._gossip_timeout)
+        records, report = self._digest.answer_push(
+            push, peer_id=peer_id, now_ns=time.monotonic_ns(), unix_now=time.time()
+        )
+        await stream.send_frame(records.SerializeToString())
+        self._after(peer_id, report)
+
+    def _after(self, peer_id: bytes, report: DigestExchangeReport) -> None:
+        self.exchanges += 1
+        evicted = self.view.accept(peer_id)
+        if evicted is not None:
+            log.debug("%s left our active view for %s", short_id(evicted), short_id(peer_id))
+        for added in report.merged.added:
+            log.info("peer %s joined our view (via %s)", short_id(added), short_id(peer_id))
+        # Revocations learned spread as the full gossip's do.
+        self._gossip.spread_learned()
+
+
+__all__ = ["DeltaGossip"]
