@@ -63,7 +63,7 @@ from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.identity import short_id
 from meshnode.logs import mib
-from meshnode.mesh.placement import Range, Replacement, choose_range
+from meshnode.mesh.placement import Claim, Range, Replacement, choose_range, claim_keeps
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh
@@ -280,8 +280,10 @@ class AutoShard:
         if budget is None:
             raise PlacementError("cannot tell this machine's free memory; say --memory-budget")
         found = coverage(self._announcements(), model, exclude=self._node.node_id)
-        # Claims of lower node ids keep their range against this node's (choose_range's rule).
-        timed = self._timed(model, found, [c.node_id for c in found.claims if c.node_id < self._node.node_id])
+        # The claims that keep their range against this node's (claim_keeps: the faster, else the
+        # lower node id) count as served; the others yield to it.
+        keeps = self._claim_keeps(model)
+        timed = self._timed(model, found, [c.node_id for c in found.claims if keeps(c)])
         layers = None
         if timed is not None:
             layers = range_gaining_time(
@@ -300,6 +302,7 @@ class AutoShard:
                 found.served_ranges,
                 found.claims,
                 self._node.node_id,
+                keeps,
             )
         if layers is None:
             cheapest = min(costs.per_layer) + costs.shared
@@ -381,12 +384,21 @@ class AutoShard:
         return None if own is None else estimated_speed(own, layers)
 
     def _contested(self, model: MeshModel, layers: Range) -> bool:
-        """Whether a node with a lower id claims layers overlapping ``layers``."""
+        """Whether a claim that keeps its range against this node's overlaps ``layers``."""
         found = coverage(self._announcements(), model, exclude=self._node.node_id)
+        keeps = self._claim_keeps(model)
         return any(
-            claim.node_id < self._node.node_id and claim.layers[0] < layers[1] and layers[0] < claim.layers[1]
+            keeps(claim) and claim.layers[0] < layers[1] and layers[0] < claim.layers[1]
             for claim in found.claims
         )
+
+    def _claim_keeps(self, model: MeshModel) -> Callable[[Claim], bool]:
+        """Whether another node's claim keeps its range against this node's (claim_keeps): by
+        the speeds the two claims say, when this node places by time and knows its own."""
+        own_id = self._node.node_id
+        own = self._own_us_per_layer(model) if self._settings.place_by == PLACE_BY_TIME else None
+        theirs = announced_per_layer(self._announcements(), model) if own is not None else {}
+        return lambda claim: claim_keeps(claim.node_id, theirs.get(claim.node_id), own_id, own)
 
     async def _fetch(self, partial: PartialModel, layers: Range, header: Any) -> None:
         assert self._model is not None

@@ -3,8 +3,11 @@
 A node that joins with no ``--layers`` takes the range that helps most: layers nobody
 serves first, then the least-replicated ones, as many as its memory budget holds.
 Before it loads, it announces its choice as a claim; of two nodes joining at the same
-moment, the one with the lower node id keeps a contested range and the other counts
-that claim as served, so they end on different ranges. Once serving, a node moves only
+moment, one keeps a contested range and the other counts that claim as served, so they end
+on different ranges: the faster, where both claims say their speed and one is faster by
+more than :data:`CLAIM_SPEED_MARGIN` (a slow machine that happened to choose first must not
+keep the range a faster one wanted: no later move can undo that when the two ranges only
+work together), else the lower node id (:func:`claim_keeps`). Once serving, a node moves only
 when another range would cover at least ``min_gain_layers`` more uncovered layers and
 that stays true for ``settle_ns`` (:class:`Replacement`): a gap that closes by itself, or
 coverage that flickers while nodes come and go, moves nobody (the oscillation Petals'
@@ -15,7 +18,7 @@ Pure: coverage comes in as ranges, time as ``now_ns``; :mod:`meshnode.autoplace.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 Range = tuple[int, int]
@@ -69,6 +72,25 @@ def best_range(counts: Sequence[int], layer_bytes: Sequence[int], budget_bytes: 
     return None if best is None else best[1]
 
 
+# How much faster per layer one claimer must say it is for its claim to keep a contested range
+# against a lower node id's: a margin, so that two estimates of alike machines (each side reads
+# the other's from its signed claim, rounded) never make both sides keep, or both yield.
+CLAIM_SPEED_MARGIN = 0.25
+
+
+def claim_keeps(
+    claimer: bytes, claimer_us_per_layer: float | None, other: bytes, other_us_per_layer: float | None
+) -> bool:
+    """Whether ``claimer``'s claim keeps its range against ``other``'s; both sides compute the
+    same answer from the same two claims. Speeds are per-layer decode times (None: not said)."""
+    if claimer_us_per_layer and other_us_per_layer:
+        if claimer_us_per_layer * (1 + CLAIM_SPEED_MARGIN) < other_us_per_layer:
+            return True
+        if other_us_per_layer * (1 + CLAIM_SPEED_MARGIN) < claimer_us_per_layer:
+            return False
+    return claimer < other
+
+
 def choose_range(
     n_layers: int,
     layer_bytes: Sequence[int],
@@ -76,13 +98,17 @@ def choose_range(
     served: Sequence[Range],
     claims: Sequence[Claim],
     node_id: bytes,
+    keeps: Callable[[Claim], bool] | None = None,
 ) -> Range | None:
     """The range ``node_id`` should take, given the ranges served and the other nodes' claims;
-    None when its budget holds no layer. Claims of lower node ids count as served; claims of
-    higher ones yield to this node, so simultaneous joiners never settle on the same gap."""
+    None when its budget holds no layer. Claims that keep their range against this node's
+    (``keeps``; by default those of lower node ids) count as served; the others yield to this
+    node, so simultaneous joiners never settle on the same gap."""
     if len(layer_bytes) != n_layers:
         raise ValueError(f"{len(layer_bytes)} layer sizes for {n_layers} layers")
-    taken = [*served, *(claim.layers for claim in claims if claim.node_id < node_id)]
+    if keeps is None:
+        keeps = lambda claim: claim.node_id < node_id  # noqa: E731
+    taken = [*served, *(claim.layers for claim in claims if keeps(claim))]
     return best_range(replica_counts(n_layers, taken), layer_bytes, budget_bytes)
 
 

@@ -97,6 +97,7 @@ async def placing(
     estimate: float | None,
     measured_us: int,
     probe: Callable[[ServeRequest], Awaitable[StageSpeed | None]] | None = None,
+    claim_settle_s: float = 1.0,
 ) -> AsyncIterator[AutoShard]:
     holdings = Holdings()
     ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(node)
@@ -104,7 +105,7 @@ async def placing(
         store_dir=tmp_path / f"store-{node.node_id.hex()[:8]}",
         memory_budget=budget_for(model),
         poll_s=0.1,
-        claim_settle_s=1.0,
+        claim_settle_s=claim_settle_s,
         move_settle_s=0.5,
         place_by=place_by,
         speed_estimate=estimate,
@@ -245,6 +246,60 @@ async def test_two_joiners_placing_at_once_price_each_other_by_the_speed_their_c
             first = fast_placement if fast.node_id < slow.node_id else slow_placement
             assert first.status()["placed_by"] == "time"
         await slow.shutdown()
+
+
+async def test_a_faster_joiner_takes_a_gap_a_slower_one_with_a_lower_id_claimed_first(tmp_path):
+    """The creator serves layers [0, 2) of six; a joiner a third as fast, with the lower node id,
+    claims the gap [2, 6) first (nothing else covers it), then a joiner as fast as the creator
+    chooses. By node id alone the fast one would yield and the slow one would hold four layers
+    (12 ms, the route's pace, since a hop runs to its range's end no later move can relieve it);
+    by speed the faster claim keeps the gap, the slow one yields, and the route runs at 4 ms at
+    most."""
+    model = ensure_tiny_model()
+    creator = await start_first_node(tmp_path)
+    joiners: list[Node] = []
+    try:
+        head = (0, 2)
+        announce(creator, build_manifest(model).root, head, speed_for(head, CREATOR_US_PER_LAYER))
+        holdings = Holdings()
+        holdings.add(FullModel(model))
+        ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(creator)
+        joiners = [await start_joiner(tmp_path, name, creator) for name in ("j1", "j2")]
+        slow, fast = sorted(joiners, key=lambda node: node.node_id)
+        await eventually(lambda: len(slow.peers()) == 2 and len(fast.peers()) == 2, what="a full mesh")
+        async with placing(
+            tmp_path, slow, model, place_by="time", estimate=1 / 3,
+            measured_us=3 * CREATOR_US_PER_LAYER, claim_settle_s=5.0,
+        ) as slow_placement:  # fmt: skip
+            await eventually(
+                lambda: slow_placement.status()["state"] == "claiming"
+                and any(entry.peer_id == slow.node_id and entry.announcement.HasField("serving")
+                        for entry in fast.peers()),
+                what="the slow joiner's claim seen by the fast one",
+            )  # fmt: skip
+            first_claim = slow_placement.layers
+            async with placing(
+                tmp_path, fast, model, place_by="time", estimate=1.0,
+                measured_us=CREATOR_US_PER_LAYER, claim_settle_s=5.0,
+            ) as fast_placement:  # fmt: skip
+                await eventually(
+                    lambda: placed(fast_placement) and placed(slow_placement), timeout=60, what="both placed"
+                )
+                fast_layers, slow_layers = placed(fast_placement), placed(slow_placement)
+                assert fast_layers is not None and slow_layers is not None
+        assert first_claim == (2, 6)
+        assert fast_layers == (2, 6)
+        stages = [
+            TimedRange(head, CREATOR_US_PER_LAYER),
+            TimedRange(fast_layers, CREATOR_US_PER_LAYER),
+            TimedRange(slow_layers, 3 * CREATOR_US_PER_LAYER),
+        ]
+        # The fast one's four layers, or a route through one layer of the slow one's (3 ms).
+        assert route_bottleneck(TINY_N_LAYERS, stages) <= 4 * CREATOR_US_PER_LAYER, stages
+    finally:
+        for joiner in joiners:
+            await joiner.shutdown()
+        await creator.shutdown()
 
 
 @pytest.mark.parametrize("place_by", ["time", "memory"])

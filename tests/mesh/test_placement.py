@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.mesh.placement import Claim, Replacement, affordable_layers, choose_range, replica_counts
+from meshnode.mesh.placement import (
+    Claim,
+    Replacement,
+    affordable_layers,
+    choose_range,
+    claim_keeps,
+    replica_counts,
+)
 
 LAYERS = 18
 UNIFORM = [10] * LAYERS  # bytes per layer
@@ -74,3 +81,27 @@ def test_a_small_gain_never_moves_a_node() -> None:
     assert mover.consider((0, 8), LAYERS, UNIFORM, 90, [(9, 18)], 0) is None
     # Where the node is is already the best: no move.
     assert mover.consider((0, 9), LAYERS, UNIFORM, 90, [(9, 18)], 0) is None
+
+
+def test_of_two_claims_the_one_faster_by_the_margin_keeps_the_range_else_the_lower_id():
+    low, high = b"\x01" * 32, b"\x02" * 32
+    # Unknown speeds, or alike within the margin: the lower node id keeps, as before.
+    assert claim_keeps(low, None, high, 1_000.0) and not claim_keeps(high, 1_000.0, low, None)
+    assert claim_keeps(low, 1_200.0, high, 1_000.0) and not claim_keeps(high, 1_000.0, low, 1_200.0)
+    # Faster by more than the margin: the faster keeps, whatever its id.
+    assert claim_keeps(high, 1_000.0, low, 3_000.0) and not claim_keeps(low, 3_000.0, high, 1_000.0)
+    # Exactly one side keeps, for any pair: both sides compute the same answer.
+    for a, b in [(500.0, 620.0), (500.0, 630.0), (None, 10.0), (7.0, 7.0), (1.0, 100.0)]:
+        assert claim_keeps(low, a, high, b) != claim_keeps(high, b, low, a)
+
+
+def test_a_claim_that_does_not_keep_its_range_does_not_count_as_served():
+    layer_bytes = [10] * 6
+    slow_claim = Claim(b"\x01" * 32, (2, 6))
+    # By node id the lower id's claim is served, so this node takes what is left to replicate.
+    assert choose_range(6, layer_bytes, 40, [(0, 2)], [slow_claim], b"\x02" * 32) != (2, 6)
+    # Told the claim yields (a slower claimer), this node takes the gap itself.
+    assert choose_range(6, layer_bytes, 40, [(0, 2)], [slow_claim], b"\x02" * 32, lambda claim: False) == (
+        2,
+        6,
+    )
