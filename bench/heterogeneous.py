@@ -11,8 +11,8 @@ Three real ``meshnode`` processes on this machine, three times over, each time a
    same moment with only an invite, no model, each with a ``--memory-budget`` of
    ``--joiner-layers`` layers and the output table, and ``--place-by memory`` (placement by
    bytes, as before issue 55). C is slowed: its process (and every thread and child it starts)
-   is put in a CPU cgroup with a quota of ``--slow-share`` of one core (cgroup v2 ``cpu.max``
-   or v1 ``cpu.cfs_quota_us``; root needed), from the moment it starts, so its speed probe,
+   is put in a CPU cgroup with a quota of ``--slow-share`` of one core in every 10 ms period
+   (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; root needed), from the moment it starts, so its speed probe,
    fetch and serving are all slow, as on a slow machine.
 2. **time**: the same, with ``--place-by time`` (the default): each joiner probes its speed
    before it claims, claims announce it, and ranges go by time.
@@ -26,9 +26,9 @@ Three real ``meshnode`` processes on this machine, three times over, each time a
 In each mesh, after a warm-up generation (and, where nodes placed themselves, once no node has
 moved for ``--settle`` seconds, a short generation every few seconds meanwhile: a joiner that
 claimed before a faster one arrived moves once the gain has lasted a minute): ``--runs`` greedy generations of ``--tokens`` tokens
-one at a time through A's API (decode tokens/s, the median), then ``--streams`` at once
-(their decode tokens together over the time from the first one's first token to the last
-one's end). The summary prints time ÷ memory (issue target >= 1.3) and time ÷ ideal (target
+one at a time through A's API (decode tokens/s, the median), then ``--runs`` times
+``--streams`` at once (their decode tokens together over the time from the first one's first
+token to the last one's end; the median). The summary prints time ÷ memory (issue target >= 1.3) and time ÷ ideal (target
 >= 0.9), one stream and ``--streams``.
 
 All processes share this machine's cores; each node runs ``--threads`` threads (1 by default:
@@ -80,7 +80,10 @@ Layers = tuple[int, int]
 class CpuQuota:
     """A CPU cgroup whose processes together get ``share`` of one core, v2 or v1."""
 
-    PERIOD_US = 100_000
+    # Short, so the quota binds within a few milliseconds: with the default 100 ms a 6 ms probe
+    # decode runs at full speed on the period's budget (the slowed node probed itself as fast as
+    # the others), while a slow machine is slow in every millisecond.
+    PERIOD_US = 10_000
 
     def __init__(self, share: float) -> None:
         name = f"meshnode-bench-slow-{os.getpid()}"
@@ -140,6 +143,8 @@ class MeshRun:
     single_tps: float = 0.0
     concurrent_tps: float = 0.0
     moved: bool = False
+    # The route A's head would take now, as its status says: node[start, end) per hop.
+    route: str = ""
 
 
 def _serving(child: Child) -> dict[str, Any] | None:
@@ -234,8 +239,10 @@ async def run_mesh(
             (await api_run(api, prompts[i % len(prompts)], args.tokens)).decode_tps for i in range(args.runs)
         ]
         run.single_tps = statistics.median(singles)
-        run.concurrent_tps = await _concurrent(api, prompts[: args.streams], args.tokens)
+        concurrent = [await _concurrent(api, prompts[: args.streams], args.tokens) for _ in range(args.runs)]
+        run.concurrent_tps = statistics.median(concurrent)
         after = _snapshot(mesh, run)
+        run.route = _route(mesh)
         run.moved = after != run.ranges
         if run.moved:
             print(f"  {label}: ranges moved during the measurement: {run.ranges} -> {after}", flush=True)
@@ -243,8 +250,9 @@ async def run_mesh(
             f"  {label}: ranges {_ranges(run.ranges)}; announced ms/token "
             + ", ".join(f"{n} {run.decode_ms[n]:.1f} ({run.sources[n]})" for n in NODES if n in run.decode_ms)
             + (f"; placed by {run.placed_by}" if run.placed_by else "")
+            + f"; route {run.route or 'not shown'}"
             + f"; decode {run.single_tps:.2f} tokens/s one stream (runs {', '.join(f'{t:.2f}' for t in singles)}),"
-            f" {run.concurrent_tps:.2f} with {args.streams} streams",
+            f" {run.concurrent_tps:.2f} with {args.streams} streams (runs {', '.join(f'{t:.2f}' for t in concurrent)})",
             flush=True,
         )
         return run
@@ -292,6 +300,26 @@ async def _settled(
         print(f"  {run.label}: still moving after {args.settle_max:.0f} s", flush=True)
     api, _ = await mesh.wait_route("A")
     return api
+
+
+def _route(mesh: LocalMesh) -> str:
+    """A's head's route now (its status' routes section), its hops named by node."""
+    from meshnode.identity import short_id
+
+    names = {}
+    for name in NODES:
+        status = mesh.child(name).status() or {}
+        if node_id := status.get("node", {}).get("id"):
+            names[short_id(bytes.fromhex(node_id))] = name
+    status = mesh.child("A").status() or {}
+    routes = (status.get("sections", {}).get("routes") or {}).get("routes") or []
+    return "; ".join(
+        " ".join(
+            f"{names.get(hop['node'], hop['node'])}[{hop['layers'][0]},{hop['layers'][1]})"
+            for hop in route["hops"]
+        )
+        for route in routes
+    )
 
 
 def _ranges(ranges: dict[str, Layers]) -> str:
@@ -398,7 +426,9 @@ def main() -> None:
     parser.add_argument("--first-layers", type=int, default=4, help="A's layers [0, N) (4)")
     parser.add_argument("--joiner-layers", type=int, default=7, help="layers a joiner's budget holds (7)")
     parser.add_argument("--tokens", type=int, default=24, help="generated per request (24)")
-    parser.add_argument("--runs", type=int, default=3, help="one-stream generations, median (3)")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="one-stream generations and concurrent rounds, median (3)"
+    )
     parser.add_argument("--streams", type=int, default=4, help="concurrent streams (4)")
     parser.add_argument("--threads", type=int, default=1, help="threads a node (1)")
     parser.add_argument("--ctx", type=int, default=512, help="context a session (512)")
