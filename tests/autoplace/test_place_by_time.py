@@ -241,10 +241,11 @@ async def test_two_joiners_placing_at_once_price_each_other_by_the_speed_their_c
                 TimedRange(slow_layers, 3 * CREATOR_US_PER_LAYER),
             ]
             assert route_bottleneck(TINY_N_LAYERS, stages) == 3 * CREATOR_US_PER_LAYER, stages
-            # The first to choose saw the creator's speed and its own: by time. (The other, pricing
-            # the first's claim, takes a range by time where one gains, else by memory.)
-            first = fast_placement if fast.node_id < slow.node_id else slow_placement
-            assert first.status()["placed_by"] == "time"
+            # The fast joiner's claim keeps its range against the slow one's whatever their ids
+            # (claim_keeps: three times as fast), so it chose seeing the creator's speed and its
+            # own: by time. (The slow one, pricing the fast one's claim, takes a range by time
+            # where one gains, else by memory.)
+            assert fast_placement.status()["placed_by"] == "time"
         await slow.shutdown()
 
 
