@@ -67,8 +67,8 @@ class BatchStats:
     recent_busy: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=_BUSY_INTERVALS_KEPT))
     sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BOUNDS))
     queue_wait_s: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BOUNDS_S))
-    # The running batch's (decodes, prefills, tokens), and the step times smoothed from the
-    # finished ones (the range's speed the node announces).
+    # The running batch's (decodes, prefills, tokens, share of the range's work it runs), and the
+    # step times smoothed from the finished ones (the range's speed the node announces).
     running_work: tuple[int, int, int, float] | None = None
     speed: StageSpeedMeter = field(default_factory=StageSpeedMeter)
     # What computing layers [start, end) of the range costs (any unit); the shard sets the
