@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshnode.mesh.placement import (
+    LastingChoice,
     Range,
     affordable_layers,
     best_range,
@@ -204,8 +205,7 @@ class TimeReplacement:
         self.min_gain = min_gain
         self.min_gain_layers = min_gain_layers
         self.settle_ns = settle_ns
-        self._candidate: Range | None = None
-        self._since_ns = 0
+        self._lasting = LastingChoice(settle_ns)
 
     def target(
         self,
@@ -242,15 +242,7 @@ class TimeReplacement:
         """The range to move to now, or None to stay: a better range must stay the same better
         range for ``settle_ns``. ``others``: the rest of the mesh (this node left out)."""
         best = self.target(current, n_layers, layer_bytes, budget_bytes, others, own_us_per_layer)
-        if best is None:
-            self._candidate = None
-            return None
-        if best != self._candidate:
-            self._candidate, self._since_ns = best, now_ns
-        if now_ns - self._since_ns < self.settle_ns:
-            return None
-        self._candidate = None
-        return best
+        return self._lasting.settled(best, now_ns)
 
 
 __all__ = [

@@ -116,6 +116,28 @@ def uncovered(counts: Sequence[int], layers: Range) -> int:
     return sum(1 for layer in range(*layers) if counts[layer] == 0)
 
 
+class LastingChoice:
+    """Hysteresis of a move: the same better range must be seen for ``settle_ns`` in a row."""
+
+    def __init__(self, settle_ns: int) -> None:
+        self.settle_ns = settle_ns
+        # The better range seen, and since when it has stayed better.
+        self._candidate: Range | None = None
+        self._since_ns = 0
+
+    def settled(self, better: Range | None, now_ns: int) -> Range | None:
+        """``better`` (None: nothing is better now) once it has lasted; None meanwhile."""
+        if better is None:
+            self._candidate = None
+            return None
+        if better != self._candidate:
+            self._candidate, self._since_ns = better, now_ns
+        if now_ns - self._since_ns < self.settle_ns:
+            return None
+        self._candidate = None
+        return better
+
+
 class Replacement:
     """Whether a serving node should move, with hysteresis: only for a large and lasting gain."""
 
@@ -124,9 +146,7 @@ class Replacement:
             raise ValueError("a move needs a positive gain and a non-negative settle time")
         self.min_gain_layers = min_gain_layers
         self.settle_ns = settle_ns
-        # The better range seen, and since when it has stayed better.
-        self._candidate: Range | None = None
-        self._since_ns = 0
+        self._lasting = LastingChoice(settle_ns)
 
     def consider(
         self,
@@ -142,19 +162,13 @@ class Replacement:
         counts = replica_counts(n_layers, others_served)
         best = best_range(counts, layer_bytes, budget_bytes)
         gain = 0 if best is None else uncovered(counts, best) - uncovered(counts, current)
-        if best is None or best == current or gain < self.min_gain_layers:
-            self._candidate = None
-            return None
-        if best != self._candidate:
-            self._candidate, self._since_ns = best, now_ns
-        if now_ns - self._since_ns < self.settle_ns:
-            return None
-        self._candidate = None
-        return best
+        better = None if best is None or best == current or gain < self.min_gain_layers else best
+        return self._lasting.settled(better, now_ns)
 
 
 __all__ = [
     "Claim",
+    "LastingChoice",
     "Range",
     "Replacement",
     "affordable_layers",
