@@ -171,6 +171,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
             open_link=lane.lanes.open_link,
             own_speed=own_speed,
             probe=lambda request: probe_speed(node.node_id, probe_config(serving_options(request))),
+            is_slow=lambda: slow_stages.watch.is_slow(node.node_id),
         )
     except StoreInUse as exc:
         raise CliError(str(exc)) from None

@@ -7,7 +7,9 @@ gossip what the mesh serves, takes the layer range that helps most within
 layers. ``--place-by time`` (the default) sizes the range by how fast this node is against
 the others, where speeds are known (``--speed-estimate`` states this node's before it has
 measured its own); ``--place-by memory`` by memory alone. ``--claim-settle`` and ``--move-settle`` are the waits that keep two joiners
-off one gap and a serving node from chasing coverage that flickers.
+off one gap and a serving node from chasing coverage that flickers. Placing by time, a node
+whose stage is found slow gives up the layers faster replicas serve (``--no-slow-yield``: it
+keeps them).
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         "(default: measured before the first claim, by loading and timing one layer)",
     )
     group.add_argument(
+        "--slow-yield",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --place-by time, when this node's stage has long been far slower than the others' "
+        "for its layers, give up the layers faster nodes also serve, after --move-settle (the "
+        "default); --no-slow-yield keeps them",
+    )
+    group.add_argument(
         "--claim-settle",
         type=positive,
         default=None,
@@ -115,6 +125,7 @@ def placement_settings(args: argparse.Namespace, data_dir: Path) -> AutoPlaceCon
         move_settle_s=args.move_settle,
         place_by=args.place_by,
         speed_estimate=args.speed_estimate,
+        slow_yield=args.slow_yield,
     )
 
 

@@ -57,6 +57,7 @@ def format_status(status: dict[str, Any]) -> str:
     placement = (status.get("sections") or {}).get("placement")
     if placement:
         lines.append(_placement_text(placement))
+        lines += _slow_yield_lines(placement.get("slow_yield"))
     files = (status.get("sections") or {}).get("files") or {}
     lines += [f"  preparing: {_progress_text(file_pass)}" for file_pass in files.get("passes", [])]
     lines.append(f"peers ({len(status['peers'])}):")
@@ -322,6 +323,27 @@ def _placement_text(placement: dict[str, Any]) -> str:
     if transfer and not transfer.get("finished"):
         text += f": {_progress_text(transfer)}"
     return text
+
+
+def _slow_yield_lines(section: dict[str, Any] | None) -> list[str]:
+    """The layers this node gives up, or gave up, to faster replicas for being slow
+    (meshnode.autoplace.auto_shard.AutoShard.status): ``  giving up layers in 20 of 60 s: stage
+    3.00 ms/layer vs median 1.00; layers [3, 5) served faster by node ab12cd; now serving [5, 6)``."""
+    if not section:
+        return []
+    lines = []
+    pending = section.get("pending")
+    if pending:
+        runs = ", ".join(f"[{start}, {end})" for start, end in pending["given_up"])
+        lines.append(
+            f"  giving up layers {runs} to faster node {', '.join(pending['faster_nodes'])} "
+            f"in {max(0.0, pending['settle_s'] - pending['pending_s']):.0f} s "
+            f"(stage {pending['stage_ms_per_layer']:.2f} ms/layer vs median {pending['median_ms_per_layer']:.2f})"
+        )
+    last = section.get("last")
+    if last:
+        lines.append(f"  gave up layers for being slow: {last['reason']}")
+    return lines
 
 
 def _progress_text(progress: dict[str, Any]) -> str:

@@ -21,6 +21,10 @@ The steps, each logged:
    route faster by ``move_min_gain`` or cover layers nobody serves, for long enough; only then
    drain, claim the new range and go back to step 4. The settle time is stretched by a share
    of the node id, so two nodes that see the same gap do not both move at once.
+7. **Yield when slow**: placing by time, a node whose own stage is found slow (``is_slow``: the
+   verdict of :class:`meshnode.mesh.slow_stage.SlowStageWatch`) gives up the layers faster
+   replicas serve, through the same move (:class:`.slow_yield.SlowYield`, the same settle time),
+   and says so in its log and status; ``slow_yield`` off (``--no-slow-yield``) keeps them.
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ from meshnode.autoplace.mesh_models import (
     coverage,
     most_needed,
 )
+from meshnode.autoplace.slow_yield import SlowYield, YieldPlan
 from meshnode.autoplace.speed_inputs import (
     OwnSpeed,
     announced_per_layer,
     estimated_speed,
     probe_layers,
+    served_replicas,
     timed_others,
 )
 from meshnode.autoplace.time_balance import TimedRange, TimeReplacement, range_gaining_time
@@ -109,6 +115,13 @@ class ServeRequest:
 StartServing = Callable[[ServeRequest], Awaitable[Serving]]
 
 
+@dataclass(frozen=True)
+class _Move:
+    layers: Range
+    # Why, for the log line of the move.
+    reason: str
+
+
 class AutoShard:
     def __init__(
         self,
@@ -121,6 +134,8 @@ class AutoShard:
         open_link: OpenLink | None = None,
         own_speed: Callable[[], StageSpeed | None] | None = None,
         probe: Callable[[ServeRequest], Awaitable[StageSpeed | None]] | None = None,
+        is_slow: Callable[[], bool] | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._node = node
         # What artifact streams are opened on (the bulk lanes: TLS/TCP to a direct peer, else QUIC).
@@ -156,6 +171,13 @@ class AutoShard:
         # unknown, or none gaining enough); and what a serving node's moves go by now.
         self._placed_by: str | None = None
         self._moves_by: str | None = None
+        # Whether this node's stage is found slow now (None: never); what its moves are timed by
+        # (monotonic ns, a test's own).
+        self._is_slow = is_slow
+        self._clock = clock
+        # The yield rule of the range served now, and the last yield made.
+        self._slow_yield: SlowYield | None = None
+        self._last_yield: YieldPlan | None = None
 
     # -- what `meshnode status` shows -------------------------------------------------
 
@@ -179,7 +201,25 @@ class AutoShard:
             **({} if own is None else {"decode_ms_per_layer": round(own / 1_000, 3)}),
             **({} if self._settings.speed_estimate is None else {"estimate": self._settings.speed_estimate}),
         }
+        report["slow_yield"] = self._slow_yield_status()
         return report
+
+    def _slow_yield_status(self) -> dict[str, Any]:
+        """Whether this node gives up layers when found slow, the yield waiting to last, the last made."""
+        report: dict[str, Any] = {"enabled": self._settings.slow_yield, "slow": self._slow_now()}
+        watching = self._slow_yield
+        if watching is not None and watching.pending is not None and watching.pending_since_ns is not None:
+            report["pending"] = {
+                **watching.pending.to_json(),
+                "pending_s": round((self._clock() - watching.pending_since_ns) / SECOND_NS, 1),
+                "settle_s": round(watching.settle_ns / SECOND_NS, 1),
+            }
+        if self._last_yield is not None:
+            report["last"] = {**self._last_yield.to_json(), "reason": self._last_yield.describe()}
+        return report
+
+    def _slow_now(self) -> bool:
+        return self._is_slow is not None and self._is_slow()
 
     @property
     def serving(self) -> Serving | None:
@@ -233,18 +273,11 @@ class AutoShard:
             )
             self._state = "serving"
             log.info("serving %s layers [%d, %d) placed by the mesh", model.name, *layers)
-            moved_to = await self._watch(model, costs, layers)
-            log.info(
-                "moving from layers [%d, %d) to [%d, %d): %s",
-                *layers,
-                *moved_to,
-                "the mesh's best route is faster that way, or they cover layers nobody serves"
-                if self._moves_by == PLACE_BY_TIME
-                else "they cover layers nobody serves",
-            )
+            move = await self._watch(model, costs, layers)
+            log.info("moving from layers [%d, %d) to [%d, %d): %s", *layers, *move.layers, move.reason)
             self._state = "moving"
             await self._let_go(drain=True)
-            layers = await self._claim(model, costs, preferred=moved_to)
+            layers = await self._claim(model, costs, preferred=move.layers)
 
     async def _wait_for_model(self) -> ModelCoverage:
         announced = False
@@ -432,11 +465,12 @@ class AutoShard:
             f"; quarantined {describe_sources(report.quarantined)}" if report.quarantined else "",
         )
 
-    async def _watch(self, model: MeshModel, costs: LayerCosts, layers: Range) -> Range:
+    async def _watch(self, model: MeshModel, costs: LayerCosts, layers: Range) -> _Move:
         replacement = Replacement(
             min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
         )
         timed_replacement = self._time_replacement()
+        self._slow_yield = self._new_slow_yield()
         while True:
             await asyncio.sleep(self._settings.poll_s)
             if self._read_own_speed is not None:
@@ -453,27 +487,53 @@ class AutoShard:
                     min_gain_layers=self._settings.min_gain_layers, settle_ns=self._move_settle_ns
                 )
                 timed_replacement = self._time_replacement()
+                self._slow_yield = self._new_slow_yield()
                 self._moves_by = moves_by
-            if timed is not None:
-                moved_to = timed_replacement.consider(
-                    layers,
-                    model.total_layers,
-                    list(costs.per_layer),
-                    max(0, budget - costs.shared),
-                    *timed,
-                    time.monotonic_ns(),
-                )
-            else:
+            now_ns = self._clock()
+            if timed is None:
                 moved_to = replacement.consider(
                     layers,
                     model.total_layers,
                     list(costs.per_layer),
                     max(0, budget - costs.shared),
                     [*found.served_ranges, *(claim.layers for claim in found.claims)],
-                    time.monotonic_ns(),
+                    now_ns,
                 )
+                if moved_to is not None:
+                    return _Move(moved_to, "they cover layers nobody serves")
+                continue
+            moved_to = timed_replacement.consider(
+                layers,
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                *timed,
+                now_ns,
+            )
             if moved_to is not None:
-                return moved_to
+                return _Move(
+                    moved_to, "the mesh's best route is faster that way, or they cover layers nobody serves"
+                )
+            given_up = self._slow_yield.consider(
+                self._settings.slow_yield and self._slow_now(),
+                layers,
+                model.total_layers,
+                list(costs.per_layer),
+                max(0, budget - costs.shared),
+                served_replicas(found, announced_per_layer(self._announcements(), model)),
+                *timed,
+                now_ns,
+            )
+            if given_up is not None:
+                self._last_yield = given_up
+                log.warning(
+                    "this node's stage slows every route through it: giving up layers to faster replicas: %s",
+                    given_up.describe(),
+                )
+                return _Move(given_up.target, "giving up layers faster replicas serve")
+
+    def _new_slow_yield(self) -> SlowYield:
+        return SlowYield(join_min_gain=self._settings.join_min_gain, settle_ns=self._move_settle_ns)
 
     def _time_replacement(self) -> TimeReplacement:
         return TimeReplacement(

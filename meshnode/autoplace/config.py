@@ -36,6 +36,9 @@ class AutoPlaceConfig:
     # it needs more).
     join_min_gain: float = 0.1
     move_min_gain: float = 0.25
+    # Placing by time, a node whose stage is found slow gives up the layers faster replicas serve
+    # (meshnode.autoplace.slow_yield); off: it keeps them.
+    slow_yield: bool = True
 
 
 __all__ = ["PLACE_BY_MEMORY", "PLACE_BY_TIME", "AutoPlaceConfig"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshnode.autoplace.mesh_models import Announcements, MeshModel, ModelCoverage
+from meshnode.autoplace.slow_yield import Replica
 from meshnode.autoplace.time_balance import TimedRange, us_per_layer
 from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.mesh.placement import Range
@@ -74,6 +75,15 @@ def timed_others(
     if any(node_id not in per_layer for node_id, _ in ranged):
         return None
     return [TimedRange(layers, per_layer[node_id]) for node_id, layers in ranged]
+
+
+def served_replicas(found: ModelCoverage, per_layer: PerLayer) -> list[Replica]:
+    """The ranges served now (claims left out: not serving yet) by nodes announcing a speed, priced."""
+    return [
+        Replica(node_id, layers, per_layer[node_id])
+        for node_id, layers in found.served
+        if node_id in per_layer
+    ]
 
 
 def estimated_speed(own_us_per_layer: float, layers: Range) -> mesh.StageSpeed:
@@ -137,4 +147,12 @@ class OwnSpeed:
         return "stated" if self.stated_factor is not None else "unknown"
 
 
-__all__ = ["OwnSpeed", "PerLayer", "announced_per_layer", "estimated_speed", "probe_layers", "timed_others"]
+__all__ = [
+    "OwnSpeed",
+    "PerLayer",
+    "announced_per_layer",
+    "estimated_speed",
+    "probe_layers",
+    "served_replicas",
+    "timed_others",
+]

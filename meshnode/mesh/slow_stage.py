@@ -17,7 +17,8 @@ has been over for ``lasting_ns`` without a break, and stops being slow once it h
 for ``lasting_ns``. A short-lived slowdown (a neighbour's burst, a page fault) makes no
 verdict; the announced figures are smoothed already, this makes the verdict last.
 
-Giving up layers is placement's decision: :meth:`SlowStageWatch.verdict` is what it can ask.
+Giving up layers is placement's decision: :meth:`SlowStageWatch.is_slow` is what it asks
+(meshnode.autoplace.slow_yield, run by meshnode.autoplace.auto_shard).
 """
 
 from __future__ import annotations
