@@ -12,8 +12,10 @@ busy runs at its pace for all of them. This rule gives them up:
   announces a per-layer decode time faster than this node's by :data:`FASTER_MARGIN`;
 * the new range is the hull of the layers no faster node serves: the layers served faster are
   dropped from the range's ends, never a layer only this node (or only slower nodes) serves, so no
-  layer is left uncovered. A node serves one contiguous range, so layers served faster between
-  two it must keep stay with it;
+  layer is left uncovered by the mesh gossip shows (a faster node that starts moving just as the
+  yield is made leaves a gap for as long as its move takes, which the coverage rule of placement
+  closes like any other). A node serves one contiguous range, so layers served faster between two
+  it must keep stay with it;
 * when a faster node serves every layer of its range, it goes where placement by time would put
   it as a joiner (:func:`.time_balance.range_gaining_time`: the shortest window that makes the
   best route faster by ``join_min_gain``), and stays where no window gains that. It does not
