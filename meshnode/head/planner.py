@@ -7,12 +7,17 @@ twice. Among the chains that cover ``[0, total_layers)`` the cheapest wins,
 where a hop costs a fixed per-hop overhead plus its round-trip time plus a
 load penalty plus its compute time: fewer, closer, idler, faster hops first.
 Load is a shard's share of its capacity in use (active / max sessions), so of
-two replicas of a range the less loaded takes the next session; compute time is
-the decode time per token the shard announces for its range
-(``ServedShard.speed``), scaled to the layers the route asks of it, so of two
-replicas the faster takes sessions until its load outweighs the difference (a
-shard that announces none costs what it did before speeds were announced).
-Equal costs go to the lower node id, so every head plans alike.
+two equal replicas of a range the less loaded takes the next session; compute
+time is the decode time per token the shard announces for its range
+(``ServedShard.speed``), scaled to the layers the route asks of it.
+
+The load penalty of a shard that announces its speed is a share of that compute
+(:data:`FULL_LOAD_SHARE_OF_COMPUTE` when full, at least
+:data:`MIN_FULL_LOAD_PENALTY_MS`), so of two replicas one more than about that
+share (and that floor) faster takes every session until it is full, small gaps
+as well as large (3 ms against 9 ms as on a CPU, 30 against 90); a shard that announces no
+speed keeps the fixed :data:`FULL_LOAD_PENALTY_MS` it had before speeds were
+announced. Equal costs go to the lower node id, so every head plans alike.
 :func:`plan_route_with_room` leaves shards at capacity out while another chain
 exists: the faster replica, once full, spills to the slower.
 
@@ -33,8 +38,18 @@ from meshnode.wire.errors import MeshnodeError
 # A hop costs at least this much (ms) even on loopback: serialization, a
 # network round trip, Python on both ends. It makes fewer hops win ties.
 HOP_OVERHEAD_MS = 2.0
-# Load penalty (ms) for a fully loaded peer (active sessions == capacity).
+# Load penalty (ms) for a fully loaded peer (active sessions == capacity) that announces no speed.
 FULL_LOAD_PENALTY_MS = 50.0
+# A full peer that announces its speed costs this share of the compute the route asks of it
+# more. No more than the margin by which the mesh counts one node faster than another
+# (mesh.placement.CLAIM_SPEED_MARGIN, autoplace.slow_yield.FASTER_MARGIN: 25 %), so a replica
+# faster by that keeps taking sessions until it is full, while equal replicas still spread by
+# load; the fixed 50 ms outweighed every gap below 50 ms and sent sessions to the slower early.
+FULL_LOAD_SHARE_OF_COMPUTE = 0.25
+# ... and at least this (ms), so load still outweighs round-trip differences of a fraction of a
+# millisecond between equal replicas whose compute is short (a 1 ms GPU range would otherwise
+# cost 0.25 ms more when full, and half a ms of round trip would pile every session on one).
+MIN_FULL_LOAD_PENALTY_MS = 2.0
 
 
 class NoRouteError(MeshnodeError):
@@ -99,11 +114,18 @@ class ShardCandidate:
 
     def cost_from_ms(self, position: int) -> float:
         """The hop's cost when a route enters it at layer ``position`` (it runs the rest of its range)."""
-        return (
-            self.link_ms
-            + FULL_LOAD_PENALTY_MS * self.load
-            + self.compute_ms(self.end_layer - max(position, self.start_layer))
-        )
+        layers = self.end_layer - max(position, self.start_layer)
+        return self.link_ms + self.load_penalty_ms(layers) + self.compute_ms(layers)
+
+    def load_penalty_ms(self, layers: int) -> float:
+        """What its load adds to the hop's cost when it runs ``layers`` of its range: a share of
+        their announced compute, or the fixed penalty without an announcement. Not time a
+        step is expected to take (:mod:`meshnode.head.route_time` leaves it out): it spreads
+        sessions over replicas whose cost is otherwise alike."""
+        if self.decode_ms_per_token <= 0.0:
+            return FULL_LOAD_PENALTY_MS * self.load
+        full = max(FULL_LOAD_SHARE_OF_COMPUTE * self.compute_ms(layers), MIN_FULL_LOAD_PENALTY_MS)
+        return full * self.load
 
     @property
     def link_ms(self) -> float:

@@ -1,8 +1,13 @@
 """Routes by time: the planner adds each hop's announced decode time for the layers it runs."""
 
+import pytest
+
 from meshnode.head.candidates import shard_candidate
 from meshnode.head.planner import (
+    FULL_LOAD_PENALTY_MS,
+    FULL_LOAD_SHARE_OF_COMPUTE,
     HOP_OVERHEAD_MS,
+    MIN_FULL_LOAD_PENALTY_MS,
     ModelIdentity,
     ShardCandidate,
     plan_route,
@@ -48,7 +53,7 @@ def test_of_two_replicas_the_faster_wins_until_it_is_full_then_the_slower_takes_
         ]
 
     assert names(plan_route(pool(0), GEMMA)) == ["a", "fast"]
-    # Partly loaded, still faster than the idle slow one (10 + 50 * 1/4 < 30).
+    # Partly loaded, still faster than the idle slow one (10 + 2 * 1/4 < 30).
     assert names(plan_route_with_room(pool(1), GEMMA)) == ["a", "fast"]
     # Full: the slower replica takes the next session.
     assert names(plan_route_with_room(pool(4), GEMMA)) == ["a", "slow"]
@@ -101,19 +106,64 @@ def test_sessions_arriving_one_by_one_fill_the_three_times_faster_replica_then_s
     assert names(plan_route_with_room(ledger.adjust(pool), GEMMA)) == ["a", "fast"]
 
 
-def test_a_speed_gap_smaller_than_the_load_penalty_spreads_sessions_before_the_faster_is_full():
-    """The other side of the cost: a load penalty of up to FULL_LOAD_PENALTY_MS. Replicas 10 and
-    30 ms apart trade speed for load: the faster takes two sessions, then the idle slower one
-    is cheaper (10 + 50 * 2/4 > 30)."""
+def test_a_full_hop_that_announces_its_speed_costs_a_share_of_its_compute_more():
+    full = {"active_sessions": 4, "max_sessions": 4}
+    slow = candidate("slow", 0, 10, decode_ms_per_token=40.0, **full)
+    assert slow.cost_ms == pytest.approx(HOP_OVERHEAD_MS + 40.0 * (1 + FULL_LOAD_SHARE_OF_COMPUTE))
+    # Entered at layer 6 it runs 4 of its 10 layers: the penalty is a share of those (16 ms), half full.
+    half = candidate("half", 0, 10, decode_ms_per_token=40.0, active_sessions=2, max_sessions=4)
+    assert half.cost_from_ms(6) == pytest.approx(
+        HOP_OVERHEAD_MS + 16.0 + 0.5 * FULL_LOAD_SHARE_OF_COMPUTE * 16.0
+    )
+    # A short compute still pays the floor; without an announcement, the fixed penalty.
+    quick = candidate("quick", 0, 10, decode_ms_per_token=1.0, **full)
+    assert quick.cost_ms == pytest.approx(HOP_OVERHEAD_MS + 1.0 + MIN_FULL_LOAD_PENALTY_MS)
+    assert candidate("plain", 0, 10, **full).cost_ms == HOP_OVERHEAD_MS + FULL_LOAD_PENALTY_MS
+
+
+def picks_as_sessions_arrive(pool: list[ShardCandidate], sessions: int) -> list[str]:
+    """The replica each new session's route ends on, as a head holds them one by one."""
+    ledger = SessionLedger()
+    chosen = []
+    for _ in range(sessions):
+        route = plan_route_with_room(ledger.adjust(pool), GEMMA)
+        ledger.hold(route.node_ids)
+        chosen.append(names(route)[-1])
+    return chosen
+
+
+@pytest.mark.parametrize(("fast_ms", "slow_ms"), [(3.0, 9.0), (10.0, 30.0)])
+def test_the_faster_replica_takes_every_session_until_full_then_spills_whatever_the_gap(
+    fast_ms: float, slow_ms: float
+):
+    """Issue 55's acceptance for a gap far below the 50 ms fixed penalty too: 3 ms against 9 ms
+    per token, as two CPU replicas of one range may be. With that fixed penalty the head sent the
+    third session to the slower replica while the faster one had room."""
+    pool = [
+        candidate("a", 0, 9),
+        # Named so that a tie would go to "slow".
+        candidate("fast", 9, 18, decode_ms_per_token=fast_ms, max_sessions=4),
+        candidate("slow", 9, 18, decode_ms_per_token=slow_ms, max_sessions=4),
+    ]
+    assert picks_as_sessions_arrive(pool, 7) == ["fast"] * 4 + ["slow"] * 3
+
+
+def test_equal_replicas_that_announce_their_speed_still_spread_by_load():
+    b1 = candidate("b1", 9, 18, decode_ms_per_token=9.0, max_sessions=4)
+    b2 = candidate("b2", 9, 18, decode_ms_per_token=9.0, max_sessions=4)
+    assert picks_as_sessions_arrive([candidate("a", 0, 9), b1, b2], 4) == ["b1", "b2", "b1", "b2"]
+    # Round trips a fraction of a ms apart do not pile the sessions onto the closer one, however
+    # short the compute (the penalty's floor).
+    b1 = candidate("b1", 9, 18, decode_ms_per_token=1.0, max_sessions=4, rtt_ms=0.6)
+    b2 = candidate("b2", 9, 18, decode_ms_per_token=1.0, max_sessions=4, rtt_ms=0.3)
+    assert picks_as_sessions_arrive([candidate("a", 0, 9), b1, b2], 4) == ["b2", "b1", "b2", "b1"]
+
+
+def test_a_replica_only_a_little_faster_shares_the_sessions_before_it_is_full():
+    """Within the margin the mesh counts nodes alike by (15 % here), load decides before speed does."""
     pool = [
         candidate("a", 0, 9),
         candidate("fast", 9, 18, decode_ms_per_token=10.0, max_sessions=4),
-        candidate("slow", 9, 18, decode_ms_per_token=30.0, max_sessions=4),
+        candidate("slow", 9, 18, decode_ms_per_token=11.5, max_sessions=4),
     ]
-    ledger = SessionLedger()
-    chosen = []
-    for _ in range(3):
-        route = plan_route_with_room(ledger.adjust(pool), GEMMA)
-        ledger.hold(route.node_ids)
-        chosen.append(names(route)[1])
-    assert chosen == ["fast", "fast", "slow"]
+    assert picks_as_sessions_arrive(pool, 4) == ["fast", "fast", "fast", "slow"]
