@@ -37,6 +37,11 @@ from meshnode.wire.errors import MeshnodeError
 
 # A hop costs at least this much (ms) even on loopback: serialization, a
 # network round trip, Python on both ends. It makes fewer hops win ties.
+# Measured about 1.4 ms a hop on a quiet machine, 3-6 ms on a loaded one (bench/RESULTS.md).
+# Fixed, not measured by the head: it sees a decode step's time for the whole route
+# and the first hop's own execution time (Ack.execution_nanos), nothing per later hop,
+# so what is left after the announced compute cannot be told apart per hop, nor from
+# queueing behind other sessions (which the load penalty counts already).
 HOP_OVERHEAD_MS = 2.0
 # Load penalty (ms) for a fully loaded peer (active sessions == capacity) that announces no speed.
 FULL_LOAD_PENALTY_MS = 50.0
