@@ -19,3 +19,23 @@ class AuditEvidence(_message.Message):
     reporter_id: bytes
     convicted_unix_nanos: int
     def __init__(self, accused: _Optional[_Union[_shard_runtime_pb2.SignedCommitment, _Mapping]] = ..., witnesses: _Optional[_Iterable[_Union[_shard_runtime_pb2.SignedCommitment, _Mapping]]] = ..., reporter_id: _Optional[bytes] = ..., convicted_unix_nanos: _Optional[int] = ...) -> None: ...
+
+class EvidenceReportBody(_message.Message):
+    __slots__ = ("reporter_id", "mesh_id", "reported_unix", "evidence")
+    REPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    reporter_id: bytes
+    mesh_id: str
+    reported_unix: int
+    evidence: AuditEvidence
+    def __init__(self, reporter_id: _Optional[bytes] = ..., mesh_id: _Optional[str] = ..., reported_unix: _Optional[int] = ..., evidence: _Optional[_Union[AuditEvidence, _Mapping]] = ...) -> None: ...
+
+class EvidenceReport(_message.Message):
+    __slots__ = ("body", "signature")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    signature: bytes
+    def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
