@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import base64
 import time
+from pathlib import Path
 from typing import Any
 
 from meshnode.app.status import query_node_status
 from meshnode.commandline.cli_error import CliError
 from meshnode.commandline.data_dirs import node_data_dir
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.gen.meshnode.v1.audit_pb2 import AuditEvidence
 from meshnode.identity import IdentityError, load_identity, short_id
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.invite_ledger import invite_state, load_ledger
@@ -25,6 +27,9 @@ from meshnode.membership.revocation import MAX_REASON_CHARS, RevocationList, rev
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.statussocket.client import ask_node
 from meshnode.wire.mesh_refusal import MeshRefusal
+
+# How a removal's reason cites the evidence it was decided on (its digest follows, 64 hex digits).
+EVIDENCE_REASON_PREFIX = "audit evidence "
 
 NOT_ADMIN = (
     "this node is not an admin of its mesh: only admins hold the mesh key, so nothing it signed "
@@ -91,20 +96,58 @@ def _reason(args: argparse.Namespace) -> str:
     return str(args.reason)
 
 
+def _evidence_reason(path: Path, reason: str) -> tuple[bytes, str]:
+    """The node an evidence file convicts, and the removal's reason citing the evidence's digest
+    (``meshnode audit verify`` checks the same file; status shows the digest of evidence held)."""
+    # Imported here: the digests need numpy, which reading the command line must not load.
+    from meshnode.audit.evidence import MAX_EVIDENCE_BYTES, decode_evidence, verify_evidence_bytes
+    from meshnode.audit.evidence_report import evidence_digest
+
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_EVIDENCE_BYTES + 1)
+    except OSError as error:
+        raise CliError(f"cannot read {path}: {error.strerror or error}", code=2) from None
+    verdict = verify_evidence_bytes(data)
+    evidence = decode_evidence(data)
+    if not verdict.convicted or verdict.accused is None or not isinstance(evidence, AuditEvidence):
+        raise CliError(f"{path} is not evidence that convicts: {verdict.line()}", code=2)
+    print(verdict.line())
+    cited = f"{EVIDENCE_REASON_PREFIX}{evidence_digest(evidence).hex()}"
+    full = f"{cited}: {reason}" if reason else cited
+    if len(full) > MAX_REASON_CHARS:
+        room = MAX_REASON_CHARS - len(cited) - 2
+        raise CliError(f"with --evidence, --reason is at most {room} characters", code=2)
+    return verdict.accused, full
+
+
 def cmd_remove(args: argparse.Namespace) -> int:
     node_id, data_dir, ours = _membership(args)
     mesh_key = _admin_key(ours)
-    status = _running_status(args)
-    candidates: list[bytes] = []
-    if status is not None:
-        candidates += [bytes.fromhex(p["id"]) for p in status["peers"]]
-        candidates += [bytes.fromhex(m["id"]) for m in status.get("membership", {}).get("members", [])]
-    target = resolve_id(args.node, [c for c in candidates if c != node_id], "member")
+    reason = _reason(args)
+    accused: bytes | None = None
+    if args.evidence is not None:
+        accused, reason = _evidence_reason(args.evidence, reason)
+    elif args.node is None:
+        raise CliError("name the member to remove, or give --evidence FILE", code=2)
+    if args.node is None:
+        assert accused is not None
+        target = accused
+    else:
+        status = _running_status(args)
+        candidates: list[bytes] = [] if accused is None else [accused]
+        if status is not None:
+            candidates += [bytes.fromhex(p["id"]) for p in status["peers"]]
+            candidates += [bytes.fromhex(m["id"]) for m in status.get("membership", {}).get("members", [])]
+        target = resolve_id(args.node, [c for c in set(candidates) if c != node_id], "member")
+    if accused is not None and target != accused:
+        raise CliError(
+            f"the evidence convicts {short_id(accused)}, not {short_id(target)}: remove the node it names",
+            code=2,
+        )
     if target == node_id:
         raise CliError("an admin cannot remove itself (another admin can)", code=2)
-    revocation = revoke_node(
-        mesh_key, node_id=target, reason=_reason(args), issuer_id=node_id, unix_now=time.time()
-    )
+    revocation = revoke_node(mesh_key, node_id=target, reason=reason, issuer_id=node_id, unix_now=time.time())
     how = _publish(args, data_dir, revocation)
     print(f"removed node {short_id(target)} ({target.hex()}) from mesh {ours.mesh_id}; {how}")
     return 0
@@ -182,8 +225,20 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "certificate, gossip and sessions, every relay its registration, and it exits saying why. "
         "Permanent: the machine needs a new identity and invite to come back.",
     )
-    p.add_argument("node", metavar="NODE", help="the member's id (hex or short id, or a unique prefix)")
+    p.add_argument(
+        "node",
+        metavar="NODE",
+        nargs="?",
+        help="the member's id (hex or short id, or a unique prefix); with --evidence, the node it convicts",
+    )
     p.add_argument("--reason", default="", help="why; shown to the removed node and in status")
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        metavar="FILE",
+        help="audit evidence that convicts the member (what `meshnode audit verify` checks, e.g. from "
+        "`meshnode status --json`): checked first, and its digest is the removal's reason",
+    )
     p.set_defaults(handler=cmd_remove)
 
     p = subparsers.add_parser(
