@@ -1,4 +1,5 @@
-"""``meshnode remove``, ``meshnode admin grant``, and ``invite --list`` / ``--revoke``: an admin's commands.
+"""``meshnode remove``, ``meshnode admin grant``, ``meshnode policy``, and ``invite --list`` / ``--revoke``:
+an admin's commands.
 
 Each signs on the command line with the mesh key in the data directory (only an
 admin has one, so a plain member is told so and nothing is signed), then hands
@@ -23,6 +24,7 @@ from meshnode.gen.meshnode.v1.audit_pb2 import AuditEvidence
 from meshnode.identity import IdentityError, load_identity, short_id
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.invite_ledger import invite_state, load_ledger
+from meshnode.membership.mesh_policy import sign_policy
 from meshnode.membership.revocation import MAX_REASON_CHARS, RevocationList, revoke_invite, revoke_node
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.statussocket.client import ask_node
@@ -171,6 +173,42 @@ def cmd_admin_grant(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy(args: argparse.Namespace) -> int:
+    """Sign the mesh policy: the one in force changed as the options say (each option unsaid keeps
+    its value), issued after it so that it stands everywhere."""
+    node_id, data_dir, ours = _membership(args)
+    mesh_key = _admin_key(ours)
+    status = _running_status(args)
+    if status is None:
+        raise CliError("the node is not running: start it, then set the policy (it spreads it at once)")
+    evidence = status.get("evidence") or {}
+    current = evidence.get("policy") or {}
+    quarantine = bool(current.get("quarantine_on_evidence", False))
+    if args.quarantine_on_evidence is not None:
+        quarantine = args.quarantine_on_evidence == "on"
+    cleared = {bytes.fromhex(n) for n in current.get("cleared", [])}
+    known = [bytes.fromhex(h["accused_id"]) for h in evidence.get("held", [])]
+    known += [bytes.fromhex(p["id"]) for p in status["peers"]]
+    cleared |= {resolve_id(text, known, "accused node") for text in args.clear}
+    cleared -= {resolve_id(text, list(cleared), "cleared node") for text in args.unclear}
+    issued = max(time.time(), float(current.get("issued_unix", 0)) + 1)
+    try:
+        policy = sign_policy(
+            mesh_key, issuer_id=node_id, unix_now=issued, quarantine_on_evidence=quarantine, cleared=cleared
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
+    answer = ask_node(data_dir.path, "policy " + base64.b64encode(policy.SerializeToString()).decode("ascii"))
+    if "error" in answer:
+        raise CliError(f"the node refused the policy: {answer['error']}")
+    names = ", ".join(short_id(n) for n in sorted(cleared)) or "none"
+    print(
+        f"mesh policy: {'quarantine' if quarantine else 'no quarantine'} on audit evidence; cleared: {names}; "
+        "the node is spreading it to every peer"
+    )
+    return 0
+
+
 def list_invites(args: argparse.Namespace) -> int:
     _node_id, data_dir, ours = _membership(args)
     revocations = RevocationList(ours.mesh_id)
@@ -240,6 +278,28 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "`meshnode status --json`): checked first, and its digest is the removal's reason",
     )
     p.set_defaults(handler=cmd_remove)
+
+    p = subparsers.add_parser(
+        "policy",
+        parents=[common],
+        help="what nodes do on audit evidence against a member (admins)",
+        description="Sign the mesh policy with the mesh key; the running node spreads it to every peer. "
+        "With --quarantine-on-evidence on, a node that verified audit evidence against a member "
+        "quarantines it: no route goes through it and placement ignores its claims and the layers it "
+        "serves, until an admin clears it (--clear) or removes it. Options left out keep their value.",
+    )
+    p.add_argument("--quarantine-on-evidence", choices=("on", "off"), help="quarantine on valid evidence")
+    p.add_argument(
+        "--clear",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="clear an accused node: evidence against it changes nothing (repeatable)",
+    )
+    p.add_argument(
+        "--unclear", action="append", default=[], metavar="NODE", help="undo a --clear (repeatable)"
+    )
+    p.set_defaults(handler=cmd_policy)
 
     p = subparsers.add_parser(
         "admin",

@@ -158,7 +158,7 @@ class Gossip:
                 unix_now=time.time(),
             )
             # Only from a reply the state accepted: its sender is an admitted member.
-            self.evidence.learn(reply.evidence, link.peer_id)
+            self.evidence.take(reply, link.peer_id)
         except asyncio.CancelledError:
             done.cancel()
             raise
@@ -203,7 +203,7 @@ class Gossip:
             self.spread_learned()
             await stream.send_frame(self._state.refusal_frame(refusal).SerializeToString())
             return
-        self.evidence.learn(frame.evidence, peer_id)
+        self.evidence.take(frame, peer_id)
         self.spread_learned()
         if outcome.invite_id:
             self._keeper.invite_used(outcome.invite_id, peer_id)
@@ -267,8 +267,12 @@ class Gossip:
         self.spread_learned()
 
     def control(self, request: str) -> dict[str, Any]:
-        """The control socket's requests (the keeper's); a revocation it accepted spreads at once."""
-        answer = self._keeper.control(request)
+        """The control socket's requests (the keeper's; a mesh policy the evidence keeper's); a
+        revocation or policy it accepted spreads at once."""
+        verb, _, argument = request.partition(" ")
+        answer = (
+            self.evidence.control(argument.strip()) if verb == "policy" else self._keeper.control(request)
+        )
         self.spread_learned()
         return answer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +31,18 @@ from audit.signed_evidence import (
 from meshnode.app.cli import main
 from meshnode.app.member_commands import EVIDENCE_REASON_PREFIX
 from meshnode.app.status import format_status
+from meshnode.artifacts.holdings import Holdings
 from meshnode.audit.evidence_book import MAX_PER_REPORTER
 from meshnode.audit.evidence_report import evidence_digest
+from meshnode.autoplace.auto_shard import AutoPlaceConfig, AutoShard
 from meshnode.gen.meshnode.v1 import audit_pb2 as audit
+from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.head.driver import GenerationDriver
 from meshnode.head.environment import NodeRoutes
 from meshnode.head.planner import ModelIdentity
 from meshnode.identity import NodeIdentity, short_id, write_private_file
 from meshnode.membership.credentials import MeshKey
+from meshnode.membership.mesh_policy import POLICY_TAG, sign_policy
 from meshnode.membership.store import DataDir
 from meshnode.node import Node
 from meshnode.wire.pb import mesh, shard
@@ -97,6 +102,15 @@ async def four(tmp_path: Path) -> AsyncIterator[Mesh]:
         await asyncio.gather(*(node.shutdown() for node in nodes))
 
 
+def admin_data_dir(node: Node, path: Path) -> DataDir:
+    """The running admin's data directory as the admin commands read it (its key and membership)."""
+    data_dir = DataDir(path)
+    write_private_file(path / "node_key.pem", node.identity.to_pem())
+    assert node.state.membership is not None
+    data_dir.save_membership(node.state.membership)
+    return data_dir
+
+
 def candidate_ids(node: Node) -> set[bytes]:
     return {c.node_id for c in NodeRoutes(node).candidates()}
 
@@ -133,14 +147,11 @@ async def test_a_conviction_reaches_every_node_and_every_head_stops_routing_thro
         assert [hop.node_id for hop in route.hops] == [four.b.node_id]
 
     # An admin (on another node than the head) removes the accused, citing the evidence it holds.
-    admin_dir = DataDir(tmp_path / "a")
-    write_private_file(admin_dir.path / "node_key.pem", four.a.identity.to_pem())
-    assert four.a.state.membership is not None
-    admin_dir.save_membership(four.a.state.membership)
+    admin_dir = admin_data_dir(four.a, tmp_path / "a")
     evidence_file = tmp_path / "evidence.json"
     evidence_file.write_text(json.dumps(held_by(four.b)[0]["evidence"]))
     removed = await asyncio.to_thread(
-        main, ["remove", "--evidence", str(evidence_file), "--data-dir", str(tmp_path / "a")]
+        main, ["remove", "--evidence", str(evidence_file), "--data-dir", str(admin_dir.path)]
     )
     assert removed == 0
 
@@ -197,3 +208,64 @@ async def test_forged_reports_are_refused_everywhere_with_their_code_and_a_flood
         assert len(sent.evidence) == MAX_PER_REPORTER
         assert "refused: accused_unsigned" in format_status(node.status().to_json())
     assert isinstance(flood[0], audit.EvidenceReport)
+
+
+async def test_a_quarantine_policy_spreads_placement_ignores_the_accused_and_an_admin_clears_it(
+    four: Mesh, tmp_path: Path
+):
+    accused = four.c.node_id
+    four.a.report_conviction(evidence_against(four.c.identity, WITNESSES))
+    await eventually(lambda: all(held_by(n) for n in four.all), SPREAD_S, "every node holds the evidence")
+    # Without a policy, heads leave the accused out of routes, but placement still counts it.
+    assert all(n.evidence.quarantined() == frozenset() for n in four.all)
+    placement = AutoShard(four.d, AutoPlaceConfig(store_dir=tmp_path / "store"), None, Holdings())  # type: ignore[arg-type]
+    assert accused in {node_id for node_id, _ in placement._announcements()}
+
+    # A member cannot set the policy: a forgery on its frames is refused everywhere.
+    forged_body = sign_policy(
+        MeshKey.generate(), issuer_id=four.d.node_id, unix_now=time.time() + 60, quarantine_on_evidence=True
+    ).body
+    mesh_key = four.a.state.membership.mesh_key  # type: ignore[union-attr]
+    body = membership.MeshPolicyBody.FromString(forged_body)
+    body.mesh_public_key = mesh_key.public_key
+    forged_bytes = body.SerializeToString()
+    forged = membership.MeshPolicy(
+        body=forged_bytes, signature=four.d.identity.sign(POLICY_TAG + forged_bytes)
+    )
+    honest_attach = four.d.gossip.evidence.attach
+
+    def forging_attach(frame: mesh.GossipFrame) -> mesh.GossipFrame:
+        honest_attach(frame).policy.CopyFrom(forged)
+        return frame
+
+    four.d.gossip.evidence.attach = forging_attach  # type: ignore[method-assign]
+    await eventually(
+        lambda: all(n.evidence.policy.refused.get("MESH_ERROR_FORGED") for n in (four.a, four.b, four.c)),
+        SPREAD_S,
+        "every other node refused the forged policy",
+    )
+    assert all(n.evidence.policy.current is None for n in four.all)
+    four.d.gossip.evidence.attach = honest_attach  # type: ignore[method-assign]
+
+    # The admin turns quarantine on: every node quarantines the accused, placement included.
+    admin_dir = admin_data_dir(four.a, tmp_path / "a")
+    command = ["policy", "--quarantine-on-evidence", "on", "--data-dir", str(admin_dir.path)]
+    assert await asyncio.to_thread(main, command) == 0
+    await eventually(
+        lambda: all(n.evidence.quarantined() == {accused} for n in four.all), SPREAD_S, "all quarantine"
+    )
+    assert accused not in {node_id for node_id, _ in placement._announcements()}
+    assert four.b.node_id in {node_id for node_id, _ in placement._announcements()}
+    text = format_status(four.b.status().to_json())
+    assert "mesh policy by admin" in text and "quarantine on evidence" in text and "QUARANTINED" in text
+
+    # The admin clears the accused: routes and placement count it again everywhere.
+    command = ["policy", "--clear", short_id(accused), "--data-dir", str(admin_dir.path)]
+    assert await asyncio.to_thread(main, command) == 0
+    await eventually(
+        lambda: all(n.evidence.excluded() == frozenset() for n in four.all), SPREAD_S, "all cleared"
+    )
+    assert all(accused in candidate_ids(n) for n in (four.a, four.b, four.d))
+    assert accused in {node_id for node_id, _ in placement._announcements()}
+    policy = four.d.status().to_json()["evidence"]["policy"]
+    assert policy["quarantine_on_evidence"] and policy["cleared"] == [accused.hex()]

@@ -226,7 +226,7 @@ class GossipEntry(_message.Message):
     def __init__(self, record: _Optional[_Union[SignedPeerRecord, _Mapping]] = ..., rtt_ms: _Optional[int] = ...) -> None: ...
 
 class GossipFrame(_message.Message):
-    __slots__ = ("gen", "sender_id", "membership_proof", "membership_grant", "refusal", "entries", "revocations", "evidence")
+    __slots__ = ("gen", "sender_id", "membership_proof", "membership_grant", "refusal", "entries", "revocations", "evidence", "policy")
     GEN_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class GossipFrame(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     gen: int
     sender_id: bytes
     membership_proof: _membership_pb2.MembershipProof
@@ -243,7 +244,8 @@ class GossipFrame(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[GossipEntry]
     revocations: _containers.RepeatedCompositeFieldContainer[_membership_pb2.Revocation]
     evidence: _containers.RepeatedCompositeFieldContainer[_audit_pb2.EvidenceReport]
-    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ..., evidence: _Optional[_Iterable[_Union[_audit_pb2.EvidenceReport, _Mapping]]] = ...) -> None: ...
+    policy: _membership_pb2.MeshPolicy
+    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ..., evidence: _Optional[_Iterable[_Union[_audit_pb2.EvidenceReport, _Mapping]]] = ..., policy: _Optional[_Union[_membership_pb2.MeshPolicy, _Mapping]] = ...) -> None: ...
 
 class DigestOpen(_message.Message):
     __slots__ = ("gen", "sender_id", "bucket_count", "bucket_hashes", "revocation_count", "revocation_hash", "suspected")
