@@ -71,15 +71,20 @@ class EvidenceBook:
     def __len__(self) -> int:
         return len(self._by_unit)
 
-    def learn(self, reports: Iterable[audit.EvidenceReport]) -> EvidenceLearned:
+    def learn(
+        self, reports: Iterable[audit.EvidenceReport], *, max_checks: int | None = None
+    ) -> EvidenceLearned:
+        """``max_checks``: reports verified from this batch at most (default: the per-frame cap;
+        the node's own stored file, at most a book's worth, is read whole)."""
         learned = EvidenceLearned()
         checked = 0
+        limit = self.max_checks_per_batch if max_checks is None else max_checks
         for report in reports:
             key = self._judgement_key(report)
             if key in self._judged:
                 continue
             checked += 1
-            if checked > self.max_checks_per_batch:
+            if checked > limit:
                 break
             self._remember(key)
             try:

@@ -15,7 +15,9 @@ policy stands once the mesh key's signature checks out. This edge:
   evidence convicts, less those an admin's policy cleared; :class:`meshnode.head.environment.NodeRoutes`)
   and which placement ignores too (:meth:`EvidenceKeeper.quarantined`: the same, where the policy
   says to quarantine on evidence; :mod:`meshnode.autoplace.auto_shard`);
-* takes the policy an admin hands the control socket (``policy BASE64``, ``meshnode policy``).
+* takes the policy an admin hands the control socket (``policy BASE64``, ``meshnode policy``);
+* keeps what it holds in the data directory (``evidence.pb``), verified again at start, so a
+  quarantine outlives a restart of the whole mesh.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import NodeIdentity, short_id
 from meshnode.membership.mesh_policy import PolicyHolder
+from meshnode.membership.store import DataDir, StoreError
 from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.wire.pb import mesh
 
@@ -40,14 +43,43 @@ log = logging.getLogger(__name__)
 
 
 class EvidenceKeeper:
-    def __init__(self, identity: NodeIdentity, mesh_id: str, book: EvidenceBook | None = None) -> None:
+    def __init__(self, identity: NodeIdentity, mesh_id: str, data_dir: DataDir | None = None) -> None:
+        """``data_dir``: where what it holds is kept across restarts (None: nowhere)."""
         self._identity = identity
         self._mesh_id = mesh_id
-        self.book = book if book is not None else EvidenceBook(mesh_id)
+        self._data_dir = data_dir
+        self.book = EvidenceBook(mesh_id)
         self.policy = PolicyHolder(mesh_id)
         # Learned since the last take_new(): what makes gossip spread at once.
         self._new = False
         self._refusal_log = RateLimitedLog(log)
+        self._load()
+
+    def _load(self) -> None:
+        if self._data_dir is None:
+            return
+        try:
+            kept = self._data_dir.load_evidence()
+        except (StoreError, OSError) as exc:
+            log.warning("%s; starting with none (peers will gossip it again)", exc)
+            return
+        learned = self.book.learn(kept.reports, max_checks=len(kept.reports))
+        if learned.refused:
+            log.warning("ignored stored evidence reports that do not verify: %s", dict(learned.refused))
+        if kept.HasField("policy"):
+            self.policy.learn(kept.policy)
+        self._new = False  # nothing to spread at once: peers get it on the next frames
+
+    def _save(self) -> None:
+        if self._data_dir is None:
+            return
+        kept = audit.KeptEvidence(reports=self.book.signed())
+        if self.policy.current is not None:
+            kept.policy.CopyFrom(self.policy.current.signed)
+        try:
+            self._data_dir.save_evidence(kept)
+        except OSError as exc:
+            log.warning("could not save audit evidence: %s", exc)
 
     def attach(self, frame: mesh.GossipFrame) -> mesh.GossipFrame:
         frame.evidence.extend(self.book.signed())
@@ -69,6 +101,7 @@ class EvidenceKeeper:
             "mesh policy by admin %s: %s", short_id(self.policy.current.issuer_id), self.policy.to_json()
         )
         self._new = True
+        self._save()
         return True
 
     def control(self, text: str) -> dict[str, Any]:
@@ -99,7 +132,9 @@ class EvidenceKeeper:
             self._refusal_log.log(
                 logging.WARNING, "refused %d evidence report(s) from %s: %s", count, short_id(sender), code
             )
-        self._new = self._new or bool(learned.new)
+        if learned.new:
+            self._new = True
+            self._save()
 
     def report(self, evidence: audit.AuditEvidence) -> None:
         """This node's head convicted: the evidence, signed by this node, kept and spread."""

@@ -180,7 +180,7 @@ class Node:
             known_peers,
             gossip_timeout=config.gossip_timeout,
             connect_timeout=config.connect_timeout,
-            evidence=EvidenceKeeper(identity, mesh_id),
+            evidence=EvidenceKeeper(identity, mesh_id, data_dir),
         )
         # Audit evidence held (verified) and spread: the head's routes leave its accused out.
         self.evidence = self.gossip.evidence

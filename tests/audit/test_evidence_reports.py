@@ -4,6 +4,8 @@ refuses with the exact code, and holds a bounded share per reporting head."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from audit.signed_evidence import (
@@ -28,7 +30,11 @@ from meshnode.audit.evidence_report import (
 )
 from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.identity import NodeIdentity
+from meshnode.membership.credentials import MeshKey
+from meshnode.membership.mesh_policy import sign_policy
+from meshnode.membership.store import DataDir
 from meshnode.mesh.validation import MAX_EVIDENCE_PER_FRAME, validate_gossip_frame
+from meshnode.node.evidence_keeper import EvidenceKeeper
 from meshnode.wire.framing import NODE_PROTOCOL_GENERATION
 from meshnode.wire.mesh_refusal import MeshRefusal
 from meshnode.wire.pb import mesh
@@ -127,3 +133,24 @@ def test_a_frame_carries_at_most_what_a_node_keeps():
     with pytest.raises(MeshRefusal) as caught:
         validate_gossip_frame(frame, sender)
     assert caught.value.code == mesh.MESH_ERROR_MALFORMED
+
+
+def test_what_a_node_holds_outlives_its_restart_and_is_verified_again(tmp_path):
+    mesh_key = MeshKey.from_seed(b"\x07" * 32)
+    data_dir = DataDir(tmp_path)
+    keeper = EvidenceKeeper(HEAD, mesh_key.mesh_id, data_dir)
+    keeper.report(evidence_against(LIAR, WITNESSES))
+    policy = sign_policy(mesh_key, issuer_id=HEAD.node_id, unix_now=NOW, quarantine_on_evidence=True)
+    assert keeper.control(base64.b64encode(policy.SerializeToString()).decode()) == {"ok": True}
+    assert keeper.quarantined() == {LIAR.node_id}
+
+    again = EvidenceKeeper(HEAD, mesh_key.mesh_id, data_dir)
+    assert again.quarantined() == {LIAR.node_id} and again.book.signed() == keeper.book.signed()
+    assert not again.take_new()  # peers get it on the next frames; nothing to spread at once
+
+    # A file is not trusted more than a peer: a forged report in it is refused at start.
+    kept = data_dir.load_evidence()
+    kept.reports.append(report(HEAD, framed(LIAR, HEAD, WITNESSES), mesh_key.mesh_id))
+    data_dir.save_evidence(kept)
+    third = EvidenceKeeper(HEAD, mesh_key.mesh_id, data_dir)
+    assert len(third.book) == 1 and third.book.refused == {"accused_unsigned": 1}
