@@ -2,6 +2,7 @@
 
     python bench/audit.py [--model tiny|gemma] [--rounds 6] [--concurrent 4] [--tokens 24] [--trials 5]
                           [--lie-every 5 --lie-every 20 --lie-every 100] [--skip-throughput]
+    python bench/audit.py --honest 1000 [--model tiny|gemma] [--honest-minutes 15]
 
 Throughput: real llama.cpp shards (CPU, one thread each) of the tiny random llama
 (engines.tiny_model, 6 layers) or with ``--model gemma`` Gemma 3 270M Q4_K_M (18 layers), in this
@@ -18,6 +19,16 @@ Figures are tokens/s medians over the rounds, and the process's CPU time a token
 this process, so it counts all the mesh's work and less of other work on the machine); the ratio
 of (audited) to (off) is the issue's target (>= 0.97). Everything shares this machine's cores, the replicas' replays included, which
 a real mesh spreads over other machines: the ratio is a lower bound.
+
+No false conviction (``--honest N``): N generations of 8 tokens, every one audited (rate 1.0),
+on real llama.cpp CPU shards of the model, every range replicated: the route's [0, a) is the
+driver's own, [a, b) on one of three replicas and [b, n) on one of two (the others announce
+themselves busy, so routes take the first and audits the others, a third computation of the
+middle deciding any dispute). Each round runs one generation alone on a prompt that repeats
+(speculative decoding: prompt-lookup drafts verified in one step) and then ``--concurrent``
+together, greedy and sampled in turn (their decodes share engine batches on every hop). It
+prints the convictions (the acceptance: none), the disputes, the units compared and how much ran
+speculatively and batched; ``--honest-minutes`` stops it early, saying how many ran.
 
 Detection latency: fake engines (bit-exact, fast), the [2, 3) hop lying by one unit in the last
 place on one step in ``--lie-every`` at random, two honest replicas of it, audits at 2 %:
@@ -43,7 +54,7 @@ from helpers.lying_engine import LyingEngine
 from helpers.recording_engine import RecordingEngine
 
 from engines.default_model import default_model_path
-from engines.interface import GREEDY, LoadRequest
+from engines.interface import GREEDY, LoadRequest, SamplingParams
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import ensure_tiny_model
 from meshnode.head.driver import DriverConfig, GenerationDriver
@@ -139,6 +150,85 @@ async def throughput(args: argparse.Namespace) -> None:
         await routes.aclose()
 
 
+# The honest run's extra replicas: a third of the middle range, a second of the tail.
+MIDDLE_THIRD, TAIL_SPARE = THIRD, 6
+HONEST_TOKENS = 8
+
+
+async def honest_routes() -> LoopbackRoutes:
+    routes = LoopbackRoutes(signed=True)
+    first, second, layers = CUTS
+    await routes.add_shard(DRIVER_INDEX, 0, first, ModelShard)  # type: ignore[arg-type]
+    await routes.add_shard(MIDDLE, first, second, ModelShard)  # type: ignore[arg-type]
+    await routes.add_shard(TAIL, second, layers, ModelShard)  # type: ignore[arg-type]
+    for index, start, end in (
+        (SPARE, first, second),
+        (MIDDLE_THIRD, first, second),
+        (TAIL_SPARE, second, layers),
+    ):
+        spare = await routes.add_shard(index, start, end, ModelShard)  # type: ignore[arg-type]
+        # Busy as gossip tells it: generations take the first replica, audits these.
+        spare.announcement.load.active_sessions = SESSIONS - 2
+    return routes
+
+
+async def honest(args: argparse.Namespace) -> None:
+    routes = await honest_routes()
+    options = DriverConfig(**{**FAST.__dict__, "audit_rate": 1.0, "unit_timeout_s": 120.0})
+    assert options.speculation
+    driver = GenerationDriver(routes, options, audit_rng=random.Random(56))
+    rng = random.Random(56)
+    # The tiny model's greedy continuation of its first eight tokens falls into repeating 408 at
+    # once: prompt lookup drafts from the second decode on (another model's rounds say so below).
+    repeating = [35, 146, 196, 17, 66, 31, 127, 195, 216, 283, 118, 408, 408]
+    deadline = time.monotonic() + args.honest_minutes * 60
+    started = time.perf_counter()
+    generations = rounds = 0
+    try:
+        while generations < args.honest and time.monotonic() < deadline:
+            sampling = GREEDY if rounds % 2 == 0 else SamplingParams(temperature=0.8, seed=rounds)
+            # Alone: speculative verify rounds on the repeating prompt.
+            await collect(driver.generate(routes.model, repeating, GREEDY, HONEST_TOKENS))
+            together = min(args.concurrent, args.honest - generations - 1)
+            prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(4, 24))] for _ in range(together)]
+            await asyncio.gather(
+                *(collect(driver.generate(routes.model, p, sampling, HONEST_TOKENS)) for p in prompts)
+            )
+            generations += 1 + together
+            rounds += 1
+            await driver.auditor.settled()
+    finally:
+        elapsed = time.perf_counter() - started
+        stats = driver.auditor.stats
+        batch = [s.server.worker.batch_stats for s in routes.shards.values()]
+        units = sum(b.decode_units + b.prefill_units for b in batch)
+        print(
+            f"honest replicas of {MODEL['path'].name} cut at {CUTS} ([a,b) x3, [b,n) x2), llama.cpp CPU, "
+            f"every generation audited, {HONEST_TOKENS} tokens each, speculation on, "
+            f"{args.concurrent} generations together after each one alone"
+        )
+        print(
+            f"  {generations} generations in {elapsed:.0f} s ({rounds} rounds): {stats.audited} audited, "
+            f"{stats.units_compared} units compared, {stats.checked_within_tolerance} within tolerance, "
+            f"{stats.disputes} disputes, {stats.undecided} undecided, {stats.convictions} convictions "
+            f"{stats.convicted}, {stats.failed} audits failed, {stats.skipped_busy} skipped busy, "
+            f"{stats.not_replayable} not replayable, {stats.without_replica} without a replica"
+        )
+        # Batches of more than one unit: the histogram's buckets above 1.
+        shared = sum(
+            count
+            for b in batch
+            for bound, count in zip((*b.sizes.bounds, float("inf")), b.sizes.counts, strict=True)
+            if bound > 1
+        )
+        print(
+            f"  speculative rounds {driver.stats.speculative_rounds}; engine units {units} in "
+            f"{sum(b.batches for b in batch)} batches, {shared} of them of more than one unit"
+        )
+        await driver.aclose()
+        await routes.aclose()
+
+
 async def until_convicted(lie_every: int, seed: int, tokens: int, limit: int) -> int | None:
     routes = LoopbackRoutes(signed=True)
     try:
@@ -194,6 +284,8 @@ async def main() -> None:
     parser.add_argument("--lie-every", type=int, action="append")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-detection", action="store_true")
+    parser.add_argument("--honest", type=int, default=0, help="only this many audited honest generations")
+    parser.add_argument("--honest-minutes", type=float, default=15.0)
     parser.add_argument(
         "--model", choices=("tiny", "gemma"), default="tiny", help="the throughput's model (default tiny)"
     )
@@ -203,6 +295,9 @@ async def main() -> None:
     else:
         MODEL["path"], CUTS[:] = ensure_tiny_model(), [2, 4, 6]
     args.lie_every = args.lie_every or [5, 20, 100]
+    if args.honest:
+        await honest(args)
+        return
     if not args.skip_throughput:
         await throughput(args)
     if not args.skip_detection:

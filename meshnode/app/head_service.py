@@ -208,6 +208,9 @@ async def start_node_head(
     node.add_status_section(ROUTES_SECTION, head.route_status)
     driver = head.driver
     node.add_status_section(AUDITS_SECTION, lambda: audit_section(driver))
+    # A conviction is signed by this node and gossiped: every head that verifies it stops routing
+    # through the accused too.
+    driver.conviction_listeners.append(lambda conviction: node.report_conviction(conviction.evidence))
 
     def remove_sections() -> None:
         node.remove_status_section(ROUTES_SECTION)

@@ -1,4 +1,5 @@
-"""``meshnode remove``, ``meshnode admin grant``, and ``invite --list`` / ``--revoke``: an admin's commands.
+"""``meshnode remove``, ``meshnode admin grant``, ``meshnode policy``, and ``invite --list`` / ``--revoke``:
+an admin's commands.
 
 Each signs on the command line with the mesh key in the data directory (only an
 admin has one, so a plain member is told so and nothing is signed), then hands
@@ -12,19 +13,25 @@ from __future__ import annotations
 import argparse
 import base64
 import time
+from pathlib import Path
 from typing import Any
 
 from meshnode.app.status import query_node_status
 from meshnode.commandline.cli_error import CliError
 from meshnode.commandline.data_dirs import node_data_dir
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
+from meshnode.gen.meshnode.v1.audit_pb2 import AuditEvidence
 from meshnode.identity import IdentityError, load_identity, short_id
 from meshnode.membership.credentials import MeshKey
 from meshnode.membership.invite_ledger import invite_state, load_ledger
+from meshnode.membership.mesh_policy import sign_policy
 from meshnode.membership.revocation import MAX_REASON_CHARS, RevocationList, revoke_invite, revoke_node
 from meshnode.membership.store import DataDir, MembershipState, StoreError
 from meshnode.statussocket.client import ask_node
 from meshnode.wire.mesh_refusal import MeshRefusal
+
+# How a removal's reason cites the evidence it was decided on (its digest follows, 64 hex digits).
+EVIDENCE_REASON_PREFIX = "audit evidence "
 
 NOT_ADMIN = (
     "this node is not an admin of its mesh: only admins hold the mesh key, so nothing it signed "
@@ -91,20 +98,58 @@ def _reason(args: argparse.Namespace) -> str:
     return str(args.reason)
 
 
+def _evidence_reason(path: Path, reason: str) -> tuple[bytes, str]:
+    """The node an evidence file convicts, and the removal's reason citing the evidence's digest
+    (``meshnode audit verify`` checks the same file; status shows the digest of evidence held)."""
+    # Imported here: the digests need numpy, which reading the command line must not load.
+    from meshnode.audit.evidence import MAX_EVIDENCE_BYTES, decode_evidence, verify_evidence_bytes
+    from meshnode.audit.evidence_report import evidence_digest
+
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_EVIDENCE_BYTES + 1)
+    except OSError as error:
+        raise CliError(f"cannot read {path}: {error.strerror or error}", code=2) from None
+    verdict = verify_evidence_bytes(data)
+    evidence = decode_evidence(data)
+    if not verdict.convicted or verdict.accused is None or not isinstance(evidence, AuditEvidence):
+        raise CliError(f"{path} is not evidence that convicts: {verdict.line()}", code=2)
+    print(verdict.line())
+    cited = f"{EVIDENCE_REASON_PREFIX}{evidence_digest(evidence).hex()}"
+    full = f"{cited}: {reason}" if reason else cited
+    if len(full) > MAX_REASON_CHARS:
+        room = MAX_REASON_CHARS - len(cited) - 2
+        raise CliError(f"with --evidence, --reason is at most {room} characters", code=2)
+    return verdict.accused, full
+
+
 def cmd_remove(args: argparse.Namespace) -> int:
     node_id, data_dir, ours = _membership(args)
     mesh_key = _admin_key(ours)
-    status = _running_status(args)
-    candidates: list[bytes] = []
-    if status is not None:
-        candidates += [bytes.fromhex(p["id"]) for p in status["peers"]]
-        candidates += [bytes.fromhex(m["id"]) for m in status.get("membership", {}).get("members", [])]
-    target = resolve_id(args.node, [c for c in candidates if c != node_id], "member")
+    reason = _reason(args)
+    accused: bytes | None = None
+    if args.evidence is not None:
+        accused, reason = _evidence_reason(args.evidence, reason)
+    elif args.node is None:
+        raise CliError("name the member to remove, or give --evidence FILE", code=2)
+    if args.node is None:
+        assert accused is not None
+        target = accused
+    else:
+        status = _running_status(args)
+        candidates: list[bytes] = [] if accused is None else [accused]
+        if status is not None:
+            candidates += [bytes.fromhex(p["id"]) for p in status["peers"]]
+            candidates += [bytes.fromhex(m["id"]) for m in status.get("membership", {}).get("members", [])]
+        target = resolve_id(args.node, [c for c in set(candidates) if c != node_id], "member")
+    if accused is not None and target != accused:
+        raise CliError(
+            f"the evidence convicts {short_id(accused)}, not {short_id(target)}: remove the node it names",
+            code=2,
+        )
     if target == node_id:
         raise CliError("an admin cannot remove itself (another admin can)", code=2)
-    revocation = revoke_node(
-        mesh_key, node_id=target, reason=_reason(args), issuer_id=node_id, unix_now=time.time()
-    )
+    revocation = revoke_node(mesh_key, node_id=target, reason=reason, issuer_id=node_id, unix_now=time.time())
     how = _publish(args, data_dir, revocation)
     print(f"removed node {short_id(target)} ({target.hex()}) from mesh {ours.mesh_id}; {how}")
     return 0
@@ -124,6 +169,42 @@ def cmd_admin_grant(args: argparse.Namespace) -> int:
     print(
         f"node {short_id(target)} becomes an admin on its next gossip with this node "
         "(it receives the mesh key and an admin certificate)"
+    )
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    """Sign the mesh policy: the one in force changed as the options say (each option unsaid keeps
+    its value), issued after it so that it stands everywhere."""
+    node_id, data_dir, ours = _membership(args)
+    mesh_key = _admin_key(ours)
+    status = _running_status(args)
+    if status is None:
+        raise CliError("the node is not running: start it, then set the policy (it spreads it at once)")
+    evidence = status.get("evidence") or {}
+    current = evidence.get("policy") or {}
+    quarantine = bool(current.get("quarantine_on_evidence", False))
+    if args.quarantine_on_evidence is not None:
+        quarantine = args.quarantine_on_evidence == "on"
+    cleared = {bytes.fromhex(n) for n in current.get("cleared", [])}
+    known = [bytes.fromhex(h["accused_id"]) for h in evidence.get("held", [])]
+    known += [bytes.fromhex(p["id"]) for p in status["peers"]]
+    cleared |= {resolve_id(text, known, "accused node") for text in args.clear}
+    cleared -= {resolve_id(text, list(cleared), "cleared node") for text in args.unclear}
+    issued = max(time.time(), float(current.get("issued_unix", 0)) + 1)
+    try:
+        policy = sign_policy(
+            mesh_key, issuer_id=node_id, unix_now=issued, quarantine_on_evidence=quarantine, cleared=cleared
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
+    answer = ask_node(data_dir.path, "policy " + base64.b64encode(policy.SerializeToString()).decode("ascii"))
+    if "error" in answer:
+        raise CliError(f"the node refused the policy: {answer['error']}")
+    names = ", ".join(short_id(n) for n in sorted(cleared)) or "none"
+    print(
+        f"mesh policy: {'quarantine' if quarantine else 'no quarantine'} on audit evidence; cleared: {names}; "
+        "the node is spreading it to every peer"
     )
     return 0
 
@@ -182,9 +263,43 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "certificate, gossip and sessions, every relay its registration, and it exits saying why. "
         "Permanent: the machine needs a new identity and invite to come back.",
     )
-    p.add_argument("node", metavar="NODE", help="the member's id (hex or short id, or a unique prefix)")
+    p.add_argument(
+        "node",
+        metavar="NODE",
+        nargs="?",
+        help="the member's id (hex or short id, or a unique prefix); with --evidence, the node it convicts",
+    )
     p.add_argument("--reason", default="", help="why; shown to the removed node and in status")
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        metavar="FILE",
+        help="audit evidence that convicts the member (what `meshnode audit verify` checks, e.g. from "
+        "`meshnode status --json`): checked first, and its digest is the removal's reason",
+    )
     p.set_defaults(handler=cmd_remove)
+
+    p = subparsers.add_parser(
+        "policy",
+        parents=[common],
+        help="what nodes do on audit evidence against a member (admins)",
+        description="Sign the mesh policy with the mesh key; the running node spreads it to every peer. "
+        "With --quarantine-on-evidence on, a node that verified audit evidence against a member "
+        "quarantines it: no route goes through it and placement ignores its claims and the layers it "
+        "serves, until an admin clears it (--clear) or removes it. Options left out keep their value.",
+    )
+    p.add_argument("--quarantine-on-evidence", choices=("on", "off"), help="quarantine on valid evidence")
+    p.add_argument(
+        "--clear",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="clear an accused node: evidence against it changes nothing (repeatable)",
+    )
+    p.add_argument(
+        "--unclear", action="append", default=[], metavar="NODE", help="undo a --clear (repeatable)"
+    )
+    p.set_defaults(handler=cmd_policy)
 
     p = subparsers.add_parser(
         "admin",

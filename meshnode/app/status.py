@@ -69,6 +69,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"serving {_serving_text(peer['serving'])}{_sessions_text(peer)}  heard {peer['age_s']:.1f}s ago"
         )
     lines += _membership_lines(status.get("membership") or {})
+    lines += _evidence_lines(status.get("evidence") or {})
     return "\n".join(lines)
 
 
@@ -263,6 +264,30 @@ def _membership_lines(membership: dict[str, Any]) -> list[str]:
     for removal in removals:
         reason = f": {removal['reason']}" if removal["reason"] else ""
         lines.append(f"  removed {removal['kind']} {removal['short_id']}  by admin {removal['by']}{reason}")
+    return lines
+
+
+def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    """The audit evidence this node holds (each verified; meshnode.audit.evidence_book), and the
+    reports it refused by code; nothing when it holds and refused none (or from an older node)."""
+    held, refused = evidence.get("held") or [], evidence.get("refused") or {}
+    policy = evidence.get("policy")
+    if not held and not refused and not policy:
+        return []
+    lines = [f"audit evidence ({len(held)}):"]
+    if policy:
+        cleared = ", ".join(short_id(bytes.fromhex(n)) for n in policy["cleared"]) or "none"
+        quarantine = "quarantine on evidence" if policy["quarantine_on_evidence"] else "no quarantine"
+        lines.append(f"  mesh policy by admin {policy['by']}: {quarantine}; cleared: {cleared}")
+    for each in held:
+        start, end = each["layers"]
+        quarantined = "  QUARANTINED" if each.get("quarantined") else ""
+        lines.append(
+            f"  CONVICTED {each['accused']}  layers [{start},{end})  reported by {each['reporter']}  "
+            f"evidence {each['digest'][:16]}{quarantined}: {each['verdict']}"
+        )
+    if refused:
+        lines.append("  refused: " + ", ".join(f"{code} {n}" for code, n in sorted(refused.items())))
     return lines
 
 

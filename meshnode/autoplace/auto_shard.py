@@ -70,6 +70,7 @@ from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.identity import short_id
 from meshnode.logs import mib
 from meshnode.mesh.placement import Claim, Range, Replacement, choose_range, claim_keeps
+from meshnode.node.evidence_keeper import EvidenceKeeper
 from meshnode.sansio import SECOND_NS
 from meshnode.transport.base import PeerLink
 from meshnode.wire.pb import mesh
@@ -88,6 +89,9 @@ class PlacingNode(Protocol):
     def node_id(self) -> bytes: ...
 
     def peers(self) -> Iterable[Any]: ...  # PeerEntry: .peer_id, .announcement
+
+    @property
+    def evidence(self) -> EvidenceKeeper: ...
 
     async def get_link(self, peer_id: bytes) -> PeerLink: ...
 
@@ -306,7 +310,10 @@ class AutoShard:
         return self._budget_bytes
 
     def _announcements(self) -> list[tuple[bytes, mesh.PeerAnnouncement]]:
-        return [(entry.peer_id, entry.announcement) for entry in self._node.peers()]
+        # A member quarantined on audit evidence (the admin's mesh policy) counts for nothing here:
+        # neither its claims nor the layers it serves, so others cover them.
+        quarantined = self._node.evidence.quarantined()
+        return [(e.peer_id, e.announcement) for e in self._node.peers() if e.peer_id not in quarantined]
 
     def _choose(self, model: MeshModel, costs: LayerCosts) -> Range:
         budget = self._budget()

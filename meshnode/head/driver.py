@@ -47,7 +47,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from engines.interface import SamplingParams
@@ -111,6 +111,8 @@ class GenerationDriver:
         self.commitments = CommitmentStore()
         # Nodes an audit convicted, with the evidence: no route of this head goes through them.
         self.convicted: dict[bytes, AuditEvidence] = {}
+        # Told of each conviction (a node's head hands the evidence to gossip).
+        self.conviction_listeners: list[Callable[[Conviction], None]] = []
         self.auditor = Auditor(
             env,
             self.options,
@@ -163,6 +165,8 @@ class GenerationDriver:
             short_id(conviction.accused),
             check_evidence(conviction.evidence).detail,
         )
+        for listener in self.conviction_listeners:
+            listener(conviction)
 
     def found_dead(self, node_ids: set[bytes]) -> None:
         until_ns = time.monotonic_ns() + round(self.options.dead_memory_s * SECOND_NS)

@@ -1,7 +1,10 @@
 """Where the driver's routes come from: a mesh node's gossip, or one whole-model shard on its own.
 
 :class:`NodeRoutes` reads the node's peer table (plus what this node itself
-serves), links to peers with ``Node.get_link`` and checks liveness with the mesh
+serves), less the nodes that audit evidence the node holds convicts (its own head's
+convictions, and every one gossip brought, each verified: :mod:`meshnode.node.evidence_keeper`)
+unless an admin's mesh policy cleared them,
+links to peers with ``Node.get_link`` and checks liveness with the mesh
 PROBE, which the peer's event loop answers at once (a shard's Health waits for
 its engine thread, so a busy peer would look dead); ``Node.reachable`` probes once
 more around a relay that stopped answering. This node's own shard is
@@ -39,7 +42,8 @@ class NodeRoutes:
         pairs = [(entry.peer_id, entry.announcement) for entry in self.node.peers()]
         if self.local is not None:
             pairs.append((self.node.node_id, self.node.state.local))
-        return shard_candidates(pairs)
+        excluded = self.node.evidence.excluded()
+        return shard_candidates([(node_id, a) for node_id, a in pairs if node_id not in excluded])
 
     async def link(self, node_id: bytes) -> PeerLink:
         if node_id == self.node.node_id:

@@ -6,6 +6,7 @@ Layout (all files 0600, the directory 0700)::
     mesh_key            32-byte mesh key seed (secret; admins only)
     membership.json     mesh id, member certificate, last known peers and relays
     revocations.pb      the admin-signed revocations this node knows (RevocationSet)
+    evidence.pb         the audit evidence reports it kept and the mesh policy (KeptEvidence)
     invites.json        the invites this admin issued, and who used them
     control.sock        loopback status socket of the running node
     node.lock           held by the running node
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.identity import ensure_private_dir, read_private_file, write_private_file
 from meshnode.membership.credentials import (
@@ -35,6 +37,9 @@ from meshnode.membership.credentials import (
 MESH_KEY_FILE = "mesh_key"
 MEMBERSHIP_FILE = "membership.json"
 REVOCATIONS_FILE = "revocations.pb"
+EVIDENCE_FILE = "evidence.pb"
+# Kept reports (64 at most, ~11 KiB each at most) and a policy fit with room; a larger file is not read.
+MAX_EVIDENCE_FILE_BYTES = 1 << 20
 CONTROL_SOCKET = "control.sock"
 LOCK_FILE = "node.lock"
 MAX_KNOWN_PEERS = 64
@@ -140,6 +145,22 @@ class DataDir:
     def save_revocations(self, revocations: list[membership.Revocation]) -> None:
         data = membership.RevocationSet(revocations=revocations).SerializeToString(deterministic=True)
         write_private_file(self.path / REVOCATIONS_FILE, data)
+
+    def load_evidence(self) -> audit.KeptEvidence:
+        """The stored evidence reports and mesh policy, unverified (the node verifies them again)."""
+        try:
+            raw = read_private_file(self.path / EVIDENCE_FILE)
+        except FileNotFoundError:
+            return audit.KeptEvidence()
+        if len(raw) > MAX_EVIDENCE_FILE_BYTES:
+            raise StoreError(f"evidence in {self.path} is over {MAX_EVIDENCE_FILE_BYTES} bytes")
+        try:
+            return audit.KeptEvidence.FromString(raw)
+        except DecodeError:
+            raise StoreError(f"evidence in {self.path} is corrupt") from None
+
+    def save_evidence(self, kept: audit.KeptEvidence) -> None:
+        write_private_file(self.path / EVIDENCE_FILE, kept.SerializeToString(deterministic=True))
 
     def save_peers(self, state: MembershipState) -> None:
         data = {

@@ -26,6 +26,8 @@ MAX_TEXT = 256
 MAX_NONCE = 32
 # Revocations one frame may carry: the most a node keeps (meshnode.membership.revocation).
 MAX_REVOCATIONS_PER_FRAME = 4096
+# Audit evidence reports one frame may carry: the most a node keeps (meshnode.audit.evidence_book).
+MAX_EVIDENCE_PER_FRAME = 64
 # Delta gossip (meshnode.mesh.digest_gossip): buckets in one summary, versions in one reply
 # (about 50 bytes each), and records or revocations wanted in one frame.
 MAX_DIGEST_BUCKETS = 1024
@@ -141,6 +143,10 @@ def validate_gossip_frame(frame: mesh.GossipFrame, authenticated_peer_id: bytes)
         raise MeshRefusal(
             mesh.MESH_ERROR_MALFORMED, f"more than {MAX_REVOCATIONS_PER_FRAME} revocations in one frame"
         )
+    if len(frame.evidence) > MAX_EVIDENCE_PER_FRAME:
+        raise MeshRefusal(
+            mesh.MESH_ERROR_MALFORMED, f"more than {MAX_EVIDENCE_PER_FRAME} evidence reports in one frame"
+        )
 
 
 def _check_header(gen: int, sender_id: bytes, authenticated_peer_id: bytes, what: str) -> None:
@@ -238,6 +244,7 @@ def validate_probe(probe: mesh.Probe) -> None:
 __all__ = [
     "MAX_DIGEST_BUCKETS",
     "MAX_DIGEST_ENTRIES_PER_FRAME",
+    "MAX_EVIDENCE_PER_FRAME",
     "MAX_PEERS_PER_FRAME",
     "MAX_REVOCATIONS_PER_FRAME",
     "MAX_STAGE_US_PER_TOKEN",

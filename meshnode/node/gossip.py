@@ -8,6 +8,9 @@ its asyncio edge:
   side) and :meth:`Gossip.serve` answers one (the accepting side); either marks the link
   exchanged (mutual admission), which :meth:`Gossip.get_link` waits for before it hands a
   link out;
+* every frame it sends (refusals aside) carries the audit evidence this node holds, and the
+  evidence of every frame it accepts is verified and kept
+  (:class:`~meshnode.node.evidence_keeper.EvidenceKeeper`); new evidence spreads at once too;
 * after every exchange, and when a relay or the control socket handed over a revocation,
   what the :class:`~meshnode.node.membership_keeper.MembershipKeeper` took from the state
   spreads at once: to every relay and every peer (so the whole mesh knows within one
@@ -37,6 +40,7 @@ from meshnode.mesh.ratelog import RateLimitedLog
 from meshnode.mesh.state import MeshState
 from meshnode.mesh.validation import decode, validate_route_request
 from meshnode.node.background_tasks import BackgroundTasks
+from meshnode.node.evidence_keeper import EvidenceKeeper
 from meshnode.node.liveness import Liveness
 from meshnode.node.membership_keeper import MembershipKeeper
 from meshnode.node.peer_connections import PeerConnections
@@ -74,10 +78,13 @@ class Gossip:
         *,
         gossip_timeout: float,
         connect_timeout: float,
+        evidence: EvidenceKeeper,
     ) -> None:
-        """``known_peers``: the node's peers to dial by address besides the table's."""
+        """``known_peers``: the node's peers to dial by address besides the table's; ``evidence``:
+        the audit evidence this node holds and spreads."""
         self._state = state
         self._keeper = keeper
+        self.evidence = evidence
         self._connections = connections
         self._liveness = liveness
         self._background = background
@@ -138,17 +145,20 @@ class Gossip:
             # Not a heartbeat's on a link already exchanged: get_link would wait for it.
             self._exchanged[link] = done
         try:
-            frame = self._state.gossip_frame(link.peer_id).SerializeToString()
+            frame = self.evidence.attach(self._state.gossip_frame(link.peer_id)).SerializeToString()
             data = await request_reply(link, StreamType.GOSSIP, frame, timeout=self._gossip_timeout)
             if data is None:
                 raise MeshRefusal(mesh.MESH_ERROR_PROTOCOL, "gossip stream ended without a reply")
             was_member = self._state.is_member
+            reply = decode(mesh.GossipFrame, data)
             outcome = self._state.receive_gossip_reply(
-                decode(mesh.GossipFrame, data),
+                reply,
                 peer_id=link.peer_id,
                 now_ns=time.monotonic_ns(),
                 unix_now=time.time(),
             )
+            # Only from a reply the state accepted: its sender is an admitted member.
+            self.evidence.take(reply, link.peer_id)
         except asyncio.CancelledError:
             done.cancel()
             raise
@@ -193,6 +203,7 @@ class Gossip:
             self.spread_learned()
             await stream.send_frame(self._state.refusal_frame(refusal).SerializeToString())
             return
+        self.evidence.take(frame, peer_id)
         self.spread_learned()
         if outcome.invite_id:
             self._keeper.invite_used(outcome.invite_id, peer_id)
@@ -200,7 +211,7 @@ class Gossip:
             how = "invite" if outcome.via_invite else "member certificate"
             log.info("admitted peer %s (%s)", short_id(peer_id), how)
         self._log_merge(outcome.merged, peer_id)
-        await stream.send_frame(outcome.reply.SerializeToString())
+        await stream.send_frame(self.evidence.attach(outcome.reply).SerializeToString())
         link = self._connections.links.get(peer_id)
         if link is not None and link not in self._exchanged:
             done = asyncio.get_running_loop().create_future()
@@ -227,11 +238,13 @@ class Gossip:
     def spread_learned(self) -> None:
         """Spread what the keeper took from the state (a gossip exchange's, a relay's or the control
         socket's revocations): to every relay and every peer at once, and one last frame to a
-        removed peer, which carries the revocation that names it, before its link is closed."""
+        removed peer, which carries the revocation that names it, before its link is closed. New
+        audit evidence spreads to every peer at once too."""
         learned = self._keeper.after_gossip()
-        if not learned:
+        new_evidence = self.evidence.take_new()
+        if not learned and not new_evidence:
             return
-        if self._relay_links is not None:
+        if learned and self._relay_links is not None:
             self._relay_links.publish_revocations([revoked.signed for revoked in learned])
         for revoked in learned:
             if revoked.kind == "node" and revoked.target != self._state.node_id:
@@ -254,8 +267,12 @@ class Gossip:
         self.spread_learned()
 
     def control(self, request: str) -> dict[str, Any]:
-        """The control socket's requests (the keeper's); a revocation it accepted spreads at once."""
-        answer = self._keeper.control(request)
+        """The control socket's requests (the keeper's; a mesh policy the evidence keeper's); a
+        revocation or policy it accepted spreads at once."""
+        verb, _, argument = request.partition(" ")
+        answer = (
+            self.evidence.control(argument.strip()) if verb == "policy" else self._keeper.control(request)
+        )
         self.spread_learned()
         return answer
 

@@ -15,6 +15,8 @@ its own state and given the objects it reads:
 * :mod:`meshnode.node.membership_keeper` — revocations, renewals, this node's own removal
   (``node.removal`` is set, with ``node.removal_reason``, once this node is out of the
   mesh), and the membership on disk;
+* :mod:`meshnode.node.evidence_keeper` — audit evidence verified, kept and spread on gossip
+  (``node.evidence``; ``node.evidence.report(evidence)`` when this node's head convicts);
 * :mod:`meshnode.node.status_report` and :mod:`meshnode.statussocket.server` — the status
   report and its socket; :mod:`meshnode.node.status_sections` — what it shows besides the
   mesh.
@@ -48,6 +50,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from meshnode import __version__
+from meshnode.gen.meshnode.v1.audit_pb2 import AuditEvidence
 from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import Endpoint, Invite
 from meshnode.membership.relay_list import merge_relays
@@ -61,6 +64,7 @@ from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.bootstrap import Bootstrap
 from meshnode.node.config import DEFAULT_LISTEN, DEFAULT_PORT, JoinError, NodeConfig
 from meshnode.node.delta_gossip import DeltaGossip
+from meshnode.node.evidence_keeper import EvidenceKeeper
 from meshnode.node.gossip import Gossip
 from meshnode.node.heartbeat import Heartbeat
 from meshnode.node.liveness import Liveness
@@ -176,7 +180,10 @@ class Node:
             known_peers,
             gossip_timeout=config.gossip_timeout,
             connect_timeout=config.connect_timeout,
+            evidence=EvidenceKeeper(identity, mesh_id, data_dir),
         )
+        # Audit evidence held (verified) and spread: the head's routes leave its accused out.
+        self.evidence = self.gossip.evidence
         self.delta_gossip = (
             DeltaGossip(
                 self.state,
@@ -284,6 +291,11 @@ class Node:
 
     def remove_status_section(self, name: str) -> None:
         self._status_sections.remove(name)
+
+    def report_conviction(self, evidence: AuditEvidence) -> None:
+        """This node's head convicted a node: the evidence, signed by this node, spreads at once."""
+        self.evidence.report(evidence)
+        self.gossip.spread_learned()
 
     @property
     def gossip_refusals(self) -> Mapping[str, int]:

@@ -20,6 +20,7 @@ from meshnode.mesh.dispatcher import Dispatcher
 from meshnode.mesh.peer_table import PeerEntry
 from meshnode.mesh.serving_states import serving_state_name
 from meshnode.mesh.state import MeshState
+from meshnode.node.evidence_keeper import EvidenceKeeper
 from meshnode.node.membership_keeper import MembershipKeeper
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
@@ -204,6 +205,9 @@ class StatusReport:
     sections: dict[str, Any] = field(default_factory=dict)
     # Admins, members' certificate expiry, removals (meshnode.node.membership_keeper.status_json).
     membership: dict[str, Any] = field(default_factory=dict)
+    # Audit evidence this node holds, each verified (meshnode.audit.evidence_book.to_json): whom it
+    # convicts, who reported it, its digest; and the reports refused, by code.
+    evidence: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The status socket's JSON object."""
@@ -285,6 +289,7 @@ def status_report(
     now_ns: int,
     membership: dict[str, Any] | None = None,
     traversal: DirectPaths | None = None,
+    evidence: dict[str, Any] | None = None,
 ) -> StatusReport:
     """The report of the node whose membership state is ``state``, at ``now_ns``.
 
@@ -341,6 +346,7 @@ def status_report(
         ),
         membership=membership or {},
         sections=sections,
+        evidence=evidence or {},
     )
 
 
@@ -366,6 +372,8 @@ class RunningNode(Protocol):
     @property
     def traversal(self) -> DirectPaths: ...
     @property
+    def evidence(self) -> EvidenceKeeper: ...
+    @property
     def status_sections(self) -> Mapping[str, Callable[[], dict[str, Any]]]: ...
 
     def link_to(self, peer_id: bytes) -> PeerLink | None: ...
@@ -384,6 +392,7 @@ def node_status(node: RunningNode) -> StatusReport:
         now_ns=time.monotonic_ns(),
         membership=node.keeper.status_json(),
         traversal=node.traversal,
+        evidence=node.evidence.status_json(),
     )
     report.sections.update({name: section() for name, section in node.status_sections.items()})
     return report

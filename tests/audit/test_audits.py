@@ -22,6 +22,7 @@ from helpers.recording_engine import RecordingEngine
 from engines.interface import GREEDY, SamplingParams
 from meshnode.app.audit_status import audit_section
 from meshnode.audit.commitment import open_commitment
+from meshnode.audit.comparison import Conviction
 from meshnode.audit.evidence import encode_evidence, verify_evidence_bytes
 from meshnode.head.driver import DriverConfig, GenerationDriver
 
@@ -109,9 +110,12 @@ async def test_a_node_skipping_its_layer_is_caught_by_the_first_audit():
     routes = await replicated_routes(LayerSkippingEngine)
     try:
         driver = GenerationDriver(routes, plain(1.0), audit_rng=random.Random(5))
+        told: list[Conviction] = []  # a node's head hands each conviction to gossip this way
+        driver.conviction_listeners.append(told.append)
         await collect(driver.generate(routes.model, PROMPT, GREEDY, 4))
         await driver.auditor.settled()
         assert list(driver.convicted) == [routes.shards[MIDDLE].node_id]
+        assert [c.accused for c in told] == [routes.shards[MIDDLE].node_id]
         assert verify_evidence_bytes(
             encode_evidence(driver.convicted[routes.shards[MIDDLE].node_id])
         ).convicted

@@ -77,3 +77,7 @@ async def test_honest_cpu_replicas_audited_with_batching_convict_nobody():
         await driver.aclose()
     finally:
         await routes.aclose()
+        # The servers do not own these engines: closed here, or this process's status would go on
+        # counting their memory as loaded shards' (engines.resident_memory) in the tests after it.
+        for shard in routes.shards.values():
+            shard.engine.close()

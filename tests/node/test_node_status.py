@@ -145,6 +145,7 @@ def test_the_report_serializes_to_the_status_sockets_json():
         },
         "sections": {},
         "membership": {},
+        "evidence": {},
     }
     assert json.loads(json.dumps(report.to_json())) == report.to_json()
 

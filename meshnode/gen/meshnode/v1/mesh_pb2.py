@@ -24,66 +24,67 @@ _sym_db = _symbol_database.Default()
 
 
 from meshnode.gen.meshnet.shard.v1 import shard_runtime_pb2 as meshnet_dot_shard_dot_v1_dot_shard__runtime__pb2
+from meshnode.gen.meshnode.v1 import audit_pb2 as meshnode_dot_v1_dot_audit__pb2
 from meshnode.gen.meshnode.v1 import membership_pb2 as meshnode_dot_v1_dot_membership__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshnode/v1/mesh.proto\x12\x0bmeshnode.v1\x1a$meshnet/shard/v1/shard_runtime.proto\x1a\x1cmeshnode/v1/membership.proto\"C\n\x07Refusal\x12(\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1a.meshnode.v1.MeshErrorCode\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x9c\x02\n\x0bServedShard\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x32\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1d.meshnet.shard.v1.Fingerprint\x12\x31\n\x0bshard_range\x18\x03 \x01(\x0b\x32\x1c.meshnet.shard.v1.ShardRange\x12\x14\n\x0ctotal_layers\x18\x04 \x01(\r\x12\x10\n\x08numerics\x18\x05 \x01(\t\x12\x17\n\x0fverifies_drafts\x18\x06 \x01(\x08\x12\x17\n\x0f\x63ompute_threads\x18\x07 \x01(\r\x12\x10\n\x08\x63pu_mask\x18\x08 \x01(\x0c\x12&\n\x05speed\x18\t \x01(\x0b\x32\x17.meshnode.v1.StageSpeed\"\x87\x01\n\nStageSpeed\x12\x1b\n\x13\x64\x65\x63ode_us_per_token\x18\x01 \x01(\r\x12\x1c\n\x14prefill_us_per_token\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12-\n\x06source\x18\x04 \x01(\x0e\x32\x1d.meshnode.v1.StageSpeedSource\"G\n\x08\x43\x61pacity\x12\x1f\n\x17max_concurrent_sessions\x18\x01 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x04\"\x82\x01\n\x04Load\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x15\n\rqueued_chunks\x18\x02 \x01(\r\x12\x13\n\x0bkv_pressure\x18\x03 \x01(\x02\x12\x35\n\rserving_state\x18\x04 \x01(\x0e\x32\x1e.meshnet.shard.v1.ServingState\"2\n\rRelayEndpoint\x12\x10\n\x08relay_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"@\n\x0fMeshSubprotocol\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05major\x18\x02 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x03(\t\"\x9b\x04\n\x10PeerAnnouncement\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\x0c\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.meshnode.v1.NodeRole\x12\x11\n\thttp_port\x18\x03 \x01(\r\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x11\n\taddresses\x18\x06 \x03(\t\x12\x1a\n\x12\x64irectly_reachable\x18\x07 \x01(\x08\x12*\n\x06relays\x18\x08 \x03(\x0b\x32\x1a.meshnode.v1.RelayEndpoint\x12)\n\x07serving\x18\t \x01(\x0b\x32\x18.meshnode.v1.ServedShard\x12\'\n\x08\x63\x61pacity\x18\n \x01(\x0b\x32\x15.meshnode.v1.Capacity\x12\x1f\n\x04load\x18\x0b \x01(\x0b\x32\x11.meshnode.v1.Load\x12\x0f\n\x07mesh_id\x18\x0c \x01(\t\x12\x15\n\rheartbeat_seq\x18\r \x01(\x04\x12\x13\n\x0bincarnation\x18\x0e \x01(\x03\x12\x32\n\x0csubprotocols\x18\x10 \x03(\x0b\x32\x1c.meshnode.v1.MeshSubprotocol\x12\x1a\n\x12observed_addresses\x18\x11 \x03(\t\x12,\n\x0bnat_mapping\x18\x12 \x01(\x0e\x32\x17.meshnode.v1.NatMappingJ\x04\x08\x0f\x10\x10R\x06rtt_ms\"5\n\x10SignedPeerRecord\x12\x0e\n\x06record\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"L\n\x0bGossipEntry\x12-\n\x06record\x18\x01 \x01(\x0b\x32\x1d.meshnode.v1.SignedPeerRecord\x12\x0e\n\x06rtt_ms\x18\x02 \x01(\r\"\xaa\x02\n\x0bGossipFrame\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x03 \x01(\x0c\x12\x36\n\x10membership_proof\x18\x04 \x01(\x0b\x32\x1c.meshnode.v1.MembershipProof\x12\x36\n\x10membership_grant\x18\x05 \x01(\x0b\x32\x1c.meshnode.v1.MembershipGrant\x12%\n\x07refusal\x18\x06 \x01(\x0b\x32\x14.meshnode.v1.Refusal\x12)\n\x07\x65ntries\x18\x07 \x03(\x0b\x32\x18.meshnode.v1.GossipEntry\x12,\n\x0brevocations\x18\x08 \x03(\x0b\x32\x17.meshnode.v1.RevocationJ\x04\x08\x02\x10\x03R\x05peers\"\x9f\x01\n\nDigestOpen\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62ucket_count\x18\x03 \x01(\r\x12\x15\n\rbucket_hashes\x18\x04 \x03(\x07\x12\x18\n\x10revocation_count\x18\x05 \x01(\r\x12\x17\n\x0frevocation_hash\x18\x06 \x01(\x06\x12\x11\n\tsuspected\x18\x07 \x03(\x0c\"\xcc\x01\n\x0b\x44igestReply\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12\x15\n\rnode_prefixes\x18\x03 \x03(\x06\x12\x14\n\x0cincarnations\x18\x08 \x03(\x03\x12\x11\n\tsequences\x18\t \x03(\x04\x12\x16\n\x0elisted_buckets\x18\x04 \x03(\r\x12\x16\n\x0erevocation_ids\x18\x05 \x03(\x06\x12\x1a\n\x12revocations_listed\x18\x06 \x01(\x08\x12\x11\n\tsuspected\x18\x07 \x03(\x0c\"\xb1\x01\n\nDigestPush\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.meshnode.v1.GossipEntry\x12\x0e\n\x06wanted\x18\x04 \x03(\x06\x12,\n\x0brevocations\x18\x05 \x03(\x0b\x32\x17.meshnode.v1.Revocation\x12\x1a\n\x12wanted_revocations\x18\x06 \x03(\x06\"\x88\x01\n\rDigestRecords\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.meshnode.v1.GossipEntry\x12,\n\x0brevocations\x18\x04 \x03(\x0b\x32\x17.meshnode.v1.Revocation\"6\n\x11RouteTableRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\x0c\x12\x0b\n\x03gen\x18\x02 \x01(\r\"[\n\nRouteEntry\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x07serving\x18\x03 \x01(\x0b\x32\x18.meshnode.v1.ServedShard\"e\n\nRouteTable\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.meshnode.v1.RouteEntry\x12\x14\n\x07mesh_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0b\n\x03gen\x18\x03 \x01(\rB\n\n\x08_mesh_id\"(\n\x08PeerDown\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0b\n\x03gen\x18\x02 \x01(\r\"+\n\x0bPeerLeaving\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0b\n\x03gen\x18\x02 \x01(\r\"#\n\x05Probe\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"?\n\x13MeshSubprotocolOpen\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05major\x18\x03 \x01(\r*\x9b\x05\n\rMeshErrorCode\x12\x1a\n\x16MESH_ERROR_UNSPECIFIED\x10\x00\x12\x18\n\x14MESH_ERROR_MALFORMED\x10\x01\x12\x1d\n\x19MESH_ERROR_BAD_GENERATION\x10\x02\x12\x1e\n\x1aMESH_ERROR_SENDER_MISMATCH\x10\x03\x12\x1b\n\x17MESH_ERROR_NOT_ADMITTED\x10\x04\x12\x1c\n\x18MESH_ERROR_NO_CREDENTIAL\x10\x05\x12\x1d\n\x19MESH_ERROR_INVITE_EXPIRED\x10\x06\x12\x19\n\x15MESH_ERROR_OTHER_MESH\x10\x07\x12\x15\n\x11MESH_ERROR_FORGED\x10\x08\x12\x1d\n\x19MESH_ERROR_WRONG_IDENTITY\x10\t\x12\x1e\n\x1aMESH_ERROR_FRAME_TOO_LARGE\x10\n\x12\"\n\x1eMESH_ERROR_UNKNOWN_STREAM_TYPE\x10\x0b\x12\"\n\x1eMESH_ERROR_STREAM_TYPE_TIMEOUT\x10\x0c\x12\x1b\n\x17MESH_ERROR_READ_TIMEOUT\x10\r\x12\x1a\n\x16MESH_ERROR_SELF_REPORT\x10\x0e\x12\x19\n\x15MESH_ERROR_OVERLOADED\x10\x0f\x12\x17\n\x13MESH_ERROR_INTERNAL\x10\x10\x12\x17\n\x13MESH_ERROR_PROTOCOL\x10\x11\x12!\n\x1dMESH_ERROR_FUTURE_INCARNATION\x10\x12\x12\x16\n\x12MESH_ERROR_REVOKED\x10\x13\x12\x1d\n\x19MESH_ERROR_INVITE_REVOKED\x10\x14\x12\"\n\x1eMESH_ERROR_CERTIFICATE_EXPIRED\x10\x15*e\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_WORKER\x10\x01\x12\x12\n\x0eNODE_ROLE_HOST\x10\x02\x12\x14\n\x10NODE_ROLE_CLIENT\x10\x03*\x9c\x01\n\x10StageSpeedSource\x12\"\n\x1eSTAGE_SPEED_SOURCE_UNSPECIFIED\x10\x00\x12!\n\x1dSTAGE_SPEED_SOURCE_CALIBRATED\x10\x01\x12\x1f\n\x1bSTAGE_SPEED_SOURCE_MEASURED\x10\x02\x12 \n\x1cSTAGE_SPEED_SOURCE_ESTIMATED\x10\x03*\x85\x01\n\nNatMapping\x12\x17\n\x13NAT_MAPPING_UNKNOWN\x10\x00\x12\x14\n\x10NAT_MAPPING_NONE\x10\x01\x12$\n NAT_MAPPING_ENDPOINT_INDEPENDENT\x10\x02\x12\"\n\x1eNAT_MAPPING_ENDPOINT_DEPENDENT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshnode/v1/mesh.proto\x12\x0bmeshnode.v1\x1a$meshnet/shard/v1/shard_runtime.proto\x1a\x17meshnode/v1/audit.proto\x1a\x1cmeshnode/v1/membership.proto\"C\n\x07Refusal\x12(\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1a.meshnode.v1.MeshErrorCode\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x9c\x02\n\x0bServedShard\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x32\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1d.meshnet.shard.v1.Fingerprint\x12\x31\n\x0bshard_range\x18\x03 \x01(\x0b\x32\x1c.meshnet.shard.v1.ShardRange\x12\x14\n\x0ctotal_layers\x18\x04 \x01(\r\x12\x10\n\x08numerics\x18\x05 \x01(\t\x12\x17\n\x0fverifies_drafts\x18\x06 \x01(\x08\x12\x17\n\x0f\x63ompute_threads\x18\x07 \x01(\r\x12\x10\n\x08\x63pu_mask\x18\x08 \x01(\x0c\x12&\n\x05speed\x18\t \x01(\x0b\x32\x17.meshnode.v1.StageSpeed\"\x87\x01\n\nStageSpeed\x12\x1b\n\x13\x64\x65\x63ode_us_per_token\x18\x01 \x01(\r\x12\x1c\n\x14prefill_us_per_token\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12-\n\x06source\x18\x04 \x01(\x0e\x32\x1d.meshnode.v1.StageSpeedSource\"G\n\x08\x43\x61pacity\x12\x1f\n\x17max_concurrent_sessions\x18\x01 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x04\"\x82\x01\n\x04Load\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x15\n\rqueued_chunks\x18\x02 \x01(\r\x12\x13\n\x0bkv_pressure\x18\x03 \x01(\x02\x12\x35\n\rserving_state\x18\x04 \x01(\x0e\x32\x1e.meshnet.shard.v1.ServingState\"2\n\rRelayEndpoint\x12\x10\n\x08relay_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"@\n\x0fMeshSubprotocol\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05major\x18\x02 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x03(\t\"\x9b\x04\n\x10PeerAnnouncement\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\x0c\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.meshnode.v1.NodeRole\x12\x11\n\thttp_port\x18\x03 \x01(\r\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x11\n\taddresses\x18\x06 \x03(\t\x12\x1a\n\x12\x64irectly_reachable\x18\x07 \x01(\x08\x12*\n\x06relays\x18\x08 \x03(\x0b\x32\x1a.meshnode.v1.RelayEndpoint\x12)\n\x07serving\x18\t \x01(\x0b\x32\x18.meshnode.v1.ServedShard\x12\'\n\x08\x63\x61pacity\x18\n \x01(\x0b\x32\x15.meshnode.v1.Capacity\x12\x1f\n\x04load\x18\x0b \x01(\x0b\x32\x11.meshnode.v1.Load\x12\x0f\n\x07mesh_id\x18\x0c \x01(\t\x12\x15\n\rheartbeat_seq\x18\r \x01(\x04\x12\x13\n\x0bincarnation\x18\x0e \x01(\x03\x12\x32\n\x0csubprotocols\x18\x10 \x03(\x0b\x32\x1c.meshnode.v1.MeshSubprotocol\x12\x1a\n\x12observed_addresses\x18\x11 \x03(\t\x12,\n\x0bnat_mapping\x18\x12 \x01(\x0e\x32\x17.meshnode.v1.NatMappingJ\x04\x08\x0f\x10\x10R\x06rtt_ms\"5\n\x10SignedPeerRecord\x12\x0e\n\x06record\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"L\n\x0bGossipEntry\x12-\n\x06record\x18\x01 \x01(\x0b\x32\x1d.meshnode.v1.SignedPeerRecord\x12\x0e\n\x06rtt_ms\x18\x02 \x01(\r\"\x82\x03\n\x0bGossipFrame\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x03 \x01(\x0c\x12\x36\n\x10membership_proof\x18\x04 \x01(\x0b\x32\x1c.meshnode.v1.MembershipProof\x12\x36\n\x10membership_grant\x18\x05 \x01(\x0b\x32\x1c.meshnode.v1.MembershipGrant\x12%\n\x07refusal\x18\x06 \x01(\x0b\x32\x14.meshnode.v1.Refusal\x12)\n\x07\x65ntries\x18\x07 \x03(\x0b\x32\x18.meshnode.v1.GossipEntry\x12,\n\x0brevocations\x18\x08 \x03(\x0b\x32\x17.meshnode.v1.Revocation\x12-\n\x08\x65vidence\x18\t \x03(\x0b\x32\x1b.meshnode.v1.EvidenceReport\x12\'\n\x06policy\x18\n \x01(\x0b\x32\x17.meshnode.v1.MeshPolicyJ\x04\x08\x02\x10\x03R\x05peers\"\x9f\x01\n\nDigestOpen\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62ucket_count\x18\x03 \x01(\r\x12\x15\n\rbucket_hashes\x18\x04 \x03(\x07\x12\x18\n\x10revocation_count\x18\x05 \x01(\r\x12\x17\n\x0frevocation_hash\x18\x06 \x01(\x06\x12\x11\n\tsuspected\x18\x07 \x03(\x0c\"\xcc\x01\n\x0b\x44igestReply\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12\x15\n\rnode_prefixes\x18\x03 \x03(\x06\x12\x14\n\x0cincarnations\x18\x08 \x03(\x03\x12\x11\n\tsequences\x18\t \x03(\x04\x12\x16\n\x0elisted_buckets\x18\x04 \x03(\r\x12\x16\n\x0erevocation_ids\x18\x05 \x03(\x06\x12\x1a\n\x12revocations_listed\x18\x06 \x01(\x08\x12\x11\n\tsuspected\x18\x07 \x03(\x0c\"\xb1\x01\n\nDigestPush\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.meshnode.v1.GossipEntry\x12\x0e\n\x06wanted\x18\x04 \x03(\x06\x12,\n\x0brevocations\x18\x05 \x03(\x0b\x32\x17.meshnode.v1.Revocation\x12\x1a\n\x12wanted_revocations\x18\x06 \x03(\x06\"\x88\x01\n\rDigestRecords\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\x0c\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.meshnode.v1.GossipEntry\x12,\n\x0brevocations\x18\x04 \x03(\x0b\x32\x17.meshnode.v1.Revocation\"6\n\x11RouteTableRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\x0c\x12\x0b\n\x03gen\x18\x02 \x01(\r\"[\n\nRouteEntry\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x07serving\x18\x03 \x01(\x0b\x32\x18.meshnode.v1.ServedShard\"e\n\nRouteTable\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.meshnode.v1.RouteEntry\x12\x14\n\x07mesh_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0b\n\x03gen\x18\x03 \x01(\rB\n\n\x08_mesh_id\"(\n\x08PeerDown\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0b\n\x03gen\x18\x02 \x01(\r\"+\n\x0bPeerLeaving\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0b\n\x03gen\x18\x02 \x01(\r\"#\n\x05Probe\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"?\n\x13MeshSubprotocolOpen\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05major\x18\x03 \x01(\r*\x9b\x05\n\rMeshErrorCode\x12\x1a\n\x16MESH_ERROR_UNSPECIFIED\x10\x00\x12\x18\n\x14MESH_ERROR_MALFORMED\x10\x01\x12\x1d\n\x19MESH_ERROR_BAD_GENERATION\x10\x02\x12\x1e\n\x1aMESH_ERROR_SENDER_MISMATCH\x10\x03\x12\x1b\n\x17MESH_ERROR_NOT_ADMITTED\x10\x04\x12\x1c\n\x18MESH_ERROR_NO_CREDENTIAL\x10\x05\x12\x1d\n\x19MESH_ERROR_INVITE_EXPIRED\x10\x06\x12\x19\n\x15MESH_ERROR_OTHER_MESH\x10\x07\x12\x15\n\x11MESH_ERROR_FORGED\x10\x08\x12\x1d\n\x19MESH_ERROR_WRONG_IDENTITY\x10\t\x12\x1e\n\x1aMESH_ERROR_FRAME_TOO_LARGE\x10\n\x12\"\n\x1eMESH_ERROR_UNKNOWN_STREAM_TYPE\x10\x0b\x12\"\n\x1eMESH_ERROR_STREAM_TYPE_TIMEOUT\x10\x0c\x12\x1b\n\x17MESH_ERROR_READ_TIMEOUT\x10\r\x12\x1a\n\x16MESH_ERROR_SELF_REPORT\x10\x0e\x12\x19\n\x15MESH_ERROR_OVERLOADED\x10\x0f\x12\x17\n\x13MESH_ERROR_INTERNAL\x10\x10\x12\x17\n\x13MESH_ERROR_PROTOCOL\x10\x11\x12!\n\x1dMESH_ERROR_FUTURE_INCARNATION\x10\x12\x12\x16\n\x12MESH_ERROR_REVOKED\x10\x13\x12\x1d\n\x19MESH_ERROR_INVITE_REVOKED\x10\x14\x12\"\n\x1eMESH_ERROR_CERTIFICATE_EXPIRED\x10\x15*e\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_WORKER\x10\x01\x12\x12\n\x0eNODE_ROLE_HOST\x10\x02\x12\x14\n\x10NODE_ROLE_CLIENT\x10\x03*\x9c\x01\n\x10StageSpeedSource\x12\"\n\x1eSTAGE_SPEED_SOURCE_UNSPECIFIED\x10\x00\x12!\n\x1dSTAGE_SPEED_SOURCE_CALIBRATED\x10\x01\x12\x1f\n\x1bSTAGE_SPEED_SOURCE_MEASURED\x10\x02\x12 \n\x1cSTAGE_SPEED_SOURCE_ESTIMATED\x10\x03*\x85\x01\n\nNatMapping\x12\x17\n\x13NAT_MAPPING_UNKNOWN\x10\x00\x12\x14\n\x10NAT_MAPPING_NONE\x10\x01\x12$\n NAT_MAPPING_ENDPOINT_INDEPENDENT\x10\x02\x12\"\n\x1eNAT_MAPPING_ENDPOINT_DEPENDENT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshnode.v1.mesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MESHERRORCODE']._serialized_start=3031
-  _globals['_MESHERRORCODE']._serialized_end=3698
-  _globals['_NODEROLE']._serialized_start=3700
-  _globals['_NODEROLE']._serialized_end=3801
-  _globals['_STAGESPEEDSOURCE']._serialized_start=3804
-  _globals['_STAGESPEEDSOURCE']._serialized_end=3960
-  _globals['_NATMAPPING']._serialized_start=3963
-  _globals['_NATMAPPING']._serialized_end=4096
-  _globals['_REFUSAL']._serialized_start=107
-  _globals['_REFUSAL']._serialized_end=174
-  _globals['_SERVEDSHARD']._serialized_start=177
-  _globals['_SERVEDSHARD']._serialized_end=461
-  _globals['_STAGESPEED']._serialized_start=464
-  _globals['_STAGESPEED']._serialized_end=599
-  _globals['_CAPACITY']._serialized_start=601
-  _globals['_CAPACITY']._serialized_end=672
-  _globals['_LOAD']._serialized_start=675
-  _globals['_LOAD']._serialized_end=805
-  _globals['_RELAYENDPOINT']._serialized_start=807
-  _globals['_RELAYENDPOINT']._serialized_end=857
-  _globals['_MESHSUBPROTOCOL']._serialized_start=859
-  _globals['_MESHSUBPROTOCOL']._serialized_end=923
-  _globals['_PEERANNOUNCEMENT']._serialized_start=926
-  _globals['_PEERANNOUNCEMENT']._serialized_end=1465
-  _globals['_SIGNEDPEERRECORD']._serialized_start=1467
-  _globals['_SIGNEDPEERRECORD']._serialized_end=1520
-  _globals['_GOSSIPENTRY']._serialized_start=1522
-  _globals['_GOSSIPENTRY']._serialized_end=1598
-  _globals['_GOSSIPFRAME']._serialized_start=1601
-  _globals['_GOSSIPFRAME']._serialized_end=1899
-  _globals['_DIGESTOPEN']._serialized_start=1902
-  _globals['_DIGESTOPEN']._serialized_end=2061
-  _globals['_DIGESTREPLY']._serialized_start=2064
-  _globals['_DIGESTREPLY']._serialized_end=2268
-  _globals['_DIGESTPUSH']._serialized_start=2271
-  _globals['_DIGESTPUSH']._serialized_end=2448
-  _globals['_DIGESTRECORDS']._serialized_start=2451
-  _globals['_DIGESTRECORDS']._serialized_end=2587
-  _globals['_ROUTETABLEREQUEST']._serialized_start=2589
-  _globals['_ROUTETABLEREQUEST']._serialized_end=2643
-  _globals['_ROUTEENTRY']._serialized_start=2645
-  _globals['_ROUTEENTRY']._serialized_end=2736
-  _globals['_ROUTETABLE']._serialized_start=2738
-  _globals['_ROUTETABLE']._serialized_end=2839
-  _globals['_PEERDOWN']._serialized_start=2841
-  _globals['_PEERDOWN']._serialized_end=2881
-  _globals['_PEERLEAVING']._serialized_start=2883
-  _globals['_PEERLEAVING']._serialized_end=2926
-  _globals['_PROBE']._serialized_start=2928
-  _globals['_PROBE']._serialized_end=2963
-  _globals['_MESHSUBPROTOCOLOPEN']._serialized_start=2965
-  _globals['_MESHSUBPROTOCOLOPEN']._serialized_end=3028
+  _globals['_MESHERRORCODE']._serialized_start=3144
+  _globals['_MESHERRORCODE']._serialized_end=3811
+  _globals['_NODEROLE']._serialized_start=3813
+  _globals['_NODEROLE']._serialized_end=3914
+  _globals['_STAGESPEEDSOURCE']._serialized_start=3917
+  _globals['_STAGESPEEDSOURCE']._serialized_end=4073
+  _globals['_NATMAPPING']._serialized_start=4076
+  _globals['_NATMAPPING']._serialized_end=4209
+  _globals['_REFUSAL']._serialized_start=132
+  _globals['_REFUSAL']._serialized_end=199
+  _globals['_SERVEDSHARD']._serialized_start=202
+  _globals['_SERVEDSHARD']._serialized_end=486
+  _globals['_STAGESPEED']._serialized_start=489
+  _globals['_STAGESPEED']._serialized_end=624
+  _globals['_CAPACITY']._serialized_start=626
+  _globals['_CAPACITY']._serialized_end=697
+  _globals['_LOAD']._serialized_start=700
+  _globals['_LOAD']._serialized_end=830
+  _globals['_RELAYENDPOINT']._serialized_start=832
+  _globals['_RELAYENDPOINT']._serialized_end=882
+  _globals['_MESHSUBPROTOCOL']._serialized_start=884
+  _globals['_MESHSUBPROTOCOL']._serialized_end=948
+  _globals['_PEERANNOUNCEMENT']._serialized_start=951
+  _globals['_PEERANNOUNCEMENT']._serialized_end=1490
+  _globals['_SIGNEDPEERRECORD']._serialized_start=1492
+  _globals['_SIGNEDPEERRECORD']._serialized_end=1545
+  _globals['_GOSSIPENTRY']._serialized_start=1547
+  _globals['_GOSSIPENTRY']._serialized_end=1623
+  _globals['_GOSSIPFRAME']._serialized_start=1626
+  _globals['_GOSSIPFRAME']._serialized_end=2012
+  _globals['_DIGESTOPEN']._serialized_start=2015
+  _globals['_DIGESTOPEN']._serialized_end=2174
+  _globals['_DIGESTREPLY']._serialized_start=2177
+  _globals['_DIGESTREPLY']._serialized_end=2381
+  _globals['_DIGESTPUSH']._serialized_start=2384
+  _globals['_DIGESTPUSH']._serialized_end=2561
+  _globals['_DIGESTRECORDS']._serialized_start=2564
+  _globals['_DIGESTRECORDS']._serialized_end=2700
+  _globals['_ROUTETABLEREQUEST']._serialized_start=2702
+  _globals['_ROUTETABLEREQUEST']._serialized_end=2756
+  _globals['_ROUTEENTRY']._serialized_start=2758
+  _globals['_ROUTEENTRY']._serialized_end=2849
+  _globals['_ROUTETABLE']._serialized_start=2851
+  _globals['_ROUTETABLE']._serialized_end=2952
+  _globals['_PEERDOWN']._serialized_start=2954
+  _globals['_PEERDOWN']._serialized_end=2994
+  _globals['_PEERLEAVING']._serialized_start=2996
+  _globals['_PEERLEAVING']._serialized_end=3039
+  _globals['_PROBE']._serialized_start=3041
+  _globals['_PROBE']._serialized_end=3076
+  _globals['_MESHSUBPROTOCOLOPEN']._serialized_start=3078
+  _globals['_MESHSUBPROTOCOLOPEN']._serialized_end=3141
 # @@protoc_insertion_point(module_scope)
