@@ -105,6 +105,12 @@ def chained_input_digest(previous: bytes | None, request: StepRequest) -> bytes:
     return _digest(_CHAIN_START if previous is None else previous, step_material(request))
 
 
+def hidden_digest(hidden: np.ndarray) -> bytes:
+    """The digest of hidden states alone: a forwarding hop's output digest, and the form in which
+    a hop states what it sent (:mod:`meshnode.audit.handoff`), so the two compare as they are."""
+    return _digest(b"H", *_array_parts(hidden))
+
+
 def output_digest(result: StepResult) -> bytes:
     """What a hop computed: the hidden states it passes on, or the tail's tokens (and logits)."""
     parts: list[bytes | memoryview] = []
@@ -134,6 +140,7 @@ def make_commitment(
     token_count: int,
     input_digest: bytes,
     output: bytes,
+    input_handoff: shard.SignedHandoff | None = None,
 ) -> shard.UnitCommitment:
     commitment = shard.UnitCommitment(
         node_id=node_id,
@@ -153,6 +160,8 @@ def make_commitment(
     commitment.shard_range.start_layer = start
     commitment.shard_range.end_layer = end
     commitment.shard_range.effective_start_layer = effective
+    if input_handoff is not None:
+        commitment.input_handoff.CopyFrom(input_handoff)
     return commitment
 
 
@@ -190,6 +199,7 @@ class CommitmentSigner:
         token_count: int,
         input_digest: bytes,
         output: bytes,
+        input_handoff: shard.SignedHandoff | None = None,
     ) -> shard.SignedCommitment:
         commitment = make_commitment(
             node_id=self.identity.node_id,
@@ -205,6 +215,7 @@ class CommitmentSigner:
             token_count=token_count,
             input_digest=input_digest,
             output=output,
+            input_handoff=input_handoff,
         )
         return sign_commitment(self.identity, commitment)
 
@@ -257,6 +268,7 @@ __all__ = [
     "CommitmentSigner",
     "chained_input_digest",
     "decode_commitment",
+    "hidden_digest",
     "is_exact",
     "layers",
     "make_commitment",

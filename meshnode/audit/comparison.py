@@ -10,6 +10,10 @@ checked within tolerance, and what follows it is not compared (its inputs differ
 :func:`judge` takes every statement gathered for one disputed unit (the two runs', and the
 third computations') and, once two nodes other than one signer agree on an output that signer
 contradicts, returns that signer and the evidence (:mod:`meshnode.audit.evidence`).
+
+:func:`forwarding_conviction` needs no replay: a hop's commitment carries the handoff the hop
+before it signed for the unit (:mod:`meshnode.audit.handoff`), and a handoff stating other bytes
+than its signer's own commitment convicts that signer by its own two signatures.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from meshnode.audit.commitment import (
     signed_by_its_node,
 )
 from meshnode.audit.evidence import MIN_WITNESSES, assemble, check_evidence
+from meshnode.audit.handoff import HandoffRejected, contradicts, decode_handoff
 from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.wire.pb import shard
 
@@ -169,6 +174,37 @@ def judge(
     return None
 
 
+def forwarding_conviction(
+    run: RunStatements, *, reporter_id: bytes = b"", unix_now_ns: int = 0
+) -> Conviction | None:
+    """A hop of ``run`` whose handoff (carried in the next hop's commitment) states other bytes
+    than its own commitment's output, with the evidence; None when every handoff agrees."""
+    by_signer = {(s.signer, s.commitment.idempotency_step): s for s in run.by_key.values()}
+    for receiver in run.by_key.values():
+        if not receiver.commitment.HasField("input_handoff"):
+            continue
+        signed_handoff = receiver.commitment.input_handoff
+        try:
+            # Signatures are checked once a contradiction is found (check_evidence): an audit
+            # does not pay two signature checks per hop and unit to find none.
+            handoff = decode_handoff(signed_handoff)
+        except HandoffRejected:
+            continue
+        sender = by_signer.get((bytes(handoff.node_id), handoff.idempotency_step))
+        if sender is None or not contradicts(handoff, sender.commitment):
+            continue
+        evidence = assemble(
+            sender.signed,
+            [],
+            reporter_id=reporter_id,
+            convicted_unix_nanos=unix_now_ns,
+            accused_handoff=signed_handoff,
+        )
+        if check_evidence(evidence).convicted:
+            return Conviction(sender.signer, evidence)
+    return None
+
+
 __all__ = [
     "Comparison",
     "Conviction",
@@ -177,6 +213,7 @@ __all__ = [
     "Statement",
     "UnitKey",
     "first_divergence",
+    "forwarding_conviction",
     "judge",
     "statements",
 ]

@@ -10,6 +10,12 @@ disputed output there is nothing to check, and :func:`check_evidence` says so.
 A commitment that declares inexact numerics (a GPU, repacked weights) is never evidence: such
 hops are compared within a tolerance only, and the verdict says "checked within tolerance".
 
+Evidence of a second kind needs no witness: the accused's own commitment and its own signed
+handoff (:mod:`meshnode.audit.handoff`) for the same unit, stating that it sent other hidden
+states than the output it committed to (``accused_handoff``, no witnesses). Both statements
+are the accused's, about its own bytes, so numerics do not enter: a hop sends what it computed,
+whatever its numerics. Without the accused's signature on both there is nothing to check.
+
 The faults are stable codes (:class:`EvidenceFault`): scripts and tests read them, and a
 verdict names exactly one.
 """
@@ -23,6 +29,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from meshnode.audit.commitment import CommitmentRejected, is_exact, layers, open_commitment
+from meshnode.audit.handoff import STATED_DTYPE, HandoffRejected, open_handoff, same_unit
 from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.identity import short_id
 from meshnode.wire.pb import shard
@@ -52,6 +59,12 @@ class EvidenceFault(enum.Enum):
     NO_DISAGREEMENT = "no_disagreement"
     # Not a fault of the file: a hop with inexact numerics is compared within a tolerance only.
     WITHIN_TOLERANCE = "within_tolerance"
+    # Handoff evidence (the accused's commitment against its own handoff):
+    HANDOFF_UNSIGNED = "handoff_unsigned"
+    HANDOFF_OTHER_SIGNER = "handoff_other_signer"
+    HANDOFF_OTHER_UNIT = "handoff_other_unit"
+    HANDOFF_OTHER_DTYPE = "handoff_other_dtype"
+    HANDOFF_WITH_WITNESSES = "handoff_with_witnesses"
 
 
 class Outcome(enum.Enum):
@@ -96,12 +109,14 @@ def assemble(
     *,
     reporter_id: bytes = b"",
     convicted_unix_nanos: int = 0,
+    accused_handoff: shard.SignedHandoff | None = None,
 ) -> audit.AuditEvidence:
     return audit.AuditEvidence(
         accused=accused,
         witnesses=witnesses,
         reporter_id=reporter_id,
         convicted_unix_nanos=convicted_unix_nanos,
+        accused_handoff=accused_handoff,
     )
 
 
@@ -115,6 +130,8 @@ def check_evidence(evidence: audit.AuditEvidence) -> Verdict:
         )
     accused_id = bytes(accused.node_id)
     who = short_id(accused_id)
+    if evidence.HasField("accused_handoff"):
+        return _check_handoff_evidence(evidence, accused)
     if len(evidence.witnesses) < MIN_WITNESSES:
         return _rejected(
             EvidenceFault.TOO_FEW_WITNESSES,
@@ -177,6 +194,57 @@ def check_evidence(evidence: audit.AuditEvidence) -> Verdict:
         f"{bytes(accused.input_digest).hex()[:16]}… it stated output {bytes(accused.output_digest).hex()[:16]}…, "
         f"{len(witnesses)} other nodes ({', '.join(short_id(s) for s in signers)}) "
         f"stated {next(iter(outputs)).hex()[:16]}…",
+        None,
+        accused_id,
+        accused,
+    )
+
+
+def _check_handoff_evidence(evidence: audit.AuditEvidence, accused: shard.UnitCommitment) -> Verdict:
+    """The accused's commitment (opened) against its own handoff for the same unit."""
+    accused_id = bytes(accused.node_id)
+    who = short_id(accused_id)
+    if evidence.witnesses:
+        return _rejected(
+            EvidenceFault.HANDOFF_WITH_WITNESSES,
+            "a handoff against a commitment needs no other nodes' commitments",
+            accused_id,
+        )
+    try:
+        handoff = open_handoff(evidence.accused_handoff)
+    except HandoffRejected as error:
+        return _rejected(
+            EvidenceFault.HANDOFF_UNSIGNED, f"the accused's handoff does not stand: {error}", accused_id
+        )
+    if bytes(handoff.node_id) != accused_id:
+        return _rejected(
+            EvidenceFault.HANDOFF_OTHER_SIGNER,
+            f"the handoff is {short_id(bytes(handoff.node_id))}'s, the commitment {who}'s",
+            accused_id,
+        )
+    if not same_unit(
+        handoff,
+        session_id=accused.route_session_id,
+        epoch=accused.route_epoch,
+        step=accused.idempotency_step,
+        work_id=accused.work_id,
+    ):
+        return _rejected(
+            EvidenceFault.HANDOFF_OTHER_UNIT, "the handoff and the commitment name other units", accused_id
+        )
+    if handoff.boundary_dtype != STATED_DTYPE:
+        return _rejected(
+            EvidenceFault.HANDOFF_OTHER_DTYPE,
+            "the handoff states hidden states in another dtype than the hop computed",
+            accused_id,
+        )
+    if handoff.sent_digest == accused.output_digest:
+        return _rejected(EvidenceFault.NO_DISAGREEMENT, f"{who} sent the output it computed", accused_id)
+    return Verdict(
+        Outcome.CONVICTED,
+        f"{who} passed on other bytes than it computed: for layers {_layers_text(accused)} at step "
+        f"{accused.idempotency_step} it stated output {bytes(accused.output_digest).hex()[:16]}… and "
+        f"signed that it sent {bytes(handoff.sent_digest).hex()[:16]}… to the next hop",
         None,
         accused_id,
         accused,

@@ -95,12 +95,18 @@ class HeldEvidence:
 
 def evidence_digest(evidence: audit.AuditEvidence) -> bytes:
     """SHA-256 over the signed statements exactly as their signers serialized them (the accused's
-    first), length-prefixed: who assembled the evidence, and when, does not change it."""
+    first, then its handoff where the evidence is of that kind), length-prefixed: who assembled the
+    evidence, and when, does not change it."""
     hasher = hashlib.sha256(b"meshnode/v1/evidence-digest\0")
+    parts: list[bytes] = []
     for signed in (evidence.accused, *evidence.witnesses):
-        for part in (bytes(signed.commitment), bytes(signed.signature)):
-            hasher.update(struct.pack("<Q", len(part)))
-            hasher.update(part)
+        parts += [bytes(signed.commitment), bytes(signed.signature)]
+    if evidence.HasField("accused_handoff"):
+        handoff = evidence.accused_handoff
+        parts += [b"handoff", bytes(handoff.handoff), bytes(handoff.signature)]
+    for part in parts:
+        hasher.update(struct.pack("<Q", len(part)))
+        hasher.update(part)
     return hasher.digest()
 
 

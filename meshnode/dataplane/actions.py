@@ -72,6 +72,8 @@ class ForwardWork:
     # The deadline it arrived with, passed on unchanged.
     deadline: Deadline | None
     hidden: np.ndarray
+    # This hop's signed statement of ``hidden`` (meshnode.audit.handoff); None: it states none.
+    handoff: shard.SignedHandoff | None = None
 
 
 @dataclass(frozen=True, slots=True)

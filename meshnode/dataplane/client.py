@@ -304,6 +304,7 @@ class SessionClient:
             hidden=hidden,
             step=work.step,
             work_id=work.work_id,
+            handoff=work.handoff,
         )
 
     def _add(
@@ -315,6 +316,7 @@ class SessionClient:
         hidden: np.ndarray | None,
         step: int | None = None,
         work_id: str | None = None,
+        handoff: shard.SignedHandoff | None = None,
     ) -> int:
         if self.failed is not None:
             raise SessionNotReady("the session failed; open a new one")
@@ -331,6 +333,7 @@ class SessionClient:
             deadline=deadline,
             tokens=tokens,
             hidden=hidden,
+            handoff=handoff,
         )
         self._next_unit_id += 1
         self._units.add(unit)
@@ -398,6 +401,7 @@ class SessionClient:
             position=unit.position,
             deadline=unit.deadline,
             tensor=tensor,
+            handoff=unit.handoff,
         )
 
     # ------------------------------------------------------------------ signals

@@ -78,8 +78,10 @@ def unit_request(
     position: UnitPosition,
     deadline: Deadline | None,
     tensor: shard.NamedTensor,
+    handoff: shard.SignedHandoff | None = None,
 ) -> shard.SessionRequest:
-    """One unit's request: a DecodeStep for a plain decode, an ActivationChunk otherwise."""
+    """One unit's request: a DecodeStep for a plain decode, an ActivationChunk otherwise.
+    ``handoff``: the sender's signed statement of the tensor (meshnode.audit.handoff), if any."""
     if position.single_decode and not position.rollback:
         # Filled in place: a keyword-built DecodeStep nested in a keyword-built request copies
         # the tensor's payload twice (the hot path: every token, every hop).
@@ -91,6 +93,8 @@ def unit_request(
         decode.tensor.CopyFrom(tensor)
         decode.work_id = work_id
         decode.deadline_unix_nanos = wire_deadline(deadline)
+        if handoff is not None:
+            decode.handoff.CopyFrom(handoff)
         return request
     fresh = position.fresh_start
     envelope = shard.Envelope(
@@ -117,6 +121,7 @@ def unit_request(
         ),
         draft_tokens=position.draft_tokens,
         block_digest=position.block_digest,
+        handoff=handoff,
     )
     return shard.SessionRequest(
         chunk=shard.ActivationChunk(envelope=envelope, bundle=encode_bundle([tensor]))

@@ -36,6 +36,8 @@ class OutgoingUnit:
     deadline: Deadline | None
     tokens: np.ndarray | None
     hidden: np.ndarray | None
+    # The forwarding hop's signed statement of ``hidden`` (meshnode.audit.handoff), sent with it.
+    handoff: shard.SignedHandoff | None = None
     state: UnitState = UnitState.PENDING
     body: bytes | None = None
     attempts: int = 0

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engines.interface import BatchStep, CancelToken, EngineError, StepResult
-from meshnode.audit.commitment import CommitmentSigner, chained_input_digest, output_digest
+from meshnode.audit.commitment import CommitmentSigner, chained_input_digest, hidden_digest, output_digest
+from meshnode.audit.handoff import sign_handoff, states_handoffs
 from meshnode.dataplane import errors
 from meshnode.dataplane.actions import (
     Action,
@@ -203,10 +204,14 @@ class UnitRunner:
             past_len=result.past_len,
             cache_hit=result.cache_hit,
         )
-        own = self._commit(unit, result)
-        commitments = () if own is None else (own,)
         plan = session.plan
-        if plan.next_hop is None:
+        forwards = plan.next_hop is not None
+        # A forwarding hop's output is the hidden states it passes on, digested once for both
+        # statements: what it computed (commitment) and what it sent (handoff).
+        sent = hidden_digest(result.hidden) if forwards and result.hidden is not None else None
+        own = self._commit(unit, result, sent)
+        commitments = () if own is None else (own,)
+        if not forwards:
             stream = self._streams.get(unit.stream_id)
             compression = stream.result_compression if stream is not None else shard.COMPRESSION_NONE
             bundle = result_bundle(unit, result, compression)
@@ -230,6 +235,7 @@ class UnitRunner:
             position=unit.position,
             deadline=unit.deadline,
             hidden=result.hidden,
+            handoff=self._handoff(unit, sent) if own is not None else None,
         )
         record = StepRecord(
             unit.step,
@@ -248,8 +254,9 @@ class UnitRunner:
             return
         self._forward(unit, record, work)
 
-    def _commit(self, unit: Unit, result: StepResult) -> shard.SignedCommitment | None:
-        """Sign this hop's commitment for an applied unit, moving the session's chain on."""
+    def _commit(self, unit: Unit, result: StepResult, sent: bytes | None) -> shard.SignedCommitment | None:
+        """Sign this hop's commitment for an applied unit, moving the session's chain on;
+        ``sent``: the digest of the hidden states a forwarding hop passes on (its output)."""
         if self._signer is None or unit.input_digest is None:
             return None
         session = unit.session
@@ -263,7 +270,23 @@ class UnitRunner:
             first_position=unit.position.first_position,
             token_count=unit.position.token_count,
             input_digest=unit.input_digest,
-            output=output_digest(result),
+            output=output_digest(result) if sent is None else sent,
+            input_handoff=unit.input_handoff,
+        )
+
+    def _handoff(self, unit: Unit, sent: bytes | None) -> shard.SignedHandoff | None:
+        """This hop's signed statement of what it sends on in ``unit`` (once per unit, however
+        many positions it holds), where the route's boundary dtype carries what it computed."""
+        session = unit.session
+        if self._signer is None or sent is None or not states_handoffs(session.role.boundary_dtype):
+            return None
+        return sign_handoff(
+            self._signer.identity,
+            session_id=session.session_id,
+            epoch=session.epoch,
+            step=unit.step,
+            work_id=unit.work_id,
+            sent_digest=sent,
         )
 
     # ------------------------------------------------------------------ the next hop and replays

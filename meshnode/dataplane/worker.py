@@ -121,6 +121,7 @@ from meshnode.dataplane.envelope import (
     range_tuple,
     unit_position,
 )
+from meshnode.dataplane.handoff_check import checked_handoff
 from meshnode.dataplane.lease import LOCAL_ORIGIN, ReleaseReason, StreamOrigin, peer_session_cap
 from meshnode.dataplane.payload import StepInput, decode_chunk_input, decode_step_input
 from meshnode.dataplane.request_reader import ReadRequest, read_request, read_route
@@ -527,9 +528,11 @@ class ShardWorker:
         session = self._keeper.session_for(stream, stream.epoch, now_ns)
         step_input = decode_step_input(step.tensor, session.role, self.accepted_compression)
         position = UnitPosition(True, step.position, 1, step.expected_past_len)
-        return self._new_unit(
+        unit = self._new_unit(
             stream, session, step.idempotency_step, step.work_id, position, deadline, step_input
         )
+        unit.input_handoff = checked_handoff(step.handoff if step.HasField("handoff") else None, unit)
+        return unit
 
     def _chunk_unit(
         self,
@@ -554,9 +557,11 @@ class ShardWorker:
         else:
             step_input = decode_chunk_input(bundle, session.role, count, self.accepted_compression)
         stream.epoch = env.route_epoch
-        return self._new_unit(
+        unit = self._new_unit(
             stream, session, env.idempotency_step, env.work_id, position, deadline, step_input
         )
+        unit.input_handoff = checked_handoff(env.handoff if env.HasField("handoff") else None, unit)
+        return unit
 
     def _new_unit(
         self,

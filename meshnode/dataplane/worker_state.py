@@ -105,6 +105,9 @@ class Unit:
     replay: bool = False
     # The chained input digest this unit commits to, once prepared (None: it makes no commitment).
     input_digest: bytes | None = None
+    # The previous hop's signed statement of this unit's input, checked against it on arrival
+    # (meshnode.audit.handoff); carried in this hop's commitment. None: it sent none.
+    input_handoff: shard.SignedHandoff | None = None
 
 
 @dataclass(eq=False)

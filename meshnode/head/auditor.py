@@ -10,7 +10,9 @@ compares them with the ones the generation's own hops signed
 that stated another output, a third computation on yet another replica of that range (up to
 that hop only) decides: once two nodes agree against a third, the third is convicted
 (:func:`meshnode.audit.comparison.judge`) with evidence anyone can check offline, and the
-driver stops routing through it at once.
+driver stops routing through it at once. Before any replay, the generation's own commitments are
+searched for a hop whose signed handoff states other bytes than it committed to
+(:func:`meshnode.audit.comparison.forwarding_conviction`): that convicts it with no replica.
 
 Nothing is audited that cannot be replayed faithfully (a unit failed, the session began from a
 kept prefix) or has no replica; hops that declare inexact numerics are compared within a
@@ -30,7 +32,14 @@ from dataclasses import dataclass, field
 
 from engines.interface import SamplingParams
 from meshnode.audit.commitment_store import CommitmentStore
-from meshnode.audit.comparison import Conviction, Statement, first_divergence, judge, statements
+from meshnode.audit.comparison import (
+    Conviction,
+    Statement,
+    first_divergence,
+    forwarding_conviction,
+    judge,
+    statements,
+)
 from meshnode.dataplane.edges.shard_session import SessionConfig, ShardSession, default_client_config
 from meshnode.dataplane.route import make_hop
 from meshnode.dataplane.unit_journal import UnitJournal
@@ -156,6 +165,15 @@ class Auditor:
             self.stats.not_replayable += 1
             return None
         original = statements(kept.commitments, epoch=generation.epoch)
+        forwarded = forwarding_conviction(original, reporter_id=self._reporter_id, unix_now_ns=time.time_ns())
+        if forwarded is not None:
+            log.info(
+                "audit of generation %s: %s passed on other bytes than it computed",
+                generation.session_id[:8],
+                short_id(forwarded.accused),
+            )
+            self._convicted(forwarded)
+            return forwarded
         candidates = self._env.candidates()
         route = replay_route(generation.route, candidates, self._excluded(), self._pick)
         if route is None:
@@ -185,9 +203,7 @@ class Auditor:
         for _ in range(MAX_DECIDERS + 1):
             conviction = judge(gathered, reporter_id=self._reporter_id, unix_now_ns=time.time_ns())
             if conviction is not None:
-                self.stats.convictions += 1
-                self.stats.convicted.append(short_id(conviction.accused))
-                self._convict(conviction)
+                self._convicted(conviction)
                 return conviction
             decider = decider_route(
                 route, hop_index, self._env.candidates(), self._excluded() | tried, self._pick
@@ -205,6 +221,11 @@ class Auditor:
             *divergence.key[0],
         )
         return None
+
+    def _convicted(self, conviction: Conviction) -> None:
+        self.stats.convictions += 1
+        self.stats.convicted.append(short_id(conviction.accused))
+        self._convict(conviction)
 
     async def _replay(self, route: Route, generation: FinishedGeneration) -> list[shard.SignedCommitment]:
         """Send the generation's units on ``route`` in a session of its own; what its hops signed."""

@@ -27,7 +27,7 @@ from meshnode.gen.meshnet.shard.v1 import shard_runtime_pb2 as meshnet_dot_shard
 from meshnode.gen.meshnode.v1 import membership_pb2 as meshnode_dot_v1_dot_membership__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshnode/v1/audit.proto\x12\x0bmeshnode.v1\x1a$meshnet/shard/v1/shard_runtime.proto\x1a\x1cmeshnode/v1/membership.proto\"\xae\x01\n\rAuditEvidence\x12\x33\n\x07\x61\x63\x63used\x18\x01 \x01(\x0b\x32\".meshnet.shard.v1.SignedCommitment\x12\x35\n\twitnesses\x18\x02 \x03(\x0b\x32\".meshnet.shard.v1.SignedCommitment\x12\x13\n\x0breporter_id\x18\x03 \x01(\x0c\x12\x1c\n\x14\x63onvicted_unix_nanos\x18\x04 \x01(\x03\"\x7f\n\x12\x45videnceReportBody\x12\x13\n\x0breporter_id\x18\x01 \x01(\x0c\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x15\n\rreported_unix\x18\x03 \x01(\x03\x12,\n\x08\x65vidence\x18\x04 \x01(\x0b\x32\x1a.meshnode.v1.AuditEvidence\"1\n\x0e\x45videnceReport\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"e\n\x0cKeptEvidence\x12,\n\x07reports\x18\x01 \x03(\x0b\x32\x1b.meshnode.v1.EvidenceReport\x12\'\n\x06policy\x18\x02 \x01(\x0b\x32\x17.meshnode.v1.MeshPolicyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshnode/v1/audit.proto\x12\x0bmeshnode.v1\x1a$meshnet/shard/v1/shard_runtime.proto\x1a\x1cmeshnode/v1/membership.proto\"\xe8\x01\n\rAuditEvidence\x12\x33\n\x07\x61\x63\x63used\x18\x01 \x01(\x0b\x32\".meshnet.shard.v1.SignedCommitment\x12\x35\n\twitnesses\x18\x02 \x03(\x0b\x32\".meshnet.shard.v1.SignedCommitment\x12\x13\n\x0breporter_id\x18\x03 \x01(\x0c\x12\x1c\n\x14\x63onvicted_unix_nanos\x18\x04 \x01(\x03\x12\x38\n\x0f\x61\x63\x63used_handoff\x18\x05 \x01(\x0b\x32\x1f.meshnet.shard.v1.SignedHandoff\"\x7f\n\x12\x45videnceReportBody\x12\x13\n\x0breporter_id\x18\x01 \x01(\x0c\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x15\n\rreported_unix\x18\x03 \x01(\x03\x12,\n\x08\x65vidence\x18\x04 \x01(\x0b\x32\x1a.meshnode.v1.AuditEvidence\"1\n\x0e\x45videnceReport\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"e\n\x0cKeptEvidence\x12,\n\x07reports\x18\x01 \x03(\x0b\x32\x1b.meshnode.v1.EvidenceReport\x12\'\n\x06policy\x18\x02 \x01(\x0b\x32\x17.meshnode.v1.MeshPolicyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshnode.v1.audit_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AUDITEVIDENCE']._serialized_start=109
-  _globals['_AUDITEVIDENCE']._serialized_end=283
-  _globals['_EVIDENCEREPORTBODY']._serialized_start=285
-  _globals['_EVIDENCEREPORTBODY']._serialized_end=412
-  _globals['_EVIDENCEREPORT']._serialized_start=414
-  _globals['_EVIDENCEREPORT']._serialized_end=463
-  _globals['_KEPTEVIDENCE']._serialized_start=465
-  _globals['_KEPTEVIDENCE']._serialized_end=566
+  _globals['_AUDITEVIDENCE']._serialized_end=341
+  _globals['_EVIDENCEREPORTBODY']._serialized_start=343
+  _globals['_EVIDENCEREPORTBODY']._serialized_end=470
+  _globals['_EVIDENCEREPORT']._serialized_start=472
+  _globals['_EVIDENCEREPORT']._serialized_end=521
+  _globals['_KEPTEVIDENCE']._serialized_start=523
+  _globals['_KEPTEVIDENCE']._serialized_end=624
 # @@protoc_insertion_point(module_scope)

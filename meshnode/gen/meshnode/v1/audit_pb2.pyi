@@ -10,16 +10,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AuditEvidence(_message.Message):
-    __slots__ = ("accused", "witnesses", "reporter_id", "convicted_unix_nanos")
+    __slots__ = ("accused", "witnesses", "reporter_id", "convicted_unix_nanos", "accused_handoff")
     ACCUSED_FIELD_NUMBER: _ClassVar[int]
     WITNESSES_FIELD_NUMBER: _ClassVar[int]
     REPORTER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVICTED_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    ACCUSED_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     accused: _shard_runtime_pb2.SignedCommitment
     witnesses: _containers.RepeatedCompositeFieldContainer[_shard_runtime_pb2.SignedCommitment]
     reporter_id: bytes
     convicted_unix_nanos: int
-    def __init__(self, accused: _Optional[_Union[_shard_runtime_pb2.SignedCommitment, _Mapping]] = ..., witnesses: _Optional[_Iterable[_Union[_shard_runtime_pb2.SignedCommitment, _Mapping]]] = ..., reporter_id: _Optional[bytes] = ..., convicted_unix_nanos: _Optional[int] = ...) -> None: ...
+    accused_handoff: _shard_runtime_pb2.SignedHandoff
+    def __init__(self, accused: _Optional[_Union[_shard_runtime_pb2.SignedCommitment, _Mapping]] = ..., witnesses: _Optional[_Iterable[_Union[_shard_runtime_pb2.SignedCommitment, _Mapping]]] = ..., reporter_id: _Optional[bytes] = ..., convicted_unix_nanos: _Optional[int] = ..., accused_handoff: _Optional[_Union[_shard_runtime_pb2.SignedHandoff, _Mapping]] = ...) -> None: ...
 
 class EvidenceReportBody(_message.Message):
     __slots__ = ("reporter_id", "mesh_id", "reported_unix", "evidence")

@@ -247,7 +247,7 @@ class CacheResult(_message.Message):
     def __init__(self, mode: _Optional[_Union[CacheMode, str]] = ..., past_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("schema_version", "work_id", "route_session_id", "route_epoch", "fingerprint", "shard_range", "phase", "position", "idempotency_step", "cache_expectation", "deadline_unix_nanos", "chunk", "draft_tokens", "block_digest")
+    __slots__ = ("schema_version", "work_id", "route_session_id", "route_epoch", "fingerprint", "shard_range", "phase", "position", "idempotency_step", "cache_expectation", "deadline_unix_nanos", "chunk", "draft_tokens", "block_digest", "handoff")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class Envelope(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     work_id: str
     route_session_id: str
@@ -276,7 +277,8 @@ class Envelope(_message.Message):
     chunk: ChunkInfo
     draft_tokens: int
     block_digest: bytes
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., idempotency_step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., deadline_unix_nanos: _Optional[int] = ..., chunk: _Optional[_Union[ChunkInfo, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., block_digest: _Optional[bytes] = ...) -> None: ...
+    handoff: SignedHandoff
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., idempotency_step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., deadline_unix_nanos: _Optional[int] = ..., chunk: _Optional[_Union[ChunkInfo, _Mapping]] = ..., draft_tokens: _Optional[int] = ..., block_digest: _Optional[bytes] = ..., handoff: _Optional[_Union[SignedHandoff, _Mapping]] = ...) -> None: ...
 
 class ShardError(_message.Message):
     __slots__ = ("code", "detail", "retryable", "actual_past_len")
@@ -347,20 +349,22 @@ class ActivationChunk(_message.Message):
     def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ...) -> None: ...
 
 class DecodeStep(_message.Message):
-    __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos")
+    __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos", "handoff")
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PAST_LEN_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     idempotency_step: int
     position: int
     expected_past_len: int
     tensor: NamedTensor
     work_id: str
     deadline_unix_nanos: int
-    def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., expected_past_len: _Optional[int] = ..., tensor: _Optional[_Union[NamedTensor, _Mapping]] = ..., work_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ...) -> None: ...
+    handoff: SignedHandoff
+    def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., expected_past_len: _Optional[int] = ..., tensor: _Optional[_Union[NamedTensor, _Mapping]] = ..., work_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ..., handoff: _Optional[_Union[SignedHandoff, _Mapping]] = ...) -> None: ...
 
 class ReleaseSignal(_message.Message):
     __slots__ = ("route_session_id", "route_epoch", "work_id")
@@ -403,7 +407,7 @@ class Ack(_message.Message):
     def __init__(self, work_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., cache_result: _Optional[_Union[CacheResult, _Mapping]] = ..., duplicate: _Optional[bool] = ..., execution_nanos: _Optional[int] = ..., answered_directly: _Optional[bool] = ..., commitments: _Optional[_Iterable[_Union[SignedCommitment, _Mapping]]] = ...) -> None: ...
 
 class UnitCommitment(_message.Message):
-    __slots__ = ("node_id", "route_session_id", "route_epoch", "idempotency_step", "work_id", "position", "shard_range", "recipe_digest", "numerics", "numerics_detail", "input_digest", "output_digest")
+    __slots__ = ("node_id", "route_session_id", "route_epoch", "idempotency_step", "work_id", "position", "shard_range", "recipe_digest", "numerics", "numerics_detail", "input_digest", "output_digest", "input_handoff")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +420,7 @@ class UnitCommitment(_message.Message):
     NUMERICS_DETAIL_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INPUT_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     node_id: bytes
     route_session_id: str
     route_epoch: int
@@ -428,7 +433,8 @@ class UnitCommitment(_message.Message):
     numerics_detail: str
     input_digest: bytes
     output_digest: bytes
-    def __init__(self, node_id: _Optional[bytes] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., work_id: _Optional[str] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., recipe_digest: _Optional[bytes] = ..., numerics: _Optional[_Union[Numerics, str]] = ..., numerics_detail: _Optional[str] = ..., input_digest: _Optional[bytes] = ..., output_digest: _Optional[bytes] = ...) -> None: ...
+    input_handoff: SignedHandoff
+    def __init__(self, node_id: _Optional[bytes] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., work_id: _Optional[str] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., recipe_digest: _Optional[bytes] = ..., numerics: _Optional[_Union[Numerics, str]] = ..., numerics_detail: _Optional[str] = ..., input_digest: _Optional[bytes] = ..., output_digest: _Optional[bytes] = ..., input_handoff: _Optional[_Union[SignedHandoff, _Mapping]] = ...) -> None: ...
 
 class SignedCommitment(_message.Message):
     __slots__ = ("commitment", "signature")
@@ -437,6 +443,32 @@ class SignedCommitment(_message.Message):
     commitment: bytes
     signature: bytes
     def __init__(self, commitment: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class UnitHandoff(_message.Message):
+    __slots__ = ("node_id", "route_session_id", "route_epoch", "idempotency_step", "work_id", "boundary_dtype", "sent_digest")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    node_id: bytes
+    route_session_id: str
+    route_epoch: int
+    idempotency_step: int
+    work_id: str
+    boundary_dtype: DType
+    sent_digest: bytes
+    def __init__(self, node_id: _Optional[bytes] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., work_id: _Optional[str] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., sent_digest: _Optional[bytes] = ...) -> None: ...
+
+class SignedHandoff(_message.Message):
+    __slots__ = ("handoff", "signature")
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    handoff: bytes
+    signature: bytes
+    def __init__(self, handoff: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("work_id", "route_session_id", "idempotency_step", "error", "terminal")

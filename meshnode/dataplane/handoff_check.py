@@ -1,0 +1,40 @@
+"""A unit's handoff checked on arrival, against the input it came with (meshnode.audit.handoff).
+
+The previous hop's signed statement of what it sent either states the hidden states this hop
+was given, and then is kept for this hop's commitment, or the unit is refused: PAYLOAD_CORRUPT,
+before anything is computed on it, so other bytes than the sender stated never pass silently.
+A unit without one (an older node, or the head's own tokens) is taken as before. The signature
+is left to whoever acts on the handoff (meshnode.audit.handoff.check_received says why).
+"""
+
+from __future__ import annotations
+
+from meshnode.audit.handoff import check_received
+from meshnode.dataplane import errors
+from meshnode.dataplane.worker_state import Unit
+from meshnode.wire.pb import shard
+
+
+def checked_handoff(handoff: shard.SignedHandoff | None, unit: Unit) -> shard.SignedHandoff | None:
+    """``handoff`` once it states the input ``unit`` arrived with; None when there is none; else
+    PAYLOAD_CORRUPT."""
+    if handoff is None:
+        return None
+    hidden = None if unit.input is None else unit.input.hidden
+    if hidden is None:
+        raise errors.payload_corrupt("a handoff came with token ids, not hidden states")
+    session = unit.session
+    reason = check_received(
+        handoff,
+        session_id=session.session_id,
+        epoch=session.epoch,
+        step=unit.step,
+        work_id=unit.work_id,
+        received=hidden,
+    )
+    if reason is not None:
+        raise errors.payload_corrupt(reason)
+    return handoff
+
+
+__all__ = ["checked_handoff"]
