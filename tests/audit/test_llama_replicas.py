@@ -19,6 +19,7 @@ from helpers.tiny_llama import CTX, THREADS
 from engines.interface import GREEDY, LoadRequest, SamplingParams
 from engines.llama_engine import LlamaShardEngine
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
+from meshnode.audit.commitment import open_commitment
 from meshnode.head.driver import DriverConfig, GenerationDriver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -74,6 +75,11 @@ async def test_honest_cpu_replicas_audited_with_batching_convict_nobody():
         sizes = [s.server.worker.batch_stats.sizes for s in routes.shards.values()]
         assert sum(h.total for h in sizes) > sum(h.count for h in sizes)
         assert stats.disputes == 0 and not driver.convicted, stats
+        # Every hop after the first was given what the hop before it signed it sent, and said so.
+        kept = [driver.commitments.session(s, now_ns=0) for s in driver.commitments.session_ids()]
+        handed = [open_commitment(c) for k in kept if k is not None for c in k.commitments]
+        later = [c for c in handed if bytes(c.node_id) != routes.shards[DRIVER_INDEX].node_id]
+        assert later and all(c.HasField("input_handoff") for c in later)
         await driver.aclose()
     finally:
         await routes.aclose()
