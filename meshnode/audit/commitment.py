@@ -33,8 +33,9 @@ from meshnode.wire.pb import shard
 
 COMMITMENT_DOMAIN = b"meshnode/v1/unit-commitment\0"
 DIGEST_BYTES = 32
-# A commitment is a few hundred bytes; anything much larger is not one (never parsed further).
-MAX_COMMITMENT_BYTES = 1024
+# A commitment is a few hundred bytes, the previous hop's handoff inside it included (about 500
+# in all); anything much larger is not one (never parsed further).
+MAX_COMMITMENT_BYTES = 2048
 _CHAIN_START = b"meshnode/v1/audit-chain\0"
 
 

@@ -24,17 +24,20 @@ from dataclasses import dataclass
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from meshnode.audit.commitment import layers
+from meshnode.audit.commitment import MAX_COMMITMENT_BYTES, layers
 from meshnode.audit.evidence import MAX_WITNESSES, Verdict, check_evidence
+from meshnode.audit.handoff import MAX_HANDOFF_BYTES
 from meshnode.gen.meshnode.v1 import audit_pb2 as audit
 from meshnode.identity import NODE_ID_BYTES, NodeIdentity, short_id, verify_signature
 from meshnode.wire.pb import shard
 
 # Differs from every other use of a node key (peer records, commitments, relay seal, certificates).
 REPORT_DOMAIN = b"meshnode/v1/evidence-report\0"
-# A commitment is at most 1 KiB (meshnode.audit.commitment); the accused's, MAX_WITNESSES others
-# and the report's few fields fit with room. A larger body is refused before it is parsed.
-MAX_REPORT_BODY_BYTES = (MAX_WITNESSES + 1) * 1200 + 512
+# A signed commitment is at most MAX_COMMITMENT_BYTES and its signature (meshnode.audit.commitment),
+# a signed handoff at most MAX_HANDOFF_BYTES and its signature: the accused's commitment,
+# MAX_WITNESSES others, the accused's handoff and the report's few fields fit with room. A larger
+# body is refused before it is parsed.
+MAX_REPORT_BODY_BYTES = (MAX_WITNESSES + 1) * (MAX_COMMITMENT_BYTES + 96) + MAX_HANDOFF_BYTES + 96 + 512
 MAX_REPORT_SIGNATURE_BYTES = 64
 
 

@@ -27,8 +27,10 @@ from meshnode.identity import NODE_ID_BYTES, NodeIdentity, verify_signature
 from meshnode.wire.pb import shard
 
 HANDOFF_DOMAIN = b"meshnode/v1/unit-handoff\0"
-# A handoff is under 200 bytes; anything much larger is not one (never parsed further).
-MAX_HANDOFF_BYTES = 512
+# A handoff is about 150 bytes with the ids a head makes; room is left for the longest ids a hop
+# takes (a session id of 128 characters, a work id of the head's choosing), and anything larger
+# is not one (never parsed further).
+MAX_HANDOFF_BYTES = 1024
 STATED_DTYPE = shard.DTYPE_FLOAT32
 
 

@@ -3,8 +3,11 @@
 The previous hop's signed statement of what it sent either states the hidden states this hop
 was given, and then is kept for this hop's commitment, or the unit is refused: PAYLOAD_CORRUPT,
 before anything is computed on it, so other bytes than the sender stated never pass silently.
-A unit without one (an older node, or the head's own tokens) is taken as before. The signature
-is left to whoever acts on the handoff (meshnode.audit.handoff.check_received says why).
+A unit without one (an older node, or the head's own tokens) is taken as before, unless the same
+sender already stated what it sent in this session: a hop that signs its handoffs signs one with
+every unit it passes on, so one left out is refused too, or a liar would state the bytes of every
+unit but those it changes. The signature is left to whoever acts on the handoff
+(meshnode.audit.handoff.check_received says why).
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from meshnode.wire.pb import shard
 
 
 def checked_handoff(handoff: shard.SignedHandoff | None, unit: Unit) -> shard.SignedHandoff | None:
-    """``handoff`` once it states the input ``unit`` arrived with; None when there is none; else
-    PAYLOAD_CORRUPT."""
+    """``handoff`` once it states the input ``unit`` arrived with; None when there is none and
+    none came before in the session; else PAYLOAD_CORRUPT."""
+    session = unit.session
     if handoff is None:
+        if session.upstream_states_handoffs:
+            raise errors.payload_corrupt("the sender stopped stating what it sends")
         return None
     hidden = None if unit.input is None else unit.input.hidden
     if hidden is None:
         raise errors.payload_corrupt("a handoff came with token ids, not hidden states")
-    session = unit.session
     reason = check_received(
         handoff,
         session_id=session.session_id,
@@ -34,6 +39,7 @@ def checked_handoff(handoff: shard.SignedHandoff | None, unit: Unit) -> shard.Si
     )
     if reason is not None:
         raise errors.payload_corrupt(reason)
+    session.upstream_states_handoffs = True
     return handoff
 
 

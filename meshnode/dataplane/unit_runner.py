@@ -208,7 +208,8 @@ class UnitRunner:
         forwards = plan.next_hop is not None
         # A forwarding hop's output is the hidden states it passes on, digested once for both
         # statements: what it computed (commitment) and what it sent (handoff).
-        sent = hidden_digest(result.hidden) if forwards and result.hidden is not None else None
+        signs = self._signer is not None
+        sent = hidden_digest(result.hidden) if signs and forwards and result.hidden is not None else None
         own = self._commit(unit, result, sent)
         commitments = () if own is None else (own,)
         if not forwards:
@@ -235,7 +236,7 @@ class UnitRunner:
             position=unit.position,
             deadline=unit.deadline,
             hidden=result.hidden,
-            handoff=self._handoff(unit, sent) if own is not None else None,
+            handoff=self._handoff(unit, sent),
         )
         record = StepRecord(
             unit.step,
@@ -276,7 +277,9 @@ class UnitRunner:
 
     def _handoff(self, unit: Unit, sent: bytes | None) -> shard.SignedHandoff | None:
         """This hop's signed statement of what it sends on in ``unit`` (once per unit, however
-        many positions it holds), where the route's boundary dtype carries what it computed."""
+        many positions it holds), where the route's boundary dtype carries what it computed. Made
+        with every unit, committed or not (after an engine failure no commitment is made until a
+        fresh start): the next hop refuses a unit without one once one came (handoff_check)."""
         session = unit.session
         if self._signer is None or sent is None or not states_handoffs(session.role.boundary_dtype):
             return None

@@ -79,6 +79,9 @@ class SessionState:
     # chain); None when there is none or the history is not known (an engine failure): then no
     # commitment is made until the next fresh start.
     audit_chain: bytes | None = None
+    # Whether the hop before this one sent a handoff with a unit of this session
+    # (meshnode.audit.handoff): from then on every unit needs one (handoff_check).
+    upstream_states_handoffs: bool = False
     queue: deque[Unit] = field(default_factory=deque)
 
     @property

@@ -90,7 +90,8 @@ def test_the_receiver_takes_a_handoff_of_the_bytes_it_got_and_names_every_other(
     assert received(signed, COMPUTED) == "the sender's signed handoff states other bytes than it sent"
     assert received(signed, SENT, step=6) == "the sender's handoff names another unit"
     assert (
-        received(shard.SignedHandoff(handoff=b"\xff" * 600), SENT) == "a handoff of 600 bytes (at most 512)"
+        received(shard.SignedHandoff(handoff=b"\xff" * 1100), SENT)
+        == "a handoff of 1100 bytes (at most 1024)"
     )
     # The signature is for whoever acts on it: a forged one states nothing, and convicts no one.
     forged = shard.SignedHandoff(handoff=signed.handoff, signature=HEAD.sign(HANDOFF_DOMAIN + signed.handoff))

@@ -117,6 +117,23 @@ async def test_bytes_other_than_the_sender_signed_are_refused_by_the_receiver_wh
     await driver.aclose()
 
 
+async def test_a_sender_that_stops_stating_what_it_sends_is_refused(routes):
+    middle, tail = routes.shards[MIDDLE], routes.shards[TAIL]
+    # The prefill (step 1) goes on with its handoff; the decodes carry other bytes and none.
+    lied = forward_other_bytes(middle.server, None, Handoff.NONE, from_step=2)
+    driver = GenerationDriver(routes, audited(), audit_rng=random.Random(5))
+    with pytest.raises(MeshnodeError):
+        await collect(driver.generate(routes.model, PROMPT, GREEDY, TOKENS))
+    await driver.auditor.settled()
+    assert lied and min(lied) == 2
+    assert tail.server.errors_sent[shard.ERROR_CODE_PAYLOAD_CORRUPT] >= 1
+    # Only prefills (the head re-routes and starts again) reached the tail's engine, never a
+    # decode; nobody is convicted on the tail's word.
+    assert {c.first_position for c in tail.engine.calls if c.hidden is not None} == {0}
+    assert not driver.convicted
+    await driver.aclose()
+
+
 async def test_an_older_node_that_sends_no_handoff_is_not_convicted_for_its_absence(routes):
     middle, tail = routes.shards[MIDDLE], routes.shards[TAIL]
     forward_other_bytes(middle.server, None, Handoff.NONE)

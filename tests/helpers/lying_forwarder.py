@@ -38,13 +38,19 @@ def altered(hidden: np.ndarray) -> np.ndarray:
     return changed
 
 
-def forward_other_bytes(server: ShardServer, identity: NodeIdentity | None, handoff: Handoff) -> list[int]:
-    """Make ``server`` pass on other bytes than it computed; returns the steps it did it for."""
+def forward_other_bytes(
+    server: ShardServer, identity: NodeIdentity | None, handoff: Handoff, *, from_step: int = 0
+) -> list[int]:
+    """Make ``server`` pass on other bytes than it computed in every unit from step ``from_step``
+    on (those before go on as the worker made them); returns the steps it did it for."""
     honest_forward = server._forward
     steps: list[int] = []
 
     def lying_forward(action: Forward) -> None:
         work = action.work
+        if work.step < from_step:
+            honest_forward(action)
+            return
         sent = altered(work.hidden)
         if handoff is Handoff.SENT:
             assert identity is not None
