@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from audit.signed_evidence import evidence_against, framed
+from audit.signed_evidence import RIGHT, WRONG, commit, evidence_against, framed
 from meshnode.app.cli import main
 from meshnode.app.member_commands import EVIDENCE_REASON_PREFIX
-from meshnode.audit.evidence import encode_evidence
+from meshnode.audit.evidence import assemble, encode_evidence
 from meshnode.audit.evidence_report import evidence_digest
+from meshnode.audit.handoff import sign_handoff
 from meshnode.identity import NodeIdentity, write_private_file
 from meshnode.membership.credentials import MeshKey, issue_certificate
 from meshnode.membership.revocation import RevocationList
@@ -66,3 +67,15 @@ def test_evidence_that_does_not_convict_or_names_another_node_removes_nobody(adm
     assert "the evidence convicts" in capsys.readouterr().err
     assert main(["remove", "--data-dir", str(path)]) == 2
     assert stored_removals(path, mesh_key) == {}
+
+
+def test_a_hops_own_handoff_against_its_commitment_removes_it_too(admin_dir, tmp_path, capsys):
+    path, mesh_key = admin_dir
+    handoff = sign_handoff(LIAR, session_id="s", epoch=1, step=5, work_id="w5", sent_digest=WRONG)
+    evidence = assemble(commit(LIAR, RIGHT), [], accused_handoff=handoff)
+    file = tmp_path / "evidence.json"
+    file.write_bytes(encode_evidence(evidence))
+    assert main(["remove", "--evidence", str(file), "--data-dir", str(path)]) == 0
+    assert "passed on other bytes than it computed" in capsys.readouterr().out
+    reason = stored_removals(path, mesh_key)[LIAR.node_id]
+    assert reason.startswith(f"{EVIDENCE_REASON_PREFIX}{evidence_digest(evidence).hex()}")
