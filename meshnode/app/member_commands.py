@@ -186,6 +186,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
     quarantine = bool(current.get("quarantine_on_evidence", False))
     if args.quarantine_on_evidence is not None:
         quarantine = args.quarantine_on_evidence == "on"
+    require_handoffs = bool(current.get("require_handoffs", False))
+    if args.require_handoffs is not None:
+        require_handoffs = args.require_handoffs == "on"
     cleared = {bytes.fromhex(n) for n in current.get("cleared", [])}
     known = [bytes.fromhex(h["accused_id"]) for h in evidence.get("held", [])]
     known += [bytes.fromhex(p["id"]) for p in status["peers"]]
@@ -194,7 +197,12 @@ def cmd_policy(args: argparse.Namespace) -> int:
     issued = max(time.time(), float(current.get("issued_unix", 0)) + 1)
     try:
         policy = sign_policy(
-            mesh_key, issuer_id=node_id, unix_now=issued, quarantine_on_evidence=quarantine, cleared=cleared
+            mesh_key,
+            issuer_id=node_id,
+            unix_now=issued,
+            quarantine_on_evidence=quarantine,
+            cleared=cleared,
+            require_handoffs=require_handoffs,
         )
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
@@ -204,7 +212,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
     names = ", ".join(short_id(n) for n in sorted(cleared)) or "none"
     print(
         f"mesh policy: {'quarantine' if quarantine else 'no quarantine'} on audit evidence; cleared: {names}; "
-        "the node is spreading it to every peer"
+        f"handoffs {'required' if require_handoffs else 'not required'}; the node is spreading it to every peer"
     )
     return 0
 
@@ -289,6 +297,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "serves, until an admin clears it (--clear) or removes it. Options left out keep their value.",
     )
     p.add_argument("--quarantine-on-evidence", choices=("on", "off"), help="quarantine on valid evidence")
+    p.add_argument(
+        "--require-handoffs",
+        choices=("on", "off"),
+        help="on: every hop refuses float32 hidden states that come without the sender's signed handoff "
+        "and heads route only through nodes that announce they sign them (older nodes are left out); "
+        "off (the default): a node that sends none is taken as an older node",
+    )
     p.add_argument(
         "--clear",
         action="append",

@@ -92,7 +92,11 @@ async def serve_node(node: Node, args: argparse.Namespace) -> int:
     try:
         async with status_while_preparing(node):
             service = await ShardService.start(
-                node, options, refresh_interval_s=args.heartbeat_interval, is_member=node.state.is_admitted
+                node,
+                options,
+                refresh_interval_s=args.heartbeat_interval,
+                is_member=node.state.is_admitted,
+                hop_rules=node.evidence,
             )
     except ShardServiceError as exc:
         raise CliError(str(exc)) from None

@@ -136,6 +136,7 @@ async def serve_placed_node(node: Node, args: argparse.Namespace, data_dir: Path
                 serving_options(request),
                 refresh_interval_s=args.heartbeat_interval,
                 is_member=node.state.is_admitted,
+                hop_rules=node.evidence,
             )
         except ShardServiceError as exc:
             handlers.clear()

@@ -27,6 +27,7 @@ from meshnode.app.range_work import range_work_of_file
 from meshnode.cancellation import cancel_and_wait
 from meshnode.dataplane.edges.server import Register, ServerConfig, ShardServer
 from meshnode.dataplane.envelope import fingerprint_message
+from meshnode.dataplane.hop_rules import NO_RULES, HopRules
 from meshnode.dataplane.lease import LeaseConfig
 from meshnode.dataplane.stage_speed import StageSpeed, with_speed
 from meshnode.dataplane.worker import WorkerConfig
@@ -164,9 +165,12 @@ def process_cpus() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 0))
 
 
-def served_shard(caps: EngineCapabilities, model_name: str, cpus: Iterable[int] = ()) -> mesh.ServedShard:
+def served_shard(
+    caps: EngineCapabilities, model_name: str, cpus: Iterable[int] = (), *, states_handoffs: bool = False
+) -> mesh.ServedShard:
     """What the loaded engine serves, as announced (with its fingerprint, and the threads and
-    ``cpus`` it computes with)."""
+    ``cpus`` it computes with; ``states_handoffs``: the worker signs handoffs, as it does where
+    it has the node key)."""
     return mesh.ServedShard(
         model_name=model_name,
         fingerprint=fingerprint_message(caps.fingerprint),
@@ -177,6 +181,7 @@ def served_shard(caps: EngineCapabilities, model_name: str, cpus: Iterable[int] 
         numerics=caps.numerics,
         # Every engine behind the data plane's worker runs verify steps (engines.interface).
         verifies_drafts=True,
+        states_handoffs=states_handoffs,
         compute_threads=caps.compute_threads,
         cpu_mask=cpu_mask(cpus),
     )
@@ -219,11 +224,14 @@ class ShardService:
         refresh_interval_s: float = 5.0,
         engine_factory: Callable[[], ShardEngine] | None = None,
         is_member: Callable[[bytes], bool] | None = None,
+        hop_rules: HopRules = NO_RULES,
     ) -> ShardService:
         """Load, validate, register and announce. Raises :class:`ShardServiceError`.
 
         ``is_member(peer_id)``: whether membership still admits the peer (a mesh node's
-        ``node.state.is_admitted``); the sessions of a peer it no longer admits are ended."""
+        ``node.state.is_admitted``); the sessions of a peer it no longer admits are ended.
+        ``hop_rules``: what the admin's mesh policy asks of the served hop (a mesh node's
+        ``node.evidence``)."""
         start, end = options.layers if options.layers is not None else (0, None)
         request = LoadRequest(
             model_path=str(options.model),
@@ -253,6 +261,7 @@ class ShardService:
             owns_engine=True,
             local_peer_id=node.node_id,
             identity=node.identity,
+            rules=hop_rules,
         )
         try:
             caps = await server.engine_thread.call(engine.load, request)
@@ -274,7 +283,12 @@ class ShardService:
         service = cls(
             node,
             server,
-            served_shard(caps, options.model_name or options.model.stem, process_cpus()),
+            served_shard(
+                caps,
+                options.model_name or options.model.stem,
+                process_cpus(),
+                states_handoffs=node.identity is not None,
+            ),
             prefix_cache_entries=options.prefix_cache_entries,
         )
         server.register(node.register_handler)

@@ -122,6 +122,7 @@ from meshnode.dataplane.envelope import (
     unit_position,
 )
 from meshnode.dataplane.handoff_check import checked_handoff
+from meshnode.dataplane.hop_rules import NO_RULES, HopRules
 from meshnode.dataplane.lease import LOCAL_ORIGIN, ReleaseReason, StreamOrigin, peer_session_cap
 from meshnode.dataplane.payload import StepInput, decode_chunk_input, decode_step_input
 from meshnode.dataplane.request_reader import ReadRequest, read_request, read_route
@@ -198,8 +199,11 @@ class ShardWorker:
         config: WorkerConfig | None = None,
         *,
         identity: NodeIdentity | None = None,
+        rules: HopRules = NO_RULES,
     ) -> None:
-        """``identity``: the node key that signs this hop's unit commitments (None: it signs none)."""
+        """``identity``: the node key that signs this hop's unit commitments (None: it signs none).
+        ``rules``: what the admin's mesh policy asks of this hop, read when it matters."""
+        self.rules = rules
         self.capabilities = capabilities
         self.config = config = config or WorkerConfig()
         self.local_flow_control = config.flow_control or default_flow_control()
@@ -531,7 +535,8 @@ class ShardWorker:
         unit = self._new_unit(
             stream, session, step.idempotency_step, step.work_id, position, deadline, step_input
         )
-        unit.input_handoff = checked_handoff(step.handoff if step.HasField("handoff") else None, unit)
+        handoff = step.handoff if step.HasField("handoff") else None
+        unit.input_handoff = checked_handoff(handoff, unit, required=self.rules.requires_handoffs())
         return unit
 
     def _chunk_unit(
@@ -560,7 +565,8 @@ class ShardWorker:
         unit = self._new_unit(
             stream, session, env.idempotency_step, env.work_id, position, deadline, step_input
         )
-        unit.input_handoff = checked_handoff(env.handoff if env.HasField("handoff") else None, unit)
+        handoff = env.handoff if env.HasField("handoff") else None
+        unit.input_handoff = checked_handoff(handoff, unit, required=self.rules.requires_handoffs())
         return unit
 
     def _new_unit(

@@ -63,6 +63,7 @@ def shard_candidate(
         numerics=served.numerics,
         max_context_tokens=announcement.capacity.max_context_tokens,
         verifies_drafts=served.verifies_drafts,
+        states_handoffs=served.states_handoffs,
         hosts=announced_hosts(announcement.addresses),
         compute_threads=served.compute_threads,
         cpus=cpus_of_mask(served.cpu_mask),
@@ -90,6 +91,14 @@ def shard_candidates(announcements: Iterable[tuple[bytes, mesh.PeerAnnouncement]
     """Candidates from ``(node id, announcement)`` pairs (this node's own included)."""
     found = (shard_candidate(node_id, announcement) for node_id, announcement in announcements)
     return [candidate for candidate in found if candidate is not None]
+
+
+def stating_handoffs(candidates: Iterable[ShardCandidate]) -> list[ShardCandidate]:
+    """The candidates that announce they sign handoffs: all a head routes through when the mesh
+    policy requires handoffs. A hop that does not would have its units refused by the next hop
+    (meshnode.dataplane.handoff_check), and the head's failover re-plans on the same candidates, so
+    leaving it out here is what keeps such a route from being planned over and over."""
+    return [candidate for candidate in candidates if candidate.states_handoffs]
 
 
 def routable_models(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity, set[str]]:

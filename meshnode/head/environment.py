@@ -3,7 +3,8 @@
 :class:`NodeRoutes` reads the node's peer table (plus what this node itself
 serves), less the nodes that audit evidence the node holds convicts (its own head's
 convictions, and every one gossip brought, each verified: :mod:`meshnode.node.evidence_keeper`)
-unless an admin's mesh policy cleared them,
+unless an admin's mesh policy cleared them, and, where the policy requires handoffs, the hops
+that do not announce they sign them,
 links to peers with ``Node.get_link`` and checks liveness with the mesh
 PROBE, which the peer's event loop answers at once (a shard's Health waits for
 its engine thread, so a busy peer would look dead); ``Node.reachable`` probes once
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from meshnode.head.candidates import shard_candidates
+from meshnode.head.candidates import shard_candidates, stating_handoffs
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ShardCandidate
 from meshnode.identity import NodeIdentity
@@ -43,7 +44,8 @@ class NodeRoutes:
         if self.local is not None:
             pairs.append((self.node.node_id, self.node.state.local))
         excluded = self.node.evidence.excluded()
-        return shard_candidates([(node_id, a) for node_id, a in pairs if node_id not in excluded])
+        candidates = shard_candidates([(node_id, a) for node_id, a in pairs if node_id not in excluded])
+        return stating_handoffs(candidates) if self.node.evidence.requires_handoffs() else candidates
 
     async def link(self, node_id: bytes) -> PeerLink:
         if node_id == self.node.node_id:

@@ -90,6 +90,9 @@ class ShardCandidate:
     max_context_tokens: int = 0
     # It runs speculative decoding's verify steps and rollbacks (ServedShard.verifies_drafts).
     verifies_drafts: bool = False
+    # It signs a handoff with what it forwards (ServedShard.states_handoffs): under a mesh policy
+    # that requires handoffs, routes go only through such hops (candidates.stating_handoffs).
+    states_handoffs: bool = False
     # The hosts of the addresses it announces (which machine it is on; empty when unsaid).
     hosts: frozenset[str] = frozenset()
     # The CPU threads its engine computes with and the CPUs its process may use

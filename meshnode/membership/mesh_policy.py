@@ -11,7 +11,11 @@ What it says:
   routes leave it out (they do anyway) and so does placement, which counts neither its claims
   nor the layers it serves;
 * ``cleared``: members an admin cleared despite evidence against them; the evidence then
-  changes nothing, not even the routes of the head that holds it.
+  changes nothing, not even the routes of the head that holds it;
+* ``require_handoffs``: a hop refuses a unit of float32 hidden states that comes without its
+  sender's signed handoff (:mod:`meshnode.dataplane.handoff_check`), and heads route only
+  through hops that announce they state them (``ServedShard.states_handoffs``), so that a node
+  that never states what it forwards cannot pass for an older node and escape attribution.
 
 Removal stays the revocation's business (:mod:`meshnode.membership.revocation`).
 """
@@ -41,6 +45,7 @@ class Policy:
 
     quarantine_on_evidence: bool
     cleared: frozenset[bytes]
+    require_handoffs: bool
     issuer_id: bytes
     issued_unix: int
     signed: membership.MeshPolicy
@@ -52,6 +57,7 @@ class Policy:
         return {
             "quarantine_on_evidence": self.quarantine_on_evidence,
             "cleared": sorted(node_id.hex() for node_id in self.cleared),
+            "require_handoffs": self.require_handoffs,
             "by": short_id(self.issuer_id),
             "issued_unix": self.issued_unix,
         }
@@ -64,6 +70,7 @@ def sign_policy(
     unix_now: float,
     quarantine_on_evidence: bool,
     cleared: Iterable[bytes] = (),
+    require_handoffs: bool = False,
 ) -> membership.MeshPolicy:
     ids = sorted(set(cleared))
     if len(ids) > MAX_CLEARED:
@@ -76,6 +83,7 @@ def sign_policy(
         issued_unix=int(unix_now),
         quarantine_on_evidence=quarantine_on_evidence,
         cleared=ids,
+        require_handoffs=require_handoffs,
     ).SerializeToString(deterministic=True)
     return membership.MeshPolicy(body=body, signature=mesh_key.sign(POLICY_TAG, body))
 
@@ -99,6 +107,7 @@ def verify_policy(policy: membership.MeshPolicy, *, mesh_id: str) -> Policy:
     return Policy(
         quarantine_on_evidence=body.quarantine_on_evidence,
         cleared=frozenset(bytes(n) for n in body.cleared),
+        require_handoffs=body.require_handoffs,
         issuer_id=bytes(body.issuer_id),
         issued_unix=body.issued_unix,
         signed=membership.MeshPolicy(body=policy.body, signature=policy.signature),
@@ -133,6 +142,9 @@ class PolicyHolder:
 
     def quarantines(self) -> bool:
         return self.current is not None and self.current.quarantine_on_evidence
+
+    def requires_handoffs(self) -> bool:
+        return self.current is not None and self.current.require_handoffs
 
     def to_json(self) -> dict[str, object] | None:
         return self.current.to_json() if self.current is not None else None

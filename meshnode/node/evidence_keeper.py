@@ -15,6 +15,7 @@ policy stands once the mesh key's signature checks out. This edge:
   evidence convicts, less those an admin's policy cleared; :class:`meshnode.head.environment.NodeRoutes`)
   and which placement ignores too (:meth:`EvidenceKeeper.quarantined`: the same, where the policy
   says to quarantine on evidence; :mod:`meshnode.autoplace.auto_shard`);
+* answers what the policy asks of this node's served hop (:mod:`meshnode.dataplane.hop_rules`);
 * takes the policy an admin hands the control socket (``policy BASE64``, ``meshnode policy``);
 * keeps what it holds in the data directory (``evidence.pb``), verified again at start, so a
   quarantine outlives a restart of the whole mesh.
@@ -155,6 +156,10 @@ class EvidenceKeeper:
     def quarantined(self) -> frozenset[bytes]:
         """The nodes placement ignores too: the excluded, where the mesh policy quarantines."""
         return self.excluded() if self.policy.quarantines() else frozenset()
+
+    def requires_handoffs(self) -> bool:
+        """Whether the mesh policy requires handoffs (meshnode.dataplane.hop_rules)."""
+        return self.policy.requires_handoffs()
 
     def status_json(self) -> dict[str, Any]:
         """The evidence held (each verified; marked where quarantined), the reports refused by

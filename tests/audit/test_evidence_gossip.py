@@ -67,7 +67,7 @@ class Mesh:
         return (self.a, self.b, self.c, self.d)
 
 
-def serve_whole_model(node: Node) -> None:
+def serve_whole_model(node: Node, *, states_handoffs: bool = False) -> None:
     fingerprint = shard.Fingerprint(
         model_artifact_digest=MODEL.model_artifact_digest, runtime_recipe_digest=MODEL.runtime_recipe_digest
     )
@@ -77,6 +77,7 @@ def serve_whole_model(node: Node) -> None:
             shard_range=shard.ShardRange(start_layer=0, end_layer=4),
             total_layers=4,
             fingerprint=fingerprint,
+            states_handoffs=states_handoffs,
         )
     )
     node.set_capacity(mesh.Capacity(max_concurrent_sessions=4, max_context_tokens=256))
@@ -282,3 +283,18 @@ async def test_a_quarantine_policy_spreads_placement_ignores_the_accused_and_an_
     assert accused in {node_id for node_id, _ in placement._announcements()}
     policy = four.d.status().to_json()["evidence"]["policy"]
     assert policy["quarantine_on_evidence"] and policy["cleared"] == [accused.hex()]
+
+    # The admin requires handoffs: heads route only through nodes that announce they sign them
+    # (neither server does yet), until one says it does; the rest of the policy stands.
+    command = ["policy", "--require-handoffs", "on", "--data-dir", str(admin_dir.path)]
+    assert await asyncio.to_thread(main, command) == 0
+    await eventually(lambda: all(n.evidence.requires_handoffs() for n in four.all), SPREAD_S, "required")
+    assert all(candidate_ids(n) == set() for n in four.all)
+    serve_whole_model(four.b, states_handoffs=True)
+    await eventually(
+        lambda: all(candidate_ids(n) == {four.b.node_id} - {n.node_id} for n in four.all),
+        SPREAD_S,
+        "every head routes through the node that signs its handoffs",
+    )
+    policy = four.d.status().to_json()["evidence"]["policy"]
+    assert policy["require_handoffs"] and policy["cleared"] == [accused.hex()]

@@ -31,6 +31,7 @@ from engines.interface import GREEDY
 from meshnode.audit.commitment import open_commitment
 from meshnode.audit.evidence import encode_evidence, verify_evidence_bytes
 from meshnode.audit.handoff import open_handoff
+from meshnode.dataplane.hop_rules import FixedHopRules
 from meshnode.head.driver import DriverConfig, GenerationDriver
 from meshnode.wire.errors import MeshnodeError
 from meshnode.wire.pb import shard
@@ -149,4 +150,39 @@ async def test_an_older_node_that_sends_no_handoff_is_not_convicted_for_its_abse
     # As before handoffs: what it passed on cannot be told from its neighbour's word, so no one
     # is convicted (the gap an older node leaves).
     assert not driver.convicted and driver.auditor.stats.convictions == 0
+    await driver.aclose()
+
+
+async def test_under_a_policy_that_requires_handoffs_a_hop_that_sends_none_is_refused(routes):
+    middle, tail = routes.shards[MIDDLE], routes.shards[TAIL]
+    # The tail's node holds the admin's policy (require_handoffs); the middle sends no handoff
+    # from its first unit on, as a node that never states what it forwards does.
+    tail.server.worker.rules = FixedHopRules(require_handoffs=True)
+    forward_other_bytes(middle.server, None, Handoff.NONE)
+    driver = GenerationDriver(routes, audited(), audit_rng=random.Random(6))
+    with pytest.raises(MeshnodeError):
+        await collect(driver.generate(routes.model, PROMPT, GREEDY, TOKENS))
+    await driver.auditor.settled()
+    # The refusal's detail (handoff_check.REQUIRED_DETAIL) stays between the hops: tests/dataplane.
+    assert tail.server.errors_sent[shard.ERROR_CODE_PAYLOAD_CORRUPT] >= 1
+    # The tail computed nothing on what it refused; nobody is convicted on its word.
+    assert not [c for c in tail.engine.calls if c.hidden is not None]
+    assert not driver.convicted
+    await driver.aclose()
+
+
+async def test_the_requirement_leaves_a_bfloat16_boundary_and_signing_hops_alone(routes):
+    # Every hop signs its handoffs: a float32 route passes under the requirement.
+    for each in routes.shards.values():
+        each.server.worker.rules = FixedHopRules(require_handoffs=True)
+    driver = GenerationDriver(routes, audited(), audit_rng=random.Random(7))
+    assert await collect(driver.generate(routes.model, PROMPT, GREEDY, TOKENS)) == reference(PROMPT, TOKENS)
+    await driver.aclose()
+    # On a bfloat16 boundary no hop states what it sends (the head chose it for the whole route,
+    # not the sender), so the requirement does not refuse its units.
+    config = DriverConfig(**{**audited().__dict__, "boundary_dtype": shard.DTYPE_BFLOAT16})
+    driver = GenerationDriver(routes, config, audit_rng=random.Random(8))
+    tokens = await collect(driver.generate(routes.model, PROMPT, GREEDY, TOKENS))
+    assert len(tokens) == TOKENS
+    assert not any(s.server.errors_sent for s in routes.shards.values())
     await driver.aclose()

@@ -85,7 +85,7 @@ class LoopbackRoutes:
         engine.released.clear()
         caps = engine.capabilities()
         announcement = mesh.PeerAnnouncement(endpoint_id=peer.node_id)
-        announcement.serving.CopyFrom(served_shard(caps, "fake"))
+        announcement.serving.CopyFrom(served_shard(caps, "fake", states_handoffs=self.signed))
         announcement.capacity.max_concurrent_sessions = caps.max_sessions
         shard = Shard(peer, engine, server, announcement)
         self.shards[index] = shard

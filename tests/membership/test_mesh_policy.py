@@ -72,3 +72,15 @@ def test_the_newest_policy_stands_in_whatever_order_they_arrive():
 def test_a_policy_clears_a_bounded_number_of_nodes():
     with pytest.raises(ValueError):
         policy(cleared=[bytes([i]) * 32 for i in range(MAX_CLEARED + 1)])
+
+
+def test_a_policy_that_requires_handoffs_says_so_and_the_default_does_not():
+    default = PolicyHolder(MESH_KEY.mesh_id)
+    assert default.learn(policy()) and not default.requires_handoffs()
+    assert default.to_json() is not None and default.to_json()["require_handoffs"] is False
+    signed = sign_policy(
+        MESH_KEY, issuer_id=ADMIN, unix_now=NOW + 1, quarantine_on_evidence=False, require_handoffs=True
+    )
+    assert verify_policy(signed, mesh_id=MESH_KEY.mesh_id).require_handoffs
+    assert default.learn(signed) and default.requires_handoffs() and not default.quarantines()
+    assert PolicyHolder(MESH_KEY.mesh_id).requires_handoffs() is False

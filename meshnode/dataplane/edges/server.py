@@ -65,6 +65,7 @@ from meshnode.dataplane.edges.shard_session import (
 )
 from meshnode.dataplane.edges.wake_timer import WakeTimer
 from meshnode.dataplane.failure_log import log_engine_failures
+from meshnode.dataplane.hop_rules import NO_RULES, HopRules
 from meshnode.dataplane.lease import StreamOrigin
 from meshnode.dataplane.unary import (
     Validation,
@@ -165,11 +166,14 @@ class ShardServer:
         owns_engine: bool = False,
         local_peer_id: bytes | None = None,
         identity: NodeIdentity | None = None,
+        rules: HopRules = NO_RULES,
     ) -> None:
         """``local_peer_id``: this node's id; its streams (its own head's) are exempt from the
         per-peer share of sessions. ``identity``: the node key that signs the units' commitments
-        (meshnode.audit; None: none are signed)."""
+        (meshnode.audit; None: none are signed). ``rules``: what the admin's mesh policy asks of
+        this hop (meshnode.dataplane.hop_rules)."""
         self._identity = identity
+        self._rules = rules
         self.engine = engine
         self.local_peer_id = local_peer_id
         self.config = config or ServerConfig()
@@ -198,7 +202,9 @@ class ShardServer:
         self.validation = await self.engine_thread.call(
             partial(validate_engine, self.engine, unix_now_ns=time.time_ns())
         )
-        self._worker = ShardWorker(capabilities, self.config.worker, identity=self._identity)
+        self._worker = ShardWorker(
+            capabilities, self.config.worker, identity=self._identity, rules=self._rules
+        )
         if self.validation.validated:
             # The validation's steps are the range's first timing on these threads: the speed
             # announced before any traffic, until live batches replace it.

@@ -126,18 +126,20 @@ class RevocationSet(_message.Message):
     def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ...) -> None: ...
 
 class MeshPolicyBody(_message.Message):
-    __slots__ = ("mesh_public_key", "issuer_id", "issued_unix", "quarantine_on_evidence", "cleared")
+    __slots__ = ("mesh_public_key", "issuer_id", "issued_unix", "quarantine_on_evidence", "cleared", "require_handoffs")
     MESH_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ISSUER_ID_FIELD_NUMBER: _ClassVar[int]
     ISSUED_UNIX_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_ON_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     mesh_public_key: bytes
     issuer_id: bytes
     issued_unix: int
     quarantine_on_evidence: bool
     cleared: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, mesh_public_key: _Optional[bytes] = ..., issuer_id: _Optional[bytes] = ..., issued_unix: _Optional[int] = ..., quarantine_on_evidence: _Optional[bool] = ..., cleared: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    require_handoffs: bool
+    def __init__(self, mesh_public_key: _Optional[bytes] = ..., issuer_id: _Optional[bytes] = ..., issued_unix: _Optional[int] = ..., quarantine_on_evidence: _Optional[bool] = ..., cleared: _Optional[_Iterable[bytes]] = ..., require_handoffs: _Optional[bool] = ...) -> None: ...
 
 class MeshPolicy(_message.Message):
     __slots__ = ("body", "signature")
