@@ -83,6 +83,9 @@ Choices the schema leaves open, made here:
   many as the route has hops after this one; passed on unchecked: the head checks them). A
   duplicate is answered with the record's commitments. Nothing in a unit says whether it will
   be audited, so every unit is committed to the same way.
+- The admin's mesh policy (:mod:`.hop_rules`, read from the node at each route and each unit
+  without a handoff): a route naming a quarantined node after this hop is refused before the
+  open (PAYLOAD_CORRUPT), and so is a float32 unit without a handoff where handoffs are required.
 - Cache mode STATELESS is run as a fresh prefill at position 0 (the state it
   leaves is released like any other).
 - Leases (:mod:`.lease`): a session belongs to the peer whose stream opened it.
@@ -122,7 +125,7 @@ from meshnode.dataplane.envelope import (
     unit_position,
 )
 from meshnode.dataplane.handoff_check import checked_handoff
-from meshnode.dataplane.hop_rules import NO_RULES, HopRules
+from meshnode.dataplane.hop_rules import NO_RULES, HopRules, quarantined_hop_refusal
 from meshnode.dataplane.lease import LOCAL_ORIGIN, ReleaseReason, StreamOrigin, peer_session_cap
 from meshnode.dataplane.payload import StepInput, decode_chunk_input, decode_step_input
 from meshnode.dataplane.request_reader import ReadRequest, read_request, read_route
@@ -430,6 +433,10 @@ class ShardWorker:
             stream.plan = validate_route(route, end_layer=caps.layer_end, is_tail=caps.is_tail)
         except ShardProtocolError as error:
             self._terminate(stream, error)
+            return
+        quarantined = quarantined_hop_refusal(route.downstream, self.rules.quarantined())
+        if quarantined is not None:
+            self._terminate(stream, quarantined)
             return
         stream.route_bytes = route.SerializeToString(deterministic=True)
         stream.phase = StreamPhase.AWAIT_OPEN

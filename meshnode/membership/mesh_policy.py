@@ -9,7 +9,8 @@ What it says:
 
 * ``quarantine_on_evidence``: a node that verified evidence against a member quarantines it:
   routes leave it out (they do anyway) and so does placement, which counts neither its claims
-  nor the layers it serves;
+  nor the layers it serves, and its served hop refuses a route that forwards to it
+  (:mod:`meshnode.dataplane.hop_rules`);
 * ``cleared``: members an admin cleared despite evidence against them; the evidence then
   changes nothing, not even the routes of the head that holds it;
 * ``require_handoffs``: a hop refuses a unit of float32 hidden states that comes without its

@@ -2,7 +2,8 @@
 
 Under ``require_handoffs`` a unit of float32 hidden states without its sender's handoff is refused
 (PAYLOAD_CORRUPT, the policy named); a bfloat16 boundary, on which no hop states what it sends,
-and the head's own tokens are not.
+and the head's own tokens are not. A route that forwards to a quarantined node after this hop is
+refused (PAYLOAD_CORRUPT, the node named).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import numpy as np
 import pytest
 
 from meshnode.dataplane.handoff_check import REQUIRED_DETAIL, checked_handoff
-from meshnode.dataplane.hop_rules import NO_RULES, FixedHopRules
+from meshnode.dataplane.hop_rules import NO_RULES, FixedHopRules, quarantined_hop_refusal
+from meshnode.dataplane.route import make_hop
+from meshnode.gen.meshnode.v1 import dataplane_pb2 as dataplane
+from meshnode.identity import short_id
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
@@ -59,3 +63,34 @@ def test_a_sender_that_stated_before_is_refused_with_its_own_detail_whatever_the
         checked_handoff(None, unit(stated_before=True), required=False)
     assert caught.value.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
     assert caught.value.detail == "the sender stopped stating what it sends"
+
+
+def hops(*node_ids: bytes) -> list[dataplane.RouteHop]:
+    return [make_hop(node_id, 2, 4, 2) for node_id in node_ids]
+
+
+ACCUSED = b"\xcc" * 32
+HONEST = b"\xaa" * 32
+
+
+def test_a_route_forwarding_to_a_quarantined_node_is_refused_naming_it():
+    refusal = quarantined_hop_refusal(hops(HONEST, ACCUSED), frozenset({ACCUSED}))
+    assert refusal is not None and refusal.code == shard.ERROR_CODE_PAYLOAD_CORRUPT
+    assert refusal.detail.startswith(f"the mesh policy quarantines {short_id(ACCUSED)} on audit evidence")
+
+
+@pytest.mark.parametrize(
+    "downstream, quarantined",
+    [
+        pytest.param(hops(HONEST), frozenset({ACCUSED}), id="the accused is not on the route"),
+        pytest.param(hops(HONEST, ACCUSED), frozenset(), id="no quarantine"),
+        pytest.param([], frozenset({ACCUSED}), id="the tail forwards to nobody"),
+    ],
+)
+def test_a_route_without_a_quarantined_node_after_this_hop_is_served(downstream, quarantined):
+    assert quarantined_hop_refusal(downstream, quarantined) is None
+
+
+def test_no_rules_quarantine_nobody():
+    assert NO_RULES.quarantined() == frozenset()
+    assert FixedHopRules(quarantined_nodes=frozenset({ACCUSED})).quarantined() == {ACCUSED}
