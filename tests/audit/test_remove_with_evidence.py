@@ -4,6 +4,7 @@ digest as the reason; evidence that does not convict, or convicts someone else, 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -79,3 +80,46 @@ def test_a_hops_own_handoff_against_its_commitment_removes_it_too(admin_dir, tmp
     assert "passed on other bytes than it computed" in capsys.readouterr().out
     reason = stored_removals(path, mesh_key)[LIAR.node_id]
     assert reason.startswith(f"{EVIDENCE_REASON_PREFIX}{evidence_digest(evidence).hex()}")
+
+
+def test_audit_verify_prints_the_digest_a_removal_with_the_evidence_cites(admin_dir, tmp_path, capsys):
+    path, mesh_key = admin_dir
+    evidence = evidence_against(LIAR, (WITNESS_A, WITNESS_B))
+    file = tmp_path / "evidence.json"
+    file.write_bytes(encode_evidence(evidence))
+    assert main(["audit", "verify", str(file)]) == 0
+    verdict_line, digest_line = capsys.readouterr().out.splitlines()
+    assert verdict_line.startswith("convicted: ")
+    digest = digest_line.removeprefix("evidence digest: ").split()[0]
+    assert digest == evidence_digest(evidence).hex()
+    assert main(["audit", "verify", "--json", str(file)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer == {
+        "outcome": "convicted",
+        "fault": None,
+        "detail": answer["detail"],
+        "accused_id": LIAR.node_id.hex(),
+        "digest": digest,
+        "removal_reason": f"{EVIDENCE_REASON_PREFIX}{digest}",
+    }
+    assert main(["remove", "--evidence", str(file), "--data-dir", str(path)]) == 0
+    assert stored_removals(path, mesh_key) == {LIAR.node_id: answer["removal_reason"]}
+
+
+def test_audit_verify_gives_the_digest_of_evidence_that_does_not_convict_and_none_of_garbage(
+    tmp_path, capsys
+):
+    forged = framed(LIAR, BYSTANDER, (WITNESS_A, WITNESS_B))
+    file = tmp_path / "forged.json"
+    file.write_bytes(encode_evidence(forged))
+    assert main(["audit", "verify", "--json", str(file)]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["outcome"] == "rejected" and answer["fault"] == "accused_unsigned"
+    assert answer["digest"] == evidence_digest(forged).hex()
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b"{]")
+    assert main(["audit", "verify", str(garbage)]) == 2
+    assert "evidence digest" not in capsys.readouterr().out
+    assert main(["audit", "verify", "--json", str(garbage)]) == 2
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fault"] == "malformed" and answer["digest"] is None and answer["removal_reason"] is None
