@@ -278,7 +278,8 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
     if policy:
         cleared = ", ".join(short_id(bytes.fromhex(n)) for n in policy["cleared"]) or "none"
         quarantine = "quarantine on evidence" if policy["quarantine_on_evidence"] else "no quarantine"
-        lines.append(f"  mesh policy by admin {policy['by']}: {quarantine}; cleared: {cleared}")
+        handoffs = "; handoffs required" if policy.get("require_handoffs") else ""
+        lines.append(f"  mesh policy by admin {policy['by']}: {quarantine}; cleared: {cleared}{handoffs}")
     for each in held:
         start, end = each["layers"]
         quarantined = "  QUARANTINED" if each.get("quarantined") else ""

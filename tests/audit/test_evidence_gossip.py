@@ -298,3 +298,4 @@ async def test_a_quarantine_policy_spreads_placement_ignores_the_accused_and_an_
     )
     policy = four.d.status().to_json()["evidence"]["policy"]
     assert policy["require_handoffs"] and policy["cleared"] == [accused.hex()]
+    assert "handoffs required" in format_status(four.b.status().to_json())
