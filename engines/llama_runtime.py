@@ -278,6 +278,9 @@ class LlamaRuntime:
         # What run_batch feeds a gap's stream; any valid input does, its rows are thrown away.
         self._filler_token = np.zeros(1, dtype=np.int32)
         self._filler_embd = np.zeros((1, self.n_embd), dtype=np.float32)
+        # One output row of logits as a C array type, made once: _logits_at views a row through it
+        # (np.ctypeslib.as_array builds the type and a cast for every call, every token).
+        self._logits_row = ctypes.c_float * self.n_vocab
         int_ptr = ctypes.POINTER(ctypes.c_int32)
         base = self._seq_ids.ctypes.data
         self._seq_id_ptrs = (int_ptr * n)(*(ctypes.cast(base + 4 * i, int_ptr) for i in range(n)))
@@ -512,7 +515,8 @@ class LlamaRuntime:
         pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
         if not pointer:
             raise EngineError(EngineErrorKind.INTERNAL, "llama.cpp produced no logits")
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        row = self._logits_row.from_address(ctypes.addressof(pointer.contents))
+        return np.frombuffer(memoryview(row), dtype=np.float32)  # a view: it keeps ``row`` alive
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop positions >= ``length`` from the sequence (0 drops it entirely)."""
