@@ -390,14 +390,19 @@ class LlamaRuntime:
         next position, never computed into anything but its own rows and cell) that is
         removed again afterwards, so the batch stays one pass.
         """
-        ordered = sorted(sequences, key=lambda s: s.seq_id)
-        seq_ids = [s.seq_id for s in ordered]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise EngineError(EngineErrorKind.INVALID_REQUEST, "a batch holds each sequence at most once")
-        fillers = self._gap_fillers(seq_ids) if fill_gaps else []
-        if sum(int(s.inputs.shape[0]) for s in ordered) + len(fillers) > self.n_batch:
-            fillers = []  # no room: the batch then takes one graph pass per contiguous run
-        entries = sorted([*ordered, *fillers], key=lambda s: s.seq_id)
+        if len(sequences) == 1:
+            # One session's decode, the usual step: nothing to order, no gap to fill.
+            ordered = entries = list(sequences)
+            fillers: list[BatchSequence] = []
+        else:
+            ordered = sorted(sequences, key=lambda s: s.seq_id)
+            seq_ids = [s.seq_id for s in ordered]
+            if len(set(seq_ids)) != len(seq_ids):
+                raise EngineError(EngineErrorKind.INVALID_REQUEST, "a batch holds each sequence at most once")
+            fillers = self._gap_fillers(seq_ids) if fill_gaps else []
+            if sum(int(s.inputs.shape[0]) for s in ordered) + len(fillers) > self.n_batch:
+                fillers = []  # no room: the batch then takes one graph pass per contiguous run
+            entries = sorted([*ordered, *fillers], key=lambda s: s.seq_id)
         starts: dict[int, int] = {}
         n_tokens = 0
         for entry in entries:
@@ -415,11 +420,16 @@ class LlamaRuntime:
             count = int(entry.inputs.shape[0])
             if self._embd is not None:
                 self._put_hidden(start, entry.inputs)
+            elif count == 1:
+                self._tokens[start] = entry.inputs[0]  # a scalar store: no slice, no arange
             else:
                 self._tokens[start : start + count] = entry.inputs
-            self._pos[start : start + count] = np.arange(
-                entry.first_position, entry.first_position + count, dtype=np.int32
-            )
+            if count == 1:
+                self._pos[start] = entry.first_position
+            else:
+                self._pos[start : start + count] = np.arange(
+                    entry.first_position, entry.first_position + count, dtype=np.int32
+                )
             self._seq_ids[start : start + count] = entry.seq_id
             if entry.want_logits:
                 self._logit_flags[start + count - 1] = 1
