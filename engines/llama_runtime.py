@@ -278,6 +278,9 @@ class LlamaRuntime:
         # What run_batch feeds a gap's stream; any valid input does, its rows are thrown away.
         self._filler_token = np.zeros(1, dtype=np.int32)
         self._filler_embd = np.zeros((1, self.n_embd), dtype=np.float32)
+        # One output row of logits as a C array type, made once: _logits_at views a row through it
+        # (np.ctypeslib.as_array builds the type and a cast for every call, every token).
+        self._logits_row = ctypes.c_float * self.n_vocab
         int_ptr = ctypes.POINTER(ctypes.c_int32)
         base = self._seq_ids.ctypes.data
         self._seq_id_ptrs = (int_ptr * n)(*(ctypes.cast(base + 4 * i, int_ptr) for i in range(n)))
@@ -387,14 +390,19 @@ class LlamaRuntime:
         next position, never computed into anything but its own rows and cell) that is
         removed again afterwards, so the batch stays one pass.
         """
-        ordered = sorted(sequences, key=lambda s: s.seq_id)
-        seq_ids = [s.seq_id for s in ordered]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise EngineError(EngineErrorKind.INVALID_REQUEST, "a batch holds each sequence at most once")
-        fillers = self._gap_fillers(seq_ids) if fill_gaps else []
-        if sum(int(s.inputs.shape[0]) for s in ordered) + len(fillers) > self.n_batch:
-            fillers = []  # no room: the batch then takes one graph pass per contiguous run
-        entries = sorted([*ordered, *fillers], key=lambda s: s.seq_id)
+        if len(sequences) == 1:
+            # One session's decode, the usual step: nothing to order, no gap to fill.
+            ordered = entries = list(sequences)
+            fillers: list[BatchSequence] = []
+        else:
+            ordered = sorted(sequences, key=lambda s: s.seq_id)
+            seq_ids = [s.seq_id for s in ordered]
+            if len(set(seq_ids)) != len(seq_ids):
+                raise EngineError(EngineErrorKind.INVALID_REQUEST, "a batch holds each sequence at most once")
+            fillers = self._gap_fillers(seq_ids) if fill_gaps else []
+            if sum(int(s.inputs.shape[0]) for s in ordered) + len(fillers) > self.n_batch:
+                fillers = []  # no room: the batch then takes one graph pass per contiguous run
+            entries = sorted([*ordered, *fillers], key=lambda s: s.seq_id)
         starts: dict[int, int] = {}
         n_tokens = 0
         for entry in entries:
@@ -412,11 +420,16 @@ class LlamaRuntime:
             count = int(entry.inputs.shape[0])
             if self._embd is not None:
                 self._put_hidden(start, entry.inputs)
+            elif count == 1:
+                self._tokens[start] = entry.inputs[0]  # a scalar store: no slice, no arange
             else:
                 self._tokens[start : start + count] = entry.inputs
-            self._pos[start : start + count] = np.arange(
-                entry.first_position, entry.first_position + count, dtype=np.int32
-            )
+            if count == 1:
+                self._pos[start] = entry.first_position
+            else:
+                self._pos[start : start + count] = np.arange(
+                    entry.first_position, entry.first_position + count, dtype=np.int32
+                )
             self._seq_ids[start : start + count] = entry.seq_id
             if entry.want_logits:
                 self._logit_flags[start + count - 1] = 1
@@ -512,7 +525,8 @@ class LlamaRuntime:
         pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
         if not pointer:
             raise EngineError(EngineErrorKind.INTERNAL, "llama.cpp produced no logits")
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        row = self._logits_row.from_address(ctypes.addressof(pointer.contents))
+        return np.frombuffer(memoryview(row), dtype=np.float32)  # a view: it keeps ``row`` alive
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop positions >= ``length`` from the sequence (0 drops it entirely)."""

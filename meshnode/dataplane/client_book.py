@@ -188,14 +188,22 @@ class UnitBook:
                 self._events.append(UnitFailed(unit.id, unit.step, unit.work_id, error))
 
     def next_deadline(self, grace_ns: int) -> int | None:
-        deadlines = [u.deadline.at_ns for u in self._pending if u.deadline is not None]
-        deadlines.extend(
-            u.given_up_at(grace_ns)
-            for u in self._sent.values()
-            if u.deadline is not None and u.state is UnitState.SENT
-        )
-        deadlines.extend(u.given_up_at(grace_ns) for u, _ack in self._owed.values() if u.deadline is not None)
-        return min(deadlines, default=None)
+        # Plain loops, no generators or lists: the session's timer is read again twice a token.
+        earliest: int | None = None
+        for unit in self._pending:
+            if unit.deadline is not None and (earliest is None or unit.deadline.at_ns < earliest):
+                earliest = unit.deadline.at_ns
+        for unit in self._sent.values():
+            if unit.deadline is not None and unit.state is UnitState.SENT:
+                at_ns = unit.given_up_at(grace_ns)
+                if earliest is None or at_ns < earliest:
+                    earliest = at_ns
+        for unit, _ack in self._owed.values():
+            if unit.deadline is not None:
+                at_ns = unit.given_up_at(grace_ns)
+                if earliest is None or at_ns < earliest:
+                    earliest = at_ns
+        return earliest
 
     def done(
         self,

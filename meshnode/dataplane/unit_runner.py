@@ -68,19 +68,33 @@ class UnitRunner:
 
     def busy_sessions(self) -> set[SessionState]:
         """The sessions with a unit queued, running or forwarded (their idle leases wait)."""
+        # Plain loops, no generators: this and next_deadline run after every input (the timer is
+        # re-armed then), twice a decode token.
         busy = set(self._batches.ready_sessions())
-        busy.update(u.session for u in self._batches.running_units())
-        busy.update(u.session for u in self._forwarding.values())
+        for unit in self._batches.running_units():
+            busy.add(unit.session)
+        for unit in self._forwarding.values():
+            busy.add(unit.session)
         return busy
 
     def next_deadline(self) -> int | None:
         """The earliest deadline of a unit not yet answered (monotonic ns), or None."""
-        units = [*self._batches.queued_units(), *self._batches.running_units()]
-        units.extend(self._forwarding.values())
-        units.extend(self._followers.values())
-        return min(
-            (u.deadline.at_ns for u in units if u.deadline is not None and not u.answered), default=None
-        )
+        earliest: int | None = None
+        for units in (
+            self._batches.queued_units(),
+            self._batches.running_units(),
+            self._forwarding.values(),
+            self._followers.values(),
+        ):
+            for unit in units:
+                deadline = unit.deadline
+                if (
+                    deadline is not None
+                    and not unit.answered
+                    and (earliest is None or deadline.at_ns < earliest)
+                ):
+                    earliest = deadline.at_ns
+        return earliest
 
     # ------------------------------------------------------------------ batches
 

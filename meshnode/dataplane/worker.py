@@ -401,7 +401,7 @@ class ShardWorker:
             self._sessions.next_due(self._units.busy_sessions()),
             self._batches.hold_until_ns,
         ]
-        return min((t for t in times if t is not None), default=None)
+        return min([t for t in times if t is not None], default=None)  # a list: no generator to resume
 
     def cancel(self, session_id: str, epoch: int, work_id: str, now_ns: int) -> int:
         """Abandon the session's running, queued and forwarding units (only ``work_id`` if given).
