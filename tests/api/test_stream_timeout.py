@@ -11,6 +11,7 @@ silent for longer than the timeout still fails the request with ``ApiError``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -40,14 +41,20 @@ async def slow_stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
+# Set when the test is over: a silent handler still waiting would hold up the server's shutdown.
+DONE = web.AppKey("done", asyncio.Event)
+
+
 async def silent(request: web.Request) -> web.StreamResponse:
-    await asyncio.sleep(TIMEOUT_S * 6)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(request.app[DONE].wait(), TIMEOUT_S * 6)
     return web.Response(text="too late")
 
 
 @pytest.fixture
 async def server() -> AsyncIterator[str]:
     app = web.Application()
+    app[DONE] = asyncio.Event()
     app.router.add_post("/slow", slow_stream)
     app.router.add_post("/silent", silent)
     runner = web.AppRunner(app)
@@ -58,6 +65,7 @@ async def server() -> AsyncIterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        app[DONE].set()
         await runner.cleanup()
 
 
