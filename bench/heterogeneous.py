@@ -2,13 +2,15 @@
 
     python bench/heterogeneous.py [--size large] [--slow-share 0.33] [--first-layers 4]
                                   [--joiner-layers 7] [--tokens 24] [--runs 3] [--streams 4]
-                                  [--threads 1] [--ctx 512]
+                                  [--threads 1] [--ctx 512] [--join-order race|slow-first|fast-first]
 
 Three real ``meshnode`` processes on this machine, three times over, each time a fresh mesh:
 
 1. **memory**: A is created with the model (bench/random_model.py's ``large`` shape by default:
    12 layers, n_embd 2048, float16, 1.3 GB) serving [0, ``--first-layers``); B and C join at the
-   same moment with only an invite, no model, each with a ``--memory-budget`` of
+   same moment (``--join-order race``; or one after the other, the first serving before the
+   second starts: with memory-only placement whoever claims the gap first takes it, so the race
+   makes that comparison a coin toss) with only an invite, no model, each with a ``--memory-budget`` of
    ``--joiner-layers`` layers and the output table, and ``--place-by memory`` (placement by
    bytes, as before issue 55). C is slowed: its process (and every thread and child it starts)
    is put in a CPU cgroup with a quota of ``--slow-share`` of one core in every 10 ms period
@@ -212,7 +214,7 @@ async def run_mesh(
         await mesh.start_first("A", first)
         token = mesh.invite("A")
         joiners = []
-        for name in ("B", "C"):
+        for name in _join_order(args.join_order):
             if given:
                 child = mesh.join(name, given[name], token)
             else:
@@ -227,6 +229,9 @@ async def run_mesh(
             if name == SLOW:
                 quota.add(child.process.pid)
             joiners.append(child)
+            if args.join_order != "race" and given is None:
+                # In turn: the first joiner places itself alone, as a machine that joined earlier did.
+                await mesh.wait_serving(child)
         for child in joiners:
             await mesh.wait_serving(child)
         api, _ = await mesh.wait_route("A")
@@ -258,6 +263,13 @@ async def run_mesh(
         return run
     finally:
         mesh.stop_all()
+
+
+def _join_order(order: str) -> tuple[str, ...]:
+    """Who joins first: ``race`` starts both at once (the claims race); ``slow-first`` lets the slowed
+    node place itself alone before the other starts, ``fast-first`` the other way round."""
+    fast = next(name for name in ("B", "C") if name != SLOW)
+    return {"race": ("B", "C"), "slow-first": (SLOW, fast), "fast-first": (fast, SLOW)}[order]
 
 
 async def _warmed_up(mesh: LocalMesh, api: str, prompt: list[int], timeout_s: float = 300.0) -> str:
@@ -371,6 +383,7 @@ async def main_async(args: argparse.Namespace) -> None:
         [1, *(int(t) for t in rng.integers(300, min(30_000, n_vocab), size=15))] for _ in range(args.streams)
     ]
     env = openmp_wait_env(3, args.threads, available_cpus(), others=1)
+    print(f"joiners: {args.join_order}", flush=True)
     print(f"model {model.name}: {n_layers} layers, {model.stat().st_size / 1e9:.2f} GB; A serves [0, "
           f"{args.first_layers}), joiners' --memory-budget {budget / MIB:.0f} MiB ({args.joiner_layers} layers "
           f"and the output table); {args.threads} thread(s) a node, {available_cpus()} cores", flush=True)  # fmt: skip
@@ -444,6 +457,13 @@ def main() -> None:
         type=lambda text: text.split(","),
         default=["memory", "time", "ideal"],
         help="meshes to run, of memory,time,ideal (all; ideal needs memory's speeds)",
+    )
+    parser.add_argument(
+        "--join-order",
+        choices=("race", "slow-first", "fast-first"),
+        default="race",
+        help="placed meshes: the joiners start at once and race for the gap (race), or one places "
+        "itself alone first: the slowed node (slow-first) or the other (fast-first)",
     )
     parser.add_argument(
         "--work-dir", type=Path, help="keep the nodes' logs and data here (a temporary folder)"
