@@ -166,7 +166,7 @@ class DigestGossip:
         """Our versions, recomputed only when the table or our own record changed: an exchange
         reads them three times, and a member takes part in several exchanges a round."""
         state = self._state
-        key = (state.table.changes, len(state.revocations), record_version(state.local))
+        key = (state.table.changes, len(state.revocations), state.local_version())
         if self._snapshot is None or self._snapshot.key != key:
             versions = {entry.peer_id: record_version(entry.announcement) for entry in state.table.entries()}
             versions[state.node_id] = key[2]

@@ -89,8 +89,8 @@ class ReplyOutcome:
 
 @dataclass(frozen=True)
 class HeartbeatDue:
-    """A heartbeat interval passed: gossip with every peer (the announcement's heartbeat_seq is
-    already one higher)."""
+    """A heartbeat interval passed: gossip (the announcement's heartbeat_seq is already one higher,
+    under ``record_heartbeats=False`` only when its content changed)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,12 @@ class MeshState:
         # Records of others a GossipFrame carries besides ours. Under delta gossip
         # (meshnode.mesh.digest_gossip) a frame only admits, and 0 keeps it small.
         frame_table_limit: int = MAX_PEERS_PER_FRAME - 1,
+        # Each heartbeat makes our record fresher and a peer not refreshed for the peer timeout is
+        # stale: liveness rides on every record. False (delta gossip, where SWIM probes find dead
+        # members: meshnode.mesh.failure_detector): our record gets fresher only when its content
+        # changed, so a digest finds nothing to send for a record that did not, and no peer is
+        # ever reported stale.
+        record_heartbeats: bool = True,
     ) -> None:
         if membership is None and invite is None:
             raise ValueError("a node needs either a membership or an invite")
@@ -145,6 +151,10 @@ class MeshState:
         self._next_heartbeat_ns: int | None = None
         self._events: list[MeshEvent] = []
         self.frame_table_limit = min(frame_table_limit, MAX_PEERS_PER_FRAME - 1)
+        self.record_heartbeats = record_heartbeats
+        # Under record_heartbeats=False: our announcement's content (its sequence left out) when
+        # the sequence last moved, to see whether it changed since.
+        self._versioned_content: bytes | None = None
         # Where the next gossip frame's page of a table too large for one frame starts.
         self._page_start = 0
         self.gate = CredentialGate(
@@ -237,11 +247,27 @@ class MeshState:
         if self._next_heartbeat_ns is None or now_ns < self._next_heartbeat_ns:
             return
         self._next_heartbeat_ns = now_ns + self.heartbeat_interval_ns
-        self.heartbeat()
+        if self.record_heartbeats:
+            self.heartbeat()
+        else:
+            self._heartbeat_if_changed()
         self.table.expire_tombstones(now_ns)
         self._events.append(HeartbeatDue())
-        stale = self.table.stale(now_ns=now_ns, timeout_ns=self.peer_timeout_ns)
-        self._events.extend(PeerStale(peer_id) for peer_id in stale)
+        if self.record_heartbeats:
+            stale = self.table.stale(now_ns=now_ns, timeout_ns=self.peer_timeout_ns)
+            self._events.extend(PeerStale(peer_id) for peer_id in stale)
+
+    def _heartbeat_if_changed(self) -> None:
+        """A fresher sequence when what we announce changed since the current one was first
+        published (signed, or summarized in a digest): two records of ours never share a version,
+        so a peer holding our record at some version holds its content, whoever relayed it."""
+        content = mesh.PeerAnnouncement()
+        content.CopyFrom(self.local)
+        content.heartbeat_seq = 0
+        serialized = content.SerializeToString(deterministic=True)
+        if self._versioned_content is not None and serialized != self._versioned_content:
+            self.heartbeat()
+        self._versioned_content = serialized
 
     def get_timer(self) -> int | None:
         """When the next heartbeat is due (monotonic ns); None before :meth:`start_heartbeat`."""
@@ -260,8 +286,17 @@ class MeshState:
         assert self.invite is not None
         return make_invite_proof(self.invite, joiner_id=self.node_id, verifier_id=verifier_id)
 
+    def local_version(self) -> tuple[int, int]:
+        """Our record's (incarnation, sequence) as a digest publishes it now: under
+        ``record_heartbeats=False`` one fresher first if the content changed since it was published."""
+        if not self.record_heartbeats:
+            self._heartbeat_if_changed()
+        return (self.local.incarnation, self.local.heartbeat_seq)
+
     def local_record(self) -> mesh.SignedPeerRecord:
         """Our announcement as we sign it now (signed again only when it changed)."""
+        if not self.record_heartbeats:
+            self._heartbeat_if_changed()
         return self._local_record.signed(self.local)
 
     def gossip_frame(self, verifier_id: bytes) -> mesh.GossipFrame:

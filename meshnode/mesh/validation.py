@@ -233,6 +233,8 @@ def validate_probe(probe: mesh.Probe) -> None:
     check_generation(probe.gen, "Probe")
     if len(probe.nonce) > MAX_NONCE:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"Probe.nonce longer than {MAX_NONCE} bytes")
+    if probe.target:
+        check_node_id(probe.target, "Probe.target")
 
 
 __all__ = [

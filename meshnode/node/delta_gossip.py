@@ -7,12 +7,12 @@ each (four frames on one GOSSIP_DIGEST stream). The first contact with a peer is
 full GossipFrame exchange (:meth:`Gossip.get_link`), which admits both sides; under
 delta gossip that frame carries no table (``MeshState.frame_table_limit``), the digest
 brings the rest. What the records and revocations mean, and every check on them, is the
-pure machine's; a peer that does not answer is suspected as a heartbeat's is
-(:class:`~meshnode.node.liveness.Liveness`).
+pure machine's.
 
-Not yet here (issue 57): links to peers that leave the active view stay open, liveness
-still rides on each record's heartbeat sequence (so every record changes every beat),
-and the SWIM failure detector (:mod:`meshnode.mesh.failure_detector`) is not wired.
+Liveness does not ride on the records (each changes only when its content does): SWIM
+probes find dead members (:class:`~meshnode.node.swim.SwimLiveness`, run at the start of
+each round), a peer whose exchange fails is probed at once, and suspicions ride on the
+digest frames both ways (``DigestOpen.suspected``, ``DigestReply.suspected``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from meshnode.mesh.partial_view import PartialView
 from meshnode.mesh.state import MeshState
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.gossip import Gossip
-from meshnode.node.liveness import Liveness
 from meshnode.node.peer_failures import PEER_FAILURES
+from meshnode.node.swim import SwimLiveness
 from meshnode.transport.base import PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import StreamType
@@ -44,7 +44,7 @@ class DeltaGossip:
         self,
         state: MeshState,
         gossip: Gossip,
-        liveness: Liveness,
+        swim: SwimLiveness,
         background: BackgroundTasks,
         *,
         fanout: int,
@@ -54,19 +54,22 @@ class DeltaGossip:
     ) -> None:
         self._state = state
         self._gossip = gossip
-        self._liveness = liveness
+        self.swim = swim
         self._background = background
         self._fanout = fanout
         self._gossip_timeout = gossip_timeout
         self._connect_timeout = connect_timeout
         self._digest = DigestGossip(state)
         self.view = PartialView(state.node_id, active_size=active_view, passive_size=4 * active_view)
+        swim.on_removed = lambda peer_id: self.view.drop(peer_id, failed=True)
         self._in_round: set[bytes] = set()
         # Digest exchanges completed, opened and served (the status report's and the tests' reading).
         self.exchanges = 0
 
     def round(self) -> None:
-        """A heartbeat's gossip: a digest exchange with ``fanout`` peers of the active view."""
+        """A heartbeat's failure detection, then its gossip: a digest exchange with ``fanout``
+        peers of the active view."""
+        self.swim.round()
         self.view.refresh(set(self._state.table.peer_ids()))
         for peer_id in self.view.targets(self._fanout):
             if peer_id not in self._in_round:
@@ -85,7 +88,8 @@ class DeltaGossip:
         except PEER_FAILURES as exc:
             log.debug("digest with %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
             self.view.drop(peer_id, failed=True)
-            self._liveness.suspect(peer_id, reporter=None)
+            # A failed exchange is a failed probe: probe again, and ask others, before suspecting.
+            self.swim.check(peer_id)
         finally:
             self._in_round.discard(peer_id)
 
@@ -96,9 +100,11 @@ class DeltaGossip:
             stream = await link.open_stream(StreamType.GOSSIP_DIGEST)
             try:
                 sent = self._digest.open()
+                sent.suspected.extend(self.swim.rumors())
                 await stream.send_frame(sent.SerializeToString())
                 reply = await read_message(stream, mesh.DigestReply, None)
                 push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
+                self.swim.heard(reply.suspected, sender=peer_id)
                 await stream.send_frame(push.SerializeToString())
                 stream.finish()
                 records = await read_message(stream, mesh.DigestRecords, None)
@@ -119,7 +125,10 @@ class DeltaGossip:
         """The accepting side (GOSSIP_DIGEST, from admitted peers only: the dispatcher's rule)."""
         peer_id = stream.peer_id
         opened = await read_message(stream, mesh.DigestOpen, self._gossip_timeout)
-        await stream.send_frame(self._digest.answer_open(opened, peer_id=peer_id).SerializeToString())
+        reply = self._digest.answer_open(opened, peer_id=peer_id)
+        self.swim.heard(opened.suspected, sender=peer_id)
+        reply.suspected.extend(self.swim.rumors())
+        await stream.send_frame(reply.SerializeToString())
         push = await read_message(stream, mesh.DigestPush, self._gossip_timeout)
         records, report = self._digest.answer_push(
             push, peer_id=peer_id, now_ns=time.monotonic_ns(), unix_now=time.time()
@@ -129,6 +138,7 @@ class DeltaGossip:
 
     def _after(self, peer_id: bytes, report: DigestExchangeReport) -> None:
         self.exchanges += 1
+        self.swim.heard_from(peer_id, report.merged)
         evicted = self.view.accept(peer_id)
         if evicted is not None:
             log.debug("%s left our active view for %s", short_id(evicted), short_id(peer_id))

@@ -237,6 +237,9 @@ def test_small_message_validators():
         == mesh.MESH_ERROR_BAD_GENERATION
     )
     assert code_of(lambda: validate_probe(mesh.Probe(gen=1, nonce=b"n" * 33))) == mesh.MESH_ERROR_MALFORMED
+    # An indirect probe names a whole node id.
+    assert code_of(lambda: validate_probe(mesh.Probe(gen=1, target=C[:31]))) == mesh.MESH_ERROR_MALFORMED
+    validate_probe(mesh.Probe(gen=1, nonce=b"n", target=C))
     assert code_of(lambda: decode(mesh.GossipFrame, b"\xff\xff\xff")) == mesh.MESH_ERROR_MALFORMED
 
 
@@ -449,6 +452,38 @@ def test_the_heartbeat_timer_beats_once_per_interval_and_reports_quiet_peers_at_
     state.receive_gossip(frame, peer_id=peer.node_id, now_ns=late_ns + HEARTBEAT_NS, unix_now=NOW)
     state.handle_timer(late_ns + 2 * HEARTBEAT_NS)
     assert state.take_events() == [HeartbeatDue()]
+
+
+def test_without_record_heartbeats_a_record_gets_fresher_only_when_its_content_changes():
+    """Delta gossip's liveness is SWIM's: a quiet record stays one version, so a digest finds
+    nothing to send for it, and no peer is ever reported stale."""
+    mesh_key = MeshKey.generate()
+    node, peer = NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(
+        mesh_key,
+        node,
+        heartbeat_interval_ns=HEARTBEAT_NS,
+        peer_timeout_ns=PEER_TIMEOUT_NS,
+        record_heartbeats=False,
+    )
+    other = member_state(mesh_key, peer)
+    state.receive_gossip(other.gossip_frame(node.node_id), peer_id=peer.node_id, now_ns=0, unix_now=NOW)
+    state.start_heartbeat(0)
+    published = state.local_record()
+    for beat in range(1, 8):  # well past the peer timeout
+        state.handle_timer(beat * HEARTBEAT_NS)
+        assert state.take_events() == [HeartbeatDue()]
+    assert state.local.heartbeat_seq == 0 and state.local_record() == published
+    # A change between beats: the record signed after it is one version fresher, never the same
+    # version with other content, and the next beats leave it there.
+    state.local.load.active_sessions = 3
+    assert state.local_version() == (state.local.incarnation, 1)
+    assert mesh.PeerAnnouncement.FromString(state.local_record().record).heartbeat_seq == 1
+    state.handle_timer(8 * HEARTBEAT_NS)
+    state.local.load.active_sessions = 4
+    state.handle_timer(9 * HEARTBEAT_NS)
+    state.handle_timer(10 * HEARTBEAT_NS)
+    assert state.local.heartbeat_seq == 2
 
 
 def test_a_wall_clock_step_makes_no_peer_stale_and_ends_no_tombstone_while_invites_expire_by_it():

@@ -355,12 +355,16 @@ class PeerLeaving(_message.Message):
     def __init__(self, peer_id: _Optional[bytes] = ..., gen: _Optional[int] = ...) -> None: ...
 
 class Probe(_message.Message):
-    __slots__ = ("gen", "nonce")
+    __slots__ = ("gen", "nonce", "target", "reached")
     GEN_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REACHED_FIELD_NUMBER: _ClassVar[int]
     gen: int
     nonce: bytes
-    def __init__(self, gen: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    target: bytes
+    reached: bool
+    def __init__(self, gen: _Optional[int] = ..., nonce: _Optional[bytes] = ..., target: _Optional[bytes] = ..., reached: _Optional[bool] = ...) -> None: ...
 
 class MeshSubprotocolOpen(_message.Message):
     __slots__ = ("gen", "name", "major")
