@@ -20,7 +20,7 @@ they are made on demand to a route's hops. Pure and synchronous: the edge dials 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 DEFAULT_ACTIVE_SIZE = 8
 DEFAULT_PASSIVE_SIZE = 32
@@ -119,4 +119,22 @@ class PartialView:
             self._passive.append(peer_id)
 
 
-__all__ = ["DEFAULT_ACTIVE_SIZE", "DEFAULT_PASSIVE_SIZE", "PartialView"]
+def links_to_close(
+    stream_counts: Mapping[bytes, int | None], active: Collection[bytes], busy: Collection[bytes]
+) -> list[bytes]:
+    """The peers whose link to close: outside the ``active`` view, carrying no stream, and not
+    ``busy`` (an exchange or a probe under way, which may not have opened its stream yet).
+
+    ``stream_counts``: the streams open on each linked peer's link, None where the link cannot
+    say (it is kept). A stream open is something living on the link (a route's session, a
+    transfer, an exchange): a link the data plane uses is never closed for the view's sake, and
+    one it made to a route's hop and no longer uses is made again on demand.
+    """
+    return [
+        peer_id
+        for peer_id, streams in stream_counts.items()
+        if streams == 0 and peer_id not in active and peer_id not in busy
+    ]
+
+
+__all__ = ["DEFAULT_ACTIVE_SIZE", "DEFAULT_PASSIVE_SIZE", "PartialView", "links_to_close"]

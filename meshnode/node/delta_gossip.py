@@ -9,6 +9,14 @@ delta gossip that frame carries no table (``MeshState.frame_table_limit``), the 
 brings the rest. What the records and revocations mean, and every check on them, is the
 pure machine's.
 
+The node keeps links for gossip only to its active view: each round a link to a peer
+outside it that carries no stream (a probe's, one the peer left our view by) is closed
+(:func:`~meshnode.mesh.partial_view.links_to_close`); a link a route's session or a
+transfer uses stays, and the data plane makes its links on demand as before. A peer that
+closes its link to us leaves our active view for the passive one (it evicted us), and
+now and then a round swaps an active peer for a passive one (HyParView's shuffle), so the
+views keep mixing and a healed partition's halves meet again.
+
 Liveness does not ride on the records (each changes only when its content does): SWIM
 probes find dead members (:class:`~meshnode.node.swim.SwimLiveness`, run at the start of
 each round), a peer whose exchange fails is probed at once, and suspicions ride on the
@@ -19,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from meshnode.identity import short_id
 from meshnode.mesh.digest_gossip import DigestExchangeReport, DigestGossip
 from meshnode.mesh.message_reader import read_message
-from meshnode.mesh.partial_view import PartialView
+from meshnode.mesh.partial_view import PartialView, links_to_close
+from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.state import MeshState
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.gossip import Gossip
@@ -38,6 +48,9 @@ from meshnode.wire.pb import mesh
 
 log = logging.getLogger(__name__)
 
+# The chance a round swaps one active peer for a passive one: about every ten rounds.
+SHUFFLE_CHANCE = 0.1
+
 
 class DeltaGossip:
     def __init__(
@@ -45,6 +58,7 @@ class DeltaGossip:
         state: MeshState,
         gossip: Gossip,
         swim: SwimLiveness,
+        links: PeerLinks,
         background: BackgroundTasks,
         *,
         fanout: int,
@@ -55,6 +69,8 @@ class DeltaGossip:
         self._state = state
         self._gossip = gossip
         self.swim = swim
+        self._links = links
+        self._rng = random.Random()
         self._background = background
         self._fanout = fanout
         self._gossip_timeout = gossip_timeout
@@ -65,15 +81,36 @@ class DeltaGossip:
         self._in_round: set[bytes] = set()
         # Digest exchanges completed, opened and served (the status report's and the tests' reading).
         self.exchanges = 0
+        # Links closed because their peer was outside the active view.
+        self.links_closed = 0
 
     def round(self) -> None:
         """A heartbeat's failure detection, then its gossip: a digest exchange with ``fanout``
         peers of the active view."""
         self.swim.round()
         self.view.refresh(set(self._state.table.peer_ids()))
+        if self._rng.random() < SHUFFLE_CHANCE:
+            swapped = self.view.shuffle()
+            if swapped is not None:
+                log.debug("%s swapped out of our active view for %s", *map(short_id, swapped))
+        self._close_links_outside_view()
         for peer_id in self.view.targets(self._fanout):
             if peer_id not in self._in_round:
                 self._background.spawn(self._with_peer(peer_id))
+
+    def _close_links_outside_view(self) -> None:
+        stream_counts = {link.peer_id: link.stream_count for link in self._links.live()}
+        busy = self._in_round | self.swim.probing
+        for peer_id in links_to_close(stream_counts, self.view.active, busy):
+            link = self._links.get(peer_id)
+            if link is not None:
+                self.links_closed += 1
+                link.close("outside the active view")
+
+    def link_closed(self, peer_id: bytes) -> None:
+        """The link kept to ``peer_id`` closed (it evicted us, or we it): out of the active view."""
+        if peer_id in self.view.active:
+            self.view.drop(peer_id, failed=False)
 
     async def _with_peer(self, peer_id: bytes) -> None:
         self._in_round.add(peer_id)

@@ -195,6 +195,7 @@ class Node:
                     probe_timeout=config.probe_timeout,
                     connect_timeout=config.connect_timeout,
                 ),
+                self._connections.links,
                 self._background,
                 fanout=config.gossip_fanout,
                 active_view=config.active_view,
@@ -434,8 +435,11 @@ class Node:
         self.dispatcher.accept(stream)
 
     def link_closed(self, link: PeerLink, reason: str) -> None:
-        self.traversal.link_closed(link, was_kept=self._connections.links.remove(link))
+        was_kept = self._connections.links.remove(link)
+        self.traversal.link_closed(link, was_kept=was_kept)
         self.gossip.link_closed(link)
+        if was_kept and self.delta_gossip is not None:
+            self.delta_gossip.link_closed(link.peer_id)
 
     # -- whether a peer answers ----------------------------------------------------------
 

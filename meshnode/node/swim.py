@@ -73,6 +73,8 @@ class SwimLiveness:
         # Called with each member removed as confirmed down (the partial view forgets it).
         self.on_removed: Callable[[bytes], None] = lambda _peer_id: None
         self._probing: set[bytes] = set()
+        # Peers we probe for others (indirect probes), and how many such probes each.
+        self._helping: dict[bytes, int] = {}
         # Rounds run, and the times this node heard itself suspected and made its record fresher.
         self.rounds = 0
         self.refutations = 0
@@ -149,10 +151,21 @@ class SwimLiveness:
             return True
         if target_id == requester_id or target_id not in self._state.table:
             return False
-        reached = await self._reachability.reachable(target_id, self._probe_timeout)
+        self._helping[target_id] = self._helping.get(target_id, 0) + 1
+        try:
+            reached = await self._reachability.reachable(target_id, self._probe_timeout)
+        finally:
+            self._helping[target_id] -= 1
+            if not self._helping[target_id]:
+                del self._helping[target_id]
         if reached:
             self.detector.alive(target_id)
         return reached
+
+    @property
+    def probing(self) -> frozenset[bytes]:
+        """The peers a probe of ours, or one we make for another member, is under way to."""
+        return frozenset(self._probing) | frozenset(self._helping)
 
     # -- what rides on gossip ---------------------------------------------------------------
 
