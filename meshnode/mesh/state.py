@@ -130,6 +130,11 @@ class MeshState:
         # changed, so a digest finds nothing to send for a record that did not, and no peer is
         # ever reported stale.
         record_heartbeats: bool = True,
+        # A GossipFrame carries every revocation we hold. False (delta gossip, whose digests
+        # exchange revocations by id): only one naming the frame's receiver, which a removed
+        # node needs to see why it is refused; the list only grows, and first contacts are
+        # frequent where links follow a partial view.
+        frame_revocations: bool = True,
     ) -> None:
         if membership is None and invite is None:
             raise ValueError("a node needs either a membership or an invite")
@@ -152,6 +157,7 @@ class MeshState:
         self._events: list[MeshEvent] = []
         self.frame_table_limit = min(frame_table_limit, MAX_PEERS_PER_FRAME - 1)
         self.record_heartbeats = record_heartbeats
+        self.frame_revocations = frame_revocations
         # Under record_heartbeats=False: our announcement's content (its sequence left out) when
         # the sequence last moved, to see whether it changed since.
         self._versioned_content: bytes | None = None
@@ -305,7 +311,12 @@ class MeshState:
         for entry in self._table_page(self.frame_table_limit):
             frame.entries.add().record.CopyFrom(entry.record)
         frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
-        frame.revocations.extend(self.revocations.signed())
+        if self.frame_revocations:
+            frame.revocations.extend(self.revocations.signed())
+        else:
+            naming = self.revocations.node(verifier_id)
+            if naming is not None:
+                frame.revocations.append(naming.signed)
         return frame
 
     def _table_page(self, limit: int) -> list[PeerEntry]:

@@ -94,6 +94,11 @@ class DeltaGossip:
             if swapped is not None:
                 log.debug("%s swapped out of our active view for %s", *map(short_id, swapped))
         self._close_links_outside_view()
+        self.gossip_now()
+
+    def gossip_now(self) -> None:
+        """A digest exchange with ``fanout`` peers of the active view (a round's; and at once
+        when this node learned a revocation, which the digests carry by id)."""
         for peer_id in self.view.targets(self._fanout):
             if peer_id not in self._in_round:
                 self._background.spawn(self._with_peer(peer_id))

@@ -127,6 +127,7 @@ class Node:
             # probes find dead members: a record changes only when its content does.
             frame_table_limit=0 if config.delta_gossip else MAX_PEERS_PER_FRAME - 1,
             record_heartbeats=not config.delta_gossip,
+            frame_revocations=not config.delta_gossip,
         )
         if membership is not None:
             local.relays.extend(
@@ -205,6 +206,9 @@ class Node:
             if config.delta_gossip
             else None
         )
+        if self.delta_gossip is not None:
+            # What a node learns (a revocation) spreads by digest with its view, not to everyone.
+            self.gossip.spread = self.delta_gossip.gossip_now
         self._heartbeat = Heartbeat(self.state, self.keeper, self.gossip, self._liveness, self.delta_gossip)
         self._bootstrap = Bootstrap(
             self.state, self.keeper, self._connections, self.gossip, self._background, known_peers

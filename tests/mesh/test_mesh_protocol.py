@@ -11,6 +11,7 @@ from meshnode.membership.credentials import (
     create_invite,
     issue_certificate,
 )
+from meshnode.membership.revocation import revoke_invite, revoke_node
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.gossip_records import open_gossip_entries
 from meshnode.mesh.peer_table import PeerTable
@@ -484,6 +485,25 @@ def test_without_record_heartbeats_a_record_gets_fresher_only_when_its_content_c
     state.handle_timer(9 * HEARTBEAT_NS)
     state.handle_timer(10 * HEARTBEAT_NS)
     assert state.local.heartbeat_seq == 2
+
+
+def test_without_frame_revocations_a_gossip_frame_carries_only_the_one_naming_its_receiver():
+    """Delta gossip exchanges revocations by digest; a first contact still shows a removed node
+    the signed revocation that names it."""
+    mesh_key = MeshKey.generate()
+    node, removed, other = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(mesh_key, node, frame_revocations=False)
+    revocations = [
+        revoke_node(mesh_key, node_id=removed.node_id, reason="gone", issuer_id=node.node_id, unix_now=NOW),
+        revoke_invite(mesh_key, invite_id=b"i" * 32, reason="leaked", issuer_id=node.node_id, unix_now=NOW),
+    ]
+    assert len(state.learn_revocations(revocations, now_ns=0).new) == 2
+    assert list(state.gossip_frame(other.node_id).revocations) == []
+    assert list(state.gossip_frame(removed.node_id).revocations) == [revocations[0]]
+    # Today's frames carry them all.
+    everything = member_state(mesh_key, node)
+    everything.learn_revocations(revocations, now_ns=0)
+    assert len(everything.gossip_frame(other.node_id).revocations) == 2
 
 
 def test_a_wall_clock_step_makes_no_peer_stale_and_ends_no_tombstone_while_invites_expire_by_it():
