@@ -18,6 +18,7 @@ from meshnode.commandline.argument_types import positive_int
 from meshnode.node.config import NodeConfig
 
 _DEFAULTS = NodeConfig()
+_DEFAULT_MAX_PEERS = _DEFAULTS.max_peers
 
 
 def add_gossip_options(group: argparse._ArgumentGroup) -> None:
@@ -45,6 +46,15 @@ def add_gossip_options(group: argparse._ArgumentGroup) -> None:
         help=f"--gossip delta: most peers kept linked for gossip ({_DEFAULTS.active_view})",
     )
 
+    group.add_argument(
+        "--max-peers",
+        type=positive_int,
+        default=_DEFAULT_MAX_PEERS,
+        metavar="N",
+        help=f"most members this node's peer table holds; a new member beyond it is refused "
+        f"({_DEFAULT_MAX_PEERS}: twice the 1,024 members the mesh is measured at)",
+    )
+
 
 def gossip_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The NodeConfig fields the options set."""
@@ -52,6 +62,7 @@ def gossip_settings(args: argparse.Namespace) -> dict[str, Any]:
         "delta_gossip": args.gossip == "delta",
         "gossip_fanout": args.gossip_fanout,
         "active_view": args.active_view,
+        "max_peers": args.max_peers,
     }
 
 

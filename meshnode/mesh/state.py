@@ -59,7 +59,7 @@ from meshnode.membership.revocation import Learned, RevocationList, Revoked
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.credential_gate import Admission, CredentialGate
 from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
-from meshnode.mesh.peer_table import MergeReport, PeerEntry, PeerTable
+from meshnode.mesh.peer_table import DEFAULT_MAX_PEERS, MergeReport, PeerEntry, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
 from meshnode.mesh.validation import MAX_PEERS_PER_FRAME, validate_gossip_frame
 from meshnode.sansio import SECOND_NS
@@ -118,7 +118,9 @@ class MeshState:
         # Four heartbeats, as the node's default.
         peer_timeout_ns: int = 20 * SECOND_NS,
         tombstone_ttl_ns: int = 60 * SECOND_NS,
-        max_peers: int = 1024,
+        # The most peers the table holds; a new peer beyond it is refused MESH_ERROR_TABLE_FULL
+        # (DEFAULT_MAX_PEERS says why the number).
+        max_peers: int = DEFAULT_MAX_PEERS,
         revocations: RevocationList | None = None,
         certificate_ttl_s: float = DEFAULT_CERTIFICATE_TTL_S,
         # Records of others a GossipFrame carries besides ours. Under delta gossip
@@ -375,6 +377,7 @@ class MeshState:
                     mesh.MESH_ERROR_NOT_ADMITTED,
                     "only an admin admits by invite; this node is a plain member",
                 )
+        self._check_room_for(peer_id)
         grant = self.gate.grant_for(peer_id, admission, self.membership, unix_now=unix_now)
         self._admitted.add(peer_id)
         merged = self._merge(opened, now_ns)
@@ -422,6 +425,17 @@ class MeshState:
         merged = self._merge(opened, now_ns)
         return ReplyOutcome(
             newly_admitted=verified is not None, joined=joined, merged=merged, renewed=renewed
+        )
+
+    def _check_room_for(self, peer_id: bytes) -> None:
+        """A peer new to us is refused, not half-admitted, when the table holds its most: its
+        record would be ignored, so nobody here would route to it or gossip with it."""
+        table = self.table
+        if peer_id in table or self.is_admitted(peer_id) or len(table) < table.max_peers:
+            return
+        raise MeshRefusal(
+            mesh.MESH_ERROR_TABLE_FULL,
+            f"this node's peer table holds its most, {table.max_peers} members (--max-peers)",
         )
 
     def _take_renewal(self, mesh_key: MeshKey | None, certificate: membership.MemberCertificate) -> bool:

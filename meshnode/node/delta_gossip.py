@@ -186,6 +186,12 @@ class DeltaGossip:
             log.debug("%s left our active view for %s", short_id(evicted), short_id(peer_id))
         for added in report.merged.added:
             log.info("peer %s joined our view (via %s)", short_id(added), short_id(peer_id))
+        if report.merged.ignored_full:
+            log.warning(
+                "peer table full (%d members, --max-peers): ignored the records of %d new ones",
+                self._state.table.max_peers,
+                len(report.merged.ignored_full),
+            )
         # Revocations learned spread as the full gossip's do.
         self._gossip.spread_learned()
 

@@ -223,7 +223,11 @@ class Gossip:
             how = "" if peer_id == source else f" (via {short_id(source)})"
             log.info("peer %s joined our view%s", short_id(peer_id), how)
         if report.ignored_full:
-            log.warning("peer table full: ignored %d announcements", len(report.ignored_full))
+            log.warning(
+                "peer table full (%d members, --max-peers): ignored the records of %d new ones",
+                self._state.table.max_peers,
+                len(report.ignored_full),
+            )
 
     # -- what an exchange taught, spread ---------------------------------------------------
 

@@ -126,6 +126,7 @@ class Node:
             # Under delta gossip a GossipFrame only admits (the digest brings the table), and SWIM
             # probes find dead members: a record changes only when its content does.
             frame_table_limit=0 if config.delta_gossip else MAX_PEERS_PER_FRAME - 1,
+            max_peers=config.max_peers,
             record_heartbeats=not config.delta_gossip,
             frame_revocations=not config.delta_gossip,
         )

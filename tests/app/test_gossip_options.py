@@ -9,19 +9,26 @@ from meshnode.app.node_commands import node_config
 def test_full_gossip_is_the_default():
     config = node_config(build_parser().parse_args(["start"]))
     assert config.delta_gossip is False
-    assert (config.gossip_fanout, config.active_view) == (3, 8)
+    assert (config.gossip_fanout, config.active_view, config.max_peers) == (3, 8, 2048)
 
 
 @pytest.mark.parametrize("command", ["start", "join", "create"])
 def test_delta_gossip_and_its_sizes_reach_the_node_config(command):
     args = build_parser().parse_args(
-        [command, "--gossip", "delta", "--gossip-fanout", "2", "--active-view", "5"]
+        [command, "--gossip", "delta", "--gossip-fanout", "2", "--active-view", "5", "--max-peers", "4096"]
     )
     config = node_config(args)
-    assert (config.delta_gossip, config.gossip_fanout, config.active_view) == (True, 2, 5)
+    assert (config.delta_gossip, config.gossip_fanout, config.active_view, config.max_peers) == (
+        True,
+        2,
+        5,
+        4096,
+    )
 
 
-@pytest.mark.parametrize("argv", [["--gossip", "gossipy"], ["--gossip-fanout", "0"], ["--active-view", "-1"]])
+@pytest.mark.parametrize(
+    "argv", [["--gossip", "gossipy"], ["--gossip-fanout", "0"], ["--active-view", "-1"], ["--max-peers", "0"]]
+)
 def test_a_gossip_option_outside_its_range_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["start", *argv])

@@ -284,6 +284,22 @@ def test_peer_table_is_bounded():
     assert len(table) == 2 and len(report.ignored_full) == 3
 
 
+def test_a_new_member_beyond_the_table_bound_is_refused_and_the_members_it_holds_are_not():
+    mesh_key = MeshKey.generate()
+    node, member, newcomer = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(mesh_key, node, max_peers=1)
+    member_frame = member_state(mesh_key, member).gossip_frame(node.node_id)
+    state.receive_gossip(member_frame, peer_id=member.node_id, now_ns=0, unix_now=NOW)
+    frame = member_state(mesh_key, newcomer).gossip_frame(node.node_id)
+    with pytest.raises(MeshRefusal) as refused:
+        state.receive_gossip(frame, peer_id=newcomer.node_id, now_ns=0, unix_now=NOW)
+    assert refused.value.code == mesh.MESH_ERROR_TABLE_FULL
+    assert "1 members (--max-peers)" in refused.value.detail
+    assert not state.is_admitted(newcomer.node_id) and newcomer.node_id not in state.table
+    # The member it holds still gossips with it.
+    state.receive_gossip(member_frame, peer_id=member.node_id, now_ns=1, unix_now=NOW)
+
+
 # -- MeshState: admission, grants, merges ------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ class MeshErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MESH_ERROR_REVOKED: _ClassVar[MeshErrorCode]
     MESH_ERROR_INVITE_REVOKED: _ClassVar[MeshErrorCode]
     MESH_ERROR_CERTIFICATE_EXPIRED: _ClassVar[MeshErrorCode]
+    MESH_ERROR_TABLE_FULL: _ClassVar[MeshErrorCode]
 
 class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -77,6 +78,7 @@ MESH_ERROR_FUTURE_INCARNATION: MeshErrorCode
 MESH_ERROR_REVOKED: MeshErrorCode
 MESH_ERROR_INVITE_REVOKED: MeshErrorCode
 MESH_ERROR_CERTIFICATE_EXPIRED: MeshErrorCode
+MESH_ERROR_TABLE_FULL: MeshErrorCode
 NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_WORKER: NodeRole
 NODE_ROLE_HOST: NodeRole
