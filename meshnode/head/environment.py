@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from meshnode.head.candidates import shard_candidates
+from meshnode.head.candidates import CandidateIndex, shard_candidates
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ShardCandidate
 from meshnode.identity import NodeIdentity
@@ -34,12 +34,14 @@ class NodeRoutes:
     def __init__(self, node: Node, local: LocalShardLink | None = None) -> None:
         self.node = node
         self.local = local
+        self._index = CandidateIndex()
 
     def candidates(self) -> list[ShardCandidate]:
-        pairs = [(entry.peer_id, entry.announcement) for entry in self.node.peers()]
+        candidates = self._index.candidates(self.node.peers())
         if self.local is not None:
-            pairs.append((self.node.node_id, self.node.state.local))
-        return shard_candidates(pairs)
+            # Our own announcement changes in place: read it each time (one candidate).
+            candidates.extend(shard_candidates([(self.node.node_id, self.node.state.local)]))
+        return candidates
 
     async def link(self, node_id: bytes) -> PeerLink:
         if node_id == self.node.node_id:
