@@ -70,9 +70,13 @@ class PartialView:
         wanted = min(self.passive_size - len(self._passive), len(candidates))
         self._passive.extend(self._rng.sample(candidates, wanted))
 
-    def targets(self, fanout: int) -> list[bytes]:
-        """The peers to gossip with this round: ``fanout`` of the active view, at random."""
-        return self._rng.sample(self._active, min(fanout, len(self._active)))
+    def targets(self, fanout: int, synced: Collection[bytes] = ()) -> list[bytes]:
+        """The peers to gossip with this round: ``fanout`` of the active view, at random, less
+        those ``synced`` with us already this round. An exchange is push-pull, so one the peer
+        opened to us left nothing for ours to carry (what changed since reaches it next round);
+        skipping it saves about a fifth of the exchanges of a view of 8 and a fanout of 3."""
+        chosen = self._rng.sample(self._active, min(fanout, len(self._active)))
+        return [peer_id for peer_id in chosen if peer_id not in synced]
 
     def accept(self, peer_id: bytes) -> bytes | None:
         """``peer_id`` linked with us: it joins the active view (a link is in both peers' views).

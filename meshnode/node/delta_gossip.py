@@ -79,6 +79,8 @@ class DeltaGossip:
         self.view = PartialView(state.node_id, active_size=active_view, passive_size=4 * active_view)
         swim.on_removed = lambda peer_id: self.view.drop(peer_id, failed=True)
         self._in_round: set[bytes] = set()
+        # Peers an exchange completed with since this round began: not opened to again in it.
+        self._synced: set[bytes] = set()
         # Digest exchanges completed, opened and served (the status report's and the tests' reading).
         self.exchanges = 0
         # Links closed because their peer was outside the active view.
@@ -94,11 +96,14 @@ class DeltaGossip:
             if swapped is not None:
                 log.debug("%s swapped out of our active view for %s", *map(short_id, swapped))
         self._close_links_outside_view()
-        self.gossip_now()
+        synced, self._synced = self._synced, set()
+        for peer_id in self.view.targets(self._fanout, synced):
+            if peer_id not in self._in_round:
+                self._background.spawn(self._with_peer(peer_id))
 
     def gossip_now(self) -> None:
-        """A digest exchange with ``fanout`` peers of the active view (a round's; and at once
-        when this node learned a revocation, which the digests carry by id)."""
+        """A digest exchange with ``fanout`` peers of the active view at once (this node learned a
+        revocation, which the digests carry by id), whether or not they synced this round."""
         for peer_id in self.view.targets(self._fanout):
             if peer_id not in self._in_round:
                 self._background.spawn(self._with_peer(peer_id))
@@ -180,6 +185,7 @@ class DeltaGossip:
 
     def _after(self, peer_id: bytes, report: DigestExchangeReport) -> None:
         self.exchanges += 1
+        self._synced.add(peer_id)
         self.swim.heard_from(peer_id, report.merged)
         evicted = self.view.accept(peer_id)
         if evicted is not None:
