@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.app.api_options import add_api_listen_option, add_model_name_option
+from meshnode.app.gossip_options import add_gossip_options, gossip_settings
 from meshnode.app.join_retry import add_join_options
 from meshnode.app.lease_options import add_lease_options, link_settings
 from meshnode.app.listen_check import check_listen_addresses
@@ -111,6 +112,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--relay-only", action="store_true", help="never dial peers directly; always go through a relay"
     )
     add_traversal_options(group)
+    add_gossip_options(group)
     model = parser.add_argument_group("model")
     model.add_argument("--model", type=Path, metavar="PATH", help="GGUF model this node serves")
     add_model_name_option(model)
@@ -190,6 +192,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         quic=apply_read_limit_options(args, link_settings(args)),
         certificate_ttl=args.certificate_ttl,
         traversal=traversal_settings(args),
+        **gossip_settings(args),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshnode.head.planner import ModelIdentity, NoRouteError, ShardCandidate, models_available, plan_route
+from meshnode.mesh.peer_table import PeerEntry
 from meshnode.mesh.serving_states import ACCEPTING_STATES
 from meshnode.transport.addresses import AddressError, parse_host_port
 from meshnode.wire.cpu_mask import cpus_of_mask
@@ -101,6 +102,37 @@ def stating_handoffs(candidates: Iterable[ShardCandidate]) -> list[ShardCandidat
     return [candidate for candidate in candidates if candidate.states_handoffs]
 
 
+class CandidateIndex:
+    """The candidates a peer table offers, each built again only when its node's record changed.
+
+    Building a candidate reads its whole announcement (addresses, CPU mask, fingerprint): over a
+    1,024-member table that was about nine tenths of planning a route (bench/scale.py), and
+    the table's records change a few at a time (under delta gossip, only when their content
+    does). A record is known by its signature: the table replaces a node's record only with a
+    fresher one, and one signature signs one content.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[bytes, tuple[bytes, ShardCandidate | None]] = {}
+
+    def candidates(self, entries: Iterable[PeerEntry]) -> list[ShardCandidate]:
+        """The candidates of ``entries`` (a peer table's), in their order."""
+        held: dict[bytes, tuple[bytes, ShardCandidate | None]] = {}
+        found = []
+        for entry in entries:
+            peer_id = entry.peer_id
+            signature = entry.record.signature
+            kept = self._held.get(peer_id)
+            if kept is None or kept[0] != signature:
+                kept = (signature, shard_candidate(peer_id, entry.announcement))
+            held[peer_id] = kept
+            if kept[1] is not None:
+                found.append(kept[1])
+        # Only the entries of this table: a node gone from it is forgotten here too.
+        self._held = held
+        return found
+
+
 def routable_models(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity, set[str]]:
     """Models some chain of candidates covers completely, with the names they are announced under."""
     pool = list(candidates)
@@ -125,6 +157,7 @@ def identities_for_artifact(
 
 
 __all__ = [
+    "CandidateIndex",
     "announced_hosts",
     "identities_for_artifact",
     "model_identity",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from meshnode.head.candidates import shard_candidates, stating_handoffs
+from meshnode.head.candidates import CandidateIndex, shard_candidates, stating_handoffs
 from meshnode.head.local_link import LocalShardLink
 from meshnode.head.planner import ShardCandidate
 from meshnode.identity import NodeIdentity
@@ -38,13 +38,15 @@ class NodeRoutes:
     def __init__(self, node: Node, local: LocalShardLink | None = None) -> None:
         self.node = node
         self.local = local
+        self._index = CandidateIndex()
 
     def candidates(self) -> list[ShardCandidate]:
-        pairs = [(entry.peer_id, entry.announcement) for entry in self.node.peers()]
+        candidates = self._index.candidates(self.node.peers())
         if self.local is not None:
-            pairs.append((self.node.node_id, self.node.state.local))
+            # Our own announcement changes in place: read it each time (one candidate).
+            candidates.extend(shard_candidates([(self.node.node_id, self.node.state.local)]))
         excluded = self.node.evidence.excluded()
-        candidates = shard_candidates([(node_id, a) for node_id, a in pairs if node_id not in excluded])
+        candidates = [candidate for candidate in candidates if candidate.node_id not in excluded]
         return stating_handoffs(candidates) if self.node.evidence.requires_handoffs() else candidates
 
     async def link(self, node_id: bytes) -> PeerLink:

@@ -5,14 +5,14 @@ between two members (Cassandra's digest-then-pull, with Merkle-style buckets) is
 four frames on one stream, none of which needs the whole table:
 
 1. the opener's :class:`~meshnode.wire.pb.mesh.DigestOpen`: its table (its own record
-   included) split into ``bucket_count`` buckets by node id, one 32-bit hash per
-   bucket (the XOR of a hash of each record's node id, incarnation and sequence),
-   and a summary of its revocations;
-2. the responder's ``DigestReply``: for the buckets whose hash differs, its own
-   versions (node id, incarnation, sequence), whole buckets up to
-   ``MAX_DIGEST_ENTRIES_PER_FRAME``, starting at a rotating bucket so a large
-   difference is covered over successive rounds; and its revocation ids when the
-   revocation summaries differ;
+   included) split into ``bucket_count`` buckets by node id, each bucket's hash (the
+   XOR of a hash of each record's node id, incarnation and sequence) sent as a 16-bit
+   tag under a salt drawn for the exchange, and a summary of its revocations;
+2. the responder's ``DigestReply``: for the buckets whose tag differs, its own
+   versions (a 4-byte prefix of the node id, a 16-bit tag of the incarnation under the
+   same salt, the sequence), whole buckets up to ``MAX_DIGEST_ENTRIES_PER_FRAME``,
+   starting at a rotating bucket so a large difference is covered over successive
+   rounds; and its revocation ids when the revocation summaries differ;
 3. the opener's ``DigestPush``: the records it holds fresher than the responder's
    (or that the responder lacks in a listed bucket), the node ids whose record the
    responder holds fresher, and likewise for revocations;
@@ -42,6 +42,8 @@ from meshnode.gen.meshnode.v1 import membership_pb2 as membership
 from meshnode.mesh.peer_table import MergeReport
 from meshnode.mesh.state import MeshState
 from meshnode.mesh.validation import (
+    DIGEST_PREFIX_BYTES,
+    DIGEST_TAG_BYTES,
     MAX_DIGEST_BUCKETS,
     MAX_DIGEST_ENTRIES_PER_FRAME,
     MAX_PEERS_PER_FRAME,
@@ -57,9 +59,11 @@ from meshnode.wire.pb import mesh
 
 # About this many records per bucket: a changed record makes the responder list its bucket,
 # so the fewer per bucket the smaller the reply, and the more buckets the larger the summary
-# (4 bytes each). Eight balances them: at 1,024 nodes a summary is 512 bytes and a bucket's
-# versions about 160.
+# (2 bytes each). Eight balances them: at 1,024 nodes a summary is 256 bytes and a bucket's
+# versions about 65.
 RECORDS_PER_BUCKET = 8
+
+_MASK64 = (1 << 64) - 1
 
 Version = tuple[int, int]
 
@@ -75,17 +79,34 @@ def version_hash(node_id: bytes, version: Version) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "big")
 
 
+def tag_of(value: int, salt: int) -> int:
+    """``value``'s 16-bit tag under ``salt``: the top bits of a multiply-shift hash (Dietzfelbinger
+    et al.), so for a random salt two different values tag alike about once in 2^15. A digest
+    sends tags, not values, where a collision only makes two members miss a difference until
+    their next exchange, which draws another salt."""
+    return (((value & _MASK64) * (salt | 1)) & _MASK64) >> 48
+
+
+def _tag_bytes(value: int, salt: int) -> bytes:
+    return tag_of(value, salt).to_bytes(DIGEST_TAG_BYTES, "big")
+
+
 def revocation_id(revocation: membership.Revocation) -> int:
     return int.from_bytes(
         hashlib.blake2b(revocation.body + revocation.signature, digest_size=8).digest(), "big"
     )
 
 
-def prefix_of(node_id: bytes) -> int:
-    """How a digest names a node: the first 8 bytes of its id. Ids are public keys, so two
-    members sharing a prefix is chance (about 2^-64 a pair) or a key ground for it; either way
-    both records are sent, and each is still verified against its own full id."""
-    return int.from_bytes(node_id[:8], "big")
+def prefix_of(node_id: bytes) -> bytes:
+    """How a digest names a node: the first 4 bytes of its id. Ids are public keys, so two
+    members sharing a prefix is chance (about one pair in 8,000 meshes of 1,024) or a key
+    ground for it; either way both records are sent, and each is still verified against its
+    own full id."""
+    return node_id[:DIGEST_PREFIX_BYTES]
+
+
+def _chunks(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
 
 
 def bucket_of(node_id: bytes, bucket_count: int) -> int:
@@ -114,11 +135,11 @@ class _Snapshot:
     key: tuple[int, int, Version]
     versions: dict[bytes, Version]
     # Nodes we removed (tombstoned) or that were revoked, by prefix: not asked for again.
-    removed: dict[int, bytes]
+    removed: dict[bytes, bytes]
     _by_count: dict[int, _Buckets] = field(default_factory=dict)
-    _by_prefix: dict[int, list[bytes]] | None = None
+    _by_prefix: dict[bytes, list[bytes]] | None = None
 
-    def named(self, prefix: int) -> list[bytes]:
+    def named(self, prefix: bytes) -> list[bytes]:
         """Our nodes whose id begins with ``prefix`` (one, but for a collision)."""
         if self._by_prefix is None:
             self._by_prefix = {}
@@ -137,6 +158,34 @@ class _Snapshot:
                 members[bucket].append(node_id)
             buckets = self._by_count[bucket_count] = _Buckets(hashes, members)
         return buckets
+
+
+# A version as a DigestReply lists it: its incarnation's tag and its sequence.
+_Listed = tuple[int, int]
+
+
+def _fresher_here(ours: Version, listed: list[_Listed] | None, salt: int) -> bool:
+    """Whether to push our record against what the peer listed under its prefix: it lacks it,
+    holds an older sequence of the same incarnation, or another incarnation (the merge orders
+    two incarnations; the peer may hold the newer, and then ignores ours). Two listed under one
+    prefix (a collision): pushed, so neither is missed."""
+    if not listed or len(listed) > 1:
+        return True
+    tag, sequence = listed[0]
+    if tag == tag_of(ours[0], salt):
+        return ours[1] > sequence
+    return True
+
+
+def _fresher_there(held: Version, listed: list[_Listed], salt: int) -> bool:
+    """Whether to ask for the peer's record of a node we hold at ``held``: a newer sequence of
+    our incarnation, or another incarnation (or two listed under one prefix)."""
+    if len(listed) > 1:
+        return True
+    tag, sequence = listed[0]
+    if tag == tag_of(held[0], salt):
+        return held[1] < sequence
+    return True
 
 
 @dataclass
@@ -166,7 +215,7 @@ class DigestGossip:
         """Our versions, recomputed only when the table or our own record changed: an exchange
         reads them three times, and a member takes part in several exchanges a round."""
         state = self._state
-        key = (state.table.changes, len(state.revocations), record_version(state.local))
+        key = (state.table.changes, len(state.revocations), state.local_version())
         if self._snapshot is None or self._snapshot.key != key:
             versions = {entry.peer_id: record_version(entry.announcement) for entry in state.table.entries()}
             versions[state.node_id] = key[2]
@@ -199,6 +248,7 @@ class DigestGossip:
     def open(self) -> mesh.DigestOpen:
         """Step 1: our summary."""
         count = bucket_count_for(len(self.versions()))
+        salt = self._rng.getrandbits(64)
         revocations = self._revocation_ids()
         summary = 0
         for rid in revocations:
@@ -207,7 +257,8 @@ class DigestGossip:
             gen=NODE_PROTOCOL_GENERATION,
             sender_id=self._state.node_id,
             bucket_count=count,
-            bucket_hashes=self._bucket_hashes(count),
+            bucket_tags=b"".join(_tag_bytes(h, salt) for h in self._bucket_hashes(count)),
+            salt=salt,
             revocation_count=len(revocations),
             revocation_hash=summary,
         )
@@ -220,31 +271,32 @@ class DigestGossip:
         self._check_peer(peer_id)
         snapshot = self._current()
         ours = snapshot.versions
-        theirs: dict[int, Version] = {}
-        for prefix, incarnation, sequence in zip(
-            reply.node_prefixes, reply.incarnations, reply.sequences, strict=True
-        ):
-            # Two listed under one prefix (a collision): the older version counts, so neither is missed.
-            theirs[prefix] = min(theirs.get(prefix, (incarnation, sequence)), (incarnation, sequence))
+        salt = sent.salt
+        theirs: dict[bytes, list[_Listed]] = {}
+        tags = _chunks(reply.incarnation_tags, DIGEST_TAG_BYTES)
+        prefixes = _chunks(reply.node_prefixes, DIGEST_PREFIX_BYTES)
+        for prefix, tag, sequence in zip(prefixes, tags, reply.sequences, strict=True):
+            theirs.setdefault(prefix, []).append((int.from_bytes(tag, "big"), sequence))
         push = mesh.DigestPush(gen=NODE_PROTOCOL_GENERATION, sender_id=self._state.node_id)
         members = snapshot.buckets(sent.bucket_count).members
         for node_id in (n for bucket in dict.fromkeys(reply.listed_buckets) for n in members[bucket]):
             if len(push.entries) >= MAX_PEERS_PER_FRAME:
                 break
-            their_version = theirs.get(prefix_of(node_id))
-            if their_version is None or their_version < ours[node_id]:
+            if _fresher_here(ours[node_id], theirs.get(prefix_of(node_id)), salt):
                 record = self._record(node_id)
                 if record is not None:
                     push.entries.add().record.CopyFrom(record)
-        for prefix, their_version in theirs.items():
-            if len(push.wanted) >= MAX_WANTED_PER_FRAME:
+        wanted: list[bytes] = []
+        for prefix, listed in theirs.items():
+            if len(wanted) >= MAX_WANTED_PER_FRAME:
                 break
             named = snapshot.named(prefix)
             if not named:
-                if self._wants(snapshot.removed.get(prefix), their_version, None, peer_id):
-                    push.wanted.append(prefix)
-            elif any(self._wants(n, their_version, ours[n], peer_id) for n in named):
-                push.wanted.append(prefix)
+                if self._wants(snapshot.removed.get(prefix), listed, None, peer_id, salt):
+                    wanted.append(prefix)
+            elif any(self._wants(n, listed, ours[n], peer_id, salt) for n in named):
+                wanted.append(prefix)
+        push.wanted = b"".join(wanted)
         if reply.revocations_listed:
             held = self._revocation_ids()
             listed_ids = set(reply.revocation_ids)
@@ -270,23 +322,29 @@ class DigestGossip:
         validate_digest_open(frame, peer_id)
         self._check_peer(peer_id)
         count = frame.bucket_count
+        salt = frame.salt
         snapshot = self._current()
         buckets = snapshot.buckets(count)
-        differing = [b for b in range(count) if buckets.hashes[b] != frame.bucket_hashes[b]]
+        their_tags = _chunks(frame.bucket_tags, DIGEST_TAG_BYTES)
+        differing = [b for b in range(count) if _tag_bytes(buckets.hashes[b], salt) != their_tags[b]]
         reply = mesh.DigestReply(gen=NODE_PROTOCOL_GENERATION, sender_id=self._state.node_id)
+        listing: list[bytes] = []
         start = self._rng.randrange(len(differing)) if differing else 0
         for bucket in differing[start:] + differing[:start]:
             members = buckets.members[bucket]
-            if len(reply.node_prefixes) + len(members) > MAX_DIGEST_ENTRIES_PER_FRAME:
-                if not reply.node_prefixes:
+            if len(listing) + len(members) > MAX_DIGEST_ENTRIES_PER_FRAME:
+                if not listing:
                     # One bucket larger than a frame (an opener with a small table summarized
                     # ours in few buckets): a window of it, from a random place, not listed.
                     offset = self._rng.randrange(len(members))
-                    window = (members[offset:] + members[:offset])[:MAX_DIGEST_ENTRIES_PER_FRAME]
-                    self._add_versions(reply, window, snapshot)
+                    listing = (members[offset:] + members[:offset])[:MAX_DIGEST_ENTRIES_PER_FRAME]
                 break  # whole buckets only: a bucket listed is one whose absences mean "lacking"
-            self._add_versions(reply, members, snapshot)
+            listing.extend(members)
             reply.listed_buckets.append(bucket)
+        versions = [snapshot.versions[node_id] for node_id in listing]
+        reply.node_prefixes = b"".join(prefix_of(node_id) for node_id in listing)
+        reply.incarnation_tags = b"".join(_tag_bytes(incarnation, salt) for incarnation, _ in versions)
+        reply.sequences.extend(sequence for _, sequence in versions)
         revocations = self._revocation_ids()
         summary = 0
         for rid in revocations:
@@ -295,14 +353,6 @@ class DigestGossip:
             reply.revocations_listed = True
             reply.revocation_ids.extend(sorted(revocations))
         return reply
-
-    @staticmethod
-    def _add_versions(reply: mesh.DigestReply, node_ids: Iterable[bytes], snapshot: _Snapshot) -> None:
-        for node_id in node_ids:
-            incarnation, sequence = snapshot.versions[node_id]
-            reply.node_prefixes.append(prefix_of(node_id))
-            reply.incarnations.append(incarnation)
-            reply.sequences.append(sequence)
 
     def answer_push(
         self, frame: mesh.DigestPush, *, peer_id: bytes, now_ns: int, unix_now: float
@@ -313,7 +363,7 @@ class DigestGossip:
         report = self._take(frame.entries, frame.revocations, peer_id, now_ns, unix_now)
         records = mesh.DigestRecords(gen=NODE_PROTOCOL_GENERATION, sender_id=self._state.node_id)
         snapshot = self._current()
-        for prefix in dict.fromkeys(frame.wanted):
+        for prefix in dict.fromkeys(_chunks(frame.wanted, DIGEST_PREFIX_BYTES)):
             for node_id in snapshot.named(prefix):
                 if len(records.entries) >= MAX_PEERS_PER_FRAME:
                     break
@@ -328,7 +378,9 @@ class DigestGossip:
 
     # -- both -----------------------------------------------------------------------------------
 
-    def _wants(self, node_id: bytes | None, offered: Version, held: Version | None, peer_id: bytes) -> bool:
+    def _wants(
+        self, node_id: bytes | None, listed: list[_Listed], held: Version | None, peer_id: bytes, salt: int
+    ) -> bool:
         """Whether to ask for a record the peer listed; ``node_id`` None: one of a node we do not
         know, of which we know only the prefix (nor its revocation or tombstone: the merge decides)."""
         if node_id is None:
@@ -336,14 +388,16 @@ class DigestGossip:
         if node_id == self._state.node_id or self._state.revocations.node(node_id) is not None:
             return False
         if held is not None:
-            return held < offered
+            return _fresher_there(held, listed, salt)
         tombstone = self._state.table.tombstone(node_id)
         if tombstone is None:
             return True
         # Asked for only when the merge could take it (meshnode.mesh.rules.resolve_announcement):
         # fresher than its tombstone, and a new incarnation or from the node itself.
         dead = (tombstone.freshness.incarnation, tombstone.freshness.heartbeat_seq)
-        return dead < offered and (offered[0] > dead[0] or node_id == peer_id)
+        if len(listed) == 1 and listed[0][0] == tag_of(dead[0], salt):
+            return dead[1] < listed[0][1] and node_id == peer_id
+        return True
 
     def _take(
         self,
@@ -371,5 +425,6 @@ __all__ = [
     "prefix_of",
     "record_version",
     "revocation_id",
+    "tag_of",
     "version_hash",
 ]

@@ -48,6 +48,16 @@ class RoundPlan:
     confirmed: tuple[bytes, ...]
 
 
+def rounds_to_confirm(
+    members: int, probe_rounds: int, suspicion_rounds: int = DEFAULT_SUSPICION_ROUNDS
+) -> int:
+    """The most rounds from a member's death until a live member that knows ``members`` others
+    removes it, when a probe and its indirect probes take at most ``probe_rounds`` rounds: its
+    turn in the shuffled order comes within ``2 * members - 1`` rounds (last of this pass, or of
+    the next when it was probed just before it died), then the probes, then the suspicion."""
+    return 2 * members - 1 + probe_rounds + suspicion_rounds + 1
+
+
 class FailureDetector:
     def __init__(
         self,
@@ -147,4 +157,5 @@ __all__ = [
     "RUMOR_SENDS",
     "FailureDetector",
     "RoundPlan",
+    "rounds_to_confirm",
 ]

@@ -20,7 +20,7 @@ they are made on demand to a route's hops. Pure and synchronous: the edge dials 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 DEFAULT_ACTIVE_SIZE = 8
 DEFAULT_PASSIVE_SIZE = 32
@@ -70,9 +70,13 @@ class PartialView:
         wanted = min(self.passive_size - len(self._passive), len(candidates))
         self._passive.extend(self._rng.sample(candidates, wanted))
 
-    def targets(self, fanout: int) -> list[bytes]:
-        """The peers to gossip with this round: ``fanout`` of the active view, at random."""
-        return self._rng.sample(self._active, min(fanout, len(self._active)))
+    def targets(self, fanout: int, synced: Collection[bytes] = ()) -> list[bytes]:
+        """The peers to gossip with this round: ``fanout`` of the active view, at random, less
+        those ``synced`` with us already this round. An exchange is push-pull, so one the peer
+        opened to us left nothing for ours to carry (what changed since reaches it next round);
+        skipping it saves about a fifth of the exchanges of a view of 8 and a fanout of 3."""
+        chosen = self._rng.sample(self._active, min(fanout, len(self._active)))
+        return [peer_id for peer_id in chosen if peer_id not in synced]
 
     def accept(self, peer_id: bytes) -> bytes | None:
         """``peer_id`` linked with us: it joins the active view (a link is in both peers' views).
@@ -119,4 +123,22 @@ class PartialView:
             self._passive.append(peer_id)
 
 
-__all__ = ["DEFAULT_ACTIVE_SIZE", "DEFAULT_PASSIVE_SIZE", "PartialView"]
+def links_to_close(
+    stream_counts: Mapping[bytes, int | None], active: Collection[bytes], busy: Collection[bytes]
+) -> list[bytes]:
+    """The peers whose link to close: outside the ``active`` view, carrying no stream, and not
+    ``busy`` (an exchange or a probe under way, which may not have opened its stream yet).
+
+    ``stream_counts``: the streams open on each linked peer's link, None where the link cannot
+    say (it is kept). A stream open is something living on the link (a route's session, a
+    transfer, an exchange): a link the data plane uses is never closed for the view's sake, and
+    one it made to a route's hop and no longer uses is made again on demand.
+    """
+    return [
+        peer_id
+        for peer_id, streams in stream_counts.items()
+        if streams == 0 and peer_id not in active and peer_id not in busy
+    ]
+
+
+__all__ = ["DEFAULT_ACTIVE_SIZE", "DEFAULT_PASSIVE_SIZE", "PartialView", "links_to_close"]

@@ -55,9 +55,23 @@ class MergeReport:
     dropped: list[DroppedRecord] = field(default_factory=list)
 
 
+# The most peers a table holds unless configured otherwise (NodeConfig.max_peers). Twice the
+# 1,024 members the membership is built and measured for (bench/scale.py, issue 57): a mesh at
+# that size still has room to grow, while what the bound is for stays small: a member can sign
+# records for as many made-up node ids as it likes, and each record held costs about 3 KB
+# (bench/scale.py's memory per member at 1,024), so at most about 6 MB, and a route's planning
+# (linear in the table, 11.6 ms at 1,024 on the loaded bench machine) stays within tens of ms.
+DEFAULT_MAX_PEERS = 2048
+
+
 class PeerTable:
     def __init__(
-        self, self_id: bytes, *, tombstone_ttl_ns: int, max_peers: int = 1024, max_departed: int = 64
+        self,
+        self_id: bytes,
+        *,
+        tombstone_ttl_ns: int,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        max_departed: int = 64,
     ) -> None:
         self.self_id = self_id
         self.tombstone_ttl_ns = tombstone_ttl_ns
@@ -178,4 +192,4 @@ class PeerTable:
         return [p for p, e in self._entries.items() if now_ns - e.last_heard_ns > timeout_ns]
 
 
-__all__ = ["MergeReport", "PeerEntry", "PeerTable", "Tombstone", "freshness"]
+__all__ = ["DEFAULT_MAX_PEERS", "MergeReport", "PeerEntry", "PeerTable", "Tombstone", "freshness"]

@@ -59,7 +59,7 @@ from meshnode.membership.revocation import Learned, RevocationList, Revoked
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.credential_gate import Admission, CredentialGate
 from meshnode.mesh.gossip_records import OpenedGossip, open_gossip_entries
-from meshnode.mesh.peer_table import MergeReport, PeerEntry, PeerTable
+from meshnode.mesh.peer_table import DEFAULT_MAX_PEERS, MergeReport, PeerEntry, PeerTable
 from meshnode.mesh.signed_record import LocalRecord
 from meshnode.mesh.validation import MAX_PEERS_PER_FRAME, validate_gossip_frame
 from meshnode.sansio import SECOND_NS
@@ -89,8 +89,8 @@ class ReplyOutcome:
 
 @dataclass(frozen=True)
 class HeartbeatDue:
-    """A heartbeat interval passed: gossip with every peer (the announcement's heartbeat_seq is
-    already one higher)."""
+    """A heartbeat interval passed: gossip (the announcement's heartbeat_seq is already one higher,
+    under ``record_heartbeats=False`` only when its content changed)."""
 
 
 @dataclass(frozen=True)
@@ -118,12 +118,25 @@ class MeshState:
         # Four heartbeats, as the node's default.
         peer_timeout_ns: int = 20 * SECOND_NS,
         tombstone_ttl_ns: int = 60 * SECOND_NS,
-        max_peers: int = 1024,
+        # The most peers the table holds; a new peer beyond it is refused MESH_ERROR_TABLE_FULL
+        # (DEFAULT_MAX_PEERS says why the number).
+        max_peers: int = DEFAULT_MAX_PEERS,
         revocations: RevocationList | None = None,
         certificate_ttl_s: float = DEFAULT_CERTIFICATE_TTL_S,
         # Records of others a GossipFrame carries besides ours. Under delta gossip
         # (meshnode.mesh.digest_gossip) a frame only admits, and 0 keeps it small.
         frame_table_limit: int = MAX_PEERS_PER_FRAME - 1,
+        # Each heartbeat makes our record fresher and a peer not refreshed for the peer timeout is
+        # stale: liveness rides on every record. False (delta gossip, where SWIM probes find dead
+        # members: meshnode.mesh.failure_detector): our record gets fresher only when its content
+        # changed, so a digest finds nothing to send for a record that did not, and no peer is
+        # ever reported stale.
+        record_heartbeats: bool = True,
+        # A GossipFrame carries every revocation we hold. False (delta gossip, whose digests
+        # exchange revocations by id): only one naming the frame's receiver, which a removed
+        # node needs to see why it is refused; the list only grows, and first contacts are
+        # frequent where links follow a partial view.
+        frame_revocations: bool = True,
     ) -> None:
         if membership is None and invite is None:
             raise ValueError("a node needs either a membership or an invite")
@@ -145,6 +158,11 @@ class MeshState:
         self._next_heartbeat_ns: int | None = None
         self._events: list[MeshEvent] = []
         self.frame_table_limit = min(frame_table_limit, MAX_PEERS_PER_FRAME - 1)
+        self.record_heartbeats = record_heartbeats
+        self.frame_revocations = frame_revocations
+        # Under record_heartbeats=False: our announcement's content (its sequence left out) when
+        # the sequence last moved, to see whether it changed since.
+        self._versioned_content: bytes | None = None
         # Where the next gossip frame's page of a table too large for one frame starts.
         self._page_start = 0
         self.gate = CredentialGate(
@@ -237,11 +255,27 @@ class MeshState:
         if self._next_heartbeat_ns is None or now_ns < self._next_heartbeat_ns:
             return
         self._next_heartbeat_ns = now_ns + self.heartbeat_interval_ns
-        self.heartbeat()
+        if self.record_heartbeats:
+            self.heartbeat()
+        else:
+            self._heartbeat_if_changed()
         self.table.expire_tombstones(now_ns)
         self._events.append(HeartbeatDue())
-        stale = self.table.stale(now_ns=now_ns, timeout_ns=self.peer_timeout_ns)
-        self._events.extend(PeerStale(peer_id) for peer_id in stale)
+        if self.record_heartbeats:
+            stale = self.table.stale(now_ns=now_ns, timeout_ns=self.peer_timeout_ns)
+            self._events.extend(PeerStale(peer_id) for peer_id in stale)
+
+    def _heartbeat_if_changed(self) -> None:
+        """A fresher sequence when what we announce changed since the current one was first
+        published (signed, or summarized in a digest): two records of ours never share a version,
+        so a peer holding our record at some version holds its content, whoever relayed it."""
+        content = mesh.PeerAnnouncement()
+        content.CopyFrom(self.local)
+        content.heartbeat_seq = 0
+        serialized = content.SerializeToString(deterministic=True)
+        if self._versioned_content is not None and serialized != self._versioned_content:
+            self.heartbeat()
+        self._versioned_content = serialized
 
     def get_timer(self) -> int | None:
         """When the next heartbeat is due (monotonic ns); None before :meth:`start_heartbeat`."""
@@ -260,8 +294,17 @@ class MeshState:
         assert self.invite is not None
         return make_invite_proof(self.invite, joiner_id=self.node_id, verifier_id=verifier_id)
 
+    def local_version(self) -> tuple[int, int]:
+        """Our record's (incarnation, sequence) as a digest publishes it now: under
+        ``record_heartbeats=False`` one fresher first if the content changed since it was published."""
+        if not self.record_heartbeats:
+            self._heartbeat_if_changed()
+        return (self.local.incarnation, self.local.heartbeat_seq)
+
     def local_record(self) -> mesh.SignedPeerRecord:
         """Our announcement as we sign it now (signed again only when it changed)."""
+        if not self.record_heartbeats:
+            self._heartbeat_if_changed()
         return self._local_record.signed(self.local)
 
     def gossip_frame(self, verifier_id: bytes) -> mesh.GossipFrame:
@@ -270,7 +313,12 @@ class MeshState:
         for entry in self._table_page(self.frame_table_limit):
             frame.entries.add().record.CopyFrom(entry.record)
         frame.membership_proof.CopyFrom(self.our_proof(verifier_id))
-        frame.revocations.extend(self.revocations.signed())
+        if self.frame_revocations:
+            frame.revocations.extend(self.revocations.signed())
+        else:
+            naming = self.revocations.node(verifier_id)
+            if naming is not None:
+                frame.revocations.append(naming.signed)
         return frame
 
     def _table_page(self, limit: int) -> list[PeerEntry]:
@@ -329,6 +377,7 @@ class MeshState:
                     mesh.MESH_ERROR_NOT_ADMITTED,
                     "only an admin admits by invite; this node is a plain member",
                 )
+        self._check_room_for(peer_id)
         grant = self.gate.grant_for(peer_id, admission, self.membership, unix_now=unix_now)
         self._admitted.add(peer_id)
         merged = self._merge(opened, now_ns)
@@ -376,6 +425,17 @@ class MeshState:
         merged = self._merge(opened, now_ns)
         return ReplyOutcome(
             newly_admitted=verified is not None, joined=joined, merged=merged, renewed=renewed
+        )
+
+    def _check_room_for(self, peer_id: bytes) -> None:
+        """A peer new to us is refused, not half-admitted, when the table holds its most: its
+        record would be ignored, so nobody here would route to it or gossip with it."""
+        table = self.table
+        if peer_id in table or self.is_admitted(peer_id) or len(table) < table.max_peers:
+            return
+        raise MeshRefusal(
+            mesh.MESH_ERROR_TABLE_FULL,
+            f"this node's peer table holds its most, {table.max_peers} members (--max-peers)",
         )
 
     def _take_renewal(self, mesh_key: MeshKey | None, certificate: membership.MemberCertificate) -> bool:

@@ -32,6 +32,10 @@ MAX_EVIDENCE_PER_FRAME = 64
 # (about 50 bytes each), and records or revocations wanted in one frame.
 MAX_DIGEST_BUCKETS = 1024
 MAX_DIGEST_ENTRIES_PER_FRAME = 1024
+# A digest names a node by this many first bytes of its id, and says a bucket's hash or an
+# incarnation by a tag of this many bytes (meshnode.mesh.digest_gossip).
+DIGEST_PREFIX_BYTES = 4
+DIGEST_TAG_BYTES = 2
 MAX_WANTED_PER_FRAME = MAX_PEERS_PER_FRAME
 # Suspicions one digest frame passes on (meshnode.mesh.failure_detector).
 MAX_SUSPECTED_PER_FRAME = 16
@@ -162,8 +166,8 @@ def validate_digest_open(frame: mesh.DigestOpen, authenticated_peer_id: bytes) -
             mesh.MESH_ERROR_MALFORMED,
             f"DigestOpen.bucket_count {count} is not a power of two within 1..{MAX_DIGEST_BUCKETS}",
         )
-    if len(frame.bucket_hashes) != count:
-        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestOpen.bucket_hashes does not match bucket_count")
+    if len(frame.bucket_tags) != DIGEST_TAG_BYTES * count:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestOpen.bucket_tags does not match bucket_count")
     _check_suspected(frame.suspected, "DigestOpen")
 
 
@@ -179,12 +183,14 @@ def _check_suspected(suspected: Sequence[bytes], what: str) -> None:
 def validate_digest_reply(frame: mesh.DigestReply, authenticated_peer_id: bytes, bucket_count: int) -> None:
     """``bucket_count``: the one the opener's DigestOpen announced (the opener's own, not the peer's)."""
     _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestReply")
-    listed = len(frame.node_prefixes)
+    listed, rest = divmod(len(frame.node_prefixes), DIGEST_PREFIX_BYTES)
+    if rest:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestReply.node_prefixes is not whole prefixes")
     if listed > MAX_DIGEST_ENTRIES_PER_FRAME:
         raise MeshRefusal(
             mesh.MESH_ERROR_MALFORMED, f"more than {MAX_DIGEST_ENTRIES_PER_FRAME} digest entries in one frame"
         )
-    if len(frame.incarnations) != listed or len(frame.sequences) != listed:
+    if len(frame.incarnation_tags) != DIGEST_TAG_BYTES * listed or len(frame.sequences) != listed:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestReply's version lists differ in length")
     if len(frame.listed_buckets) > bucket_count or any(b >= bucket_count for b in frame.listed_buckets):
         raise MeshRefusal(
@@ -200,7 +206,10 @@ def validate_digest_reply(frame: mesh.DigestReply, authenticated_peer_id: bytes,
 def validate_digest_push(frame: mesh.DigestPush, authenticated_peer_id: bytes) -> None:
     _check_header(frame.gen, frame.sender_id, authenticated_peer_id, "DigestPush")
     _check_records_and_revocations(len(frame.entries), len(frame.revocations), "DigestPush")
-    if len(frame.wanted) > MAX_WANTED_PER_FRAME or len(frame.wanted_revocations) > MAX_WANTED_PER_FRAME:
+    wanted, rest = divmod(len(frame.wanted), DIGEST_PREFIX_BYTES)
+    if rest:
+        raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, "DigestPush.wanted is not whole prefixes")
+    if wanted > MAX_WANTED_PER_FRAME or len(frame.wanted_revocations) > MAX_WANTED_PER_FRAME:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"more than {MAX_WANTED_PER_FRAME} wanted in one frame")
 
 
@@ -239,9 +248,13 @@ def validate_probe(probe: mesh.Probe) -> None:
     check_generation(probe.gen, "Probe")
     if len(probe.nonce) > MAX_NONCE:
         raise MeshRefusal(mesh.MESH_ERROR_MALFORMED, f"Probe.nonce longer than {MAX_NONCE} bytes")
+    if probe.target:
+        check_node_id(probe.target, "Probe.target")
 
 
 __all__ = [
+    "DIGEST_PREFIX_BYTES",
+    "DIGEST_TAG_BYTES",
     "MAX_DIGEST_BUCKETS",
     "MAX_DIGEST_ENTRIES_PER_FRAME",
     "MAX_EVIDENCE_PER_FRAME",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshnode.membership.credentials import DEFAULT_CERTIFICATE_TTL_S, Endpoint
+from meshnode.mesh.peer_table import DEFAULT_MAX_PEERS
 from meshnode.transport.quic_config import QuicConfig
 from meshnode.traversal.config import TraversalConfig
 from meshnode.wire.pb import mesh
@@ -60,6 +61,9 @@ class NodeConfig:
     delta_gossip: bool = False
     gossip_fanout: int = 3
     active_view: int = 8
+    # The most peers the table holds; a new member beyond it is refused MESH_ERROR_TABLE_FULL
+    # (meshnode.mesh.peer_table.DEFAULT_MAX_PEERS says why the number).
+    max_peers: int = DEFAULT_MAX_PEERS
 
     @property
     def effective_peer_timeout(self) -> float:

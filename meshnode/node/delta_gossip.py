@@ -7,29 +7,39 @@ each (four frames on one GOSSIP_DIGEST stream). The first contact with a peer is
 full GossipFrame exchange (:meth:`Gossip.get_link`), which admits both sides; under
 delta gossip that frame carries no table (``MeshState.frame_table_limit``), the digest
 brings the rest. What the records and revocations mean, and every check on them, is the
-pure machine's; a peer that does not answer is suspected as a heartbeat's is
-(:class:`~meshnode.node.liveness.Liveness`).
+pure machine's.
 
-Not yet here (issue 57): links to peers that leave the active view stay open, liveness
-still rides on each record's heartbeat sequence (so every record changes every beat),
-and the SWIM failure detector (:mod:`meshnode.mesh.failure_detector`) is not wired.
+The node keeps links for gossip only to its active view: each round a link to a peer
+outside it that carries no stream (a probe's, one the peer left our view by) is closed
+(:func:`~meshnode.mesh.partial_view.links_to_close`); a link a route's session or a
+transfer uses stays, and the data plane makes its links on demand as before. A peer that
+closes its link to us leaves our active view for the passive one (it evicted us), and
+now and then a round swaps an active peer for a passive one (HyParView's shuffle), so the
+views keep mixing and a healed partition's halves meet again.
+
+Liveness does not ride on the records (each changes only when its content does): SWIM
+probes find dead members (:class:`~meshnode.node.swim.SwimLiveness`, run at the start of
+each round), a peer whose exchange fails is probed at once, and suspicions ride on the
+digest frames both ways (``DigestOpen.suspected``, ``DigestReply.suspected``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from meshnode.identity import short_id
 from meshnode.mesh.digest_gossip import DigestExchangeReport, DigestGossip
 from meshnode.mesh.message_reader import read_message
-from meshnode.mesh.partial_view import PartialView
+from meshnode.mesh.partial_view import PartialView, links_to_close
+from meshnode.mesh.peer_links import PeerLinks
 from meshnode.mesh.state import MeshState
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.gossip import Gossip
-from meshnode.node.liveness import Liveness
 from meshnode.node.peer_failures import PEER_FAILURES
+from meshnode.node.swim import SwimLiveness
 from meshnode.transport.base import PeerLink, StreamReset
 from meshnode.transport.framed import FramedStream
 from meshnode.wire.framing import StreamType
@@ -38,13 +48,17 @@ from meshnode.wire.pb import mesh
 
 log = logging.getLogger(__name__)
 
+# The chance a round swaps one active peer for a passive one: about every ten rounds.
+SHUFFLE_CHANCE = 0.1
+
 
 class DeltaGossip:
     def __init__(
         self,
         state: MeshState,
         gossip: Gossip,
-        liveness: Liveness,
+        swim: SwimLiveness,
+        links: PeerLinks,
         background: BackgroundTasks,
         *,
         fanout: int,
@@ -54,23 +68,59 @@ class DeltaGossip:
     ) -> None:
         self._state = state
         self._gossip = gossip
-        self._liveness = liveness
+        self.swim = swim
+        self._links = links
+        self._rng = random.Random()
         self._background = background
         self._fanout = fanout
         self._gossip_timeout = gossip_timeout
         self._connect_timeout = connect_timeout
         self._digest = DigestGossip(state)
         self.view = PartialView(state.node_id, active_size=active_view, passive_size=4 * active_view)
+        swim.on_removed = lambda peer_id: self.view.drop(peer_id, failed=True)
         self._in_round: set[bytes] = set()
+        # Peers an exchange completed with since this round began: not opened to again in it.
+        self._synced: set[bytes] = set()
         # Digest exchanges completed, opened and served (the status report's and the tests' reading).
         self.exchanges = 0
+        # Links closed because their peer was outside the active view.
+        self.links_closed = 0
 
     def round(self) -> None:
-        """A heartbeat's gossip: a digest exchange with ``fanout`` peers of the active view."""
+        """A heartbeat's failure detection, then its gossip: a digest exchange with ``fanout``
+        peers of the active view."""
+        self.swim.round()
         self.view.refresh(set(self._state.table.peer_ids()))
+        if self._rng.random() < SHUFFLE_CHANCE:
+            swapped = self.view.shuffle()
+            if swapped is not None:
+                log.debug("%s swapped out of our active view for %s", *map(short_id, swapped))
+        self._close_links_outside_view()
+        synced, self._synced = self._synced, set()
+        for peer_id in self.view.targets(self._fanout, synced):
+            if peer_id not in self._in_round:
+                self._background.spawn(self._with_peer(peer_id))
+
+    def gossip_now(self) -> None:
+        """A digest exchange with ``fanout`` peers of the active view at once (this node learned a
+        revocation, which the digests carry by id), whether or not they synced this round."""
         for peer_id in self.view.targets(self._fanout):
             if peer_id not in self._in_round:
                 self._background.spawn(self._with_peer(peer_id))
+
+    def _close_links_outside_view(self) -> None:
+        stream_counts = {link.peer_id: link.stream_count for link in self._links.live()}
+        busy = self._in_round | self.swim.probing
+        for peer_id in links_to_close(stream_counts, self.view.active, busy):
+            link = self._links.get(peer_id)
+            if link is not None:
+                self.links_closed += 1
+                link.close("outside the active view")
+
+    def link_closed(self, peer_id: bytes) -> None:
+        """The link kept to ``peer_id`` closed (it evicted us, or we it): out of the active view."""
+        if peer_id in self.view.active:
+            self.view.drop(peer_id, failed=False)
 
     async def _with_peer(self, peer_id: bytes) -> None:
         self._in_round.add(peer_id)
@@ -85,7 +135,8 @@ class DeltaGossip:
         except PEER_FAILURES as exc:
             log.debug("digest with %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
             self.view.drop(peer_id, failed=True)
-            self._liveness.suspect(peer_id, reporter=None)
+            # A failed exchange is a failed probe: probe again, and ask others, before suspecting.
+            self.swim.check(peer_id)
         finally:
             self._in_round.discard(peer_id)
 
@@ -96,9 +147,11 @@ class DeltaGossip:
             stream = await link.open_stream(StreamType.GOSSIP_DIGEST)
             try:
                 sent = self._digest.open()
+                sent.suspected.extend(self.swim.rumors())
                 await stream.send_frame(sent.SerializeToString())
                 reply = await read_message(stream, mesh.DigestReply, None)
                 push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
+                self.swim.heard(reply.suspected, sender=peer_id)
                 await stream.send_frame(push.SerializeToString())
                 stream.finish()
                 records = await read_message(stream, mesh.DigestRecords, None)
@@ -119,7 +172,10 @@ class DeltaGossip:
         """The accepting side (GOSSIP_DIGEST, from admitted peers only: the dispatcher's rule)."""
         peer_id = stream.peer_id
         opened = await read_message(stream, mesh.DigestOpen, self._gossip_timeout)
-        await stream.send_frame(self._digest.answer_open(opened, peer_id=peer_id).SerializeToString())
+        reply = self._digest.answer_open(opened, peer_id=peer_id)
+        self.swim.heard(opened.suspected, sender=peer_id)
+        reply.suspected.extend(self.swim.rumors())
+        await stream.send_frame(reply.SerializeToString())
         push = await read_message(stream, mesh.DigestPush, self._gossip_timeout)
         records, report = self._digest.answer_push(
             push, peer_id=peer_id, now_ns=time.monotonic_ns(), unix_now=time.time()
@@ -129,11 +185,19 @@ class DeltaGossip:
 
     def _after(self, peer_id: bytes, report: DigestExchangeReport) -> None:
         self.exchanges += 1
+        self._synced.add(peer_id)
+        self.swim.heard_from(peer_id, report.merged)
         evicted = self.view.accept(peer_id)
         if evicted is not None:
             log.debug("%s left our active view for %s", short_id(evicted), short_id(peer_id))
         for added in report.merged.added:
             log.info("peer %s joined our view (via %s)", short_id(added), short_id(peer_id))
+        if report.merged.ignored_full:
+            log.warning(
+                "peer table full (%d members, --max-peers): ignored the records of %d new ones",
+                self._state.table.max_peers,
+                len(report.merged.ignored_full),
+            )
         # Revocations learned spread as the full gossip's do.
         self._gossip.spread_learned()
 

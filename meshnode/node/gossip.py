@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -100,6 +100,9 @@ class Gossip:
         # Gossip frames refused, by code name (the status report's refusals.gossip).
         self._refusals: dict[str, int] = {}
         self._refusal_log = RateLimitedLog(log)
+        # How what this node learned reaches its peers at once: an exchange with each (under
+        # delta gossip the node sets a digest round with its view instead).
+        self.spread: Callable[[], None] = self.with_all
 
     def start(self, relay_links: RelayLinks) -> None:
         """Spread revocations to ``relay_links`` too, from now on."""
@@ -231,7 +234,11 @@ class Gossip:
             how = "" if peer_id == source else f" (via {short_id(source)})"
             log.info("peer %s joined our view%s", short_id(peer_id), how)
         if report.ignored_full:
-            log.warning("peer table full: ignored %d announcements", len(report.ignored_full))
+            log.warning(
+                "peer table full (%d members, --max-peers): ignored the records of %d new ones",
+                self._state.table.max_peers,
+                len(report.ignored_full),
+            )
 
     # -- what an exchange taught, spread ---------------------------------------------------
 
@@ -251,7 +258,7 @@ class Gossip:
                 link = self._connections.links.get(revoked.target)
                 if link is not None:
                     self._background.spawn(self._farewell(link, revoked))
-        self.with_all()
+        self.spread()
 
     async def _farewell(self, link: PeerLink, revoked: Revoked) -> None:
         try:

@@ -137,6 +137,10 @@ class Liveness:
         validate_probe(probe)
         await stream.send_frame(probe.SerializeToString())
 
+    def drop(self, peer_id: bytes, reason: str) -> bool:
+        """Drop ``peer_id`` as gone (SWIM confirmed it down) and close its link; whether it was known."""
+        return self._drop(peer_id, reason, close_link=True)
+
     def _drop(self, peer_id: bytes, reason: str, *, close_link: bool) -> bool:
         if not self._state.remove_peer(peer_id, reason=reason, now_ns=time.monotonic_ns()):
             return False

@@ -11,7 +11,8 @@ its own state and given the objects it reads:
 * :mod:`meshnode.node.heartbeat` — the state's timer: gossip rounds, stale peers;
 * :mod:`meshnode.node.liveness` — suspected peers probed and dropped, PEER_DOWN,
   PEER_LEAVING and PROBE; whether a peer still answers is
-  :mod:`meshnode.node.reachability`'s;
+  :mod:`meshnode.node.reachability`'s; under delta gossip (:mod:`meshnode.node.delta_gossip`)
+  :mod:`meshnode.node.swim` finds dead members instead of the records' heartbeats;
 * :mod:`meshnode.node.membership_keeper` — revocations, renewals, this node's own removal
   (``node.removal`` is set, with ``node.removal_reason``, once this node is out of the
   mesh), and the membership on disk;
@@ -60,6 +61,7 @@ from meshnode.mesh.dispatcher import Dispatcher, StreamHandler
 from meshnode.mesh.peer_dialer import PeerUnreachable
 from meshnode.mesh.peer_table import PeerEntry
 from meshnode.mesh.state import MeshState
+from meshnode.mesh.validation import MAX_PEERS_PER_FRAME
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.bootstrap import Bootstrap
 from meshnode.node.config import DEFAULT_LISTEN, DEFAULT_PORT, JoinError, NodeConfig
@@ -73,6 +75,7 @@ from meshnode.node.peer_connections import PeerConnections
 from meshnode.node.reachability import Reachability
 from meshnode.node.status_report import StatusReport, node_status
 from meshnode.node.status_sections import SectionProvider, StatusSections
+from meshnode.node.swim import SwimLiveness
 from meshnode.relaylink.manager import RelayLinks
 from meshnode.sansio import SECOND_NS
 from meshnode.statussocket.server import StatusServer
@@ -124,8 +127,12 @@ class Node:
             tombstone_ttl_ns=_to_ns(config.tombstone_ttl),
             revocations=load_revocations(data_dir, mesh_id),
             certificate_ttl_s=config.certificate_ttl,
-            # Under delta gossip a GossipFrame only admits: the digest brings the table.
-            **({"frame_table_limit": 0} if config.delta_gossip else {}),
+            # Under delta gossip a GossipFrame only admits (the digest brings the table), and SWIM
+            # probes find dead members: a record changes only when its content does.
+            frame_table_limit=0 if config.delta_gossip else MAX_PEERS_PER_FRAME - 1,
+            max_peers=config.max_peers,
+            record_heartbeats=not config.delta_gossip,
+            frame_revocations=not config.delta_gossip,
         )
         if membership is not None:
             local.relays.extend(
@@ -188,7 +195,16 @@ class Node:
             DeltaGossip(
                 self.state,
                 self.gossip,
-                self._liveness,
+                SwimLiveness(
+                    self.state,
+                    self._liveness,
+                    self._reachability,
+                    self.gossip.get_link,
+                    self._background,
+                    probe_timeout=config.probe_timeout,
+                    connect_timeout=config.connect_timeout,
+                ),
+                self._connections.links,
                 self._background,
                 fanout=config.gossip_fanout,
                 active_view=config.active_view,
@@ -198,6 +214,9 @@ class Node:
             if config.delta_gossip
             else None
         )
+        if self.delta_gossip is not None:
+            # What a node learns (a revocation) spreads by digest with its view, not to everyone.
+            self.gossip.spread = self.delta_gossip.gossip_now
         self._heartbeat = Heartbeat(self.state, self.keeper, self.gossip, self._liveness, self.delta_gossip)
         self._bootstrap = Bootstrap(
             self.state, self.keeper, self._connections, self.gossip, self._background, known_peers
@@ -211,11 +230,14 @@ class Node:
         self.dispatcher.register(
             StreamType.ROUTE_REQUEST, self.gossip.serve_route_request, before_admission=True
         )
-        if self.delta_gossip is not None:
-            self.dispatcher.register(StreamType.GOSSIP_DIGEST, self.delta_gossip.serve)
         self.dispatcher.register(StreamType.PEER_DOWN, self._liveness.serve_peer_down)
         self.dispatcher.register(StreamType.PEER_LEAVING, self._liveness.serve_peer_leaving)
-        self.dispatcher.register(StreamType.PROBE, self._liveness.serve_probe)
+        if self.delta_gossip is not None:
+            self.dispatcher.register(StreamType.GOSSIP_DIGEST, self.delta_gossip.serve)
+            # SWIM's indirect probes besides the echo.
+            self.dispatcher.register(StreamType.PROBE, self.delta_gossip.swim.serve_probe)
+        else:
+            self.dispatcher.register(StreamType.PROBE, self._liveness.serve_probe)
         self.dispatcher.register(StreamType.HOLE_PUNCH, self.traversal.serve_punch)
         self._status_server: StatusServer | None = None
         # Its API's address (for `meshnode generate`) and the sections the head adds.
@@ -430,8 +452,11 @@ class Node:
         self.dispatcher.accept(stream)
 
     def link_closed(self, link: PeerLink, reason: str) -> None:
-        self.traversal.link_closed(link, was_kept=self._connections.links.remove(link))
+        was_kept = self._connections.links.remove(link)
+        self.traversal.link_closed(link, was_kept=was_kept)
         self.gossip.link_closed(link)
+        if was_kept and self.delta_gossip is not None:
+            self.delta_gossip.link_closed(link.peer_id)
 
     # -- whether a peer answers ----------------------------------------------------------
 

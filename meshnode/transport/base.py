@@ -65,6 +65,12 @@ class PeerLink(abc.ABC):
     def is_closed(self) -> bool:
         return self._closed.is_set()
 
+    @property
+    def stream_count(self) -> int | None:
+        """Streams open on the link; None where the link type does not track them (then whoever
+        closes idle links keeps it)."""
+        return None
+
     @abc.abstractmethod
     def close(self, reason: str = "") -> None:
         """Close the link and every stream on it; idempotent."""

@@ -70,6 +70,7 @@ _REASONS: dict[int, str] = {
     mesh.MESH_ERROR_REVOKED: "removed from the mesh by an admin",
     mesh.MESH_ERROR_INVITE_REVOKED: "invite withdrawn by an admin",
     mesh.MESH_ERROR_CERTIFICATE_EXPIRED: "member certificate expired and was not renewed",
+    mesh.MESH_ERROR_TABLE_FULL: "the peer's table holds as many members as it is configured to (--max-peers)",
 }
 
 

@@ -409,6 +409,8 @@ class SimMesh:
         """Each member refreshes its view from its table, shuffles now and then, and opens a digest
         exchange with ``fanout`` peers of its active view; an unreachable one leaves the view."""
         self.round += 1
+        # Pairs that exchanged this round: neither opens another exchange to the other in it.
+        synced: dict[bytes, set[bytes]] = {}
         for node in self._members_in_random_order():
             self._detect(node)
             node.view.refresh(set(node.state.table.peer_ids()))
@@ -419,9 +421,12 @@ class SimMesh:
                     node.links.discard(left.node_id)
                     left.links.discard(node.node_id)
                     left.view.drop(node.node_id, failed=False)
-            for peer_id in node.view.targets(self.fanout):
+            for peer_id in node.view.targets(self.fanout, synced.get(node.node_id, set())):
                 peer = self.by_id[peer_id]
-                if not self.digest_exchange(node, peer):
+                if self.digest_exchange(node, peer):
+                    synced.setdefault(node.node_id, set()).add(peer_id)
+                    synced.setdefault(peer_id, set()).add(node.node_id)
+                else:
                     node.view.drop(peer_id, failed=True)
                     node.links.discard(peer_id)
                     if not self.reachable(node, peer):

@@ -13,7 +13,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.membership.credentials import MeshKey, issue_certificate
 from meshnode.membership.revocation import revoke_node
 from meshnode.membership.store import MembershipState
-from meshnode.mesh.digest_gossip import DigestGossip, bucket_count_for
+from meshnode.mesh.digest_gossip import DigestGossip, bucket_count_for, tag_of
 from meshnode.mesh.signed_record import VerifiedRecord, decode_record, sign_record
 from meshnode.mesh.state import MeshState
 from meshnode.mesh.validation import (
@@ -131,14 +131,14 @@ def test_in_sync_members_send_only_summaries(pair, mesh_key):
     outsiders(a, 200, mesh_id=mesh_key.mesh_id)
     exchange(a, b)
     sizes = exchange(a, b)
-    # Nothing listed, pushed or asked for: the open's summary (32 buckets of 8 bytes), then headers.
+    # Nothing listed, pushed or asked for: the open's summary (32 buckets of 2 bytes), then headers.
     empty = [
         mesh.DigestReply(gen=1, sender_id=b.node_id),
         mesh.DigestPush(gen=1, sender_id=a.node_id),
         mesh.DigestRecords(gen=1, sender_id=b.node_id),
     ]
     assert sizes[1:] == [len(wire(m)) for m in empty]
-    assert sizes[0] < 400
+    assert sizes[0] < 150
 
 
 def test_a_newer_version_replaces_the_older_one_on_the_other_side(pair):
@@ -150,6 +150,41 @@ def test_a_newer_version_replaces_the_older_one_on_the_other_side(pair):
     assert b.state.table.announcement_of(a.node_id).load.active_sessions == 7
 
 
+def test_a_new_incarnation_reaches_a_member_holding_the_old_one_whichever_side_opens(pair, mesh_key):
+    """A digest says an incarnation by a tag: another tag is another incarnation, whose record
+    the two send each other, and each keeps the newer (the merge's rule)."""
+    a, b = pair
+    restarted = NodeIdentity.generate()
+
+    def hold(member: Member, incarnation: int) -> None:
+        announcement = mesh.PeerAnnouncement(
+            endpoint_id=restarted.node_id, incarnation=incarnation, mesh_id=mesh_key.mesh_id
+        )
+        signed = sign_record(restarted, announcement)
+        member.state.table.merge(
+            [VerifiedRecord(decode_record(signed), signed)], from_peer=a.node_id, now_ns=0
+        )
+
+    hold(a, 1)
+    hold(b, 2)
+    exchange(a, b)
+    assert a.state.table.announcement_of(restarted.node_id).incarnation == 2
+    assert b.state.table.announcement_of(restarted.node_id).incarnation == 2
+    c = Member(mesh_key)
+    admit(c, b)
+    hold(c, 1)
+    exchange(b, c)  # now the one holding the newer opens
+    assert c.state.table.announcement_of(restarted.node_id).incarnation == 2
+
+
+def test_tags_that_collide_under_one_salt_differ_under_another():
+    # Under salt 1 a tag is the value's top 16 bits: 1 and 2 tag alike; a salt drawn at random
+    # tells them apart (a difference missed in one exchange is seen in the next).
+    assert tag_of(1, 1) == tag_of(2, 1)
+    assert tag_of(1, 0x9E3779B97F4A7C15) != tag_of(2, 0x9E3779B97F4A7C15)
+    assert 0 <= tag_of(-5, 12345) < 2**16
+
+
 def test_a_large_difference_goes_over_several_exchanges_each_frame_within_its_limits(pair, mesh_key):
     a, b = pair
     outsiders(b, 1000, mesh_id=mesh_key.mesh_id)
@@ -157,9 +192,9 @@ def test_a_large_difference_goes_over_several_exchanges_each_frame_within_its_li
     while held_ids(a) != held_ids(b):
         sent = a.digest.open()
         reply = b.digest.answer_open(sent, peer_id=a.node_id)
-        assert len(reply.node_prefixes) <= MAX_DIGEST_ENTRIES_PER_FRAME
+        assert len(reply.sequences) <= MAX_DIGEST_ENTRIES_PER_FRAME
         push = a.digest.answer_reply(sent, reply, peer_id=b.node_id)
-        assert len(push.wanted) <= MAX_WANTED_PER_FRAME
+        assert len(push.wanted) <= 4 * MAX_WANTED_PER_FRAME
         records, _ = b.digest.answer_push(push, peer_id=a.node_id, now_ns=NOW_NS, unix_now=NOW)
         assert len(records.entries) <= MAX_PEERS_PER_FRAME
         a.digest.take_records(records, peer_id=b.node_id, now_ns=NOW_NS, unix_now=NOW)
@@ -236,21 +271,21 @@ def test_a_peer_not_admitted_is_refused(mesh_key):
 def test_malformed_digest_frames_are_refused_with_their_codes(pair):
     a, b = pair
     sent = a.digest.open()
-    bad_count = mesh.DigestOpen(gen=1, sender_id=a.node_id, bucket_count=3, bucket_hashes=[0, 0, 0])
+    bad_count = mesh.DigestOpen(gen=1, sender_id=a.node_id, bucket_count=3, bucket_tags=bytes(6))
     assert code_of(lambda: b.digest.answer_open(bad_count, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
     too_many = mesh.DigestOpen(
         gen=1,
         sender_id=a.node_id,
         bucket_count=2 * MAX_DIGEST_BUCKETS,
-        bucket_hashes=[0] * (2 * MAX_DIGEST_BUCKETS),
+        bucket_tags=bytes(4 * MAX_DIGEST_BUCKETS),
     )
     assert code_of(lambda: b.digest.answer_open(too_many, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
-    short = mesh.DigestOpen(gen=1, sender_id=a.node_id, bucket_count=4, bucket_hashes=[0])
+    short = mesh.DigestOpen(gen=1, sender_id=a.node_id, bucket_count=4, bucket_tags=bytes(2))
     assert code_of(lambda: b.digest.answer_open(short, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
     assert code_of(lambda: b.digest.answer_open(sent, peer_id=b.node_id)) == mesh.MESH_ERROR_SENDER_MISMATCH
-    old = mesh.DigestOpen(gen=2, sender_id=a.node_id, bucket_count=1, bucket_hashes=[0])
+    old = mesh.DigestOpen(gen=2, sender_id=a.node_id, bucket_count=1, bucket_tags=bytes(2))
     assert code_of(lambda: b.digest.answer_open(old, peer_id=a.node_id)) == mesh.MESH_ERROR_BAD_GENERATION
-    greedy = mesh.DigestPush(gen=1, sender_id=a.node_id, wanted=[1] * (MAX_WANTED_PER_FRAME + 1))
+    greedy = mesh.DigestPush(gen=1, sender_id=a.node_id, wanted=bytes(4 * (MAX_WANTED_PER_FRAME + 1)))
     assert (
         code_of(lambda: b.digest.answer_push(greedy, peer_id=a.node_id, now_ns=NOW_NS, unix_now=NOW))
         == mesh.MESH_ERROR_MALFORMED
@@ -258,16 +293,30 @@ def test_malformed_digest_frames_are_refused_with_their_codes(pair):
     stray = mesh.DigestReply(gen=1, sender_id=b.node_id, listed_buckets=[sent.bucket_count])
     assert code_of(lambda: a.digest.answer_reply(sent, stray, peer_id=b.node_id)) == mesh.MESH_ERROR_MALFORMED
     uneven = mesh.DigestReply(
-        gen=1, sender_id=b.node_id, node_prefixes=[1, 2], incarnations=[1], sequences=[1]
+        gen=1, sender_id=b.node_id, node_prefixes=bytes(8), incarnation_tags=bytes(2), sequences=[1, 2]
     )
     assert (
         code_of(lambda: a.digest.answer_reply(sent, uneven, peer_id=b.node_id)) == mesh.MESH_ERROR_MALFORMED
     )
+    # Prefixes are 4 bytes each, and so are the wanted ones.
+    ragged = mesh.DigestReply(
+        gen=1, sender_id=b.node_id, node_prefixes=bytes(5), incarnation_tags=bytes(2), sequences=[1]
+    )
+    assert (
+        code_of(lambda: a.digest.answer_reply(sent, ragged, peer_id=b.node_id)) == mesh.MESH_ERROR_MALFORMED
+    )
+    torn = mesh.DigestPush(gen=1, sender_id=a.node_id, wanted=bytes(6))
+    assert (
+        code_of(lambda: b.digest.answer_push(torn, peer_id=a.node_id, now_ns=NOW_NS, unix_now=NOW))
+        == mesh.MESH_ERROR_MALFORMED
+    )
     crowded = mesh.DigestOpen(
-        gen=1, sender_id=a.node_id, bucket_count=1, bucket_hashes=[0], suspected=[b.node_id] * 17
+        gen=1, sender_id=a.node_id, bucket_count=1, bucket_tags=bytes(2), suspected=[b.node_id] * 17
     )
     assert code_of(lambda: b.digest.answer_open(crowded, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
-    odd = mesh.DigestOpen(gen=1, sender_id=a.node_id, bucket_count=1, bucket_hashes=[0], suspected=[b"x" * 5])
+    odd = mesh.DigestOpen(
+        gen=1, sender_id=a.node_id, bucket_count=1, bucket_tags=bytes(2), suspected=[b"x" * 5]
+    )
     assert code_of(lambda: b.digest.answer_open(odd, peer_id=a.node_id)) == mesh.MESH_ERROR_MALFORMED
 
 

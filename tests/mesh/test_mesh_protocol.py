@@ -11,6 +11,7 @@ from meshnode.membership.credentials import (
     create_invite,
     issue_certificate,
 )
+from meshnode.membership.revocation import revoke_invite, revoke_node
 from meshnode.membership.store import MembershipState
 from meshnode.mesh.gossip_records import open_gossip_entries
 from meshnode.mesh.peer_table import PeerTable
@@ -237,6 +238,9 @@ def test_small_message_validators():
         == mesh.MESH_ERROR_BAD_GENERATION
     )
     assert code_of(lambda: validate_probe(mesh.Probe(gen=1, nonce=b"n" * 33))) == mesh.MESH_ERROR_MALFORMED
+    # An indirect probe names a whole node id.
+    assert code_of(lambda: validate_probe(mesh.Probe(gen=1, target=C[:31]))) == mesh.MESH_ERROR_MALFORMED
+    validate_probe(mesh.Probe(gen=1, nonce=b"n", target=C))
     assert code_of(lambda: decode(mesh.GossipFrame, b"\xff\xff\xff")) == mesh.MESH_ERROR_MALFORMED
 
 
@@ -278,6 +282,22 @@ def test_peer_table_is_bounded():
     table = PeerTable(A, tombstone_ttl_ns=SECOND_NS, max_peers=2)
     report = table.merge([record(node_id) for node_id in MORE[:5]], from_peer=B, now_ns=0)
     assert len(table) == 2 and len(report.ignored_full) == 3
+
+
+def test_a_new_member_beyond_the_table_bound_is_refused_and_the_members_it_holds_are_not():
+    mesh_key = MeshKey.generate()
+    node, member, newcomer = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(mesh_key, node, max_peers=1)
+    member_frame = member_state(mesh_key, member).gossip_frame(node.node_id)
+    state.receive_gossip(member_frame, peer_id=member.node_id, now_ns=0, unix_now=NOW)
+    frame = member_state(mesh_key, newcomer).gossip_frame(node.node_id)
+    with pytest.raises(MeshRefusal) as refused:
+        state.receive_gossip(frame, peer_id=newcomer.node_id, now_ns=0, unix_now=NOW)
+    assert refused.value.code == mesh.MESH_ERROR_TABLE_FULL
+    assert "1 members (--max-peers)" in refused.value.detail
+    assert not state.is_admitted(newcomer.node_id) and newcomer.node_id not in state.table
+    # The member it holds still gossips with it.
+    state.receive_gossip(member_frame, peer_id=member.node_id, now_ns=1, unix_now=NOW)
 
 
 # -- MeshState: admission, grants, merges ------------------------------------------------------------
@@ -449,6 +469,57 @@ def test_the_heartbeat_timer_beats_once_per_interval_and_reports_quiet_peers_at_
     state.receive_gossip(frame, peer_id=peer.node_id, now_ns=late_ns + HEARTBEAT_NS, unix_now=NOW)
     state.handle_timer(late_ns + 2 * HEARTBEAT_NS)
     assert state.take_events() == [HeartbeatDue()]
+
+
+def test_without_record_heartbeats_a_record_gets_fresher_only_when_its_content_changes():
+    """Delta gossip's liveness is SWIM's: a quiet record stays one version, so a digest finds
+    nothing to send for it, and no peer is ever reported stale."""
+    mesh_key = MeshKey.generate()
+    node, peer = NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(
+        mesh_key,
+        node,
+        heartbeat_interval_ns=HEARTBEAT_NS,
+        peer_timeout_ns=PEER_TIMEOUT_NS,
+        record_heartbeats=False,
+    )
+    other = member_state(mesh_key, peer)
+    state.receive_gossip(other.gossip_frame(node.node_id), peer_id=peer.node_id, now_ns=0, unix_now=NOW)
+    state.start_heartbeat(0)
+    published = state.local_record()
+    for beat in range(1, 8):  # well past the peer timeout
+        state.handle_timer(beat * HEARTBEAT_NS)
+        assert state.take_events() == [HeartbeatDue()]
+    assert state.local.heartbeat_seq == 0 and state.local_record() == published
+    # A change between beats: the record signed after it is one version fresher, never the same
+    # version with other content, and the next beats leave it there.
+    state.local.load.active_sessions = 3
+    assert state.local_version() == (state.local.incarnation, 1)
+    assert mesh.PeerAnnouncement.FromString(state.local_record().record).heartbeat_seq == 1
+    state.handle_timer(8 * HEARTBEAT_NS)
+    state.local.load.active_sessions = 4
+    state.handle_timer(9 * HEARTBEAT_NS)
+    state.handle_timer(10 * HEARTBEAT_NS)
+    assert state.local.heartbeat_seq == 2
+
+
+def test_without_frame_revocations_a_gossip_frame_carries_only_the_one_naming_its_receiver():
+    """Delta gossip exchanges revocations by digest; a first contact still shows a removed node
+    the signed revocation that names it."""
+    mesh_key = MeshKey.generate()
+    node, removed, other = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    state = member_state(mesh_key, node, frame_revocations=False)
+    revocations = [
+        revoke_node(mesh_key, node_id=removed.node_id, reason="gone", issuer_id=node.node_id, unix_now=NOW),
+        revoke_invite(mesh_key, invite_id=b"i" * 32, reason="leaked", issuer_id=node.node_id, unix_now=NOW),
+    ]
+    assert len(state.learn_revocations(revocations, now_ns=0).new) == 2
+    assert list(state.gossip_frame(other.node_id).revocations) == []
+    assert list(state.gossip_frame(removed.node_id).revocations) == [revocations[0]]
+    # Today's frames carry them all.
+    everything = member_state(mesh_key, node)
+    everything.learn_revocations(revocations, now_ns=0)
+    assert len(everything.gossip_frame(other.node_id).revocations) == 2
 
 
 def test_a_wall_clock_step_makes_no_peer_stale_and_ends_no_tombstone_while_invites_expire_by_it():

@@ -65,3 +65,12 @@ def test_a_shuffle_swaps_one_active_peer_for_a_passive_one():
 def test_an_empty_active_view_is_refused():
     with pytest.raises(ValueError):
         PartialView(SELF, active_size=0)
+
+
+def test_a_peer_synced_with_us_this_round_is_not_opened_to_again():
+    v = view()
+    v.refresh(set(PEERS))
+    synced = v.active[:2]
+    for _ in range(20):
+        targets = v.targets(4, synced)
+        assert sorted(targets) == sorted(set(v.active) - set(synced))

@@ -35,6 +35,7 @@ class MeshErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MESH_ERROR_REVOKED: _ClassVar[MeshErrorCode]
     MESH_ERROR_INVITE_REVOKED: _ClassVar[MeshErrorCode]
     MESH_ERROR_CERTIFICATE_EXPIRED: _ClassVar[MeshErrorCode]
+    MESH_ERROR_TABLE_FULL: _ClassVar[MeshErrorCode]
 
 class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -78,6 +79,7 @@ MESH_ERROR_FUTURE_INCARNATION: MeshErrorCode
 MESH_ERROR_REVOKED: MeshErrorCode
 MESH_ERROR_INVITE_REVOKED: MeshErrorCode
 MESH_ERROR_CERTIFICATE_EXPIRED: MeshErrorCode
+MESH_ERROR_TABLE_FULL: MeshErrorCode
 NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_WORKER: NodeRole
 NODE_ROLE_HOST: NodeRole
@@ -250,29 +252,31 @@ class GossipFrame(_message.Message):
     def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., membership_proof: _Optional[_Union[_membership_pb2.MembershipProof, _Mapping]] = ..., membership_grant: _Optional[_Union[_membership_pb2.MembershipGrant, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ..., evidence: _Optional[_Iterable[_Union[_audit_pb2.EvidenceReport, _Mapping]]] = ..., policy: _Optional[_Union[_membership_pb2.MeshPolicy, _Mapping]] = ...) -> None: ...
 
 class DigestOpen(_message.Message):
-    __slots__ = ("gen", "sender_id", "bucket_count", "bucket_hashes", "revocation_count", "revocation_hash", "suspected")
+    __slots__ = ("gen", "sender_id", "bucket_count", "bucket_tags", "salt", "revocation_count", "revocation_hash", "suspected")
     GEN_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
-    BUCKET_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_TAGS_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
     REVOCATION_COUNT_FIELD_NUMBER: _ClassVar[int]
     REVOCATION_HASH_FIELD_NUMBER: _ClassVar[int]
     SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     gen: int
     sender_id: bytes
     bucket_count: int
-    bucket_hashes: _containers.RepeatedScalarFieldContainer[int]
+    bucket_tags: bytes
+    salt: int
     revocation_count: int
     revocation_hash: int
     suspected: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., bucket_count: _Optional[int] = ..., bucket_hashes: _Optional[_Iterable[int]] = ..., revocation_count: _Optional[int] = ..., revocation_hash: _Optional[int] = ..., suspected: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., bucket_count: _Optional[int] = ..., bucket_tags: _Optional[bytes] = ..., salt: _Optional[int] = ..., revocation_count: _Optional[int] = ..., revocation_hash: _Optional[int] = ..., suspected: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DigestReply(_message.Message):
-    __slots__ = ("gen", "sender_id", "node_prefixes", "incarnations", "sequences", "listed_buckets", "revocation_ids", "revocations_listed", "suspected")
+    __slots__ = ("gen", "sender_id", "node_prefixes", "incarnation_tags", "sequences", "listed_buckets", "revocation_ids", "revocations_listed", "suspected")
     GEN_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_PREFIXES_FIELD_NUMBER: _ClassVar[int]
-    INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_TAGS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LISTED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     REVOCATION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -280,14 +284,14 @@ class DigestReply(_message.Message):
     SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     gen: int
     sender_id: bytes
-    node_prefixes: _containers.RepeatedScalarFieldContainer[int]
-    incarnations: _containers.RepeatedScalarFieldContainer[int]
+    node_prefixes: bytes
+    incarnation_tags: bytes
     sequences: _containers.RepeatedScalarFieldContainer[int]
     listed_buckets: _containers.RepeatedScalarFieldContainer[int]
     revocation_ids: _containers.RepeatedScalarFieldContainer[int]
     revocations_listed: bool
     suspected: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., node_prefixes: _Optional[_Iterable[int]] = ..., incarnations: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[int]] = ..., listed_buckets: _Optional[_Iterable[int]] = ..., revocation_ids: _Optional[_Iterable[int]] = ..., revocations_listed: _Optional[bool] = ..., suspected: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., node_prefixes: _Optional[bytes] = ..., incarnation_tags: _Optional[bytes] = ..., sequences: _Optional[_Iterable[int]] = ..., listed_buckets: _Optional[_Iterable[int]] = ..., revocation_ids: _Optional[_Iterable[int]] = ..., revocations_listed: _Optional[bool] = ..., suspected: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DigestPush(_message.Message):
     __slots__ = ("gen", "sender_id", "entries", "wanted", "revocations", "wanted_revocations")
@@ -300,10 +304,10 @@ class DigestPush(_message.Message):
     gen: int
     sender_id: bytes
     entries: _containers.RepeatedCompositeFieldContainer[GossipEntry]
-    wanted: _containers.RepeatedScalarFieldContainer[int]
+    wanted: bytes
     revocations: _containers.RepeatedCompositeFieldContainer[_membership_pb2.Revocation]
     wanted_revocations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ..., wanted: _Optional[_Iterable[int]] = ..., revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ..., wanted_revocations: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, gen: _Optional[int] = ..., sender_id: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[GossipEntry, _Mapping]]] = ..., wanted: _Optional[bytes] = ..., revocations: _Optional[_Iterable[_Union[_membership_pb2.Revocation, _Mapping]]] = ..., wanted_revocations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DigestRecords(_message.Message):
     __slots__ = ("gen", "sender_id", "entries", "revocations")
@@ -362,12 +366,16 @@ class PeerLeaving(_message.Message):
     def __init__(self, peer_id: _Optional[bytes] = ..., gen: _Optional[int] = ...) -> None: ...
 
 class Probe(_message.Message):
-    __slots__ = ("gen", "nonce")
+    __slots__ = ("gen", "nonce", "target", "reached")
     GEN_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REACHED_FIELD_NUMBER: _ClassVar[int]
     gen: int
     nonce: bytes
-    def __init__(self, gen: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    target: bytes
+    reached: bool
+    def __init__(self, gen: _Optional[int] = ..., nonce: _Optional[bytes] = ..., target: _Optional[bytes] = ..., reached: _Optional[bool] = ...) -> None: ...
 
 class MeshSubprotocolOpen(_message.Message):
     __slots__ = ("gen", "name", "major")
