@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 # The chance a round swaps one active peer for a passive one: about every ten rounds.
 SHUFFLE_CHANCE = 0.1
+# How an evidence frame exchange with a peer can fail: the peer's refusal, or any failure a
+# conversation with it can meet.
+_FRAME_FAILURES: tuple[type[Exception], ...] = (RemoteRefusal, *PEER_FAILURES)
 
 
 class DeltaGossip:
@@ -107,6 +110,22 @@ class DeltaGossip:
         for peer_id in self.view.targets(self._fanout):
             if peer_id not in self._in_round:
                 self._background.spawn(self._with_peer(peer_id))
+
+    def evidence_now(self) -> None:
+        """New audit evidence rides GossipFrames, which digests do not carry: a frame exchange with
+        every peer of the active view at once (a handful); each of them, the evidence new to it,
+        does the same with its own view, so it crosses the mesh as the views connect it."""
+        for peer_id in self.view.active:
+            self._background.spawn(self._frame_with(peer_id))
+
+    async def _frame_with(self, peer_id: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._connect_timeout + 2 * self._gossip_timeout):
+                link = await self._gossip.get_link(peer_id)
+                await self._gossip.exchange(link)
+        except _FRAME_FAILURES as exc:
+            # The next evidence-bearing frame (a first contact, another peer's spread) carries it too.
+            log.debug("evidence frame to %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
 
     def _close_links_outside_view(self) -> None:
         stream_counts = {link.peer_id: link.stream_count for link in self._links.live()}

@@ -103,6 +103,9 @@ class Gossip:
         # How what this node learned reaches its peers at once: an exchange with each (under
         # delta gossip the node sets a digest round with its view instead).
         self.spread: Callable[[], None] = self.with_all
+        # How new audit evidence does: it rides GossipFrames only, never digests, so under delta
+        # gossip the node sets a frame exchange with its active view here.
+        self.spread_evidence: Callable[[], None] = self.with_all
 
     def start(self, relay_links: RelayLinks) -> None:
         """Spread revocations to ``relay_links`` too, from now on."""
@@ -258,7 +261,12 @@ class Gossip:
                 link = self._connections.links.get(revoked.target)
                 if link is not None:
                     self._background.spawn(self._farewell(link, revoked))
-        self.spread()
+        # A set: where both ways are one (full gossip: an exchange with every peer), once.
+        ways = {self.spread} if learned else set()
+        if new_evidence:
+            ways.add(self.spread_evidence)
+        for spread in ways:
+            spread()
 
     async def _farewell(self, link: PeerLink, revoked: Revoked) -> None:
         try:

@@ -217,6 +217,7 @@ class Node:
         if self.delta_gossip is not None:
             # What a node learns (a revocation) spreads by digest with its view, not to everyone.
             self.gossip.spread = self.delta_gossip.gossip_now
+            self.gossip.spread_evidence = self.delta_gossip.evidence_now
         self._heartbeat = Heartbeat(self.state, self.keeper, self.gossip, self._liveness, self.delta_gossip)
         self._bootstrap = Bootstrap(
             self.state, self.keeper, self._connections, self.gossip, self._background, known_peers
