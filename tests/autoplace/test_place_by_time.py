@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from helpers.mesh_nodes import start_first_node, start_joiner
 from helpers.polling import eventually
+from served_speeds import announce, speed_for
 
 from engines.gguf_file import read_gguf
 from engines.model_manifest import build_manifest
@@ -32,34 +33,10 @@ from meshnode.autoplace.auto_shard import AutoPlaceConfig, AutoShard, ServeReque
 from meshnode.autoplace.time_balance import TimedRange, route_bottleneck
 from meshnode.dataplane.stage_speed import StageSpeed
 from meshnode.node import Node
-from meshnode.wire.pb import mesh, shard
 
 pytestmark = pytest.mark.timeout(90)
 
-RECIPE = "r" * 64
 CREATOR_US_PER_LAYER = 1_000
-
-
-def speed_for(layers: tuple[int, int], us_per_layer: int) -> StageSpeed:
-    return StageSpeed(
-        decode_us_per_token=us_per_layer * (layers[1] - layers[0]),
-        prefill_us_per_token=0,
-        samples=0,
-        measured=False,
-    )
-
-
-def announce(node: Node, root: str, layers: tuple[int, int], speed: StageSpeed) -> None:
-    node.set_serving(
-        mesh.ServedShard(
-            model_name="tiny",
-            fingerprint=shard.Fingerprint(model_artifact_digest=root, runtime_recipe_digest=RECIPE),
-            shard_range=shard.ShardRange(start_layer=layers[0], end_layer=layers[1]),
-            total_layers=TINY_N_LAYERS,
-            speed=speed.message(),
-        )
-    )
-    node.set_load(mesh.Load(serving_state=shard.SERVING_STATE_SERVING))
 
 
 class MeasuredShard:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import pytest
 from helpers.mesh_nodes import start_first_node, start_joiner
 from helpers.polling import eventually
+from served_speeds import announce, speed_for
 
 from engines.model_manifest import build_manifest
 from engines.tiny_model import TINY_N_LAYERS, ensure_tiny_model
@@ -38,11 +39,9 @@ from meshnode.mesh.placement import replica_counts
 from meshnode.mesh.slow_stage import SlowStageWatch
 from meshnode.node import Node
 from meshnode.sansio import SECOND_NS
-from meshnode.wire.pb import mesh, shard
 
 pytestmark = pytest.mark.timeout(120)
 
-RECIPE = "r" * 64
 FAST_US_PER_LAYER = 1_000
 SLOW_US_PER_LAYER = 3 * FAST_US_PER_LAYER
 
@@ -58,26 +57,8 @@ class SteppingClock:
         return self.now_ns
 
 
-def speed_for(layers: tuple[int, int], us_per_layer: int) -> StageSpeed:
-    return StageSpeed(
-        decode_us_per_token=us_per_layer * (layers[1] - layers[0]),
-        prefill_us_per_token=0,
-        samples=10,
-        measured=True,
-    )
-
-
-def announce(node: Node, root: str, layers: tuple[int, int], us_per_layer: int) -> None:
-    node.set_serving(
-        mesh.ServedShard(
-            model_name="tiny",
-            fingerprint=shard.Fingerprint(model_artifact_digest=root, runtime_recipe_digest=RECIPE),
-            shard_range=shard.ShardRange(start_layer=layers[0], end_layer=layers[1]),
-            total_layers=TINY_N_LAYERS,
-            speed=speed_for(layers, us_per_layer).message(),
-        )
-    )
-    node.set_load(mesh.Load(serving_state=shard.SERVING_STATE_SERVING))
+def announce_measured(node: Node, root: str, layers: tuple[int, int], us_per_layer: int) -> None:
+    announce(node, root, layers, speed_for(layers, us_per_layer, measured=True))
 
 
 class MeasuredShard:
@@ -85,8 +66,8 @@ class MeasuredShard:
 
     def __init__(self, node: Node, request: ServeRequest) -> None:
         self.node = node
-        self.speed = speed_for(request.layers, SLOW_US_PER_LAYER)
-        announce(node, request.fingerprint, request.layers, SLOW_US_PER_LAYER)
+        self.speed = speed_for(request.layers, SLOW_US_PER_LAYER, measured=True)
+        announce_measured(node, request.fingerprint, request.layers, SLOW_US_PER_LAYER)
 
     async def drain(self) -> None:
         pass
@@ -168,7 +149,7 @@ async def test_a_slow_node_gives_up_to_a_faster_replica_the_layers_it_serves_and
     creator = await start_first_node(tmp_path)
     joiners: list[Node] = []
     try:
-        announce(creator, root, (0, 3), FAST_US_PER_LAYER)
+        announce_measured(creator, root, (0, 3), FAST_US_PER_LAYER)
         holdings = Holdings()
         holdings.add(FullModel(model_path))
         ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(creator)
@@ -196,7 +177,7 @@ async def test_a_slow_node_gives_up_to_a_faster_replica_the_layers_it_serves_and
             if place_by == "time":
                 assert p.status()["slow_yield"]["slow"] is True
 
-            announce(fast, root, (3, 5), FAST_US_PER_LAYER)
+            announce_measured(fast, root, (3, 5), FAST_US_PER_LAYER)
             await eventually(
                 lambda: any(e.peer_id == fast.node_id and e.announcement.HasField("serving") for e in slow.peers()),
                 what="the fast node's range seen by the slow one",
