@@ -10,8 +10,10 @@ stale peer is suspected (:class:`~meshnode.node.liveness.Liveness`).
 
 from __future__ import annotations
 
+import logging
 import time
 
+from meshnode.mesh.gossip_size_advice import FullGossipAdvice
 from meshnode.mesh.state import HeartbeatDue, MeshState, PeerStale
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.delta_gossip import DeltaGossip
@@ -19,6 +21,8 @@ from meshnode.node.gossip import Gossip
 from meshnode.node.liveness import Liveness
 from meshnode.node.membership_keeper import MembershipKeeper
 from meshnode.timer_edge import run_timer
+
+log = logging.getLogger(__name__)
 
 # The membership (its known peers) is saved every this many beats.
 _SAVE_EVERY_BEATS = 10
@@ -40,6 +44,7 @@ class Heartbeat:
         self._gossip = gossip
         self._liveness = liveness
         self._beats = 0
+        self._full_gossip_advice = FullGossipAdvice()
 
     def start(self, background: BackgroundTasks) -> None:
         """Run the timer as one of ``background``'s tasks, so that stopping them (shutdown, a
@@ -62,6 +67,9 @@ class Heartbeat:
             self._delta.round()
         else:
             self._gossip.with_all()
+            advice = self._full_gossip_advice.at_beat(len(self._state.table))
+            if advice is not None:
+                log.warning("%s", advice)
         if not len(self._state.table) and self._state.is_member:
             self._gossip.with_known_peers()
         if self._beats % _SAVE_EVERY_BEATS == 0 and self._state.is_member:
