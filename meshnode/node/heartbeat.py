@@ -46,6 +46,11 @@ class Heartbeat:
         self._beats = 0
         self._full_gossip_advice = FullGossipAdvice()
 
+    @property
+    def beats(self) -> int:
+        """Heartbeats so far: how tests count time in the protocol's own unit."""
+        return self._beats
+
     def start(self, background: BackgroundTasks) -> None:
         """Run the timer as one of ``background``'s tasks, so that stopping them (shutdown, a
         test's crash) stops the heartbeat."""
