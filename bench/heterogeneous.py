@@ -1,7 +1,7 @@
 """Mixed machines (issue 55): speed-aware placement against memory-only placement and the ideal split.
 
     python bench/heterogeneous.py [--size large] [--slow-share 0.33] [--first-layers 4]
-                                  [--joiner-layers 7] [--tokens 24] [--runs 3] [--streams 4]
+                                  [--joiner-layers 7] [--slow-joiner-layers N] [--tokens 24] [--runs 3] [--streams 4]
                                   [--threads 1] [--ctx 512] [--join-order race|slow-first|fast-first]
 
 Three real ``meshnode`` processes on this machine, three times over, each time a fresh mesh:
@@ -199,7 +199,7 @@ async def run_mesh(
     work: Path,
     env: dict[str, str],
     quota: CpuQuota,
-    budget: int,
+    budgets: dict[str, int],
     prompts: list[list[int]],
     given: dict[str, Layers] | None = None,
 ) -> MeshRun:
@@ -222,7 +222,7 @@ async def run_mesh(
                 child = mesh.spawn(
                     name, "join", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
                     "--threads", str(args.threads), "--ctx", str(args.ctx), "--api-listen", "off",
-                    "--memory-budget", str(budget), "--place-by", label,
+                    "--memory-budget", str(budgets[name]), "--place-by", label,
                     env={"MESHNODE_INVITE": token, "MESHNODE_CACHE_DIR": str(work / label / f"{name}-cache")},
                     data_dir=data_dir,
                 )  # fmt: skip
@@ -342,19 +342,20 @@ def _ranges(ranges: dict[str, Layers]) -> str:
 
 
 def ideal_split(
-    costs: StepCosts, gguf: Any, n_layers: int, first: Layers, memory: MeshRun, budget: int
+    costs: StepCosts, gguf: Any, n_layers: int, first: Layers, memory: MeshRun, budgets: dict[str, int]
 ) -> tuple[dict[str, Layers], dict[str, float]]:
     """A keeps ``first`` (the creator's range is the person's choice, not placement's); of the
     splits of the rest between B and C in either order within their budget, the one whose
     slowest stage is fastest at the speeds the memory mesh measured (bytes a ms), then the one
     whose stages sum least (one stream's token)."""
     speeds = {n: costs.stage(memory.ranges[n]) / memory.decode_ms[n] for n in NODES}
-    fits = memory_fits(gguf, n_layers, [budget])
+    joiners = ("B", "C")
+    fits = memory_fits(gguf, n_layers, [budgets[n] for n in joiners])
     best: tuple[tuple[float, float], dict[str, Layers]] | None = None
     for near, far in (("B", "C"), ("C", "B")):
         for cut in range(first[1] + 1, n_layers):
             split = {"A": first, near: (first[1], cut), far: (cut, n_layers)}
-            if not (fits(0, *split[near]) and fits(0, *split[far])):
+            if not (fits(joiners.index(near), *split[near]) and fits(joiners.index(far), *split[far])):
                 continue
             times = [costs.stage(split[n]) / speeds[n] for n in NODES]
             key = (max(times), sum(times))
@@ -362,7 +363,7 @@ def ideal_split(
                 best = (key, split)
     if best is None:
         raise NoSplitError(
-            f"no split of [{first[1]}, {n_layers}) between B and C fits a budget of {budget} bytes"
+            f"no split of [{first[1]}, {n_layers}) between B and C fits their budgets ({budgets} bytes)"
         )
     return best[1], speeds
 
@@ -377,6 +378,9 @@ async def main_async(args: argparse.Namespace) -> None:
     n_layers = metadata_int(gguf.get(f"{gguf.architecture}.block_count"))
     costs = step_costs(n_layers, {t.name: t.nbytes for t in gguf.tensors})
     budget = joiner_budget(model, args.joiner_layers)
+    slow_layers = args.joiner_layers if args.slow_joiner_layers is None else args.slow_joiner_layers
+    budgets = {"B": budget, "C": budget}
+    budgets[SLOW] = joiner_budget(model, slow_layers)
     n_vocab = next(int(t.shape[1]) for t in gguf.tensors if t.name == "token_embd.weight")
     rng = np.random.default_rng(55)
     prompts = [
@@ -386,7 +390,9 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"joiners: {args.join_order}", flush=True)
     print(f"model {model.name}: {n_layers} layers, {model.stat().st_size / 1e9:.2f} GB; A serves [0, "
           f"{args.first_layers}), joiners' --memory-budget {budget / MIB:.0f} MiB ({args.joiner_layers} layers "
-          f"and the output table); {args.threads} thread(s) a node, {available_cpus()} cores", flush=True)  # fmt: skip
+          f"and the output table)"
+          + (f", {SLOW}'s {budgets[SLOW] / MIB:.0f} MiB ({slow_layers} layers)" if slow_layers != args.joiner_layers else "")
+          + f"; {args.threads} thread(s) a node, {available_cpus()} cores", flush=True)  # fmt: skip
     runs: dict[str, MeshRun] = {}
     with cpu_quota(args.slow_share) as quota, tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp:
         print(f"{SLOW} is slowed to {args.slow_share:g} of a core ({quota.description})", flush=True)
@@ -394,13 +400,13 @@ async def main_async(args: argparse.Namespace) -> None:
         work.mkdir(parents=True, exist_ok=True)
         for mode in ("memory", "time"):
             if mode in args.modes:
-                runs[mode] = await run_mesh(args, mode, model, work, env, quota, budget, prompts)
+                runs[mode] = await run_mesh(args, mode, model, work, env, quota, budgets, prompts)
         if "ideal" not in args.modes or "memory" not in runs:
             pass
         elif all(n in runs["memory"].decode_ms for n in NODES):
             try:
                 given, speeds = ideal_split(
-                    costs, gguf, n_layers, (0, args.first_layers), runs["memory"], budget
+                    costs, gguf, n_layers, (0, args.first_layers), runs["memory"], budgets
                 )
             except NoSplitError as exc:
                 print(f"  ideal: no split fits the budgets ({exc})", flush=True)
@@ -408,7 +414,9 @@ async def main_async(args: argparse.Namespace) -> None:
                 print("  ideal: speeds measured by the memory mesh, MB a step reads per second: "
                       + ", ".join(f"{n} {speeds[n] * 1000 / 1e6:.0f}" for n in NODES)
                       + f"; split {_ranges(given)}", flush=True)  # fmt: skip
-                runs["ideal"] = await run_mesh(args, "ideal", model, work, env, quota, budget, prompts, given)
+                runs["ideal"] = await run_mesh(
+                    args, "ideal", model, work, env, quota, budgets, prompts, given
+                )
         else:
             print("  ideal: skipped, a node of the memory mesh announced no speed", flush=True)
     print("\nsummary (decode tokens/s; one stream, then "
@@ -438,6 +446,12 @@ def main() -> None:
     parser.add_argument("--slow-share", type=float, default=0.33, help="C's CPU, a share of one core (0.33)")
     parser.add_argument("--first-layers", type=int, default=4, help="A's layers [0, N) (4)")
     parser.add_argument("--joiner-layers", type=int, default=7, help="layers a joiner's budget holds (7)")
+    parser.add_argument(
+        "--slow-joiner-layers",
+        type=int,
+        help="layers the slowed joiner's budget holds (--joiner-layers): a slow machine with much memory, "
+        "which placement by bytes hands the most layers",
+    )
     parser.add_argument("--tokens", type=int, default=24, help="generated per request (24)")
     parser.add_argument(
         "--runs", type=int, default=3, help="one-stream generations and concurrent rounds, median (3)"
