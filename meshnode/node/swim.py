@@ -86,12 +86,17 @@ class SwimLiveness:
         members = set(self._state.table.peer_ids())
         plan = self.detector.start_round(members)
         for peer_id in plan.confirmed:
-            rounds = self.detector.suspicion_rounds
-            if self._liveness.drop(peer_id, f"suspected, and not heard from in {rounds} rounds"):
-                self.on_removed(peer_id)
+            self.confirm_down(peer_id)
         for probed in (plan.probe, *plan.checks):
             if probed is not None:
                 self.check(probed)
+
+    def confirm_down(self, peer_id: bytes) -> None:
+        """Remove ``peer_id``, a suspect not heard from for the detector's suspicion rounds: out of
+        the table (tombstoned), its link closed, and out of the partial view."""
+        rounds = self.detector.suspicion_rounds
+        if self._liveness.drop(peer_id, f"suspected, and not heard from in {rounds} rounds"):
+            self.on_removed(peer_id)
 
     def check(self, peer_id: bytes) -> None:
         """Probe ``peer_id`` now (its turn, a suspicion heard, a failed exchange), unless a probe
