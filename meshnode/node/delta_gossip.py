@@ -20,7 +20,10 @@ views keep mixing and a healed partition's halves meet again.
 Liveness does not ride on the records (each changes only when its content does): SWIM
 probes find dead members (:class:`~meshnode.node.swim.SwimLiveness`, run at the start of
 each round), a peer whose exchange fails is probed at once, and suspicions ride on the
-digest frames both ways (``DigestOpen.suspected``, ``DigestReply.suspected``).
+digest frames both ways (``DigestOpen.suspected``, ``DigestReply.suspected``); a frame to a
+peer we removed as down while it was alive names that peer, so it refutes
+(:meth:`SwimLiveness.rumors`), and the side that refutes sends its fresher record on the
+same exchange.
 """
 
 from __future__ import annotations
@@ -166,11 +169,13 @@ class DeltaGossip:
             stream = await link.open_stream(StreamType.GOSSIP_DIGEST)
             try:
                 sent = self._digest.open()
-                sent.suspected.extend(self.swim.rumors())
+                sent.suspected.extend(self.swim.rumors(peer_id))
                 await stream.send_frame(sent.SerializeToString())
                 reply = await read_message(stream, mesh.DigestReply, None)
                 push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
-                self.swim.heard(reply.suspected, sender=peer_id)
+                if self.swim.heard(reply.suspected, sender=peer_id):
+                    # It suspects us, or removed us: our push carries the fresher record at once.
+                    push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
                 await stream.send_frame(push.SerializeToString())
                 stream.finish()
                 records = await read_message(stream, mesh.DigestRecords, None)
@@ -192,8 +197,10 @@ class DeltaGossip:
         peer_id = stream.peer_id
         opened = await read_message(stream, mesh.DigestOpen, self._gossip_timeout)
         reply = self._digest.answer_open(opened, peer_id=peer_id)
-        self.swim.heard(opened.suspected, sender=peer_id)
-        reply.suspected.extend(self.swim.rumors())
+        if self.swim.heard(opened.suspected, sender=peer_id):
+            # Our reply lists the fresher record, which a peer that removed us asks for at once.
+            reply = self._digest.answer_open(opened, peer_id=peer_id)
+        reply.suspected.extend(self.swim.rumors(peer_id))
         await stream.send_frame(reply.SerializeToString())
         push = await read_message(stream, mesh.DigestPush, self._gossip_timeout)
         records, report = self._digest.answer_push(
