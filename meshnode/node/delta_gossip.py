@@ -11,7 +11,8 @@ pure machine's.
 
 The node keeps links for gossip only to its active view: each round a link to a peer
 outside it that carries no stream (a probe's, one the peer left our view by) is closed
-(:func:`~meshnode.mesh.partial_view.links_to_close`); a link a route's session or a
+(:func:`~meshnode.mesh.partial_view.links_to_close`), a direct QUIC link or a relayed one
+alike (a relayed link's channels are its streams); a link a route's session or a
 transfer uses stays, and the data plane makes its links on demand as before. A peer that
 closes its link to us leaves our active view for the passive one (it evicted us), and
 now and then a round swaps an active peer for a passive one (HyParView's shuffle), so the
