@@ -10,7 +10,8 @@ brings the rest. What the records and revocations mean, and every check on them,
 pure machine's.
 
 The node keeps links for gossip only to its active view: each round a link to a peer
-outside it that carries no stream (a probe's, one the peer left our view by) is closed
+outside it that carried no stream at the round before either, nor one its peer opened
+since (the reply of a stream we served may still be on its way), is closed
 (:func:`~meshnode.mesh.partial_view.links_to_close`), a direct QUIC link or a relayed one
 alike (a relayed link's channels are its streams); a link a route's session or a
 transfer uses stays, and the data plane makes its links on demand as before. A peer that
@@ -59,6 +60,15 @@ SHUFFLE_CHANCE = 0.1
 _FRAME_FAILURES: tuple[type[Exception], ...] = (RemoteRefusal, *PEER_FAILURES)
 
 
+# A link as a round saw it: the link, the streams its peer had opened on it, the streams open.
+_LinkLook = tuple[PeerLink, int, int | None]
+
+
+def _quiet_since(before: _LinkLook | None, now: _LinkLook) -> bool:
+    """The same link, no stream open on it then, and none its peer opened since."""
+    return before is not None and before[0] is now[0] and before[1] == now[1] and before[2] == 0
+
+
 class DeltaGossip:
     def __init__(
         self,
@@ -92,6 +102,8 @@ class DeltaGossip:
         self.exchanges = 0
         # Links closed because their peer was outside the active view.
         self.links_closed = 0
+        # Each live link as the last round looked at it.
+        self._seen_links: dict[bytes, _LinkLook] = {}
 
     def round(self) -> None:
         """A heartbeat's failure detection, then its gossip: a digest exchange with ``fanout``
@@ -132,9 +144,15 @@ class DeltaGossip:
             log.debug("evidence frame to %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
 
     def _close_links_outside_view(self) -> None:
-        stream_counts = {link.peer_id: link.stream_count for link in self._links.live()}
+        live = self._links.live()
+        stream_counts = {link.peer_id: link.stream_count for link in live}
+        seen, self._seen_links = (
+            self._seen_links,
+            {link.peer_id: (link, link.streams_accepted, link.stream_count) for link in live},
+        )
+        quiet = {peer_id for peer_id, now in self._seen_links.items() if _quiet_since(seen.get(peer_id), now)}
         busy = self._in_round | self.swim.probing
-        for peer_id in links_to_close(stream_counts, self.view.active, busy):
+        for peer_id in links_to_close(stream_counts, self.view.active, busy, quiet):
             link = self._links.get(peer_id)
             if link is not None:
                 self.links_closed += 1

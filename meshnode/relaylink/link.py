@@ -264,6 +264,7 @@ class RelayedPeerLink(PeerLink):
         elif isinstance(event, ChannelOpened):
             stream = RelayChannelStream(self, event.channel)
             self._streams[event.channel] = stream
+            self.streams_accepted += 1
             self._handler.stream_accepted(self, stream)
         elif isinstance(event, ChannelFinished):
             stream = self._streams.get(event.channel)
