@@ -133,9 +133,10 @@ class FailureDetector:
         self._rumors.pop(peer_id, None)
         self._to_check.pop(peer_id, None)
 
-    def rumors(self) -> list[bytes]:
-        """The suspicions to put on the frame we send now (each rides on a bounded number of frames)."""
-        chosen = list(self._rumors)[:MAX_SUSPECTED_PER_FRAME]
+    def rumors(self, limit: int = MAX_SUSPECTED_PER_FRAME) -> list[bytes]:
+        """The suspicions to put on the frame we send now, at most ``limit`` (each rides on a
+        bounded number of frames)."""
+        chosen = list(self._rumors)[: max(0, min(limit, MAX_SUSPECTED_PER_FRAME))]
         for peer in chosen:
             self._rumors[peer] -= 1
             if self._rumors[peer] <= 0:

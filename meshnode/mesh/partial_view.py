@@ -124,10 +124,17 @@ class PartialView:
 
 
 def links_to_close(
-    stream_counts: Mapping[bytes, int | None], active: Collection[bytes], busy: Collection[bytes]
+    stream_counts: Mapping[bytes, int | None],
+    active: Collection[bytes],
+    busy: Collection[bytes],
+    quiet: Collection[bytes],
 ) -> list[bytes]:
-    """The peers whose link to close: outside the ``active`` view, carrying no stream, and not
-    ``busy`` (an exchange or a probe under way, which may not have opened its stream yet).
+    """The peers whose link to close: outside the ``active`` view, carrying no stream, not
+    ``busy`` (an exchange or a probe under way, which may not have opened its stream yet), and
+    ``quiet``: no stream was open on it when the caller last looked (a round ago), nor did the
+    peer open one since. A stream we served ends here once we sent the reply, not once the
+    peer read it, and a link closed then takes the reply with it (the peer's unread data goes
+    with the link): a link is closed a round after its last stream at the soonest.
 
     ``stream_counts``: the streams open on each linked peer's link, None where the link cannot
     say (it is kept). A stream open is something living on the link (a route's session, a
@@ -137,7 +144,7 @@ def links_to_close(
     return [
         peer_id
         for peer_id, streams in stream_counts.items()
-        if streams == 0 and peer_id not in active and peer_id not in busy
+        if streams == 0 and peer_id not in active and peer_id not in busy and peer_id in quiet
     ]
 
 

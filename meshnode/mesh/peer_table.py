@@ -43,6 +43,10 @@ class Tombstone:
     freshness: Freshness
     expires_at_ns: int
     reason: str
+    # Removed on this node's own failed probes (SWIM's confirmation), not because it left: if it
+    # talks to us it was alive after all, and it may refute the removal with a fresher record
+    # (MeshState.removed_as_down).
+    refutable: bool = False
 
 
 @dataclass
@@ -167,14 +171,15 @@ class PeerTable:
                 entry.last_direct_ns = now_ns
         return report
 
-    def remove(self, peer_id: bytes, *, reason: str, now_ns: int) -> bool:
-        """Drop a peer and tombstone its last known state; false if it was not known."""
+    def remove(self, peer_id: bytes, *, reason: str, now_ns: int, refutable: bool = False) -> bool:
+        """Drop a peer and tombstone its last known state; false if it was not known.
+        ``refutable``: see :attr:`Tombstone.refutable`."""
         entry = self._entries.pop(peer_id, None)
         if entry is None:
             return False
         self.changes += 1
         self._tombstones[peer_id] = Tombstone(
-            freshness(entry.announcement), now_ns + self.tombstone_ttl_ns, reason
+            freshness(entry.announcement), now_ns + self.tombstone_ttl_ns, reason, refutable
         )
         self._departed.pop(peer_id, None)  # re-inserted last: departed() is in removal order
         if entry.announcement.addresses:

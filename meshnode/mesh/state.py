@@ -235,10 +235,26 @@ class MeshState:
         )
         return True
 
-    def remove_peer(self, peer_id: bytes, *, reason: str, now_ns: int) -> bool:
-        """Drop a peer (left, or confirmed down) and revoke its admission."""
+    def remove_peer(self, peer_id: bytes, *, reason: str, now_ns: int, refutable: bool = False) -> bool:
+        """Drop a peer (left, or confirmed down) and revoke its admission; ``refutable``: removed
+        on our own failed probes (SWIM's confirmation), see :meth:`removed_as_down`."""
         self._admitted.discard(peer_id)
-        return self.table.remove(peer_id, reason=reason, now_ns=now_ns)
+        return self.table.remove(peer_id, reason=reason, now_ns=now_ns, refutable=refutable)
+
+    def removed_as_down(self, peer_id: bytes) -> bool:
+        """Whether we hold ``peer_id`` removed as confirmed down by our own probes, and not revoked.
+
+        Under delta gossip a removed member's record does not change by itself, so it cannot
+        beat its tombstone: a member we confirmed down wrongly (a glitch between us, probes that
+        timed out) stays out of our table, alive and serving, until the tombstone expires. A
+        peer for which this is true and which talks to us over an admitted link is evidently
+        alive: the frames we send it name it as suspected, and, as SWIM's refutation, it signs
+        a fresher record, which beats the tombstone when it comes from itself
+        (:func:`~meshnode.mesh.rules.resolve_announcement`). A node that left, or that an admin
+        removed, is never named: a revocation is not refuted, and its records are refused anyway.
+        """
+        tombstone = self.table.tombstone(peer_id)
+        return tombstone is not None and tombstone.refutable and self.revocations.node(peer_id) is None
 
     # -- liveness timer ------------------------------------------------------------
 

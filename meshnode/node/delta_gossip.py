@@ -10,8 +10,10 @@ brings the rest. What the records and revocations mean, and every check on them,
 pure machine's.
 
 The node keeps links for gossip only to its active view: each round a link to a peer
-outside it that carries no stream (a probe's, one the peer left our view by) is closed
-(:func:`~meshnode.mesh.partial_view.links_to_close`); a link a route's session or a
+outside it that carried no stream at the round before either, nor one its peer opened
+since (the reply of a stream we served may still be on its way), is closed
+(:func:`~meshnode.mesh.partial_view.links_to_close`), a direct QUIC link or a relayed one
+alike (a relayed link's channels are its streams); a link a route's session or a
 transfer uses stays, and the data plane makes its links on demand as before. A peer that
 closes its link to us leaves our active view for the passive one (it evicted us), and
 now and then a round swaps an active peer for a passive one (HyParView's shuffle), so the
@@ -20,7 +22,10 @@ views keep mixing and a healed partition's halves meet again.
 Liveness does not ride on the records (each changes only when its content does): SWIM
 probes find dead members (:class:`~meshnode.node.swim.SwimLiveness`, run at the start of
 each round), a peer whose exchange fails is probed at once, and suspicions ride on the
-digest frames both ways (``DigestOpen.suspected``, ``DigestReply.suspected``).
+digest frames both ways (``DigestOpen.suspected``, ``DigestReply.suspected``); a frame to a
+peer we removed as down while it was alive names that peer, so it refutes
+(:meth:`SwimLiveness.rumors`), and the side that refutes sends its fresher record on the
+same exchange.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ SHUFFLE_CHANCE = 0.1
 # How an evidence frame exchange with a peer can fail: the peer's refusal, or any failure a
 # conversation with it can meet.
 _FRAME_FAILURES: tuple[type[Exception], ...] = (RemoteRefusal, *PEER_FAILURES)
+
+
+# A link as a round saw it: the link, the streams its peer had opened on it, the streams open.
+_LinkLook = tuple[PeerLink, int, int | None]
+
+
+def _quiet_since(before: _LinkLook | None, now: _LinkLook) -> bool:
+    """The same link, no stream open on it then, and none its peer opened since."""
+    return before is not None and before[0] is now[0] and before[1] == now[1] and before[2] == 0
 
 
 class DeltaGossip:
@@ -88,6 +102,8 @@ class DeltaGossip:
         self.exchanges = 0
         # Links closed because their peer was outside the active view.
         self.links_closed = 0
+        # Each live link as the last round looked at it.
+        self._seen_links: dict[bytes, _LinkLook] = {}
 
     def round(self) -> None:
         """A heartbeat's failure detection, then its gossip: a digest exchange with ``fanout``
@@ -128,9 +144,15 @@ class DeltaGossip:
             log.debug("evidence frame to %s failed: %s", short_id(peer_id), exc or type(exc).__name__)
 
     def _close_links_outside_view(self) -> None:
-        stream_counts = {link.peer_id: link.stream_count for link in self._links.live()}
+        live = self._links.live()
+        stream_counts = {link.peer_id: link.stream_count for link in live}
+        seen, self._seen_links = (
+            self._seen_links,
+            {link.peer_id: (link, link.streams_accepted, link.stream_count) for link in live},
+        )
+        quiet = {peer_id for peer_id, now in self._seen_links.items() if _quiet_since(seen.get(peer_id), now)}
         busy = self._in_round | self.swim.probing
-        for peer_id in links_to_close(stream_counts, self.view.active, busy):
+        for peer_id in links_to_close(stream_counts, self.view.active, busy, quiet):
             link = self._links.get(peer_id)
             if link is not None:
                 self.links_closed += 1
@@ -166,11 +188,13 @@ class DeltaGossip:
             stream = await link.open_stream(StreamType.GOSSIP_DIGEST)
             try:
                 sent = self._digest.open()
-                sent.suspected.extend(self.swim.rumors())
+                sent.suspected.extend(self.swim.rumors(peer_id))
                 await stream.send_frame(sent.SerializeToString())
                 reply = await read_message(stream, mesh.DigestReply, None)
                 push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
-                self.swim.heard(reply.suspected, sender=peer_id)
+                if self.swim.heard(reply.suspected, sender=peer_id):
+                    # It suspects us, or removed us: our push carries the fresher record at once.
+                    push = self._digest.answer_reply(sent, reply, peer_id=peer_id)
                 await stream.send_frame(push.SerializeToString())
                 stream.finish()
                 records = await read_message(stream, mesh.DigestRecords, None)
@@ -192,8 +216,10 @@ class DeltaGossip:
         peer_id = stream.peer_id
         opened = await read_message(stream, mesh.DigestOpen, self._gossip_timeout)
         reply = self._digest.answer_open(opened, peer_id=peer_id)
-        self.swim.heard(opened.suspected, sender=peer_id)
-        reply.suspected.extend(self.swim.rumors())
+        if self.swim.heard(opened.suspected, sender=peer_id):
+            # Our reply lists the fresher record, which a peer that removed us asks for at once.
+            reply = self._digest.answer_open(opened, peer_id=peer_id)
+        reply.suspected.extend(self.swim.rumors(peer_id))
         await stream.send_frame(reply.SerializeToString())
         push = await read_message(stream, mesh.DigestPush, self._gossip_timeout)
         records, report = self._digest.answer_push(

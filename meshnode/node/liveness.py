@@ -138,11 +138,15 @@ class Liveness:
         await stream.send_frame(probe.SerializeToString())
 
     def drop(self, peer_id: bytes, reason: str) -> bool:
-        """Drop ``peer_id`` as gone (SWIM confirmed it down) and close its link; whether it was known."""
-        return self._drop(peer_id, reason, close_link=True)
+        """Drop ``peer_id`` as gone (SWIM confirmed it down) and close its link; whether it was known.
+        The removal is refutable (:meth:`MeshState.removed_as_down`): our probes may have been wrong."""
+        return self._drop(peer_id, reason, close_link=True, refutable=True)
 
-    def _drop(self, peer_id: bytes, reason: str, *, close_link: bool) -> bool:
-        if not self._state.remove_peer(peer_id, reason=reason, now_ns=time.monotonic_ns()):
+    def _drop(self, peer_id: bytes, reason: str, *, close_link: bool, refutable: bool = False) -> bool:
+        removed = self._state.remove_peer(
+            peer_id, reason=reason, now_ns=time.monotonic_ns(), refutable=refutable
+        )
+        if not removed:
             return False
         log.info("dropped peer %s: %s", short_id(peer_id), reason)
         link = self._connections.links.get(peer_id)

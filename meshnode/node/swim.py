@@ -14,7 +14,13 @@ liveness; instead, each heartbeat (:meth:`SwimLiveness.round`):
 * a suspect removed is one not heard from for the detector's ``suspicion_rounds``: hearing it
   means a probe it answered, a digest exchange with it, or a fresher record of it, signed by
   itself (a suspect that hears itself named on a frame makes its record fresher: SWIM's
-  refutation, and the only way a member we cannot reach tells us it is alive).
+  refutation, and the only way a member we cannot reach tells us it is alive);
+* a member removed wrongly (alive, but our probes and the helpers' failed) keeps its record,
+  which cannot beat its tombstone by itself; when it talks to us again (its view takes us
+  back, a first frame admits it) the digest frames we send it name it as suspected
+  (:meth:`MeshState.removed_as_down`), it refutes as above, and its fresher record, from
+  itself, admits it again at once. A removed node that left, or that an admin revoked, is
+  never named.
 
 A suspicion heard is never believed: it makes the hearer probe the suspect itself
 (:meth:`FailureDetector.heard`), as a PEER_DOWN report does under full gossip.
@@ -32,7 +38,7 @@ from meshnode.mesh.failure_detector import FailureDetector
 from meshnode.mesh.message_reader import read_message
 from meshnode.mesh.peer_table import MergeReport
 from meshnode.mesh.state import MeshState
-from meshnode.mesh.validation import decode, validate_probe
+from meshnode.mesh.validation import MAX_SUSPECTED_PER_FRAME, decode, validate_probe
 from meshnode.node.background_tasks import BackgroundTasks
 from meshnode.node.liveness import Liveness
 from meshnode.node.peer_failures import PEER_FAILURES
@@ -86,12 +92,17 @@ class SwimLiveness:
         members = set(self._state.table.peer_ids())
         plan = self.detector.start_round(members)
         for peer_id in plan.confirmed:
-            rounds = self.detector.suspicion_rounds
-            if self._liveness.drop(peer_id, f"suspected, and not heard from in {rounds} rounds"):
-                self.on_removed(peer_id)
+            self.confirm_down(peer_id)
         for probed in (plan.probe, *plan.checks):
             if probed is not None:
                 self.check(probed)
+
+    def confirm_down(self, peer_id: bytes) -> None:
+        """Remove ``peer_id``, a suspect not heard from for the detector's suspicion rounds: out of
+        the table (tombstoned), its link closed, and out of the partial view."""
+        rounds = self.detector.suspicion_rounds
+        if self._liveness.drop(peer_id, f"suspected, and not heard from in {rounds} rounds"):
+            self.on_removed(peer_id)
 
     def check(self, peer_id: bytes) -> None:
         """Probe ``peer_id`` now (its turn, a suspicion heard, a failed exchange), unless a probe
@@ -169,18 +180,25 @@ class SwimLiveness:
 
     # -- what rides on gossip ---------------------------------------------------------------
 
-    def rumors(self) -> list[bytes]:
-        """The suspicions to put on a digest frame we send now."""
-        return self.detector.rumors()
+    def rumors(self, to: bytes) -> list[bytes]:
+        """The suspicions to put on a digest frame we send to ``to`` now: first ``to`` itself when
+        we removed it as confirmed down (:meth:`MeshState.removed_as_down`). It talks to us, so
+        our probes were wrong; hearing itself named it refutes, and its fresher record, which
+        it sends us on this exchange or its next, admits it again."""
+        told = [to] if self._state.removed_as_down(to) else []
+        return told + self.detector.rumors(MAX_SUSPECTED_PER_FRAME - len(told))
 
-    def heard(self, suspected: Iterable[bytes], *, sender: bytes) -> None:
-        """Suspicions a peer sent on a digest frame: ours to check, or, naming us, to refute."""
+    def heard(self, suspected: Iterable[bytes], *, sender: bytes) -> bool:
+        """Suspicions a peer sent on a digest frame: ours to check, or, naming us, to refute;
+        whether we refuted (our record is fresher now)."""
         suspected = list(suspected)
-        if self._state.node_id in suspected:
+        refuted = self._state.node_id in suspected
+        if refuted:
             self._state.heartbeat()
             self.refutations += 1
-            log.info("peer %s suspects this node; our record is fresher now", short_id(sender))
+            log.info("peer %s suspects this node, or removed it; our record is fresher now", short_id(sender))
         self.detector.heard(suspected, sender=sender)
+        return refuted
 
     def heard_from(self, peer_id: bytes, report: MergeReport) -> None:
         """A digest exchange with ``peer_id`` completed, and these records were fresher: each of

@@ -160,6 +160,13 @@ class RelayedPeerLink(PeerLink):
     def description(self) -> str:
         return f"relay {self._relay_description}"
 
+    @property
+    def stream_count(self) -> int:
+        """Channels the link still tracks, as a QUIC link's streams: one is forgotten once it is
+        done both ways (finished each way and read to the end) or reset. Counted, a relayed link
+        outside the active view is closed once idle like a direct one (delta gossip)."""
+        return self.mux.open_channels
+
     # -- driven by the relay-link manager ------------------------------------------------------
 
     def record_received(self, channel: int, record: bytes) -> None:
@@ -257,6 +264,7 @@ class RelayedPeerLink(PeerLink):
         elif isinstance(event, ChannelOpened):
             stream = RelayChannelStream(self, event.channel)
             self._streams[event.channel] = stream
+            self.streams_accepted += 1
             self._handler.stream_accepted(self, stream)
         elif isinstance(event, ChannelFinished):
             stream = self._streams.get(event.channel)

@@ -43,6 +43,9 @@ class PeerLink(abc.ABC):
     # Event-loop time of the last record the peer sent on this link (-inf: not tracked). A peer
     # that sends while one of our probes waits is slow, not gone.
     last_heard_at: float = float("-inf")
+    # Streams the peer opened on the link since it came up (where ``stream_count`` is tracked):
+    # a link whose count has not moved since some moment served no stream since.
+    streams_accepted: int = 0
     # Why the link closed ("" while open).
     close_reason: str = ""
     # Set once the link is closed; implementations create it and set it exactly once.

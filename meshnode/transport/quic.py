@@ -379,6 +379,7 @@ class QuicLink(PeerLink):
             return None  # served and forgotten already
         stream = QuicMeshStream(self, stream_id)
         self._streams[stream_id] = stream
+        self.streams_accepted += 1
         self.handler.stream_accepted(self, stream)
         return stream
 

@@ -325,3 +325,56 @@ def test_bucket_counts_are_powers_of_two_within_bounds():
     assert bucket_count_for(300) == 64
     assert bucket_count_for(1024) == 128
     assert bucket_count_for(10**6) == MAX_DIGEST_BUCKETS
+
+
+def test_a_member_wrongly_confirmed_down_is_admitted_again_once_it_refutes(pair):
+    """SWIM's refutation under delta gossip: a's probes wrongly confirmed b down. b's record does
+    not change by itself, so it cannot beat a's tombstone; a, hearing from b itself, tells it
+    (the edge names it on its digest frames), b signs a fresher record, and that one does."""
+    a, b = pair
+    exchange(a, b)
+    assert a.state.remove_peer(b.node_id, reason="confirmed down", now_ns=NOW_NS, refutable=True)
+    assert a.state.removed_as_down(b.node_id)
+    admit(b, a)  # b dials a again: a first contact admits it, but its record stays tombstoned
+    exchange(b, a)
+    assert b.node_id not in a.state.table
+    assert a.state.removed_as_down(b.node_id)
+    b.state.heartbeat()  # b heard itself named: what SwimLiveness.heard does
+    exchange(b, a)  # b opens: a lacks b's record, b pushes it, a merges it (from b itself)
+    assert b.node_id in a.state.table
+    assert not a.state.removed_as_down(b.node_id)
+    assert a.state.table.tombstone(b.node_id) is None
+
+
+def test_the_fresher_record_is_asked_for_when_the_remover_opens(pair):
+    a, b = pair
+    exchange(a, b)
+    a.state.remove_peer(b.node_id, reason="confirmed down", now_ns=NOW_NS, refutable=True)
+    admit(b, a)
+    b.state.heartbeat()
+    exchange(a, b)  # a opens: b lists its fresher version, which a asks for (b is the sender)
+    assert b.node_id in a.state.table
+
+
+def test_a_departure_or_a_revocation_is_not_refutable(pair, mesh_key):
+    a, b = pair
+    victim = Member(mesh_key)
+    admit(victim, a)
+    exchange(a, b)
+    assert a.state.remove_peer(b.node_id, reason="left the mesh", now_ns=NOW_NS)
+    assert not a.state.removed_as_down(b.node_id)
+    # Confirmed down first, revoked by an admin after: a revocation is never refuted.
+    assert a.state.remove_peer(victim.node_id, reason="confirmed down", now_ns=NOW_NS, refutable=True)
+    revocation = revoke_node(
+        mesh_key, node_id=victim.node_id, reason="test", issuer_id=a.node_id, unix_now=NOW
+    )
+    a.state.learn_revocations([revocation], now_ns=NOW_NS)
+    assert not a.state.removed_as_down(victim.node_id)
+    victim.state.heartbeat()
+    push = mesh.DigestPush(gen=1, sender_id=victim.node_id)
+    push.entries.add().record.CopyFrom(victim.state.local_record())
+    assert (
+        code_of(lambda: a.digest.answer_push(push, peer_id=victim.node_id, now_ns=NOW_NS, unix_now=NOW))
+        == mesh.MESH_ERROR_REVOKED
+    )
+    assert victim.node_id not in a.state.table

@@ -65,3 +65,16 @@ def test_suspicions_heard_are_checked_by_our_own_probes_a_few_a_round_never_beli
     assert not fd.suspects  # heard, not believed
     later = fd.start_round(set(PEERS)).checks
     assert not set(plan.checks) & set(later)
+
+
+def test_rumors_leave_room_for_what_the_frame_carries_besides_and_only_those_sent_count():
+    fd = detector()
+    fd.start_round(set(PEERS))
+    fd.unreachable(PEERS[0])
+    fd.unreachable(PEERS[1])
+    assert fd.rumors(limit=1) == [PEERS[0]]
+    assert fd.rumors(limit=0) == []
+    sends = 1
+    while PEERS[0] in fd.rumors():
+        sends += 1
+    assert sends == RUMOR_SENDS

@@ -72,12 +72,22 @@ async def test_a_killed_node_is_removed_by_the_others_within_the_predicted_round
 async def test_a_live_node_suspected_by_one_member_refutes_it_and_stays(trio):
     first, second, suspect = trio
     sequence = suspect.state.local.heartbeat_seq
-    # As if the first member's probe of it, and its helpers', had timed out.
-    first.delta_gossip.swim.detector.unreachable(suspect.node_id)
+    detector = first.delta_gossip.swim.detector
     start = first.delta_gossip.swim.rounds
+
+    def refuted() -> bool:
+        if suspect.delta_gossip.swim.refutations > 0:
+            return True
+        if suspect.node_id not in detector.suspects:
+            # As if the first member's probe of it, and its helpers', had timed out. Again when an
+            # exchange or a probe with it under way as we suspected it ended since: it answered,
+            # so the first member rightly suspects it no more, before any frame carried it.
+            detector.unreachable(suspect.node_id)
+        return False
+
     # The suspicion rides on the first member's digest frames; the suspect, hearing it, signs a
     # fresher record, and the first member, hearing from it, suspects it no more.
-    await eventually(lambda: suspect.delta_gossip.swim.refutations > 0)
+    await eventually(refuted)
     assert suspect.state.local.heartbeat_seq > sequence
     await eventually(lambda: suspect.node_id not in first.delta_gossip.swim.detector.suspects)
     # Well past the rounds a suspicion lasts before removal, nobody removed it.
@@ -86,3 +96,28 @@ async def test_a_live_node_suspected_by_one_member_refutes_it_and_stays(trio):
         assert suspect.node_id in node.state.table
         assert suspect.node_id not in node.delta_gossip.swim.detector.suspects
         assert node.state.table.tombstone(suspect.node_id) is None
+
+
+async def test_a_live_node_wrongly_confirmed_down_learns_it_refutes_and_is_admitted_again(trio):
+    first, wronged, third = trio
+    swim = first.delta_gossip.swim
+    sequence = wronged.state.local.heartbeat_seq
+    # As if its probes, and its helpers', had failed for the suspicion's rounds: the first member
+    # removes a member that is alive and serving (its tombstone holds the record it had).
+    swim.confirm_down(wronged.node_id)
+    assert wronged.node_id not in first.state.table
+    assert first.state.table.tombstone(wronged.node_id) is not None
+    start = swim.rounds
+    # Its next exchange with the first member shows it the removal; it signs a fresher record,
+    # which beats the tombstone, and the first member admits it again. Bounded in rounds (the
+    # wronged node's view takes the first member back, a link, a frame and a digest), far
+    # within the tombstone's life (60 s, 240 rounds), which is what kept it out before.
+    bound = 40
+    await eventually(lambda: wronged.node_id in first.state.table or swim.rounds > start + bound, timeout=40)
+    assert wronged.node_id in first.state.table, f"not admitted again within {bound} rounds"
+    assert wronged.state.local.heartbeat_seq > sequence
+    assert wronged.delta_gossip.swim.refutations > 0
+    assert first.state.table.tombstone(wronged.node_id) is None
+    # The fresher record spread: the third member holds it too.
+    fresher = wronged.state.local.heartbeat_seq
+    await eventually(lambda: third.state.table.announcement_of(wronged.node_id).heartbeat_seq == fresher)
