@@ -3,6 +3,7 @@
     python bench/heterogeneous.py [--size large] [--slow-share 0.33] [--first-layers 4]
                                   [--joiner-layers 7] [--slow-joiner-layers N] [--tokens 24] [--runs 3] [--streams 4]
                                   [--threads 1] [--ctx 512] [--join-order race|slow-first|fast-first]
+                                  [--interleave R]
 
 Three real ``meshnode`` processes on this machine, three times over, each time a fresh mesh:
 
@@ -32,6 +33,11 @@ one at a time through A's API (decode tokens/s, the median), then ``--runs`` tim
 ``--streams`` at once (their decode tokens together over the time from the first one's first
 token to the last one's end; the median). The summary prints time ÷ memory (issue target >= 1.3) and time ÷ ideal (target
 >= 0.9), one stream and ``--streams``.
+
+With ``--interleave R`` the three layouts the meshes ended on are then started again with their
+ranges given, in R rounds, memory, time and ideal side by side in each (the order turning), and
+the ratios are printed again from those rounds' medians: placing a mesh takes minutes, over which
+a shared machine's load drifts, and the layouts compared in one round share it.
 
 All processes share this machine's cores; each node runs ``--threads`` threads (1 by default:
 three nodes on 2 cores). What the quota does to C is what a machine a third as fast does; what
@@ -230,8 +236,9 @@ async def run_mesh(
                 quota.add(child.process.pid)
             joiners.append(child)
             if args.join_order != "race" and given is None:
-                # In turn: the first joiner places itself alone, as a machine that joined earlier did.
-                await mesh.wait_serving(child)
+                # In turn: the first joiner places itself alone, as a machine that joined earlier did
+                # (serving, not only claimed: a claim's range can still be lost to another's).
+                await _placed(mesh, child)
         for child in joiners:
             await mesh.wait_serving(child)
         api, _ = await mesh.wait_route("A")
@@ -263,6 +270,49 @@ async def run_mesh(
         return run
     finally:
         mesh.stop_all()
+
+
+async def _interleaved(
+    args: argparse.Namespace,
+    layouts: dict[str, dict[str, Layers]],
+    model: Path,
+    work: Path,
+    env: dict[str, str],
+    quota: CpuQuota,
+    budgets: dict[str, int],
+    prompts: list[list[int]],
+) -> dict[str, tuple[float, float]]:
+    """Each layout started again with its ranges given, in ``--interleave`` rounds, the order
+    turning each round: on a shared machine the load drifts over the minutes one placed mesh
+    takes, and layouts measured side by side in every round share it. Per layout, the median of
+    the rounds' one-stream and concurrent figures."""
+    labels = list(layouts)
+    measured: dict[str, list[MeshRun]] = {label: [] for label in labels}
+    for round_index in range(args.interleave):
+        order = labels[round_index % len(labels) :] + labels[: round_index % len(labels)]
+        for label in order:
+            run = await run_mesh(
+                args, f"{label}-given-{round_index + 1}", model, work, env, quota, budgets, prompts,
+                layouts[label],
+            )  # fmt: skip
+            measured[label].append(run)
+    return {
+        label: (
+            statistics.median(r.single_tps for r in runs),
+            statistics.median(r.concurrent_tps for r in runs),
+        )
+        for label, runs in measured.items()
+    }
+
+
+async def _placed(mesh: LocalMesh, child: Child) -> None:
+    """Until ``child`` serves the range it placed itself on (its claim fetched and loaded)."""
+
+    def serving() -> bool:
+        status = child.status()
+        return status is not None and (status["node"]["serving"] or {}).get("state") == "serving"
+
+    await mesh.until(child, "placing itself and loading its layers", serving)
 
 
 def _join_order(order: str) -> tuple[str, ...]:
@@ -394,6 +444,7 @@ async def main_async(args: argparse.Namespace) -> None:
           + (f", {SLOW}'s {budgets[SLOW] / MIB:.0f} MiB ({slow_layers} layers)" if slow_layers != args.joiner_layers else "")
           + f"; {args.threads} thread(s) a node, {available_cpus()} cores", flush=True)  # fmt: skip
     runs: dict[str, MeshRun] = {}
+    replayed: dict[str, tuple[float, float]] = {}
     with cpu_quota(args.slow_share) as quota, tempfile.TemporaryDirectory(prefix="heterogeneous-") as tmp:
         print(f"{SLOW} is slowed to {args.slow_share:g} of a core ({quota.description})", flush=True)
         work = Path(tmp) if args.work_dir is None else args.work_dir
@@ -419,6 +470,9 @@ async def main_async(args: argparse.Namespace) -> None:
                 )
         else:
             print("  ideal: skipped, a node of the memory mesh announced no speed", flush=True)
+        if args.interleave and {"memory", "time", "ideal"} <= set(runs):
+            layouts = {label: runs[label].ranges for label in ("memory", "time", "ideal")}
+            replayed = await _interleaved(args, layouts, model, work, env, quota, budgets, prompts)
     print("\nsummary (decode tokens/s; one stream, then "
           f"{args.streams} at once):", flush=True)  # fmt: skip
     for label, run in runs.items():
@@ -433,6 +487,19 @@ async def main_async(args: argparse.Namespace) -> None:
         ideal = runs["ideal"]
         print(f"  time / ideal:  {timed.single_tps / ideal.single_tps:.2f} one stream, "
               f"{timed.concurrent_tps / ideal.concurrent_tps:.2f} {args.streams} streams (target >= 0.9)")  # fmt: skip
+    if replayed:
+        print(
+            f"\nthe three layouts again, given, in {args.interleave} interleaved rounds (median of the rounds):"
+        )
+        for label, (single, concurrent) in replayed.items():
+            print(f"  {label:7} {_ranges(runs[label].ranges):32} {single:6.2f} {concurrent:6.2f}")
+        (ts, tc), (ms, mc), (is_, ic) = replayed["time"], replayed["memory"], replayed["ideal"]
+        print(
+            f"  time / memory: {ts / ms:.2f} one stream, {tc / mc:.2f} {args.streams} streams (target >= 1.3)"
+        )
+        print(
+            f"  time / ideal:  {ts / is_:.2f} one stream, {tc / ic:.2f} {args.streams} streams (target >= 0.9)"
+        )
     print(f"whole run {time.monotonic() - started:.0f} s")
 
 
@@ -478,6 +545,15 @@ def main() -> None:
         default="race",
         help="placed meshes: the joiners start at once and race for the gap (race), or one places "
         "itself alone first: the slowed node (slow-first) or the other (fast-first)",
+    )
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="R",
+        help="after the three meshes, start each layout again with its ranges given, in R rounds "
+        "side by side (the order turning), and compare those: a shared machine's load drifts "
+        "over the minutes a placed mesh takes (0: off)",
     )
     parser.add_argument(
         "--work-dir", type=Path, help="keep the nodes' logs and data here (a temporary folder)"
