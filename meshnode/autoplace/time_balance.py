@@ -16,6 +16,14 @@ stage fastest; of equal ones the shortest (a slow node takes no layers it would 
 the lowest start. Where no window gains ``min_gain`` of the slowest stage's time, or any node
 involved announces no speed, placement is memory-only, exactly as before.
 
+A node at least :data:`~meshnode.mesh.slow_stage.SLOW_RATIO` times slower a layer than the one
+choosing is modelled as able to end its hop early: it gives up the layers faster replicas serve
+(:mod:`meshnode.autoplace.slow_yield`), so once this node serves the rest of its range, it will
+run only the part before. Without that, a slow node holding the middle of the model kept
+everyone's best route through all of its layers whatever a faster node took, so no faster node
+moved, and it could not give up layers nobody else served: each waited for the other
+(bench/heterogeneous.py, the slowed node joining first).
+
 :class:`TimeReplacement` moves a serving node the same way, with the hysteresis of
 :class:`~meshnode.mesh.placement.Replacement`: only to a range that stays better by
 ``min_gain`` for ``settle_ns``. Each move it allows makes the slowest stage of the best route
@@ -37,6 +45,7 @@ from meshnode.mesh.placement import (
     replica_counts,
     uncovered,
 )
+from meshnode.mesh.slow_stage import SLOW_RATIO
 
 # The share of the slowest stage's time a range must save to be taken for its speed (by a
 # joiner) or moved to (by a serving node, and then only if it lasts): a small difference in
@@ -91,6 +100,36 @@ def _backward(n_layers: int, stages: Sequence[TimedRange]) -> list[float]:
     return rest
 
 
+def _yield_windows(
+    n_layers: int, others: Sequence[TimedRange], own_us_per_layer: float, longest: Sequence[int]
+) -> list[tuple[Range, float]]:
+    """The windows that take over one end of a node at least ``SLOW_RATIO`` times slower a layer
+    than this one, each with the slowest stage of the best route once that node kept only the
+    rest of its range (:mod:`meshnode.autoplace.slow_yield` drops from its range's ends the layers
+    faster nodes serve; a layer in its middle it keeps)."""
+    found = []
+    for index, stage in enumerate(others):
+        if stage.us_per_layer < SLOW_RATIO * own_us_per_layer:
+            continue
+        first, end = stage.layers
+        rest = [*others[:index], *others[index + 1 :]]
+        # This node takes [start, stop) with the slow node's tail: it keeps [first, start).
+        for start in range(first + 1, end):
+            for stop in range(end, min(n_layers, start + longest[start]) + 1):
+                kept = TimedRange((first, start), stage.us_per_layer)
+                mine = TimedRange((start, stop), own_us_per_layer)
+                found.append(((start, stop), route_bottleneck(n_layers, [*rest, kept, mine])))
+        # Or with its head: it keeps [stop, end).
+        for stop in range(first + 1, end):
+            for start in range(0, first + 1):
+                if stop - start > longest[start]:
+                    continue
+                kept = TimedRange((stop, end), stage.us_per_layer)
+                mine = TimedRange((start, stop), own_us_per_layer)
+                found.append(((start, stop), route_bottleneck(n_layers, [*rest, kept, mine])))
+    return found
+
+
 def route_bottleneck(n_layers: int, stages: Sequence[TimedRange]) -> float:
     """The slowest stage (us per token) of the best route over ``stages``; infinite when they
     leave a layer uncovered."""
@@ -125,7 +164,8 @@ def fastest_range(
 
     With ``reach`` and ``rest`` computed once from ``others``, a window ``[a, b)`` of this node
     is worth ``min over s in [a, b) of max(reach[s], (b - s) * t, rest[b])``: the chain before it
-    ends where this node starts running, the chain after it starts where it ends."""
+    ends where this node starts running, the chain after it starts where it ends. Nodes much
+    slower than this one may give up the end of their range this node takes (:func:`_yield_windows`)."""
     if len(layer_bytes) != n_layers:
         raise ValueError(f"{len(layer_bytes)} layer sizes for {n_layers} layers")
     if own_us_per_layer <= 0:
@@ -149,6 +189,12 @@ def fastest_range(
             key = (round(value, 6), end - start, start)
             if best is None or key < best[0]:
                 best = (key, TimeChoice((start, end), value, without))
+    for layers, value in _yield_windows(n_layers, others, own_us_per_layer, longest):
+        if value == _NO_ROUTE:
+            continue
+        key = (round(value, 6), layers[1] - layers[0], layers[0])
+        if best is None or key < best[0]:
+            best = (key, TimeChoice(layers, value, without))
     return None if best is None else best[1]
 
 

@@ -155,3 +155,36 @@ def test_layers_nobody_serves_move_a_node_as_before() -> None:
     assert replacement.consider((0, 6), LAYERS, UNIFORM, ALL, others, FAST, 5 * SECOND) == (6, LAYERS)
     with pytest.raises(ValueError):
         TimeReplacement(min_gain=0)
+
+
+def test_a_slow_node_in_the_middle_no_longer_holds_a_faster_one_back() -> None:
+    """The slowed node joined first and serves the middle [4, 11), a fast one [0, 4); the second fast
+    node, whose budget holds 7 layers, serves the uncovered [11, 12). Every route ran all of the
+    slow node's layers whatever the fast node took (a hop runs to its range's end), so it saw no
+    gain in moving, and the slow node could not give up layers nobody else served. Modelled as
+    able to give up the end of its range, the slow node leaves the fast node a window that gains:
+    [6, 12), after which the slow node keeps [4, 6), two layers at three times the time of a fast
+    one's six (the ideal split)."""
+    others = [TimedRange((0, 4), FAST), TimedRange((4, 11), SLOW)]
+    seven = 7 * 10
+    current = (11, LAYERS)
+    now = route_bottleneck(LAYERS, [*others, TimedRange(current, FAST)])
+    assert now == 7 * SLOW
+    replacement = TimeReplacement(settle_ns=10 * SECOND)
+    assert replacement.consider(current, LAYERS, UNIFORM, seven, others, FAST, 0) is None
+    moved_to = replacement.consider(current, LAYERS, UNIFORM, seven, others, FAST, 11 * SECOND)
+    assert moved_to == (6, LAYERS)
+    # Once the slow node gave up what the fast one serves, the route is what the choice modelled.
+    after = route_bottleneck(LAYERS, [others[0], TimedRange((4, 6), SLOW), TimedRange(moved_to, FAST)])
+    assert after == 6 * FAST
+    assert fastest_range(LAYERS, UNIFORM, seven, others, FAST).bottleneck_us == after
+
+
+def test_a_node_only_somewhat_slower_is_not_modelled_as_ending_early() -> None:
+    """Below SLOW_RATIO the other node gets no slow verdict and keeps its range (no yield), so no
+    window is chosen for a route it would not make."""
+    somewhat = 1.5 * FAST
+    others = [TimedRange((0, 4), FAST), TimedRange((4, 11), somewhat)]
+    found = fastest_range(LAYERS, UNIFORM, 7 * 10, others, FAST)
+    assert found is not None
+    assert found.bottleneck_us == 7 * somewhat  # its whole [4, 11) stays on every route
