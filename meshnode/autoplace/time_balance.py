@@ -17,9 +17,9 @@ the lowest start. Where no window gains ``min_gain`` of the slowest stage's time
 involved announces no speed, placement is memory-only, exactly as before.
 
 A node at least :data:`~meshnode.mesh.slow_stage.SLOW_RATIO` times slower a layer than the one
-choosing is modelled as able to end its hop early: it gives up the layers faster replicas serve
-(:mod:`meshnode.autoplace.slow_yield`), so once this node serves the rest of its range, it will
-run only the part before. Without that, a slow node holding the middle of the model kept
+choosing is modelled as giving up the end of its range (either end) that this node's window
+takes over: that is what it does once faster replicas serve those layers
+(:mod:`meshnode.autoplace.slow_yield`), keeping only the rest. Without that, a slow node holding the middle of the model kept
 everyone's best route through all of its layers whatever a faster node took, so no faster node
 moved, and it could not give up layers nobody else served: each waited for the other
 (bench/heterogeneous.py, the slowed node joining first).
