@@ -19,7 +19,8 @@ The steps, each logged:
 6. **Watch**: every ``poll_s``, ask :class:`.time_balance.TimeReplacement` (speeds known) or
    :class:`meshnode.mesh.placement.Replacement` (not) whether another range would make the best
    route faster by ``move_min_gain`` or cover layers nobody serves, for long enough; only then
-   drain, claim the new range and go back to step 4. The settle time is stretched by a share
+   fetch the new range's tensors (still serving the old), drain, claim the new range and go
+   back to step 4 (its fetch then finds them on disk). The settle time is stretched by a share
    of the node id, so two nodes that see the same gap do not both move at once.
 7. **Yield when slow**: placing by time, a node whose own stage is found slow (``is_slow``: the
    verdict of :class:`meshnode.mesh.slow_stage.SlowStageWatch`) gives up the layers faster
@@ -279,6 +280,10 @@ class AutoShard:
             log.info("serving %s layers [%d, %d) placed by the mesh", model.name, *layers)
             move = await self._watch(model, costs, layers)
             log.info("moving from layers [%d, %d) to [%d, %d): %s", *layers, *move.layers, move.reason)
+            # Fetched while the old range still serves: what routes lose while this node moves
+            # (layers only it serves have no server until it is back) is a claim's wait and a
+            # load, not a transfer of the new layers as well.
+            await self._fetch(partial, move.layers, header)
             self._state = "moving"
             await self._let_go(drain=True)
             layers = await self._claim(model, costs, preferred=move.layers)

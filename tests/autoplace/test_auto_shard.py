@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -50,13 +50,16 @@ def announce(node: Node, root: str, layers: tuple[int, int]) -> None:
 class AnnouncedShard:
     """Serving as gossip sees it: the range announced with a recipe, in the serving state."""
 
-    def __init__(self, node: Node, request: ServeRequest) -> None:
+    def __init__(
+        self, node: Node, request: ServeRequest, on_drain: Callable[[], None] = lambda: None
+    ) -> None:
         self.node = node
         self.request = request
+        self._on_drain = on_drain
         announce(node, request.fingerprint, request.layers)
 
     async def drain(self) -> None:
-        pass
+        self._on_drain()
 
     async def aclose(self) -> None:
         self.node.set_serving(None)
@@ -74,7 +77,9 @@ def budget_for(model: Path) -> int:
 
 
 @contextlib.asynccontextmanager
-async def placing(tmp_path: Path, node: Node, model: Path) -> AsyncIterator[AutoShard]:
+async def placing(
+    tmp_path: Path, node: Node, model: Path, on_drain: Callable[[AutoShard], None] = lambda _: None
+) -> AsyncIterator[AutoShard]:
     holdings = Holdings()
     ArtifactServer(holdings, UploadLimiter(bytes_per_s=0)).register(node)
     settings = AutoPlaceConfig(
@@ -86,7 +91,7 @@ async def placing(tmp_path: Path, node: Node, model: Path) -> AsyncIterator[Auto
     )
 
     async def start_serving(request: ServeRequest) -> AnnouncedShard:
-        return AnnouncedShard(node, request)
+        return AnnouncedShard(node, request, lambda: on_drain(placement))
 
     placement = AutoShard(node, settings, start_serving, holdings)
     task = asyncio.ensure_future(placement.run())
@@ -117,7 +122,18 @@ async def test_two_nodes_placing_at_once_take_different_ranges_and_one_moves_whe
         nodes = [await start_joiner(tmp_path, f"j{i}", creator) for i in range(2)]
         await eventually(lambda: all(len(node.peers()) == 2 for node in nodes), what="a full mesh")
         lower, higher = sorted(nodes, key=lambda node: node.node_id)
-        async with placing(tmp_path, lower, model) as first, placing(tmp_path, higher, model) as second:
+        verified_at_drain: list[set[str]] = []
+
+        def note_verified(placement: AutoShard) -> None:
+            held = placement._store.reopen(root)
+            assert held is not None
+            verified_at_drain.append(set(held.verified))
+            held.close()
+
+        async with (
+            placing(tmp_path, lower, model) as first,
+            placing(tmp_path, higher, model, note_verified) as second,
+        ):
             await eventually(lambda: placed(first) and placed(second), timeout=30, what="both placed")
             # Both wanted the uncovered [2, 6); the lower id kept it. The other takes four layers
             # (its budget holds a vocabulary table or a fifth layer, not both) where replicas are
@@ -137,6 +153,10 @@ async def test_two_nodes_placing_at_once_take_different_ranges_and_one_moves_whe
 
             await lower.shutdown()
             await eventually(lambda: placed(second) == (2, TINY_N_LAYERS), timeout=30, what="the move")
+            # The new range's tensors were fetched while the old range still served: when it
+            # began to drain, every one of them was already verified on disk.
+            assert len(verified_at_drain) == 1
+            assert tensors_for_range(header, 2, TINY_N_LAYERS) <= verified_at_drain[0]
             lacking = tensors_for_range(header, 2, TINY_N_LAYERS) - tensors_for_range(header, 0, 4)
             lacking_bytes = sum(t.nbytes for t in header.tensors if t.name in lacking)
             assert lacking_bytes <= second.fetched_bytes - before <= lacking_bytes + 64 * 1024
