@@ -1,4 +1,4 @@
-"""What the placement tests' nodes announce: a tiny-model range served at a stated speed."""
+"""What the placement tests' nodes announce: a tiny-model range served, at a stated speed or none."""
 
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ def speed_for(layers: tuple[int, int], us_per_layer: int, *, measured: bool = Fa
     )
 
 
-def announce(node: Node, root: str, layers: tuple[int, int], speed: StageSpeed) -> None:
-    """``node`` serves ``layers`` of the tiny model ``root`` at ``speed``, as gossip will show it."""
-    node.set_serving(
-        mesh.ServedShard(
-            model_name="tiny",
-            fingerprint=shard.Fingerprint(model_artifact_digest=root, runtime_recipe_digest=RECIPE),
-            shard_range=shard.ShardRange(start_layer=layers[0], end_layer=layers[1]),
-            total_layers=TINY_N_LAYERS,
-            speed=speed.message(),
-        )
+def announce(node: Node, root: str, layers: tuple[int, int], speed: StageSpeed | None = None) -> None:
+    """``node`` serves ``layers`` of the tiny model ``root`` (at ``speed``; None: it says none), as
+    gossip will show it."""
+    served = mesh.ServedShard(
+        model_name="tiny",
+        fingerprint=shard.Fingerprint(model_artifact_digest=root, runtime_recipe_digest=RECIPE),
+        shard_range=shard.ShardRange(start_layer=layers[0], end_layer=layers[1]),
+        total_layers=TINY_N_LAYERS,
     )
+    if speed is not None:
+        served.speed.CopyFrom(speed.message())
+    node.set_serving(served)
     node.set_load(mesh.Load(serving_state=shard.SERVING_STATE_SERVING))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers.mesh_nodes import start_first_node, start_joiner
 from helpers.polling import eventually
+from served_speeds import announce
 
 from engines.gguf_file import read_gguf
 from engines.model_manifest import build_manifest
@@ -27,24 +28,10 @@ from meshnode.artifacts.server import ArtifactServer
 from meshnode.artifacts.upload_limit import UploadLimiter
 from meshnode.autoplace.auto_shard import AutoPlaceConfig, AutoShard, ServeRequest
 from meshnode.node import Node
-from meshnode.wire.pb import mesh, shard
 
 pytestmark = pytest.mark.timeout(90)
 
 CREATOR_LAYERS = (0, 2)
-RECIPE = "r" * 64
-
-
-def announce(node: Node, root: str, layers: tuple[int, int]) -> None:
-    node.set_serving(
-        mesh.ServedShard(
-            model_name="tiny",
-            fingerprint=shard.Fingerprint(model_artifact_digest=root, runtime_recipe_digest=RECIPE),
-            shard_range=shard.ShardRange(start_layer=layers[0], end_layer=layers[1]),
-            total_layers=TINY_N_LAYERS,
-        )
-    )
-    node.set_load(mesh.Load(serving_state=shard.SERVING_STATE_SERVING))
 
 
 class AnnouncedShard:
