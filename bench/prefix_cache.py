@@ -185,6 +185,24 @@ async def driver_stats(http: aiohttp.ClientSession, api: str) -> dict[str, Any]:
         return dict(await response.json())
 
 
+async def answers_settled(http: aiohttp.ClientSession, api: str) -> int:
+    """How many answers the head kept after their prompts or gave up on."""
+    stats = await driver_stats(http, api)
+    return int(stats.get("answers_kept", 0)) + int(stats.get("answers_not_kept", 0))
+
+
+async def wait_for_answer_kept(http: aiohttp.ClientSession, api: str, before: int, expected: bool) -> None:
+    """Until the head settled the answer it just gave, when one is ``expected`` (the cache on, an
+    answer of 8 tokens or more; at most 60 s), and its generations are over."""
+    deadline = time.monotonic() + (60.0 if expected else 0.0)
+    while await answers_settled(http, api) <= before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    stats = await driver_stats(http, api)
+    while stats.get("active", 0) and time.monotonic() < deadline + 2.0:
+        await asyncio.sleep(0.05)
+        stats = await driver_stats(http, api)
+
+
 # ---------------------------------------------------------------------------- the anchor
 
 
@@ -306,6 +324,8 @@ class Results:
     eviction_driver: dict[str, Any] = field(default_factory=dict)
     anchor_refused: int = 0
     mismatches: list[str] = field(default_factory=list)
+    # key -> the head's counters of answers kept after their prompts over the chat rounds
+    answers_kept: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def mesh_keys(args: argparse.Namespace) -> list[str]:
@@ -375,9 +395,14 @@ async def conversation_rounds(
         for turn_index, user_text in enumerate(TURNS[: args.turns]):
             user = {"role": "user", "content": user_text}
             for key in keys:
+                before = await answers_settled(http, apis[key])
                 turn = await chat_turn(http, apis[key], [*history[key], user], args.answer_tokens)
                 results.chats[key][-1].append(turn)
                 history[key] += [user, {"role": "assistant", "content": turn.text}]
+                # The head keeps the answer after its prompt in the background: let it finish
+                # before the next configuration is timed, so no turn is timed beside it.
+                kept = key.endswith(" on") and turn.completion_tokens >= 8
+                await wait_for_answer_kept(http, apis[key], before, kept)
             done = results.chats[reference][-1][-1]
             prompt = tokenizer.encode_chat(history[reference][:-1])
             if len(prompt) != done.prompt_tokens:
@@ -398,6 +423,12 @@ async def conversation_rounds(
                 file=sys.stderr,
                 flush=True,
             )
+        for key in keys:
+            stats = await driver_stats(http, apis[key])
+            results.answers_kept[key] = {
+                name: stats.get(name, 0)
+                for name in ("answers_kept", "answer_tokens_kept", "answers_not_kept")
+            }
         for layout in args.configs:
             off, on = f"{layout} off", f"{layout} on"
             if off in keys and on in keys:
@@ -596,6 +627,16 @@ def report(args: argparse.Namespace, results: Results) -> None:
         line += f" {reused_prefilled([t.reused for t in runs_a], [t.prefilled for t in runs_a]):>11}"
         print(line)
 
+    print(
+        "answers the heads prefilled after their kept prompts between turns (in the background, untimed; "
+        "the bench waits for each before timing the next configuration), all rounds: "
+        + ", ".join(
+            f"{label(key)} {kept['answers_kept']} answers, {kept['answer_tokens_kept']} tokens, "
+            f"{kept['answers_not_kept']} not kept"
+            for key, kept in results.answers_kept.items()
+            if key.endswith(" on")
+        )
+    )
     last = turns - 1
     print()
     if "d off" in keys and "d on" in keys:

@@ -192,6 +192,8 @@ class FakeEngine(SessionedEngine):
             device="cpu",
             numerics=self.numerics,
             exact_numerics=self.exact_numerics,
+            # Its rows are each computed alone, whatever the pass.
+            size_free_prefill=self.exact_numerics,
         )
         return caps, request.n_ctx
 

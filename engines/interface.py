@@ -232,6 +232,11 @@ class EngineFingerprint:
     catalogue_version: str = ""
 
 
+# A prefill pass of this many rows or more computes each row to the same bits whatever its size
+# on an engine that says so (``EngineCapabilities.size_free_prefill``; engines.row_invariance).
+MIN_SIZE_FREE_PASS_ROWS = 8
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     fingerprint: EngineFingerprint
@@ -255,6 +260,10 @@ class EngineCapabilities:
     # the same bytes, alone or batched (engines.row_invariance: the CPU with weights as loaded). A
     # hop's signed commitments say so (meshnode.audit): only exact hops can be convicted of lying.
     exact_numerics: bool = False
+    # Whether a prefill pass of ``MIN_SIZE_FREE_PASS_ROWS`` or more rows computes each row to the
+    # same bits whatever the pass's size (engines.row_invariance), so a prefix ending where any
+    # such chunk ended can stand for a fresh prefill's (prefix cache: partial blocks).
+    size_free_prefill: bool = False
     # The CPU threads it computes with (a head tells hops with cores of their own from hops
     # sharing a machine's, meshnode.head.pipeline); 0: the engine does not say.
     compute_threads: int = 0
@@ -507,6 +516,7 @@ class ShardEngine(ABC):
 __all__ = [
     "GREEDY",
     "MAX_DRAFT_TOKENS",
+    "MIN_SIZE_FREE_PASS_ROWS",
     "BatchStep",
     "CancelToken",
     "EngineCapabilities",

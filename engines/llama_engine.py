@@ -188,6 +188,9 @@ class LlamaShardEngine(SessionedEngine):
             # The CPU kernels with weights as loaded are the ones traced bit-exact across splits and
             # batches; a GPU's and repacked weights' are checked only within a tolerance.
             exact_numerics=not offload and not request.weight_repack,
+            # The tiled k-quant products round a row alike in every pass of 8 rows or more
+            # (engines.row_invariance); repacked weights' gemm and a GPU's kernels need not.
+            size_free_prefill=not offload and not request.weight_repack,
             compute_threads=request.n_threads or available_cpus(),
         )
         # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.

@@ -19,6 +19,13 @@ and traced to ggml-cpu's sources:
   on the CPU (K f16, V bf16), and then passes of 2 to 7 rows were bit-exact at every position
   measured (up to 700), for rows of one sequence and for one row of each of several.
 
+The tiled kernel's rows are another matter among themselves: on Gemma 3 270M (CPU, weights as
+loaded) every row of a 700-token prefill came out the same whether the prefill ran in passes of
+512, 128, 100, 75 or 64 rows, and differed only where a pass had 7 rows or fewer. So a prefix
+cache may keep a prefix ending wherever a prefill pass of ``MIN_SIZE_FREE_PASS_ROWS`` or more
+ended, not only on its grid (``EngineCapabilities.size_free_prefill``; repacked weights' gemm
+takes four rows at a time and a GPU picks its tiles by the pass's size, so neither says so).
+
 So a verify step runs in passes of at most ``ROW_INVARIANT_MAX_ROWS`` positions, and a batch
 of sessions' decodes in passes spanning at most that many KV streams (the runtime fills the
 gaps between them with a row each). The llama.cpp engine checks each verify pass size on its
@@ -41,8 +48,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Prefill passes of this many rows or more round each row alike whatever their size: those the
+# tiled kernel takes (the contract's constant, engines.interface).
+from engines.interface import MIN_SIZE_FREE_PASS_ROWS
+
 # Matrix products of this many rows or fewer skip ggml's tiled k-quant kernel (it starts at 8).
-ROW_INVARIANT_MAX_ROWS = 7
+ROW_INVARIANT_MAX_ROWS = MIN_SIZE_FREE_PASS_ROWS - 1
 # With repacked weights, products of this many rows or fewer take the one-row gemv path (gemm from 4).
 REPACKED_MAX_ROWS = 3
 # From this position a lone decode would attend through the split-KV path if K and V shared a type.
@@ -76,6 +87,7 @@ def session_passes(slots: Sequence[int], max_rows: int) -> list[list[int]]:
 
 
 __all__ = [
+    "MIN_SIZE_FREE_PASS_ROWS",
     "REPACKED_MAX_ROWS",
     "ROW_INVARIANT_MAX_ROWS",
     "SPLIT_KV_FROM_POSITION",

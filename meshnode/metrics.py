@@ -511,6 +511,22 @@ def _driver_families(stats: Any) -> list[Metric]:
             "Routes this head chose over a cheaper one for the prefix their hops kept",
             stats.prefix_route_preferred,
         ),
+        _counter(
+            "meshnode_head_prefix_answers_kept_total",
+            "Answers this head prefilled after their kept prompts once they ended, so that a chat's "
+            "next turn starts after both",
+            stats.answers_kept,
+        ),
+        _counter(
+            "meshnode_head_prefix_answer_tokens_kept_total",
+            "Tokens of those answers (prefilled in the background, not before a first token)",
+            stats.answer_tokens_kept,
+        ),
+        _counter(
+            "meshnode_head_prefix_answers_not_kept_total",
+            "Answers not kept after their prompts: a hop no longer held the prompt, or the route failed",
+            stats.answers_not_kept,
+        ),
         _counter("meshnode_completion_tokens_total", "Tokens generated for API clients", stats.tokens),
         # The same count under its earlier name, which dashboards and alerts use.
         _counter("meshnode_tokens_generated_total", "Tokens generated for API clients", stats.tokens),

@@ -7,6 +7,8 @@ answer is bit-identical to a fresh prefill: only whole blocks computed on the sa
 reused. It costs no memory beyond the slots allocated at load: a kept prefix lives in an idle
 session's slot and gives way to a live session whenever one needs it. ``--prefix-cache-entries``
 bounds how many a shard keeps (default: its ``--max-sessions``; 0 is the same as off).
+``--prefix-cache-answers on|off`` (a head's): prefill each finished answer after its kept prompt
+in the background, so a chat's next turn starts after both (meshnode.head.answer_keeping).
 Like every option they may come from the environment (``MESHNODE_PREFIX_CACHE``) or the config
 file (``prefix-cache = "off"``, ``prefix-cache-entries = 4``).
 """
@@ -51,11 +53,29 @@ def add_prefix_cache_options(parser: argparse.ArgumentParser | Any) -> None:
         help="released sessions' prefixes a shard keeps at most (default: its --max-sessions, "
         "which also bounds it; 0 is the same as --prefix-cache off)",
     )
+    _add_answer_keeping_option(parser)
+
+
+def _add_answer_keeping_option(parser: argparse.ArgumentParser | Any) -> None:
+    parser.add_argument(
+        "--prefix-cache-answers",
+        choices=PREFIX_CACHE_CHOICES,
+        default="on",
+        help="with the prefix cache on: once a generation ends, prefill its answer after its kept "
+        "prompt in the background, so a chat's next turn (which resends the answer) starts after "
+        "both instead of prefilling the answer again before its first token; on (the default) or "
+        "off (an answer the client never resends costs its prefill once)",
+    )
 
 
 def prefix_cache_on(args: argparse.Namespace) -> bool:
     """Whether the command line leaves the prefix cache on (``0`` entries turns it off too)."""
     return getattr(args, "prefix_cache", "on") != "off" and getattr(args, "prefix_cache_entries", None) != 0
+
+
+def answer_keeping_on(args: argparse.Namespace) -> bool:
+    """Whether the command line leaves keeping answers after their prompts on."""
+    return prefix_cache_on(args) and getattr(args, "prefix_cache_answers", "on") != "off"
 
 
 def prefix_cache_entries(args: argparse.Namespace, max_sessions: int) -> int:
@@ -71,6 +91,7 @@ def prefix_cache_entries(args: argparse.Namespace, max_sessions: int) -> int:
 __all__ = [
     "PREFIX_CACHE_CHOICES",
     "add_prefix_cache_options",
+    "answer_keeping_on",
     "parse_prefix_cache_entries",
     "prefix_cache_entries",
     "prefix_cache_on",

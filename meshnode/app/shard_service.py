@@ -182,6 +182,7 @@ def served_shard(
         # Every engine behind the data plane's worker runs verify steps (engines.interface).
         verifies_drafts=True,
         states_handoffs=states_handoffs,
+        keeps_partial_blocks=caps.size_free_prefill,
         compute_threads=caps.compute_threads,
         cpu_mask=cpu_mask(cpus),
     )

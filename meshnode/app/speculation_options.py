@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.request_limits import MAX_DRAFT_TOKENS
-from meshnode.app.prefix_cache_options import prefix_cache_on
+from meshnode.app.prefix_cache_options import answer_keeping_on, prefix_cache_on
 from meshnode.head.driver_config import DriverConfig
 
 SPECULATION_CHOICES = ("auto", "off")
@@ -62,6 +62,7 @@ def driver_config(args: argparse.Namespace, base: DriverConfig | None = None) ->
         pipeline=getattr(args, "pipeline", base.pipeline),
         pipeline_cohorts=getattr(args, "pipeline_cohorts", base.pipeline_cohorts),
         prefix_cache=base.prefix_cache and prefix_cache_on(args),
+        keep_answers=base.keep_answers and answer_keeping_on(args),
         audit_rate=getattr(args, "audit_rate", base.audit_rate),
     )
 

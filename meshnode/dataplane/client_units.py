@@ -6,8 +6,8 @@ that splits a prefill's inputs into chunks within the negotiated limits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -58,21 +58,38 @@ class PrefixBlocks:
     """Prefix cache, for a prefill from the head: its chunks fall on a grid of ``grid`` positions,
     each chunk that is one whole block carries the digest of every token up to its end
     (``digests[i]`` names positions ``[0, (i + 1) * grid)``), and a prefill starting past 0 asks
-    each hop to open its session from the kept prefix named ``digests[first_position // grid - 1]``."""
+    each hop to open its session from the kept prefix named ``digests[first_position // grid - 1]``.
+
+    With ``min_partial_rows`` (a route whose hops round a prefill row alike in any pass that large,
+    engines.row_invariance) a chunk of at least that many rows that is not a whole block carries
+    the digest at its end too, from ``digests`` on the grid and from ``partial_ends`` off it, and a
+    prefill may start from a prefix named in ``partial_ends``."""
 
     grid: int
     digests: Sequence[bytes]
+    # Prefix length -> digest for the prefixes ending off the grid that this prefill names.
+    partial_ends: Mapping[int, bytes] = field(default_factory=dict)
+    # 0: only whole blocks carry digests.
+    min_partial_rows: int = 0
 
     def block_digest(self, first_position: int, token_count: int) -> bytes:
         end = first_position + token_count
-        if token_count != self.grid or first_position % self.grid:
+        whole = token_count == self.grid and not first_position % self.grid
+        if not whole and not (self.min_partial_rows and token_count >= self.min_partial_rows):
             return b""
+        if end % self.grid:
+            return self.partial_ends.get(end, b"")
         index = end // self.grid - 1
         return self.digests[index] if index < len(self.digests) else b""
 
     def start_digest(self, first_position: int) -> bytes:
+        if first_position % self.grid:
+            digest = self.partial_ends.get(first_position)
+            if digest is None:
+                raise ValueError(f"no kept prefix ends at position {first_position}")
+            return digest
         index = first_position // self.grid - 1
-        if first_position % self.grid or not 0 <= index < len(self.digests):
+        if not 0 <= index < len(self.digests):
             raise ValueError(f"no whole-block prefix ends at position {first_position}")
         return self.digests[index]
 
@@ -114,6 +131,7 @@ def prefill_pieces(
         bytes_per_token=bytes_per_token,
         max_chunk_bytes=flow.max_chunk_bytes,
         grid=None if blocks is None else blocks.grid,
+        min_rows=0 if blocks is None else blocks.min_partial_rows,
     )
     prefix_digest = b""
     if blocks is not None and first_position:

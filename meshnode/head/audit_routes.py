@@ -36,7 +36,13 @@ def replicas(
 
 
 def _moved(hop: Hop, to: ShardCandidate) -> Hop:
-    return replace(hop, node_id=to.node_id, numerics=to.numerics, verifies_drafts=to.verifies_drafts)
+    return replace(
+        hop,
+        node_id=to.node_id,
+        numerics=to.numerics,
+        verifies_drafts=to.verifies_drafts,
+        keeps_partial_blocks=to.keeps_partial_blocks,
+    )
 
 
 def replay_route(

@@ -65,6 +65,7 @@ def shard_candidate(
         max_context_tokens=announcement.capacity.max_context_tokens,
         verifies_drafts=served.verifies_drafts,
         states_handoffs=served.states_handoffs,
+        keeps_partial_blocks=served.keeps_partial_blocks,
         hosts=announced_hosts(announcement.addresses),
         compute_threads=served.compute_threads,
         cpus=cpus_of_mask(served.cpu_mask),

@@ -55,6 +55,7 @@ from meshnode.audit.commitment_store import CommitmentStore
 from meshnode.audit.comparison import Conviction
 from meshnode.audit.evidence import check_evidence
 from meshnode.gen.meshnode.v1.audit_pb2 import AuditEvidence
+from meshnode.head.answer_keeping import AnswerKeeper
 from meshnode.head.auditor import Auditor, FinishedGeneration
 from meshnode.head.backend import GenerationFailed, MeshBusy
 from meshnode.head.driver_config import DriverConfig
@@ -107,6 +108,12 @@ class GenerationDriver:
         self.sessions = SessionLedger()
         # Which routes hold which prompt prefixes (None: the prefix cache is off).
         self.prefixes = PrefixIndex(self.options.boundary_dtype) if self.options.prefix_cache else None
+        # Prefills finished generations' answers after their kept prompts (None: not asked to).
+        self.answers: AnswerKeeper | None = None
+        if self.prefixes is not None and self.options.keep_answers:
+            self.answers = AnswerKeeper(
+                env, self.options, self.sessions, self.prefixes, self.spawn, self.stats
+            )
         # The commitments the hops of this head's generations signed, for audits (bounded).
         self.commitments = CommitmentStore()
         # Nodes an audit convicted, with the evidence: no route of this head goes through them.
@@ -258,6 +265,12 @@ class _Generation:
         stats.started += 1
         stats.prompt_tokens += len(transcript.prompt)
         stats.active += 1
+        if self._driver.answers is not None:
+            try:
+                await self._driver.answers.wait_for(transcript.prompt)
+            except BaseException:
+                stats.active -= 1
+                raise
         outcome = "failed"
         watchdog = asyncio.ensure_future(self._watchdog.run())
         synced = False
@@ -363,10 +376,14 @@ class _Generation:
             setattr(self._stats, outcome, getattr(self._stats, outcome) + 1)
 
     def _remember_prefix(self, route: Route) -> None:
-        """The session was released on ``route``: its hops keep the prompt's whole blocks."""
+        """The session was released on ``route``: its hops keep the prompt's whole blocks (and its
+        partial last one where they can), and the answer is kept after it in the background."""
         prefixes, prefilled = self._driver.prefixes, self._decoder.prefilled
         if prefixes is not None and prefilled is not None and prefilled.route == route:
-            prefixes.record(route, prefilled.grid, prefilled.digests)
+            prefixes.record(route, prefilled.grid, prefilled.digests, prefilled.partial)
+            answers = self._driver.answers
+            if answers is not None:
+                answers.keep(route.model, route, self._transcript.prompt, self._transcript.generated)
 
 
 class GenerationStream:

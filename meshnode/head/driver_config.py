@@ -60,6 +60,11 @@ class DriverConfig:
     # kept of an earlier generation, and prefer the route that holds the longest one; off: every
     # prefill starts at position 0 (its chunks fall on the same grid either way).
     prefix_cache: bool = True
+    # With the prefix cache: once a generation ends, prefill its answer after its kept prompt in
+    # the background, so the next turn of a chat starts after both (meshnode.head.answer_keeping);
+    # a next turn arriving meanwhile waits for it at most this long.
+    keep_answers: bool = True
+    keep_answer_wait_s: float = 10.0
     # Audits by replica (meshnode.head.auditor): the share of finished generations whose units
     # are replayed on other replicas of their ranges and compared hop by hop, chosen after the
     # generation ended; 0 turns audits off. A generation whose route has no replica is never

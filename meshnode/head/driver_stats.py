@@ -40,6 +40,12 @@ class DriverStats:
     prefix_misses: int = 0
     prefix_cached_tokens: int = 0
     prefix_route_preferred: int = 0
+    # Answers prefilled after their kept prompts (meshnode.head.answer_keeping), their tokens,
+    # those given up, and next turns that waited for theirs.
+    answers_kept: int = 0
+    answer_tokens_kept: int = 0
+    answers_not_kept: int = 0
+    answer_waits: int = 0
     # Routes opened (every epoch of every generation) by how their stages run: in pipeline
     # cohorts, or every session in one batch a stage; and the last one's cohorts (0: one batch).
     routes_in_cohorts: int = 0

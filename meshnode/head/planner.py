@@ -93,6 +93,8 @@ class ShardCandidate:
     # It signs a handoff with what it forwards (ServedShard.states_handoffs): under a mesh policy
     # that requires handoffs, routes go only through such hops (candidates.stating_handoffs).
     states_handoffs: bool = False
+    # It keeps a prompt prefix ending off the prefix grid (ServedShard.keeps_partial_blocks).
+    keeps_partial_blocks: bool = False
     # The hosts of the addresses it announces (which machine it is on; empty when unsaid).
     hosts: frozenset[str] = frozenset()
     # The CPU threads its engine computes with and the CPUs its process may use
@@ -171,6 +173,8 @@ class Hop:
     hosts: frozenset[str] = frozenset()
     compute_threads: int = 0
     cpus: frozenset[int] = frozenset()
+    # Whether the hop keeps prefixes ending off the grid (ShardCandidate.keeps_partial_blocks).
+    keeps_partial_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,11 @@ class Route:
     @property
     def node_ids(self) -> tuple[bytes, ...]:
         return tuple(hop.node_id for hop in self.hops)
+
+    @property
+    def keeps_partial_blocks(self) -> bool:
+        """Every hop keeps a prefix ending off the prefix grid (prefix cache)."""
+        return bool(self.hops) and all(hop.keeps_partial_blocks for hop in self.hops)
 
 
 def models_available(candidates: Iterable[ShardCandidate]) -> dict[ModelIdentity, set[str]]:
@@ -217,6 +226,7 @@ def plan_route(
                 candidate.hosts,
                 candidate.compute_threads,
                 candidate.cpus,
+                candidate.keeps_partial_blocks,
             )
         )
         position = candidate.end_layer

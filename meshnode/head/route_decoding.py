@@ -29,10 +29,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
-from engines.interface import SamplingParams, supports_speculation
+from engines.interface import MIN_SIZE_FREE_PASS_ROWS, SamplingParams, supports_speculation
 from meshnode.dataplane.client_units import PrefixBlocks
 from meshnode.dataplane.edges.shard_session import ShardSession, StepOutput
 from meshnode.dataplane.edges.unit_futures import UnitHandle
@@ -45,6 +45,7 @@ from meshnode.head.speculation import SpeculationConfig, Speculator
 from meshnode.head.stall_watchdog import StallWatchdog
 from meshnode.head.transcript import Transcript
 from meshnode.sansio import SECOND_NS
+from meshnode.wire.chunking import plan_prefill_chunks
 from meshnode.wire.errors import ShardProtocolError
 from meshnode.wire.pb import shard
 
@@ -54,11 +55,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class PrefilledBlocks:
     """What the last replay's prefill left on its route: the grid and each whole block's digest
-    (the hops keep these blocks when the session ends)."""
+    (the hops keep these blocks when the session ends), and the prompt's own digest where its last
+    chunk, off the grid, was kept too."""
 
     route: Route
     grid: int
     digests: Sequence[bytes]
+    partial: Mapping[int, bytes] = field(default_factory=dict)
 
 
 class RouteDecoder:
@@ -94,6 +97,8 @@ class RouteDecoder:
         self._rollback = False
         # Prompt tokens the last replay did not prefill: the hops started from a kept prefix.
         self.cached_tokens = 0
+        # The most tokens a prefill chunk carries on the route's session (set with its blocks).
+        self._chunk_tokens = PREFIX_GRID_TOKENS
 
     def stop_speculating(self) -> bool:
         """Decode token by token from now on; False when it already did (nothing changes)."""
@@ -106,9 +111,11 @@ class RouteDecoder:
         allowance = self._options.unit_timeout_s + queued * self._options.queued_unit_allowance_s
         return time.time_ns() + int(allowance * SECOND_NS)
 
-    async def replay(self, route: RouteSession) -> int | None:
+    async def replay(self, route: RouteSession, *, from_zero_after_miss: bool = True) -> int | None:
         """(Re)build the route's caches from the transcript. Before the first token this is the
-        prompt's prefill and returns the first token; later it returns None."""
+        prompt's prefill and returns the first token; later it returns None. A hop that no longer
+        keeps the prefix it starts from sends it back to position 0, or with ``from_zero_after_miss``
+        False ends it there (its ``CACHE_MISS`` raised)."""
         session = route.session
         assert session is not None
         # Rebuilt from the transcript: nothing but accepted tokens (a prefill from position 0, or
@@ -121,6 +128,8 @@ class RouteDecoder:
             if not start or error.code != shard.ERROR_CODE_CACHE_MISS:
                 raise
             self._missed_prefix(route, blocks, start)
+            if not from_zero_after_miss:
+                raise
         return await self._replay_from(route, session, blocks, 0)
 
     def _prefix_start(self, route: RouteSession, session: ShardSession) -> tuple[PrefixBlocks, int]:
@@ -133,11 +142,28 @@ class RouteDecoder:
             self.prefilled = None
             return PrefixBlocks(grid, ()), 0
         digests = prefixes.digests(planned, grid, prompt)
-        self.prefilled = PrefilledBlocks(planned, grid, digests)
-        if self._prefix_missed:
-            return PrefixBlocks(grid, digests), 0
-        held = min(prefixes.held_blocks(planned, grid, digests), (len(prompt) - 1) // grid)
-        return PrefixBlocks(grid, digests), held * grid
+        partial: dict[int, bytes] = {}
+        if planned.keeps_partial_blocks and len(prompt) % grid:
+            partial[len(prompt)] = prefixes.partial_digest(planned, grid, prompt, len(prompt))
+        min_rows = MIN_SIZE_FREE_PASS_ROWS if planned.keeps_partial_blocks else 0
+        start = 0
+        if not self._prefix_missed:
+            start = min(prefixes.held_blocks(planned, grid, digests), (len(prompt) - 1) // grid) * grid
+            kept = None
+            if min_rows:
+                kept = prefixes.held_partial(planned, grid, prompt, start, min_rows)
+            if kept is not None:
+                start = kept[0]
+                partial[start] = kept[1]
+                grown_end = start + min_rows
+                if (start // grid + 1) * grid < grown_end < len(prompt):
+                    # Its first chunk, short of the grid point, may grow past it (wire.chunking).
+                    partial[grown_end] = prefixes.partial_digest(planned, grid, prompt, grown_end)
+        blocks = PrefixBlocks(grid, digests, partial, min_rows)
+        self._chunk_tokens = session.client.prefill_chunk_tokens()
+        kept_end = _kept_prompt_end(blocks, len(prompt), start, self._chunk_tokens)
+        self.prefilled = PrefilledBlocks(planned, grid, digests, kept_end)
+        return blocks, start
 
     def _missed_prefix(self, route: RouteSession, blocks: PrefixBlocks, start: int) -> None:
         self._prefix_missed = True
@@ -191,6 +217,10 @@ class RouteDecoder:
                 await _settle([*prefill, *decodes], self._options.control_timeout_s)
             raise
         assert output is not None
+        if self.prefilled is not None and not start and self.prefilled.partial:
+            # From 0 after a refused start: the prompt's last chunk is the grid's, not the one planned.
+            kept_end = _kept_prompt_end(blocks, len(transcript.prompt), 0, self._chunk_tokens)
+            self.prefilled = replace(self.prefilled, partial=kept_end)
         if start:
             self.cached_tokens = start
             self._stats.prefix_hits += 1
@@ -278,6 +308,25 @@ async def _settle(handles: Sequence[UnitHandle], timeout_s: float) -> None:
     futures = [handle.future for handle in handles if not handle.future.done()]
     if futures:
         await asyncio.wait(futures, timeout=timeout_s)
+
+
+def _kept_prompt_end(
+    blocks: PrefixBlocks, prompt_tokens: int, start: int, chunk_tokens: int
+) -> dict[int, bytes]:
+    """The prompt's own digest, by its length, when its last chunk (prefilled from ``start`` in
+    chunks of at most ``chunk_tokens``) carries it, so the hops keep the whole prompt: empty
+    otherwise."""
+    if not prompt_tokens % blocks.grid:
+        return {}
+    last = plan_prefill_chunks(
+        prompt_tokens - start,
+        first_position=start,
+        max_prefill_chunk_tokens=chunk_tokens,
+        grid=blocks.grid,
+        min_rows=blocks.min_partial_rows,
+    )[-1]
+    digest = blocks.block_digest(last.first_position, last.token_count)
+    return {prompt_tokens: digest} if digest else {}
 
 
 def _token(output: StepOutput) -> int:

@@ -56,9 +56,13 @@ class RouteSession:
         commitments: CommitmentStore | None = None,
         *,
         journals: bool = False,
+        background: bool = False,
     ) -> None:
         """``commitments``: where the hops' signed commitments for this generation are kept (None:
-        nowhere); ``journals``: keep each epoch's units for an audit to replay (:attr:`journal`)."""
+        nowhere); ``journals``: keep each epoch's units for an audit to replay (:attr:`journal`);
+        ``background``: work no client waits on (meshnode.head.answer_keeping), which neither
+        reports its route as the last one nor logs how it computes."""
+        self._background = background
         self._env = env
         self._commitments = commitments
         self._journals = journals
@@ -103,11 +107,12 @@ class RouteSession:
         """Open the epoch's session on ``route`` and count its hops as held."""
         self.route = route
         stats, options = self._stats, self._options
-        stats.last_route = tuple(short_id(hop.node_id) for hop in route.hops)
-        stats.last_route_numerics = tuple(hop.numerics for hop in route.hops)
-        stats.last_system_fingerprint = self.system_fingerprint or ""
+        if not self._background:
+            stats.last_route = tuple(short_id(hop.node_id) for hop in route.hops)
+            stats.last_route_numerics = tuple(hop.numerics for hop in route.hops)
+            stats.last_system_fingerprint = self.system_fingerprint or ""
         tag = f"generation {self.route_session_id[:8]} epoch {self.epoch}"
-        if mixes_numerics(route):
+        if mixes_numerics(route) and not self._background:
             log.info(
                 "%s: the route mixes numerics (%s); its numbers may differ "
                 "slightly from a run on one configuration",

@@ -59,6 +59,7 @@ def plan_prefill_chunks(
     bytes_per_token: int | None = None,
     max_chunk_bytes: int | None = None,
     grid: int | None = None,
+    min_rows: int = 0,
 ) -> list[PrefillChunk]:
     """Split ``n_tokens`` starting at ``first_position`` into bounded chunks.
 
@@ -67,7 +68,11 @@ def plan_prefill_chunks(
     With one, every boundary falls on a multiple of ``grid`` (absolute positions, at
     most the bound): the same positions are then computed in the same passes by every
     prefill of the same tokens, whatever its length, which is what lets a kept prefix
-    stand for a fresh prefill bit for bit (the prefix cache).
+    stand for a fresh prefill bit for bit (the prefix cache). ``min_rows`` (with a grid): a
+    first chunk shorter than that, before the next grid point, is merged into the chunk after it
+    where both fit the bound, else grows to ``min_rows`` at that chunk's expense, so a prefill
+    resumed just before a grid point computes no position in a pass smaller than the fresh
+    prefill's (engines.row_invariance: from 8 rows a pass's size does not change its rows).
     """
     if n_tokens <= 0:
         raise ValueError("a prefill needs at least one token")
@@ -75,7 +80,7 @@ def plan_prefill_chunks(
         max_prefill_chunk_tokens, bytes_per_token=bytes_per_token, max_chunk_bytes=max_chunk_bytes
     )
     if grid is not None:
-        return _grid_chunks(n_tokens, first_position, grid, bound)
+        return _grid_chunks(n_tokens, first_position, grid, bound, min_rows)
     count = -(-n_tokens // bound)
     base, extra = divmod(n_tokens, count)
     chunks: list[PrefillChunk] = []
@@ -87,7 +92,9 @@ def plan_prefill_chunks(
     return chunks
 
 
-def _grid_chunks(n_tokens: int, first_position: int, grid: int, bound: int) -> list[PrefillChunk]:
+def _grid_chunks(
+    n_tokens: int, first_position: int, grid: int, bound: int, min_rows: int = 0
+) -> list[PrefillChunk]:
     if not 0 < grid <= bound:
         raise ValueError(f"a prefill grid of {grid} tokens does not fit chunks of at most {bound}")
     end = first_position + n_tokens
@@ -97,6 +104,12 @@ def _grid_chunks(n_tokens: int, first_position: int, grid: int, bound: int) -> l
         stop = min(end, (position // grid + 1) * grid)
         spans.append((position, stop - position))
         position = stop
+    if len(spans) > 1 and spans[0][1] < min_rows:
+        (first, short), (_, after) = spans[0], spans[1]
+        if short + after <= bound:
+            spans[:2] = [(first, short + after)]
+        else:
+            spans[:2] = [(first, min_rows), (first + min_rows, short + after - min_rows)]
     return [
         PrefillChunk(index=index, count=len(spans), first_position=first, token_count=count)
         for index, (first, count) in enumerate(spans)

@@ -14,6 +14,7 @@ import numpy as np
 from engines.engine_chain import chain_step
 from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest
 from engines.llama_engine import LlamaShardEngine
+from meshnode.wire.chunking import plan_prefill_chunks
 
 
 def block_digests(tokens: Sequence[int], grid: int) -> list[bytes]:
@@ -27,6 +28,18 @@ def block_digests(tokens: Sequence[int], grid: int) -> list[bytes]:
         previous = digest.digest()
         digests.append(previous)
     return digests
+
+
+def prefix_digest(tokens: Sequence[int], grid: int, length: int) -> bytes:
+    """The digest of ``tokens[:length]``: a whole block's on the grid, else the last whole block's
+    chained with the tokens after it (a partial block, kept where a pass of 8 rows or more ended)."""
+    whole = length // grid * grid
+    previous = block_digests(tokens[:whole], grid)[-1] if whole else b""
+    if whole == length:
+        return previous
+    digest = hashlib.blake2b(previous, digest_size=16, person=b"partial-block")
+    digest.update(np.asarray(tokens[whole:length], dtype="<i4").tobytes())
+    return digest.digest()
 
 
 @dataclass
@@ -48,19 +61,32 @@ def run_on_grid(
     start: int = 0,
     keep_blocks: bool = True,
     decode_steps: int = 0,
+    partial_rows: int = 0,
 ) -> GridRun:
     """Prefill ``tokens[start:]`` through ``engines`` in grid chunks, then ``decode_steps`` greedy
-    decodes. ``start`` > 0 (a multiple of ``grid``) starts the session from the kept prefix of
-    ``start`` tokens; ``keep_blocks`` False sends no block digests (the session keeps nothing)."""
-    assert start % grid == 0 and start < len(tokens)
-    digests = block_digests(tokens, grid)
+        decodes. ``start`` > 0 starts the session from the kept prefix of ``start`` tokens (a multiple
+        of ``grid``, or with ``partial_rows`` anywhere: the first chunk runs to the next grid point,
+    merged into the next chunk or grown to ``partial_rows`` when shorter, as the head's are);
+        ``keep_blocks`` False sends no block digests (the session keeps nothing); ``partial_rows`` > 0
+        gives a chunk of that many rows or more that is not a whole block its digest too, as the head
+        does on a route whose hops keep partial blocks."""
+    assert (partial_rows or start % grid == 0) and start < len(tokens)
     rows: list[list[np.ndarray]] = [[] for _ in engines[:-1]]
     run = GridRun()
-    for first in range(start, len(tokens), grid):
-        end = min(first + grid, len(tokens))
+    chunks = plan_prefill_chunks(
+        len(tokens) - start,
+        first_position=start,
+        max_prefill_chunk_tokens=grid,
+        grid=grid,
+        min_rows=partial_rows,
+    )
+    for chunk in chunks:
+        first, end = chunk.first_position, chunk.end_position
         last_chunk = end == len(tokens)
-        block = digests[end // grid - 1] if keep_blocks and end % grid == 0 else b""
-        prefix = digests[start // grid - 1] if first == start and start else b""
+        whole = end - first == grid
+        kept = whole or (partial_rows and end - first >= partial_rows)
+        block = prefix_digest(tokens, grid, end) if keep_blocks and kept else b""
+        prefix = prefix_digest(tokens, grid, start) if first == start and start else b""
         hidden = None
         for index, engine in enumerate(engines):
             tail = index == len(engines) - 1
@@ -130,6 +156,7 @@ __all__ = [
     "block_digests",
     "kept_lengths",
     "max_logit_difference",
+    "prefix_digest",
     "release",
     "run_on_grid",
 ]

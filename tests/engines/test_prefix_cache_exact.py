@@ -16,7 +16,14 @@ import pytest
 from prefix_grid import GridRun, assert_same_run, kept_lengths, release, run_on_grid
 
 from engines.engine_chain import chain_step
-from engines.interface import METRIC_PREFIX_HITS, METRIC_PREFIX_TOKENS_REUSED, LoadRequest, SessionKey
+from engines.interface import (
+    GREEDY,
+    METRIC_PREFIX_HITS,
+    METRIC_PREFIX_TOKENS_REUSED,
+    LoadRequest,
+    SessionKey,
+    StepRequest,
+)
 from engines.llama_engine import LlamaShardEngine
 from engines.tokenizer import Tokenizer
 
@@ -177,3 +184,103 @@ def test_positions_written_by_decode_steps_differ_from_prefilled_ones(
     worst = float(np.abs(result.logits - prefilled.logits[1]).max())
     print(f"\ncontrol: decode-written positions 640-699, max |Δlogit| at the next decode = {worst}")
     assert worst > 0.0
+
+
+# The fewest rows of a pass whose rows round alike whatever its size (engines.row_invariance).
+PARTIAL_ROWS = 8
+
+
+@pytest.mark.parametrize("layout", ["whole", "split"])
+def test_a_prefix_kept_off_the_grid_continues_exactly(
+    layout: str, texts: dict[str, tuple[int, ...]], request: pytest.FixtureRequest
+) -> None:
+    """Where every hop rounds a prefill row alike in any pass of 8 rows or more, the prompt's
+    partial last block is kept too: the next turn starts after all 700 positions (its first chunk
+    runs 700 to 768, where the fresh prefill's runs 640 to 768) and computes bit for bit what a
+    fresh prefill does, the previous answer prefilled again."""
+    chain: list[LlamaShardEngine] = request.getfixturevalue(layout)
+    assert all(engine.capabilities().size_free_prefill for engine in chain)
+    first_key = SessionKey(f"{layout}-partial-first", 1)
+    first = run_on_grid(
+        chain, first_key, texts["first"], GRID, decode_steps=ANSWER_TOKENS - 1, partial_rows=PARTIAL_ROWS
+    )
+    release(chain, first_key)
+    assert all(700 in kept_lengths(engine).values() for engine in chain)
+
+    second_prompt = texts["first"] + tuple(first.tokens) + texts["second"]
+    expected = _fresh(chain, f"{layout}-partial-second", second_prompt)
+    second_key = SessionKey(f"{layout}-partial-second", 1)
+    second = run_on_grid(
+        chain,
+        second_key,
+        second_prompt,
+        GRID,
+        start=700,
+        decode_steps=DECODE_STEPS,
+        partial_rows=PARTIAL_ROWS,
+    )
+    worst = assert_same_run(second, expected, first_position=700)
+    print(f"\n{layout}: adopted 700 kept positions (a partial block of 60), max |Δlogit| = {worst}")
+    release(chain, second_key)
+    # It kept its own prompt whole: 938 positions, 58 past its last whole block.
+    assert all(938 in kept_lengths(engine).values() for engine in chain)
+
+    # A prefix kept 4 positions short of a grid point (764): the next prompt's first chunk grows to
+    # 8 rows (764 to 772, then 772 to 896), where the fresh prefill has 640 to 768 and 768 to 896.
+    near_key = SessionKey(f"{layout}-partial-near", 1)
+    run_on_grid(chain, near_key, second_prompt[:764], GRID, start=700, partial_rows=PARTIAL_ROWS)
+    release(chain, near_key)
+    assert all(764 in kept_lengths(engine).values() for engine in chain)
+    near_prompt = second_prompt[:764] + texts["second"]
+    expected = _fresh(chain, f"{layout}-partial-grown", near_prompt)
+    grown_key = SessionKey(f"{layout}-partial-grown", 1)
+    grown = run_on_grid(
+        chain, grown_key, near_prompt, GRID, start=764, decode_steps=DECODE_STEPS, partial_rows=PARTIAL_ROWS
+    )
+    worst = assert_same_run(grown, expected, first_position=764)
+    print(f"{layout}: from 764 kept positions, a first chunk grown to 8 rows, max |Δlogit| = {worst}")
+    release(chain, grown_key)
+    for engine in chain:
+        engine.clear_prefix_cache()
+
+
+def test_a_partial_block_of_fewer_than_eight_rows_would_differ(
+    split: list[LlamaShardEngine], texts: dict[str, tuple[int, ...]]
+) -> None:
+    """The control for the 8-row floor: positions 640-643 prefilled as a pass of 4 rows, against
+    the same tokens in the fresh prefill's pass of 128 rows: what the first hop computes for them
+    (its KV, and the rows the next hop builds its own from) differs, so such a block is never kept
+    (the head sends it no digest); the same positions in a pass of 8 rows or more do not differ."""
+    prompt = texts["first"][:644] + texts["second"][:100]
+    expected = _fresh(split, "control-partial", prompt)
+    for small, name in ((4, "small"), (PARTIAL_ROWS, "floor")):
+        key = SessionKey(f"control-partial-{name}", 1)
+        spans = [*((first, first + GRID) for first in range(0, 640, GRID)), (640, 640 + small)]
+        spans.append((640 + small, 744))
+        rows = []
+        for first, end in spans:
+            hidden = None
+            for index, engine in enumerate(split):
+                tail = index == len(split) - 1
+                result = engine.prefill(
+                    StepRequest(
+                        key,
+                        first,
+                        token_ids=prompt[first:end] if index == 0 else None,
+                        hidden=hidden,
+                        sampling=GREEDY if tail and end == len(prompt) else None,
+                        want_logits=tail and end == len(prompt),
+                    )
+                )
+                hidden = result.hidden
+                if index == 0:
+                    assert hidden is not None
+                    rows.append(hidden)
+        release(split, key)
+        first_hop = np.concatenate(rows)
+        differing = np.flatnonzero(np.any(first_hop != expected.hidden[0], axis=1))
+        print(f"\ncontrol: a {small}-row pass at 640, first hop rows differing: {differing.tolist()}")
+        if small < PARTIAL_ROWS:
+            assert differing.tolist() == list(range(640, 640 + small))
+        else:
+            assert differing.size == 0

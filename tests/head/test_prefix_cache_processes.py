@@ -111,4 +111,12 @@ async def test_a_six_turn_chat_is_the_same_with_the_cache_and_reuses_from_the_se
     for (_, prompt, reused), (_, previous_prompt, _) in zip(cached[1:], cached, strict=False):
         # At least the earlier turn's whole blocks before its answer, never the whole prompt.
         assert previous_prompt // 128 * 128 <= reused < prompt
+    # The hops keep partial blocks (the CPU engine): some turn started after the whole previous
+    # prompt, and some after the previous answer too, which the head kept once it ended.
+    assert any(
+        reused >= previous for (_, _, reused), (_, previous, _) in zip(cached[1:], cached, strict=False)
+    )
+    assert any(
+        reused > previous for (_, _, reused), (_, previous, _) in zip(cached[1:], cached, strict=False)
+    )
     assert all(status is not None for status in statuses)

@@ -31,8 +31,9 @@ class RecordingEngine(FakeEngine):
         max_context: int = 64,
         numerics: str = FAKE_NUMERICS,
         prefix_cache_entries: int = 0,
+        exact_numerics: bool = True,
     ) -> None:
-        super().__init__(SPEC, numerics=numerics)
+        super().__init__(SPEC, numerics=numerics, exact_numerics=exact_numerics)
         self.load(
             LoadRequest(
                 model_path="",

@@ -26,6 +26,8 @@ def test_every_command_that_serves_a_shard_has_the_cache_on_by_default(command):
     # As many kept prefixes as the shard has sessions: each lives in an idle session's slot.
     assert prefix_cache_entries(args, 8) == 8
     assert driver_config(args).prefix_cache is True
+    # And answers are kept after their prompts.
+    assert driver_config(args).keep_answers is True
 
 
 @pytest.mark.parametrize("off", [["--prefix-cache", "off"], ["--prefix-cache-entries", "0"]])
@@ -34,6 +36,14 @@ def test_off_and_zero_entries_keep_nothing_and_the_head_seeds_no_prefill(off):
     assert prefix_cache_on(args) is False
     assert prefix_cache_entries(args, 8) == 0
     assert driver_config(args).prefix_cache is False
+    assert driver_config(args).keep_answers is False
+
+
+def test_keeping_answers_can_be_turned_off_alone_from_the_command_line_or_the_environment():
+    args = parse(["start", "--prefix-cache-answers", "off"])
+    assert driver_config(args).prefix_cache is True and driver_config(args).keep_answers is False
+    args = parse(["start"], {"MESHNODE_PREFIX_CACHE_ANSWERS": "off"})
+    assert driver_config(args).keep_answers is False
 
 
 def test_an_asked_count_is_kept_within_the_shards_sessions():

@@ -102,7 +102,7 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[_Union[MeshErrorCode, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ServedShard(_message.Message):
-    __slots__ = ("model_name", "fingerprint", "shard_range", "total_layers", "numerics", "verifies_drafts", "compute_threads", "cpu_mask", "speed", "states_handoffs")
+    __slots__ = ("model_name", "fingerprint", "shard_range", "total_layers", "numerics", "verifies_drafts", "compute_threads", "cpu_mask", "speed", "states_handoffs", "keeps_partial_blocks")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class ServedShard(_message.Message):
     CPU_MASK_FIELD_NUMBER: _ClassVar[int]
     SPEED_FIELD_NUMBER: _ClassVar[int]
     STATES_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_PARTIAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     fingerprint: _shard_runtime_pb2.Fingerprint
     shard_range: _shard_runtime_pb2.ShardRange
@@ -123,7 +124,8 @@ class ServedShard(_message.Message):
     cpu_mask: bytes
     speed: StageSpeed
     states_handoffs: bool
-    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[_shard_runtime_pb2.Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ..., total_layers: _Optional[int] = ..., numerics: _Optional[str] = ..., verifies_drafts: _Optional[bool] = ..., compute_threads: _Optional[int] = ..., cpu_mask: _Optional[bytes] = ..., speed: _Optional[_Union[StageSpeed, _Mapping]] = ..., states_handoffs: _Optional[bool] = ...) -> None: ...
+    keeps_partial_blocks: bool
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[_shard_runtime_pb2.Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[_shard_runtime_pb2.ShardRange, _Mapping]] = ..., total_layers: _Optional[int] = ..., numerics: _Optional[str] = ..., verifies_drafts: _Optional[bool] = ..., compute_threads: _Optional[int] = ..., cpu_mask: _Optional[bytes] = ..., speed: _Optional[_Union[StageSpeed, _Mapping]] = ..., states_handoffs: _Optional[bool] = ..., keeps_partial_blocks: _Optional[bool] = ...) -> None: ...
 
 class StageSpeed(_message.Message):
     __slots__ = ("decode_us_per_token", "prefill_us_per_token", "samples", "source")
