@@ -33,6 +33,7 @@ from engines.llama_lib import ensure_llama_backend, llama_cpp_version
 from engines.llama_runtime import BatchSequence, LlamaRuntime
 from engines.model_files import ModelFile, model_fingerprint, open_model_file, range_file
 from engines.openmp_wait import available_cpus
+from engines.prefill_pass_probe import prefill_passes_round_alike
 from engines.resident_memory import (
     ShardBudget,
     ShardMemory,
@@ -188,14 +189,38 @@ class LlamaShardEngine(SessionedEngine):
             # The CPU kernels with weights as loaded are the ones traced bit-exact across splits and
             # batches; a GPU's and repacked weights' are checked only within a tolerance.
             exact_numerics=not offload and not request.weight_repack,
-            # The tiled k-quant products round a row alike in every pass of 8 rows or more
-            # (engines.row_invariance); repacked weights' gemm and a GPU's kernels need not.
-            size_free_prefill=not offload and not request.weight_repack,
+            size_free_prefill=self._size_free_prefill(request, offload),
             compute_threads=request.n_threads or available_cpus(),
         )
         # llama.cpp rounds each sequence's cells up to a multiple of 256, never down.
         assert self._main.n_ctx_seq >= request.n_ctx
         return caps, request.n_ctx
+
+    def _size_free_prefill(self, request: LoadRequest, offload: bool) -> bool:
+        """Whether prefill rows are the same bits whatever the pass's size (8 rows or more): the
+        tiled k-quant products on the CPU with weights as loaded are (engines.row_invariance),
+        checked here once on made-up input where the prefix cache would rely on it; repacked
+        weights' gemm and a GPU's kernels need not be."""
+        if offload or request.weight_repack:
+            return False
+        if not request.prefix_cache_entries:
+            return True  # nothing relies on it: the check is not worth a load's time
+        assert self._main is not None and self._info is not None
+        try:
+            alike, difference = prefill_passes_round_alike(self._main, 0, self._info.vocab_size)
+        except EngineError as error:
+            _log.warning(
+                "could not check how prefill passes round (%s): the prefix cache keeps whole blocks only",
+                error,
+            )
+            return False
+        if not alike:
+            _log.warning(
+                "llama.cpp rounds a prefill row otherwise in passes of other sizes here (largest "
+                "difference %.3g): the prefix cache keeps whole blocks only",
+                difference,
+            )
+        return alike
 
     def _build_runtime(self, start_layer: int) -> LlamaRuntime:
         assert self._request is not None and self._gguf is not None and self._info is not None

@@ -104,9 +104,7 @@ class AnswerKeeper:
         decoder = RouteDecoder(self._options, stats, transcript, GREEDY, 1, watchdog, self._prefixes)
         try:
             await route_session.open(route)
-            await decoder.replay(route_session, from_zero_after_miss=False)
-            if not decoder.cached_tokens:
-                raise LookupError("the route no longer keeps the prompt")
+            await decoder.replay(route_session, only_after_prefix=True)
         except _GIVEN_UP as error:
             self._counters.answers_not_kept += 1
             log.info("an answer of %d tokens was not kept after its prompt: %s", len(tokens), error)

@@ -111,24 +111,27 @@ class RouteDecoder:
         allowance = self._options.unit_timeout_s + queued * self._options.queued_unit_allowance_s
         return time.time_ns() + int(allowance * SECOND_NS)
 
-    async def replay(self, route: RouteSession, *, from_zero_after_miss: bool = True) -> int | None:
+    async def replay(self, route: RouteSession, *, only_after_prefix: bool = False) -> int | None:
         """(Re)build the route's caches from the transcript. Before the first token this is the
         prompt's prefill and returns the first token; later it returns None. A hop that no longer
-        keeps the prefix it starts from sends it back to position 0, or with ``from_zero_after_miss``
-        False ends it there (its ``CACHE_MISS`` raised)."""
+        keeps the prefix it starts from sends it back to position 0; with ``only_after_prefix`` it
+        never prefills from 0: :class:`LookupError` when the route holds no prefix of the prompt,
+        the ``CACHE_MISS`` when a hop no longer keeps it."""
         session = route.session
         assert session is not None
         # Rebuilt from the transcript: nothing but accepted tokens (a prefill from position 0, or
         # from a prefix the hops kept, which computes the same).
         self._rollback = False
         blocks, start = self._prefix_start(route, session)
+        if only_after_prefix and not start:
+            raise LookupError("the route holds no prefix of the prompt")
         try:
             return await self._replay_from(route, session, blocks, start)
         except ShardProtocolError as error:
             if not start or error.code != shard.ERROR_CODE_CACHE_MISS:
                 raise
             self._missed_prefix(route, blocks, start)
-            if not from_zero_after_miss:
+            if only_after_prefix:
                 raise
         return await self._replay_from(route, session, blocks, 0)
 
