@@ -524,7 +524,8 @@ def _driver_families(stats: Any) -> list[Metric]:
         ),
         _counter(
             "meshnode_head_prefix_answers_not_kept_total",
-            "Answers not kept after their prompts: a hop no longer held the prompt, or the route failed",
+            "Answers not kept after their prompts: a hop had no session to spare or no longer held the "
+            "prompt, or the route failed",
             stats.answers_not_kept,
         ),
         _counter("meshnode_completion_tokens_total", "Tokens generated for API clients", stats.tokens),

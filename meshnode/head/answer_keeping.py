@@ -9,8 +9,9 @@ prefills the answer after it as one more prompt and releases it: the hops then k
 answer as a fresh prefill computes them, and the next turn starts after both.
 
 It runs in the background after the answer was delivered, only on a route whose hops keep partial
-blocks (the answer rarely ends on the grid) and for an answer of a pass's worth of rows
-(``MIN_SIZE_FREE_PASS_ROWS``). A request that starts with that prompt while it runs (the next
+blocks (the answer rarely ends on the grid), for an answer of a pass's worth of rows
+(``MIN_SIZE_FREE_PASS_ROWS``), and where every hop has a session to spare besides the keep's (a
+keep never takes a client's session). A request that starts with that prompt while it runs (the next
 turn, or the same prompt again) waits for it, at most ``DriverConfig.keep_answer_wait_s``: the
 keep has taken over the kept prompt that request would start from, and a next turn would
 prefill the same answer itself. It never prefills from position 0 (a hop that no longer keeps
@@ -69,7 +70,8 @@ class AnswerKeeper:
         self._running: dict[asyncio.Task[None], tuple[int, ...]] = {}
 
     def keep(self, model: ModelIdentity, route: Route, prompt: Sequence[int], answer: Sequence[int]) -> None:
-        """Start keeping ``answer`` after ``prompt``, which ``route``'s hops were just left keeping."""
+        """Start keeping ``answer`` after ``prompt``, which ``route``'s hops were just left keeping
+        (some of it: the caller knows they kept a block of it)."""
         if len(answer) < MIN_SIZE_FREE_PASS_ROWS or not route.keeps_partial_blocks:
             return
         task = self._spawn(self._keep(model, route, (*prompt, *answer)))
@@ -90,7 +92,28 @@ class AnswerKeeper:
             self._counters.answer_waits += 1
             await asyncio.wait(waiting, timeout=self._options.keep_answer_wait_s)
 
+    def _has_room(self, route: Route) -> bool:
+        """Whether every hop of ``route`` has a session to spare besides the keep's, as this head
+        sees their load (gossip, and the sessions it holds there): a keep never takes a client's."""
+        spare = 2
+        candidates = self._ledger.adjust(self._env.candidates())
+        for hop in route.hops:
+            serving = [
+                c
+                for c in candidates
+                if (c.node_id, c.start_layer, c.end_layer) == (hop.node_id, hop.start_layer, hop.end_layer)
+            ]
+            if not serving or not serving[0].accepting:
+                return False
+            if serving[0].max_sessions and serving[0].active_sessions + spare > serving[0].max_sessions:
+                return False
+        return True
+
     async def _keep(self, model: ModelIdentity, route: Route, tokens: tuple[int, ...]) -> None:
+        if not self._has_room(route):
+            self._counters.answers_not_kept += 1
+            log.debug("an answer was not kept after its prompt: its route has no session to spare")
+            return
         session_id = uuid.uuid4().hex
         # Its own counters: a keep is no generation, and no prefix hit a client asked for.
         stats = DriverStats()

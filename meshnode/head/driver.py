@@ -382,7 +382,7 @@ class _Generation:
         if prefixes is not None and prefilled is not None and prefilled.route == route:
             prefixes.record(route, prefilled.grid, prefilled.digests, prefilled.partial)
             answers = self._driver.answers
-            if answers is not None:
+            if answers is not None and (prefilled.digests or prefilled.partial):
                 answers.keep(route.model, route, self._transcript.prompt, self._transcript.generated)
 
 

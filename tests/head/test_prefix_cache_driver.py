@@ -232,13 +232,25 @@ async def test_an_answer_is_not_kept_where_it_would_prefill_from_zero_short_or_a
         await eventually(lambda: idle(routes))
         # 7 tokens: too small a pass to keep.
         assert driver.stats.answers_kept == 0
-        # A prompt too short for any kept block: nothing to prefill the answer after, and the keep
-        # does not prefill the prompt again from 0 for it.
+        # A prompt too short for any kept block: nothing to prefill the answer after (and no
+        # prefill of the prompt from 0 for it).
         for shard in routes.shards.values():
             shard.engine.calls.clear()
         await collect(driver.generate(routes.model, turn(5, 4), GREEDY, 12))
-        await eventually(lambda: idle(routes) and driver.stats.answers_not_kept == 1)
+        await eventually(lambda: idle(routes))
         assert [c.first_position for c in routes.shards[DRIVER_INDEX].engine.calls if c.n_tokens > 1] == [0]
+        assert driver.stats.answers_kept == driver.stats.answers_not_kept == 0
+        # A hop with no session to spare besides the keep's (as the head sees its load): not kept,
+        # and no session opened for it.
+        middle = routes.shards[MIDDLE]
+        middle.announcement.load.active_sessions = middle.announcement.capacity.max_concurrent_sessions - 1
+        for shard in routes.shards.values():
+            shard.engine.calls.clear()
+        route = driver.plan(routes.model, set())
+        driver.answers.keep(routes.model, route, first_prompt, turn(20, 9))
+        await eventually(lambda: driver.stats.answers_not_kept == 1)
+        assert all(not s.engine.calls for s in routes.shards.values())
+        middle.announcement.load.active_sessions = 0
         # A hop lost the prompt: the keep ends at its refusal instead of prefilling from 0.
         assert routes.shards[MIDDLE].engine.clear_prefix_cache() == 1
         for shard in routes.shards.values():
