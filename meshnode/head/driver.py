@@ -265,16 +265,13 @@ class _Generation:
         stats.started += 1
         stats.prompt_tokens += len(transcript.prompt)
         stats.active += 1
-        if self._driver.answers is not None:
-            try:
-                await self._driver.answers.wait_for(transcript.prompt)
-            except BaseException:
-                stats.active -= 1
-                raise
         outcome = "failed"
         watchdog = asyncio.ensure_future(self._watchdog.run())
         synced = False
         try:
+            if self._driver.answers is not None:
+                # A keep of this prompt's previous answer holds what it would start from.
+                await self._driver.answers.wait_for(transcript.prompt)
             while True:
                 try:
                     if self._route.session is None:
