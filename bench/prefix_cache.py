@@ -29,6 +29,11 @@ anchor's: its common prefix), prefilled = prompt - reused. Figures are medians o
 The texts with the cache off and on must be identical in every round and turn: the bench fails
 otherwise.
 
+With the cache on a head keeps each answer after its prompt once it ends, in the background
+(meshnode.head.answer_keeping); the bench waits for that (the head's ``answers_kept`` counter)
+before it times the next configuration, so no turn is timed beside another's keep, and prints
+how many answers and tokens the heads kept that way.
+
 Two smaller scenarios follow (``--no-fan-out``, ``--no-eviction`` skip them):
 
     fan-out   a shared system prompt (~600 tokens) and ``--fan-out-users`` distinct questions, each a
