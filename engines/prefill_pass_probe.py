@@ -8,6 +8,7 @@ pass's size. So a CPU engine checks it once at load, on made-up input in a seque
 holds yet: ``PROBE_ROWS`` rows in one pass against the same rows in two passes of
 ``MIN_SIZE_FREE_PASS_ROWS`` rows or more, every hidden row (or a tail's last rows' logits) equal
 bit for bit. A sample, not a proof, as every check there; a difference turns partial blocks off.
+It costs two passes of a grid block at load, only where the prefix cache is on.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import numpy as np
 
 from engines.interface import MIN_SIZE_FREE_PASS_ROWS
 
-PROBE_ROWS = 3 * MIN_SIZE_FREE_PASS_ROWS
-# The first of the two passes: just past the floor, so the second is of another size too.
-SPLIT_AT = MIN_SIZE_FREE_PASS_ROWS + 1
+# As many rows as a whole block of the head's prefill grid (meshnode.head.prefix_index), split at
+# an odd row: a small sample misses what it should catch. With the V cache in f32, where a pass's
+# rows do depend on its size beyond 32 rows or so, 24 rows as 9 + 15 and 40 as 17 + 23 came out
+# equal; 64 as 27 + 37 differed, at every cache length tried (Gemma 3 270M, this CPU).
+PROBE_ROWS = 128
+SPLIT_AT = 45
 # A tail's logits are compared for its last rows (llama_runtime returns at most 7 at once).
 LOGIT_ROWS = MIN_SIZE_FREE_PASS_ROWS - 1
 # Made-up token ids come from the start of the vocabulary.

@@ -80,3 +80,29 @@ def test_the_cpu_engine_keeps_partial_blocks_where_its_check_passes(tiny_model: 
         assert not repacked.capabilities().size_free_prefill
     finally:
         repacked.close()
+
+
+@pytest.mark.slow
+def test_the_check_catches_a_real_configuration_whose_rows_depend_on_the_pass(
+    gemma_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 270M with its V cache in f32: llama.cpp's attention then rounds a row otherwise in a
+    pass of another size (the engine tests of partial blocks and of verify steps fail so), and the
+    engine says it keeps whole blocks only."""
+    import llama_cpp
+
+    from engines import llama_runtime
+
+    create = llama_cpp.llama_init_from_model
+
+    def with_f32_values(model, params):
+        params.type_v = llama_cpp.GGML_TYPE_F32
+        return create(model, params)
+
+    monkeypatch.setattr(llama_runtime.llama_cpp, "llama_init_from_model", with_f32_values)
+    engine = LlamaShardEngine()
+    try:
+        engine.load(LoadRequest(str(gemma_model), 0, None, n_ctx=512, n_seq_max=2, prefix_cache_entries=2))
+        assert not engine.capabilities().size_free_prefill
+    finally:
+        engine.close()
