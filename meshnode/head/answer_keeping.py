@@ -45,6 +45,8 @@ from meshnode.head.transcript import Transcript
 
 log = logging.getLogger(__name__)
 
+# Sessions a hop must have free for a keep to start there: the keep's, and one for a client.
+FREE_SESSIONS_FOR_A_KEEP = 2
 # What ends a keep early: a route failure, or a hop that no longer keeps the prompt.
 _GIVEN_UP: tuple[type[BaseException], ...] = (*ROUTE_FAILURES, LookupError)
 
@@ -95,7 +97,6 @@ class AnswerKeeper:
     def _has_room(self, route: Route) -> bool:
         """Whether every hop of ``route`` has a session to spare besides the keep's, as this head
         sees their load (gossip, and the sessions it holds there): a keep never takes a client's."""
-        spare = 2
         candidates = self._ledger.adjust(self._env.candidates())
         for hop in route.hops:
             serving = [
@@ -105,7 +106,10 @@ class AnswerKeeper:
             ]
             if not serving or not serving[0].accepting:
                 return False
-            if serving[0].max_sessions and serving[0].active_sessions + spare > serving[0].max_sessions:
+            if (
+                serving[0].max_sessions
+                and serving[0].active_sessions + FREE_SESSIONS_FOR_A_KEEP > serving[0].max_sessions
+            ):
                 return False
         return True
 

@@ -138,7 +138,8 @@ class RouteDecoder:
     def _prefix_start(self, route: RouteSession, session: ShardSession) -> tuple[PrefixBlocks, int]:
         """The prompt's grid and block digests, and where its prefill starts: after the longest prefix
         the route's hops were left holding, never at the prompt's end (its last token is computed)."""
-        grid = min(PREFIX_GRID_TOKENS, session.client.prefill_chunk_tokens())
+        self._chunk_tokens = session.client.prefill_chunk_tokens()
+        grid = min(PREFIX_GRID_TOKENS, self._chunk_tokens)
         prompt, planned, prefixes = self._transcript.prompt, route.route, self._prefixes
         self.cached_tokens = 0
         if prefixes is None or planned is None:
@@ -163,7 +164,6 @@ class RouteDecoder:
                     # Its first chunk, short of the grid point, may grow past it (wire.chunking).
                     partial[grown_end] = prefixes.partial_digest(planned, grid, prompt, grown_end)
         blocks = PrefixBlocks(grid, digests, partial, min_rows)
-        self._chunk_tokens = session.client.prefill_chunk_tokens()
         kept_end = _kept_prompt_end(blocks, len(prompt), start, self._chunk_tokens)
         self.prefilled = PrefilledBlocks(planned, grid, digests, kept_end)
         return blocks, start

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engines.engine_chain import chain_step
-from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest
+from engines.interface import GREEDY, SessionKey, ShardEngine, StepRequest, StepResult
 from engines.llama_engine import LlamaShardEngine
 from meshnode.wire.chunking import plan_prefill_chunks
 
@@ -52,6 +52,44 @@ class GridRun:
     tokens: list[int] = field(default_factory=list)
 
 
+def prefill_chunk(
+    engines: Sequence[ShardEngine],
+    key: SessionKey,
+    tokens: Sequence[int],
+    first: int,
+    end: int,
+    *,
+    block: bytes = b"",
+    prefix: bytes = b"",
+) -> tuple[list[np.ndarray], StepResult]:
+    """``tokens[first:end]`` as one prefill pass at every engine in turn (the tail samples when
+    ``end`` is the prompt's end): each non-tail engine's hidden rows, and the tail's result."""
+    last_chunk = end == len(tokens)
+    rows: list[np.ndarray] = []
+    hidden = None
+    result: StepResult | None = None
+    for index, engine in enumerate(engines):
+        tail = index == len(engines) - 1
+        result = engine.prefill(
+            StepRequest(
+                key,
+                first,
+                token_ids=tuple(tokens[first:end]) if index == 0 else None,
+                hidden=hidden,
+                sampling=GREEDY if tail and last_chunk else None,
+                want_logits=tail and last_chunk,
+                block_digest=block,
+                prefix_digest=prefix,
+            )
+        )
+        if not tail:
+            assert result.hidden is not None
+            rows.append(result.hidden)
+        hidden = result.hidden
+    assert result is not None
+    return rows, result
+
+
 def run_on_grid(
     engines: Sequence[ShardEngine],
     key: SessionKey,
@@ -64,12 +102,12 @@ def run_on_grid(
     partial_rows: int = 0,
 ) -> GridRun:
     """Prefill ``tokens[start:]`` through ``engines`` in grid chunks, then ``decode_steps`` greedy
-        decodes. ``start`` > 0 starts the session from the kept prefix of ``start`` tokens (a multiple
-        of ``grid``, or with ``partial_rows`` anywhere: the first chunk runs to the next grid point,
+    decodes. ``start`` > 0 starts the session from the kept prefix of ``start`` tokens (a multiple
+    of ``grid``, or with ``partial_rows`` anywhere: the first chunk runs to the next grid point,
     merged into the next chunk or grown to ``partial_rows`` when shorter, as the head's are);
-        ``keep_blocks`` False sends no block digests (the session keeps nothing); ``partial_rows`` > 0
-        gives a chunk of that many rows or more that is not a whole block its digest too, as the head
-        does on a route whose hops keep partial blocks."""
+    ``keep_blocks`` False sends no block digests (the session keeps nothing); ``partial_rows`` > 0
+    gives a chunk of that many rows or more that is not a whole block its digest too, as the head
+    does on a route whose hops keep partial blocks."""
     assert (partial_rows or start % grid == 0) and start < len(tokens)
     rows: list[list[np.ndarray]] = [[] for _ in engines[:-1]]
     run = GridRun()
@@ -82,30 +120,13 @@ def run_on_grid(
     )
     for chunk in chunks:
         first, end = chunk.first_position, chunk.end_position
-        last_chunk = end == len(tokens)
         whole = end - first == grid
         kept = whole or (partial_rows and end - first >= partial_rows)
         block = prefix_digest(tokens, grid, end) if keep_blocks and kept else b""
         prefix = prefix_digest(tokens, grid, start) if first == start and start else b""
-        hidden = None
-        for index, engine in enumerate(engines):
-            tail = index == len(engines) - 1
-            result = engine.prefill(
-                StepRequest(
-                    key,
-                    first,
-                    token_ids=tuple(tokens[first:end]) if index == 0 else None,
-                    hidden=hidden,
-                    sampling=GREEDY if tail and last_chunk else None,
-                    want_logits=tail and last_chunk,
-                    block_digest=block,
-                    prefix_digest=prefix,
-                )
-            )
-            if not tail:
-                assert result.hidden is not None
-                rows[index].append(result.hidden)
-            hidden = result.hidden
+        hop_rows, result = prefill_chunk(engines, key, tokens, first, end, block=block, prefix=prefix)
+        for index, hidden in enumerate(hop_rows):
+            rows[index].append(hidden)
     assert result.logits is not None and result.token_id is not None
     run.hidden = [np.concatenate(chunks) for chunks in rows]
     run.logits.append(result.logits.copy())
@@ -156,6 +177,7 @@ __all__ = [
     "block_digests",
     "kept_lengths",
     "max_logit_difference",
+    "prefill_chunk",
     "prefix_digest",
     "release",
     "run_on_grid",

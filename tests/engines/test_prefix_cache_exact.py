@@ -13,16 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prefix_grid import GridRun, assert_same_run, kept_lengths, release, run_on_grid
+from prefix_grid import GridRun, assert_same_run, kept_lengths, prefill_chunk, release, run_on_grid
 
 from engines.engine_chain import chain_step
 from engines.interface import (
-    GREEDY,
     METRIC_PREFIX_HITS,
     METRIC_PREFIX_TOKENS_REUSED,
     LoadRequest,
     SessionKey,
-    StepRequest,
 )
 from engines.llama_engine import LlamaShardEngine
 from engines.tokenizer import Tokenizer
@@ -257,25 +255,7 @@ def test_a_partial_block_of_fewer_than_eight_rows_would_differ(
         key = SessionKey(f"control-partial-{name}", 1)
         spans = [*((first, first + GRID) for first in range(0, 640, GRID)), (640, 640 + small)]
         spans.append((640 + small, 744))
-        rows = []
-        for first, end in spans:
-            hidden = None
-            for index, engine in enumerate(split):
-                tail = index == len(split) - 1
-                result = engine.prefill(
-                    StepRequest(
-                        key,
-                        first,
-                        token_ids=prompt[first:end] if index == 0 else None,
-                        hidden=hidden,
-                        sampling=GREEDY if tail and end == len(prompt) else None,
-                        want_logits=tail and end == len(prompt),
-                    )
-                )
-                hidden = result.hidden
-                if index == 0:
-                    assert hidden is not None
-                    rows.append(hidden)
+        rows = [prefill_chunk(split, key, prompt, first, end)[0][0] for first, end in spans]
         release(split, key)
         first_hop = np.concatenate(rows)
         differing = np.flatnonzero(np.any(first_hop != expected.hidden[0], axis=1))
